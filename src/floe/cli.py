@@ -1,0 +1,133 @@
+"""The `floe` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from floe.errors import FloeError
+
+DEFAULT_PROMPT_HELP = "the user's message (the model's chat template wraps it)"
+
+
+def _load_with_progress(model: str | None, dtype: str, quiet: bool):
+    """Load a checkpoint, showing a progress bar on stderr while tensors are read."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from floe.engine import parse_dtype
+    from floe.model import load_checkpoint
+
+    torch_dtype = parse_dtype(dtype)
+    if quiet:
+        return load_checkpoint(model, torch_dtype)
+    columns = (TextColumn("loading {task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, transient=True, console=_stderr_console()) as bar:
+        task = bar.add_task(model or "default model (SmolLM2-135M-Instruct)", total=None)
+
+        def progress(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return load_checkpoint(model, torch_dtype, progress)
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from floe.engine import Engine, Generation, SamplingParams, generate
+
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.max_tokens < 1:
+        raise FloeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    checkpoint = _load_with_progress(args.model, args.dtype, quiet=args.json)
+    engine = Engine(checkpoint, device=args.device, dtype=args.dtype, max_seq_len=args.context)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    prompt_ids = engine.tokenizer.encode_chat(messages)
+    if len(prompt_ids) >= engine.max_seq_len:
+        raise FloeError(
+            f"the prompt is {len(prompt_ids)} tokens; the context holds {engine.max_seq_len}"
+        )
+    result = Generation()
+    for delta in generate(engine, prompt_ids, params, args.max_tokens, result=result):
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    if args.json:
+        print(json.dumps(_run_record(engine, result, prompt_ids), ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        _stderr_console().print(
+            f"[dim]{result.prompt_tokens} prompt tokens, {result.generated_tokens} generated "
+            f"({result.finish_reason}); TTFT {result.ttft_s * 1e3:.0f} ms, "
+            f"decode {result.decode_tokens_per_s:.1f} tok/s[/dim]"
+        )
+    return 0
+
+
+def _run_record(engine, result, prompt_ids: list[int]) -> dict:
+    ckpt = engine.checkpoint
+    return {
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "prompt_tokens": len(prompt_ids),
+        "generated_tokens": result.generated_tokens,
+        "finish_reason": result.finish_reason,
+        "ttft_ms": round(result.ttft_s * 1e3, 3),
+        "decode_tokens_per_s": round(result.decode_tokens_per_s, 3),
+        "model": {"name": ckpt.name, "fingerprint": ckpt.fingerprint, "path": str(ckpt.source),
+                  "file_type": ckpt.file_type},
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+    }
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="floe", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="answer one message with a model (default: SmolLM2-135M on CPU)")
+    run.add_argument("prompt", help=DEFAULT_PROMPT_HELP)
+    run.add_argument("--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    run.add_argument("--system", help="system message")
+    run.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (256)")
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = all)")
+    run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    run.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    run.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    run.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    run.add_argument("--context", type=_positive_int, default=None,
+                     help="KV cache length in tokens (default: the model's context length)")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    run.set_defaults(handler=cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except FloeError as e:
+        print(f"floe: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("floe: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The compute plane: a transformer, its KV cache slots, prefill and decode on one device."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from floe.engine.kvcache import KVCache
+from floe.engine.transformer import Transformer, fused_state_dict
+from floe.errors import ContextOverflow, FloeError
+from floe.model.checkpoint import Checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise FloeError(f"dtype {name!r} is not supported; choose one of: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_device(name: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise FloeError(f"unknown device {name!r}: {e}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FloeError("device 'cuda' was asked for, but this machine has no usable CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise FloeError(f"device {device.type!r} is not supported (cpu or cuda)")
+    return device
+
+
+class Engine:
+    """Owns the model weights and the KV cache on `device`; prefill and decode per slot."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = torch.float32,
+        max_seq_len: int | None = None,
+        n_slots: int = 1,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.device = parse_device(device)
+        self.dtype = parse_dtype(dtype)
+        self.max_seq_len = min(max_seq_len or self.config.context_length, self.config.context_length)
+        with torch.device("meta"):
+            model = Transformer(self.config, self.max_seq_len)
+        state = fused_state_dict(checkpoint.weights, self.config)
+        state = {k: v.to(device=self.device, dtype=self.dtype) for k, v in state.items()}
+        model.load_state_dict(state, strict=False, assign=True)
+        # Rotary tables are buffers built on meta above; rebuild them for real.
+        with torch.device("cpu"):
+            real = Transformer.rotary_tables(self.config, self.max_seq_len)
+        model.cos, model.sin = (t.to(self.device) for t in real)
+        self.model = model.eval()
+        self.cache = KVCache(self.config, self.max_seq_len, n_slots, self.dtype, self.device)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.checkpoint.fingerprint
+
+    def kv_len(self, slot: int = 0) -> int:
+        return self.cache.lengths[slot]
+
+    def kv_truncate(self, n: int, slot: int = 0) -> None:
+        self.cache.truncate(slot, n)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int] | Tensor, slot: int = 0, all_logits: bool = False) -> Tensor:
+        """Append token ids to `slot`'s context; float32 logits of the last one ([T, vocab] if all)."""
+        tokens = torch.as_tensor(ids, dtype=torch.long).to(self.device)
+        if tokens.ndim != 1 or tokens.numel() == 0:
+            raise ValueError("prefill needs a non-empty 1-D list of token ids")
+        if not isinstance(ids, Tensor):
+            self._check_ids(ids)
+        start = self.cache.reserve(slot, tokens.numel())
+        try:
+            return self.model(tokens, start, self.cache, slot, all_logits=all_logits)
+        except BaseException:
+            self.cache.truncate(slot, start)  # a failed step leaves the context as it was
+            raise
+
+    @torch.inference_mode()
+    def decode_step(self, token: int, slot: int = 0) -> Tensor:
+        """Append one token to `slot`'s context; float32 logits [vocab] of the next position."""
+        return self.prefill([token], slot)
+
+    def _check_ids(self, ids: list[int]) -> None:
+        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise FloeError(f"token id {bad[0]} is out of range [0, {self.config.vocab_size})")
+
+    def room(self, slot: int = 0) -> int:
+        """Positions still free in `slot`'s context."""
+        return self.max_seq_len - self.cache.lengths[slot]
+
+
+__all__ = ["DTYPES", "ContextOverflow", "Engine", "parse_device", "parse_dtype"]

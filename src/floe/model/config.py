@@ -1,0 +1,110 @@
+"""The shape of a Llama-family transformer, independent of the file it came from."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    context_length: int
+    head_dim: int = 0
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    name: str = ""
+    # Per-dimension divisors of the rotary frequencies, when the file ships them (GGUF rope_freqs).
+    rope_freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        if self.qkv_bias:
+            attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
+        layer = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * layer + emb + self.dim
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys), the config part of the model fingerprint."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    def inv_freq(self) -> torch.Tensor:
+        """Rotary inverse frequencies, float64, shape [head_dim // 2]."""
+        half = self.head_dim // 2
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, half, dtype=torch.float64) * 2 / self.head_dim))
+        if self.rope_freq_factors is not None:
+            return inv / torch.tensor(self.rope_freq_factors, dtype=torch.float64)
+        if self.rope_scaling is not None:
+            return _llama3_scale(inv, self.rope_scaling)
+        return inv
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Same rule as Meta's reference and transformers' _compute_llama3_parameters.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+_LLAMA3_SCALING = RopeScaling(32.0, 1.0, 4.0, 8192)
+
+# Real architectures, for benchmarks with seeded random weights (no download needed).
+KNOWN_SHAPES: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(
+        "llama", 576, 30, 9, 3, 1536, 49152, 8192, norm_eps=1e-5, rope_theta=100000.0,
+        tie_embeddings=True, name="smollm2-135m",
+    ),
+    "llama-3.2-1b": ModelConfig(
+        "llama", 2048, 16, 32, 8, 8192, 128256, 131072, norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=_LLAMA3_SCALING, tie_embeddings=True, name="llama-3.2-1b",
+    ),
+    "llama-3-8b": ModelConfig(
+        "llama", 4096, 32, 32, 8, 14336, 128256, 8192, norm_eps=1e-5, rope_theta=500000.0,
+        name="llama-3-8b",
+    ),
+    "qwen2.5-0.5b": ModelConfig(
+        "qwen2", 896, 24, 14, 2, 4864, 151936, 32768, norm_eps=1e-6, rope_theta=1000000.0,
+        qkv_bias=True, tie_embeddings=True, name="qwen2.5-0.5b",
+    ),
+}

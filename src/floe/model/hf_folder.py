@@ -1,0 +1,173 @@
+"""Read a Hugging Face model folder: config.json, *.safetensors (sharded too), tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tokenizers import Tokenizer as HFTokenizer
+
+from floe.errors import NotAModel, UnsupportedModel
+from floe.model.checkpoint import Checkpoint, Fingerprint, Progress
+from floe.model.config import ARCHITECTURES, ModelConfig, RopeScaling
+from floe.model.tokenizer import Tokenizer
+
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.q_proj.bias": "attention.wq.bias",
+    "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise NotAModel(f"cannot read {path}: {e}") from e
+
+
+def config_from_hf(cfg: dict, name: str) -> ModelConfig:
+    model_type = cfg.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedModel(
+            f"model_type {model_type!r} ({', '.join(cfg.get('architectures') or [])}) is not supported "
+            f"(floe runs: {', '.join(ARCHITECTURES)})"
+        )
+    # transformers >= 5 nests rope settings in rope_parameters; older configs use rope_theta/rope_scaling.
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    scaling = None
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            float(rope["factor"]),
+            float(rope["low_freq_factor"]),
+            float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]),
+        )
+    elif rope_type != "default":
+        raise UnsupportedModel(f"rope scaling {rope_type!r} is not supported (only llama3)")
+    n_heads = cfg["num_attention_heads"]
+    return ModelConfig(
+        arch=model_type,
+        dim=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+        ffn_dim=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        context_length=cfg.get("max_position_embeddings", 2048),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0),
+        rope_scaling=scaling,
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias")),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "qwen2")),
+        name=name,
+    )
+
+
+def _shards(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(_read_json(index)["weight_map"].values()))
+        return [folder / f for f in files]
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise NotAModel(f"{folder} has config.json but no *.safetensors weights")
+    return shards
+
+
+def _canonical(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    if _IGNORED.fullmatch(name):
+        return None
+    m = _LAYER.fullmatch(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    raise UnsupportedModel(f"unexpected tensor {name!r}: not a Llama/Qwen2 weight")
+
+
+def tokenizer_from_folder(folder: Path, cfg: dict) -> Tokenizer:
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise NotAModel(f"{folder} has no tokenizer.json")
+    backend = HFTokenizer.from_file(str(path))
+    tcfg = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    template = tcfg.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+
+    def token_id(entry) -> int | None:
+        text = entry.get("content") if isinstance(entry, dict) else entry
+        return None if text is None else backend.token_to_id(text)
+
+    gen = _read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
+    eos: list[int] = []
+    for source in (gen.get("eos_token_id"), cfg.get("eos_token_id"), token_id(tcfg.get("eos_token"))):
+        eos += source if isinstance(source, list) else [] if source is None else [source]
+    bos = token_id(tcfg.get("bos_token")) if tcfg.get("bos_token") else cfg.get("bos_token_id")
+    return Tokenizer(
+        backend,
+        bos_id=bos,
+        eos_ids=eos,
+        add_bos=bool(tcfg.get("add_bos_token", False)),
+        chat_template=template,
+    )
+
+
+def load_hf_folder(folder: Path, dtype: torch.dtype, progress: Progress | None = None) -> Checkpoint:
+    cfg = _read_json(folder / "config.json")
+    config = config_from_hf(cfg, folder.name)
+    tokenizer = tokenizer_from_folder(folder, cfg)
+    fingerprint = Fingerprint(config.to_json())
+    weights: dict[str, torch.Tensor] = {}
+    kinds = set()
+    try:
+        handles = [safe_open(str(s), framework="pt") for s in _shards(folder)]
+    except (SafetensorError, OSError) as e:
+        raise NotAModel(f"cannot read safetensors in {folder}: {e}") from e
+    todo = sorted((name, h) for h in handles for name in h.keys())
+    for done, (name, handle) in enumerate(todo, 1):
+        canonical = _canonical(name)
+        if canonical is None:
+            continue
+        t = handle.get_tensor(name)
+        kinds.add(str(t.dtype).removeprefix("torch."))
+        fingerprint.add(name, str(t.dtype), tuple(t.shape), t.contiguous().view(torch.uint8).numpy())
+        weights[canonical] = t.to(dtype).contiguous()
+        if progress:
+            progress(done, len(todo), name)
+    if config.tie_embeddings:
+        weights.pop("output.weight", None)
+    elif "output.weight" not in weights:
+        raise NotAModel(f"{folder}: config says untied embeddings but lm_head.weight is missing")
+    return Checkpoint(
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        fingerprint=fingerprint.hexdigest(),
+        source=folder,
+        file_type="+".join(sorted(kinds)),
+    )

@@ -1,0 +1,191 @@
+"""Tokenizer (Hugging Face `tokenizers`) and chat template (jinja2, rendered as transformers does)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from floe.errors import FloeError, UnsupportedModel
+
+# GGUF token types (llama.cpp's llama_token_type).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+_GPT2_PATTERN = (
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def _gpt2_bytes() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _smollm() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+
+
+# llama.cpp's `tokenizer.ggml.pre` names -> (pre-tokenizer, ignore_merges), as llama-vocab.cpp sets them.
+_PRE_TOKENIZERS = {
+    "default": (_gpt2_bytes, False),
+    "gpt-2": (_gpt2_bytes, False),
+    "gpt2": (_gpt2_bytes, False),
+    "smollm": (_smollm, False),
+    "llama-bpe": (lambda: _split_then_bytes(_LLAMA3_PATTERN), True),
+    "llama3": (lambda: _split_then_bytes(_LLAMA3_PATTERN), True),
+    "qwen2": (lambda: _split_then_bytes(_QWEN2_PATTERN), False),
+}
+
+
+class ChatTemplateError(FloeError):
+    """The model's chat template raised an error, or the model has none."""
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens, and the model's chat template."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_id: int | None,
+        eos_ids: Sequence[int],
+        add_bos: bool,
+        chat_template: str | None,
+    ) -> None:
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_ids = tuple(dict.fromkeys(eos_ids))
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_text(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are recognised."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; pass a raw prompt instead")
+        return _compile_template(self.chat_template)
+
+    def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` ([{"role", "content"}, ...]) under the model's template."""
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                bos_token=self._special_text(self.bos_id),
+                eos_token=self._special_text(self.eos_ids[0] if self.eos_ids else None),
+            )
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from e
+
+    def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        # The template writes BOS itself where the model wants it (transformers does the same).
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_bos=False)
+
+    def _special_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # Mirrors transformers' _compile_jinja_template so templates render identically.
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template does not parse: {e}") from e
+
+
+def tokenizer_from_gguf(fields: dict) -> Tokenizer:
+    """Build the tokenizer from GGUF `tokenizer.ggml.*` metadata (byte-level BPE)."""
+    kind = fields.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedModel(
+            f"tokenizer model {kind!r} is not supported (floe reads byte-level BPE, 'gpt2')"
+        )
+    pre_name = fields.get("tokenizer.ggml.pre", "default")
+    if pre_name not in _PRE_TOKENIZERS:
+        raise UnsupportedModel(
+            f"pre-tokenizer {pre_name!r} is not supported; known: {', '.join(sorted(_PRE_TOKENIZERS))}"
+        )
+    make_pre, ignore_merges = _PRE_TOKENIZERS[pre_name]
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    types: list[int] = fields.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = HFTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = make_pre()
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+    )
+    eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                               "tokenizer.ggml.eom_token_id") if k in fields]
+    return Tokenizer(
+        backend,
+        bos_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_ids=eos,
+        add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=fields.get("tokenizer.chat_template"),
+    )

@@ -1,0 +1,151 @@
+"""Tiny real models for tests: random Llama/Qwen2 written with transformers' save_pretrained, and
+tiny GGUF files written with gguf's GGUFWriter in every tensor type floe must read.
+
+Both borrow the default model's real tokenizer (SmolLM2's 49152-token byte-level BPE).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.quants import GGML_QUANT_SIZES, quantize
+
+from floe.model import default_model_path
+from floe.model.checkpoint import permute_rotary_rows
+from floe.model.gguf_file import GGUFFile
+
+VOCAB = 49152
+
+
+def tokenizer_fields() -> dict:
+    fields = GGUFFile(default_model_path()).fields
+    return {k: v for k, v in fields.items() if k.startswith("tokenizer.")}
+
+
+def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_llama3: bool = False,
+                   shard: bool = True) -> Path:
+    """A random transformers model of `arch` ("llama" or "qwen2") saved as safetensors shards."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from floe.model.tokenizer import tokenizer_from_gguf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if rope_llama3:
+            rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64}
+        config = LlamaConfig(**common, rope_parameters=rope)
+        cls = LlamaForCausalLM
+    else:
+        config = Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        cls = Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():  # default init leaves biases at zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder, max_shard_size="2MB" if shard else "10GB")
+    tokenizer_from_gguf(tokenizer_fields()).backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        '{"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": false}'
+    )
+    return folder
+
+
+# Where each fp16 scale of a K-quant block sits (byte offsets), so random blocks stay finite.
+_FP16_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.Q3_K: (108,)}
+
+
+def encode_tensor(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """w [rows, cols] float32 -> GGUF bytes of `qtype`. K-quants (gguf cannot quantize them) get
+    random valid blocks instead of w's values: both readers must then agree on what they mean."""
+    if qtype == Q.F32:
+        return w.astype(np.float32)
+    if qtype in _FP16_FIELDS:
+        block, size = GGML_QUANT_SIZES[qtype]
+        n_blocks = w.shape[0] * w.shape[1] // block
+        raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+        for off in _FP16_FIELDS[qtype]:
+            scale = (rng.random(n_blocks) * 0.02 + 0.001).astype(np.float16)
+            raw[:, off:off + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+        return raw.reshape(w.shape[0], -1)
+    return quantize(w, qtype)
+
+
+def write_gguf(path: Path, qtypes: list[Q], *, seed: int = 0, dim: int = 256, n_layers: int = 2,
+               extra_tensors: dict[str, tuple[np.ndarray, Q]] | None = None,
+               arch: str = "llama") -> Path:
+    """A tiny random Llama GGUF (llama.cpp layout: Q/K rows permuted) cycling weight types."""
+    rng = np.random.default_rng(seed)
+    n_heads, n_kv, ffn = 4, 2, 512
+    hd = dim // n_heads
+    writer = GGUFWriter(path, arch)
+    writer.add_name("tiny-test-llama")
+    writer.add_block_count(n_layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(dim)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(hd)
+    for key, value in tokenizer_fields().items():
+        _add_field(writer, key, value)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    weights: dict[str, np.ndarray] = {"token_embd.weight": rand(VOCAB, dim),
+                                      "output_norm.weight": 1 + rand(dim),
+                                      "output.weight": rand(VOCAB, dim)}
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        weights[p + "attn_norm.weight"] = 1 + rand(dim)
+        weights[p + "ffn_norm.weight"] = 1 + rand(dim)
+        weights[p + "attn_q.weight"] = permute_rotary_rows(torch.from_numpy(rand(dim, dim)), n_heads).numpy()
+        weights[p + "attn_k.weight"] = permute_rotary_rows(torch.from_numpy(rand(n_kv * hd, dim)), n_kv).numpy()
+        weights[p + "attn_v.weight"] = rand(n_kv * hd, dim)
+        weights[p + "attn_output.weight"] = rand(dim, dim)
+        weights[p + "ffn_gate.weight"] = rand(ffn, dim)
+        weights[p + "ffn_up.weight"] = rand(ffn, dim)
+        weights[p + "ffn_down.weight"] = rand(dim, ffn)
+    matrices = [n for n, w in weights.items() if w.ndim == 2]
+    for j, name in enumerate(matrices):
+        qtype = qtypes[j % len(qtypes)]
+        data = encode_tensor(weights[name], qtype, rng)
+        writer.add_tensor(name, data, raw_dtype=None if qtype == Q.F32 else qtype)
+    for name, w in weights.items():
+        if w.ndim == 1:
+            writer.add_tensor(name, w)
+    for name, (data, qtype) in (extra_tensors or {}).items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_field(writer: GGUFWriter, key: str, value) -> None:
+    if key == "tokenizer.ggml.tokens":
+        writer.add_token_list(value)
+    elif key == "tokenizer.ggml.token_type":
+        writer.add_token_types(value)
+    elif key == "tokenizer.ggml.merges":
+        writer.add_token_merges(value)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
