@@ -20,7 +20,7 @@ def _load_with_progress(model: str | None, dtype: str, quiet: bool):
     from floe.model import load_checkpoint
 
     torch_dtype = parse_dtype(dtype)
-    if quiet:
+    if quiet or not sys.stderr.isatty():
         return load_checkpoint(model, torch_dtype)
     columns = (TextColumn("loading {task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())

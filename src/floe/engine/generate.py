@@ -74,8 +74,8 @@ def generate(engine: Engine, prompt_ids: Sequence[int], params: SamplingParams, 
              slot: int = 0, result: Generation | None = None) -> Iterator[str]:
     """Yield text deltas until EOS, max_tokens or a full context; fills `result` as it goes.
 
-    EOS ends generation and is neither shown nor counted; the KV cache of `slot` then holds the
-    prompt and every generated token but the last.
+    EOS ends generation and is neither shown nor counted. The KV cache of `slot` then holds the
+    prompt and every token sampled but the last one (the EOS, or the max_tokens-th token).
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")

@@ -1,0 +1,46 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Nothing in the tests may reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint():
+    from floe.model import load_checkpoint
+
+    return load_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def default_engine(default_checkpoint):
+    from floe.engine import Engine
+
+    return Engine(default_checkpoint, max_seq_len=2048)
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    """transformers loading the same GGUF, on CPU in fp32: the independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from floe.model import default_model_path
+
+    p = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def reference_tokenizer():
+    from transformers import AutoTokenizer
+
+    from floe.model import default_model_path
+
+    p = default_model_path()
+    return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)

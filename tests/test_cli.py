@@ -1,0 +1,82 @@
+"""`floe run` end to end in a subprocess, as a user runs it: output, JSON, and one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+from models import write_gguf
+
+
+def floe(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "floe.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_run_streams_an_answer_from_the_default_model():
+    proc = floe("run", "What is the capital of France?", "--max-tokens", "32")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "tok/s" in proc.stderr
+
+
+def test_run_json_reports_the_run():
+    proc = floe("run", "What is the capital of France?", "--json", "--max-tokens", "16",
+                "--dtype", "bfloat16", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    for key in ("text", "token_ids", "prompt_tokens", "generated_tokens", "ttft_ms",
+                "decode_tokens_per_s", "model", "device", "dtype"):
+        assert key in record
+    assert record["generated_tokens"] == len(record["token_ids"]) > 0
+    assert record["prompt_tokens"] > 10 and record["ttft_ms"] > 0
+    assert record["device"] == "cpu" and record["dtype"] == "bfloat16"
+    assert len(record["model"]["fingerprint"]) == 64 and record["model"]["file_type"] == "Q4_1+Q8_0"
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("floe: error:"), proc.stderr
+    assert pattern in lines[0]
+
+
+def test_missing_model_file(tmp_path):
+    assert_one_line_error(floe("run", "hi", "--model", str(tmp_path / "absent.gguf")), "no such model")
+
+
+def test_file_that_is_not_a_model(tmp_path):
+    (tmp_path / "x.bin").write_bytes(b"\x00" * 100)
+    assert_one_line_error(floe("run", "hi", "--model", str(tmp_path / "x.bin")), "not a GGUF file")
+
+
+def test_unsupported_architecture(tmp_path):
+    path = write_gguf(tmp_path / "f.gguf", [Q.F32], arch="falcon")
+    assert_one_line_error(floe("run", "hi", "--model", str(path)), "architecture 'falcon'")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    import numpy as np
+
+    extra = {"blk.0.attn_q.bias": (np.zeros(256, dtype=np.int8), Q.I8)}
+    path = write_gguf(tmp_path / "q.gguf", [Q.F32], extra_tensors=extra)
+    assert_one_line_error(floe("run", "hi", "--model", str(path)), "quantization I8")
+
+
+def test_prompt_longer_than_the_context():
+    assert_one_line_error(floe("run", "word " * 300, "--context", "128"), "context holds 128")
+
+
+@pytest.mark.parametrize("flag,value,message", [("--temperature", "-1", "temperature"),
+                                                ("--top-p", "0", "top_p"),
+                                                ("--top-k", "-3", "top_k"),
+                                                ("--max-tokens", "0", "max-tokens")])
+def test_invalid_sampling_parameters(flag, value, message):
+    assert_one_line_error(floe("run", "hi", flag, value), message)
+
+
+def test_unknown_dtype_is_a_usage_error():
+    proc = floe("run", "hi", "--dtype", "float8")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr

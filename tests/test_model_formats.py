@@ -1,0 +1,136 @@
+"""Every file format and tensor type floe reads gives the logits transformers gives on the same file."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from models import save_hf_folder, write_gguf
+
+from floe.engine import Engine
+from floe.errors import ModelNotFound, NotAModel, UnsupportedModel
+from floe.model import load_checkpoint
+
+IDS = [1, 504, 3575, 282, 4649, 314, 7042, 30, 17, 42, 9000, 31000] * 4  # 48 positions
+
+
+def transformers_logits(folder, ids, gguf_file=None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(torch.tensor([ids])).logits[0]
+
+
+def floe_logits(path, ids, dtype=torch.float32):
+    engine = Engine(load_checkpoint(path, dtype), dtype=dtype, max_seq_len=128)
+    return engine.prefill(ids, all_logits=True)
+
+
+@pytest.mark.parametrize(
+    "qtypes",
+    [[Q.Q4_0, Q.Q4_1, Q.Q8_0], [Q.Q4_K, Q.Q5_K, Q.Q6_K], [Q.F16, Q.BF16, Q.F32], [Q.Q5_0, Q.Q2_K, Q.Q3_K]],
+    ids=lambda qs: "+".join(q.name for q in qs),
+)
+def test_gguf_tensor_types_match_transformers(tmp_path, qtypes):
+    path = write_gguf(tmp_path / "tiny.gguf", qtypes)
+    checkpoint = load_checkpoint(path)
+    assert set(checkpoint.file_type.split("+")) == {q.name for q in qtypes} - {"F32"} or qtypes == [Q.F32]
+    ref = transformers_logits(tmp_path, IDS, gguf_file="tiny.gguf")
+    ours = floe_logits(path, IDS)
+    assert ref.abs().max() > 0.5  # the comparison means something
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_gguf_loads_to_bfloat16(tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", [Q.Q8_0])
+    checkpoint = load_checkpoint(path, torch.bfloat16)
+    assert all(w.dtype == torch.bfloat16 for w in checkpoint.weights.values())
+    ours, ref = floe_logits(path, IDS, torch.bfloat16), floe_logits(path, IDS)
+    assert torch.nn.functional.cosine_similarity(ours, ref, dim=-1).min() > 0.99
+
+
+@pytest.mark.parametrize(
+    "arch,tie,llama3", [("llama", False, True), ("llama", True, False), ("qwen2", True, False),
+                        ("qwen2", False, False)]
+)
+def test_hf_folder_matches_transformers(tmp_path, arch, tie, llama3):
+    folder = save_hf_folder(tmp_path, arch, tie=tie, rope_llama3=llama3)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1  # sharded
+    checkpoint = load_checkpoint(folder)
+    assert checkpoint.config.tie_embeddings == tie
+    assert checkpoint.config.qkv_bias == (arch == "qwen2")
+    assert (checkpoint.config.rope_scaling is not None) == llama3
+    ref = transformers_logits(folder, IDS)
+    assert (floe_logits(folder, IDS) - ref).abs().max().item() <= 1e-4
+
+
+def test_llama3_rope_scaling_changes_the_result(tmp_path):
+    """The llama3 scaling test above would pass vacuously if scaling did nothing at 48 positions."""
+    folder = save_hf_folder(tmp_path, "llama", tie=False, rope_llama3=True)
+    scaled = floe_logits(folder, IDS)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg["rope_parameters"]["rope_theta"]}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert (floe_logits(folder, IDS) - scaled).abs().max().item() > 1e-3
+
+
+def test_incremental_decode_equals_one_shot_prefill(tmp_path):
+    folder = save_hf_folder(tmp_path, "qwen2", tie=True)
+    engine = Engine(load_checkpoint(folder), max_seq_len=128)
+    full = engine.prefill(IDS, all_logits=True)
+    engine.kv_truncate(0)
+    engine.prefill(IDS[:10])
+    engine.prefill(IDS[10:30])  # appending a chunk to an existing prefix
+    steps = [engine.decode_step(t) for t in IDS[30:]]
+    torch.testing.assert_close(torch.stack(steps), full[30:], atol=1e-5, rtol=0)
+
+
+def test_fingerprint_is_stable_and_sensitive_to_weights(tmp_path):
+    a = write_gguf(tmp_path / "a.gguf", [Q.Q8_0], seed=1)
+    b = write_gguf(tmp_path / "b.gguf", [Q.Q8_0], seed=2)
+    assert load_checkpoint(a).fingerprint == load_checkpoint(a).fingerprint
+    assert load_checkpoint(a).fingerprint != load_checkpoint(b).fingerprint
+    assert len(load_checkpoint(a).fingerprint) == 64
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    folder = save_hf_folder(tmp_path, "llama", tie=True)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModel, match="'gpt2'.*GPT2LMHeadModel"):
+        load_checkpoint(folder)
+
+
+def test_unsupported_gguf_architecture_is_named(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf", [Q.F32], arch="falcon")
+    with pytest.raises(UnsupportedModel, match="'falcon'"):
+        load_checkpoint(path)
+
+
+def test_tensor_type_gguf_cannot_dequantize_is_named(tmp_path):
+    extra = {"blk.0.attn_q.bias": (np.zeros(256, dtype=np.int8), Q.I8)}
+    path = write_gguf(tmp_path / "t.gguf", [Q.F32], extra_tensors=extra)
+    with pytest.raises(UnsupportedModel, match="I8"):
+        load_checkpoint(path)
+
+
+def test_truncated_gguf_is_not_a_model(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf", [Q.Q8_0])
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(NotAModel, match="truncated or corrupt"):
+        load_checkpoint(cut)
+
+
+def test_missing_paths_and_non_models(tmp_path):
+    with pytest.raises(ModelNotFound):
+        load_checkpoint(tmp_path / "nope.gguf")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(NotAModel, match="not a GGUF file"):
+        load_checkpoint(tmp_path / "notes.txt")
+    with pytest.raises(NotAModel, match="config.json"):
+        load_checkpoint(tmp_path)
