@@ -106,11 +106,13 @@ def main() -> None:
     bandwidth = measure_bandwidth_gb_s(args.threads)
     rows = {}
     n_params = fp32.config.n_params
-    rows["floe float32"] = bench_floe(engine, prompt, decode_ids, args.repeats) | {"weight_bytes": 4 * n_params}
+    rows["floe float32"] = bench_floe(engine, prompt, decode_ids, args.repeats)
+    rows["floe float32"]["weight_bytes"] = 4 * n_params
     del engine
     bf16 = Engine(load_checkpoint(args.model, torch.bfloat16), dtype="bfloat16",
                   max_seq_len=len(prompt) + args.decode_tokens + 8)
-    rows["floe bfloat16"] = bench_floe(bf16, prompt, decode_ids, args.repeats) | {"weight_bytes": 2 * n_params}
+    rows["floe bfloat16"] = bench_floe(bf16, prompt, decode_ids, args.repeats)
+    rows["floe bfloat16"]["weight_bytes"] = 2 * n_params
     del bf16
     try:
         rows[f"llama.cpp ({fp32.file_type})"] = bench_llama_cpp(

@@ -112,8 +112,10 @@ def write_gguf(path: Path, qtypes: list[Q], *, seed: int = 0, dim: int = 256, n_
         p = f"blk.{i}."
         weights[p + "attn_norm.weight"] = 1 + rand(dim)
         weights[p + "ffn_norm.weight"] = 1 + rand(dim)
-        weights[p + "attn_q.weight"] = permute_rotary_rows(torch.from_numpy(rand(dim, dim)), n_heads).numpy()
-        weights[p + "attn_k.weight"] = permute_rotary_rows(torch.from_numpy(rand(n_kv * hd, dim)), n_kv).numpy()
+        # Written as llama.cpp's converter writes them: rotary pairs adjacent.
+        wq, wk = torch.from_numpy(rand(dim, dim)), torch.from_numpy(rand(n_kv * hd, dim))
+        weights[p + "attn_q.weight"] = permute_rotary_rows(wq, n_heads).numpy()
+        weights[p + "attn_k.weight"] = permute_rotary_rows(wk, n_kv).numpy()
         weights[p + "attn_v.weight"] = rand(n_kv * hd, dim)
         weights[p + "attn_output.weight"] = rand(dim, dim)
         weights[p + "ffn_gate.weight"] = rand(ffn, dim)

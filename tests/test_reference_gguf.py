@@ -59,8 +59,9 @@ def test_raw_gguf_qk_order_with_half_split_rotary_gives_different_output(
     c = default_checkpoint.config
     raw = dict(default_checkpoint.weights)
     for i in range(c.n_layers):
-        raw[f"layers.{i}.attention.wq.weight"] = permute_rotary_rows(raw[f"layers.{i}.attention.wq.weight"], c.n_heads)
-        raw[f"layers.{i}.attention.wk.weight"] = permute_rotary_rows(raw[f"layers.{i}.attention.wk.weight"], c.n_kv_heads)
+        for name, heads in (("wq", c.n_heads), ("wk", c.n_kv_heads)):
+            key = f"layers.{i}.attention.{name}.weight"
+            raw[key] = permute_rotary_rows(raw[key], heads)
     wrong = Engine(Checkpoint(**{**default_checkpoint.__dict__, "weights": raw}), max_seq_len=256)
     ids = wrong.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
     with torch.no_grad():

@@ -62,11 +62,14 @@ CONVERSATION = [
 @pytest.mark.parametrize("messages", [CONVERSATION, CONVERSATION[1:2]])
 def test_chat_template_renders_like_transformers(messages, default_checkpoint, reference_tokenizer):
     ours = default_checkpoint.tokenizer.render_chat(messages)
-    assert ours == reference_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    rendered = reference_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours == rendered
     assert ours.endswith("<|im_start|>assistant\n")
     ids = default_checkpoint.tokenizer.encode_chat(messages)
-    assert ids == reference_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=True)["input_ids"]
+    expected = reference_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    assert ids == expected
 
 
 def test_template_errors_are_floe_errors(default_checkpoint):

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
-
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,7 +14,7 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from floe.errors import NotAModel, UnsupportedModel
 from floe.model.checkpoint import Checkpoint, Fingerprint, Progress, unpermute_rotary_rows
-from floe.model.config import ARCHITECTURES, ModelConfig, RopeScaling
+from floe.model.config import ARCHITECTURES, ModelConfig
 from floe.model.tokenizer import tokenizer_from_gguf
 
 _GLOBAL_NAMES = {
@@ -126,7 +125,8 @@ class GGUFFile:
             begin = start + offset
             if begin + size > len(self._buf):
                 raise ValueError(f"tensor {name} runs past the end of the file")
-            self.tensors.append(GGUFTensor(name, qtype, shape, self._buf[begin : begin + size].reshape(byte_shape)))
+            data = self._buf[begin : begin + size].reshape(byte_shape)
+            self.tensors.append(GGUFTensor(name, qtype, shape, data))
 
 
 def config_from_fields(fields: dict, tensor_names: set[str], rope_freqs: np.ndarray | None) -> ModelConfig:

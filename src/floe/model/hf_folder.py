@@ -45,6 +45,10 @@ def _read_json(path: Path) -> dict:
         raise NotAModel(f"cannot read {path}: {e}") from e
 
 
+def _read_optional_json(path: Path) -> dict:
+    return _read_json(path) if path.is_file() else {}
+
+
 def config_from_hf(cfg: dict, name: str) -> ModelConfig:
     model_type = cfg.get("model_type")
     if model_type not in ARCHITECTURES:
@@ -112,7 +116,7 @@ def tokenizer_from_folder(folder: Path, cfg: dict) -> Tokenizer:
     if not path.is_file():
         raise NotAModel(f"{folder} has no tokenizer.json")
     backend = HFTokenizer.from_file(str(path))
-    tcfg = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    tcfg = _read_optional_json(folder / "tokenizer_config.json")
     template = tcfg.get("chat_template")
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
@@ -123,7 +127,7 @@ def tokenizer_from_folder(folder: Path, cfg: dict) -> Tokenizer:
         text = entry.get("content") if isinstance(entry, dict) else entry
         return None if text is None else backend.token_to_id(text)
 
-    gen = _read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
+    gen = _read_optional_json(folder / "generation_config.json")
     eos: list[int] = []
     for source in (gen.get("eos_token_id"), cfg.get("eos_token_id"), token_id(tcfg.get("eos_token"))):
         eos += source if isinstance(source, list) else [] if source is None else [source]
