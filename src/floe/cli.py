@@ -40,53 +40,78 @@ def _stderr_console():
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from floe.engine import Engine, Generation, SamplingParams, generate
+    from floe.actor import Actor
+    from floe.engine import Engine, SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_tokens < 1:
         raise FloeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     checkpoint = _load_with_progress(args.model, args.dtype, quiet=args.json)
     engine = Engine(checkpoint, device=args.device, dtype=args.dtype, max_seq_len=args.context)
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": args.prompt}
-    ]
-    prompt_ids = engine.tokenizer.encode_chat(messages)
-    if len(prompt_ids) >= engine.max_seq_len:
-        raise FloeError(
-            f"the prompt is {len(prompt_ids)} tokens; the context holds {engine.max_seq_len}"
-        )
-    result = Generation()
-    for delta in generate(engine, prompt_ids, params, args.max_tokens, result=result):
-        if not args.json:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+    stream = None if args.json else _write_stdout
+    with Actor(engine, args.guest, seed=args.seed, system_prompt=args.system or "") as actor:
+        reply = actor.send(args.prompt, max_tokens=args.max_tokens, params=params, on_text=stream)
+    stats = reply.stats
+    finish = "length" if stats.generated_tokens >= args.max_tokens else "stop"
     if args.json:
-        print(json.dumps(_run_record(engine, result, prompt_ids), ensure_ascii=False))
+        print(json.dumps(_run_record(engine, reply, finish, args.guest), ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         _stderr_console().print(
-            f"[dim]{result.prompt_tokens} prompt tokens, {result.generated_tokens} generated "
-            f"({result.finish_reason}); TTFT {result.ttft_s * 1e3:.0f} ms, "
-            f"decode {result.decode_tokens_per_s:.1f} tok/s[/dim]"
+            f"[dim]{stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated "
+            f"({finish}); TTFT {stats.ttft_s * 1e3:.0f} ms, "
+            f"decode {stats.decode_tokens_per_s:.1f} tok/s; "
+            f"{reply.ledger.total_copies()} copies across the guest boundary[/dim]"
         )
     return 0
 
 
-def _run_record(engine, result, prompt_ids: list[int]) -> dict:
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _run_record(engine, reply, finish: str, guest: str | None) -> dict:
     ckpt = engine.checkpoint
+    stats = reply.stats
     return {
-        "text": result.text,
-        "token_ids": result.token_ids,
-        "prompt_tokens": len(prompt_ids),
-        "generated_tokens": result.generated_tokens,
-        "finish_reason": result.finish_reason,
-        "ttft_ms": round(result.ttft_s * 1e3, 3),
-        "decode_tokens_per_s": round(result.decode_tokens_per_s, 3),
+        "text": reply.text,
+        "token_ids": stats.token_ids,
+        "prompt_tokens": stats.prompt_tokens,
+        "generated_tokens": stats.generated_tokens,
+        "finish_reason": finish,
+        "ttft_ms": round(stats.ttft_s * 1e3, 3),
+        "decode_tokens_per_s": round(stats.decode_tokens_per_s, 3),
         "model": {"name": ckpt.name, "fingerprint": ckpt.fingerprint, "path": str(ckpt.source),
                   "file_type": ckpt.file_type},
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "guest": guest or "chat (built in)",
+        "boundaries": reply.ledger.rows(),
     }
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from floe.engine import parse_device
+    from floe.probe import probe_zero_copy
+
+    parse_device(args.device)
+    r = probe_zero_copy(args.device)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        ok = "[green]yes[/green]" if r["pointer_identity"] else "[red]NO[/red]"
+        console = _stderr_console()
+        console.print(f"zero-copy probe on {r['device']}")
+        for name, ptr in r["pointers"].items():
+            console.print(f"  {name:<20} {ptr}")
+        console.print(f"  pointer identity     {ok}")
+        console.print(f"  RSS growth, 16 MiB exposed to torch: view {r['rss_delta_zero_copy_mb']:.2f} MB,"
+                      f" copy {r['rss_delta_copy_mb']:.2f} MB")
+        console.print(f"  {r['gemm_n']}x{r['gemm_n']} GEMM in guest memory: max abs error "
+                      f"{r['gemm_max_abs_error']:g}, mismatches {r['gemm_mismatches']}")
+    good = r["pointer_identity"] and r["gemm_mismatches"] == 0
+    return 0 if good else 1
 
 
 def _positive_int(text: str) -> int:
@@ -112,8 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     run.add_argument("--context", type=_positive_int, default=None,
                      help="KV cache length in tokens (default: the model's context length)")
+    run.add_argument("--guest", help="guest module (.wasm) that drives the model (default: built-in chat)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     run.set_defaults(handler=cmd_run)
+
+    probe = sub.add_parser("probe", help="prove and measure floe's zero-copy chain")
+    probe_sub = probe.add_subparsers(dest="probe", required=True)
+    zero = probe_sub.add_parser("zero-copy", help="region == guest memory == tensor; RSS; in-place GEMM")
+    zero.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    zero.add_argument("--json", action="store_true", help="print one JSON object")
+    zero.set_defaults(handler=cmd_probe)
     return parser
 
 

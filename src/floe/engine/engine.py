@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor
 
@@ -61,6 +63,8 @@ class Engine:
         model.cos, model.sin = (t.to(self.device) for t in real)
         self.model = model.eval()
         self.cache = KVCache(self.config, self.max_seq_len, n_slots, self.dtype, self.device)
+        self._free_slots = list(range(n_slots))
+        self._slot_lock = threading.Lock()
 
     @property
     def fingerprint(self) -> str:
@@ -72,9 +76,28 @@ class Engine:
     def kv_truncate(self, n: int, slot: int = 0) -> None:
         self.cache.truncate(slot, n)
 
+    def claim_slot(self) -> int:
+        """A free KV cache slot, emptied, for a new conversation."""
+        with self._slot_lock:
+            if not self._free_slots:
+                raise FloeError(f"all {self.cache.n_slots} KV cache slots are in use")
+            slot = self._free_slots.pop(0)
+        self.cache.truncate(slot, 0)
+        return slot
+
+    def release_slot(self, slot: int) -> None:
+        with self._slot_lock:
+            if slot not in self._free_slots:
+                self._free_slots.append(slot)
+                self._free_slots.sort()
+
     @torch.inference_mode()
-    def prefill(self, ids: list[int] | Tensor, slot: int = 0, all_logits: bool = False) -> Tensor:
-        """Append token ids to `slot`'s context; float32 logits of the last one ([T, vocab] if all)."""
+    def prefill(self, ids: list[int] | Tensor, slot: int = 0, all_logits: bool = False,
+                logits_out: Tensor | None = None) -> Tensor:
+        """Append token ids to `slot`'s context; float32 logits of the last one ([T, vocab] if all).
+
+        With `logits_out` (float32 [vocab], e.g. a view of guest memory) they are written there.
+        """
         tokens = torch.as_tensor(ids, dtype=torch.long).to(self.device)
         if tokens.ndim != 1 or tokens.numel() == 0:
             raise ValueError("prefill needs a non-empty 1-D list of token ids")
@@ -82,15 +105,15 @@ class Engine:
             self._check_ids(ids)
         start = self.cache.reserve(slot, tokens.numel())
         try:
-            return self.model(tokens, start, self.cache, slot, all_logits=all_logits)
+            return self.model(tokens, start, self.cache, slot, all_logits=all_logits, out=logits_out)
         except BaseException:
             self.cache.truncate(slot, start)  # a failed step leaves the context as it was
             raise
 
     @torch.inference_mode()
-    def decode_step(self, token: int, slot: int = 0) -> Tensor:
+    def decode_step(self, token: int, slot: int = 0, logits_out: Tensor | None = None) -> Tensor:
         """Append one token to `slot`'s context; float32 logits [vocab] of the next position."""
-        return self.prefill([token], slot)
+        return self.prefill([token], slot, logits_out=logits_out)
 
     def _check_ids(self, ids: list[int]) -> None:
         bad = [i for i in ids if not 0 <= i < self.config.vocab_size]

@@ -122,10 +122,11 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def forward(self, tokens: Tensor, start: int, cache: KVCache, slot: int,
-                all_logits: bool = False) -> Tensor:
+                all_logits: bool = False, out: Tensor | None = None) -> Tensor:
         """Run tokens [T] at positions start.. through the model, writing the KV cache of `slot`.
 
-        Returns float32 logits [vocab] of the last position ([T, vocab] with all_logits).
+        Returns float32 logits [vocab] of the last position ([T, vocab] with all_logits). With
+        `out` (float32 [vocab]) the last position's logits are written there, in place.
         """
         end = start + tokens.shape[0]
         cos, sin = self.cos[start:end], self.sin[start:end]
@@ -133,7 +134,12 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i, slot], cache.v[i, slot], start)
         x = self.norm(x if all_logits else x[-1])
-        return F.linear(x, self.output_weight()).float()
+        if out is None:
+            return F.linear(x, self.output_weight()).float()
+        if x.dtype == torch.float32 and out.device == x.device:
+            # The projection's result lands in `out` directly: no staging tensor.
+            return torch.mv(self.output_weight(), x, out=out)
+        return out.copy_(F.linear(x, self.output_weight()))
 
 
 def fused_state_dict(weights: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:

@@ -100,6 +100,26 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes a token stands for (byte-level BPE: possibly part of a character)."""
+        return self._byte_table[token_id]
+
+    @cached_property
+    def _byte_table(self) -> list[bytes]:
+        decoder = {c: b for b, c in _bytes_to_unicode().items()}
+        added = {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()}
+        table = []
+        for i in range(self.vocab_size):
+            if i in added:
+                table.append(added[i].encode())
+                continue
+            text = self.backend.id_to_token(i) or ""
+            try:
+                table.append(bytes(decoder[c] for c in text))
+            except KeyError:  # not a byte-level token
+                table.append(text.encode())
+        return table
+
     @cached_property
     def _template(self) -> jinja2.Template:
         if not self.chat_template:
@@ -127,6 +147,20 @@ class Tokenizer:
 
     def _special_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars), strict=True))
 
 
 def _compile_template(source: str) -> jinja2.Template:

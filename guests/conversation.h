@@ -1,0 +1,158 @@
+/* A conversation kept in guest memory across messages, shared by the chat and constrained guests.
+ *
+ * Each message: append it, render the whole conversation with the model's chat template, tokenize,
+ * keep the longest prefix the KV cache already holds, prefill only the rest, then generate with the
+ * guest's own `next_token` rule until EOS, max_tokens, a full context, or the caller says stop.
+ */
+#ifndef CONVERSATION_H
+#define CONVERSATION_H
+
+#include "floe.h"
+
+typedef struct { char *data; uint32_t len, cap; } bytes_buf;
+typedef struct { int32_t *data; uint32_t len, cap; } ids_buf;
+
+static int reserve_bytes(bytes_buf *b, uint32_t need) {
+    if (need <= b->cap) return 1;
+    uint32_t cap = b->cap ? b->cap : 256;
+    while (cap < need) cap *= 2;
+    char *d = floe_alloc(cap);
+    if (!d) return 0;
+    __builtin_memcpy(d, b->data, b->len);
+    b->data = d;
+    b->cap = cap;
+    return 1;
+}
+
+static int reserve_ids(ids_buf *b, uint32_t need) {
+    if (need <= b->cap) return 1;
+    uint32_t cap = b->cap ? b->cap : 256;
+    while (cap < need) cap *= 2;
+    int32_t *d = floe_alloc(cap * sizeof(int32_t));
+    if (!d) return 0;
+    __builtin_memcpy(d, b->data, b->len * sizeof(int32_t));
+    b->data = d;
+    b->cap = cap;
+    return 1;
+}
+
+static floe_message *messages;
+static uint32_t n_messages, cap_messages;
+static ids_buf history;   /* exactly the token ids in this actor's KV cache */
+static ids_buf prompt;    /* scratch: the rendered conversation's ids */
+static bytes_buf rendered, reply, input;
+static int32_t eos[8], n_eos = -1;
+
+/* The guest's rule for the next token: called after each prefill/decode. */
+typedef int32_t (*next_token_fn)(void);
+/* Where prefill/decode should write logits (NULL: the host keeps them). */
+static float *logits_target;
+
+FLOE_EXPORT(floe_abi_version) int32_t floe_abi_version(void) { return FLOE_ABI_VERSION; }
+
+/* The host writes each incoming message here (the buffer is reused). */
+FLOE_EXPORT(alloc) void *alloc(int32_t size) {
+    if (size < 0 || !reserve_bytes(&input, (uint32_t)size + 1)) return 0;
+    return input.data;
+}
+
+static int add_message(const char *role, const char *text, uint32_t len) {
+    if (n_messages == cap_messages) {
+        uint32_t cap = cap_messages ? cap_messages * 2 : 16;
+        floe_message *m = floe_alloc(cap * sizeof(floe_message));
+        if (!m) return 0;
+        __builtin_memcpy(m, messages, n_messages * sizeof(floe_message));
+        messages = m;
+        cap_messages = cap;
+    }
+    char *copy = floe_alloc(len ? len : 1); /* conversation text lives as long as the actor */
+    if (!copy) return 0;
+    __builtin_memcpy(copy, text, len);
+    messages[n_messages++] = (floe_message){role, (uint32_t)floe_strlen(role), copy, len};
+    return 1;
+}
+
+static int is_eos(int32_t tok) {
+    for (int i = 0; i < n_eos; i++)
+        if (eos[i] == tok) return 1;
+    return 0;
+}
+
+static void log_overflow(uint32_t tokens) {
+    char msg[96] = "the conversation is ";
+    int n = (int)floe_strlen(msg);
+    n += floe_itoa((int32_t)tokens, msg + n);
+    const char *mid = " tokens; the context holds ";
+    __builtin_memcpy(msg + n, mid, floe_strlen(mid));
+    n += (int)floe_strlen(mid);
+    n += floe_itoa(floe_context_length(), msg + n);
+    floe_log(msg, n);
+}
+
+/* Renders and tokenizes the conversation into `prompt`; returns 0 on failure. */
+static int render_prompt(void) {
+    int32_t n = floe_chat_render(messages, (int32_t)n_messages, 1, rendered.data, (int32_t)rendered.cap);
+    if (n < 0) return 0;
+    if ((uint32_t)n > rendered.cap) {
+        if (!reserve_bytes(&rendered, (uint32_t)n)) return 0;
+        floe_chat_render(messages, (int32_t)n_messages, 1, rendered.data, (int32_t)rendered.cap);
+    }
+    rendered.len = (uint32_t)n;
+    int32_t m = floe_tokenize(rendered.data, n, prompt.data, (int32_t)prompt.cap);
+    if ((uint32_t)m > prompt.cap) {
+        if (!reserve_ids(&prompt, (uint32_t)m)) return 0;
+        floe_tokenize(rendered.data, n, prompt.data, (int32_t)prompt.cap);
+    }
+    prompt.len = (uint32_t)m;
+    return m > 0;
+}
+
+static int32_t conversation_turn(const char *text, int32_t len, next_token_fn next_token) {
+    floe_request req;
+    floe_request_params(&req);
+    if (n_eos < 0) n_eos = floe_eos_ids(eos, 8);
+    if (n_messages == 0) {
+        int32_t n = floe_system(rendered.data, (int32_t)rendered.cap);
+        if (n > (int32_t)rendered.cap && reserve_bytes(&rendered, (uint32_t)n))
+            n = floe_system(rendered.data, (int32_t)rendered.cap);
+        if (n > 0 && !add_message("system", rendered.data, (uint32_t)n)) return 2;
+    }
+    if (!add_message("user", text, (uint32_t)len)) return 2;
+    if (!render_prompt()) { floe_log_str("could not render the conversation"); return 3; }
+
+    /* Reuse what the KV cache already holds; prefill at least one token to get fresh logits. */
+    uint32_t p = 0;
+    while (p < history.len && p < prompt.len && history.data[p] == prompt.data[p]) p++;
+    if (p == prompt.len) p--;
+    floe_kv_truncate((int32_t)p);
+    history.len = p;
+    int32_t status = floe_prefill(prompt.data + p, (int32_t)(prompt.len - p), logits_target);
+    if (status == FLOE_ERR_CONTEXT_FULL) {
+        log_overflow(prompt.len);
+        n_messages--; /* the message was not taken */
+        return 4;
+    }
+    if (status != FLOE_OK || !reserve_ids(&history, prompt.len)) return 5;
+    __builtin_memcpy(history.data + p, prompt.data + p, (prompt.len - p) * sizeof(int32_t));
+    history.len = prompt.len;
+
+    reply.len = 0;
+    char piece[64];
+    for (uint32_t i = 0; i < req.max_tokens; i++) {
+        int32_t tok = next_token();
+        if (tok < 0 || is_eos(tok)) break;
+        int32_t k = floe_detokenize(&tok, 1, piece, sizeof piece);
+        if (k < 0 || k > (int32_t)sizeof piece || !reserve_bytes(&reply, reply.len + (uint32_t)k)) return 6;
+        __builtin_memcpy(reply.data + reply.len, piece, (size_t)k);
+        reply.len += (uint32_t)k;
+        int stop = floe_emit(piece, k);
+        if (stop || i + 1 == req.max_tokens) break;
+        if (floe_decode(tok, logits_target) != FLOE_OK) break; /* context full: the reply ends here */
+        if (!reserve_ids(&history, history.len + 1)) return 7;
+        history.data[history.len++] = tok;
+    }
+    if (!add_message("assistant", reply.data, reply.len)) return 8;
+    return 0;
+}
+
+#endif

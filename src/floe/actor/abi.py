@@ -1,0 +1,259 @@
+"""The host side of guest ABI version 1: the `floe` import module, connecting guest calls to the
+engine. docs/ABI.md is the contract; this file implements it.
+
+Every argument is an i32. Pointers are offsets into the guest's memory (the actor's Region) and are
+bounds-checked; a bad one traps the guest with GuestPointerError. Recoverable conditions return a
+negative status instead (context full, bad token id).
+"""
+
+from __future__ import annotations
+
+import codecs
+import struct
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from floe.engine.sampling import SamplingParams, sample_token
+from floe.errors import ContextOverflow, FloeError, InvalidSamplingParams
+from floe.memory import OutOfBounds
+from floe.wasm import GuestPointerError, HostFunction
+from floe.wasm.raw import trap_new
+
+if TYPE_CHECKING:
+    from floe.actor.actor import Actor
+
+ABI_VERSION = 1
+IMPORT_MODULE = "floe"
+
+OK = 0
+ERR_CONTEXT_FULL = -1
+ERR_BAD_TOKEN = -2
+ERR_BAD_ARGUMENT = -3
+
+MESSAGE = struct.Struct("<4I")  # role_ptr, role_len, content_ptr, content_len
+SAMPLING = struct.Struct("<fif4x")  # temperature, top_k, top_p, (reserved)
+REQUEST = struct.Struct("<IfifQ8x")  # max_tokens, temperature, top_k, top_p, seed, (reserved)
+_MASK32 = 0xFFFFFFFF
+
+
+def _i32(word: int) -> int:
+    word &= _MASK32
+    return word - (1 << 32) if word & 0x80000000 else word
+
+
+class HostABI:
+    """The `floe` import module for one actor. Holds per-message state (the last logits)."""
+
+    def __init__(self, actor: Actor) -> None:
+        self.actor = actor
+        self.engine = actor.engine
+        self.tokenizer = actor.engine.tokenizer
+        self.vocab = self.engine.config.vocab_size
+        self.last_logits: torch.Tensor | None = None
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    # ---- plumbing ---------------------------------------------------------------------------------
+
+    def functions(self) -> list[HostFunction]:
+        table: list[tuple[str, int, int, Callable[..., int]]] = [
+            ("abi_version", 0, 1, lambda: ABI_VERSION),
+            ("vocab_size", 0, 1, lambda: self.vocab),
+            ("context_length", 0, 1, lambda: self.engine.max_seq_len),
+            ("eos_ids", 2, 1, self.eos_ids),
+            ("tokenize", 4, 1, self.tokenize),
+            ("detokenize", 4, 1, self.detokenize),
+            ("chat_render", 5, 1, self.chat_render),
+            ("prefill", 3, 1, self.prefill),
+            ("decode", 2, 1, self.decode),
+            ("sample", 1, 1, self.sample),
+            ("request", 1, 1, self.request),
+            ("system", 2, 1, self.system),
+            ("kv_len", 0, 1, lambda: self.engine.kv_len(self.actor.slot)),
+            ("kv_truncate", 1, 1, self.kv_truncate),
+            ("emit", 2, 1, self.emit),
+            ("log", 2, 1, self.log),
+        ]
+        return [HostFunction(name, n, r, self._raw(fn, n, r)) for name, n, r, fn in table]
+
+    def _raw(self, fn: Callable[..., int], n_params: int, n_results: int):
+        """Adapt fn(*i32 args) -> i32 to the raw calling convention; errors trap the guest and are
+        kept on the actor so the host raises them as themselves."""
+        actor = self.actor
+
+        def call(raw) -> int:
+            try:
+                args = [raw[2 * i] & _MASK32 for i in range(n_params)]
+                result = fn(*args)
+                if n_results:
+                    raw[0] = result & _MASK32
+                return 0
+            except BaseException as e:  # noqa: BLE001 - becomes a trap, re-raised by the actor
+                actor.pending_error = e if isinstance(e, FloeError) else FloeError(
+                    f"host function {fn.__name__} failed: {type(e).__name__}: {e}")
+                return trap_new(str(actor.pending_error))
+
+        return call
+
+    def _bytes(self, ptr: int, length: int, what: str) -> bytes:
+        try:
+            data = self.actor.region.read(ptr, length)
+        except OutOfBounds as e:
+            raise GuestPointerError(f"{what}: guest pointer {e}") from None
+        self.actor.ledger.copy(f"guest→host {what}", length)
+        return data
+
+    def _view(self, ptr: int, count: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if ptr % itemsize:
+            raise GuestPointerError(f"{what}: pointer {ptr} is not {itemsize}-byte aligned")
+        try:
+            return self.actor.region.torch(ptr, count, dtype)
+        except OutOfBounds as e:
+            raise GuestPointerError(f"{what}: guest pointer {e}") from None
+
+    def _write(self, ptr: int, cap: int, data: bytes, what: str) -> None:
+        n = min(cap, len(data))
+        try:
+            self.actor.region.check(ptr, cap)
+            self.actor.region.write(ptr, data[:n])
+        except OutOfBounds as e:
+            raise GuestPointerError(f"{what}: guest pointer {e}") from None
+        self.actor.ledger.copy(f"host→guest {what}", n)
+
+    def _write_ids(self, ptr: int, cap: int, ids: list[int], what: str) -> int:
+        out = self._view(ptr, cap, torch.int32, what)
+        n = min(cap, len(ids))
+        if n:
+            out[:n] = torch.tensor(ids[:n], dtype=torch.int32)
+        self.actor.ledger.copy(f"host→guest {what}", 4 * n)
+        return len(ids)
+
+    # ---- the ABI ----------------------------------------------------------------------------------
+
+    def eos_ids(self, out_ptr: int, cap: int) -> int:
+        return self._write_ids(out_ptr, cap, list(self.tokenizer.eos_ids), "eos ids")
+
+    def tokenize(self, text_ptr: int, text_len: int, out_ptr: int, out_cap: int) -> int:
+        text = self._bytes(text_ptr, text_len, "text").decode("utf-8", "replace")
+        return self._write_ids(out_ptr, out_cap, self.tokenizer.encode(text, add_bos=False), "token ids")
+
+    def detokenize(self, ids_ptr: int, n: int, out_ptr: int, out_cap: int) -> int:
+        ids = self._view(ids_ptr, n, torch.int32, "token ids").tolist()
+        self.actor.ledger.copy("guest→host token ids", 4 * n)
+        if any(not 0 <= i < self.vocab for i in ids):
+            return ERR_BAD_TOKEN
+        data = _token_bytes(self.tokenizer, ids)
+        self._write(out_ptr, out_cap, data, "text")
+        return len(data)
+
+    def chat_render(self, msgs_ptr: int, n_msgs: int, add_generation_prompt: int, out_ptr: int,
+                    out_cap: int) -> int:
+        table = self._bytes(msgs_ptr, MESSAGE.size * n_msgs, "message table")
+        messages = []
+        for i in range(n_msgs):
+            role_ptr, role_len, content_ptr, content_len = MESSAGE.unpack_from(table, MESSAGE.size * i)
+            messages.append({
+                "role": self._bytes(role_ptr, role_len, "message role").decode("utf-8", "replace"),
+                "content": self._bytes(content_ptr, content_len, "message").decode("utf-8", "replace"),
+            })
+        data = self.tokenizer.render_chat(messages, add_generation_prompt=bool(add_generation_prompt))
+        encoded = data.encode()
+        self._write(out_ptr, out_cap, encoded, "prompt text")
+        return len(encoded)
+
+    def _logits_target(self, logits_ptr: int) -> torch.Tensor | None:
+        if not logits_ptr:
+            return None
+        return self._view(logits_ptr, self.vocab, torch.float32, "logits")
+
+    def _run(self, ids: torch.Tensor | list[int], logits_ptr: int) -> int:
+        out = self._logits_target(logits_ptr)
+        t0 = time.perf_counter()
+        try:
+            logits = self.engine.prefill(ids, self.actor.slot, logits_out=out)
+        except ContextOverflow:
+            return ERR_CONTEXT_FULL
+        self.actor.stats.on_forward(len(ids), time.perf_counter() - t0)
+        self.last_logits = logits
+        if out is not None:
+            direct = self.engine.dtype == torch.float32 and self.engine.device.type == "cpu"
+            name = "engine→guest logits (in place)"
+            if direct:
+                self.actor.ledger.share(name, 4 * self.vocab)
+            else:
+                self.actor.ledger.copy(name + f" from {str(self.engine.dtype)[6:]}", 4 * self.vocab)
+        return OK
+
+    def prefill(self, ids_ptr: int, n: int, logits_ptr: int) -> int:
+        if n == 0:
+            return ERR_BAD_ARGUMENT
+        view = self._view(ids_ptr, n, torch.int32, "token ids")
+        self.actor.ledger.share("guest→engine prompt ids", 4 * n)
+        ids = view.numpy()
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
+            return ERR_BAD_TOKEN
+        # int32 guest ids -> int64 for the embedding: a conversion the ledger shows.
+        self.actor.ledger.copy("prompt ids int32→int64", 8 * n)
+        return self._run(torch.from_numpy(ids.astype(np.int64)), logits_ptr)
+
+    def decode(self, token: int, logits_ptr: int) -> int:
+        token = _i32(token)
+        if not 0 <= token < self.vocab:
+            return ERR_BAD_TOKEN
+        self.actor.stats.on_decode(token)
+        return self._run([token], logits_ptr)
+
+    def sample(self, params_ptr: int) -> int:
+        if self.last_logits is None:
+            raise FloeError("sample() was called before any prefill or decode in this message")
+        if params_ptr:
+            t, k, p = SAMPLING.unpack(self._bytes(params_ptr, SAMPLING.size, "sampling params"))
+            try:
+                params = SamplingParams(t, k, p, 0)
+            except InvalidSamplingParams:
+                return ERR_BAD_ARGUMENT
+        else:
+            params = self.actor.request.params
+        token = int(sample_token(self.last_logits, params, self.actor.generator))
+        self.actor.stats.on_sample(token, token in self.tokenizer.eos_ids)
+        return token
+
+    def request(self, out_ptr: int) -> int:
+        r = self.actor.request
+        p = r.params
+        self._write(out_ptr, REQUEST.size,
+                    REQUEST.pack(r.max_tokens, p.temperature, p.top_k, p.top_p, p.seed), "request")
+        return OK
+
+    def system(self, out_ptr: int, cap: int) -> int:
+        data = self.actor.system_prompt.encode()
+        self._write(out_ptr, cap, data, "system prompt")
+        return len(data)
+
+    def kv_truncate(self, n: int) -> int:
+        n = _i32(n)
+        if not 0 <= n <= self.engine.kv_len(self.actor.slot):
+            return ERR_BAD_ARGUMENT
+        self.engine.kv_truncate(n, self.actor.slot)
+        return OK
+
+    def emit(self, ptr: int, length: int) -> int:
+        self.actor.stats.emit_calls += 1
+        text = self.utf8.decode(self._bytes(ptr, length, "emitted text"))
+        if text:
+            self.actor.stats.on_emit()
+            self.actor.on_text(text)
+        return 1 if self.actor.stop_requested else 0
+
+    def log(self, ptr: int, length: int) -> int:
+        self.actor.logs.append(self._bytes(ptr, length, "log").decode("utf-8", "replace"))
+        return OK
+
+
+def _token_bytes(tokenizer, ids: list[int]) -> bytes:
+    """The exact bytes of byte-level BPE tokens (which may end inside a UTF-8 character)."""
+    return b"".join(tokenizer.token_bytes(i) for i in ids)

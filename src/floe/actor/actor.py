@@ -1,0 +1,228 @@
+"""An actor: one guest instance, its memory Region, its KV cache slot and its RNG."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from floe.actor.abi import ABI_VERSION, IMPORT_MODULE, HostABI
+from floe.engine import Engine, SamplingParams
+from floe.errors import FloeError
+from floe.memory import Region
+from floe.profile import Ledger
+from floe.wasm import GuestError, GuestInstance, GuestLoadError, GuestModule, default_runtime
+
+DEFAULT_MEMORY_CAP = 256 << 20
+DEFAULT_DEADLINE_S = 600.0
+
+
+def builtin_guest(name: str) -> Path:
+    """Path of a guest shipped inside the package (`chat`, `constrained`, `probe`)."""
+    path = Path(str(resources.files("floe.guests") / f"{name}.wasm"))
+    if not path.is_file():
+        raise GuestLoadError(f"no built-in guest named {name!r} (looked for {path})")
+    return path
+
+
+@dataclass
+class Request:
+    """What one message asks of the guest; the guest reads it through `request()`."""
+
+    max_tokens: int = 256
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class MessageStats:
+    prompt_tokens: int = 0  # tokens prefilled (beyond what the KV cache already held)
+    sampled: list[int] = field(default_factory=list)  # non-EOS tokens the host sampled
+    decoded: list[int] = field(default_factory=list)  # tokens the guest fed back one at a time
+    forward_s: float = 0.0  # time in the engine
+    forwards: int = 0
+    started: float = 0.0
+    first_text: float = 0.0
+    last_text: float = 0.0
+    emits: int = 0
+    emit_calls: int = 0  # one per token for floe's guests, whatever the text
+
+    def on_forward(self, n_tokens: int, seconds: float) -> None:
+        self.forwards += 1
+        self.forward_s += seconds
+        if n_tokens > 1:
+            self.prompt_tokens += n_tokens
+
+    def on_sample(self, token: int, is_eos: bool) -> None:
+        if not is_eos:
+            self.sampled.append(token)
+
+    def on_decode(self, token: int) -> None:
+        self.decoded.append(token)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The reply's tokens: what the host sampled, or (for a guest that samples itself) what it
+        decoded, plus its last choice when that was not fed back."""
+        return self.sampled if self.sampled else self.decoded
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.sampled) if self.sampled else max(len(self.decoded), self.emit_calls)
+
+    def on_emit(self) -> None:
+        now = time.perf_counter()
+        self.emits += 1
+        if not self.first_text:
+            self.first_text = now
+        self.last_text = now
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_text - self.started if self.first_text else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        span = self.last_text - self.first_text
+        return (self.generated_tokens - 1) / span if self.generated_tokens > 1 and span > 0 else 0.0
+
+
+@dataclass
+class Reply:
+    text: str
+    stats: MessageStats
+    ledger: Ledger
+    logs: list[str]
+
+
+class Actor:
+    """A sandboxed guest that drives the engine through ABI v1, one message at a time."""
+
+    def __init__(self, engine: Engine, guest: str | Path | bytes | GuestModule | None = None, *,
+                 seed: int = 0, system_prompt: str = "", memory_cap: int = DEFAULT_MEMORY_CAP,
+                 deadline_s: float = DEFAULT_DEADLINE_S) -> None:
+        self.engine = engine
+        runtime = default_runtime()
+        if guest is None:
+            guest = builtin_guest("chat")
+        self.module = guest if isinstance(guest, GuestModule) else runtime.compile(guest)
+        self.deadline_s = deadline_s
+        self.system_prompt = system_prompt
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(seed)
+        self.request = Request()
+        self.stats = MessageStats()
+        self.ledger = Ledger()
+        self.logs: list[str] = []
+        self.pending_error: BaseException | None = None
+        self.stop_requested = False
+        self.on_text: Callable[[str], None] = lambda text: None
+        self._lock = threading.Lock()
+        self.slot = engine.claim_slot()
+        try:
+            self.abi = HostABI(self)
+            self.guest = GuestInstance(self.module, IMPORT_MODULE, self.abi.functions(), memory_cap)
+            version = self._call("floe_abi_version")
+            if version != ABI_VERSION:
+                raise GuestLoadError(f"guest speaks floe ABI {version}; this host speaks {ABI_VERSION}")
+            self.guest.function("alloc")
+            self.guest.function("on_message")
+        except BaseException:
+            engine.release_slot(self.slot)
+            raise
+        self.closed = False
+
+    @property
+    def region(self) -> Region:
+        return self.guest.region
+
+    def _take_pending(self) -> BaseException | None:
+        error, self.pending_error = self.pending_error, None
+        return error
+
+    def _call(self, name: str, *args: int) -> int:
+        return self.guest.call(name, *args, deadline_s=self.deadline_s, pending=self._take_pending)
+
+    def send(self, message: str, *, max_tokens: int = 256, params: SamplingParams | None = None,
+             on_text: Callable[[str], None] | None = None) -> Reply:
+        """Deliver one user message; the guest answers through emit(). Returns the whole reply.
+
+        A trap, deadline or bad pointer raises a GuestError subclass for this message only: the
+        engine and other actors carry on, and this actor's KV slot is left as the guest left it.
+        """
+        if self.closed:
+            raise FloeError("this actor is closed")
+        if max_tokens < 1:
+            raise FloeError(f"max_tokens must be >= 1, got {max_tokens}")
+        with self._lock:
+            parts: list[str] = []
+
+            def collect(text: str) -> None:
+                parts.append(text)
+                if on_text is not None:
+                    on_text(text)
+
+            self.request = Request(max_tokens, params or SamplingParams())
+            self.stats = MessageStats(started=time.perf_counter())
+            self.ledger = Ledger()
+            self.logs = []
+            self.on_text = collect
+            self.stop_requested = False
+            self.abi.last_logits = None
+            self.abi.utf8.reset()
+            data = message.encode()
+            ptr = self._call("alloc", len(data))
+            if ptr == 0 and data:
+                raise GuestError(f"guest could not allocate {len(data)} bytes for the message")
+            self.region.write(ptr, data)
+            self.ledger.copy("host→guest message", len(data))
+            status = self._call("on_message", ptr, len(data))
+            tail = self.abi.utf8.decode(b"", final=True)
+            if tail:
+                collect(tail)
+            if status != 0:
+                raise GuestError(f"guest reported error {status} for this message"
+                                 + (f": {self.logs[-1]}" if self.logs else ""))
+            return Reply("".join(parts), self.stats, self.ledger, list(self.logs))
+
+    def stream(self, message: str, **kwargs) -> Iterator[str]:
+        """send() as a generator of text pieces; the guest runs in a worker thread."""
+        pieces: queue.Queue = queue.Queue()
+        done = object()
+        outcome: list = []
+
+        def work() -> None:
+            try:
+                outcome.append(self.send(message, on_text=pieces.put, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                outcome.append(e)
+            finally:
+                pieces.put(done)
+
+        worker = threading.Thread(target=work, name="floe-actor", daemon=True)
+        worker.start()
+        try:
+            while (item := pieces.get()) is not done:
+                yield item
+        finally:
+            self.stop_requested = True  # the consumer went away: let the guest wind down
+            worker.join()
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.guest.close()
+            self.engine.release_slot(self.slot)
+
+    def __enter__(self) -> Actor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""Guest modules shipped with floe (built from guests/ by guests/build.py)."""

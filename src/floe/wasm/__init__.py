@@ -1,0 +1,29 @@
+"""Wasmtime set-up: guest linear memory backed by floe Regions, raw host functions, limits, traps."""
+
+from floe.wasm.runtime import (
+    GuestDeadlineExceeded,
+    GuestError,
+    GuestInstance,
+    GuestLoadError,
+    GuestMemoryLimit,
+    GuestModule,
+    GuestPointerError,
+    GuestTrap,
+    HostFunction,
+    WasmRuntime,
+    default_runtime,
+)
+
+__all__ = [
+    "GuestDeadlineExceeded",
+    "GuestError",
+    "GuestInstance",
+    "GuestLoadError",
+    "GuestMemoryLimit",
+    "GuestModule",
+    "GuestPointerError",
+    "GuestTrap",
+    "HostFunction",
+    "WasmRuntime",
+    "default_runtime",
+]
