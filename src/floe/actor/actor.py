@@ -51,6 +51,12 @@ class MessageStats:
     last_text: float = 0.0
     emits: int = 0
     emit_calls: int = 0  # one per token for floe's guests, whatever the text
+    wall_s: float = 0.0  # the whole message, guest and engine
+
+    @property
+    def outside_engine_s(self) -> float:
+        """Time in the guest and the host ABI: the price of the sandbox for this message."""
+        return max(0.0, self.wall_s - self.forward_s)
 
     def on_forward(self, n_tokens: int, seconds: float) -> None:
         self.forwards += 1
@@ -181,7 +187,10 @@ class Actor:
                 raise GuestError(f"guest could not allocate {len(data)} bytes for the message")
             self.region.write(ptr, data)
             self.ledger.copy("host→guest message", len(data))
-            status = self._call("on_message", ptr, len(data))
+            try:
+                status = self._call("on_message", ptr, len(data))
+            finally:
+                self.stats.wall_s = time.perf_counter() - self.stats.started
             tail = self.abi.utf8.decode(b"", final=True)
             if tail:
                 collect(tail)

@@ -18,7 +18,7 @@ from floe.errors import FloeError
 from floe.memory import Region
 from floe.wasm.raw import HostCallback, HostFunctions, MemoryCreator
 
-EPOCH_TICK_S = 0.005  # deadline granularity
+EPOCH_TICK_S = 0.01  # deadline granularity
 
 
 class GuestError(FloeError):

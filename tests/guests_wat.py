@@ -1,0 +1,47 @@
+"""Small hand-written guests (WAT) that misbehave on purpose, each a complete ABI v1 module."""
+
+import wasmtime
+
+
+def guest(on_message_body: str, *, imports: str = "", memory_pages: int = 2, abi_version: int = 1,
+          extra: str = "") -> bytes:
+    return wasmtime.wat2wasm(f"""
+(module
+  (import "floe" "emit" (func $emit (param i32 i32) (result i32)))
+  (import "floe" "prefill" (func $prefill (param i32 i32 i32) (result i32)))
+  (import "floe" "vocab_size" (func $vocab_size (result i32)))
+  {imports}
+  (memory (export "memory") {memory_pages})
+  (data (i32.const 16) "ok")
+  (func (export "floe_abi_version") (result i32) (i32.const {abi_version}))
+  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "on_message") (param $ptr i32) (param $len i32) (result i32)
+    {on_message_body})
+  {extra}
+)""")
+
+
+EMITS_OK = guest("(drop (call $emit (i32.const 16) (i32.const 2))) (i32.const 0)")
+BAD_POINTER = guest("(drop (call $emit (i32.const 0x7ffff000) (i32.const 64))) (i32.const 0)")
+INFINITE_LOOP = guest("(loop $forever (br $forever)) (i32.const 0)")
+TRAPS = guest("(unreachable)")
+MEMORY_BOMB = guest(
+    "(loop $more (br_if $more (i32.ne (memory.grow (i32.const 16)) (i32.const -1)))) (unreachable)"
+)
+WRONG_ABI = guest("(i32.const 0)", abi_version=7)
+UNKNOWN_IMPORT = guest(
+    "(i32.const 0)", imports='(import "env" "system" (func $sys (param i32) (result i32)))'
+)
+# Prefills token 17 asking for the logits at byte 65536 (the second page), then emits "ok".
+LOGITS_IN_PLACE = guest(
+    "(i32.store (i32.const 4096) (i32.const 17))"
+    "(drop (call $prefill (i32.const 4096) (i32.const 1) (i32.const 65536)))"
+    "(drop (call $emit (i32.const 16) (i32.const 2))) (i32.const 0)",
+    memory_pages=8,
+)
+# Asks for logits at a misaligned address.
+MISALIGNED_LOGITS = guest(
+    "(i32.store (i32.const 4096) (i32.const 17))"
+    "(drop (call $prefill (i32.const 4096) (i32.const 1) (i32.const 65537))) (i32.const 0)",
+    memory_pages=8,
+)
