@@ -36,7 +36,7 @@ def _load_with_progress(model: str | None, dtype: str, quiet: bool):
 def _stderr_console():
     from rich.console import Console
 
-    return Console(stderr=True)
+    return Console(stderr=True, soft_wrap=True)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -49,12 +49,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     checkpoint = _load_with_progress(args.model, args.dtype, quiet=args.json)
     engine = Engine(checkpoint, device=args.device, dtype=args.dtype, max_seq_len=args.context)
     stream = None if args.json else _write_stdout
-    with Actor(engine, args.guest, seed=args.seed, system_prompt=args.system or "") as actor:
+    if args.thaw:
+        if args.system:
+            raise FloeError("--system applies to a new conversation; a thawed one keeps its own")
+        actor = Actor.thaw(engine, args.thaw, args.guest, seed=args.seed)
+    else:
+        actor = Actor(engine, args.guest, seed=args.seed, system_prompt=args.system or "")
+    with actor:
         reply = actor.send(args.prompt, max_tokens=args.max_tokens, params=params, on_text=stream)
+        frozen = actor.freeze(args.freeze, args.kv_dtype) if args.freeze else None
     stats = reply.stats
     finish = "length" if stats.generated_tokens >= args.max_tokens else "stop"
     if args.json:
-        print(json.dumps(_run_record(engine, reply, finish, args.guest), ensure_ascii=False))
+        record = _run_record(engine, reply, finish, args.guest)
+        record["kv_len"] = engine.kv_len(actor.slot)
+        if frozen:
+            record["frozen"] = frozen
+        print(json.dumps(record, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         _stderr_console().print(
@@ -63,6 +74,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"decode {stats.decode_tokens_per_s:.1f} tok/s; "
             f"{reply.ledger.total_copies()} copies across the guest boundary[/dim]"
         )
+        if frozen:
+            _stderr_console().print(f"[dim]froze the conversation into {frozen['path']} "
+                                    f"({frozen['bytes'] / 1e6:.2f} MB, "
+                                    f"{frozen['seconds'] * 1e3:.1f} ms)[/dim]")
     return 0
 
 
@@ -114,6 +129,43 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0 if good else 1
 
 
+def cmd_snapshot_inspect(args: argparse.Namespace) -> int:
+    from floe.snapshot import Snapshot
+
+    s = Snapshot(args.file).summary()
+    if args.json:
+        print(json.dumps(s))
+        return 0
+    print(f"{s['path']}: {s['file_bytes'] / 1e6:.2f} MB, {s['tokens']} tokens of context")
+    print(f"  model   {s['model']['name']} ({s['model']['fingerprint'][:16]}…)")
+    print(f"  guest   {s['guest']['name']} ({s['guest']['sha256'][:16]}…), ABI {s['abi_version']}")
+    print(f"  kv      {s['kv_dtype']} (engine {s['engine_dtype']}), {s['shape']['n_layers']} layers × "
+          f"{s['shape']['n_kv_heads']} heads × {s['shape']['head_dim']}, "
+          f"{s['tensor_bytes']['kv'] / 1e6:.2f} MB")
+    print(f"  memory  {s['guest_memory_bytes'] / 2**20:.2f} MiB guest memory, "
+          f"{s['tensor_bytes']['guest_memory'] / 1e6:.3f} MB stored (zero pages left out)")
+    print(f"  made    {s['created_at']}, format {s['format_version']}, checksum {s['checksum']}")
+    return 0
+
+
+def cmd_snapshot_verify(args: argparse.Namespace) -> int:
+    from floe.actor import ABI_VERSION
+    from floe.snapshot import Snapshot
+
+    snap = Snapshot(args.file)  # integrity, format version and checksum
+    checks = ["integrity and checksum"]
+    snap.verify(abi_version=ABI_VERSION)
+    checks.append(f"ABI {ABI_VERSION}")
+    if args.model is not None or args.default_model:
+        checkpoint = _load_with_progress(args.model, "float32", quiet=True)
+        c = checkpoint.config
+        snap.verify(fingerprint=checkpoint.fingerprint, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads,
+                    head_dim=c.head_dim, max_seq_len=c.context_length)
+        checks.append(f"model {checkpoint.name}")
+    print(f"{args.file}: ok ({', '.join(checks)})")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -139,7 +191,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV cache length in tokens (default: the model's context length)")
     run.add_argument("--guest", help="guest module (.wasm) that drives the model (default: built-in chat)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    run.add_argument("--thaw", metavar="FILE", help="continue the conversation frozen in FILE")
+    run.add_argument("--freeze", metavar="FILE", help="after the reply, freeze the conversation into FILE")
+    run.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8"], default=None,
+                     help="how --freeze stores the KV cache (default: the engine's dtype)")
     run.set_defaults(handler=cmd_run)
+
+    snapshot = sub.add_parser("snapshot", help="look into and check snapshot files")
+    snap_sub = snapshot.add_subparsers(dest="snapshot", required=True)
+    inspect = snap_sub.add_parser("inspect", help="metadata, sizes, token count, model")
+    inspect.add_argument("file")
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(handler=cmd_snapshot_inspect)
+    verify = snap_sub.add_parser("verify", help="check integrity, and that a model can thaw it")
+    verify.add_argument("file")
+    verify.add_argument("--model", help="check against this model (GGUF or HF folder)")
+    verify.add_argument("--default-model", action="store_true", help="check against the default model")
+    verify.set_defaults(handler=cmd_snapshot_verify)
 
     probe = sub.add_parser("probe", help="prove and measure floe's zero-copy chain")
     probe_sub = probe.add_subparsers(dest="probe", required=True)

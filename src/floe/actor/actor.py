@@ -224,6 +224,62 @@ class Actor:
         if isinstance(outcome[0], BaseException):
             raise outcome[0]
 
+    # ---- snapshots (taken only between messages: the lock waits for a message in flight) ----------
+
+    def capture_state(self):
+        """Everything that makes this actor, between messages, for floe.snapshot to write."""
+        from floe.snapshot import ActorState
+
+        with self._lock:
+            k, v = self.engine.cache.export(self.slot)
+            size, pages, data = self.guest.capture_memory()
+            return ActorState(
+                k=k, v=v, tokens=list(self.engine.cache.tokens[self.slot]), memory_size=size,
+                memory_pages=pages, memory_data=data, globals=self.guest.capture_globals(),
+                rng=self.generator.get_state(), system_prompt=self.system_prompt,
+                model_fingerprint=self.engine.fingerprint, model_name=self.engine.checkpoint.name,
+                guest_sha256=self.module.sha256, guest_name=self.module.name,
+                engine_dtype=str(self.engine.dtype).removeprefix("torch."), abi_version=ABI_VERSION,
+            )
+
+    def freeze(self, path: str | Path, kv_dtype: str | None = None) -> dict:
+        """Write this actor to one safetensors file (atomically); it keeps running."""
+        from floe import snapshot
+
+        return snapshot.write(self.capture_state(), path, kv_dtype)
+
+    @classmethod
+    def thaw(cls, engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModule | None = None,
+             **kwargs) -> Actor:
+        """A new actor continuing exactly where the frozen one stopped.
+
+        The file is verified first (integrity, format and ABI version, model, guest module, cache
+        shape); on any mismatch a specific SnapshotError is raised and nothing is created.
+        """
+        from floe.snapshot import Snapshot
+
+        snap = Snapshot(path)
+        runtime = default_runtime()
+        if guest is None:
+            guest = builtin_guest(Path(snap.metadata["guest_name"]).stem)
+        module = guest if isinstance(guest, GuestModule) else runtime.compile(guest)
+        c = engine.config
+        snap.verify(fingerprint=engine.fingerprint, guest_sha256=module.sha256, abi_version=ABI_VERSION,
+                    n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                    max_seq_len=engine.max_seq_len)
+        k, v = snap.kv(engine.dtype)
+        parts = snap.state_parts()
+        actor = cls(engine, module, system_prompt=parts["system_prompt"], **kwargs)
+        try:
+            actor.guest.restore_memory(parts["memory_size"], parts["memory_pages"], parts["memory_data"])
+            actor.guest.restore_globals(parts["globals"])
+            engine.cache.load(actor.slot, k, v, parts["tokens"])
+            actor.generator.set_state(parts["rng"])
+        except BaseException:
+            actor.close()
+            raise
+        return actor
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True

@@ -105,10 +105,12 @@ class Engine:
             self._check_ids(ids)
         start = self.cache.reserve(slot, tokens.numel())
         try:
-            return self.model(tokens, start, self.cache, slot, all_logits=all_logits, out=logits_out)
+            logits = self.model(tokens, start, self.cache, slot, all_logits=all_logits, out=logits_out)
         except BaseException:
             self.cache.truncate(slot, start)  # a failed step leaves the context as it was
             raise
+        self.cache.tokens[slot].extend(ids.tolist() if isinstance(ids, Tensor) else ids)
+        return logits
 
     @torch.inference_mode()
     def decode_step(self, token: int, slot: int = 0, logits_out: Tensor | None = None) -> Tensor:

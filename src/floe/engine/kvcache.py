@@ -22,6 +22,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_seq_len = max_seq_len
         self.lengths = [0] * n_slots
+        self.tokens: list[list[int]] = [[] for _ in range(n_slots)]  # the ids behind each slot
 
     @property
     def n_slots(self) -> int:
@@ -48,3 +49,21 @@ class KVCache:
         if not 0 <= n <= self.lengths[slot]:
             raise ValueError(f"cannot truncate slot {slot} of length {self.lengths[slot]} to {n}")
         self.lengths[slot] = n
+        del self.tokens[slot][n:]
+
+    def export(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views of the filled prefix of `slot`, per layer: k and v [n_kv_heads, length, head_dim]."""
+        n = self.lengths[slot]
+        return ([self.k[i, slot, :, :n] for i in range(self.k.shape[0])],
+                [self.v[i, slot, :, :n] for i in range(self.v.shape[0])])
+
+    def load(self, slot: int, k: list[torch.Tensor], v: list[torch.Tensor], tokens: list[int]) -> None:
+        """Replace `slot`'s contents with k/v per layer [n_kv_heads, length, head_dim] and their ids."""
+        n = len(tokens)
+        if n > self.max_seq_len:
+            raise ContextOverflow(f"{n} tokens do not fit a context of {self.max_seq_len}")
+        for i, (ki, vi) in enumerate(zip(k, v, strict=True)):
+            self.k[i, slot, :, :n].copy_(ki, non_blocking=True)
+            self.v[i, slot, :, :n].copy_(vi, non_blocking=True)
+        self.lengths[slot] = n
+        self.tokens[slot] = list(tokens)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import wasmtime
 from wasmtime import FuncType, Instance, Linker, Module, Store, Trap, TrapCode, ValType, WasmtimeError
 
@@ -198,6 +200,52 @@ class GuestInstance:
                 ) from None
             raise GuestTrap(f"guest {self.module.name} trapped: {_trap_reason(e)}") from None
 
+    # ---- state capture and restore (between calls only) ---------------------------------------------
+
+    def mutable_globals(self) -> list[tuple[str, wasmtime.Global]]:
+        """Exported mutable globals, by name. (Unexported ones, like clang's __stack_pointer, are
+        back at their initial values between calls in a well-formed guest.)"""
+        return [(name, ext) for name, ext in self.instance.exports(self.store).items()
+                if isinstance(ext, wasmtime.Global) and ext.type(self.store).mutable]
+
+    def capture_globals(self) -> list[tuple[str, str, int]]:
+        """(name, wasm type, raw 64-bit pattern) of each exported mutable global."""
+        out = []
+        for name, g in self.mutable_globals():
+            kind = str(g.type(self.store).content)
+            out.append((name, kind, _to_bits(kind, g.value(self.store))))
+        return out
+
+    def restore_globals(self, saved: list[tuple[str, str, int]]) -> None:
+        mine = dict(self.mutable_globals())
+        for name, kind, bits in saved:
+            g = mine.get(name)
+            if g is None or str(g.type(self.store).content) != kind:
+                raise GuestLoadError(f"guest has no mutable global {name!r} of type {kind}")
+            g.set_value(self.store, _val(kind, _from_bits(kind, bits)))
+
+    def capture_memory(self, page: int = 4096) -> tuple[int, np.ndarray, np.ndarray]:
+        """(size in bytes, indices of the pages that are not all zero, those pages' bytes)."""
+        size = self.region.size
+        words = self.region.numpy(0, size // 8, np.uint64).reshape(-1, page // 8)
+        index = np.flatnonzero(words.any(axis=1)).astype(np.int32)
+        return size, index, words[index].reshape(-1).view(np.uint8)
+
+    def restore_memory(self, size: int, index: np.ndarray, data: np.ndarray, page: int = 4096) -> None:
+        """Make guest memory exactly `size` bytes: zero everywhere but the given pages."""
+        if size < self.region.size:
+            raise GuestLoadError(f"saved memory ({size} bytes) is smaller than the module's initial "
+                                 f"memory ({self.region.size} bytes): not this guest's state")
+        if size > self.memory_cap:
+            raise GuestMemoryLimit(f"saved memory ({size >> 20} MiB) is over the cap of "
+                                   f"{self.memory_cap >> 20} MiB")
+        grow_pages = (size - self.region.size) // 65536
+        if grow_pages:
+            self.memory.grow(self.store, grow_pages)
+        self.region.zero()
+        words = self.region.numpy(0, size // 8, np.uint64).reshape(-1, page // 8)
+        words[index.astype(np.int64)] = data.view(np.uint64).reshape(len(index), page // 8)
+
     @property
     def memory_base(self) -> int:
         """The guest memory's base address as Wasmtime reports it."""
@@ -217,6 +265,27 @@ def _address(memory: wasmtime.Memory, store: Store) -> int:
     import ctypes
 
     return ctypes.cast(memory.data_ptr(store), ctypes.c_void_p).value or 0
+
+
+def _to_bits(kind: str, value) -> int:
+    if kind == "f32":
+        return struct.unpack("<I", struct.pack("<f", value))[0]
+    if kind == "f64":
+        return struct.unpack("<Q", struct.pack("<d", value))[0]
+    return int(value)
+
+
+def _from_bits(kind: str, bits: int):
+    if kind == "f32":
+        return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+    if kind == "f64":
+        return struct.unpack("<d", struct.pack("<Q", bits & 0xFFFFFFFFFFFFFFFF))[0]
+    return int(bits)
+
+
+def _val(kind: str, value) -> wasmtime.Val:
+    return {"i32": wasmtime.Val.i32, "i64": wasmtime.Val.i64, "f32": wasmtime.Val.f32,
+            "f64": wasmtime.Val.f64}[kind](value)
 
 
 def _trap_reason(e: BaseException) -> str:

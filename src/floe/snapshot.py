@@ -1,0 +1,303 @@
+"""Whole-actor snapshots: one safetensors file holding the KV cache prefix, guest memory and globals,
+token history and sampler state, verified on load; written atomically.
+
+Tensors (format version 1):
+  kv.{layer}.k, kv.{layer}.v      [n_kv_heads, kv_len, head_dim], engine dtype or int8
+  kv.{layer}.k.scale, ...v.scale  float32 [n_kv_heads, kv_len, 1]   (int8 only: absmax / 127)
+  guest.memory                    uint8 [n_pages * 4096]: the pages of guest memory not all zero
+  guest.memory.pages              int32 [n_pages]: their page numbers
+  guest.globals                   int64 [n_globals]: raw bits of exported mutable globals
+  tokens                          int32 [kv_len]: the token ids behind the KV cache
+  sampler.rng                     uint8: the actor's torch.Generator state
+Metadata (all strings): see `_metadata`. `checksum` is xxh3-128 over every tensor's name, dtype,
+shape and bytes and every other metadata entry: it detects corruption, it is not a signature.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from floe.errors import FloeError
+
+FORMAT = "floe-snapshot"
+FORMAT_VERSION = 1
+KV_DTYPES = ("float32", "bfloat16", "int8")  # "int4" fits the same layout later (packed + scales)
+PAGE = 4096
+
+
+class SnapshotError(FloeError):
+    """A snapshot cannot be used; nothing was loaded."""
+
+
+class SnapshotCorrupt(SnapshotError):
+    """The file is truncated, not a safetensors file, or its contents do not match its checksum."""
+
+
+class SnapshotVersionMismatch(SnapshotError):
+    """The snapshot's format or guest ABI version is not one this floe reads."""
+
+
+class SnapshotModelMismatch(SnapshotError):
+    """The snapshot was made with another model than the engine runs."""
+
+
+class SnapshotGuestMismatch(SnapshotError):
+    """The snapshot was made with another guest module."""
+
+
+class SnapshotShapeMismatch(SnapshotError):
+    """The snapshot's KV cache does not fit this engine's cache (layers, heads, length)."""
+
+
+@dataclass
+class ActorState:
+    """Everything that makes an actor between messages, as tensors and plain values."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    tokens: list[int]
+    memory_size: int
+    memory_pages: np.ndarray
+    memory_data: np.ndarray
+    globals: list[tuple[str, str, int]]
+    rng: torch.Tensor
+    system_prompt: str
+    model_fingerprint: str
+    model_name: str
+    guest_sha256: str
+    guest_name: str
+    engine_dtype: str
+    abi_version: int
+
+
+def _quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (head, token) symmetric int8: x ~= q * scale, scale = absmax over head_dim / 127."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0
+    return torch.round(xf / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def _tensors(state: ActorState, kv_dtype: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for i, (k, v) in enumerate(zip(state.k, state.v, strict=True)):
+        for name, t in (("k", k), ("v", v)):
+            t = t.detach().to("cpu")
+            if kv_dtype == "int8":
+                q, scale = _quantize_int8(t)
+                out[f"kv.{i}.{name}"], out[f"kv.{i}.{name}.scale"] = q, scale
+            else:
+                # Always a copy: views of one cache share storage, which safetensors refuses.
+                out[f"kv.{i}.{name}"] = t.to(getattr(torch, kv_dtype), copy=True).contiguous()
+    out["tokens"] = torch.tensor(state.tokens, dtype=torch.int32)
+    out["guest.memory"] = torch.from_numpy(np.ascontiguousarray(state.memory_data))
+    out["guest.memory.pages"] = torch.from_numpy(np.ascontiguousarray(state.memory_pages))
+    out["guest.globals"] = torch.tensor([bits for _, _, bits in state.globals], dtype=torch.int64)
+    out["sampler.rng"] = state.rng.clone()
+    return out
+
+
+def _metadata(state: ActorState, kv_dtype: str) -> dict[str, str]:
+    k0 = state.k[0]
+    return {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "abi_version": str(state.abi_version),
+        "model_fingerprint": state.model_fingerprint,
+        "model_name": state.model_name,
+        "guest_sha256": state.guest_sha256,
+        "guest_name": state.guest_name,
+        "engine_dtype": state.engine_dtype,
+        "kv_dtype": kv_dtype,
+        "kv_len": str(len(state.tokens)),
+        "n_layers": str(len(state.k)),
+        "n_kv_heads": str(k0.shape[0]),
+        "head_dim": str(k0.shape[-1]),
+        "guest_memory_bytes": str(state.memory_size),
+        "guest_page_size": str(PAGE),
+        "globals": json.dumps([[name, kind] for name, kind, _ in state.globals]),
+        "system_prompt": state.system_prompt,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    h = xxhash.xxh3_128()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        if t.numel():
+            h.update(t.contiguous().view(torch.uint8).numpy())
+    for key in sorted(metadata):
+        if key != "checksum":
+            h.update(f"{key}\0{metadata[key]}\0".encode())
+    return h.hexdigest()
+
+
+def write(state: ActorState, path: str | Path, kv_dtype: str | None = None) -> dict:
+    """Write `state` to `path` atomically: temp file in the same folder, fsync, rename, fsync folder.
+
+    A crash at any point leaves the previous file at `path` intact. Returns size and timings.
+    """
+    kv_dtype = kv_dtype or state.engine_dtype
+    if kv_dtype not in KV_DTYPES:
+        raise SnapshotError(f"kv dtype {kv_dtype!r} is not supported; choose one of {', '.join(KV_DTYPES)}")
+    path = Path(path)
+    t0 = time.perf_counter()
+    tensors = _tensors(state, kv_dtype)
+    metadata = _metadata(state, kv_dtype)
+    metadata["checksum"] = checksum(tensors, metadata)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return {"path": str(path), "bytes": path.stat().st_size, "seconds": time.perf_counter() - t0}
+
+
+class Snapshot:
+    """A snapshot file, read and checked. `verify` compares it with an engine and guest."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise SnapshotError(f"no snapshot at {self.path}")
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                self.metadata: dict[str, str] = dict(f.metadata() or {})
+                self.tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise SnapshotCorrupt(
+                f"{self.path} is not a readable snapshot (truncated or corrupt: {e})") from e
+        m = self.metadata
+        if m.get("format") != FORMAT:
+            raise SnapshotCorrupt(f"{self.path} is a safetensors file but not a floe snapshot")
+        if m.get("format_version") != str(FORMAT_VERSION):
+            raise SnapshotVersionMismatch(
+                f"snapshot format version {m.get('format_version')}; this floe reads {FORMAT_VERSION}")
+        expected = m.get("checksum")
+        actual = checksum(self.tensors, m)
+        if expected != actual:
+            raise SnapshotCorrupt(f"{self.path}: checksum mismatch (file says {expected}, contents hash "
+                                  f"to {actual}): the file was damaged after it was written")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        m = self.metadata
+        try:
+            n_layers, kv_len = int(m["n_layers"]), int(m["kv_len"])
+            shape = (int(m["n_kv_heads"]), kv_len, int(m["head_dim"]))
+            for i in range(n_layers):
+                for name in ("k", "v"):
+                    if tuple(self.tensors[f"kv.{i}.{name}"].shape) != shape:
+                        raise SnapshotCorrupt(f"kv.{i}.{name} has shape "
+                                              f"{tuple(self.tensors[f'kv.{i}.{name}'].shape)}, not {shape}")
+            if self.tensors["tokens"].numel() != kv_len:
+                raise SnapshotCorrupt("token history and KV cache lengths differ")
+        except KeyError as e:
+            raise SnapshotCorrupt(f"{self.path} lacks {e}") from None
+
+    @property
+    def kv_len(self) -> int:
+        return int(self.metadata["kv_len"])
+
+    def verify(self, *, fingerprint: str | None = None, guest_sha256: str | None = None,
+               abi_version: int | None = None, n_layers: int | None = None,
+               n_kv_heads: int | None = None, head_dim: int | None = None,
+               max_seq_len: int | None = None) -> None:
+        """Raise the specific SnapshotError for the first thing that does not match."""
+        m = self.metadata
+        if abi_version is not None and m["abi_version"] != str(abi_version):
+            raise SnapshotVersionMismatch(
+                f"snapshot was made by a guest speaking ABI {m['abi_version']}; "
+                f"this host speaks {abi_version}")
+        if fingerprint is not None and m["model_fingerprint"] != fingerprint:
+            raise SnapshotModelMismatch(
+                f"snapshot was made with model {m['model_name']!r} ({m['model_fingerprint'][:12]}…) but this "
+                f"engine runs {fingerprint[:12]}…; load the same model file to thaw it")
+        if guest_sha256 is not None and m["guest_sha256"] != guest_sha256:
+            raise SnapshotGuestMismatch(
+                f"snapshot was made with guest {m['guest_name']} ({m['guest_sha256'][:12]}…), not "
+                f"{guest_sha256[:12]}…; thaw it with the same guest module")
+        wanted = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
+        for key, value in wanted.items():
+            if value is not None and int(m[key]) != value:
+                raise SnapshotShapeMismatch(f"snapshot has {key}={m[key]}, the engine's cache has {value}")
+        if max_seq_len is not None and self.kv_len > max_seq_len:
+            raise SnapshotShapeMismatch(
+                f"snapshot holds {self.kv_len} tokens; the engine's context holds {max_seq_len}")
+
+    def kv(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """K and V per layer in `dtype` (int8 snapshots are dequantized)."""
+        n = int(self.metadata["n_layers"])
+        out: tuple[list, list] = ([], [])
+        for i in range(n):
+            for j, name in enumerate(("k", "v")):
+                t = self.tensors[f"kv.{i}.{name}"]
+                if t.dtype == torch.int8:
+                    t = t.float() * self.tensors[f"kv.{i}.{name}.scale"]
+                out[j].append(t.to(dtype))
+        return out
+
+    def state_parts(self) -> dict:
+        """Guest memory, globals, tokens and RNG, as restore() takes them."""
+        kinds = json.loads(self.metadata["globals"])
+        bits = self.tensors["guest.globals"].tolist()
+        return {
+            "memory_size": int(self.metadata["guest_memory_bytes"]),
+            "memory_pages": self.tensors["guest.memory.pages"].numpy(),
+            "memory_data": self.tensors["guest.memory"].numpy(),
+            "globals": [(name, kind, b) for (name, kind), b in zip(kinds, bits, strict=True)],
+            "tokens": self.tensors["tokens"].tolist(),
+            "rng": self.tensors["sampler.rng"],
+            "system_prompt": self.metadata.get("system_prompt", ""),
+        }
+
+    def summary(self) -> dict:
+        """What `floe snapshot inspect` shows."""
+        m = self.metadata
+        sizes: dict[str, int] = {"kv": 0, "guest_memory": 0, "other": 0}
+        for name, t in self.tensors.items():
+            key = ("kv" if name.startswith("kv.")
+                   else "guest_memory" if name.startswith("guest.memory") else "other")
+            sizes[key] += t.numel() * t.element_size()
+        return {
+            "path": str(self.path),
+            "file_bytes": self.path.stat().st_size,
+            "tensor_bytes": sizes,
+            "tokens": self.kv_len,
+            "model": {"name": m["model_name"], "fingerprint": m["model_fingerprint"]},
+            "guest": {"name": m["guest_name"], "sha256": m["guest_sha256"]},
+            "format_version": int(m["format_version"]),
+            "abi_version": int(m["abi_version"]),
+            "engine_dtype": m["engine_dtype"],
+            "kv_dtype": m["kv_dtype"],
+            "shape": {"n_layers": int(m["n_layers"]), "n_kv_heads": int(m["n_kv_heads"]),
+                      "head_dim": int(m["head_dim"])},
+            "guest_memory_bytes": int(m["guest_memory_bytes"]),
+            "globals": [name for name, _ in json.loads(m["globals"])],
+            "created_at": m["created_at"],
+            "checksum": m["checksum"],
+        }
