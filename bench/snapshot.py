@@ -63,8 +63,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    engine = Engine(load_checkpoint(dtype=dtype), dtype=dtype, max_seq_len=max(args.lengths) + 256,
-                    n_slots=4)
+    engine = Engine(load_checkpoint(dtype=dtype), dtype=dtype, max_seq_len=max(args.lengths) + 256, n_slots=4)
     rows = []
     folder = Path(tempfile.mkdtemp(prefix="floe-bench-"))
     for n in args.lengths:
@@ -82,13 +81,15 @@ def main() -> None:
 
         thaw(), thaw(path8)  # warm the page cache and the module cache alike for every row
         thaw_s, _ = timed(thaw, 5)
-        thaw8_s, _ = timed(lambda: thaw(path8), 5)
+        thaw8_s, _ = timed(lambda p=path8: thaw(p), 5)
 
         slot = engine.claim_slot()
         try:
+
             def prefill(s=slot, ids=tokens):
                 engine.kv_truncate(0, s)
                 engine.prefill(ids, s)
+
             prefill_s, _ = timed(prefill, 2 if n <= 1024 else 1)
         finally:
             engine.release_slot(slot)
@@ -97,19 +98,30 @@ def main() -> None:
             ref_tokens, ref_logits = continuation(a)
             q_tokens, q_logits = continuation(b)
         agree = sum(x == y for x, y in zip(ref_tokens, q_tokens, strict=True)) / len(ref_tokens)
-        rows.append({
-            "tokens": kv_len, "file_bytes": info["bytes"], "freeze_ms": freeze_s * 1e3,
-            "thaw_ms": thaw_s * 1e3, "reprefill_ms": prefill_s * 1e3, "thaw_speedup": prefill_s / thaw_s,
-            "int8_file_bytes": info8["bytes"], "int8_freeze_ms": freeze8_s * 1e3,
-            "int8_thaw_ms": thaw8_s * 1e3, "int8_greedy_agreement": agree,
-            "int8_max_logit_error": float((ref_logits - q_logits).abs().max()),
-        })
+        rows.append(
+            {
+                "tokens": kv_len,
+                "file_bytes": info["bytes"],
+                "freeze_ms": freeze_s * 1e3,
+                "thaw_ms": thaw_s * 1e3,
+                "reprefill_ms": prefill_s * 1e3,
+                "thaw_speedup": prefill_s / thaw_s,
+                "int8_file_bytes": info8["bytes"],
+                "int8_freeze_ms": freeze8_s * 1e3,
+                "int8_thaw_ms": thaw8_s * 1e3,
+                "int8_greedy_agreement": agree,
+                "int8_max_logit_error": float((ref_logits - q_logits).abs().max()),
+            }
+        )
         r = rows[-1]
-        print(f"{r['tokens']:>6} tokens  file {r['file_bytes'] / 1e6:7.2f} MB  freeze {r['freeze_ms']:7.1f} ms  "
-              f"thaw {r['thaw_ms']:7.1f} ms  re-prefill {r['reprefill_ms']:8.1f} ms  "
-              f"×{r['thaw_speedup']:6.1f}  | int8 {r['int8_file_bytes'] / 1e6:6.2f} MB  "
-              f"thaw {r['int8_thaw_ms']:6.1f} ms  agree {100 * agree:5.1f} %  "
-              f"max logit err {r['int8_max_logit_error']:.3f}", flush=True)
+        print(
+            f"{r['tokens']:>6} tokens  file {r['file_bytes'] / 1e6:7.2f} MB  freeze {r['freeze_ms']:7.1f} ms  "
+            f"thaw {r['thaw_ms']:7.1f} ms  re-prefill {r['reprefill_ms']:8.1f} ms  "
+            f"×{r['thaw_speedup']:6.1f}  | int8 {r['int8_file_bytes'] / 1e6:6.2f} MB  "
+            f"thaw {r['int8_thaw_ms']:6.1f} ms  agree {100 * agree:5.1f} %  "
+            f"max logit err {r['int8_max_logit_error']:.3f}",
+            flush=True,
+        )
     out = Path(__file__).parent / "results" / "snapshot.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"dtype": args.dtype, "threads": args.threads, "rows": rows}, indent=2))

@@ -112,3 +112,23 @@ def test_text_stream_holds_back_partial_utf8(default_checkpoint):
     deltas = [stream.push(i) for i in ids] + [stream.flush()]
     assert "".join(deltas) == "snow ☃ and 👨‍👩‍👧 done"
     assert all("\ufffd" not in d for d in deltas)
+
+
+def test_random_checkpoint_is_seeded_and_runs(default_checkpoint):
+    from floe.engine import Engine
+    from floe.model.synthetic import random_checkpoint
+
+    a = random_checkpoint("smollm2-135m", default_checkpoint.tokenizer, seed=1, dtype=torch.float32)
+    b = random_checkpoint("smollm2-135m", default_checkpoint.tokenizer, seed=1, dtype=torch.float32)
+    c = random_checkpoint("smollm2-135m", default_checkpoint.tokenizer, seed=2, dtype=torch.float32)
+    assert a.fingerprint == b.fingerprint != c.fingerprint
+    assert a.expected_weight_names() == set(a.weights)
+    assert torch.equal(a.weights["layers.3.attention.wq.weight"], b.weights["layers.3.attention.wq.weight"])
+    logits = Engine(a, max_seq_len=64).prefill([1, 2, 3])
+    assert logits.shape == (49152,) and torch.isfinite(logits).all()
+
+
+def test_token_ids_past_the_tokenizer_stand_for_no_bytes(default_checkpoint):
+    tok = default_checkpoint.tokenizer
+    assert tok.token_bytes(100_000) == b"" and tok.token_bytes(-1) == b""
+    assert tok.token_bytes(504) == tok.decode([504]).encode()

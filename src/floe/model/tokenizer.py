@@ -101,8 +101,12 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The exact bytes a token stands for (byte-level BPE: possibly part of a character)."""
-        return self._byte_table[token_id]
+        """The exact bytes a token stands for (byte-level BPE: possibly part of a character).
+
+        Ids past the tokenizer's vocabulary (models often pad their embedding table) stand for nothing.
+        """
+        table = self._byte_table
+        return table[token_id] if 0 <= token_id < len(table) else b""
 
     @cached_property
     def _byte_table(self) -> list[bytes]:
