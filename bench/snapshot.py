@@ -115,7 +115,8 @@ def main() -> None:
         )
         r = rows[-1]
         print(
-            f"{r['tokens']:>6} tokens  file {r['file_bytes'] / 1e6:7.2f} MB  freeze {r['freeze_ms']:7.1f} ms  "
+            f"{r['tokens']:>6} tokens  file {r['file_bytes'] / 1e6:7.2f} MB  "
+            f"freeze {r['freeze_ms']:7.1f} ms  "
             f"thaw {r['thaw_ms']:7.1f} ms  re-prefill {r['reprefill_ms']:8.1f} ms  "
             f"×{r['thaw_speedup']:6.1f}  | int8 {r['int8_file_bytes'] / 1e6:6.2f} MB  "
             f"thaw {r['int8_thaw_ms']:6.1f} ms  agree {100 * agree:5.1f} %  "
