@@ -174,7 +174,10 @@ class HostABI:
         out = self._logits_target(logits_ptr)
         t0 = time.perf_counter()
         try:
-            logits = self.engine.prefill(ids, self.actor.slot, logits_out=out)
+            if isinstance(ids, list) and len(ids) == 1:  # one decode step (a CUDA graph replay on GPU)
+                logits = self.engine.decode_step(ids[0], self.actor.slot, logits_out=out)
+            else:
+                logits = self.engine.prefill(ids, self.actor.slot, logits_out=out)
         except ContextOverflow:
             return ERR_CONTEXT_FULL
         self.actor.stats.on_forward(len(ids), time.perf_counter() - t0)

@@ -45,6 +45,8 @@ class Engine:
         dtype: str | torch.dtype = torch.float32,
         max_seq_len: int | None = None,
         n_slots: int = 1,
+        cuda_graphs: bool | None = None,
+        compile_decode: bool = False,
     ) -> None:
         self.checkpoint = checkpoint
         self.config = checkpoint.config
@@ -65,6 +67,10 @@ class Engine:
         self.cache = KVCache(self.config, self.max_seq_len, n_slots, self.dtype, self.device)
         self._free_slots = list(range(n_slots))
         self._slot_lock = threading.Lock()
+        # On CUDA, decode steps replay captured graphs unless asked not to (eager is the reference).
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.compile_decode = compile_decode
+        self._decoders: dict[int, object] = {}
 
     @property
     def fingerprint(self) -> str:
@@ -114,8 +120,32 @@ class Engine:
 
     @torch.inference_mode()
     def decode_step(self, token: int, slot: int = 0, logits_out: Tensor | None = None) -> Tensor:
-        """Append one token to `slot`'s context; float32 logits [vocab] of the next position."""
-        return self.prefill([token], slot, logits_out=logits_out)
+        """Append one token to `slot`'s context; float32 logits [vocab] of the next position.
+
+        With CUDA graphs the returned tensor is the graph's buffer, valid until the next step.
+        """
+        if not self.cuda_graphs:
+            return self.prefill([token], slot, logits_out=logits_out)
+        self._check_ids([token])
+        position = self.cache.reserve(slot, 1)
+        try:
+            logits = self._decoder(slot).step(token, position)
+        except BaseException:
+            self.cache.truncate(slot, position)
+            raise
+        self.cache.tokens[slot].append(token)
+        if logits_out is not None:
+            logits_out.copy_(logits)
+        return logits
+
+    def _decoder(self, slot: int):
+        from floe.engine.cuda_graph import GraphDecoder
+
+        decoder = self._decoders.get(slot)
+        if decoder is None:
+            decoder = self._decoders[slot] = GraphDecoder(self.model, self.cache, slot,
+                                                          compile=self.compile_decode)
+        return decoder
 
     def _check_ids(self, ids: list[int]) -> None:
         bad = [i for i in ids if not 0 <= i < self.config.vocab_size]

@@ -1,0 +1,95 @@
+"""The CUDA path, on a machine with a GPU (skipped elsewhere). Random seeded weights; the tokenizer
+is the default model's, or the folder named by FLOE_TEST_TOKENIZER (tokenizer.json)."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    folder = os.environ.get("FLOE_TEST_TOKENIZER")
+    if folder:
+        from floe.model.hf_folder import tokenizer_from_folder
+
+        return tokenizer_from_folder(Path(folder), {})
+    from floe.model import load_checkpoint
+
+    return load_checkpoint().tokenizer
+
+
+@pytest.fixture(scope="module")
+def engines(tokenizer):
+    from floe.engine import Engine
+    from floe.model.synthetic import random_checkpoint
+
+    # Larger weights than an initialiser's give peaked logits, so greedy choices are not near-ties.
+    ckpt = random_checkpoint("smollm2-135m", tokenizer, dtype=torch.float32, scale=0.08)
+    return {
+        "cpu": Engine(ckpt, max_seq_len=512),
+        "eager": Engine(ckpt, device="cuda", max_seq_len=512, cuda_graphs=False),
+        "graph": Engine(ckpt, device="cuda", max_seq_len=512, n_slots=2, cuda_graphs=True),
+    }
+
+
+def stream(engine, n=24):
+    engine.kv_truncate(0)
+    logits = engine.prefill(list(range(100, 140)))
+    out = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = engine.decode_step(out[-1])
+    engine.kv_truncate(0)
+    return out, logits.float().cpu().clone()
+
+
+def test_graph_replay_and_eager_decode_agree(engines):
+    eager_tokens, eager_logits = stream(engines["eager"])
+    graph_tokens, graph_logits = stream(engines["graph"])
+    assert eager_tokens == graph_tokens
+    torch.testing.assert_close(graph_logits, eager_logits, atol=1e-3, rtol=1e-3)
+
+
+def test_cuda_logits_match_the_cpu_fp32_path(engines):
+    cpu_tokens, cpu_logits = stream(engines["cpu"])
+    cuda_tokens, cuda_logits = stream(engines["graph"])
+    assert cpu_tokens[:8] == cuda_tokens[:8]
+    assert ((cuda_logits - cpu_logits).norm() / cpu_logits.norm()) < 1e-2
+
+
+def test_guest_logits_land_in_guest_memory_from_the_gpu(engines):
+    from guests_wat import LOGITS_IN_PLACE
+
+    from floe.actor import Actor
+
+    engine = engines["graph"]
+    with Actor(engine, LOGITS_IN_PLACE) as actor:
+        actor.send("x")
+        in_guest = actor.region.torch(65536, engine.config.vocab_size, torch.float32).clone()
+    slot = engine.claim_slot()
+    expected = engine.prefill([17], slot).cpu()
+    engine.release_slot(slot)
+    torch.testing.assert_close(in_guest, expected)
+
+
+def test_probe_zero_copy_on_cuda_has_pointer_identity():
+    from floe.probe import probe_zero_copy
+
+    r = probe_zero_copy("cuda")
+    assert r["pointer_identity"] and r["gemm_mismatches"] == 0
+    assert r["pointers"]["device_pointer"] == r["pointers"]["region_base"]
+
+
+def test_snapshot_migrates_between_cpu_and_cuda(engines, tmp_path):
+    from floe.actor import Actor
+
+    with Actor(engines["cpu"]) as a:
+        a.send("Tell me about the sea.", max_tokens=6)
+        a.freeze(tmp_path / "cpu.safetensors")
+        expected = a.send("And the sky?", max_tokens=8).stats.token_ids
+    with Actor.thaw(engines["graph"], tmp_path / "cpu.safetensors") as b:
+        assert b.send("And the sky?", max_tokens=8).stats.token_ids[:4] == expected[:4]
