@@ -13,28 +13,13 @@ import statistics
 from pathlib import Path
 
 import torch
+from cuda_clock import events_time
 from torch.profiler import ProfilerActivity, profile
 
 from floe.actor import Actor
 from floe.engine import Engine, Generation, SamplingParams, generate
 from floe.model.hf_folder import tokenizer_from_folder
 from floe.model.synthetic import random_checkpoint
-
-
-def events_time(fn, repeats: int) -> float:
-    """Median seconds of fn() by CUDA events, after warm-up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def copy_bandwidth() -> float:

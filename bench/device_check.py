@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from cuda_clock import events_time
 
 from floe.actor import Actor
 from floe.engine import Engine
@@ -41,20 +42,6 @@ def section(name):
     return wrap
 
 
-def cuda_time(fn, repeats: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
 @section("bandwidth")
 def bandwidth():
     n = 1 << 30
@@ -63,11 +50,11 @@ def bandwidth():
         torch.empty(n, dtype=torch.uint8, device="cuda"),
     )
     src.random_()
-    d2d = 2 * n / cuda_time(lambda: dst.copy_(src))
+    d2d = 2 * n / events_time(lambda: dst.copy_(src), 20)
     pinned = torch.empty(n // 4, dtype=torch.uint8).pin_memory()
     pageable = torch.empty(n // 4, dtype=torch.uint8)
-    h2d_pinned = n / 4 / cuda_time(lambda: dst[: n // 4].copy_(pinned, non_blocking=True))
-    h2d_pageable = n / 4 / cuda_time(lambda: dst[: n // 4].copy_(pageable), 5)
+    h2d_pinned = n / 4 / events_time(lambda: dst[: n // 4].copy_(pinned, non_blocking=True), 20)
+    h2d_pageable = n / 4 / events_time(lambda: dst[: n // 4].copy_(pageable), 5)
     return {
         "d2d_gb_s": d2d / 1e9,
         "h2d_pinned_gb_s": h2d_pinned / 1e9,
@@ -173,7 +160,7 @@ def snapshot_1b(tok, h2d_gb_s):
             engine.kv_truncate(0, s)
             engine.prefill(ids, s)
 
-        prefill_s = cuda_time(prefill, 3)
+        prefill_s = events_time(prefill, 3)
         engine.release_slot(slot)
         kv_bytes = 2 * 16 * 8 * kv_len * 64 * 2
         rows.append(
@@ -205,7 +192,7 @@ def eager_decode(tok):
         engine.decode_step(300)
         engine.kv_truncate(256)
 
-    step = cuda_time(step_once, 50)
+    step = events_time(step_once, 50)
     with Actor(engine) as a:
         r = a.send("Write a story.", max_tokens=64)
     return {
