@@ -72,6 +72,8 @@ class WasmRuntime:
         self.host_functions = HostFunctions()
         self._ticker: threading.Thread | None = None
         self._ticker_lock = threading.Lock()
+        self._modules: dict[str, GuestModule] = {}  # sha256 -> compiled module
+        self._modules_lock = threading.Lock()
 
     def deadline_ticks(self, seconds: float) -> int:
         self._start_ticker()
@@ -89,7 +91,24 @@ class WasmRuntime:
             self.engine.increment_epoch()
 
     def compile(self, wasm: bytes | str | Path) -> GuestModule:
-        return GuestModule(self, wasm)
+        """The compiled module for these bytes; compiled once per process (Cranelift takes ms)."""
+        data, name = _read_wasm(wasm)
+        digest = hashlib.sha256(data).hexdigest()
+        with self._modules_lock:
+            module = self._modules.get(digest)
+            if module is None:
+                module = self._modules[digest] = GuestModule(self, data, name)
+            return module
+
+
+def _read_wasm(wasm: bytes | str | Path) -> tuple[bytes, str]:
+    if isinstance(wasm, (str, Path)):
+        path = Path(wasm)
+        try:
+            return path.read_bytes(), path.name
+        except OSError as e:
+            raise GuestLoadError(f"cannot read guest module {path}: {e}") from e
+    return bytes(wasm), "guest.wasm"
 
 
 _RUNTIME: WasmRuntime | None = None
@@ -107,16 +126,8 @@ def default_runtime() -> WasmRuntime:
 class GuestModule:
     """A compiled guest module and the SHA-256 of its bytes (snapshots record it)."""
 
-    def __init__(self, runtime: WasmRuntime, wasm: bytes | str | Path) -> None:
-        if isinstance(wasm, (str, Path)):
-            path = Path(wasm)
-            try:
-                wasm = path.read_bytes()
-            except OSError as e:
-                raise GuestLoadError(f"cannot read guest module {path}: {e}") from e
-            self.name = path.name
-        else:
-            self.name = "guest.wasm"
+    def __init__(self, runtime: WasmRuntime, wasm: bytes, name: str = "guest.wasm") -> None:
+        self.name = name
         self.runtime = runtime
         self.sha256 = hashlib.sha256(wasm).hexdigest()
         self.size = len(wasm)
