@@ -18,7 +18,7 @@ class GraphDecoder:
     """Decode steps of one KV cache slot, replayed from CUDA graphs."""
 
     def __init__(self, model: Transformer, cache, slot: int, min_bucket: int = 256,
-                 compile: bool = False) -> None:
+                 compile: bool = False, fused: bool = False) -> None:
         self.model, self.cache, self.slot = model, cache, slot
         dev = model.tok_embeddings.weight.device
         c = model.config
@@ -41,8 +41,8 @@ class GraphDecoder:
         self.done = torch.cuda.Event()  # the last replay finished reading host_in
         # Inductor fuses the step's elementwise ops (norms, rotary, residuals) into fewer kernels;
         # the graph below is still ours, so replay and I/O are the same either way.
-        self._core = torch.compile(self._core_eager, fullgraph=True, dynamic=False) if compile \
-            else self._core_eager
+        core = self._core_fused if fused else self._core_eager
+        self._core = torch.compile(core, fullgraph=True, dynamic=False) if compile else core
 
     def bucket_for(self, length: int) -> int:
         return next(b for b in self.buckets if b >= length)
@@ -79,6 +79,28 @@ class GraphDecoder:
             x = x + att.wo(y)
             x = x + layer.feed_forward(layer.ffn_norm(x))
         logits = F.linear(m.norm(x), m.output_weight())[0].float()
+        return logits, torch.argmax(logits).view(1)
+
+    def _core_fused(self, dev_in: Tensor, bucket: int) -> tuple[Tensor, Tensor]:
+        """The same step with Triton kernels: 9 launches a layer instead of ~49."""
+        from floe.engine import triton_kernels as tk
+
+        m, c, slot = self.model, self.model.config, self.slot
+        token, pos = dev_in[:1], dev_in[1:]
+        layers = m.layers
+        x = m.tok_embeddings(token)  # [1, dim], the residual stream
+        h, _ = tk.rmsnorm(x, layers[0].attention_norm.weight, c.norm_eps)
+        for i, layer in enumerate(layers):
+            k_cache, v_cache = self.cache.k[i, slot], self.cache.v[i, slot]
+            qkv = layer.attention.wqkv(h)
+            q = tk.rope_kv_write(qkv, m.cos, m.sin, pos, k_cache, v_cache,
+                                 c.n_heads, c.n_kv_heads, c.head_dim)
+            y = tk.decode_attention(q, k_cache, v_cache, pos, c.n_kv_heads)
+            h, x = tk.rmsnorm(layer.attention.wo(y), layer.ffn_norm.weight, c.norm_eps, residual=x)
+            d = layer.feed_forward.w2(tk.swiglu(layer.feed_forward.w13(h)))
+            next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else m.norm
+            h, x = tk.rmsnorm(d, next_norm.weight, c.norm_eps, residual=x)
+        logits = F.linear(h, m.output_weight())[0].float()
         return logits, torch.argmax(logits).view(1)
 
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph:

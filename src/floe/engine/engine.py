@@ -35,6 +35,12 @@ def parse_device(name: str | torch.device) -> torch.device:
     return device
 
 
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 class Engine:
     """Owns the model weights and the KV cache on `device`; prefill and decode per slot."""
 
@@ -47,6 +53,7 @@ class Engine:
         n_slots: int = 1,
         cuda_graphs: bool | None = None,
         compile_decode: bool = False,
+        fused_kernels: bool | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.config = checkpoint.config
@@ -70,6 +77,8 @@ class Engine:
         # On CUDA, decode steps replay captured graphs unless asked not to (eager is the reference).
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.compile_decode = compile_decode
+        # Triton's fused decode kernels, by default wherever graphs run and Triton is installed.
+        self.fused_kernels = (self.cuda_graphs and _has_triton()) if fused_kernels is None else fused_kernels
         self._decoders: dict[int, object] = {}
 
     @property
@@ -144,7 +153,8 @@ class Engine:
         decoder = self._decoders.get(slot)
         if decoder is None:
             decoder = self._decoders[slot] = GraphDecoder(self.model, self.cache, slot,
-                                                          compile=self.compile_decode)
+                                                          compile=self.compile_decode,
+                                                          fused=self.fused_kernels)
         return decoder
 
     def _check_ids(self, ids: list[int]) -> None:
