@@ -127,3 +127,36 @@ def test_fused_kernels_in_bfloat16_are_as_close_to_fp32_as_eager_bf16(tokenizer)
         engine = Engine(ckpt, device="cuda", dtype="bfloat16", max_seq_len=512, **kwargs)
         errors[name] = float((first_step_logits(engine) - reference).norm() / reference.norm())
     assert errors["fused"] <= 1.5 * errors["eager"] + 1e-3, errors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_heads,n_kv,hd,pos", [(9, 3, 64, 0), (32, 8, 64, 200), (32, 8, 128, 1000),
+                                                 (14, 2, 64, 63)])
+def test_split_decode_attention_matches_softmax_attention(dtype, n_heads, n_kv, hd, pos):
+    from floe.engine import triton_kernels as tk
+
+    torch.manual_seed(pos)
+    bucket = 1024
+    q = torch.randn(n_heads, hd, device="cuda", dtype=dtype)
+    k = torch.randn(n_kv, bucket, hd, device="cuda", dtype=dtype)
+    v = torch.randn(n_kv, bucket, hd, device="cuda", dtype=dtype)
+    p = torch.tensor([pos], device="cuda")
+    out = tk.decode_attention(q, k, v, p, n_kv, bucket).view(n_heads, hd).float()
+    group = n_heads // n_kv
+    keys = k[:, : pos + 1].float().repeat_interleave(group, 0)
+    values = v[:, : pos + 1].float().repeat_interleave(group, 0)
+    probs = torch.softmax((q.float()[:, None, :] @ keys.transpose(1, 2)) * hd**-0.5, dim=-1)
+    ref = (probs @ values)[:, 0]
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def test_argmax_matches_torch_and_takes_the_first_of_ties():
+    from floe.engine import triton_kernels as tk
+
+    for n in (49152, 128256, 151936):
+        x = torch.randn(n, device="cuda")
+        assert int(tk.argmax(x)) == int(torch.argmax(x))
+    x = torch.zeros(128256, device="cuda")
+    x[[70000, 5000, 90000]] = 3.0
+    assert int(tk.argmax(x)) == 5000

@@ -95,13 +95,13 @@ class GraphDecoder:
             qkv = layer.attention.wqkv(h)
             q = tk.rope_kv_write(qkv, m.cos, m.sin, pos, k_cache, v_cache,
                                  c.n_heads, c.n_kv_heads, c.head_dim)
-            y = tk.decode_attention(q, k_cache, v_cache, pos, c.n_kv_heads)
+            y = tk.decode_attention(q, k_cache, v_cache, pos, c.n_kv_heads, bucket)
             h, x = tk.rmsnorm(layer.attention.wo(y), layer.ffn_norm.weight, c.norm_eps, residual=x)
             d = layer.feed_forward.w2(tk.swiglu(layer.feed_forward.w13(h)))
             next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else m.norm
             h, x = tk.rmsnorm(d, next_norm.weight, c.norm_eps, residual=x)
         logits = F.linear(h, m.output_weight())[0].float()
-        return logits, torch.argmax(logits).view(1)
+        return logits, tk.argmax(logits)
 
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph:
         # Warm up on a side stream (cuBLAS handles, workspaces), then capture.

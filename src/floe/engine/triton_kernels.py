@@ -81,41 +81,107 @@ def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: T
 
 
 @triton.jit
-def _decode_attention_kernel(Q, K, V, POS, OUT, stride_kh, stride_ks, scale,
-                             GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
-    h = tl.program_id(0)
-    kh = h // GROUP
+def _attention_split_kernel(Q, K, V, POS, M_OUT, L_OUT, ACC_OUT, stride_kh, stride_ks, scale,
+                            GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr,
+                            CHUNK: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    # One program: one KV head, one chunk of positions, all GROUP query heads that share them (padded
+    # to GROUP_P rows for the tensor cores), so each K/V row is read once. Writes the chunk's max,
+    # sum of exponentials and weighted values for the combine kernel.
+    kh = tl.program_id(0)
+    split = tl.program_id(1)
     pos = tl.load(POS)
+    g = tl.arange(0, GROUP_P)
+    real = g < GROUP
     d = tl.arange(0, HD)
-    q = tl.load(Q + h * HD + d).to(tl.float32)
-    m = tl.full((), float("-inf"), tl.float32)
-    total = tl.full((), 0.0, tl.float32)
-    acc = tl.zeros((HD,), tl.float32)
-    for start in range(0, pos + 1, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        valid = n <= pos
-        ptrs = kh * stride_kh + n[:, None] * stride_ks + d[None, :]
-        k = tl.load(K + ptrs, mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.where(valid, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
-        v = tl.load(V + ptrs, mask=valid[:, None], other=0.0).to(tl.float32)
-        total = total * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m = m_new
-    tl.store(OUT + h * HD + d, (acc / total).to(OUT.dtype.element_ty))
+    n = split * CHUNK + tl.arange(0, CHUNK)
+    valid = n <= pos
+    q = tl.load(Q + (kh * GROUP + g)[:, None] * HD + d[None, :], mask=real[:, None], other=0.0)
+    rows = kh * stride_kh + n[:, None] * stride_ks + d[None, :]
+    k = tl.load(K + rows, mask=valid[:, None], other=0.0)
+    v = tl.load(V + rows, mask=valid[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(valid[None, :], s * scale, float("-inf"))  # [GROUP_P, CHUNK]
+    m = tl.max(s, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp(s - m_safe[:, None])
+    if IEEE:
+        acc = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v)  # probabilities rounded to the cache dtype, as the reference
+    heads = kh * GROUP + g
+    tl.store(M_OUT + heads * SPLITS + split, m, mask=real)
+    tl.store(L_OUT + heads * SPLITS + split, tl.sum(p, axis=1), mask=real)
+    tl.store(ACC_OUT + (heads[:, None] * SPLITS + split) * HD + d[None, :], acc, mask=real[:, None])
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, n_kv_heads: int) -> Tensor:
-    """Attention of q [n_heads, hd] over positions 0..pos of k_cache/v_cache [n_kv, S, hd].
+@triton.jit
+def _attention_reduce_kernel(M_IN, L_IN, ACC_IN, OUT, HD: tl.constexpr, SPLITS: tl.constexpr):
+    h = tl.program_id(0)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, HD)
+    m = tl.load(M_IN + h * SPLITS + s)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # chunks past pos weigh nothing
+    total = tl.sum(tl.load(L_IN + h * SPLITS + s) * w, axis=0)
+    acc = tl.load(ACC_IN + (h * SPLITS + s)[:, None] * HD + d[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / total
+    tl.store(OUT + h * HD + d, out.to(OUT.dtype.element_ty))
 
-    Returns [1, n_heads * hd]."""
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, n_kv_heads: int,
+                     bucket: int, chunk: int = 64) -> Tensor:
+    """Attention of q [n_heads, hd] over positions 0..pos (< bucket) of k_cache/v_cache [n_kv, S, hd].
+
+    Split over the positions (flash-decoding): (KV heads x bucket/chunk) programs, then a combine.
+    Returns [1, n_heads * hd].
+    """
     n_heads, hd = q.shape
+    splits = triton.next_power_of_2(triton.cdiv(bucket, chunk))
+    m = torch.empty(n_heads, splits, dtype=torch.float32, device=q.device)
+    lsum = torch.empty_like(m)
+    acc = torch.empty(n_heads, splits, hd, dtype=torch.float32, device=q.device)
+    group = n_heads // n_kv_heads
+    _attention_split_kernel[(n_kv_heads, splits)](
+        q, k_cache, v_cache, pos, m, lsum, acc, k_cache.stride(0), k_cache.stride(1), hd**-0.5,
+        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HD=hd, CHUNK=chunk,
+        SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4)
     out = torch.empty(1, n_heads * hd, dtype=q.dtype, device=q.device)
-    _decode_attention_kernel[(n_heads,)](
-        q, k_cache, v_cache, pos, out, k_cache.stride(0), k_cache.stride(1), hd**-0.5,
-        GROUP=n_heads // n_kv_heads, HD=hd, BLOCK_N=64, num_warps=4)
+    _attention_reduce_kernel[(n_heads,)](m, lsum, acc, out, HD=hd, SPLITS=splits, num_warps=2)
+    return out
+
+
+@triton.jit
+def _argmax_partial_kernel(X, VAL, IDX, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N, other=float("-inf"))
+    best = tl.max(x, axis=0)
+    # the first index holding the maximum, as torch.argmax answers
+    idx = tl.min(tl.where(x == best, offs, N), axis=0)
+    tl.store(VAL + tl.program_id(0), best)
+    tl.store(IDX + tl.program_id(0), idx)
+
+
+@triton.jit
+def _argmax_final_kernel(VAL, IDX, OUT, PARTS: tl.constexpr):
+    p = tl.arange(0, PARTS)
+    v = tl.load(VAL + p)
+    best = tl.max(v, axis=0)
+    idx = tl.min(tl.where(v == best, tl.load(IDX + p), 2147483647), axis=0)
+    tl.store(OUT, idx.to(tl.int64))
+
+
+def argmax(x: Tensor, block: int = 4096) -> Tensor:
+    """torch.argmax of a float32 vector in two parallel passes (one block-wide pass took 27 us)."""
+    n = x.numel()
+    parts = triton.next_power_of_2(triton.cdiv(n, block))
+    val = torch.full((parts,), float("-inf"), dtype=torch.float32, device=x.device)
+    idx = torch.zeros(parts, dtype=torch.int32, device=x.device)
+    out = torch.empty(1, dtype=torch.int64, device=x.device)
+    _argmax_partial_kernel[(triton.cdiv(n, block),)](x, val, idx, n, BLOCK=block, num_warps=8)
+    _argmax_final_kernel[(1,)](val, idx, out, PARTS=parts, num_warps=1)
     return out
 
 
