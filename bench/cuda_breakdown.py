@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from cuda_clock import events_time
-from cuda_decode import copy_bandwidth
 from torch.profiler import ProfilerActivity, profile
 
+from floe.bench import copy_bandwidth
+from floe.bench import timed as events_time
 from floe.engine import Engine
 from floe.model.hf_folder import tokenizer_from_folder
 from floe.model.synthetic import random_checkpoint
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("cuda_breakdown.json"))
     args = ap.parse_args()
     tok = tokenizer_from_folder(args.tokenizer, {})
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"))
     out = {"bandwidth_gb_s": bw / 1e9, "shapes": {}}
     for shape in args.shape or ["llama-3.2-1b"]:
         ckpt = random_checkpoint(shape, tok, dtype=torch.bfloat16, device="cuda")

@@ -16,9 +16,9 @@ import traceback
 from pathlib import Path
 
 import torch
-from cuda_clock import events_time
 
 from floe.actor import Actor
+from floe.bench import timed as events_time
 from floe.engine import Engine
 from floe.model.hf_folder import tokenizer_from_folder
 from floe.model.synthetic import random_checkpoint

@@ -166,6 +166,29 @@ def cmd_snapshot_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from floe.bench import decode
+    from floe.engine import parse_device
+
+    parse_device(args.device)
+    if args.tokenizer:
+        from pathlib import Path
+
+        from floe.model.hf_folder import tokenizer_from_folder
+
+        tokenizer = tokenizer_from_folder(Path(args.tokenizer), {})
+    else:
+        from floe.model import load_checkpoint
+
+        tokenizer = load_checkpoint().tokenizer
+    say = (lambda text: None) if args.json else (lambda text: print(text, flush=True))
+    results = [decode(shape, args.device, tokenizer, peers=not args.no_peers, guest=not args.no_guest,
+                      progress=say) for shape in args.shape]
+    if args.json:
+        print(json.dumps(results if len(results) > 1 else results[0]))
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -197,6 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how --freeze stores the KV cache (default: the engine's dtype)")
     run.set_defaults(handler=cmd_run)
 
+    bench = sub.add_parser("bench", help="measure speed against the hardware's ceiling and peers")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    dec = bench_sub.add_parser("decode", help="batch-1 decode at a real shape, seeded random weights")
+    dec.add_argument("--shape", action="append", choices=sorted(KNOWN_SHAPE_NAMES),
+                     help="repeat for several (default: llama-3.2-1b on cuda, smollm2-135m on cpu)")
+    dec.add_argument("--device", default="cuda" if _cuda_present() else "cpu")
+    dec.add_argument("--tokenizer", help="folder with tokenizer.json (default: the default model's)")
+    dec.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    dec.add_argument("--no-guest", action="store_true", help="skip guest-driven vs host-driven")
+    dec.add_argument("--json", action="store_true")
+    dec.set_defaults(handler=cmd_bench_decode)
+
     snapshot = sub.add_parser("snapshot", help="look into and check snapshot files")
     snap_sub = snapshot.add_subparsers(dest="snapshot", required=True)
     inspect = snap_sub.add_parser("inspect", help="metadata, sizes, token count, model")
@@ -218,8 +253,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+KNOWN_SHAPE_NAMES = ("smollm2-135m", "llama-3.2-1b", "llama-3-8b", "qwen2.5-0.5b")
+
+
+def _cuda_present() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None and __import__("torch").cuda.is_available()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "bench", None) == "decode" and not args.shape:
+        args.shape = ["llama-3.2-1b" if args.device.startswith("cuda") else "smollm2-135m"]
     try:
         return args.handler(args)
     except FloeError as e:

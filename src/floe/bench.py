@@ -1,0 +1,335 @@
+"""`floe bench decode`: batch-1 decode speed at real shapes against the bandwidth roofline measured in
+the same run, and against peers on the identical weights in the same run: Hugging Face transformers
+eager, and transformers with a static cache under torch.compile(mode="reduce-overhead").
+
+Weights are seeded random (no download); the tokenizer is the default model's or a given folder.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from floe.engine import Engine, Generation, SamplingParams, generate
+from floe.model.synthetic import random_checkpoint
+from floe.model.tokenizer import Tokenizer
+
+CONTEXT = 256  # tokens in the cache while decode is timed
+
+
+def timed(fn, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of fn(): CUDA events on a GPU, the wall clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s a large copy moves (read + write)."""
+    n = (1 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return 2 * n / timed(lambda: dst.copy_(src), 10)
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    n = 8192 if device.type == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return 2 * n**3 / timed(lambda: a @ b, 5)
+
+
+def decode_bytes(engine: Engine) -> int:
+    """Bytes one batch-1 decode step must read: every weight once (one embedding row only)."""
+    total = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    c = engine.config
+    if not c.tie_embeddings:
+        total -= (c.vocab_size - 1) * c.dim * engine.model.tok_embeddings.weight.element_size()
+    return total
+
+
+def count_kernels(step, device: torch.device, steps: int = 5) -> float:
+    """Device kernels (GPU) or framework ops (CPU) per call of step()."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    if device.type == "cuda":
+        events = [
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and "memcpy" not in e.name.lower()
+            and "memset" not in e.name.lower()
+        ]
+    else:
+        events = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+    return len(events) / steps
+
+
+def floe_row(engine: Engine) -> dict:
+    engine.kv_truncate(0)
+    engine.prefill(list(range(100, 100 + CONTEXT)))
+
+    def step():
+        engine.decode_step(300)
+        engine.kv_truncate(CONTEXT)
+
+    s = timed(step, 100)
+    return {"ms_per_token": s * 1e3, "tok_s": 1 / s, "kernels_per_token": count_kernels(step, engine.device)}
+
+
+def hf_model(engine: Engine):
+    """A transformers Llama/Qwen2 sharing the engine checkpoint's tensors (no copy)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    c = engine.config
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling is not None:
+        s = c.rope_scaling
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": c.rope_theta,
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    cfg_cls, model_cls = (
+        (Qwen2Config, Qwen2ForCausalLM) if c.arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    )
+    cfg = cfg_cls(
+        vocab_size=c.vocab_size,
+        hidden_size=c.dim,
+        intermediate_size=c.ffn_dim,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.context_length,
+        rms_norm_eps=c.norm_eps,
+        tie_word_embeddings=c.tie_embeddings,
+        rope_parameters=rope,
+        torch_dtype=engine.dtype,
+    )
+    with torch.device("meta"):
+        model = model_cls(cfg)
+    names = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    layer = {
+        "attention_norm.weight": "input_layernorm.weight",
+        "attention.wq.weight": "self_attn.q_proj.weight",
+        "attention.wk.weight": "self_attn.k_proj.weight",
+        "attention.wv.weight": "self_attn.v_proj.weight",
+        "attention.wq.bias": "self_attn.q_proj.bias",
+        "attention.wk.bias": "self_attn.k_proj.bias",
+        "attention.wv.bias": "self_attn.v_proj.bias",
+        "attention.wo.weight": "self_attn.o_proj.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "feed_forward.w1.weight": "mlp.gate_proj.weight",
+        "feed_forward.w3.weight": "mlp.up_proj.weight",
+        "feed_forward.w2.weight": "mlp.down_proj.weight",
+    }
+    state = {}
+    for name, t in engine.checkpoint.weights.items():
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            state[f"model.layers.{i}.{layer[rest]}"] = t.to(engine.device, engine.dtype)
+        else:
+            state[names[name]] = t.to(engine.device, engine.dtype)
+    if c.tie_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, assign=True, strict=False)
+    with torch.device(engine.device):  # its inv_freq buffer was built on meta above
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_eager_row(model, device: torch.device) -> dict:
+    from transformers import DynamicCache
+
+    ids = torch.arange(100, 100 + CONTEXT, device=device)[None]
+    cache = DynamicCache()
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    token = torch.tensor([[300]], device=device)
+
+    def step():
+        model(input_ids=token, past_key_values=cache, use_cache=True)
+        cache.crop(-1)  # drop the step just taken
+
+    s = timed(step, 30)
+    return {"ms_per_token": s * 1e3, "tok_s": 1 / s, "kernels_per_token": count_kernels(step, device)}
+
+
+@torch.inference_mode()
+def hf_compiled_row(model, device: torch.device) -> dict:
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=CONTEXT + 64)
+    ids = torch.arange(100, 100 + CONTEXT, device=device)[None]
+    model(
+        input_ids=ids,
+        past_key_values=cache,
+        cache_position=torch.arange(CONTEXT, device=device),
+        use_cache=True,
+    )
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    token = torch.tensor([[300]], device=device)
+    position = torch.tensor([CONTEXT], device=device)
+
+    def step():
+        forward(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
+
+    t0 = time.perf_counter()
+    for _ in range(3):
+        step()
+    compile_s = time.perf_counter() - t0
+    s = timed(step, 100)
+    return {
+        "ms_per_token": s * 1e3,
+        "tok_s": 1 / s,
+        "compile_s": compile_s,
+        "kernels_per_token": count_kernels(step, device),
+    }
+
+
+@torch.inference_mode()
+def agreement(engine: Engine, model) -> dict:
+    """First decode step's logits of floe vs the transformers peer on the same weights."""
+    ids = list(range(100, 100 + 64))
+    engine.kv_truncate(0)
+    engine.prefill(ids)
+    ours = engine.decode_step(300).float().cpu().clone()
+    engine.kv_truncate(0)
+    ref = model(input_ids=torch.tensor([ids + [300]], device=engine.device)).logits[0, -1].float().cpu()
+    return {
+        "rel_error": float((ours - ref).norm() / ref.norm()),
+        "max_abs": float((ours - ref).abs().max()),
+        "same_argmax": int(ours.argmax()) == int(ref.argmax()),
+    }
+
+
+def guest_share(engine: Engine, tokens: int = 128) -> dict:
+    """Guest-driven (chat.wasm) vs host-driven decode tok/s, interleaved."""
+    from floe.actor import Actor
+
+    prompt = "Write a long story about a lighthouse keeper."
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    host, guest = [], []
+    for _ in range(4):
+        slot = engine.claim_slot()
+        r = Generation()
+        list(generate(engine, ids, SamplingParams(), tokens, slot=slot, result=r))
+        engine.release_slot(slot)
+        host.append(r.decode_tokens_per_s)
+        with Actor(engine) as a:
+            guest.append(a.send(prompt, max_tokens=tokens).stats.decode_tokens_per_s)
+    h, g = statistics.median(host[1:]), statistics.median(guest[1:])
+    return {"host_tok_s": h, "guest_tok_s": g, "guest_cost_pct": 100 * (h - g) / h}
+
+
+@torch.inference_mode()
+def prefill_vs_floor(engine: Engine, rate: float, n: int = 2048) -> dict:
+    c = engine.config
+    n = min(n, engine.max_seq_len)
+    ids = list(range(100, 100 + n))
+
+    def run():
+        engine.kv_truncate(0)
+        engine.prefill(ids)
+
+    t = timed(run, 3)
+    linear = sum(
+        p.numel()
+        for name, p in engine.model.named_parameters()
+        if p.ndim == 2 and "tok_embeddings" not in name
+    )
+    if c.tie_embeddings:
+        linear += c.vocab_size * c.dim
+    flops = 2 * linear * n + 2 * c.n_layers * c.n_heads * c.head_dim * n * n  # causal QK^T and PV
+    engine.kv_truncate(0)
+    return {
+        "tokens": n,
+        "ms": t * 1e3,
+        "floor_ms": flops / rate * 1e3,
+        "pct_of_floor": 100 * flops / rate / t,
+    }
+
+
+def decode(
+    shape: str, device: str, tokenizer: Tokenizer, peers: bool = True, guest: bool = True, progress=print
+) -> dict:
+    """Everything `floe bench decode` reports, for one shape on one device."""
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    bandwidth, rate = copy_bandwidth(dev), matmul_rate(dev, dtype)
+    progress(f"{dev}: copy {bandwidth / 1e9:.0f} GB/s, matmul {rate / 1e12:.1f} TFLOP/s")
+    ckpt = random_checkpoint(shape, tokenizer, dtype=dtype, device=dev)
+    engine = Engine(ckpt, device=dev, dtype=dtype, max_seq_len=2304, n_slots=2)
+    nbytes = decode_bytes(engine)
+    ceiling = bandwidth / nbytes
+    result = {
+        "shape": shape,
+        "device": str(dev),
+        "dtype": str(dtype).removeprefix("torch."),
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "matmul_tflop_s": rate / 1e12,
+        "decode_bytes_per_token": nbytes,
+        "ceiling_tok_s": ceiling,
+        "engines": {},
+    }
+
+    def add(name, row):
+        row["pct_roofline"] = 100 * row["tok_s"] / ceiling
+        result["engines"][name] = row
+        progress(
+            f"  {name:<34} {row['tok_s']:8.1f} tok/s  {row['ms_per_token']:7.3f} ms  "
+            f"{row['pct_roofline']:5.1f} %  {row['kernels_per_token']:6.0f} kernels"
+        )
+
+    add("floe", floe_row(engine))
+    if dev.type == "cuda":
+        eager = Engine(ckpt, device=dev, dtype=dtype, max_seq_len=2304, cuda_graphs=False)
+        add("floe eager (no graph)", floe_row(eager))
+        del eager
+    if peers:
+        model = hf_model(engine)
+        result["agreement_with_transformers"] = agreement(engine, model)
+        peer_rows = [("transformers eager", hf_eager_row)]
+        if dev.type == "cuda":  # reduce-overhead means CUDA graphs: a GPU-only peer
+            peer_rows.append(("transformers static + torch.compile", hf_compiled_row))
+        for name, fn in peer_rows:
+            try:
+                add(name, fn(model, dev))
+            except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+                result["engines"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                progress(f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}")
+        del model
+    if guest:
+        result["guest_vs_host"] = guest_share(engine)
+    result["prefill"] = prefill_vs_floor(engine, rate)
+    return result
