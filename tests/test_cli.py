@@ -80,3 +80,15 @@ def test_invalid_sampling_parameters(flag, value, message):
 def test_unknown_dtype_is_a_usage_error():
     proc = floe("run", "hi", "--dtype", "float8")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_decode_reports_roofline_and_kernels_on_cpu():
+    proc = floe("bench", "decode", "--device", "cpu", "--shape", "smollm2-135m", "--no-peers", "--no-guest",
+                "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["shape"] == "smollm2-135m" and r["device"] == "cpu"
+    assert r["decode_bytes_per_token"] == 4 * 134515008  # every fp32 weight once (tied embeddings)
+    row = r["engines"]["floe"]
+    assert row["tok_s"] > 0 and 0 < row["pct_roofline"] < 100 and row["kernels_per_token"] > 100
+    assert r["prefill"]["tokens"] == 2048 and r["prefill"]["pct_of_floor"] > 0
