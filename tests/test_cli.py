@@ -92,3 +92,13 @@ def test_bench_decode_reports_roofline_and_kernels_on_cpu():
     row = r["engines"]["floe"]
     assert row["tok_s"] > 0 and 0 < row["pct_roofline"] < 100 and row["kernels_per_token"] > 100
     assert r["prefill"]["tokens"] == 2048 and r["prefill"]["pct_of_floor"] > 0
+
+
+def test_bench_dispatch_measures_and_checks_every_kernel_ran():
+    proc = floe("bench", "dispatch", "--device", "cpu", "--n", "200", "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    for row in r["kernels"].values():
+        assert row["checked"] is True
+        assert row["a_dispatch_sync_us"] > 0 and row["b_dispatch_batch_us"] > 0
+        assert row["c_graph_replay_us"] is None  # CPU: no graphs

@@ -342,3 +342,67 @@ def run_peer(result: dict, name: str, fn, model, device, add, progress) -> None:
     except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
         result["engines"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
         progress(f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}")
+
+
+def dispatch(device: str, n: int = 2000, sizes: tuple[int, ...] = (1, 4096)) -> dict:
+    """The cost of one kernel launch, three ways (after arXiv 2604.02344's method), on tiny kernels:
+    (a) dispatch then synchronize each time, (b) n dispatches then one sync, (c) n dispatches replayed
+    from one CUDA graph. Microseconds per kernel; (a) overstates launch cost by including the sync."""
+    dev = torch.device(device)
+    rows = {f"add_ {size} float32": _dispatch_row(dev, size, n) for size in sizes}
+    return {"device": str(dev), "n": n, "kernels": rows}
+
+
+def _dispatch_row(dev: torch.device, size: int, n: int) -> dict:
+    x = torch.zeros(size, device=dev)
+    runs = 0
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def each_synced() -> None:
+        for _ in range(n):
+            x.add_(1.0)
+            sync()
+
+    def batched() -> None:
+        for _ in range(n):
+            x.add_(1.0)
+        sync()
+
+    row = {
+        "a_dispatch_sync_us": _wall(each_synced) / n * 1e6,
+        "b_dispatch_batch_us": _wall(batched) / n * 1e6,
+        "c_graph_replay_us": None,
+    }  # no graphs on the CPU: every op is dispatched by the framework
+    runs += 16
+    if dev.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(n):
+                x.add_(1.0)
+
+        def replay() -> None:
+            graph.replay()
+            sync()
+
+        row["c_graph_replay_us"] = _wall(replay) / n * 1e6
+        row["ratio_b_over_c"] = row["b_dispatch_batch_us"] / row["c_graph_replay_us"]
+        runs += 8
+    row["ratio_a_over_b"] = row["a_dispatch_sync_us"] / row["b_dispatch_batch_us"]
+    # Every kernel really ran: each of the `runs` calls added n ones to every element.
+    row["checked"] = bool(torch.all(x == float(runs * n)).item())
+    return row
+
+
+def _wall(fn, repeats: int = 5, warmup: int = 3) -> float:
+    """Median wall seconds of fn() (each fn ends with its own synchronisation)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)

@@ -189,6 +189,25 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_dispatch(args: argparse.Namespace) -> int:
+    from floe.bench import dispatch
+    from floe.engine import parse_device
+
+    parse_device(args.device)
+    r = dispatch(args.device, n=args.n)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    print(f"kernel launch cost on {r['device']}, {r['n']} tiny kernels (µs per kernel)")
+    print(f"{'kernel':<22}{'(a) launch+sync':>16}{'(b) launches, 1 sync':>22}"
+          f"{'(c) graph replay':>18}{'a/b':>7}")
+    for name, row in r["kernels"].items():
+        c = "n/a" if row["c_graph_replay_us"] is None else f"{row['c_graph_replay_us']:.2f}"
+        print(f"{name:<22}{row['a_dispatch_sync_us']:>16.2f}{row['b_dispatch_batch_us']:>22.2f}{c:>18}"
+              f"{row['ratio_a_over_b']:>7.1f}")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -231,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--no-guest", action="store_true", help="skip guest-driven vs host-driven")
     dec.add_argument("--json", action="store_true")
     dec.set_defaults(handler=cmd_bench_decode)
+    disp = bench_sub.add_parser("dispatch", help="cost of one kernel launch: synced, batched, graph-replayed")
+    disp.add_argument("--device", default="cuda" if _cuda_present() else "cpu")
+    disp.add_argument("--n", type=_positive_int, default=2000, help="kernels per measurement")
+    disp.add_argument("--json", action="store_true")
+    disp.set_defaults(handler=cmd_bench_dispatch)
 
     snapshot = sub.add_parser("snapshot", help="look into and check snapshot files")
     snap_sub = snapshot.add_subparsers(dest="snapshot", required=True)
