@@ -178,7 +178,7 @@ def snapshot_1b(tok, h2d_gb_s):
     return rows
 
 
-@section("eager_decode_1b")
+@section("decode_1b")
 def eager_decode(tok):
     engine = Engine(
         random_checkpoint("llama-3.2-1b", tok, dtype=torch.bfloat16, device="cuda"),
