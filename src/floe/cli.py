@@ -1,4 +1,4 @@
-"""The `floe` command."""
+"""floe: stateful WebAssembly actors that drive LLM inference with zero-copy memory."""
 
 from __future__ import annotations
 
