@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import wasmtime
 
 from floe.actor import Actor
+from floe.bench import wall_time
 from floe.engine import Engine, Generation, SamplingParams, generate
 from floe.model import load_checkpoint
 from floe.wasm import GuestInstance, HostFunction, WasmRuntime
@@ -54,16 +54,6 @@ MEMORY_LOOP = wasmtime.wat2wasm("""
 """)
 
 
-def median_time(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def host_call_costs(n: int = 200_000) -> dict:
     runtime = WasmRuntime()
     module = runtime.compile(CALL_LOOP)
@@ -74,7 +64,7 @@ def host_call_costs(n: int = 200_000) -> dict:
 
     floe_guest = GuestInstance(module, "floe", [HostFunction("kv_len", 0, 1, kv_len)], 1 << 24)
     none = lambda: None  # noqa: E731
-    raw_ns = median_time(lambda: floe_guest.call("loop", n, deadline_s=60, pending=none)) / n * 1e9
+    raw_ns = wall_time(lambda: floe_guest.call("loop", n, deadline_s=60, pending=none)) / n * 1e9
 
     # The peer: wasmtime-py's own host functions (Python values built per call).
     engine = wasmtime.Engine()
@@ -83,11 +73,11 @@ def host_call_costs(n: int = 200_000) -> dict:
     linker.define_func("floe", "kv_len", wasmtime.FuncType([], [wasmtime.ValType.i32()]), lambda: 0)
     inst = linker.instantiate(store, wasmtime.Module(engine, CALL_LOOP))
     loop = inst.exports(store)["loop"]
-    py_ns = median_time(lambda: loop(store, n)) / n * 1e9
+    py_ns = wall_time(lambda: loop(store, n)) / n * 1e9
 
     nop = floe_guest.function("nop")
     m = 20_000
-    guest_call_us = median_time(lambda: [nop(floe_guest.store) for _ in range(m)]) / m * 1e6
+    guest_call_us = wall_time(lambda: [nop(floe_guest.store) for _ in range(m)]) / m * 1e6
     return {"floe_raw_host_call_ns": raw_ns, "wasmtime_py_host_call_ns": py_ns,
             "host_to_guest_call_us": guest_call_us}
 
@@ -107,7 +97,7 @@ def memory_modes(reps: int = 20) -> dict:
             runtime.memory_creator.install(config)
             runtime.engine = wasmtime.Engine(config)
         guest = GuestInstance(runtime.compile(MEMORY_LOOP), "floe", [], 1 << 30)
-        s = median_time(lambda g=guest: g.call("sum", reps, deadline_s=60, pending=lambda: None))
+        s = wall_time(lambda g=guest: g.call("sum", reps, deadline_s=60, pending=lambda: None))
         out[name] = {"s": s, "gb_s": reps * 4 * 2**20 / s / 1e9}
         guest.close()
     return out

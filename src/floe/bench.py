@@ -372,8 +372,8 @@ def _dispatch_row(dev: torch.device, size: int, n: int) -> dict:
         sync()
 
     row = {
-        "a_dispatch_sync_us": _wall(each_synced) / n * 1e6,
-        "b_dispatch_batch_us": _wall(batched) / n * 1e6,
+        "a_dispatch_sync_us": wall_time(each_synced) / n * 1e6,
+        "b_dispatch_batch_us": wall_time(batched) / n * 1e6,
         "c_graph_replay_us": None,
     }  # no graphs on the CPU: every op is dispatched by the framework
     runs += 16
@@ -387,7 +387,7 @@ def _dispatch_row(dev: torch.device, size: int, n: int) -> dict:
             graph.replay()
             sync()
 
-        row["c_graph_replay_us"] = _wall(replay) / n * 1e6
+        row["c_graph_replay_us"] = wall_time(replay) / n * 1e6
         row["ratio_b_over_c"] = row["b_dispatch_batch_us"] / row["c_graph_replay_us"]
         runs += 8
     row["ratio_a_over_b"] = row["a_dispatch_sync_us"] / row["b_dispatch_batch_us"]
@@ -396,7 +396,7 @@ def _dispatch_row(dev: torch.device, size: int, n: int) -> dict:
     return row
 
 
-def _wall(fn, repeats: int = 5, warmup: int = 3) -> float:
+def wall_time(fn, repeats: int = 5, warmup: int = 3) -> float:
     """Median wall seconds of fn() (each fn ends with its own synchronisation)."""
     for _ in range(warmup):
         fn()
