@@ -104,7 +104,7 @@ class Region:
 
     def torch(self, offset: int, count: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A CPU tensor view of `count` elements at byte `offset`: its data_ptr is base + offset."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if count == 0:
             self.check(offset, 0)
             return torch.empty(0, dtype=dtype)
@@ -118,7 +118,7 @@ class Region:
         mapping = next((m for m in self._devices if m.device == device), None)
         if mapping is None:
             raise RegionError(f"region is not registered with {device}; call register() first")
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         self.check(offset, count * itemsize)
         ptr = mapping.device_pointer(self.base + offset)
         typestr = {torch.float32: "<f4", torch.float16: "<f2", torch.int32: "<i4", torch.int64: "<i8",

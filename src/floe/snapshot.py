@@ -92,13 +92,13 @@ def _tensors(state: ActorState, kv_dtype: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for i, (k, v) in enumerate(zip(state.k, state.v, strict=True)):
         for name, t in (("k", k), ("v", v)):
-            t = t.detach().to("cpu")
             if kv_dtype == "int8":
                 q, scale = _quantize_int8(t)
-                out[f"kv.{i}.{name}"], out[f"kv.{i}.{name}.scale"] = q, scale
+                out[f"kv.{i}.{name}"], out[f"kv.{i}.{name}.scale"] = q.cpu(), scale.cpu()
             else:
-                # Always a copy: views of one cache share storage, which safetensors refuses.
-                out[f"kv.{i}.{name}"] = t.to(getattr(torch, kv_dtype), copy=True).contiguous()
+                # One copy, to the CPU and the stored dtype at once; always a copy, because views of
+                # one cache share storage, which safetensors refuses.
+                out[f"kv.{i}.{name}"] = t.to("cpu", getattr(torch, kv_dtype), copy=True).contiguous()
     out["tokens"] = torch.tensor(state.tokens, dtype=torch.int32)
     out["guest.memory"] = torch.from_numpy(np.ascontiguousarray(state.memory_data))
     out["guest.memory.pages"] = torch.from_numpy(np.ascontiguousarray(state.memory_pages))

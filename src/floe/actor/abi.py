@@ -107,7 +107,7 @@ class HostABI:
         return data
 
     def _view(self, ptr: int, count: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if ptr % itemsize:
             raise GuestPointerError(f"{what}: pointer {ptr} is not {itemsize}-byte aligned")
         try:

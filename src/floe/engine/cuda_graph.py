@@ -1,4 +1,4 @@
-"""Batch-1 decode on CUDA as captured graphs: one replay per token, greedy choice included.
+"""Batch-1 decode on CUDA as captured graphs: one replay per token.
 
 The step reads its token and position from device buffers fed from pinned host memory inside the
 graph, so a replay needs no argument and allocates nothing. One graph per KV-length bucket keeps
@@ -25,10 +25,8 @@ class GraphDecoder:
         self.device = dev
         # Host-side inputs and outputs live in pinned memory; the graph copies them in and out.
         self.host_in = torch.zeros(2, dtype=torch.long, pin_memory=True)  # token, position
-        self.host_out = torch.zeros(1, dtype=torch.long, pin_memory=True)  # greedy next token
         self.dev_in = torch.zeros(2, dtype=torch.long, device=dev)
         self.logits = torch.zeros(c.vocab_size, dtype=torch.float32, device=dev)
-        self.greedy = torch.zeros(1, dtype=torch.long, device=dev)
         self.positions = torch.arange(cache.max_seq_len, device=dev)
         self.buckets = []
         b = min(min_bucket, cache.max_seq_len)
@@ -50,12 +48,9 @@ class GraphDecoder:
     @torch.inference_mode()
     def _forward(self, bucket: int) -> None:
         self.dev_in.copy_(self.host_in, non_blocking=True)
-        logits, greedy = self._core(self.dev_in, bucket)
-        self.logits.copy_(logits)
-        self.greedy.copy_(greedy)
-        self.host_out.copy_(self.greedy, non_blocking=True)
+        self.logits.copy_(self._core(self.dev_in, bucket))
 
-    def _core_eager(self, dev_in: Tensor, bucket: int) -> tuple[Tensor, Tensor]:
+    def _core_eager(self, dev_in: Tensor, bucket: int) -> Tensor:
         m, c, slot = self.model, self.model.config, self.slot
         token, pos = dev_in[:1], dev_in[1:]
         x = m.tok_embeddings(token)  # [1, dim]
@@ -78,10 +73,9 @@ class GraphDecoder:
             y = torch.matmul(probs, values).reshape(1, q_size)
             x = x + att.wo(y)
             x = x + layer.feed_forward(layer.ffn_norm(x))
-        logits = F.linear(m.norm(x), m.output_weight())[0].float()
-        return logits, torch.argmax(logits).view(1)
+        return F.linear(m.norm(x), m.output_weight())[0].float()
 
-    def _core_fused(self, dev_in: Tensor, bucket: int) -> tuple[Tensor, Tensor]:
+    def _core_fused(self, dev_in: Tensor, bucket: int) -> Tensor:
         """The same step with Triton kernels: 9 launches a layer instead of ~49."""
         from floe.engine import triton_kernels as tk
 
@@ -100,8 +94,7 @@ class GraphDecoder:
             d = layer.feed_forward.w2(tk.swiglu(layer.feed_forward.w13(h)))
             next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else m.norm
             h, x = tk.rmsnorm(d, next_norm.weight, c.norm_eps, residual=x)
-        logits = F.linear(h, m.output_weight())[0].float()
-        return logits, tk.argmax(logits)
+        return F.linear(h, m.output_weight())[0].float()
 
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph:
         # Warm up on a side stream (cuBLAS handles, workspaces), then capture.
@@ -132,8 +125,3 @@ class GraphDecoder:
         graph.replay()
         self.done.record()
         return self.logits
-
-    def greedy_token(self) -> int:
-        """The argmax of the latest step (computed inside the graph); waits for it."""
-        torch.cuda.current_stream(self.device).synchronize()
-        return int(self.host_out[0])

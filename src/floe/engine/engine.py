@@ -107,8 +107,13 @@ class Engine:
                 self._free_slots.sort()
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int] | Tensor, slot: int = 0, all_logits: bool = False,
-                logits_out: Tensor | None = None) -> Tensor:
+    def prefill(
+        self,
+        ids: list[int] | Tensor,
+        slot: int = 0,
+        all_logits: bool = False,
+        logits_out: Tensor | None = None,
+    ) -> Tensor:
         """Append token ids to `slot`'s context; float32 logits of the last one ([T, vocab] if all).
 
         With `logits_out` (float32 [vocab], e.g. a view of guest memory) they are written there.
@@ -118,13 +123,22 @@ class Engine:
             raise ValueError("prefill needs a non-empty 1-D list of token ids")
         if not isinstance(ids, Tensor):
             self._check_ids(ids)
-        start = self.cache.reserve(slot, tokens.numel())
+        return self._append(
+            slot,
+            ids.tolist() if isinstance(ids, Tensor) else list(ids),
+            lambda start: self.model(tokens, start, self.cache, slot, all_logits=all_logits, out=logits_out),
+        )
+
+    def _append(self, slot: int, ids: list[int], run) -> Tensor:
+        """Reserve len(ids) positions of `slot`, run(start) the step, record the ids; a failed step
+        leaves the context as it was."""
+        start = self.cache.reserve(slot, len(ids))
         try:
-            logits = self.model(tokens, start, self.cache, slot, all_logits=all_logits, out=logits_out)
+            logits = run(start)
         except BaseException:
-            self.cache.truncate(slot, start)  # a failed step leaves the context as it was
+            self.cache.truncate(slot, start)
             raise
-        self.cache.tokens[slot].extend(ids.tolist() if isinstance(ids, Tensor) else ids)
+        self.cache.tokens[slot].extend(ids)
         return logits
 
     @torch.inference_mode()
@@ -136,13 +150,7 @@ class Engine:
         if not self.cuda_graphs:
             return self.prefill([token], slot, logits_out=logits_out)
         self._check_ids([token])
-        position = self.cache.reserve(slot, 1)
-        try:
-            logits = self._decoder(slot).step(token, position)
-        except BaseException:
-            self.cache.truncate(slot, position)
-            raise
-        self.cache.tokens[slot].append(token)
+        logits = self._append(slot, [token], lambda position: self._decoder(slot).step(token, position))
         if logits_out is not None:
             logits_out.copy_(logits)
         return logits
@@ -152,9 +160,9 @@ class Engine:
 
         decoder = self._decoders.get(slot)
         if decoder is None:
-            decoder = self._decoders[slot] = GraphDecoder(self.model, self.cache, slot,
-                                                          compile=self.compile_decode,
-                                                          fused=self.fused_kernels)
+            decoder = self._decoders[slot] = GraphDecoder(
+                self.model, self.cache, slot, compile=self.compile_decode, fused=self.fused_kernels
+            )
         return decoder
 
     def _check_ids(self, ids: list[int]) -> None:

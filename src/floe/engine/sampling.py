@@ -55,7 +55,7 @@ class Sampler:
 
 def sample_token(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tensor:
     if p.greedy:
-        return logits.argmax()
+        return _argmax(logits)
     x = logits.float().cpu() / p.temperature
     if p.top_k and p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
@@ -69,3 +69,13 @@ def sample_token(logits: Tensor, p: SamplingParams, generator: torch.Generator) 
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without a host sync.
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     return (probs / race).argmax()
+
+
+def _argmax(logits: Tensor) -> Tensor:
+    if logits.is_cuda and logits.dtype == torch.float32 and logits.ndim == 1:
+        try:
+            from floe.engine import triton_kernels
+        except ImportError:  # no Triton: PyTorch's reduction is still right, only slower
+            return logits.argmax()
+        return triton_kernels.argmax(logits)[0]
+    return logits.argmax()
