@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -28,7 +27,10 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from floe.actor import ABI_VERSION, Actor, ActorState, builtin_guest
+from floe.engine import Engine
 from floe.errors import FloeError
+from floe.wasm import GuestModule, default_runtime
 
 FORMAT = "floe-snapshot"
 FORMAT_VERSION = 1
@@ -58,27 +60,6 @@ class SnapshotGuestMismatch(SnapshotError):
 
 class SnapshotShapeMismatch(SnapshotError):
     """The snapshot's KV cache does not fit this engine's cache (layers, heads, length)."""
-
-
-@dataclass
-class ActorState:
-    """Everything that makes an actor between messages, as tensors and plain values."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    tokens: list[int]
-    memory_size: int
-    memory_pages: np.ndarray
-    memory_data: np.ndarray
-    globals: list[tuple[str, str, int]]
-    rng: torch.Tensor
-    system_prompt: str
-    model_fingerprint: str
-    model_name: str
-    guest_sha256: str
-    guest_name: str
-    engine_dtype: str
-    abi_version: int
 
 
 def _quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,19 +242,22 @@ class Snapshot:
                 out[j].append(t.to(dtype))
         return out
 
-    def state_parts(self) -> dict:
-        """Guest memory, globals, tokens and RNG, as restore() takes them."""
-        kinds = json.loads(self.metadata["globals"])
+    def state(self, dtype: torch.dtype) -> ActorState:
+        """The actor state this file holds, KV in `dtype` (int8 files are dequantized)."""
+        m = self.metadata
+        k, v = self.kv(dtype)
+        kinds = json.loads(m["globals"])
         bits = self.tensors["guest.globals"].tolist()
-        return {
-            "memory_size": int(self.metadata["guest_memory_bytes"]),
-            "memory_pages": self.tensors["guest.memory.pages"].numpy(),
-            "memory_data": self.tensors["guest.memory"].numpy(),
-            "globals": [(name, kind, b) for (name, kind), b in zip(kinds, bits, strict=True)],
-            "tokens": self.tensors["tokens"].tolist(),
-            "rng": self.tensors["sampler.rng"],
-            "system_prompt": self.metadata.get("system_prompt", ""),
-        }
+        return ActorState(
+            k=k, v=v, tokens=self.tensors["tokens"].tolist(), memory_size=int(m["guest_memory_bytes"]),
+            memory_pages=self.tensors["guest.memory.pages"].numpy(),
+            memory_data=self.tensors["guest.memory"].numpy(),
+            globals=[(name, kind, b) for (name, kind), b in zip(kinds, bits, strict=True)],
+            rng=self.tensors["sampler.rng"], system_prompt=m.get("system_prompt", ""),
+            model_fingerprint=m["model_fingerprint"], model_name=m["model_name"],
+            guest_sha256=m["guest_sha256"], guest_name=m["guest_name"], engine_dtype=m["engine_dtype"],
+            abi_version=int(m["abi_version"]),
+        )
 
     def summary(self) -> dict:
         """What `floe snapshot inspect` shows."""
@@ -301,3 +285,34 @@ class Snapshot:
             "created_at": m["created_at"],
             "checksum": m["checksum"],
         }
+
+
+def freeze(actor: Actor, path: str | Path, kv_dtype: str | None = None) -> dict:
+    """Write `actor` (between messages) to one safetensors file, atomically; it keeps running."""
+    return write(actor.capture_state(), path, kv_dtype)
+
+
+def thaw(engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModule | None = None,
+         **actor_options) -> Actor:
+    """A new actor continuing exactly where the frozen one stopped.
+
+    The file is verified first (integrity, format and ABI version, model, guest module, cache shape);
+    on any mismatch a specific SnapshotError is raised and nothing is created. `guest` defaults to
+    the built-in guest the snapshot names.
+    """
+    snap = Snapshot(path)
+    if guest is None:
+        guest = builtin_guest(Path(snap.metadata["guest_name"]).stem)
+    module = guest if isinstance(guest, GuestModule) else default_runtime().compile(guest)
+    c = engine.config
+    snap.verify(fingerprint=engine.fingerprint, guest_sha256=module.sha256, abi_version=ABI_VERSION,
+                n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                max_seq_len=engine.max_seq_len)
+    state = snap.state(engine.dtype)
+    actor = Actor(engine, module, **actor_options)
+    try:
+        actor.restore(state)
+    except BaseException:
+        actor.close()
+        raise
+    return actor

@@ -1,6 +1,6 @@
 """Actors: a guest instance + KV slot + RNG, and the host ABI connecting guest calls to the engine."""
 
 from floe.actor.abi import ABI_VERSION
-from floe.actor.actor import Actor, MessageStats, Reply, Request, builtin_guest
+from floe.actor.actor import Actor, ActorState, MessageStats, Reply, Request, builtin_guest
 
-__all__ = ["ABI_VERSION", "Actor", "MessageStats", "Reply", "Request", "builtin_guest"]
+__all__ = ["ABI_VERSION", "Actor", "ActorState", "MessageStats", "Reply", "Request", "builtin_guest"]
