@@ -281,9 +281,9 @@ KNOWN_SHAPE_NAMES = ("smollm2-135m", "llama-3.2-1b", "llama-3-8b", "qwen2.5-0.5b
 
 
 def _cuda_present() -> bool:
-    import importlib.util
+    import torch
 
-    return importlib.util.find_spec("torch") is not None and __import__("torch").cuda.is_available()
+    return torch.cuda.is_available()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

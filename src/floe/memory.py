@@ -57,6 +57,7 @@ class Region:
         self.base: int = addr
         self.capacity = capacity
         self.limit = capacity  # growth past this is refused (a guest's memory cap)
+        self.max_size = capacity  # the largest size its owner declares (a wasm memory's maximum)
         self.denied_size = 0  # the largest refused growth, for error reports
         self.size = 0
         self._lock = threading.Lock()
@@ -152,6 +153,8 @@ class Region:
             return self.base
         if device.type != "cuda":
             raise RegionError(f"cannot register a region with device {device}")
+        if not torch.cuda.is_available():
+            raise RegionError("cannot register a region with cuda: this machine has no usable CUDA device")
         with self._lock:
             mapping = _DeviceMapping(device)
             mapping.extend(self.base, _round_up(self.size))

@@ -55,15 +55,15 @@ def error_new(message: str) -> int:
 class MemoryCreator:
     """Hands Wasmtime a Region for each new linear memory, and the Region to whoever instantiates.
 
-    new_memory runs inside Instance(...) on the instantiating thread, so the region it creates is
-    recorded per thread and collected by `take_created()` right after instantiation.
+    new_memory runs inside instantiation; instantiations are serialised by the caller, which
+    collects the regions made during its own with `take_created()` right after.
     """
 
     def __init__(self) -> None:
         self._regions: dict[int, Region] = {}
         self._next = 1
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._created: list[Region] = []
         self._new_memory = ffi.wasmtime_new_memory_callback_t(self._on_new_memory)
         self._get_memory = ffi.wasmtime_memory_get_callback_t(self._on_get_memory)
         self._grow_memory = ffi.wasmtime_memory_grow_callback_t(self._on_grow_memory)
@@ -75,8 +75,7 @@ class MemoryCreator:
         ffi.wasmtime_config_host_memory_creator_set(config.ptr(), ctypes.byref(self.struct))
 
     def take_created(self) -> list[Region]:
-        created = getattr(self._local, "created", [])
-        self._local.created = []
+        created, self._created = self._created, []
         return created
 
     def _on_new_memory(self, env, ty, minimum, maximum, reserved, guard, memory_ret) -> int:
@@ -93,9 +92,7 @@ class MemoryCreator:
             out.get_memory = self._get_memory
             out.grow_memory = self._grow_memory
             out.finalizer = self._finalize_memory
-            created = getattr(self._local, "created", [])
-            created.append(region)
-            self._local.created = created
+            self._created.append(region)
             return 0
         except BaseException as e:  # noqa: BLE001 - must not escape into Wasmtime
             return error_new(f"floe could not create guest memory: {e}")
