@@ -1,10 +1,12 @@
-"""CPU prefill and decode speed of floe (fp32, bf16) beside llama.cpp on the same GGUF, same run.
+"""CPU prefill and decode speed of floe (native, fp32, bf16) beside llama.cpp on the same GGUF, same run.
 
     python bench/cpu_decode.py [--model PATH] [--threads 2] [--prompt-tokens 256] [--decode-tokens 128]
 
 Needs the `bench` extra for the peer (`pip install -e ".[bench]"`). Prints a table, writes JSON to
-bench/results/cpu_decode.json. Each figure is the median of --repeats runs after one warm-up run;
-every engine is fed the same token ids.
+bench/results/cpu_decode.json. Each figure is the median of --repeats runs after one warm-up run,
+the engines' runs interleaved (A B C D A B C D ...) so a shared machine's drift hits all alike;
+every engine is fed the same token ids (floe fp32's greedy continuation of the prompt), and each
+floe engine's greedy agreement with that continuation is reported.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from floe.bench import decode_bytes
 from floe.engine import Engine
 from floe.model import load_checkpoint
 
@@ -40,44 +43,74 @@ def measure_bandwidth_gb_s(threads: int, mib: int = 512) -> float:
     return 2 * src.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
-def bench_floe(engine: Engine, prompt: list[int], decode_ids: list[int], repeats: int) -> dict:
-    prefill, decode = [], []
-    for _ in range(repeats + 1):
+def floe_run(engine: Engine, prompt: list[int], decode_ids: list[int]):
+    """One timed run: (prefill seconds, decode seconds) of the whole prompt and every decode id."""
+
+    def run() -> tuple[float, float]:
         engine.kv_truncate(0)
         t = time.perf_counter()
         engine.prefill(prompt)
-        prefill.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        t1 = time.perf_counter()
         for token in decode_ids:
             engine.decode_step(token)
-        decode.append(time.perf_counter() - t)
+        t2 = time.perf_counter()
+        engine.kv_truncate(0)
+        return t1 - t, t2 - t1
+
+    return run
+
+
+def greedy_agreement(engine: Engine, prompt: list[int], reference: list[int]) -> int:
+    """How many of the reference greedy tokens this engine reproduces before it first differs."""
     engine.kv_truncate(0)
-    return _rates(prefill[1:], decode[1:], len(prompt), len(decode_ids))
+    logits = engine.prefill(prompt)
+    same = 0
+    for token in reference:
+        if int(logits.argmax()) != token:
+            break
+        same += 1
+        logits = engine.decode_step(token)
+    engine.kv_truncate(0)
+    return same
 
 
-def bench_llama_cpp(path: Path, threads: int, prompt: list[int], decode_ids: list[int],
-                    repeats: int) -> dict:
+def llama_cpp_run(path: Path, threads: int, prompt: list[int], decode_ids: list[int]):
     import llama_cpp
 
     llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + len(decode_ids) + 8, n_batch=512,
                           n_threads=threads, n_threads_batch=threads, verbose=False)
-    prefill, decode = [], []
-    for _ in range(repeats + 1):
+
+    def run() -> tuple[float, float]:
         llm.reset()
         t = time.perf_counter()
         llm.eval(prompt)
-        prefill.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        t1 = time.perf_counter()
         for token in decode_ids:
             llm.eval([token])
-        decode.append(time.perf_counter() - t)
-    return _rates(prefill[1:], decode[1:], len(prompt), len(decode_ids))
+        return t1 - t, time.perf_counter() - t1
+
+    return run
+
+
+def interleaved(runs: dict, repeats: int) -> dict[str, tuple[list[float], list[float]]]:
+    """Each engine's runs taken in turn (after one warm-up each), so that drift of a shared
+    machine's speed lands on every engine alike."""
+    times = {name: ([], []) for name in runs}
+    for run in runs.values():
+        run()
+    for _ in range(repeats):
+        for name, run in runs.items():
+            p, d = run()
+            times[name][0].append(p)
+            times[name][1].append(d)
+    return times
 
 
 def _rates(prefill: list[float], decode: list[float], n_prompt: int, n_decode: int) -> dict:
     p, d = statistics.median(prefill), statistics.median(decode)
     return {"prefill_s": p, "prefill_tok_s": n_prompt / p, "decode_s": d, "decode_tok_s": n_decode / d,
-            "ms_per_token": d / n_decode * 1e3}
+            "ms_per_token": d / n_decode * 1e3,
+            "decode_tok_s_runs": [round(n_decode / x, 2) for x in decode]}
 
 
 def main() -> None:
@@ -86,7 +119,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_decode.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -104,22 +137,25 @@ def main() -> None:
     engine.kv_truncate(0)
 
     bandwidth = measure_bandwidth_gb_s(args.threads)
-    rows = {}
-    n_params = fp32.config.n_params
-    rows["floe float32"] = bench_floe(engine, prompt, decode_ids, args.repeats)
-    rows["floe float32"]["weight_bytes"] = 4 * n_params
-    del engine
-    bf16 = Engine(load_checkpoint(args.model, torch.bfloat16), dtype="bfloat16",
-                  max_seq_len=len(prompt) + args.decode_tokens + 8)
-    rows["floe bfloat16"] = bench_floe(bf16, prompt, decode_ids, args.repeats)
-    rows["floe bfloat16"]["weight_bytes"] = 2 * n_params
-    del bf16
+    n = len(prompt) + args.decode_tokens + 8
+    engines = {"floe native": Engine(fp32, max_seq_len=n, weights="native"),
+               "floe float32": engine,
+               "floe bfloat16": Engine(load_checkpoint(args.model, torch.bfloat16), dtype="bfloat16",
+                                       max_seq_len=n)}
+    runs = {name: floe_run(e, prompt, decode_ids) for name, e in engines.items()}
     try:
-        rows[f"llama.cpp ({fp32.file_type})"] = bench_llama_cpp(
-            fp32.source, args.threads, prompt, decode_ids, args.repeats
-        ) | {"weight_bytes": fp32.source.stat().st_size}
+        runs[f"llama.cpp ({fp32.file_type})"] = llama_cpp_run(fp32.source, args.threads, prompt, decode_ids)
     except ImportError:
         print("llama-cpp-python is not installed (pip install -e '.[bench]'): peer skipped")
+    rows = {}
+    for name, (prefill, decode) in interleaved(runs, args.repeats).items():
+        rows[name] = _rates(prefill, decode, len(prompt), len(decode_ids))
+        if name in engines:
+            rows[name]["weight_bytes"] = decode_bytes(engines[name])
+            rows[name]["greedy_agreement"] = greedy_agreement(engines[name], prompt, decode_ids)
+        else:
+            rows[name]["weight_bytes"] = fp32.source.stat().st_size
+    peer = next((r for name, r in rows.items() if name.startswith("llama.cpp")), None)
 
     for row in rows.values():
         # Decode reads every weight once per token: the bandwidth ceiling for this engine's bytes.
@@ -127,11 +163,16 @@ def main() -> None:
     print(f"\n{fp32.name} · {args.threads} threads · {len(prompt)}-token prompt · "
           f"{args.decode_tokens} decode tokens · copy bandwidth {bandwidth:.1f} GB/s\n")
     print(f"{'engine':<24}{'prefill tok/s':>14}{'decode tok/s':>14}{'ms/token':>10}"
-          f"{'weights MB':>12}{'ceiling tok/s':>15}{'% ceiling':>11}")
+          f"{'weights MB':>12}{'% ceiling':>11}{'vs llama.cpp (p / d)':>22}{'greedy agree':>14}")
     for name, r in rows.items():
+        if peer:
+            r["prefill_vs_llama_cpp"] = r["prefill_tok_s"] / peer["prefill_tok_s"]
+            r["decode_vs_llama_cpp"] = r["decode_tok_s"] / peer["decode_tok_s"]
+        ratio = f"{r['prefill_vs_llama_cpp']:.2f}x / {r['decode_vs_llama_cpp']:.2f}x" if peer else "-"
+        agree = f"{r['greedy_agreement']}/{len(decode_ids)}" if "greedy_agreement" in r else "-"
         print(f"{name:<24}{r['prefill_tok_s']:>14.1f}{r['decode_tok_s']:>14.1f}{r['ms_per_token']:>10.2f}"
-              f"{r['weight_bytes'] / 1e6:>12.0f}{r['decode_ceiling_tok_s']:>15.0f}"
-              f"{100 * r['decode_tok_s'] / r['decode_ceiling_tok_s']:>10.0f}%")
+              f"{r['weight_bytes'] / 1e6:>12.0f}"
+              f"{100 * r['decode_tok_s'] / r['decode_ceiling_tok_s']:>10.0f}%{ratio:>22}{agree:>14}")
     record = {"model": fp32.name, "fingerprint": fp32.fingerprint, "threads": args.threads,
               "prompt_tokens": len(prompt), "decode_tokens": args.decode_tokens,
               "bandwidth_gb_s": bandwidth, "machine": platform.processor() or platform.machine(),

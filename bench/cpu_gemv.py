@@ -3,7 +3,9 @@
     python bench/cpu_gemv.py [--threads 2]
 
 All the linears of one decode token (30 layers' qkv, o, gate+up, down, and the tied lm_head), with
-fp32, bf16, and int8 weight-only (`torch._weight_int8pack_mm`, per-row scales, bf16 activations).
+fp32, bf16, int8 weight-only (`torch._weight_int8pack_mm`, per-row scales, bf16 activations) and int4
+weight-only (`torch._weight_int4pack_mm_for_cpu`, groups of 32 with a scale and a zero: the layout
+Q4_1 maps onto exactly).
 Shows what a faster CPU decode needs: fewer weight bytes through a kernel that streams them well.
 Prints a table; writes bench/results/cpu_gemv.json.
 """
@@ -58,10 +60,19 @@ def main() -> None:
     for w, i in fp32:
         scale = w.abs().amax(1) / 127
         int8.append((torch.round(w / scale[:, None]).to(torch.int8), scale.bfloat16(), i))
+    int4 = []
+    for w, i in fp32:
+        codes = torch.randint(0, 16, w.shape, dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        int4.append((packed, torch.randn(i // 32, w.shape[0], 2, dtype=torch.bfloat16), i))
+    def int4_mm(x, w):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], 32, w[1])
+
     rows = {
         "float32 (F.linear)": (time_all(lambda x, w: torch.nn.functional.linear(x, w[0]), fp32, x32), 4 * n),
         "bfloat16 (F.linear)": (time_all(lambda x, w: torch.nn.functional.linear(x, w[0]), bf16, x16), 2 * n),
         "int8 weight-only": (time_all(lambda x, w: torch._weight_int8pack_mm(x, w[0], w[1]), int8, x16), n),
+        "int4 weight-only (g32)": (time_all(int4_mm, int4, x16), n * 5 // 8),
     }
     print(f"\n{args.shape}: {len(shapes)} matrices, {n / 1e6:.0f} M weights, {args.threads} threads\n")
     print(f"{'weights':<22}{'ms/token':>10}{'MB/token':>10}{'GB/s':>8}{'tok/s if only GEMV':>20}")

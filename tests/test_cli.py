@@ -23,7 +23,7 @@ def test_run_streams_an_answer_from_the_default_model():
 
 def test_run_json_reports_the_run():
     proc = floe("run", "What is the capital of France?", "--json", "--max-tokens", "16",
-                "--dtype", "bfloat16", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5")
+                "--weights", "bf16", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5")
     assert proc.returncode == 0, proc.stderr
     record = json.loads(proc.stdout)
     for key in ("text", "token_ids", "prompt_tokens", "generated_tokens", "ttft_ms",
@@ -32,6 +32,7 @@ def test_run_json_reports_the_run():
     assert record["generated_tokens"] == len(record["token_ids"]) > 0
     assert record["prompt_tokens"] > 10 and record["ttft_ms"] > 0
     assert record["device"] == "cpu" and record["dtype"] == "bfloat16"
+    assert record["weights"] == {"kind": "dense", "packed_int4": {}}
     assert len(record["model"]["fingerprint"]) == 64 and record["model"]["file_type"] == "Q4_1+Q8_0"
 
 
@@ -77,8 +78,15 @@ def test_invalid_sampling_parameters(flag, value, message):
     assert_one_line_error(floe("run", "hi", flag, value), message)
 
 
-def test_unknown_dtype_is_a_usage_error():
-    proc = floe("run", "hi", "--dtype", "float8")
+def test_run_defaults_to_the_files_native_weights_on_cpu():
+    record = json.loads(floe("run", "What is the capital of France?", "--json", "--max-tokens", "8").stdout)
+    # SmolLM2's Q4_1 projections (30 layers x 4 fused) and its Q8_0 tied head, all packed as int4.
+    assert record["weights"] == {"kind": "native", "packed_int4": {"Q4_1": 120, "Q8_0": 1}}
+    assert record["dtype"] == "float32" and "Paris" in record["text"]
+
+
+def test_unknown_weights_is_a_usage_error():
+    proc = floe("run", "hi", "--weights", "int3")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr
 
 

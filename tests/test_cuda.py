@@ -160,3 +160,13 @@ def test_argmax_matches_torch_and_takes_the_first_of_ties():
     x = torch.zeros(128256, device="cuda")
     x[[70000, 5000, 90000]] = 3.0
     assert int(tk.argmax(x)) == 5000
+
+
+def test_native_quantized_weights_are_refused_on_cuda(tokenizer):
+    from floe.engine import Engine
+    from floe.errors import FloeError
+    from floe.model.synthetic import random_checkpoint
+
+    ckpt = random_checkpoint("smollm2-135m", tokenizer, dtype=torch.float32)
+    with pytest.raises(FloeError, match="native quantized weights run on the CPU"):
+        Engine(ckpt, device="cuda", max_seq_len=64, weights="native")

@@ -35,7 +35,8 @@ TURNS = ["What is the capital of France?", "And of Italy?", "Which of the two is
 
 @pytest.fixture(scope="module")
 def engine(default_checkpoint):
-    return Engine(default_checkpoint, max_seq_len=1024, n_slots=6)
+    # Native weights, as `floe run` uses by default on the CPU.
+    return Engine(default_checkpoint, max_seq_len=1024, n_slots=6, weights="native")
 
 
 def floe_run(*args: str) -> dict:
@@ -77,7 +78,7 @@ def test_snapshot_is_plain_safetensors_with_documented_contents(engine, tmp_path
     assert {f"kv.{i}.{n}" for i in range(c.n_layers) for n in "kv"} <= keys
     assert {"guest.memory", "guest.memory.pages", "guest.globals", "tokens", "sampler.rng"} <= keys
     for field in ("format", "format_version", "abi_version", "model_fingerprint", "guest_sha256",
-                  "engine_dtype", "kv_dtype", "kv_len", "checksum", "created_at"):
+                  "engine_dtype", "engine_weights", "kv_dtype", "kv_len", "checksum", "created_at"):
         assert field in meta
     assert meta["format"] == "floe-snapshot" and meta["model_fingerprint"] == engine.fingerprint
     assert int(meta["kv_len"]) == kv_len

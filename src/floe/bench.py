@@ -56,11 +56,15 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def decode_bytes(engine: Engine) -> int:
-    """Bytes one batch-1 decode step must read: every weight once (one embedding row only)."""
-    total = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    c = engine.config
-    if not c.tie_embeddings:
-        total -= (c.vocab_size - 1) * c.dim * engine.model.tok_embeddings.weight.element_size()
+    """Bytes one batch-1 decode step must read: every weight once (one embedding row only), packed
+    int4 layers at their packed size."""
+    from floe.engine.int4 import Int4Linear
+
+    model, c = engine.model, engine.config
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(m.nbytes for m in model.modules() if isinstance(m, Int4Linear))
+    if not c.tie_embeddings or model.head is not None:  # the table is read one row at a time
+        total -= (c.vocab_size - 1) * c.dim * model.tok_embeddings.weight.element_size()
     return total
 
 
@@ -84,7 +88,10 @@ def count_kernels(step, device: torch.device, steps: int = 5) -> float:
             and "memset" not in e.name.lower()
         ]
     else:
-        events = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+        # Framework ops as called: aten ops not inside another aten op (a TorchScript function's
+        # ops sit under the function's own record).
+        events = [e for e in prof.events() if e.name.startswith("aten::")
+                  and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
     return len(events) / steps
 
 

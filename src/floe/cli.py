@@ -10,6 +10,10 @@ from collections.abc import Sequence
 from floe.errors import FloeError
 
 DEFAULT_PROMPT_HELP = "the user's message (the model's chat template wraps it)"
+# --weights: (activation and KV cache dtype, Engine weights kind)
+WEIGHTS = {"native": ("float32", "native"), "bf16": ("bfloat16", "dense"), "fp32": ("float32", "dense")}
+WEIGHTS_HELP = ("native: a quantized GGUF's 4-bit/8-bit weights as the file stores them (CPU; the "
+                "default there); bf16 or fp32: dequantized (bf16 is the default on cuda)")
 
 
 def _load_with_progress(model: str | None, dtype: str, quiet: bool):
@@ -46,8 +50,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_tokens < 1:
         raise FloeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    checkpoint = _load_with_progress(args.model, args.dtype, quiet=args.json)
-    engine = Engine(checkpoint, device=args.device, dtype=args.dtype, max_seq_len=args.context)
+    weights = args.weights or ("native" if args.device == "cpu" else "bf16")
+    dtype, kind = WEIGHTS[weights]
+    checkpoint = _load_with_progress(args.model, "float32", quiet=args.json)
+    engine = Engine(checkpoint, device=args.device, dtype=dtype, max_seq_len=args.context, weights=kind)
     stream = None if args.json else _write_stdout
     if args.thaw:
         if args.system:
@@ -101,6 +107,7 @@ def _run_record(engine, reply, finish: str, guest: str | None) -> dict:
                   "file_type": ckpt.file_type},
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "weights": {"kind": engine.weights, "packed_int4": engine.packed},
         "guest": guest or "chat (built in)",
         "boundaries": reply.ledger.rows(),
     }
@@ -139,7 +146,8 @@ def cmd_snapshot_inspect(args: argparse.Namespace) -> int:
     print(f"{s['path']}: {s['file_bytes'] / 1e6:.2f} MB, {s['tokens']} tokens of context")
     print(f"  model   {s['model']['name']} ({s['model']['fingerprint'][:16]}…)")
     print(f"  guest   {s['guest']['name']} ({s['guest']['sha256'][:16]}…), ABI {s['abi_version']}")
-    print(f"  kv      {s['kv_dtype']} (engine {s['engine_dtype']}), {s['shape']['n_layers']} layers × "
+    print(f"  kv      {s['kv_dtype']} (engine {s['engine_dtype']}, {s['engine_weights']} weights), "
+          f"{s['shape']['n_layers']} layers × "
           f"{s['shape']['n_kv_heads']} heads × {s['shape']['head_dim']}, "
           f"{s['tensor_bytes']['kv'] / 1e6:.2f} MB")
     print(f"  memory  {s['guest_memory_bytes'] / 2**20:.2f} MiB guest memory, "
@@ -227,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = all)")
     run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     run.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
-    run.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    run.add_argument("--weights", choices=list(WEIGHTS), default=None, help=WEIGHTS_HELP)
     run.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     run.add_argument("--context", type=_positive_int, default=None,
                      help="KV cache length in tokens (default: the model's context length)")

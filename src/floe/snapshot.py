@@ -99,6 +99,7 @@ def _metadata(state: ActorState, kv_dtype: str) -> dict[str, str]:
         "guest_sha256": state.guest_sha256,
         "guest_name": state.guest_name,
         "engine_dtype": state.engine_dtype,
+        "engine_weights": state.engine_weights,
         "kv_dtype": kv_dtype,
         "kv_len": str(len(state.tokens)),
         "n_layers": str(len(state.k)),
@@ -256,7 +257,7 @@ class Snapshot:
             rng=self.tensors["sampler.rng"], system_prompt=m.get("system_prompt", ""),
             model_fingerprint=m["model_fingerprint"], model_name=m["model_name"],
             guest_sha256=m["guest_sha256"], guest_name=m["guest_name"], engine_dtype=m["engine_dtype"],
-            abi_version=int(m["abi_version"]),
+            abi_version=int(m["abi_version"]), engine_weights=m.get("engine_weights", "dense"),
         )
 
     def summary(self) -> dict:
@@ -277,6 +278,7 @@ class Snapshot:
             "format_version": int(m["format_version"]),
             "abi_version": int(m["abi_version"]),
             "engine_dtype": m["engine_dtype"],
+            "engine_weights": m.get("engine_weights", "dense"),
             "kv_dtype": m["kv_dtype"],
             "shape": {"n_layers": int(m["n_layers"]), "n_kv_heads": int(m["n_kv_heads"]),
                       "head_dim": int(m["head_dim"])},

@@ -52,6 +52,7 @@ class ActorState:
     guest_name: str
     engine_dtype: str
     abi_version: int
+    engine_weights: str = "dense"  # "native": packed quantized projections (rounds differently)
 
 
 @dataclass
@@ -261,6 +262,7 @@ class Actor:
                 model_fingerprint=self.engine.fingerprint, model_name=self.engine.checkpoint.name,
                 guest_sha256=self.module.sha256, guest_name=self.module.name,
                 engine_dtype=str(self.engine.dtype).removeprefix("torch."), abi_version=ABI_VERSION,
+                engine_weights=self.engine.weights,
             )
 
     def restore(self, state: ActorState) -> None:

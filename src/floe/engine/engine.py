@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from floe.engine.kvcache import KVCache
-from floe.engine.transformer import Transformer, fused_state_dict
+from floe.engine.transformer import Transformer, fused_quantized, fused_state_dict
 from floe.errors import ContextOverflow, FloeError
 from floe.model.checkpoint import Checkpoint
 
@@ -54,6 +54,7 @@ class Engine:
         cuda_graphs: bool | None = None,
         compile_decode: bool = False,
         fused_kernels: bool | None = None,
+        weights: str = "dense",
     ) -> None:
         self.checkpoint = checkpoint
         self.config = checkpoint.config
@@ -70,6 +71,10 @@ class Engine:
         with torch.device("cpu"):
             real = Transformer.rotary_tables(self.config, self.max_seq_len)
         model.cos, model.sin = (t.to(self.device) for t in real)
+        self.weights = weights
+        self.packed = self._pack_native(model) if weights == "native" else {}
+        if weights not in ("dense", "native"):
+            raise FloeError(f"weights {weights!r}: choose 'dense' or 'native'")
         self.model = model.eval()
         self.cache = KVCache(self.config, self.max_seq_len, n_slots, self.dtype, self.device)
         self._free_slots = list(range(n_slots))
@@ -80,6 +85,28 @@ class Engine:
         # Triton's fused decode kernels, by default wherever graphs run and Triton is installed.
         self.fused_kernels = (self.cuda_graphs and _has_triton()) if fused_kernels is None else fused_kernels
         self._decoders: dict[int, object] = {}
+
+    def _pack_native(self, model: Transformer) -> dict[str, int]:
+        """Swap in packed int4 layers for the file's quantized weights that have an exact int4 form;
+        returns how many matrices of each type were packed."""
+        from floe.engine.int4 import Int4Linear, int4_available
+
+        if self.device.type != "cpu":
+            raise FloeError("native quantized weights run on the CPU; on CUDA choose dense weights")
+        if not int4_available():
+            raise FloeError("this PyTorch build has no CPU int4 kernel; choose dense weights")
+        packed: dict[str, int] = {}
+        for path, weight in fused_quantized(self.checkpoint.quantized, self.config).items():
+            if weight.int4_groups() is None:
+                continue
+            if path == "output":
+                model.head = Int4Linear(weight, dense=False)
+            else:
+                parent, name = path.rsplit(".", 1)
+                old = model.get_submodule(path)
+                setattr(model.get_submodule(parent), name, Int4Linear(weight, old.bias))
+            packed[weight.qtype] = packed.get(weight.qtype, 0) + 1
+        return packed
 
     @property
     def fingerprint(self) -> str:
@@ -145,24 +172,35 @@ class Engine:
     def decode_step(self, token: int, slot: int = 0, logits_out: Tensor | None = None) -> Tensor:
         """Append one token to `slot`'s context; float32 logits [vocab] of the next position.
 
-        With CUDA graphs the returned tensor is the graph's buffer, valid until the next step.
+        On the CPU a lean decoder runs the step; on CUDA a replayed graph (its returned tensor is
+        the graph's buffer, valid until the next step), or with cuda_graphs=False the module itself.
         """
-        if not self.cuda_graphs:
+        if self.device.type == "cuda" and not self.cuda_graphs:
             return self.prefill([token], slot, logits_out=logits_out)
         self._check_ids([token])
+        if self.device.type == "cpu":
+            return self._append(slot, [token],
+                                lambda position: self._decoder(slot).step(token, position, logits_out))
         logits = self._append(slot, [token], lambda position: self._decoder(slot).step(token, position))
         if logits_out is not None:
             logits_out.copy_(logits)
         return logits
 
     def _decoder(self, slot: int):
-        from floe.engine.cuda_graph import GraphDecoder
-
         decoder = self._decoders.get(slot)
-        if decoder is None:
-            decoder = self._decoders[slot] = GraphDecoder(
+        if decoder is not None:
+            return decoder
+        if self.device.type == "cpu":
+            from floe.engine.cpu_decode import CpuDecoder
+
+            decoder = CpuDecoder(self.model, self.cache, slot)
+        else:
+            from floe.engine.cuda_graph import GraphDecoder
+
+            decoder = GraphDecoder(
                 self.model, self.cache, slot, compile=self.compile_decode, fused=self.fused_kernels
             )
+        self._decoders[slot] = decoder
         return decoder
 
     def _check_ids(self, ids: list[int]) -> None:

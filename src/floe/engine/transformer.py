@@ -44,7 +44,8 @@ class Attention(nn.Module):
         """x [T, dim] for positions start..start+T-1; k_cache/v_cache [n_kv, max_seq, head_dim]."""
         t = x.shape[0]
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        # Computed in the cache's dtype (a no-op unless the projection runs in another one).
+        q, k, v = self.wqkv(x).to(k_cache.dtype).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rotary(q.view(t, self.n_heads, self.head_dim).transpose(0, 1), cos, sin)
         k = apply_rotary(k.view(t, self.n_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
         end = start + t
@@ -107,6 +108,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.output = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
+        # A module that replaces the plain projection to the vocabulary (e.g. packed int4 weights).
+        self.head: nn.Module | None = None
         cos, sin = self.rotary_tables(c, max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -134,12 +137,45 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i, slot], cache.v[i, slot], start)
         x = self.norm(x if all_logits else x[-1])
+        if self.head is not None:
+            logits = self.head(x[None] if x.ndim == 1 else x)
+            logits = logits[0] if x.ndim == 1 else logits
+            return logits.float() if out is None else out.copy_(logits)
         if out is None:
             return F.linear(x, self.output_weight()).float()
         if x.dtype == torch.float32 and out.device == x.device:
             # The projection's result lands in `out` directly: no staging tensor.
             return torch.mv(self.output_weight(), x, out=out)
         return out.copy_(F.linear(x, self.output_weight()))
+
+
+# This module's fused projections and the canonical weights each one stacks, by rows.
+FUSED = {
+    "attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
+    "attention.wo": ("attention.wo",),
+    "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"),
+    "feed_forward.w2": ("feed_forward.w2",),
+}
+
+
+def fused_quantized(quantized: dict, c: ModelConfig) -> dict:
+    """The file's quantized weights stacked like fused_state_dict's, by module path (no ".weight");
+    the head under "output" (the embedding table when tied). A projection is left out when one of
+    its parts is not quantized or the parts differ in type."""
+    from floe.model.quant import QuantizedWeight
+
+    out = {}
+    head = "tok_embeddings.weight" if c.tie_embeddings else "output.weight"
+    if head in quantized:
+        out["output"] = quantized[head]
+    for i in range(c.n_layers):
+        for fused, parts in FUSED.items():
+            names = [f"layers.{i}.{p}.weight" for p in parts]
+            if all(n in quantized for n in names):
+                stacked = QuantizedWeight.cat([quantized[n] for n in names])
+                if stacked is not None:
+                    out[f"layers.{i}.{fused}"] = stacked
+    return out
 
 
 def fused_state_dict(weights: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
@@ -153,13 +189,10 @@ def fused_state_dict(weights: dict[str, Tensor], c: ModelConfig) -> dict[str, Te
         w = {k[len(p):]: v for k, v in weights.items() if k.startswith(p)}
         out[p + "attention_norm.weight"] = w["attention_norm.weight"]
         out[p + "ffn_norm.weight"] = w["ffn_norm.weight"]
-        out[p + "attention.wqkv.weight"] = torch.cat(
-            [w["attention.wq.weight"], w["attention.wk.weight"], w["attention.wv.weight"]])
+        for fused, parts in FUSED.items():
+            stacked = [w[f"{part}.weight"] for part in parts]
+            out[f"{p}{fused}.weight"] = torch.cat(stacked) if len(stacked) > 1 else stacked[0]
         if c.qkv_bias:
-            out[p + "attention.wqkv.bias"] = torch.cat(
-                [w["attention.wq.bias"], w["attention.wk.bias"], w["attention.wv.bias"]])
-        out[p + "attention.wo.weight"] = w["attention.wo.weight"]
-        out[p + "feed_forward.w13.weight"] = torch.cat(
-            [w["feed_forward.w1.weight"], w["feed_forward.w3.weight"]])
-        out[p + "feed_forward.w2.weight"] = w["feed_forward.w2.weight"]
+            biases = [w[f"{part}.bias"] for part in FUSED["attention.wqkv"]]
+            out[p + "attention.wqkv.bias"] = torch.cat(biases)
     return out

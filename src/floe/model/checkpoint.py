@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from floe.model.config import ModelConfig
+from floe.model.quant import QuantizedWeight
 from floe.model.tokenizer import Tokenizer
 
 # Called after each tensor is read: (tensors done, tensors total, name).
@@ -39,6 +40,9 @@ class Checkpoint:
     fingerprint: str
     source: Path
     file_type: str  # what the file stores: "Q4_1", "bfloat16", ...
+    # The file's own bytes of each block-quantized 2-D weight, by canonical name (rows in the same
+    # order as `weights`); an engine may run these natively instead of the dequantized tensors.
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -15,6 +15,7 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 from floe.errors import NotAModel, UnsupportedModel
 from floe.model.checkpoint import Checkpoint, Fingerprint, Progress, unpermute_rotary_rows
 from floe.model.config import ARCHITECTURES, ModelConfig
+from floe.model.quant import QuantizedWeight
 from floe.model.tokenizer import tokenizer_from_gguf
 
 _GLOBAL_NAMES = {
@@ -197,6 +198,7 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None = None) 
     tokenizer = tokenizer_from_gguf(fields)
     fingerprint = Fingerprint(config.to_json())
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     kinds = set()
     todo = [t for t in reader.tensors if t.name not in _IGNORED]
     for done, t in enumerate(todo, 1):
@@ -204,11 +206,15 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None = None) 
         kinds.add(t.qtype.name)
         fingerprint.add(t.name, t.qtype.name, t.shape, t.data)
         w = torch.from_numpy(np.array(_dequantize(t), dtype=np.float32))
-        if config.arch == "llama" and name.endswith(("wq.weight", "wq.bias")):
-            w = unpermute_rotary_rows(w, config.n_heads)
-        elif config.arch == "llama" and name.endswith(("wk.weight", "wk.bias")):
-            w = unpermute_rotary_rows(w, config.n_kv_heads)
+        heads = _permuted_heads(config, name)
+        if heads:
+            w = unpermute_rotary_rows(w, heads)
         weights[name] = w.to(dtype).contiguous()
+        if t.qtype.name not in ("F32", "F16", "BF16", "F64") and len(t.shape) == 2:
+            q = QuantizedWeight(t.qtype.name, t.shape, t.data)
+            if heads:
+                q = q.rows(unpermute_rotary_rows(torch.arange(t.shape[0]), heads))
+            quantized[name] = q
         if progress:
             progress(done, len(todo), t.name)
     return Checkpoint(
@@ -218,7 +224,19 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None = None) 
         fingerprint=fingerprint.hexdigest(),
         source=path,
         file_type=_file_type(kinds),
+        quantized=quantized,
     )
+
+
+def _permuted_heads(config: ModelConfig, name: str) -> int:
+    """llama.cpp permutes the rows of Llama's Q and K projections; how many heads, 0 if not."""
+    if config.arch != "llama":
+        return 0
+    if name.endswith(("wq.weight", "wq.bias")):
+        return config.n_heads
+    if name.endswith(("wk.weight", "wk.bias")):
+        return config.n_kv_heads
+    return 0
 
 
 def _file_type(kinds: set[str]) -> str:

@@ -1,0 +1,88 @@
+"""Quantized weights as a file stores them, and their exact re-expression as 4-bit groups.
+
+A GGUF block type stores each weight row as blocks of 32 (or 256) values with per-block scales.
+`QuantizedWeight` keeps those bytes untouched (a view of the memory-mapped file) so that an engine can
+run them natively; `int4_groups` rewrites the supported types, without changing a single weight value,
+as unsigned 4-bit codes q in [0, 15] with a scale and a zero per group of 32 along the row:
+
+    w = (q - 8) * scale + zero
+
+which is the layout of PyTorch's packed int4 CPU kernels. A type whose codes are wider than 4 bits
+(Q8_0) is split into two 4-bit halves laid side by side along the row (the input is repeated to
+match), so `k_repeat` tells the caller how many times to repeat the input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+GROUP = 32
+
+# Block types whose values int4_groups re-expresses exactly (in float32 arithmetic).
+INT4_EXACT = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@dataclass
+class Int4Groups:
+    codes: np.ndarray  # uint8 [rows, cols * k_repeat], values 0..15
+    scale: np.ndarray  # float32 [rows, cols * k_repeat / 32]
+    zero: np.ndarray  # float32, same shape as scale
+    k_repeat: int  # the input is repeated this many times along its last axis
+
+
+@dataclass
+class QuantizedWeight:
+    """A 2-D weight in a GGUF block type: `blocks` uint8 [rows, bytes per row], untouched file bytes."""
+
+    qtype: str
+    shape: tuple[int, int]  # (rows, cols) as the matrix is used: y = W x, W [rows, cols]
+    blocks: np.ndarray
+
+    def dequantize(self) -> torch.Tensor:
+        values = dequantize(self.blocks, Q[self.qtype]).reshape(self.shape)
+        return torch.from_numpy(np.array(values, dtype=np.float32))
+
+    def rows(self, order: np.ndarray | torch.Tensor) -> QuantizedWeight:
+        """The same weight with its rows reordered (quantization blocks never span rows)."""
+        index = np.asarray(order)
+        return QuantizedWeight(self.qtype, (len(index), self.shape[1]), self.blocks[index])
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+        """Rows of several weights stacked, or None if they differ in type or width."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.shape[1] != first.shape[1] for p in parts):
+            return None
+        rows = sum(p.shape[0] for p in parts)
+        return QuantizedWeight(first.qtype, (rows, first.shape[1]),
+                               np.concatenate([p.blocks for p in parts]))
+
+    def int4_groups(self) -> Int4Groups | None:
+        """This weight as exact 4-bit groups of 32, or None if its type has no such form here."""
+        if self.qtype not in INT4_EXACT or self.shape[1] % GROUP:
+            return None
+        rows, cols = self.shape
+        nb = cols // GROUP
+        b = self.blocks.reshape(rows, nb, -1)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if self.qtype == "Q8_0":  # w = d * q, q int8 = 16 * hi + lo, hi in [-8, 7], lo in [0, 15]
+            q = b[..., 2:34].copy().view(np.int8).astype(np.int16)
+            hi, lo = (q >> 4) + 8, q & 15
+            # hi half: (hi+8 - 8) * 16d + 0;  lo half: (lo - 8) * d + 8d
+            codes = np.concatenate([hi.reshape(rows, cols), lo.reshape(rows, cols)], axis=1)
+            scale = np.concatenate([16 * d, d], axis=1)
+            zero = np.concatenate([np.zeros_like(d), 8 * d], axis=1)
+            return Int4Groups(codes.astype(np.uint8), scale, zero, 2)
+        if self.qtype == "Q4_0":  # w = d * (q - 8)
+            qs, zero = b[..., 2:18], np.zeros_like(d)
+        else:  # Q4_1: w = d * q + m = (q - 8) * d + (m + 8d)
+            m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            qs, zero = b[..., 4:20], m + 8 * d
+        # Byte j of a block holds value j in its low nibble and value j + 16 in its high nibble.
+        codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, cols)
+        return Int4Groups(codes, d, zero, 1)
