@@ -94,8 +94,21 @@ def test_in_sandbox_sampling_is_honoured(engine, chat):
     assert reply.text and "e" not in reply.text.lower()
     for token in reply.stats.decoded:
         assert "e" not in engine.tokenizer.token_bytes(token).decode("utf-8", "replace").lower()
-    logits = constrained.ledger.boundaries["engine→guest logits (in place)"]
+    logits = constrained.ledger.boundaries["engine→guest logits (computed in place)"]
     assert logits.copies == 0 and logits.bytes_shared == 4 * engine.config.vocab_size * logits.calls
+
+
+def test_logits_converted_into_guest_memory_are_counted_as_copies(default_checkpoint):
+    """Native weights compute bf16 logits: writing them into the guest's fp32 buffer is one copy
+    per step, and the ledger says so instead of claiming zero copies."""
+    native = Engine(default_checkpoint, max_seq_len=256, weights="native")
+    assert not native.logits_in_place
+    with Actor(native, builtin_guest("constrained")) as actor:
+        actor.send("Say hi.", max_tokens=4)
+    (name,) = [n for n in actor.ledger.boundaries if n.startswith("engine→guest logits")]
+    b = actor.ledger.boundaries[name]
+    assert "native weights" in name and b.bytes_shared == 0
+    assert b.copies == b.calls >= 2 and b.bytes_copied == 4 * native.config.vocab_size * b.copies
 
 
 def test_logits_are_written_in_place_in_guest_memory(engine):

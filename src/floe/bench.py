@@ -16,6 +16,7 @@ import torch
 from floe.engine import Engine, Generation, SamplingParams, generate
 from floe.model.synthetic import random_checkpoint
 from floe.model.tokenizer import Tokenizer
+from floe.profile import count_dispatches, prefill_flops
 
 CONTEXT = 256  # tokens in the cache while decode is timed
 
@@ -70,29 +71,8 @@ def decode_bytes(engine: Engine) -> int:
 
 def count_kernels(step, device: torch.device, steps: int = 5) -> float:
     """Device kernels (GPU) or framework ops (CPU) per call of step()."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        for _ in range(steps):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    if device.type == "cuda":
-        events = [
-            e
-            for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA
-            and "memcpy" not in e.name.lower()
-            and "memset" not in e.name.lower()
-        ]
-    else:
-        # Framework ops as called: aten ops not inside another aten op (a TorchScript function's
-        # ops sit under the function's own record).
-        events = [e for e in prof.events() if e.name.startswith("aten::")
-                  and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
-    return len(events) / steps
+    counts = count_dispatches(step, device, steps)
+    return counts["device_kernels"] if device.type == "cuda" else counts["framework_ops"]
 
 
 def floe_row(engine: Engine) -> dict:
@@ -274,14 +254,7 @@ def prefill_vs_floor(engine: Engine, rate: float, n: int = 2048) -> dict:
         engine.prefill(ids)
 
     t = timed(run, 3)
-    linear = sum(
-        p.numel()
-        for name, p in engine.model.named_parameters()
-        if p.ndim == 2 and "tok_embeddings" not in name
-    )
-    if c.tie_embeddings:
-        linear += c.vocab_size * c.dim
-    flops = 2 * linear * n + 2 * c.n_layers * c.n_heads * c.head_dim * n * n  # causal QK^T and PV
+    flops = prefill_flops(c, n)
     engine.kv_truncate(0)
     return {
         "tokens": n,

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from floe.errors import FloeError
 
@@ -174,21 +175,77 @@ def cmd_snapshot_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokenizer(folder: str | None):
+    """The tokenizer in `folder` (tokenizer.json), or the default model's."""
+    if folder:
+        from pathlib import Path
+
+        from floe.model.hf_folder import tokenizer_from_folder
+
+        return tokenizer_from_folder(Path(folder), {})
+    from floe.model import load_checkpoint
+
+    return load_checkpoint().tokenizer
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from floe.engine import parse_device, parse_dtype
+    from floe.profiling import profile_turn
+    from floe.report import html_report, print_report, roofline_png
+
+    device = parse_device(args.device)
+    if args.max_tokens < 1:
+        raise FloeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    weights = args.weights or ("native" if device.type == "cpu" else "bf16")
+    dtype, kind = WEIGHTS[weights]
+    if args.shape:
+        if args.model:
+            raise FloeError("--shape profiles seeded random weights; it cannot be combined with --model")
+        from floe.model.synthetic import random_checkpoint
+
+        checkpoint = random_checkpoint(args.shape, _tokenizer(args.tokenizer), dtype=parse_dtype(dtype),
+                                       device=device)
+    else:
+        checkpoint = _load_with_progress(args.model, "float32", quiet=args.json)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise FloeError("--plot needs matplotlib: pip install 'floe[plot]'") from None
+    say = (lambda text: None) if args.json else (lambda text: print(f"… {text}", file=sys.stderr))
+    result = profile_turn(checkpoint, args.prompt, device=str(device), dtype=dtype, weights=kind,
+                          max_tokens=args.max_tokens, fusion=args.fusion, context=args.context,
+                          progress=say)
+    png = None
+    if args.plot or args.html:
+        try:
+            png = roofline_png(result)
+        except ImportError:  # --html without matplotlib: the page, without the plot
+            png = None
+    if args.plot:
+        Path(args.plot).write_bytes(png)
+        result["plot"] = args.plot
+    if args.html:
+        Path(args.html).write_text(html_report(result, png))
+        result["html"] = args.html
+    if args.json:
+        print(json.dumps(result))
+    else:
+        from rich.console import Console
+
+        print_report(result, Console())
+        for key in ("plot", "html"):
+            if key in result:
+                print(f"wrote {result[key]}")
+    return 0
+
+
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     from floe.bench import decode
     from floe.engine import parse_device
 
     parse_device(args.device)
-    if args.tokenizer:
-        from pathlib import Path
-
-        from floe.model.hf_folder import tokenizer_from_folder
-
-        tokenizer = tokenizer_from_folder(Path(args.tokenizer), {})
-    else:
-        from floe.model import load_checkpoint
-
-        tokenizer = load_checkpoint().tokenizer
+    tokenizer = _tokenizer(args.tokenizer)
     say = (lambda text: None) if args.json else (lambda text: print(text, flush=True))
     results = [decode(shape, args.device, tokenizer, peers=not args.no_peers, guest=not args.no_guest,
                       progress=say) for shape in args.shape]
@@ -275,6 +332,25 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--model", help="check against this model (GGUF or HF folder)")
     verify.add_argument("--default-model", action="store_true", help="check against the default model")
     verify.set_defaults(handler=cmd_snapshot_verify)
+
+    prof = sub.add_parser("profile", help="one actor turn: boundaries, dispatches and the roofline, measured")
+    prof.add_argument("prompt", help=DEFAULT_PROMPT_HELP)
+    prof.add_argument("--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    prof.add_argument("--shape", choices=sorted(KNOWN_SHAPE_NAMES),
+                      help="seeded random weights at a real architecture's shape instead of --model")
+    prof.add_argument("--tokenizer",
+                      help="folder with tokenizer.json for --shape (default: the default model's)")
+    prof.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    prof.add_argument("--weights", choices=list(WEIGHTS), default=None, help=WEIGHTS_HELP)
+    prof.add_argument("--max-tokens", type=int, default=64, help="most tokens the turn generates (64)")
+    prof.add_argument("--context", type=_positive_int, default=None, help="KV cache length (default: ≤ 4096)")
+    prof.add_argument("--fusion", choices=["on", "off", "both"], default="on",
+                      help="the fused decode step (CPU: lean TorchScript step; CUDA: Triton kernels); "
+                           "both: also measure it off, same weights, same run")
+    prof.add_argument("--json", action="store_true", help="print one JSON object")
+    prof.add_argument("--plot", metavar="PNG", help="write a roofline plot (needs matplotlib)")
+    prof.add_argument("--html", metavar="HTML", help="write a self-contained HTML report")
+    prof.set_defaults(handler=cmd_profile)
 
     probe = sub.add_parser("probe", help="prove and measure floe's zero-copy chain")
     probe_sub = probe.add_subparsers(dest="probe", required=True)

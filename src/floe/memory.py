@@ -91,6 +91,13 @@ class Region:
                 f"[{offset}, {offset}+{length}) is outside the {self.size} accessible bytes"
             )
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether a CPU tensor's bytes lie inside this region's accessible bytes (is a view of it)."""
+        if t.device.type != "cpu":
+            return False
+        start = t.data_ptr()
+        return self.base <= start and start + t.numel() * t.element_size() <= self.base + self.size
+
     def buffer(self, offset: int = 0, length: int | None = None) -> ctypes.Array:
         """A ctypes byte array aliasing [offset, offset + length): no copy."""
         length = self.size - offset if length is None else length

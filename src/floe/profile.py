@@ -1,13 +1,20 @@
 """The boundary ledger: for every place data crosses a boundary, how many copies, bytes and seconds.
 
-Every layer records into a Ledger it is handed; this module imports none of them. A zero-copy
+Every layer records into a Ledger it is handed; this module imports none of them. Also here: the
+dispatch counter and the roofline arithmetic that `floe profile` and `floe bench` report. A zero-copy
 crossing records copies=0 with the bytes it *shared*; a crossing that materialises data (a copy
 out of guest memory, a dtype conversion, a device transfer) records each copy and its bytes.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass
@@ -60,3 +67,97 @@ class Ledger:
 
     def total_copies(self) -> int:
         return sum(b.copies for b in self.boundaries.values())
+
+    def overhead_per_record_s(self, n: int = 20000) -> float:
+        """What one record costs when the ledger is enabled (measured on a scratch ledger)."""
+        scratch = Ledger()
+        t = time.perf_counter()
+        for _ in range(n):
+            scratch.copy("x", 8, seconds=0.0)
+        return (time.perf_counter() - t) / n
+
+
+# ---- dispatches ------------------------------------------------------------------------------------
+
+
+def count_dispatches(fn, device: torch.device | str, steps: int = 5) -> dict:
+    """What one call of fn() dispatches, averaged over `steps` calls after a warm-up call.
+
+    `framework_ops`: PyTorch operators as called (aten ops not nested in another aten op; those of a
+    TorchScript function count, its own record does not). `device_kernels`: kernels the GPU ran
+    (CUDA graph replays included; memcpy/memset not counted), None on the CPU.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device)
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with _quiet_native_stderr():  # Kineto prints a line to fd 2 at every profiler start and stop
+        prof = profile(activities=activities)
+        prof.__enter__()
+    try:
+        for _ in range(steps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        with _quiet_native_stderr():
+            prof.__exit__(None, None, None)
+    events = prof.events()
+    ops = [e for e in events if e.name.startswith("aten::") and e.device_type == torch.autograd.DeviceType.CPU
+           and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    kernels = None
+    if device.type == "cuda":
+        kernels = len([e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                       and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]) / steps
+    return {"framework_ops": len(ops) / steps, "device_kernels": kernels}
+
+
+@contextmanager
+def _quiet_native_stderr():
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+# ---- the roofline ----------------------------------------------------------------------------------
+
+
+def linear_params(c) -> tuple[int, int]:
+    """(weights of every layer's projections, weights of the vocabulary head) of a ModelConfig."""
+    per_layer = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim
+    per_layer += 3 * c.dim * c.ffn_dim
+    return c.n_layers * per_layer, c.vocab_size * c.dim
+
+
+def prefill_flops(c, n: int) -> int:
+    """FLOPs of prefilling n tokens from an empty cache: every projection for each token, causal
+    attention (QKᵀ and PV, n²/2 pairs each), and the head for the last token only."""
+    layers, head = linear_params(c)
+    return 2 * layers * n + 2 * head + 2 * c.n_layers * c.n_heads * c.head_dim * n * n
+
+
+def roofline(decode_bytes_per_token: int, decode_s_per_token: float, bandwidth_b_s: float,
+             prefill_tokens: int, prefill_s: float, prefill_flop: int, matmul_flop_s: float) -> dict:
+    """Decode against the memory-bandwidth ceiling, prefill against the matmul-rate ceiling."""
+    decode_ceiling_s = decode_bytes_per_token / bandwidth_b_s
+    prefill_ceiling_s = prefill_flop / matmul_flop_s
+    return {
+        "decode_bytes_per_token": decode_bytes_per_token,
+        "bandwidth_gb_s": bandwidth_b_s / 1e9,
+        "decode_tok_s": 1 / decode_s_per_token,
+        "decode_ceiling_tok_s": 1 / decode_ceiling_s,
+        "decode_achieved_gb_s": decode_bytes_per_token / decode_s_per_token / 1e9,
+        "decode_pct_of_ceiling": 100 * decode_ceiling_s / decode_s_per_token,
+        "prefill_tokens": prefill_tokens,
+        "prefill_flops": prefill_flop,
+        "matmul_tflop_s": matmul_flop_s / 1e12,
+        "prefill_achieved_tflop_s": prefill_flop / prefill_s / 1e12,
+        "prefill_pct_of_ceiling": 100 * prefill_ceiling_s / prefill_s,
+    }

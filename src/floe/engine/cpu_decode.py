@@ -157,5 +157,8 @@ class CpuDecoder:
                         self.weights, self.scales, self.repeats, self.qkv_bias, self.k_caches,
                         self.v_caches, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim)
         h = self.rms_norm(x, x[0], m.norm.weight, c.norm_eps, self.zero, self.head_input)
-        logits = self.project(h, *self.head)[0]
+        weight, scales, repeat = self.head
+        if out is not None and repeat == 0 and weight.dtype == torch.float32:
+            return torch.mv(weight, h[0], out=out)  # straight into the caller's buffer
+        logits = self.project(h, weight, scales, repeat)[0]
         return logits.float() if out is None else out.copy_(logits)

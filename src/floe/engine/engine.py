@@ -82,8 +82,11 @@ class Engine:
         # On CUDA, decode steps replay captured graphs unless asked not to (eager is the reference).
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.compile_decode = compile_decode
-        # Triton's fused decode kernels, by default wherever graphs run and Triton is installed.
-        self.fused_kernels = (self.cuda_graphs and _has_triton()) if fused_kernels is None else fused_kernels
+        # Fused decode: on CUDA Triton's kernels (by default wherever graphs run and Triton is
+        # installed); on the CPU the lean TorchScript step (by default; off: the module forward).
+        if fused_kernels is None:
+            fused_kernels = self.device.type == "cpu" or (self.cuda_graphs and _has_triton())
+        self.fused_kernels = fused_kernels
         self._decoders: dict[int, object] = {}
 
     def _pack_native(self, model: Transformer) -> dict[str, int]:
@@ -107,6 +110,12 @@ class Engine:
                 setattr(model.get_submodule(parent), name, Int4Linear(weight, old.bias))
             packed[weight.qtype] = packed.get(weight.qtype, 0) + 1
         return packed
+
+    @property
+    def logits_in_place(self) -> bool:
+        """Whether logits asked for in a caller's buffer (logits_out) are computed straight into it;
+        otherwise they are converted or transferred into it (one copy)."""
+        return self.device.type == "cpu" and self.dtype == torch.float32 and self.model.head is None
 
     @property
     def fingerprint(self) -> str:
@@ -173,9 +182,10 @@ class Engine:
         """Append one token to `slot`'s context; float32 logits [vocab] of the next position.
 
         On the CPU a lean decoder runs the step; on CUDA a replayed graph (its returned tensor is
-        the graph's buffer, valid until the next step), or with cuda_graphs=False the module itself.
+        the graph's buffer, valid until the next step); with cuda_graphs=False (CUDA) or
+        fused_kernels=False (CPU) the module forward, as prefill runs it.
         """
-        if self.device.type == "cuda" and not self.cuda_graphs:
+        if not (self.cuda_graphs if self.device.type == "cuda" else self.fused_kernels):
             return self.prefill([token], slot, logits_out=logits_out)
         self._check_ids([token])
         if self.device.type == "cpu":
