@@ -72,6 +72,15 @@ static int add_message(const char *role, const char *text, uint32_t len) {
     return 1;
 }
 
+/* The host loads an earlier conversation (e.g. an OpenAI request's messages) one message at a time:
+ * role 0 system, 1 user, 2 assistant. Nothing is generated; the next on_message renders it all and
+ * prefills what the KV cache does not hold. */
+FLOE_EXPORT(on_history) int32_t on_history(int32_t role, const char *text, int32_t len) {
+    static const char *const roles[] = {"system", "user", "assistant"};
+    if (role < 0 || role > 2 || len < 0) return 1;
+    return add_message(roles[role], text, (uint32_t)len) ? 0 : 2;
+}
+
 static int is_eos(int32_t tok) {
     for (int i = 0; i < n_eos; i++)
         if (eos[i] == tok) return 1;

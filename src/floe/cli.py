@@ -240,6 +240,35 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from floe.server.app import create_app
+    except ImportError as e:
+        raise FloeError(f"floe serve needs fastapi and uvicorn ({e.name} is missing): "
+                        "pip install floe") from e
+    from floe.engine import Engine, parse_device
+
+    device = parse_device(args.device)
+    if args.max_sessions < 1 or args.idle_seconds <= 0:
+        raise FloeError("--max-sessions must be >= 1 and --idle-seconds > 0")
+    weights = args.weights or ("native" if device.type == "cpu" else "bf16")
+    dtype, kind = WEIGHTS[weights]
+    checkpoint = _load_with_progress(args.model, "float32", quiet=False)
+    engine = Engine(checkpoint, device=device, dtype=dtype, max_seq_len=args.context,
+                    n_slots=args.max_sessions, weights=kind)
+    model_id = args.model_id or checkpoint.source.stem
+    app = create_app(engine, snapshots=Path(args.snapshots).expanduser(), model_id=model_id,
+                     idle_seconds=args.idle_seconds, guest=args.guest)
+    print(f"floe serve: {model_id} on {device} ({weights} weights), {args.max_sessions} live sessions × "
+          f"{engine.max_seq_len} tokens, snapshots in {args.snapshots} "
+          f"({len(app.state.store.sessions)} sessions found); http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     from floe.bench import decode
     from floe.engine import parse_device
@@ -351,6 +380,24 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--plot", metavar="PNG", help="write a roofline plot (needs matplotlib)")
     prof.add_argument("--html", metavar="HTML", help="write a self-contained HTML report")
     prof.set_defaults(handler=cmd_profile)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server whose conversations are actors")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--model-id", help="the model name clients send (default: the file's name)")
+    serve.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    serve.add_argument("--weights", choices=list(WEIGHTS), default=None, help=WEIGHTS_HELP)
+    serve.add_argument("--guest", help="guest module (.wasm) every session runs (default: built-in chat)")
+    serve.add_argument("--snapshots", default="floe-sessions",
+                       help="folder idle sessions are frozen into and read back from at start")
+    serve.add_argument("--idle-seconds", type=float, default=300.0,
+                       help="freeze a session idle this long (300)")
+    serve.add_argument("--max-sessions", type=int, default=16,
+                       help="live sessions (KV cache slots); beyond, the least recently used is frozen")
+    serve.add_argument("--context", type=_positive_int, default=4096, help="tokens per session (4096)")
+    serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(handler=cmd_serve)
 
     probe = sub.add_parser("probe", help="prove and measure floe's zero-copy chain")
     probe_sub = probe.add_subparsers(dest="probe", required=True)

@@ -126,10 +126,12 @@ def checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-def write(state: ActorState, path: str | Path, kv_dtype: str | None = None) -> dict:
+def write(state: ActorState, path: str | Path, kv_dtype: str | None = None, app: dict | None = None) -> dict:
     """Write `state` to `path` atomically: temp file in the same folder, fsync, rename, fsync folder.
 
-    A crash at any point leaves the previous file at `path` intact. Returns size and timings.
+    A crash at any point leaves the previous file at `path` intact. `app`: the caller's own
+    JSON-able record, stored (and checksummed) with the state under the metadata key "app" (e.g. a
+    server's conversation). Returns size and timings.
     """
     kv_dtype = kv_dtype or state.engine_dtype
     if kv_dtype not in KV_DTYPES:
@@ -138,6 +140,8 @@ def write(state: ActorState, path: str | Path, kv_dtype: str | None = None) -> d
     t0 = time.perf_counter()
     tensors = _tensors(state, kv_dtype)
     metadata = _metadata(state, kv_dtype)
+    if app is not None:
+        metadata["app"] = json.dumps(app)
     metadata["checksum"] = checksum(tensors, metadata)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -204,6 +208,11 @@ class Snapshot:
     @property
     def kv_len(self) -> int:
         return int(self.metadata["kv_len"])
+
+    @property
+    def app(self) -> dict:
+        """The record the writer stored with `app=` ({} if none)."""
+        return json.loads(self.metadata.get("app", "{}"))
 
     def verify(self, *, fingerprint: str | None = None, guest_sha256: str | None = None,
                abi_version: int | None = None, n_layers: int | None = None,
@@ -289,9 +298,22 @@ class Snapshot:
         }
 
 
-def freeze(actor: Actor, path: str | Path, kv_dtype: str | None = None) -> dict:
+def freeze(actor: Actor, path: str | Path, kv_dtype: str | None = None, app: dict | None = None) -> dict:
     """Write `actor` (between messages) to one safetensors file, atomically; it keeps running."""
-    return write(actor.capture_state(), path, kv_dtype)
+    return write(actor.capture_state(), path, kv_dtype, app)
+
+
+def header(path: str | Path) -> dict[str, str]:
+    """A snapshot's metadata from its header only (no tensors read, nothing verified): for listing
+    many files quickly. Thawing reads and verifies the whole file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise SnapshotCorrupt(f"{path} is not a readable snapshot (truncated or corrupt: {e})") from e
+    if metadata.get("format") != FORMAT:
+        raise SnapshotCorrupt(f"{path} is a safetensors file but not a floe snapshot")
+    return metadata
 
 
 def thaw(engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModule | None = None,

@@ -99,11 +99,12 @@ class HostABI:
         return call
 
     def _bytes(self, ptr: int, length: int, what: str) -> bytes:
+        t = time.perf_counter()
         try:
             data = self.actor.region.read(ptr, length)
         except OutOfBounds as e:
             raise GuestPointerError(f"{what}: guest pointer {e}") from None
-        self.actor.ledger.copy(f"guest→host {what}", length)
+        self.actor.ledger.copy(f"guest→host {what}", length, seconds=time.perf_counter() - t)
         return data
 
     def _view(self, ptr: int, count: int, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -117,19 +118,21 @@ class HostABI:
 
     def _write(self, ptr: int, cap: int, data: bytes, what: str) -> None:
         n = min(cap, len(data))
+        t = time.perf_counter()
         try:
             self.actor.region.check(ptr, cap)
             self.actor.region.write(ptr, data[:n])
         except OutOfBounds as e:
             raise GuestPointerError(f"{what}: guest pointer {e}") from None
-        self.actor.ledger.copy(f"host→guest {what}", n)
+        self.actor.ledger.copy(f"host→guest {what}", n, seconds=time.perf_counter() - t)
 
     def _write_ids(self, ptr: int, cap: int, ids: list[int], what: str) -> int:
+        t = time.perf_counter()
         out = self._view(ptr, cap, torch.int32, what)
         n = min(cap, len(ids))
         if n:
             out[:n] = torch.tensor(ids[:n], dtype=torch.int32)
-        self.actor.ledger.copy(f"host→guest {what}", 4 * n)
+        self.actor.ledger.copy(f"host→guest {what}", 4 * n, seconds=time.perf_counter() - t)
         return len(ids)
 
     # ---- the ABI ----------------------------------------------------------------------------------
@@ -180,28 +183,40 @@ class HostABI:
                 logits = self.engine.prefill(ids, self.actor.slot, logits_out=out)
         except ContextOverflow:
             return ERR_CONTEXT_FULL
-        self.actor.stats.on_forward(len(ids), time.perf_counter() - t0)
+        self.actor.stats.on_forward(len(ids), time.perf_counter() - t0, self.engine.kv_len(self.actor.slot))
         self.last_logits = logits
+        if self.engine.device.type == "cuda":  # ids (and the decode position) go to the device
+            graph = len(ids) == 1 and self.engine.cuda_graphs
+            name = "token + position host→cuda (pinned, in the graph)" if graph else "token ids host→cuda"
+            self.actor.ledger.copy(name, 16 if graph else 8 * len(ids))
         if out is not None:
-            direct = self.engine.dtype == torch.float32 and self.engine.device.type == "cpu"
-            name = "engine→guest logits (in place)"
-            if direct:
-                self.actor.ledger.share(name, 4 * self.vocab)
+            # Zero copies only if the engine computes into the buffer and the result is that buffer
+            # in guest memory (pointers compared, not assumed).
+            in_place = logits.data_ptr() == out.data_ptr() and self.actor.region.holds(logits)
+            if self.engine.logits_in_place and in_place:
+                self.actor.ledger.share("engine→guest logits (computed in place)", 4 * self.vocab)
             else:
-                self.actor.ledger.copy(name + f" from {str(self.engine.dtype)[6:]}", 4 * self.vocab)
+                e = self.engine
+                source = f"{e.device.type}, {str(e.dtype)[6:]} engine, {e.weights} weights"
+                self.actor.ledger.copy(f"engine→guest logits (written from {source})", 4 * self.vocab)
         return OK
 
     def prefill(self, ids_ptr: int, n: int, logits_ptr: int) -> int:
         if n == 0:
             return ERR_BAD_ARGUMENT
         view = self._view(ids_ptr, n, torch.int32, "token ids")
-        self.actor.ledger.share("guest→engine prompt ids", 4 * n)
+        if self.actor.region.holds(view):  # the engine reads the guest's own bytes
+            self.actor.ledger.share("guest→engine prompt ids", 4 * n)
+        else:
+            self.actor.ledger.copy("guest→engine prompt ids", 4 * n)
         ids = view.numpy()
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
             return ERR_BAD_TOKEN
         # int32 guest ids -> int64 for the embedding: a conversion the ledger shows.
-        self.actor.ledger.copy("prompt ids int32→int64", 8 * n)
-        return self._run(torch.from_numpy(ids.astype(np.int64)), logits_ptr)
+        t = time.perf_counter()
+        wide = torch.from_numpy(ids.astype(np.int64))
+        self.actor.ledger.copy("prompt ids int32→int64", 8 * n, seconds=time.perf_counter() - t)
+        return self._run(wide, logits_ptr)
 
     def decode(self, token: int, logits_ptr: int) -> int:
         token = _i32(token)
@@ -221,7 +236,11 @@ class HostABI:
                 return ERR_BAD_ARGUMENT
         else:
             params = self.actor.request.params
+        t = time.perf_counter()
         token = int(sample_token(self.last_logits, params, self.actor.generator))
+        if self.last_logits.device.type != "cpu":  # the chosen id is read back to the host
+            self.actor.ledger.copy(f"sampled token {self.last_logits.device.type}→host (readback)", 8,
+                                   seconds=time.perf_counter() - t)
         self.actor.stats.on_sample(token, token in self.tokenizer.eos_ids)
         return token
 

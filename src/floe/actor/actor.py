@@ -66,6 +66,8 @@ class Request:
 @dataclass
 class MessageStats:
     prompt_tokens: int = 0  # tokens prefilled (beyond what the KV cache already held)
+    context_tokens: int = 0  # the whole prompt: tokens in the KV cache after the first forward
+    first_forward_tokens: int = 0  # tokens the first forward computed (≥ 1 even if all were cached)
     sampled: list[int] = field(default_factory=list)  # non-EOS tokens the host sampled
     decoded: list[int] = field(default_factory=list)  # tokens the guest fed back one at a time
     forward_s: float = 0.0  # time in the engine
@@ -82,7 +84,9 @@ class MessageStats:
         """Time in the guest and the host ABI: the price of the sandbox for this message."""
         return max(0.0, self.wall_s - self.forward_s)
 
-    def on_forward(self, n_tokens: int, seconds: float) -> None:
+    def on_forward(self, n_tokens: int, seconds: float, kv_len: int = 0) -> None:
+        if self.forwards == 0:
+            self.context_tokens, self.first_forward_tokens = kv_len, n_tokens
         self.forwards += 1
         self.forward_s += seconds
         if n_tokens > 1:
@@ -206,11 +210,7 @@ class Actor:
             self.abi.last_logits = None
             self.abi.utf8.reset()
             data = message.encode()
-            ptr = self._call("alloc", len(data))
-            if ptr == 0 and data:
-                raise GuestError(f"guest could not allocate {len(data)} bytes for the message")
-            self.region.write(ptr, data)
-            self.ledger.copy("host→guest message", len(data))
+            ptr = self._deliver(data, "message")
             try:
                 status = self._call("on_message", ptr, len(data))
             finally:
@@ -222,6 +222,35 @@ class Actor:
                 raise GuestError(f"guest reported error {status} for this message"
                                  + (f": {self.logs[-1]}" if self.logs else ""))
             return Reply("".join(parts), self.stats, self.ledger, list(self.logs))
+
+    def _deliver(self, data: bytes, what: str) -> int:
+        """Copy `data` into the buffer the guest's alloc() hands out; its guest address."""
+        ptr = self._call("alloc", len(data))
+        if ptr == 0 and data:
+            raise GuestError(f"guest could not allocate {len(data)} bytes for the {what}")
+        self.region.write(ptr, data)
+        self.ledger.copy(f"host→guest {what}", len(data))
+        return ptr
+
+    HISTORY_ROLES = ("system", "user", "assistant")
+
+    def add_history(self, role: str, text: str) -> None:
+        """Load one message of an earlier conversation (system, user or assistant) without
+        generating; the next send() renders it with the rest and prefills what the cache lacks.
+        Needs a guest that exports `on_history` (floe's chat and constrained guests do)."""
+        if self.closed:
+            raise FloeError("this actor is closed")
+        if role not in self.HISTORY_ROLES:
+            raise FloeError(f"message role {role!r}: choose one of {', '.join(self.HISTORY_ROLES)}")
+        if not self.guest.has_function("on_history"):
+            raise FloeError(f"guest {self.module.name} cannot take a conversation history "
+                            "(it exports no on_history)")
+        with self._lock:
+            data = text.encode()
+            ptr = self._deliver(data, "history message")
+            status = self._call("on_history", self.HISTORY_ROLES.index(role), ptr, len(data))
+            if status != 0:
+                raise GuestError(f"guest refused a {role} history message (status {status})")
 
     def stream(self, message: str, **kwargs) -> Iterator[str]:
         """send() as a generator of text pieces; the guest runs in a worker thread."""
@@ -276,11 +305,12 @@ class Actor:
 
     # The snapshot API the issue asks for on the actor; the file format and its checks live in
     # floe.snapshot (the layer above), which these two methods only call into.
-    def freeze(self, path: str | Path, kv_dtype: str | None = None) -> dict:
-        """Write this actor to one safetensors file (atomically); it keeps running."""
+    def freeze(self, path: str | Path, kv_dtype: str | None = None, app: dict | None = None) -> dict:
+        """Write this actor to one safetensors file (atomically); it keeps running. `app`: a
+        JSON-able record of the caller's, stored with it (Snapshot.app)."""
         from floe import snapshot
 
-        return snapshot.freeze(self, path, kv_dtype)
+        return snapshot.freeze(self, path, kv_dtype, app)
 
     @classmethod
     def thaw(cls, engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModule | None = None,

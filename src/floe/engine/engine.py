@@ -41,6 +41,26 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+class FairLock:
+    """A lock granted in arrival order (threading.Lock is not): concurrent actors' steps take turns."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = self._serving = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cond.wait()
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
 class Engine:
     """Owns the model weights and the KV cache on `device`; prefill and decode per slot."""
 
@@ -79,6 +99,7 @@ class Engine:
         self.cache = KVCache(self.config, self.max_seq_len, n_slots, self.dtype, self.device)
         self._free_slots = list(range(n_slots))
         self._slot_lock = threading.Lock()
+        self._step_lock = FairLock()  # one forward at a time, in arrival order, across threads
         # On CUDA, decode steps replay captured graphs unless asked not to (eager is the reference).
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.compile_decode = compile_decode
@@ -168,14 +189,15 @@ class Engine:
     def _append(self, slot: int, ids: list[int], run) -> Tensor:
         """Reserve len(ids) positions of `slot`, run(start) the step, record the ids; a failed step
         leaves the context as it was."""
-        start = self.cache.reserve(slot, len(ids))
-        try:
-            logits = run(start)
-        except BaseException:
-            self.cache.truncate(slot, start)
-            raise
-        self.cache.tokens[slot].extend(ids)
-        return logits
+        with self._step_lock:
+            start = self.cache.reserve(slot, len(ids))
+            try:
+                logits = run(start)
+            except BaseException:
+                self.cache.truncate(slot, start)
+                raise
+            self.cache.tokens[slot].extend(ids)
+            return logits
 
     @torch.inference_mode()
     def decode_step(self, token: int, slot: int = 0, logits_out: Tensor | None = None) -> Tensor:

@@ -182,6 +182,9 @@ class GuestInstance:
         self.region.limit = memory_cap
         self.memory: wasmtime.Memory = self.exports["memory"]
 
+    def has_function(self, name: str) -> bool:
+        return isinstance(self.exports.get(name), wasmtime.Func)
+
     def function(self, name: str) -> wasmtime.Func:
         f = self.exports.get(name)
         if not isinstance(f, wasmtime.Func):

@@ -1,0 +1,160 @@
+"""Load on `floe serve` over loopback: S sessions × T turns, streamed, with the official client.
+
+    python bench/serve_load.py [--sessions 8] [--turns 3] [--max-tokens 32] [--device cpu]
+                               [--weights native] [--shape llama-3.2-1b --tokenizer DIR]
+
+Starts the real server in this process (uvicorn on a free loopback port), then runs every session
+in its own client thread: each turn sends the whole conversation so far with the session's id and
+streams the reply. Reports p50/p95 TTFT (request sent → first content chunk, client side), p50/p95
+per-turn decode rate, cached vs prefilled prompt tokens, and the aggregate generated tokens/s over
+the wall time of the whole load. Bounded: every request has a timeout, the run has --budget-s.
+Writes bench/results/serve_load_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import torch
+import uvicorn
+
+from floe.engine import Engine
+from floe.server.app import create_app
+
+QUESTIONS = ["Tell me about {}.", "What is it best known for?", "Summarise that in one sentence.",
+             "Give one more fact.", "Thank you. Anything else?"]
+TOPICS = ["Paris", "the Moon", "volcanoes", "bees", "the Nile", "chess", "glaciers", "owls", "copper",
+          "Mars", "whales", "tea", "bridges", "deserts", "coral", "maps"]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--weights", default=None, choices=["native", "dense"])
+    ap.add_argument("--shape", default=None, help="seeded random weights at this shape (GPU runs)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder for --shape")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--budget-s", type=float, default=600)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    weights = args.weights or ("native" if device.type == "cpu" else "dense")
+    dtype = "float32" if device.type == "cpu" else "bfloat16"
+    if args.shape:
+        from floe.cli import _tokenizer
+        from floe.model.synthetic import random_checkpoint
+
+        checkpoint = random_checkpoint(args.shape, _tokenizer(args.tokenizer), dtype=torch.bfloat16,
+                                       device=device)
+        model_id = args.shape
+    else:
+        from floe.model import load_checkpoint
+
+        checkpoint = load_checkpoint()
+        model_id = checkpoint.source.stem
+    engine = Engine(checkpoint, device=device, dtype=dtype, max_seq_len=1024, n_slots=args.sessions,
+                    weights=weights)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = tempfile.mkdtemp(prefix="floe-load-")
+    app = create_app(engine, snapshots=Path(folder), model_id=model_id, idle_seconds=3600)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                           timeout=args.budget_s)
+    deadline = time.time() + args.budget_s
+    rows, errors = [], []
+
+    def session(i: int) -> None:
+        messages = []
+        for t in range(args.turns):
+            if time.time() > deadline:
+                errors.append(f"session {i}: budget exhausted before turn {t}")
+                return
+            messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)].format(
+                TOPICS[i % len(TOPICS)])})
+            sent = time.perf_counter()
+            first = last = None
+            pieces, usage = [], None
+            try:
+                for chunk in client.chat.completions.create(
+                        model=model_id, messages=messages, temperature=0, max_tokens=args.max_tokens,
+                        stream=True, stream_options={"include_usage": True},
+                        extra_body={"session_id": f"load-{i}"}):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        last = time.perf_counter()
+                        first = first or last
+                        pieces.append(chunk.choices[0].delta.content)
+                    usage = chunk.usage or usage
+            except openai.APIError as e:
+                errors.append(f"session {i} turn {t}: {e}")
+                return
+            messages.append({"role": "assistant", "content": "".join(pieces)})
+            n = usage.completion_tokens if usage else len(pieces)
+            rows.append({"session": i, "turn": t, "ttft_s": (first or sent) - sent,
+                         "decode_tok_s": (n - 1) / (last - first) if first and last > first else None,
+                         "completion_tokens": n, "prompt_tokens": usage.prompt_tokens if usage else None,
+                         "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage else None})
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(args.sessions) as pool:
+        list(pool.map(session, range(args.sessions)))
+    wall = time.perf_counter() - start
+    server.should_exit = True
+    thread.join(30)
+    ttft = [r["ttft_s"] for r in rows]
+    rates = [r["decode_tok_s"] for r in rows if r["decode_tok_s"]]
+    generated = sum(r["completion_tokens"] for r in rows)
+    later = [r for r in rows if r["turn"] > 0]
+    result = {
+        "device": str(device), "model": model_id, "weights": weights, "threads": args.threads,
+        "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens,
+        "requests": len(rows), "errors": errors, "wall_s": wall,
+        "ttft_p50_ms": 1e3 * pct(ttft, 0.5), "ttft_p95_ms": 1e3 * pct(ttft, 0.95),
+        "ttft_first_turn_p50_ms": 1e3 * pct([r["ttft_s"] for r in rows if r["turn"] == 0], 0.5),
+        "ttft_later_turns_p50_ms": 1e3 * pct([r["ttft_s"] for r in later], 0.5),
+        "decode_tok_s_p50": pct(rates, 0.5), "decode_tok_s_p95": pct(rates, 0.95),
+        "aggregate_tok_s": generated / wall, "generated_tokens": generated,
+        "later_turns_cached_share": (sum(r["cached_tokens"] for r in later)
+                                     / max(1, sum(r["prompt_tokens"] for r in later))) if later else None,
+        "rows": rows,
+    }
+    print(f"{args.sessions} sessions × {args.turns} turns on {device} ({model_id}, {weights}): "
+          f"{len(rows)} requests, {len(errors)} errors, {wall:.1f} s")
+    print(f"TTFT p50 {result['ttft_p50_ms']:.0f} ms, p95 {result['ttft_p95_ms']:.0f} ms "
+          f"(first turns p50 {result['ttft_first_turn_p50_ms']:.0f} ms, later turns "
+          f"{result['ttft_later_turns_p50_ms']:.0f} ms); per-stream decode p50 "
+          f"{result['decode_tok_s_p50']:.1f} tok/s; aggregate {result['aggregate_tok_s']:.1f} tok/s; "
+          f"later turns: {100 * (result['later_turns_cached_share'] or 0):.0f} % of prompt tokens cached")
+    out = Path(args.out or Path(__file__).parent / "results" / f"serve_load_{device.type}.json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    sys.exit(1 if errors else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""Sessions of `floe serve`: each conversation is an actor that keeps its KV cache, frozen to disk
+when idle (or when its KV slot is needed) and thawed on its next message, also after a restart.
+
+Invariants: a session runs one request at a time (its lock); it is frozen only between requests;
+the snapshot file is written (atomically, fsynced) before a freeze is acknowledged and before the
+actor is closed; a thaw that fails leaves the file where it was. The conversation the actor holds
+(`messages`) is stored inside the snapshot (its `app` record), so a file is a whole session.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from floe.actor import Actor
+from floe.engine import Engine, SamplingParams
+from floe.errors import FloeError
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+ROLES = ("system", "user", "assistant")
+
+
+class SessionError(FloeError):
+    """A request a session cannot take; `status` and `code` say how the server answers it."""
+
+    status, code = 400, "invalid_request_error"
+
+
+class UnknownSession(SessionError):
+    status, code = 404, "session_not_found"
+
+
+class HistoryMismatch(SessionError):
+    status, code = 409, "session_history_mismatch"
+
+
+class NoFreeSlot(SessionError):
+    status, code = 503, "server_busy"
+
+
+class ThawFailed(SessionError):
+    status, code = 500, "thaw_failed"
+
+
+@dataclass
+class Session:
+    id: str
+    path: Path
+    messages: list[dict] = field(default_factory=list)  # what the actor holds: role, content
+    actor: Actor | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    seed: int = 0
+
+    @property
+    def live(self) -> bool:
+        return self.actor is not None
+
+    def describe(self) -> dict:
+        return {"id": self.id, "state": "live" if self.live else "frozen", "messages": len(self.messages),
+                "kv_tokens": self.actor.engine.kv_len(self.actor.slot) if self.actor else None,
+                "idle_seconds": round(time.monotonic() - self.last_used, 3),
+                "snapshot": str(self.path) if self.path.exists() else None}
+
+
+def is_prefix(prefix: list[dict], messages: list[dict]) -> bool:
+    return len(prefix) <= len(messages) and all(
+        a["role"] == b["role"] and a["content"] == b["content"]
+        for a, b in zip(prefix, messages, strict=False))
+
+
+class SessionStore:
+    """All sessions of one server: live ones hold a KV slot of `engine`, frozen ones a file."""
+
+    def __init__(self, engine: Engine, folder: Path, *, idle_seconds: float = 300.0,
+                 guest: str | None = None, on_thaw: Callable[[float], None] = lambda s: None,
+                 on_freeze: Callable[[float], None] = lambda s: None) -> None:
+        self.engine, self.folder, self.idle_seconds, self.guest = engine, Path(folder), idle_seconds, guest
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.sessions: dict[str, Session] = {}
+        self.lock = threading.Lock()  # guards `sessions` and slot accounting
+        self.on_thaw, self.on_freeze = on_thaw, on_freeze
+        self.skipped: list[str] = []  # files in the folder that are not loadable sessions
+
+    # ---- startup -----------------------------------------------------------------------------------
+
+    def load_folder(self) -> int:
+        """Register every session frozen in the folder (headers only; each is verified on thaw)."""
+        from floe.snapshot import SnapshotError, header
+
+        for path in sorted(self.folder.glob("*.safetensors")):
+            try:
+                record = _app_record(header(path))
+            except (SnapshotError, ValueError, KeyError) as e:
+                self.skipped.append(f"{path.name}: {e}")
+                continue
+            sid = path.stem
+            self.sessions[sid] = Session(sid, path, messages=record["messages"], seed=record.get("seed", 0))
+        return len(self.sessions)
+
+    # ---- choosing the session for a request --------------------------------------------------------
+
+    def acquire(self, session_id: str | None, messages: list[dict], seed: int) -> tuple[Session, list[dict]]:
+        """The session this request continues, locked for it, and the earlier messages it must load
+        before the last (user) one. Without an id: the session whose conversation is the longest
+        prefix of this one, or a new session."""
+        history = messages[:-1]
+        with self.lock:
+            if session_id is not None:
+                if not SESSION_ID.match(session_id):
+                    raise SessionError(f"session id {session_id!r} is not valid (letters, digits, _ . -)")
+                session = self.sessions.get(session_id)
+                if session is None:
+                    if any(m["role"] == "assistant" for m in history):
+                        raise UnknownSession(f"no session {session_id!r} (a new session starts with "
+                                             "no assistant messages)")
+                    session = self._new(session_id, seed)
+                elif not is_prefix(session.messages, history):
+                    raise HistoryMismatch(
+                        f"session {session_id!r} holds {len(session.messages)} messages that are not "
+                        "the start of this request's conversation")
+            else:
+                candidates = [s for s in self.sessions.values() if s.messages and not s.lock.locked()
+                              and is_prefix(s.messages, history)]
+                session = max(candidates, key=lambda s: len(s.messages), default=None)
+                if session is None:
+                    session = self._new(uuid.uuid4().hex[:16], seed)
+        session.lock.acquire()
+        if not is_prefix(session.messages, history):  # another request moved it on meanwhile
+            session.lock.release()
+            raise HistoryMismatch(f"session {session.id!r} changed while this request waited")
+        return session, history[len(session.messages):]
+
+    def _new(self, sid: str, seed: int) -> Session:
+        session = Session(sid, self.folder / f"{sid}.safetensors", seed=seed)
+        self.sessions[sid] = session
+        return session
+
+    # ---- running a message -------------------------------------------------------------------------
+
+    def run(self, session: Session, history: list[dict], text: str, *, max_tokens: int,
+            params: SamplingParams, on_text: Callable[[str], None] | None = None,
+            should_stop: Callable[[], bool] = lambda: False):
+        """Deliver `text` to the (locked) session's actor, loading `history` first. Returns the reply.
+
+        A guest failure ends this request only: the actor is dropped and the session returns to its
+        last snapshot (or is forgotten if it never had one).
+        """
+        self._ensure_live(session)
+        actor = session.actor
+        try:
+            for m in history:
+                actor.add_history(m["role"], m["content"])
+
+            def emit(piece: str) -> None:
+                if should_stop():
+                    actor.stop_requested = True
+                if on_text is not None:
+                    on_text(piece)
+
+            reply = actor.send(text, max_tokens=max_tokens, params=params, on_text=emit)
+        except BaseException:
+            self._drop_live(session)
+            raise
+        session.messages += [*history, {"role": "user", "content": text},
+                             {"role": "assistant", "content": reply.text}]
+        session.last_used = time.monotonic()
+        return reply
+
+    def release(self, session: Session) -> None:
+        session.last_used = time.monotonic()
+        session.lock.release()
+
+    def _ensure_live(self, session: Session) -> None:
+        if session.live:
+            return
+        self._make_room()
+        try:
+            if session.path.exists():
+                t = time.perf_counter()
+                session.actor = Actor.thaw(self.engine, session.path, self.guest, seed=session.seed)
+                self.on_thaw(time.perf_counter() - t)
+            else:
+                session.actor = Actor(self.engine, self.guest, seed=session.seed)
+        except FloeError as e:
+            raise ThawFailed(f"session {session.id!r} could not be thawed from {session.path.name} "
+                             f"(the file is left in place): {e}") from e
+
+    def _drop_live(self, session: Session) -> None:
+        """Forget the live actor after a failure; fall back to the snapshot if there is one."""
+        if session.actor is not None:
+            session.actor.close()
+            session.actor = None
+        if session.path.exists():
+            from floe.snapshot import header
+
+            session.messages = _app_record(header(session.path))["messages"]
+        else:
+            with self.lock:
+                self.sessions.pop(session.id, None)
+
+    def _make_room(self) -> None:
+        """Free a KV slot if none is: freeze the least recently used idle live session."""
+        with self.lock:
+            live = [s for s in self.sessions.values() if s.live]
+            if len(live) < self.engine.cache.n_slots:
+                return
+            idle = sorted((s for s in live if not s.lock.locked()), key=lambda s: s.last_used)
+        for victim in idle:
+            if victim.lock.acquire(blocking=False):
+                try:
+                    if victim.live:
+                        self._freeze_locked(victim)
+                        return
+                finally:
+                    victim.lock.release()
+        raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots are busy with running requests")
+
+    # ---- freezing ----------------------------------------------------------------------------------
+
+    def _freeze_locked(self, session: Session) -> dict:
+        """Write the session's snapshot, then close its actor (caller holds session.lock)."""
+        t = time.perf_counter()
+        info = session.actor.freeze(session.path, app={"floe_server": {
+            "id": session.id, "messages": session.messages, "seed": session.seed}})
+        session.actor.close()
+        session.actor = None
+        self.on_freeze(time.perf_counter() - t)
+        return info
+
+    def freeze(self, sid: str) -> dict:
+        session = self.get(sid)
+        with session.lock:
+            if session.live:
+                info = self._freeze_locked(session)
+            elif session.path.exists():
+                info = {"path": str(session.path), "bytes": session.path.stat().st_size, "seconds": 0.0}
+            else:
+                raise SessionError(f"session {sid!r} has no state to freeze yet")
+        return info | {"id": sid, "state": "frozen"}
+
+    def thaw(self, sid: str) -> dict:
+        session = self.get(sid)
+        with session.lock:
+            self._ensure_live(session)
+        return session.describe()
+
+    def evict_idle(self) -> list[str]:
+        """Freeze every live session idle longer than idle_seconds; returns their ids."""
+        now = time.monotonic()
+        with self.lock:
+            idle = [s for s in self.sessions.values() if s.live and now - s.last_used > self.idle_seconds]
+        frozen = []
+        for session in idle:
+            if session.lock.acquire(blocking=False):
+                try:
+                    if session.live and time.monotonic() - session.last_used > self.idle_seconds:
+                        self._freeze_locked(session)
+                        frozen.append(session.id)
+                finally:
+                    session.lock.release()
+        return frozen
+
+    # ---- bookkeeping -------------------------------------------------------------------------------
+
+    def get(self, sid: str) -> Session:
+        with self.lock:
+            session = self.sessions.get(sid)
+        if session is None:
+            raise UnknownSession(f"no session {sid!r}")
+        return session
+
+    def delete(self, sid: str) -> None:
+        session = self.get(sid)
+        with session.lock:
+            if session.actor is not None:
+                session.actor.close()
+                session.actor = None
+            session.path.unlink(missing_ok=True)
+            with self.lock:
+                self.sessions.pop(sid, None)
+
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            live = sum(s.live for s in self.sessions.values())
+            return {"live": live, "frozen": len(self.sessions) - live}
+
+    def close(self, freeze: bool = True) -> None:
+        """At shutdown: freeze every live session (so a restart serves them again)."""
+        for session in list(self.sessions.values()):
+            with session.lock:
+                if session.live:
+                    if freeze and session.messages:
+                        self._freeze_locked(session)
+                    else:
+                        session.actor.close()
+                        session.actor = None
+
+
+def _app_record(metadata: dict[str, str]) -> dict:
+    import json
+
+    record = json.loads(metadata.get("app", "{}")).get("floe_server")
+    if not record or not isinstance(record.get("messages"), list):
+        raise ValueError("not a floe serve session (no conversation record)")
+    return record

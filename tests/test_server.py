@@ -1,0 +1,272 @@
+"""`floe serve` driven by the official `openai` client over loopback: completions, streaming,
+sessions that prefill only new tokens, idle freezing and a server restart, concurrency, bad requests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from floe.engine import Engine
+from floe.server.app import create_app
+
+MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
+CONTEXT = 512
+TURNS = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadServer:
+    """The real app under uvicorn on a loopback port, in this process."""
+
+    def __init__(self, app) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(default_checkpoint, tmp_path_factory):
+    engine = Engine(default_checkpoint, max_seq_len=CONTEXT, n_slots=16, weights="native")
+    app = create_app(engine, snapshots=tmp_path_factory.mktemp("sessions"), model_id=MODEL_ID,
+                     idle_seconds=3600)
+    s = ThreadServer(app)
+    yield s
+    s.stop()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def ask(c: openai.OpenAI, messages: list[dict], **kwargs):
+    kwargs = {"model": MODEL_ID, "temperature": 0, "max_tokens": 24} | kwargs
+    return c.chat.completions.create(messages=messages, **kwargs)
+
+
+def conversation(c: openai.OpenAI, session: str | None = None, turns=TURNS) -> tuple[list[str], list]:
+    messages, replies, usages = [], [], []
+    extra = {"session_id": session} if session else {}
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        r = ask(c, messages, extra_body=extra)
+        replies.append(r.choices[0].message.content)
+        usages.append(r.usage)
+        messages.append({"role": "assistant", "content": replies[-1]})
+    return replies, usages
+
+
+def test_models_health_and_a_plain_completion(server):
+    c = client(server.url)
+    assert [m.id for m in c.models.list().data] == [MODEL_ID]
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    r = ask(c, [{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
+    assert r.model_extra["session_id"]
+
+
+def test_streamed_completion_equals_the_plain_one(server):
+    c = client(server.url)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    plain = ask(c, messages).choices[0].message.content
+    pieces, usage = [], None
+    for chunk in ask(c, messages, stream=True, stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    assert len(pieces) > 1 and "".join(pieces) == plain
+    assert usage is not None and usage.completion_tokens > 0
+
+
+def test_a_session_prefills_only_the_new_tokens(server):
+    c = client(server.url)
+    replies, usages = conversation(c, "three-turns")
+    assert all(replies)
+    first, *later = usages
+    assert first.model_extra["prefilled_tokens"] == first.prompt_tokens
+    for u in later:
+        cached = u.prompt_tokens_details.cached_tokens
+        assert cached > first.prompt_tokens and u.model_extra["prefilled_tokens"] < 25, u
+        assert cached + u.model_extra["prefilled_tokens"] == u.prompt_tokens
+    # Without a session id the server finds the cached conversation by its prefix.
+    history = [m for text, reply in zip(TURNS, replies, strict=True)
+               for m in ({"role": "user", "content": text}, {"role": "assistant", "content": reply})]
+    r = ask(c, [*history, {"role": "user", "content": "Thanks!"}])
+    assert r.model_extra["session_id"] == "three-turns"
+    assert r.usage.prompt_tokens_details.cached_tokens > later[-1].prompt_tokens
+
+
+def test_session_freeze_thaw_and_delete_endpoints(server):
+    c = client(server.url)
+    conversation(c, "lifecycle", TURNS[:1])
+    frozen = httpx.post(f"{server.url}/v1/sessions/lifecycle/freeze").json()
+    assert frozen["state"] == "frozen" and Path(frozen["path"]).is_file()
+    listed = {s["id"]: s for s in httpx.get(f"{server.url}/v1/sessions").json()["data"]}
+    assert listed["lifecycle"]["state"] == "frozen"
+    assert httpx.post(f"{server.url}/v1/sessions/lifecycle/thaw").json()["state"] == "live"
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "floe_thaw_seconds_count 1.0" in metrics and 'floe_sessions{state="live"}' in metrics
+    assert httpx.delete(f"{server.url}/v1/sessions/lifecycle").status_code == 200
+    assert not Path(frozen["path"]).exists()
+    gone = httpx.post(f"{server.url}/v1/sessions/lifecycle/freeze")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
+
+
+def test_sixteen_concurrent_sessions_are_all_answered(server):
+    c = client(server.url)
+
+    def one(i: int) -> str:
+        return ask(c, [{"role": "user", "content": f"Say the number {i}."}], max_tokens=8,
+                   extra_body={"session_id": f"concurrent-{i}"}).choices[0].message.content
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(one, range(16)))
+    assert len(answers) == 16 and all(answers)
+
+
+@pytest.mark.parametrize("body, status, code", [
+    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found"),
+    ({"model": MODEL_ID, "messages": []}, 400, "invalid_value"),
+    ({"model": MODEL_ID, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ({"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400,
+     "context_length_exceeded"),
+    ({"model": MODEL_ID, "messages": [{"role": "user", "content": "hi " * 2000}]}, 400,
+     "context_length_exceeded"),
+    ({"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, None),
+    ({"model": MODEL_ID, "session_id": "never-seen", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "again"}]}, 404, "session_not_found"),
+])
+def test_bad_requests_get_openai_style_4xx(server, body, status, code):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and "Traceback" not in r.text
+    if code:
+        assert error["code"] == code
+
+
+def test_malformed_json_and_a_diverged_history(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"model": "x", "messages": [',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    c = client(server.url)
+    conversation(c, "diverged", TURNS[:1])
+    with pytest.raises(openai.ConflictError):
+        ask(c, [{"role": "user", "content": "Something else entirely"},
+                {"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}],
+            extra_body={"session_id": "diverged"})
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="not-this-one", messages=[{"role": "user", "content": "hi"}])
+
+
+def start_serve(folder: Path, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "floe.cli", "serve", "--port", str(port), "--snapshots", str(folder),
+         "--idle-seconds", "0.5", "--context", str(CONTEXT), "--max-sessions", "4"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"floe serve did not start: {proc.stderr.read()}")
+        time.sleep(0.1)
+
+
+def test_an_idle_session_survives_a_server_restart(server, tmp_path):
+    """Turn 1, idle until frozen, the server killed (SIGKILL) and started again on the same folder:
+    turns 2 and 3 are the tokens an uninterrupted server produces (greedy)."""
+    reference, _ = conversation(client(server.url), "uninterrupted")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_serve(tmp_path, port)
+    try:
+        first, _ = conversation(client(url), "restarted", TURNS[:1])
+        deadline = time.time() + 30
+        while httpx.get(f"{url}/v1/sessions").json()["data"][0]["state"] != "frozen":
+            assert time.time() < deadline, "the idle session was not frozen"
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert (tmp_path / "restarted.safetensors").is_file()
+    proc = start_serve(tmp_path, port)
+    try:
+        sessions = httpx.get(f"{url}/v1/sessions").json()["data"]
+        assert [(s["id"], s["state"]) for s in sessions] == [("restarted", "frozen")]
+        messages = [{"role": "user", "content": TURNS[0]}, {"role": "assistant", "content": first[0]}]
+        rest = []
+        for text in TURNS[1:]:
+            messages.append({"role": "user", "content": text})
+            r = ask(client(url), messages, extra_body={"session_id": "restarted"})
+            assert r.usage.prompt_tokens_details.cached_tokens > 0  # thawed, not re-prefilled
+            rest.append(r.choices[0].message.content)
+            messages.append({"role": "assistant", "content": rest[-1]})
+        assert [first[0], *rest] == reference
+        assert "floe_thaw_seconds_count 1.0" in httpx.get(f"{url}/metrics").text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert os.path.getsize(tmp_path / "restarted.safetensors") > 0
+
+
+def test_a_guest_trap_fails_only_that_request(default_checkpoint, tmp_path):
+    """A guest that traps on messages starting with "t": that client gets a JSON 500 naming the
+    trap; the other sessions, before and after, are answered."""
+    from guests_wat import guest
+
+    traps_on_t = guest("(if (i32.eq (i32.load8_u (local.get $ptr)) (i32.const 116)) (then unreachable)) "
+                       "(drop (call $emit (i32.const 16) (i32.const 2))) (i32.const 0)")
+    engine = Engine(default_checkpoint, max_seq_len=64, n_slots=4)
+    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, guest=traps_on_t))
+    try:
+        c = client(s.url)
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(ask, c, [{"role": "user", "content": text}],
+                                   extra_body={"session_id": f"s{i}"})
+                       for i, text in enumerate(["hello", "trap now", "hi"])]
+            ok0 = futures[0].result()
+            with pytest.raises(openai.InternalServerError) as failed:
+                futures[1].result()
+            ok2 = futures[2].result()
+        assert ok0.choices[0].message.content == ok2.choices[0].message.content == "ok"
+        error = failed.value.response.json()["error"]
+        assert error["code"] == "guest_error" and "Traceback" not in failed.value.response.text
+        assert ask(c, [{"role": "user", "content": "again"}]).choices[0].message.content == "ok"
+        ids = {x["id"] for x in httpx.get(f"{s.url}/v1/sessions").json()["data"]}
+        assert "s1" not in ids and {"s0", "s2"} <= ids
+    finally:
+        s.stop()
