@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import statistics
 import sys
 import tempfile
 import threading
@@ -73,6 +72,7 @@ def main() -> None:
         model_id = checkpoint.source.stem
     engine = Engine(checkpoint, device=device, dtype=dtype, max_seq_len=1024, n_slots=args.sessions,
                     weights=weights)
+    engine.warm_up()  # as `floe serve` does at start: graph captures are not a user's TTFT
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

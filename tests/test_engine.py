@@ -132,3 +132,16 @@ def test_token_ids_past_the_tokenizer_stand_for_no_bytes(default_checkpoint):
     tok = default_checkpoint.tokenizer
     assert tok.token_bytes(100_000) == b"" and tok.token_bytes(-1) == b""
     assert tok.token_bytes(504) == tok.decode([504]).encode()
+
+
+def test_warm_up_leaves_every_slot_empty_and_free(default_checkpoint):
+    from floe.engine import Engine
+
+    engine = Engine(default_checkpoint, max_seq_len=64, n_slots=3, weights="native")
+    held = engine.claim_slot()
+    engine.prefill([5, 6, 7], held)
+    seen = []
+    engine.warm_up(lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 2), (2, 2)]  # the two free slots, not the held one
+    assert engine.kv_len(held) == 3 and [engine.kv_len(s) for s in (1, 2)] == [0, 0]
+    assert sorted(engine.claim_slot() for _ in range(2)) == [1, 2]

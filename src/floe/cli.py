@@ -258,6 +258,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     checkpoint = _load_with_progress(args.model, "float32", quiet=False)
     engine = Engine(checkpoint, device=device, dtype=dtype, max_seq_len=args.context,
                     n_slots=args.max_sessions, weights=kind)
+    print(f"floe serve: warming up {args.max_sessions} KV slots …", file=sys.stderr, flush=True)
+    engine.warm_up()
     model_id = args.model_id or checkpoint.source.stem
     app = create_app(engine, snapshots=Path(args.snapshots).expanduser(), model_id=model_id,
                      idle_seconds=args.idle_seconds, guest=args.guest)

@@ -240,6 +240,27 @@ class Engine:
         if bad:
             raise FloeError(f"token id {bad[0]} is out of range [0, {self.config.vocab_size})")
 
+    def warm_up(self, progress=lambda done, total: None) -> None:
+        """Run a short prefill and a few decode steps in every free slot, then empty it: captures
+        each slot's first CUDA graphs and runs TorchScript's profiling passes before a user waits
+        for them (a server calls this at start)."""
+        with self._slot_lock:
+            slots = list(self._free_slots)
+        for done, slot in enumerate(slots, 1):
+            with self._slot_lock:
+                if slot not in self._free_slots:
+                    continue
+                self._free_slots.remove(slot)
+            try:
+                self.cache.truncate(slot, 0)
+                self.prefill(list(range(8)), slot)
+                for token in range(3):
+                    self.decode_step(token, slot)
+            finally:
+                self.cache.truncate(slot, 0)
+                self.release_slot(slot)
+            progress(done, len(slots))
+
     def room(self, slot: int = 0) -> int:
         """Positions still free in `slot`'s context."""
         return self.max_seq_len - self.cache.lengths[slot]
