@@ -53,7 +53,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--budget-s", type=float, default=600)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--url", default=None,
+                    help="load a running `floe serve` (e.g. http://127.0.0.1:8000) instead of starting one "
+                         "in this process; its model id is read from /v1/models")
     args = ap.parse_args()
+    if args.url:
+        client = openai.OpenAI(base_url=f"{args.url}/v1", api_key="unused", max_retries=0,
+                               timeout=args.budget_s)
+        model_id = client.models.list().data[0].id
+        run_load(args, client, model_id, {"device": args.device, "model": model_id, "server": args.url})
+        return
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     weights = args.weights or ("native" if device.type == "cpu" else "dense")
@@ -85,6 +94,15 @@ def main() -> None:
         time.sleep(0.02)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
                            timeout=args.budget_s)
+    try:
+        run_load(args, client, model_id, {"device": str(device), "model": model_id, "weights": weights,
+                                          "threads": args.threads, "server": "in this process"})
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
     deadline = time.time() + args.budget_s
     rows, errors = [], []
 
@@ -123,14 +141,11 @@ def main() -> None:
     with ThreadPoolExecutor(args.sessions) as pool:
         list(pool.map(session, range(args.sessions)))
     wall = time.perf_counter() - start
-    server.should_exit = True
-    thread.join(30)
     ttft = [r["ttft_s"] for r in rows]
     rates = [r["decode_tok_s"] for r in rows if r["decode_tok_s"]]
     generated = sum(r["completion_tokens"] for r in rows)
     later = [r for r in rows if r["turn"] > 0]
-    result = {
-        "device": str(device), "model": model_id, "weights": weights, "threads": args.threads,
+    result = about | {
         "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens,
         "requests": len(rows), "errors": errors, "wall_s": wall,
         "ttft_p50_ms": 1e3 * pct(ttft, 0.5), "ttft_p95_ms": 1e3 * pct(ttft, 0.95),
@@ -142,14 +157,15 @@ def main() -> None:
                                      / max(1, sum(r["prompt_tokens"] for r in later))) if later else None,
         "rows": rows,
     }
-    print(f"{args.sessions} sessions × {args.turns} turns on {device} ({model_id}, {weights}): "
+    print(f"{args.sessions} sessions × {args.turns} turns on {about['device']} ({model_id}): "
           f"{len(rows)} requests, {len(errors)} errors, {wall:.1f} s")
     print(f"TTFT p50 {result['ttft_p50_ms']:.0f} ms, p95 {result['ttft_p95_ms']:.0f} ms "
           f"(first turns p50 {result['ttft_first_turn_p50_ms']:.0f} ms, later turns "
           f"{result['ttft_later_turns_p50_ms']:.0f} ms); per-stream decode p50 "
           f"{result['decode_tok_s_p50']:.1f} tok/s; aggregate {result['aggregate_tok_s']:.1f} tok/s; "
           f"later turns: {100 * (result['later_turns_cached_share'] or 0):.0f} % of prompt tokens cached")
-    out = Path(args.out or Path(__file__).parent / "results" / f"serve_load_{device.type}.json")
+    device = about["device"].split(":")[0]
+    out = Path(args.out or Path(__file__).parent / "results" / f"serve_load_{device}.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -145,3 +145,20 @@ def test_warm_up_leaves_every_slot_empty_and_free(default_checkpoint):
     assert seen == [(1, 2), (2, 2)]  # the two free slots, not the held one
     assert engine.kv_len(held) == 3 and [engine.kv_len(s) for s in (1, 2)] == [0, 0]
     assert sorted(engine.claim_slot() for _ in range(2)) == [1, 2]
+
+
+def test_the_plain_pytorch_peer_computes_what_floe_computes(default_checkpoint):
+    """The bench's independent peer (gpt-fast style decode) agrees with floe in fp32, so comparing
+    their speed compares implementations of one function."""
+    import torch
+
+    from floe.engine import Engine
+    from floe.peer import PlainDecoder
+
+    engine = Engine(default_checkpoint, max_seq_len=64)
+    peer = PlainDecoder(engine, 32)
+    ids = [5, 17, 300, 42, 9]
+    with torch.inference_mode():
+        for p, t in enumerate(ids):
+            theirs = peer(torch.tensor([t]), torch.tensor([p]))
+    torch.testing.assert_close(theirs, engine.prefill(ids), rtol=1e-4, atol=1e-4)

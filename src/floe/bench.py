@@ -310,8 +310,12 @@ def decode(
         progress(f"  guest-driven vs host-driven: {json.dumps(result['guest_vs_host'])}")
     result["prefill"] = prefill_vs_floor(engine, rate)
     progress(f"  prefill: {json.dumps(result['prefill'])}")
-    if peers and dev.type == "cuda":  # reduce-overhead means CUDA graphs: a GPU-only peer; last,
+    if peers and dev.type == "cuda":  # reduce-overhead means CUDA graphs: GPU-only peers; last,
         # because a peer that fails inside CUDA can leave the context unusable.
+        from floe.peer import plain_compiled_row
+
+        run_peer(result, "pytorch static + torch.compile", lambda _m, _d: plain_compiled_row(engine, CONTEXT),
+                 None, dev, add, progress)
         run_peer(result, "transformers static + torch.compile", hf_compiled_row, model, dev, add, progress)
     return result
 
