@@ -16,7 +16,7 @@ from floe.errors import FloeError
 from floe.model import load_checkpoint
 from floe.model.quant import GROUP, QuantizedWeight
 
-NATIVE_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+NATIVE_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K]
 
 
 def from_groups(q: QuantizedWeight) -> torch.Tensor:
@@ -53,7 +53,8 @@ def test_the_int4_kernel_computes_the_dequantized_linear(tiny):
     g = q.int4_groups()
     sz = torch.stack([torch.from_numpy(g.scale), torch.from_numpy(g.zero)], -1).transpose(0, 1).contiguous()
     exact = torch.ops.aten._weight_int4pack_mm_for_cpu(xr, layer.packed, GROUP, sz)
-    torch.testing.assert_close(exact, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    ref = F.linear(x, w)  # float rounding only: the sums differ in order, not in terms
+    torch.testing.assert_close(exact, ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()) * q.shape[1] ** 0.5)
     fast = layer(x).float()
     assert fast.dtype == torch.float32 and layer(x).dtype == torch.bfloat16
     assert (fast - F.linear(x, w)).norm() / F.linear(x, w).norm() < 1e-2

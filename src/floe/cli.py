@@ -253,6 +253,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     device = parse_device(args.device)
     if args.max_sessions < 1 or args.idle_seconds <= 0:
         raise FloeError("--max-sessions must be >= 1 and --idle-seconds > 0")
+    if device.type == "cpu":
+        import os
+
+        import torch
+
+        # The event loop streams every token: leave it a core, or the model's parallel GEMVs wait
+        # on their slowest thread (2 cores: 40 -> 73 tok/s per stream, docs/PERF.md).
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     weights = args.weights or ("native" if device.type == "cpu" else "bf16")
     dtype, kind = WEIGHTS[weights]
     checkpoint = _load_with_progress(args.model, "float32", quiet=False)
@@ -398,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-sessions", type=int, default=16,
                        help="live sessions (KV cache slots); beyond, the least recently used is frozen")
     serve.add_argument("--context", type=_positive_int, default=4096, help="tokens per session (4096)")
+    serve.add_argument("--threads", type=_positive_int, default=None,
+                       help="CPU threads for the model (default: all cores but one, for the HTTP stack)")
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(handler=cmd_serve)
 

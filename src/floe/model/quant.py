@@ -23,8 +23,9 @@ from gguf.quants import dequantize
 
 GROUP = 32
 
-# Block types whose values int4_groups re-expresses exactly (in float32 arithmetic).
-INT4_EXACT = ("Q4_0", "Q4_1", "Q8_0")
+# Block types whose values int4_groups re-expresses exactly (in float32 arithmetic). Not here:
+# Q6_K (sub-blocks of 16 weights, finer than the kernel's smallest group of 32), Q5_x, Q2_K/Q3_K.
+INT4_EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
 
 
 @dataclass
@@ -67,6 +68,8 @@ class QuantizedWeight:
         if self.qtype not in INT4_EXACT or self.shape[1] % GROUP:
             return None
         rows, cols = self.shape
+        if self.qtype == "Q4_K":
+            return None if cols % 256 else _q4_k_groups(self.blocks, rows, cols)
         nb = cols // GROUP
         b = self.blocks.reshape(rows, nb, -1)
         d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -86,3 +89,23 @@ class QuantizedWeight:
         # Byte j of a block holds value j in its low nibble and value j + 16 in its high nibble.
         codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, cols)
         return Int4Groups(codes, d, zero, 1)
+
+
+def _q4_k_groups(blocks: np.ndarray, rows: int, cols: int) -> Int4Groups:
+    """Q4_K: super-blocks of 256 = 8 sub-blocks of 32, w = d·sc_j·q − dmin·m_j with 6-bit sc_j, m_j
+    packed in 12 bytes (llama.cpp's get_scale_min_k4); 4-bit q, 128 bytes: byte l of 32-byte chunk c
+    holds sub-block 2c's weight l (low nibble) and sub-block 2c+1's weight l (high nibble)."""
+    b = blocks.reshape(rows, cols // 256, 144)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = b[..., 4:16].astype(np.uint8)  # the 12 scale bytes
+    sc = np.empty(q.shape[:-1] + (8,), dtype=np.float32)
+    mn = np.empty_like(sc)
+    sc[..., :4], mn[..., :4] = q[..., 0:4] & 63, q[..., 4:8] & 63
+    sc[..., 4:] = (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    scale = d[..., None] * sc  # [rows, n_super, 8]
+    zero = 8 * scale - dmin[..., None] * mn  # (q - 8)·scale + zero = scale·q − dmin·m
+    qs = b[..., 16:144].reshape(rows, cols // 256, 4, 32)
+    codes = np.stack([qs & 15, qs >> 4], axis=3)  # [rows, super, chunk, lo/hi, 32]
+    return Int4Groups(codes.reshape(rows, cols), scale.reshape(rows, -1), zero.reshape(rows, -1), 1)
