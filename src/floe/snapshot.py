@@ -16,8 +16,11 @@ shape and bytes and every other metadata entry: it detects corruption, it is not
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import struct
 import time
+import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -171,10 +174,8 @@ class Snapshot:
         if not self.path.is_file():
             raise SnapshotError(f"no snapshot at {self.path}")
         try:
-            with safe_open(str(self.path), framework="pt") as f:
-                self.metadata: dict[str, str] = dict(f.metadata() or {})
-                self.tensors = {name: f.get_tensor(name) for name in f.keys()}
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            self.metadata, self.tensors, self._map = _map_safetensors(self.path)
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError, struct.error) as e:
             raise SnapshotCorrupt(
                 f"{self.path} is not a readable snapshot (truncated or corrupt: {e})") from e
         m = self.metadata
@@ -296,6 +297,40 @@ class Snapshot:
             "created_at": m["created_at"],
             "checksum": m["checksum"],
         }
+
+
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
+              "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
+
+
+def _map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor], mmap.mmap]:
+    """A safetensors file's metadata and its tensors as read-only views of the memory-mapped file:
+    no copy on the way in (the checksum, the KV load and the guest-memory restore read the page
+    cache directly). Every offset and size is checked against the file before a view is made."""
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    (n,) = struct.unpack_from("<Q", data, 0)
+    if not 0 < n <= len(data) - 8:
+        raise ValueError(f"header length {n} does not fit a file of {len(data)} bytes")
+    header = json.loads(bytes(data[8:8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    metadata = {str(k): str(v) for k, v in (header.pop("__metadata__", None) or {}).items()}
+    base, size = 8 + n, len(data) - 8 - n
+    tensors: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "buffer is not writable": these views are only read
+        for name, info in header.items():
+            dtype, shape = _ST_DTYPES[info["dtype"]], [int(d) for d in info["shape"]]
+            start, end = (int(o) for o in info["data_offsets"])
+            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            if not 0 <= start <= end <= size or end - start != count * dtype.itemsize:
+                raise ValueError(f"tensor {name} ({info['dtype']} {shape}) has offsets {start}..{end} "
+                                 f"in a data section of {size} bytes")
+            t = (torch.frombuffer(data, dtype=dtype, count=count, offset=base + start) if count
+                 else torch.empty(0, dtype=dtype))
+            tensors[name] = t.view(shape)
+    return metadata, tensors, data
 
 
 def freeze(actor: Actor, path: str | Path, kv_dtype: str | None = None, app: dict | None = None) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from floe.errors import ContextOverflow
@@ -23,6 +25,9 @@ class KVCache:
         self.max_seq_len = max_seq_len
         self.lengths = [0] * n_slots
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]  # the ids behind each slot
+        self._staging: list[torch.Tensor] | None = None  # pinned buffers for loads onto a GPU
+        self._staged: list = []
+        self._staging_lock = threading.Lock()
 
     @property
     def n_slots(self) -> int:
@@ -62,8 +67,34 @@ class KVCache:
         n = len(tokens)
         if n > self.max_seq_len:
             raise ContextOverflow(f"{n} tokens do not fit a context of {self.max_seq_len}")
-        for i, (ki, vi) in enumerate(zip(k, v, strict=True)):
-            self.k[i, slot, :, :n].copy_(ki, non_blocking=True)
-            self.v[i, slot, :, :n].copy_(vi, non_blocking=True)
+        pairs = [(self.k[i, slot, :, :n], ki) for i, ki in enumerate(k)]
+        pairs += [(self.v[i, slot, :, :n], vi) for i, vi in enumerate(v)]
+        if self.k.device.type == "cuda" and n and not k[0].is_pinned():
+            self._staged_upload(pairs)
+        else:
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
         self.lengths[slot] = n
         self.tokens[slot] = list(tokens)
+
+    def _staged_upload(self, pairs: list) -> None:
+        """Host tensors to the device through two pinned buffers: layer i+1 is copied into one
+        while layer i goes over the bus from the other. A host-to-device copy from pageable memory
+        (e.g. a memory-mapped snapshot) ran at 5.5 GB/s on the H200's host; pinned, at ~44."""
+        need = max(src.numel() * src.element_size() for _, src in pairs)
+        with self._staging_lock:  # one upload at a time through the shared buffers
+            if self._staging is None or self._staging[0].numel() < need:
+                self._staging = [torch.empty(need, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+                self._staged = [torch.cuda.Event(), torch.cuda.Event()]
+            self._upload(pairs)
+
+    def _upload(self, pairs: list) -> None:
+        stream = torch.cuda.current_stream(self.k.device)
+        for j, (dst, src) in enumerate(pairs):
+            buf, done = self._staging[j % 2], self._staged[j % 2]
+            done.synchronize()  # the copy that last read this buffer has finished
+            staged = buf[: src.numel() * src.element_size()].view(src.dtype).view(src.shape)
+            staged.copy_(src)
+            dst.copy_(staged, non_blocking=True)
+            done.record(stream)
+        stream.synchronize()

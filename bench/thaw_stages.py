@@ -1,0 +1,71 @@
+"""Where a GPU thaw's time goes, stage by stage: Llama-3.2-1B shape, ~4,090 tokens of context.
+
+    python bench/thaw_stages.py [--tokenizer .device/tokenizer]     # on a CUDA machine
+
+Medians of 5, with a device synchronize after each stage. Writes $OUT/thaw_stages.json (OUT
+defaults to the current folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from floe.actor import Actor
+from floe.engine import Engine
+from floe.model.hf_folder import tokenizer_from_folder
+from floe.model.synthetic import random_checkpoint
+from floe.snapshot import Snapshot, _map_safetensors, checksum
+
+
+def timed(fn, n: int = 5):
+    times, result = [], None
+    for _ in range(n):
+        t = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3, result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokenizer", default=".device/tokenizer")
+    args = ap.parse_args()
+    tok = tokenizer_from_folder(Path(args.tokenizer), {})
+    ckpt = random_checkpoint("llama-3.2-1b", tok, dtype=torch.bfloat16, device="cuda")
+    engine = Engine(ckpt, device="cuda", dtype="bfloat16", max_seq_len=4352, n_slots=3)
+    text = tok.decode(tok.encode("The keeper wrote down the weather, the ships and the sea. " * 500)[:4050])
+    path = Path(tempfile.mkdtemp()) / "a.safetensors"
+    with Actor(engine) as actor:
+        actor.send(text, max_tokens=1)
+        actor.freeze(path)
+    res = {}
+    res["map_only_ms"], (meta, tensors, _) = timed(lambda: _map_safetensors(path))
+    res["checksum_ms"], _ = timed(lambda: checksum(tensors, meta))
+    res["Snapshot_ms"], snap = timed(lambda: Snapshot(path))
+    res["state_ms"], state = timed(lambda: snap.state(torch.bfloat16))
+    res["actor_new_ms"], _ = timed(lambda: Actor(engine).close())
+    actor = Actor(engine)
+    res["restore_ms"], _ = timed(lambda: actor.restore(state))
+    res["kv_load_ms"], _ = timed(lambda: engine.cache.load(actor.slot, state.k, state.v, state.tokens))
+    pinned_k, pinned_v = [x.pin_memory() for x in state.k], [x.pin_memory() for x in state.v]
+    res["kv_load_pinned_ms"], _ = timed(
+        lambda: engine.cache.load(actor.slot, pinned_k, pinned_v, state.tokens))
+    res["pin_copy_ms"], _ = timed(lambda: [x.pin_memory() for x in state.k + state.v])
+    res["guest_memory_mb"] = state.memory_data.nbytes / 1e6
+    actor.close()
+    res["thaw_total_ms"], _ = timed(lambda: Actor.thaw(engine, path).close())
+    print(json.dumps(res, indent=1))
+    Path(os.environ.get("OUT", "."), "thaw_stages.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
