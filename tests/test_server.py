@@ -270,3 +270,28 @@ def test_a_guest_trap_fails_only_that_request(default_checkpoint, tmp_path):
         assert "s1" not in ids and {"s0", "s2"} <= ids
     finally:
         s.stop()
+
+
+def test_a_client_that_leaves_a_stream_stops_the_generation(server):
+    def generated() -> float:
+        line = next(x for x in httpx.get(f"{server.url}/metrics").text.splitlines()
+                    if x.startswith("floe_generated_tokens_total"))
+        return float(line.split()[-1])
+
+    before = generated()
+    prompt = [{"role": "user", "content": "Count from 1 to 500, one per line."}]
+    body = {"model": MODEL_ID, "messages": prompt, "max_tokens": 400, "temperature": 0, "stream": True,
+            "session_id": "left-early"}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if '"content": "' in line and '"content": ""' not in line:
+                break  # first piece of text: hang up
+    deadline = time.time() + 60
+    while (frozen := httpx.post(f"{server.url}/v1/sessions/left-early/freeze")).status_code != 200:
+        assert time.time() < deadline, frozen.text  # the session is busy until the guest stops
+        time.sleep(0.1)
+    from floe.snapshot import header
+
+    kv_len = int(header(frozen.json()["path"])["kv_len"])
+    tokens = generated() - before
+    assert 1 <= tokens < 100 and kv_len < 150, (tokens, kv_len)  # stopped long before 400 tokens

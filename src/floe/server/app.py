@@ -317,7 +317,7 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
                 reply = await asyncio.to_thread(
                     run, lambda piece: loop.call_soon_threadsafe(queue.put_nowait, ("text", piece)),
                     lambda: gone)
-                queue.put_nowait(("done", reply))
+                queue.put_nowait(("done", finish(reply)))  # counted even if the client has left
             except BaseException as e:  # noqa: BLE001 - handed to the stream
                 queue.put_nowait(("error", e))
 
@@ -339,7 +339,7 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
                         yield f"data: {json.dumps({'error': error})}\n\n"
                         break
                     else:
-                        reason, usage = finish(value)
+                        reason, usage = value
                         yield chunk({}, reason)
                         if body.stream_options and body.stream_options.include_usage:
                             yield chunk({}, usage=usage)
@@ -347,7 +347,9 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
                 yield "data: [DONE]\n\n"
             finally:
                 gone = True  # the client left (or we are done): the guest stops at its next token
-                await task
+                # Shielded: a client that hangs up cancels this generator, not the worker, which
+                # still records the (shortened) reply and releases the session.
+                await asyncio.shield(task)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
