@@ -116,3 +116,14 @@ def test_native_greedy_agrees_with_fp32_on_the_default_model(default_checkpoint)
         dense.kv_truncate(0)
         native.kv_truncate(0)
     assert len(differ) <= 3 and all(margin < 0.25 for margin in differ), differ
+
+
+def test_lean_decode_step_with_qkv_bias_equals_the_module_path(tmp_path):
+    """Qwen2's Q/K/V biases go through the lean step's bias branch."""
+    ckpt = load_checkpoint(save_hf_folder(tmp_path / "qwen", "qwen2", tie=True))
+    assert ckpt.config.qkv_bias
+    lean, module = Engine(ckpt, max_seq_len=32), Engine(ckpt, max_seq_len=32, fused_kernels=False)
+    for engine in (lean, module):
+        engine.prefill([3, 4, 5, 6])
+    for token in (7, 8, 9):
+        torch.testing.assert_close(lean.decode_step(token), module.decode_step(token), rtol=1e-4, atol=1e-4)
