@@ -185,10 +185,9 @@ class HostABI:
             return ERR_CONTEXT_FULL
         self.actor.stats.on_forward(len(ids), time.perf_counter() - t0, self.engine.kv_len(self.actor.slot))
         self.last_logits = logits
-        if self.engine.device.type == "cuda":  # ids (and the decode position) go to the device
-            graph = len(ids) == 1 and self.engine.cuda_graphs
-            name = "token + position host→cuda (pinned, in the graph)" if graph else "token ids host→cuda"
-            self.actor.ledger.copy(name, 16 if graph else 8 * len(ids))
+        transfer = self.engine.input_transfer(len(ids))
+        if transfer is not None:
+            self.actor.ledger.copy(*transfer)
         if out is not None:
             # Zero copies only if the engine computes into the buffer and the result is that buffer
             # in guest memory (pointers compared, not assumed).

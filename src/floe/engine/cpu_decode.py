@@ -43,15 +43,15 @@ def rms_norm(x: Tensor, x0: Tensor, weight: Tensor, eps: float, zero: Tensor, ou
 def decode_layers(x: Tensor, rotary: Tensor, row_scale: Tensor, position: int, eps: float,
                   norms: list[Tensor], inputs: list[Tensor], weights: list[Tensor], scales: list[Tensor],
                   repeats: list[int], qkv_bias: list[Tensor], k_caches: list[Tensor],
-                  v_caches: list[Tensor], n_heads: int, n_kv: int, head_dim: int, ffn_dim: int) -> None:
+                  v_caches: list[Tensor], n_heads: int, n_kv: int, head_dim: int, ffn_dim: int,
+                  zero: Tensor) -> None:
     """Every layer of one decode step, updating the fp32 residual row x [1, dim] in place.
 
     Per layer i: norms[2i], norms[2i+1] (attention, ffn) and their output buffers inputs[2i],
     inputs[2i+1]; weights/scales/repeats[4i..4i+3] the qkv, o, gate+up and down projections (see
-    `project`); qkv_bias[i] (empty if none).
+    `project`); qkv_bias[i] (empty if none); zero: a float32 [1] of 0 (addcmul's base).
     """
     qk_size, group = (n_heads + n_kv) * head_dim, n_heads // n_kv
-    zero = torch.zeros(1, dtype=torch.float32)
     x0 = x[0]
     for i in range(len(k_caches)):
         k_cache, v_cache, j = k_caches[i], v_caches[i], 4 * i
@@ -155,7 +155,7 @@ class CpuDecoder:
         rotary = torch.diag(m.cos[position]) + self.roll * self.sin_signed[position]
         self.run_layers(x, rotary, self.row_scale, position, c.norm_eps, self.norms, self.inputs,
                         self.weights, self.scales, self.repeats, self.qkv_bias, self.k_caches,
-                        self.v_caches, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim)
+                        self.v_caches, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, self.zero)
         h = self.rms_norm(x, x[0], m.norm.weight, c.norm_eps, self.zero, self.head_input)
         weight, scales, repeat = self.head
         if out is not None and repeat == 0 and weight.dtype == torch.float32:

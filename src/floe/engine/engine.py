@@ -91,10 +91,10 @@ class Engine:
         with torch.device("cpu"):
             real = Transformer.rotary_tables(self.config, self.max_seq_len)
         model.cos, model.sin = (t.to(self.device) for t in real)
-        self.weights = weights
-        self.packed = self._pack_native(model) if weights == "native" else {}
         if weights not in ("dense", "native"):
             raise FloeError(f"weights {weights!r}: choose 'dense' or 'native'")
+        self.weights = weights
+        self.packed = self._pack_native(model) if weights == "native" else {}
         self.model = model.eval()
         self.cache = KVCache(self.config, self.max_seq_len, n_slots, self.dtype, self.device)
         self._free_slots = list(range(n_slots))
@@ -121,7 +121,7 @@ class Engine:
             raise FloeError("this PyTorch build has no CPU int4 kernel; choose dense weights")
         packed: dict[str, int] = {}
         for path, weight in fused_quantized(self.checkpoint.quantized, self.config).items():
-            if weight.int4_groups() is None:
+            if not weight.has_int4_form:
                 continue
             if path == "output":
                 model.head = Int4Linear(weight, dense=False)
@@ -131,6 +131,15 @@ class Engine:
                 setattr(model.get_submodule(parent), name, Int4Linear(weight, old.bias))
             packed[weight.qtype] = packed.get(weight.qtype, 0) + 1
         return packed
+
+    def input_transfer(self, n_tokens: int) -> tuple[str, int] | None:
+        """(boundary name, bytes) of what a forward of n_tokens copies host→device, None on the CPU:
+        the int64 ids of a prefill, or a decode graph's token and position (from pinned memory)."""
+        if self.device.type == "cpu":
+            return None
+        if n_tokens == 1 and self.cuda_graphs:
+            return f"token + position host→{self.device.type} (pinned, in the graph)", 16
+        return f"token ids host→{self.device.type}", 8 * n_tokens
 
     @property
     def logits_in_place(self) -> bool:

@@ -63,13 +63,19 @@ class QuantizedWeight:
         return QuantizedWeight(first.qtype, (rows, first.shape[1]),
                                np.concatenate([p.blocks for p in parts]))
 
+    @property
+    def has_int4_form(self) -> bool:
+        """Whether int4_groups() can re-express this weight exactly (decided without converting)."""
+        block = 256 if self.qtype == "Q4_K" else GROUP
+        return self.qtype in INT4_EXACT and self.shape[1] % block == 0
+
     def int4_groups(self) -> Int4Groups | None:
         """This weight as exact 4-bit groups of 32, or None if its type has no such form here."""
-        if self.qtype not in INT4_EXACT or self.shape[1] % GROUP:
+        if not self.has_int4_form:
             return None
         rows, cols = self.shape
         if self.qtype == "Q4_K":
-            return None if cols % 256 else _q4_k_groups(self.blocks, rows, cols)
+            return _q4_k_groups(self.blocks, rows, cols)
         nb = cols // GROUP
         b = self.blocks.reshape(rows, nb, -1)
         d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)

@@ -195,8 +195,7 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
         try:
             return await asyncio.to_thread(fn, sid)
         except SessionError as e:
-            raise APIError(e.status, str(e), "invalid_request_error" if e.status < 500 else "server_error",
-                           e.code) from None
+            raise _failure(e, sid) from None
 
     @app.post("/v1/sessions/{sid}/freeze")
     async def freeze(sid: str):
@@ -259,7 +258,7 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
         try:
             session, history = await asyncio.to_thread(store.acquire, sid, messages, body.seed or 0)
         except SessionError as e:
-            raise APIError(e.status, str(e), "invalid_request_error", e.code) from None
+            raise _failure(e, sid) from None
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         headers = {"X-Floe-Session": session.id}
