@@ -8,6 +8,8 @@ in its own client thread: each turn sends the whole conversation so far with the
 streams the reply. Reports p50/p95 TTFT (request sent → first content chunk, client side), p50/p95
 per-turn decode rate, cached vs prefilled prompt tokens, and the aggregate generated tokens/s over
 the wall time of the whole load. Bounded: every request has a timeout, the run has --budget-s.
+With --server-process the server runs in a child process (as a real deployment: the clients' HTTP
+and JSON work does not share the server's GIL).
 Writes bench/results/serve_load_<device>.json.
 """
 
@@ -16,10 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,6 +56,13 @@ def main() -> None:
     ap.add_argument("--shape", default=None, help="seeded random weights at this shape (GPU runs)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder for --shape")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--batching", choices=["auto", "on", "off"], default="auto",
+                    help="batched decode across sessions (auto: where the engine has it, i.e. CUDA)")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="the server's GIL switch interval (Python's default: 5 ms)")
+    ap.add_argument("--server-process", action="store_true",
+                    help="run the server in a child process, so the clients do not share its GIL")
+    ap.add_argument("--serve-on", type=int, default=None, help=argparse.SUPPRESS)  # the child's port
     ap.add_argument("--budget-s", type=float, default=600)
     ap.add_argument("--out", default=None)
     ap.add_argument("--url", default=None,
@@ -63,6 +75,36 @@ def main() -> None:
         model_id = client.models.list().data[0].id
         run_load(args, client, model_id, {"device": args.device, "model": model_id, "server": args.url})
         return
+    if args.server_process:
+        run_against_child(args)
+        return
+    server, about = make_server(args, args.serve_on or free_port())
+    if args.serve_on:  # the child of --server-process: serve until terminated
+        server.run()
+        return
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.config.port}/v1", api_key="unused",
+                           max_retries=0, timeout=args.budget_s)
+    try:
+        run_load(args, client, about["model"], about | {"server": "in this process"})
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_server(args, port: int) -> tuple[uvicorn.Server, dict]:
+    """The engine (warmed up, as `floe serve` does at start) and the app, on a loopback port."""
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     weights = args.weights or ("native" if device.type == "cpu" else "dense")
@@ -81,25 +123,45 @@ def main() -> None:
         model_id = checkpoint.source.stem
     engine = Engine(checkpoint, device=device, dtype=dtype, max_seq_len=1024, n_slots=args.sessions,
                     weights=weights)
-    engine.warm_up()  # as `floe serve` does at start: graph captures are not a user's TTFT
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    t = time.perf_counter()
+    engine.warm_up()  # graph captures are not a user's TTFT
+    warm_up_s = time.perf_counter() - t
+    print(f"server: warm-up {warm_up_s:.1f} s", file=sys.stderr, flush=True)
     folder = tempfile.mkdtemp(prefix="floe-load-")
-    app = create_app(engine, snapshots=Path(folder), model_id=model_id, idle_seconds=3600)
+    app = create_app(engine, snapshots=Path(folder), model_id=model_id, idle_seconds=3600,
+                     batching={"auto": None, "on": True, "off": False}[args.batching])
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                           timeout=args.budget_s)
+    return server, {"device": str(device), "model": model_id, "weights": weights, "threads": args.threads,
+                    "decode_batching": app.state.batching, "warm_up_s": warm_up_s,
+                    "switch_interval_ms": 1e3 * sys.getswitchinterval()}
+
+
+def run_against_child(args) -> None:
+    """Start the server in a child process, wait for /health, load it from this one."""
+    port = free_port()
+    argv = [a for a in sys.argv[1:] if a != "--server-process"]
+    child = subprocess.Popen([sys.executable, __file__, *argv, "--serve-on", str(port)])
     try:
-        run_load(args, client, model_id, {"device": str(device), "model": model_id, "weights": weights,
-                                          "threads": args.threads, "server": "in this process"})
+        deadline = time.time() + args.budget_s
+        while True:
+            if child.poll() is not None:
+                sys.exit(f"the server process exited with {child.returncode} before it served")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    health = json.loads(r.read())
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if time.time() > deadline:
+                    sys.exit("the server process did not answer /health in time")
+                time.sleep(0.25)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                               timeout=args.budget_s)
+        about = {"device": health["device"], "model": health["model"], "server": "child process",
+                 "decode_batching": health["decode_batching"], "switch_interval_ms": args.switch_interval_ms}
+        run_load(args, client, health["model"], about)
     finally:
-        server.should_exit = True
-        thread.join(30)
+        child.terminate()
+        child.wait(30)
 
 
 def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:

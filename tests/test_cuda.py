@@ -170,3 +170,108 @@ def test_native_quantized_weights_are_refused_on_cuda(tokenizer):
     ckpt = random_checkpoint("smollm2-135m", tokenizer, dtype=torch.float32)
     with pytest.raises(FloeError, match="native quantized weights run on the CPU"):
         Engine(ckpt, device="cuda", max_seq_len=64, weights="native")
+
+
+@pytest.fixture(scope="module")
+def batching(engines):
+    from floe.engine import Engine
+
+    return Engine(engines["eager"].checkpoint, device="cuda", max_seq_len=512, n_slots=4, fused_kernels=True)
+
+
+def greedy_steps(engine, slots, prompts, n, batched):
+    """n greedy decode steps of each slot after its prompt: the tokens and each step's logits."""
+    firsts = [int(engine.prefill(p, s).argmax()) for p, s in zip(prompts, slots, strict=True)]
+    tokens, logits = [[t] for t in firsts], [[] for _ in slots]
+    for _ in range(n):
+        if batched:
+            out = engine.decode_batch([t[-1] for t in tokens], slots)
+        else:
+            out = [engine.decode_step(t[-1], s) for t, s in zip(tokens, slots, strict=True)]
+        for i, row in enumerate(out):
+            logits[i].append(row.float().cpu().clone())
+            tokens[i].append(int(row.argmax()))
+            # a batched step chose each row's greedy token on the device, the same one
+            assert engine.greedy_token(slots[i]) == (tokens[i][-1] if batched else None)
+    for s in slots:
+        engine.kv_truncate(0, s)
+    return tokens, logits
+
+
+def test_batched_decode_matches_each_slot_decoded_alone(batching):
+    engine = batching
+    assert engine.batched_decode
+    slots = [engine.claim_slot() for _ in range(3)]  # 3 rows: padded to the 4-row graph
+    try:
+        prompts = [list(range(100, 105)), list(range(7, 47)), list(range(300, 600))]  # crosses a bucket
+        alone_tokens, alone_logits = greedy_steps(engine, slots, prompts, 8, batched=False)
+        tokens, logits = greedy_steps(engine, slots, prompts, 8, batched=True)
+        assert tokens == alone_tokens
+        for a, b in zip(alone_logits, logits, strict=True):
+            torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=1e-3, rtol=1e-3)
+        assert {size for size, _, prefill in engine._batch.graphs if not prefill} == {4}
+        free = ({0, 1, 2, 3} - set(slots)).pop()
+        assert engine.cache.k[:, free].count_nonzero() == 0  # the padding row wrote no cache
+    finally:
+        for s in slots:
+            engine.release_slot(s)
+
+
+def test_warm_up_captures_every_graph_and_leaves_slots_empty(batching):
+    batching.warm_up()
+    graphs = batching._batch.graphs
+    for bucket in (256, 512):
+        assert {size for size, b, prefill in graphs if b == bucket and not prefill} == {2, 4}
+        assert {size for size, b, prefill in graphs if b == bucket and prefill} == {2, 4, 8, 16, 32, 64,
+                                                                                   128, 256}
+    assert batching.cache.lengths == [0, 0, 0, 0] and len(batching._free_slots) == 4
+
+
+def test_short_prompts_prefill_as_one_graph_replay_like_the_eager_forward(engines, batching):
+    eager = engines["eager"]
+    for n in (1, 5, 40, 256, 300):  # 300: longer than a prefill graph, so the eager forward
+        ids = [(13 * i) % 900 + 3 for i in range(n)]
+        eager.kv_truncate(0)
+        expected = eager.prefill(ids).float().cpu()
+        slot = batching.claim_slot()
+        try:
+            got = batching.prefill(ids, slot).float().cpu().clone()
+            assert batching.greedy_token(slot) == (int(got.argmax()) if n <= 256 else None)
+            follow = batching.decode_step(int(got.argmax()), slot).float().cpu()
+            eager_follow = eager.decode_step(int(expected.argmax())).float().cpu()
+        finally:
+            batching.release_slot(slot)
+        torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(follow, eager_follow, atol=2e-3, rtol=2e-3)
+
+
+def test_scheduled_actors_on_cuda_batch_and_answer_as_alone(batching):
+    import threading
+
+    from floe.actor import Actor, DecodeScheduler
+    from floe.engine import SamplingParams
+
+    questions = ["Hello there.", "What is two plus two?", "Name a river.", "Tell me a story."]
+
+    def run(scheduler):
+        actors = [Actor(batching, scheduler=scheduler) for _ in questions]
+        replies = [None] * len(actors)
+
+        def work(i):
+            reply = actors[i].send(questions[i], max_tokens=16, params=SamplingParams(0.0))
+            replies[i] = reply.stats.token_ids
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(actors))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for a in actors:
+            a.close()
+        return replies
+
+    alone = run(None)
+    sizes = []
+    batched = run(DecodeScheduler(batching, on_batch=sizes.append))
+    assert batched == alone and all(alone)
+    assert max(sizes) > 1

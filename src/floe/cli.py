@@ -270,8 +270,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine.warm_up()
     model_id = args.model_id or checkpoint.source.stem
     app = create_app(engine, snapshots=Path(args.snapshots).expanduser(), model_id=model_id,
-                     idle_seconds=args.idle_seconds, guest=args.guest)
-    print(f"floe serve: {model_id} on {device} ({weights} weights), {args.max_sessions} live sessions × "
+                     idle_seconds=args.idle_seconds, guest=args.guest,
+                     batching={"auto": None, "on": True, "off": False}[args.batching])
+    batching = "batched decode" if engine.batched_decode and args.batching != "off" else "decode in turns"
+    print(f"floe serve: {model_id} on {device} ({weights} weights, {batching}), {args.max_sessions} live "
+          "sessions × "
           f"{engine.max_seq_len} tokens, snapshots in {args.snapshots} "
           f"({len(app.state.store.sessions)} sessions found); http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
@@ -408,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--context", type=_positive_int, default=4096, help="tokens per session (4096)")
     serve.add_argument("--threads", type=_positive_int, default=None,
                        help="CPU threads for the model (default: all cores but one, for the HTTP stack)")
+    serve.add_argument("--batching", choices=["auto", "on", "off"], default="auto",
+                       help="run concurrent sessions' decode steps as one batched forward (auto: on CUDA)")
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(handler=cmd_serve)
 

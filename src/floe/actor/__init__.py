@@ -2,5 +2,7 @@
 
 from floe.actor.abi import ABI_VERSION
 from floe.actor.actor import Actor, ActorState, MessageStats, Reply, Request, builtin_guest
+from floe.actor.scheduler import DecodeScheduler
 
-__all__ = ["ABI_VERSION", "Actor", "ActorState", "MessageStats", "Reply", "Request", "builtin_guest"]
+__all__ = ["ABI_VERSION", "Actor", "ActorState", "DecodeScheduler", "MessageStats", "Reply", "Request",
+           "builtin_guest"]

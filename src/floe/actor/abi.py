@@ -177,7 +177,11 @@ class HostABI:
         out = self._logits_target(logits_ptr)
         t0 = time.perf_counter()
         try:
-            if isinstance(ids, list) and len(ids) == 1:  # one decode step (a CUDA graph replay on GPU)
+            if isinstance(ids, list) and len(ids) == 1 and self.actor.scheduler is not None:
+                logits = self.actor.scheduler.decode(ids[0], self.actor.slot)  # batched with others
+                if out is not None:
+                    out.copy_(logits)
+            elif isinstance(ids, list) and len(ids) == 1:  # one decode step (a CUDA graph replay on GPU)
                 logits = self.engine.decode_step(ids[0], self.actor.slot, logits_out=out)
             else:
                 logits = self.engine.prefill(ids, self.actor.slot, logits_out=out)
@@ -236,10 +240,16 @@ class HostABI:
         else:
             params = self.actor.request.params
         t = time.perf_counter()
-        token = int(sample_token(self.last_logits, params, self.actor.generator))
-        if self.last_logits.device.type != "cpu":  # the chosen id is read back to the host
-            self.actor.ledger.copy(f"sampled token {self.last_logits.device.type}→host (readback)", 8,
-                                   seconds=time.perf_counter() - t)
+        chosen = self.engine.greedy_token(self.actor.slot) if params.greedy else None
+        if chosen is not None:  # chosen in the batched forward and already read back with it
+            token = chosen
+            self.actor.ledger.copy(f"sampled token {self.last_logits.device.type}→host (readback, "
+                                   "with the batched step)", 8, seconds=time.perf_counter() - t)
+        else:
+            token = int(sample_token(self.last_logits, params, self.actor.generator))
+            if self.last_logits.device.type != "cpu":  # the chosen id is read back to the host
+                self.actor.ledger.copy(f"sampled token {self.last_logits.device.type}→host (readback)", 8,
+                                       seconds=time.perf_counter() - t)
         self.actor.stats.on_sample(token, token in self.tokenizer.eos_ids)
         return token
 

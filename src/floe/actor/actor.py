@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from floe.actor.abi import ABI_VERSION, IMPORT_MODULE, HostABI
+from floe.actor.scheduler import DecodeScheduler
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError
 from floe.memory import Region
@@ -139,8 +140,12 @@ class Actor:
 
     def __init__(self, engine: Engine, guest: str | Path | bytes | GuestModule | None = None, *,
                  seed: int = 0, system_prompt: str = "", memory_cap: int = DEFAULT_MEMORY_CAP,
-                 deadline_s: float = DEFAULT_DEADLINE_S) -> None:
+                 deadline_s: float = DEFAULT_DEADLINE_S, scheduler: DecodeScheduler | None = None) -> None:
         self.engine = engine
+        # With a scheduler, this actor's decode steps are batched with other actors' (its engine's).
+        if scheduler is not None and scheduler.engine is not engine:
+            raise FloeError("the decode scheduler drives another engine than this actor's")
+        self.scheduler = scheduler
         runtime = default_runtime()
         if guest is None:
             guest = builtin_guest("chat")
@@ -215,6 +220,8 @@ class Actor:
                 status = self._call("on_message", ptr, len(data))
             finally:
                 self.stats.wall_s = time.perf_counter() - self.stats.started
+                if self.scheduler is not None:
+                    self.scheduler.leave(self.slot)
             tail = self.abi.utf8.decode(b"", final=True)
             if tail:
                 collect(tail)

@@ -14,6 +14,30 @@ from torch import Tensor
 from floe.engine.transformer import Transformer, apply_rotary
 
 
+def kv_buckets(max_seq_len: int, smallest: int = 256) -> list[int]:
+    """KV lengths a graph is captured for: powers of two from `smallest`, then the whole cache."""
+    buckets, b = [], min(smallest, max_seq_len)
+    while b < max_seq_len:
+        buckets.append(b)
+        b *= 2
+    return [*buckets, max_seq_len]
+
+
+def capture(run, device: torch.device, pool=None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of run(). It is warmed up first on a side stream (cuBLAS handles, workspaces);
+    warm-up and capture both run the step for real, writing what the first replay will write."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        run()
+    return graph
+
+
 class GraphDecoder:
     """Decode steps of one KV cache slot, replayed from CUDA graphs."""
 
@@ -28,12 +52,7 @@ class GraphDecoder:
         self.dev_in = torch.zeros(2, dtype=torch.long, device=dev)
         self.logits = torch.zeros(c.vocab_size, dtype=torch.float32, device=dev)
         self.positions = torch.arange(cache.max_seq_len, device=dev)
-        self.buckets = []
-        b = min(min_bucket, cache.max_seq_len)
-        while b < cache.max_seq_len:
-            self.buckets.append(b)
-            b *= 2
-        self.buckets.append(cache.max_seq_len)
+        self.buckets = kv_buckets(cache.max_seq_len, min_bucket)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.done = torch.cuda.Event()  # the last replay finished reading host_in
@@ -97,17 +116,7 @@ class GraphDecoder:
         return F.linear(h, m.output_weight())[0].float()
 
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream (cuBLAS handles, workspaces), then capture.
-        # Both run the step for real, writing the same token at the same position the replay will.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(bucket)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._forward(bucket)
+        graph = capture(lambda: self._forward(bucket), self.device, self.pool)
         self.pool = graph.pool()
         return graph
 
@@ -125,3 +134,101 @@ class GraphDecoder:
         graph.replay()
         self.done.record()
         return self.logits
+
+
+class BatchGraphDecoder:
+    """Continuous batching: one graph replay advances the decode of several KV cache slots, each at
+    its own position. The weights are read once for all rows, so B rows cost little more than one.
+
+    The same step is a prefill when its rows are one slot's consecutive positions: every row's K and
+    V are written before any row attends, and row b sees positions up to its own. A short prompt then
+    costs one replay instead of a few hundred eager launches (each a GIL hand-off under load).
+
+    Graphs are captured per (padded row count, KV bucket, prefill or decode). Padding rows carry slot
+    -1: the kernels write no cache for them, and their logits land in a spare row of `slot_logits`.
+    """
+
+    PREFILL_ROWS = 256  # longer prompts run eagerly: per-row attention re-reads the prefix per row
+
+    def __init__(self, model: Transformer, cache, min_bucket: int = 256) -> None:
+        self.model, self.cache = model, cache
+        dev = model.tok_embeddings.weight.device
+        self.device = dev
+        n_slots = cache.n_slots
+        self.sizes = sorted({min(2**i, n_slots) for i in range(1, max(1, n_slots - 1).bit_length() + 1)})
+        self.prefill_sizes = [2**i for i in range(1, self.PREFILL_ROWS.bit_length())]
+        top = max(self.sizes[-1], self.PREFILL_ROWS)
+        # Rows: token, position, KV slot (-1: padding), logits row (n_slots: the spare one).
+        self.host_in = torch.zeros(4, top, dtype=torch.long, pin_memory=True)
+        self.dev_in = torch.zeros(4, top, dtype=torch.long, device=dev)
+        self.slot_logits = torch.zeros(n_slots + 1, model.config.vocab_size, dtype=torch.float32, device=dev)
+        # Each row's greedy choice, computed in the graph and copied to pinned host memory, so an actor
+        # that samples greedily needs no kernel launch or sync of its own.
+        self.slot_argmax = torch.zeros(n_slots + 1, dtype=torch.long, device=dev)
+        self.host_argmax = torch.zeros(n_slots + 1, dtype=torch.long, pin_memory=True)
+        self.buckets = kv_buckets(cache.max_seq_len, min_bucket)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.done = torch.cuda.Event()
+
+    @torch.inference_mode()
+    def _forward(self, size: int, bucket: int, prefill: bool) -> None:
+        self.dev_in.copy_(self.host_in, non_blocking=True)
+        tokens, pos, slots, rows = self.dev_in[:, :size]
+        h = self._core(tokens, pos, slots, bucket)
+        if prefill:  # only the last row's logits: rows[0] is its index, rows[1] its slot
+            h, rows = h.index_select(0, rows[:1]), rows[1:2]
+        logits = F.linear(h, self.model.output_weight()).float()
+        self.slot_logits.index_copy_(0, rows, logits)
+        self.slot_argmax.index_copy_(0, rows, logits.argmax(-1))  # the first maximum, as torch.argmax
+        self.host_argmax.copy_(self.slot_argmax, non_blocking=True)
+
+    def _core(self, tokens: Tensor, pos: Tensor, slots: Tensor, bucket: int) -> Tensor:
+        from floe.engine import triton_kernels as tk
+
+        m, c = self.model, self.model.config
+        layers = m.layers
+        x = m.tok_embeddings(tokens)  # [B, dim], the residual stream
+        h, _ = tk.rmsnorm(x, layers[0].attention_norm.weight, c.norm_eps)
+        for i, layer in enumerate(layers):
+            k_cache, v_cache = self.cache.k[i], self.cache.v[i]  # every slot: rows pick theirs
+            qkv = layer.attention.wqkv(h)
+            q = tk.rope_kv_write(qkv, m.cos, m.sin, pos, k_cache, v_cache,
+                                 c.n_heads, c.n_kv_heads, c.head_dim, slots=slots)
+            y = tk.decode_attention(q, k_cache, v_cache, pos, c.n_kv_heads, bucket, slots=slots)
+            h, x = tk.rmsnorm(layer.attention.wo(y), layer.ffn_norm.weight, c.norm_eps, residual=x)
+            d = layer.feed_forward.w2(tk.swiglu(layer.feed_forward.w13(h)))
+            next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else m.norm
+            h, x = tk.rmsnorm(d, next_norm.weight, c.norm_eps, residual=x)
+        return h  # final-normed rows [B, dim]
+
+    def step(self, tokens: list[int], positions: list[int], slots: list[int]) -> None:
+        """Write tokens[b] at positions[b] of slots[b] (distinct) and compute each slot's next logits
+        into slot_logits[slot] (valid until that slot's next step) and their argmax into
+        host_argmax[slot] (valid once `done` has completed)."""
+        size = next(s for s in self.sizes if s >= len(slots))
+        self._replay(size, False, tokens, positions, slots, slots)
+
+    def prefill(self, tokens: list[int], start: int, slot: int) -> None:
+        """Append tokens (at most PREFILL_ROWS) at positions start.. of `slot`; the last one's logits
+        into slot_logits[slot] and its argmax into host_argmax[slot], as step() does."""
+        n = len(tokens)
+        size = next(s for s in self.prefill_sizes if s >= n)
+        self._replay(size, True, tokens, list(range(start, start + n)), [slot] * n, [n - 1, slot])
+
+    @torch.inference_mode()  # its buffers may have been made in inference mode
+    def _replay(self, size: int, prefill: bool, tokens: list[int], positions: list[int],
+                slots: list[int], rows: list[int]) -> None:
+        bucket = next(b for b in self.buckets if b > max(positions))
+        pad = size - len(tokens)
+        self.done.synchronize()  # the previous replay has read host_in
+        self.host_in[:, :size] = torch.tensor(
+            [[*tokens, *[0] * pad], [*positions, *[0] * pad], [*slots, *[-1] * pad],
+             [*rows, *[self.cache.n_slots] * (size - len(rows))]], dtype=torch.long)
+        graph = self.graphs.get((size, bucket, prefill))
+        if graph is None:
+            graph = capture(lambda: self._forward(size, bucket, prefill), self.device, self.pool)
+            self.pool = graph.pool()
+            self.graphs[size, bucket, prefill] = graph
+        graph.replay()
+        self.done.record()

@@ -109,6 +109,8 @@ class Engine:
             fused_kernels = self.device.type == "cpu" or (self.cuda_graphs and _has_triton())
         self.fused_kernels = fused_kernels
         self._decoders: dict[int, object] = {}
+        self._batch = None  # the batched decode graphs, made on first use
+        self._greedy: dict[int, int] = {}  # slot -> argmax of its latest logits, where computed
 
     def _pack_native(self, model: Transformer) -> dict[str, int]:
         """Swap in packed int4 layers for the file's quantized weights that have an exact int4 form;
@@ -139,6 +141,9 @@ class Engine:
             return None
         if n_tokens == 1 and self.cuda_graphs:
             return f"token + position host→{self.device.type} (pinned, in the graph)", 16
+        if self._graph_prefill(n_tokens):
+            where = f"host→{self.device.type} (pinned, in the graph)"
+            return f"token ids, positions, slots {where}", 24 * n_tokens
         return f"token ids host→{self.device.type}", 8 * n_tokens
 
     @property
@@ -164,6 +169,7 @@ class Engine:
                 raise FloeError(f"all {self.cache.n_slots} KV cache slots are in use")
             slot = self._free_slots.pop(0)
         self.cache.truncate(slot, 0)
+        self._greedy.pop(slot, None)
         return slot
 
     def release_slot(self, slot: int) -> None:
@@ -184,21 +190,41 @@ class Engine:
 
         With `logits_out` (float32 [vocab], e.g. a view of guest memory) they are written there.
         """
-        tokens = torch.as_tensor(ids, dtype=torch.long).to(self.device)
+        tokens = torch.as_tensor(ids, dtype=torch.long)
         if tokens.ndim != 1 or tokens.numel() == 0:
             raise ValueError("prefill needs a non-empty 1-D list of token ids")
         if not isinstance(ids, Tensor):
             self._check_ids(ids)
+        ids = tokens.tolist()
+        if self._graph_prefill(len(ids), all_logits):
+            return self._append(slot, ids, lambda start: self._replay_prefill(ids, start, slot, logits_out))
+        tokens = tokens.to(self.device)
         return self._append(
-            slot,
-            ids.tolist() if isinstance(ids, Tensor) else list(ids),
+            slot, ids,
             lambda start: self.model(tokens, start, self.cache, slot, all_logits=all_logits, out=logits_out),
         )
+
+    def _graph_prefill(self, n_tokens: int, all_logits: bool = False) -> bool:
+        """Whether a prompt of n_tokens runs as one replay of the fused step's graph (see
+        BatchGraphDecoder): on CUDA with graphs and fused kernels, up to PREFILL_ROWS tokens."""
+        from floe.engine.cuda_graph import BatchGraphDecoder
+
+        return (self.device.type == "cuda" and self.cuda_graphs and self.fused_kernels and not all_logits
+                and not self.compile_decode and n_tokens <= BatchGraphDecoder.PREFILL_ROWS)
+
+    def _replay_prefill(self, ids: list[int], start: int, slot: int, logits_out: Tensor | None) -> Tensor:
+        batch = self._batch_decoder()
+        batch.prefill(ids, start, slot)
+        batch.done.synchronize()  # its greedy choice is on the host now (the caller samples next)
+        self._greedy[slot] = int(batch.host_argmax[slot])
+        logits = batch.slot_logits[slot]
+        return logits if logits_out is None else logits_out.copy_(logits)
 
     def _append(self, slot: int, ids: list[int], run) -> Tensor:
         """Reserve len(ids) positions of `slot`, run(start) the step, record the ids; a failed step
         leaves the context as it was."""
         with self._step_lock:
+            self._greedy.pop(slot, None)  # this forward makes new logits
             start = self.cache.reserve(slot, len(ids))
             try:
                 logits = run(start)
@@ -226,6 +252,78 @@ class Engine:
         if logits_out is not None:
             logits_out.copy_(logits)
         return logits
+
+    @property
+    def batched_decode(self) -> bool:
+        """Whether decode_batch runs several slots' steps as one forward (CUDA graphs of the fused
+        Triton step); otherwise it runs them one after another."""
+        return (self.device.type == "cuda" and self.cuda_graphs and self.fused_kernels
+                and not self.compile_decode and self.cache.n_slots > 1)
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int], slots: list[int]) -> list[Tensor | FloeError]:
+        """One decode step for each of several distinct slots; per slot its float32 logits [vocab]
+        (a device buffer valid until that slot's next step) or the FloeError that stopped it (a full
+        context, a bad token): one slot's error does not stop the others.
+
+        A single slot runs decode_step, so an actor alone gets exactly the batch-1 numbers.
+        """
+        if len(set(slots)) != len(slots) or len(tokens) != len(slots):
+            raise ValueError(f"decode_batch needs one token per distinct slot, got {tokens} for {slots}")
+        if len(slots) == 1 or not self.batched_decode:
+            return [self._step_or_error(t, s) for t, s in zip(tokens, slots, strict=True)]
+        results: list = [None] * len(slots)
+        rows = []
+        for i, token in enumerate(tokens):
+            if not 0 <= token < self.config.vocab_size:
+                results[i] = FloeError(f"token id {token} is out of range [0, {self.config.vocab_size})")
+            else:
+                rows.append(i)
+        with self._step_lock:
+            starts = {}
+            for i in list(rows):
+                try:
+                    starts[i] = self.cache.reserve(slots[i], 1)
+                except ContextOverflow as e:
+                    results[i] = e
+                    rows.remove(i)
+            if len(rows) > 1:
+                try:
+                    self._batch_decoder().step([tokens[i] for i in rows], [starts[i] for i in rows],
+                                               [slots[i] for i in rows])
+                except BaseException:
+                    for i in rows:
+                        self.cache.truncate(slots[i], starts[i])
+                    raise
+                self._batch.done.synchronize()  # every row's greedy choice is on the host now
+                for i in rows:
+                    self.cache.tokens[slots[i]].append(tokens[i])
+                    results[i] = self._batch.slot_logits[slots[i]]
+                    self._greedy[slots[i]] = int(self._batch.host_argmax[slots[i]])
+                return results
+            for i in rows:
+                self.cache.truncate(slots[i], starts[i])
+        for i in rows:  # the others failed: the one left runs the batch-1 step, as decode_step does
+            results[i] = self._step_or_error(tokens[i], slots[i])
+        return results
+
+    def greedy_token(self, slot: int) -> int | None:
+        """The argmax of `slot`'s latest logits if the forward that made them computed it (a batched
+        decode step does, on the device, so greedy sampling needs no launch or sync); else None."""
+        return self._greedy.get(slot)
+
+    def _step_or_error(self, token: int, slot: int) -> Tensor | FloeError:
+        try:
+            return self.decode_step(token, slot)
+        except FloeError as e:
+            return e
+
+    def _batch_decoder(self):
+        if self._batch is None:
+            from floe.engine.cuda_graph import BatchGraphDecoder
+
+            self._batch = BatchGraphDecoder(self.model, self.cache)
+        return self._batch
 
     def _decoder(self, slot: int):
         decoder = self._decoders.get(slot)
@@ -269,6 +367,35 @@ class Engine:
                 self.cache.truncate(slot, 0)
                 self.release_slot(slot)
             progress(done, len(slots))
+        if self._graph_prefill(1):
+            self._warm_up_graphs(slots)
+
+    @torch.inference_mode()
+    def _warm_up_graphs(self, slots: list[int]) -> None:
+        """Capture every graph of the batched step (prefill row counts and, with several slots,
+        decode batch sizes, each at every KV bucket) by running it on free slots at the bucket's last
+        positions; the slots are emptied after. Without this, a capture (tens of ms, under the step
+        lock) would stall every session the first time a new shape is met."""
+        with self._slot_lock:
+            free = [s for s in slots if s in self._free_slots]
+            for s in free:
+                self._free_slots.remove(s)
+        batch = self._batch_decoder()
+        try:
+            with self._step_lock:
+                for bucket in batch.buckets:
+                    for size in batch.prefill_sizes:
+                        if free and size <= bucket:
+                            batch.prefill([0] * size, bucket - size, free[0])
+                    for size in batch.sizes if self.batched_decode else ():
+                        if 1 < size <= len(free):
+                            batch.step([0] * size, [bucket - 1] * size, free[:size])
+                batch.done.synchronize()
+        finally:
+            for s in free:
+                self.cache.truncate(s, 0)
+                self._greedy.pop(s, None)
+                self.release_slot(s)
 
     def room(self, slot: int = 0) -> int:
         """Positions still free in `slot`'s context."""

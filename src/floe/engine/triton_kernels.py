@@ -7,6 +7,11 @@ Each replaces a chain of small PyTorch ops whose launch latency, not their bytes
   swiglu             silu(gate) * up (2 -> 1)
 Positions are read from a device tensor, so all of them can live inside a CUDA graph.
 Rounding follows the PyTorch reference: fp32 math, bf16 results where the reference has them.
+
+Every kernel also takes B rows at once (continuous batching: one row per KV cache slot, each with its
+own position); a row's math does not depend on B. With `slots`, the caches are a layer's whole
+[n_slots, n_kv, S, hd] tensor and row b reads and writes slot slots[b]; a row whose slot is -1 is
+padding: it writes nothing and sees no positions.
 """
 
 from __future__ import annotations
@@ -21,82 +26,102 @@ from torch import Tensor
 def _rmsnorm_kernel(X, R, W, Y, RES_OUT, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    row = tl.program_id(0) * N
+    x = tl.load(X + row + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        x = x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x + tl.load(R + row + offs, mask=mask, other=0.0).to(tl.float32)
         x = x.to(RES_OUT.dtype.element_ty)  # the residual stream is stored in the model dtype
-        tl.store(RES_OUT + offs, x, mask=mask)
+        tl.store(RES_OUT + row + offs, x, mask=mask)
         x = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(W + offs, mask=mask, other=0.0)
     y = (x * inv).to(Y.dtype.element_ty) * w
-    tl.store(Y + offs, y, mask=mask)
+    tl.store(Y + row + offs, y, mask=mask)
 
 
 def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(norm(x + residual) * weight, x + residual) for one row x [1, N]."""
+    """(norm(x + residual) * weight, x + residual) for rows x [B, N]."""
     n = x.shape[-1]
     y = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
-    _rmsnorm_kernel[(1,)](x, residual if residual is not None else x, weight, y, res_out, n, eps,
+    _rmsnorm_kernel[(x.shape[0],)](x, residual if residual is not None else x, weight, y, res_out, n, eps,
                           HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=8)
     return y, res_out
 
 
 @triton.jit
-def _rope_kv_kernel(QKV, COS, SIN, POS, Q_OUT, K_CACHE, V_CACHE, stride_kh, stride_ks,
-                    H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr):
+def _rope_kv_kernel(QKV, COS, SIN, POS, SLOTS, Q_OUT, K_CACHE, V_CACHE, stride_slot, stride_kh, stride_ks,
+                    H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+                    HAS_SLOTS: tl.constexpr):
     h = tl.program_id(0)
-    pos = tl.load(POS)
+    b = tl.program_id(1)
+    pos = tl.load(POS + b)
+    if HAS_SLOTS:
+        slot = tl.load(SLOTS + b)
+    else:
+        slot = b * 0
     offs = tl.arange(0, HALF)
     cos1 = tl.load(COS + pos * HD + offs)
     cos2 = tl.load(COS + pos * HD + HALF + offs)
     sin1 = tl.load(SIN + pos * HD + offs)
     sin2 = tl.load(SIN + pos * HD + HALF + offs)
-    x1 = tl.load(QKV + h * HD + offs).to(tl.float32)
-    x2 = tl.load(QKV + h * HD + HALF + offs).to(tl.float32)
+    row = b * (H + 2 * KV) * HD
+    x1 = tl.load(QKV + row + h * HD + offs).to(tl.float32)
+    x2 = tl.load(QKV + row + h * HD + HALF + offs).to(tl.float32)
     o1 = x1 * cos1 - x2 * sin1
     o2 = x2 * cos2 + x1 * sin2
     if h < H:
-        tl.store(Q_OUT + h * HD + offs, o1.to(Q_OUT.dtype.element_ty))
-        tl.store(Q_OUT + h * HD + HALF + offs, o2.to(Q_OUT.dtype.element_ty))
-    else:
+        tl.store(Q_OUT + (b * H + h) * HD + offs, o1.to(Q_OUT.dtype.element_ty))
+        tl.store(Q_OUT + (b * H + h) * HD + HALF + offs, o2.to(Q_OUT.dtype.element_ty))
+    elif slot >= 0:  # a padding row (slot -1) writes no cache
         kh = h - H
-        dst = kh * stride_kh + pos * stride_ks
+        dst = slot.to(tl.int64) * stride_slot + kh * stride_kh + pos * stride_ks
         tl.store(K_CACHE + dst + offs, o1.to(K_CACHE.dtype.element_ty))
         tl.store(K_CACHE + dst + HALF + offs, o2.to(K_CACHE.dtype.element_ty))
         d = tl.arange(0, HD)
-        v = tl.load(QKV + (H + KV + kh) * HD + d)
+        v = tl.load(QKV + row + (H + KV + kh) * HD + d)
         tl.store(V_CACHE + dst + d, v)
 
 
 def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                  n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:
-    """Rotary q [n_heads, head_dim]; rotary k and v written into k_cache/v_cache [n_kv, S, hd] at pos."""
-    q = torch.empty(n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    _rope_kv_kernel[(n_heads + n_kv_heads,)](
-        qkv, cos, sin, pos, q, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
-        H=n_heads, KV=n_kv_heads, HD=head_dim, HALF=head_dim // 2, num_warps=1)
+                  n_heads: int, n_kv_heads: int, head_dim: int, slots: Tensor | None = None) -> Tensor:
+    """Rotary q [B, n_heads, head_dim] of qkv [B, *]; rotary k and v written into the caches at pos[b]
+    (k_cache/v_cache [n_kv, S, hd], or [n_slots, n_kv, S, hd] with `slots` [B])."""
+    b = qkv.shape[0]
+    q = torch.empty(b, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    stride_slot = k_cache.stride(0) if slots is not None else 0
+    _rope_kv_kernel[(n_heads + n_kv_heads, b)](
+        qkv, cos, sin, pos, slots if slots is not None else pos, q, k_cache, v_cache, stride_slot,
+        k_cache.stride(-3), k_cache.stride(-2),
+        H=n_heads, KV=n_kv_heads, HD=head_dim, HALF=head_dim // 2, HAS_SLOTS=slots is not None,
+        num_warps=1)
     return q
 
 
 @triton.jit
-def _attention_split_kernel(Q, K, V, POS, M_OUT, L_OUT, ACC_OUT, stride_kh, stride_ks, scale,
-                            GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr,
-                            CHUNK: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
-    # One program: one KV head, one chunk of positions, all GROUP query heads that share them (padded
-    # to GROUP_P rows for the tensor cores), so each K/V row is read once. Writes the chunk's max,
-    # sum of exponentials and weighted values for the combine kernel.
+def _attention_split_kernel(Q, K, V, POS, SLOTS, M_OUT, L_OUT, ACC_OUT, stride_slot, stride_kh, stride_ks,
+                            scale, H: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                            HD: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
+                            IEEE: tl.constexpr, HAS_SLOTS: tl.constexpr):
+    # One program: one row, one KV head, one chunk of positions, all GROUP query heads that share them
+    # (padded to GROUP_P rows for the tensor cores), so each K/V row is read once. Writes the chunk's
+    # max, sum of exponentials and weighted values for the combine kernel.
     kh = tl.program_id(0)
     split = tl.program_id(1)
-    pos = tl.load(POS)
+    b = tl.program_id(2)
+    pos = tl.load(POS + b)
+    if HAS_SLOTS:
+        slot = tl.load(SLOTS + b)
+    else:
+        slot = b * 0
     g = tl.arange(0, GROUP_P)
     real = g < GROUP
     d = tl.arange(0, HD)
     n = split * CHUNK + tl.arange(0, CHUNK)
-    valid = n <= pos
-    q = tl.load(Q + (kh * GROUP + g)[:, None] * HD + d[None, :], mask=real[:, None], other=0.0)
-    rows = kh * stride_kh + n[:, None] * stride_ks + d[None, :]
+    valid = (n <= pos) & (slot >= 0)
+    q = tl.load(Q + (b * H + kh * GROUP + g)[:, None] * HD + d[None, :], mask=real[:, None], other=0.0)
+    base = tl.maximum(slot, 0).to(tl.int64) * stride_slot + kh * stride_kh
+    rows = base + n[:, None] * stride_ks + d[None, :]
     k = tl.load(K + rows, mask=valid[:, None], other=0.0)
     v = tl.load(V + rows, mask=valid[:, None], other=0.0)
     if IEEE:
@@ -111,7 +136,7 @@ def _attention_split_kernel(Q, K, V, POS, M_OUT, L_OUT, ACC_OUT, stride_kh, stri
         acc = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
         acc = tl.dot(p.to(v.dtype), v)  # probabilities rounded to the cache dtype, as the reference
-    heads = kh * GROUP + g
+    heads = b * H + kh * GROUP + g
     tl.store(M_OUT + heads * SPLITS + split, m, mask=real)
     tl.store(L_OUT + heads * SPLITS + split, tl.sum(p, axis=1), mask=real)
     tl.store(ACC_OUT + (heads[:, None] * SPLITS + split) * HD + d[None, :], acc, mask=real[:, None])
@@ -126,30 +151,35 @@ def _attention_reduce_kernel(M_IN, L_IN, ACC_IN, OUT, HD: tl.constexpr, SPLITS: 
     m_max = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # chunks past pos weigh nothing
     total = tl.sum(tl.load(L_IN + h * SPLITS + s) * w, axis=0)
+    total = tl.where(total == 0.0, 1.0, total)  # a padding row saw no positions: zeros, not NaN
     acc = tl.load(ACC_IN + (h * SPLITS + s)[:, None] * HD + d[None, :])
     out = tl.sum(acc * w[:, None], axis=0) / total
     tl.store(OUT + h * HD + d, out.to(OUT.dtype.element_ty))
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, n_kv_heads: int,
-                     bucket: int, chunk: int = 64) -> Tensor:
-    """Attention of q [n_heads, hd] over positions 0..pos (< bucket) of k_cache/v_cache [n_kv, S, hd].
+                     bucket: int, chunk: int = 64, slots: Tensor | None = None) -> Tensor:
+    """Attention of q [B, n_heads, hd] (or [n_heads, hd]) over positions 0..pos[b] (< bucket) of the
+    caches ([n_kv, S, hd], or [n_slots, n_kv, S, hd] with `slots` [B]).
 
-    Split over the positions (flash-decoding): (KV heads x bucket/chunk) programs, then a combine.
-    Returns [1, n_heads * hd].
+    Split over the positions (flash-decoding): (KV heads x bucket/chunk x B) programs, then a combine.
+    Returns [B, n_heads * hd].
     """
-    n_heads, hd = q.shape
+    n_heads, hd = q.shape[-2:]
+    b = q.numel() // (n_heads * hd)
     splits = triton.next_power_of_2(triton.cdiv(bucket, chunk))
-    m = torch.empty(n_heads, splits, dtype=torch.float32, device=q.device)
+    m = torch.empty(b * n_heads, splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
-    acc = torch.empty(n_heads, splits, hd, dtype=torch.float32, device=q.device)
+    acc = torch.empty(b * n_heads, splits, hd, dtype=torch.float32, device=q.device)
     group = n_heads // n_kv_heads
-    _attention_split_kernel[(n_kv_heads, splits)](
-        q, k_cache, v_cache, pos, m, lsum, acc, k_cache.stride(0), k_cache.stride(1), hd**-0.5,
+    stride_slot = k_cache.stride(0) if slots is not None else 0
+    _attention_split_kernel[(n_kv_heads, splits, b)](
+        q, k_cache, v_cache, pos, slots if slots is not None else pos, m, lsum, acc, stride_slot,
+        k_cache.stride(-3), k_cache.stride(-2), hd**-0.5, H=n_heads,
         GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HD=hd, CHUNK=chunk,
-        SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4)
-    out = torch.empty(1, n_heads * hd, dtype=q.dtype, device=q.device)
-    _attention_reduce_kernel[(n_heads,)](m, lsum, acc, out, HD=hd, SPLITS=splits, num_warps=2)
+        SPLITS=splits, IEEE=q.dtype == torch.float32, HAS_SLOTS=slots is not None, num_warps=4)
+    out = torch.empty(b, n_heads * hd, dtype=q.dtype, device=q.device)
+    _attention_reduce_kernel[(b * n_heads,)](m, lsum, acc, out, HD=hd, SPLITS=splits, num_warps=2)
     return out
 
 
@@ -189,16 +219,17 @@ def argmax(x: Tensor, block: int = 4096) -> Tensor:
 def _swiglu_kernel(GU, OUT, F, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
-    g = tl.load(GU + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GU + F + offs, mask=mask, other=0.0)
+    row = tl.program_id(1) * F
+    g = tl.load(GU + 2 * row + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + 2 * row + F + offs, mask=mask, other=0.0)
     silu = (g * tl.sigmoid(g)).to(OUT.dtype.element_ty)
-    tl.store(OUT + offs, silu * u, mask=mask)
+    tl.store(OUT + row + offs, silu * u, mask=mask)
 
 
 def swiglu(gate_up: Tensor) -> Tensor:
-    """silu(gate) * up for gate_up [1, 2F] (gate first): [1, F]."""
-    f = gate_up.shape[-1] // 2
-    out = torch.empty(1, f, dtype=gate_up.dtype, device=gate_up.device)
+    """silu(gate) * up for rows gate_up [B, 2F] (gate first): [B, F]."""
+    b, f = gate_up.shape[0], gate_up.shape[-1] // 2
+    out = torch.empty(b, f, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _swiglu_kernel[(triton.cdiv(f, block),)](gate_up, out, f, BLOCK=block, num_warps=4)
+    _swiglu_kernel[(triton.cdiv(f, block), b)](gate_up, out, f, BLOCK=block, num_warps=4)
     return out

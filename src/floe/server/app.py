@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,8 @@ class Metrics:
                               buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
         self.freeze = Histogram("floe_freeze_seconds", "Freezing a session", registry=r,
                                 buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
+        self.batch_rows = Histogram("floe_decode_batch_rows", "Sessions advanced by one batched decode "
+                                    "forward", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64))
         sessions = Gauge("floe_sessions", "Sessions by state", ["state"], registry=r)
         sessions.labels("live").set_function(lambda: store.counts()["live"])
         sessions.labels("frozen").set_function(lambda: store.counts()["frozen"])
@@ -116,16 +119,34 @@ def _text(m: ChatMessage) -> str:
 
 
 def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: float = 300.0,
-               guest: str | None = None) -> FastAPI:
-    """The ASGI app serving `engine`; sessions freeze into `snapshots`, which a restart reads back."""
-    store = SessionStore(engine, snapshots, idle_seconds=idle_seconds, guest=guest)
+               guest: str | None = None, batching: bool | None = None) -> FastAPI:
+    """The ASGI app serving `engine`; sessions freeze into `snapshots`, which a restart reads back.
+
+    batching: concurrent sessions' decode steps run as one batched forward (default: where the engine
+    has one, i.e. CUDA graphs of the fused step); off, they take turns.
+    """
+    if batching and not engine.batched_decode:
+        raise FloeError("decode batching needs the CUDA engine with graphs and fused kernels and more "
+                        "than one slot; on the CPU, sessions take turns")
+    scheduler = None
+    if batching is None and engine.batched_decode or batching:
+        from floe.actor import DecodeScheduler
+
+        scheduler = DecodeScheduler(engine)
+    store = SessionStore(engine, snapshots, idle_seconds=idle_seconds, guest=guest, scheduler=scheduler)
     metrics = Metrics(store)
+    if scheduler is not None:
+        scheduler.on_batch = metrics.batch_rows.observe
     store.on_thaw, store.on_freeze = metrics.thaw.observe, metrics.freeze.observe
     store.load_folder()
     started = time.time()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # Every running request holds a worker thread for its whole reply (the guest drives the
+        # engine synchronously); asyncio's default pool has cpu_count + 4 of them (6 on 2 cores).
+        workers = engine.cache.n_slots + 8
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(workers, "floe-session"))
         async def evict_loop():
             while True:
                 await asyncio.sleep(max(0.05, min(1.0, idle_seconds / 4)))
@@ -145,6 +166,7 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
 
     app = FastAPI(title="floe", lifespan=lifespan)
     app.state.store, app.state.metrics = store, metrics
+    app.state.batching = scheduler is not None
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -173,6 +195,7 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": model_id, "device": str(engine.device),
+                "decode_batching": scheduler is not None,
                 "uptime_s": time.time() - started, "sessions": store.counts(),
                 "skipped_snapshots": store.skipped}
 

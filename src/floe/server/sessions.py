@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from floe.actor import Actor
+from floe.actor import Actor, DecodeScheduler
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError
 
@@ -79,11 +79,14 @@ class SessionStore:
 
     def __init__(self, engine: Engine, folder: Path, *, idle_seconds: float = 300.0,
                  guest: str | None = None, on_thaw: Callable[[float], None] = lambda s: None,
-                 on_freeze: Callable[[float], None] = lambda s: None) -> None:
+                 on_freeze: Callable[[float], None] = lambda s: None,
+                 scheduler: DecodeScheduler | None = None) -> None:
         self.engine, self.folder, self.idle_seconds, self.guest = engine, Path(folder), idle_seconds, guest
+        self.scheduler = scheduler  # batches live sessions' decode steps (None: they take turns)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.sessions: dict[str, Session] = {}
         self.lock = threading.Lock()  # guards `sessions` and slot accounting
+        self._reserved = 0  # slots counted for sessions whose actor is being made
         self.on_thaw, self.on_freeze = on_thaw, on_freeze
         self.skipped: list[str] = []  # files in the folder that are not loadable sessions
 
@@ -179,17 +182,22 @@ class SessionStore:
     def _ensure_live(self, session: Session) -> None:
         if session.live:
             return
-        self._make_room()
+        self._reserve_slot()
         try:
             if session.path.exists():
                 t = time.perf_counter()
-                session.actor = Actor.thaw(self.engine, session.path, self.guest, seed=session.seed)
+                try:
+                    session.actor = Actor.thaw(self.engine, session.path, self.guest, seed=session.seed,
+                                               scheduler=self.scheduler)
+                except FloeError as e:
+                    raise ThawFailed(f"session {session.id!r} could not be thawed from {session.path.name} "
+                                     f"(the file is left in place): {e}") from e
                 self.on_thaw(time.perf_counter() - t)
             else:
-                session.actor = Actor(self.engine, self.guest, seed=session.seed)
-        except FloeError as e:
-            raise ThawFailed(f"session {session.id!r} could not be thawed from {session.path.name} "
-                             f"(the file is left in place): {e}") from e
+                session.actor = Actor(self.engine, self.guest, seed=session.seed, scheduler=self.scheduler)
+        finally:
+            with self.lock:
+                self._reserved -= 1
 
     def _drop_live(self, session: Session) -> None:
         """Forget the live actor after a failure; fall back to the snapshot if there is one."""
@@ -204,22 +212,30 @@ class SessionStore:
             with self.lock:
                 self.sessions.pop(session.id, None)
 
-    def _make_room(self) -> None:
-        """Free a KV slot if none is: freeze the least recently used idle live session."""
-        with self.lock:
-            live = [s for s in self.sessions.values() if s.live]
-            if len(live) < self.engine.cache.n_slots:
-                return
-            idle = sorted((s for s in live if not s.lock.locked()), key=lambda s: s.last_used)
-        for victim in idle:
-            if victim.lock.acquire(blocking=False):
-                try:
-                    if victim.live:
-                        self._freeze_locked(victim)
-                        return
-                finally:
-                    victim.lock.release()
-        raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots are busy with running requests")
+    def _reserve_slot(self) -> None:
+        """Count a KV slot for a session about to go live (its actor claims it next), freezing the
+        least recently used idle live session if every slot is taken. Counted under the store's lock,
+        so concurrent arrivals cannot both take the last slot."""
+        while True:
+            with self.lock:
+                live = [s for s in self.sessions.values() if s.live]
+                if len(live) + self._reserved < self.engine.cache.n_slots:
+                    self._reserved += 1
+                    return
+                idle = sorted((s for s in live if not s.lock.locked()), key=lambda s: s.last_used)
+            if not any(self._freeze_if_idle(victim) for victim in idle):
+                raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots are busy with running requests")
+
+    def _freeze_if_idle(self, victim: Session) -> bool:
+        if not victim.lock.acquire(blocking=False):
+            return False
+        try:
+            if not victim.live:
+                return False
+            self._freeze_locked(victim)
+            return True
+        finally:
+            victim.lock.release()
 
     # ---- freezing ----------------------------------------------------------------------------------
 

@@ -1,0 +1,109 @@
+"""The decode scheduler and Engine.decode_batch on the CPU (where a batch runs its slots in turn, so
+every number must equal the unbatched run exactly); the batched CUDA forward is in test_cuda.py."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from floe.actor import Actor, DecodeScheduler
+from floe.engine import Engine, SamplingParams
+from floe.errors import ContextOverflow, FloeError
+
+QUESTIONS = ["What is the capital of France?", "Name a colour.", "Count to three.", "Say hello."]
+
+
+@pytest.fixture(scope="module")
+def engine(default_checkpoint):
+    return Engine(default_checkpoint, max_seq_len=256, n_slots=4)
+
+
+def test_decode_batch_equals_each_slot_stepped_alone(engine):
+    slots = [engine.claim_slot() for _ in range(3)]
+    try:
+        prompts = [list(range(10, 10 + n)) for n in (5, 9, 14)]
+        alone = []
+        for slot, prompt in zip(slots, prompts, strict=True):
+            engine.prefill(prompt, slot)
+            alone.append(engine.decode_step(7, slot).clone())
+            engine.kv_truncate(len(prompt), slot)
+        batched = engine.decode_batch([7, 7, 7], slots)
+        for slot, prompt, logits, reference in zip(slots, prompts, batched, alone, strict=True):
+            assert torch.equal(logits, reference)
+            assert engine.kv_len(slot) == len(prompt) + 1
+            assert engine.cache.tokens[slot][-1] == 7
+    finally:
+        for slot in slots:
+            engine.release_slot(slot)
+
+
+def test_one_slots_error_does_not_stop_the_others(engine):
+    full, ok = engine.claim_slot(), engine.claim_slot()
+    try:
+        engine.prefill(list(range(engine.max_seq_len)), full)
+        engine.prefill([1, 2, 3], ok)
+        overflow, logits = engine.decode_batch([5, 5], [full, ok])
+        assert isinstance(overflow, ContextOverflow)
+        assert isinstance(logits, torch.Tensor) and engine.kv_len(ok) == 4
+        bad_token, good = engine.decode_batch([engine.config.vocab_size, 6], [ok, full])
+        assert isinstance(bad_token, FloeError) and "out of range" in str(bad_token)
+        assert isinstance(good, ContextOverflow) and engine.kv_len(ok) == 4
+        with pytest.raises(ValueError, match="distinct"):
+            engine.decode_batch([1, 2], [ok, ok])
+    finally:
+        engine.release_slot(full)
+        engine.release_slot(ok)
+
+
+def run_actors(engine, scheduler, max_tokens=12):
+    """Four actors answering at once, each in its own thread; their replies in order."""
+    actors = [Actor(engine, scheduler=scheduler) for _ in QUESTIONS]
+    replies = [None] * len(actors)
+
+    def work(i):
+        replies[i] = actors[i].send(QUESTIONS[i], max_tokens=max_tokens, params=SamplingParams(0.0))
+
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(actors))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for a in actors:
+            a.close()
+    return replies
+
+
+def test_scheduled_actors_batch_their_steps_and_answer_as_alone(engine):
+    alone = run_actors(engine, None)
+    sizes = []
+    scheduler = DecodeScheduler(engine, on_batch=sizes.append)
+    batched = run_actors(engine, scheduler)
+    assert [r.text for r in batched] == [r.text for r in alone] and all(r.text for r in alone)
+    # every decode step went through the scheduler
+    assert scheduler.rows == sum(sizes) == sum(len(r.stats.decoded) for r in batched)
+    assert max(sizes) > 1  # some forwards advanced several actors at once
+    assert not scheduler._expected  # every actor said its message ended
+
+
+def test_an_actor_whose_message_ended_is_not_waited_for(engine):
+    # With a 60 s gather window, a step waiting for the finished actor would stall the test.
+    scheduler = DecodeScheduler(engine, gather_s=60.0)
+    first, second = Actor(engine, scheduler=scheduler), Actor(engine, scheduler=scheduler)
+    try:
+        first.send("Say hello.", max_tokens=4, params=SamplingParams(0.0))
+        t = time.monotonic()
+        reply = second.send("Name a colour.", max_tokens=4, params=SamplingParams(0.0))
+        assert reply.stats.generated_tokens >= 1
+        assert time.monotonic() - t < 30
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_scheduler_of_another_engine_is_refused(engine, default_checkpoint):
+    other = Engine(default_checkpoint, max_seq_len=64)
+    with pytest.raises(FloeError, match="another engine"):
+        Actor(engine, scheduler=DecodeScheduler(other))
