@@ -22,7 +22,7 @@ from floe.actor import Actor
 from floe.engine import Engine
 from floe.model.hf_folder import tokenizer_from_folder
 from floe.model.synthetic import random_checkpoint
-from floe.snapshot import Snapshot, _map_safetensors, checksum
+from floe.snapshot import Snapshot, _digests, _map_safetensors, checksum_v1
 
 
 def timed(fn, n: int = 5):
@@ -49,7 +49,9 @@ def main() -> None:
         actor.freeze(path)
     res = {}
     res["map_only_ms"], (meta, tensors, _) = timed(lambda: _map_safetensors(path))
-    res["checksum_ms"], _ = timed(lambda: checksum(tensors, meta))
+    res["checksum_v1_ms"], _ = timed(lambda: checksum_v1(tensors, meta))  # one pass, format 1
+    res["digests_parallel_ms"], _ = timed(  # format 2: per-tensor digests in the hash pool
+        lambda: [f.result() for f in _digests(tensors, list(tensors)).values()])
     res["Snapshot_ms"], snap = timed(lambda: Snapshot(path))
     res["state_ms"], state = timed(lambda: snap.state(torch.bfloat16))
     res["actor_new_ms"], _ = timed(lambda: Actor(engine).close())

@@ -4,6 +4,7 @@ refused with their specific error and nothing half-loaded; a killed writer damag
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -27,7 +28,8 @@ from floe.snapshot import (
     SnapshotModelMismatch,
     SnapshotShapeMismatch,
     SnapshotVersionMismatch,
-    checksum,
+    checksum_v1,
+    seal,
 )
 
 TURNS = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
@@ -78,8 +80,10 @@ def test_snapshot_is_plain_safetensors_with_documented_contents(engine, tmp_path
     assert {f"kv.{i}.{n}" for i in range(c.n_layers) for n in "kv"} <= keys
     assert {"guest.memory", "guest.memory.pages", "guest.globals", "tokens", "sampler.rng"} <= keys
     for field in ("format", "format_version", "abi_version", "model_fingerprint", "guest_sha256",
-                  "engine_dtype", "engine_weights", "kv_dtype", "kv_len", "checksum", "created_at"):
+                  "engine_dtype", "engine_weights", "kv_dtype", "kv_len", "checksum", "checksums",
+                  "created_at"):
         assert field in meta
+    assert set(json.loads(meta["checksums"])) == keys  # one digest per tensor
     assert meta["format"] == "floe-snapshot" and meta["model_fingerprint"] == engine.fingerprint
     assert int(meta["kv_len"]) == kv_len
 
@@ -100,7 +104,7 @@ def rewrite(src: Path, dst: Path, *, meta=None, tensors=None) -> Path:
         m = dict(f.metadata())
     m.update(meta or {})
     t.update(tensors or {})
-    m["checksum"] = checksum(t, m)
+    seal(t, m)
     save_file(t, str(dst), metadata=m)
     return dst
 
@@ -124,6 +128,41 @@ def test_flipped_byte_fails_the_checksum(engine, frozen, tmp_path):
     bad = tmp_path / "flipped.safetensors"
     bad.write_bytes(bytes(data))
     thaw_fails(engine, bad, SnapshotCorrupt, "checksum mismatch")
+
+
+def flip_byte_of(src: Path, dst: Path, tensor: str) -> Path:
+    """A copy of src with one byte in the middle of `tensor` flipped (the header left as it was)."""
+    data = bytearray(src.read_bytes())
+    (n,) = struct.unpack_from("<Q", data, 0)
+    start, end = json.loads(data[8:8 + n])[tensor]["data_offsets"]
+    data[8 + n + (start + end) // 2] ^= 0x10
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.parametrize("tensor", ["kv.3.v", "guest.memory", "tokens"])
+def test_a_damaged_byte_is_named_by_its_tensor_and_nothing_loads(engine, frozen, tmp_path, tensor):
+    bad = flip_byte_of(frozen, tmp_path / "bad.safetensors", tensor)
+    thaw_fails(engine, bad, SnapshotCorrupt, f"checksum mismatch in tensor {tensor}")
+
+
+def test_format_1_snapshots_are_still_read(engine, frozen, tmp_path):
+    with safe_open(str(frozen), framework="pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+        m = dict(f.metadata())
+    del m["checksums"]
+    m["format_version"] = "1"
+    m["checksum"] = checksum_v1(t, m)
+    old = tmp_path / "v1.safetensors"
+    save_file(t, str(old), metadata=m)
+    with Actor.thaw(engine, frozen) as a, Actor.thaw(engine, old) as b:
+        assert (b.send(TURNS[1], max_tokens=8).stats.token_ids
+                == a.send(TURNS[1], max_tokens=8).stats.token_ids)
+    data = bytearray(old.read_bytes())
+    data[-1000] ^= 0x40
+    damaged = tmp_path / "v1-bad.safetensors"
+    damaged.write_bytes(bytes(data))
+    thaw_fails(engine, damaged, SnapshotCorrupt, "checksum mismatch")
 
 
 def test_not_a_snapshot(engine, tmp_path):

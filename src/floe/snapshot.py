@@ -9,8 +9,12 @@ Tensors (format version 1):
   guest.globals                   int64 [n_globals]: raw bits of exported mutable globals
   tokens                          int32 [kv_len]: the token ids behind the KV cache
   sampler.rng                     uint8: the actor's torch.Generator state
-Metadata (all strings): see `_metadata`. `checksum` is xxh3-128 over every tensor's name, dtype,
-shape and bytes and every other metadata entry: it detects corruption, it is not a signature.
+Metadata (all strings): see `_metadata`. `checksums` (format 2) is a JSON object: every tensor's
+xxh3-128 digest of its bytes. `checksum` is xxh3-128 over every tensor's name, dtype and shape and
+every other metadata entry (so over the per-tensor digests too); format 1 files hashed the tensor
+bytes into it directly, and are still read. The per-tensor digests are hashed by several threads at
+once (3.8 ms instead of one 20 ms pass for 134 MB on the H200's host). They detect corruption; they
+are not a signature.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import json
 import mmap
 import os
 import struct
+import threading
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,7 +42,8 @@ from floe.errors import FloeError
 from floe.wasm import GuestModule, default_runtime
 
 FORMAT = "floe-snapshot"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = ("1", "2")
 KV_DTYPES = ("float32", "bfloat16", "int8")  # "int4" fits the same layout later (packed + scales)
 PAGE = 4096
 
@@ -116,7 +123,8 @@ def _metadata(state: ActorState, kv_dtype: str) -> dict[str, str]:
     }
 
 
-def checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+def checksum_v1(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """Format 1: one xxh3-128 pass over every tensor's name, dtype, shape and bytes and the metadata."""
     h = xxhash.xxh3_128()
     for name in sorted(tensors):
         t = tensors[name]
@@ -127,6 +135,50 @@ def checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
         if key != "checksum":
             h.update(f"{key}\0{metadata[key]}\0".encode())
     return h.hexdigest()
+
+
+def checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """Format 2: xxh3-128 over every tensor's name, dtype and shape and every metadata entry but
+    itself. The tensors' bytes enter through the `checksums` entry (see `seal`)."""
+    h = xxhash.xxh3_128()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+    for key in sorted(metadata):
+        if key != "checksum":
+            h.update(f"{key}\0{metadata[key]}\0".encode())
+    return h.hexdigest()
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """Threads that hash tensors side by side (xxhash releases the GIL on large inputs)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="floe-hash")
+        return _pool
+
+
+def _digest(t: torch.Tensor) -> str:
+    return xxhash.xxh3_128_hexdigest(t.contiguous().view(torch.uint8).numpy() if t.numel() else b"")
+
+
+def _digests(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, Future]:
+    """Each named tensor's digest, computed in the hash pool, largest first."""
+    order = sorted(names, key=lambda n: -tensors[n].numel() * tensors[n].element_size())
+    pool = _hash_pool()
+    return {name: pool.submit(_digest, tensors[name]) for name in order}
+
+
+def seal(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Set metadata's `checksums` (per tensor) and `checksum` (the whole file) for `tensors`."""
+    futures = _digests(tensors, list(tensors))
+    metadata["checksums"] = json.dumps({name: futures[name].result() for name in sorted(tensors)})
+    metadata["checksum"] = checksum(tensors, metadata)
 
 
 def write(state: ActorState, path: str | Path, kv_dtype: str | None = None, app: dict | None = None) -> dict:
@@ -145,7 +197,7 @@ def write(state: ActorState, path: str | Path, kv_dtype: str | None = None, app:
     metadata = _metadata(state, kv_dtype)
     if app is not None:
         metadata["app"] = json.dumps(app)
-    metadata["checksum"] = checksum(tensors, metadata)
+    seal(tensors, metadata)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file(tensors, str(tmp), metadata=metadata)
@@ -181,15 +233,35 @@ class Snapshot:
         m = self.metadata
         if m.get("format") != FORMAT:
             raise SnapshotCorrupt(f"{self.path} is a safetensors file but not a floe snapshot")
-        if m.get("format_version") != str(FORMAT_VERSION):
-            raise SnapshotVersionMismatch(
-                f"snapshot format version {m.get('format_version')}; this floe reads {FORMAT_VERSION}")
+        if m.get("format_version") not in READABLE_VERSIONS:
+            raise SnapshotVersionMismatch(f"snapshot format version {m.get('format_version')}; this floe "
+                                          f"reads versions {', '.join(READABLE_VERSIONS)}")
         expected = m.get("checksum")
-        actual = checksum(self.tensors, m)
+        actual = (checksum_v1 if m["format_version"] == "1" else checksum)(self.tensors, m)
         if expected != actual:
             raise SnapshotCorrupt(f"{self.path}: checksum mismatch (file says {expected}, contents hash "
                                   f"to {actual}): the file was damaged after it was written")
         self._check_layout()
+        if m["format_version"] != "1":
+            self._check_contents()
+
+    def _check_contents(self) -> None:
+        """Every tensor's bytes against its digest, hashed side by side in the hash pool."""
+        try:
+            expected = json.loads(self.metadata["checksums"])
+        except (KeyError, ValueError) as e:
+            raise SnapshotCorrupt(f"{self.path} lacks its per-tensor checksums ({e})") from None
+        if not isinstance(expected, dict) or set(expected) != set(self.tensors):
+            raise SnapshotCorrupt(f"{self.path}: the per-tensor checksums do not name its tensors")
+        futures = _digests(self.tensors, list(self.tensors))
+        for name, future in futures.items():
+            actual = future.result()
+            if actual != expected[name]:
+                for rest in futures.values():
+                    rest.cancel()
+                raise SnapshotCorrupt(f"{self.path}: checksum mismatch in tensor {name} (file says "
+                                      f"{expected[name]}, its bytes hash to {actual}): the file was "
+                                      "damaged after it was written")
 
     def _check_layout(self) -> None:
         m = self.metadata
