@@ -138,8 +138,12 @@ def main() -> None:
 
     bandwidth = measure_bandwidth_gb_s(args.threads)
     n = len(prompt) + args.decode_tokens + 8
-    engines = {"floe native": Engine(fp32, max_seq_len=n, weights="native"),
-               "floe float32": engine,
+    native = Engine(fp32, max_seq_len=n, weights="native")
+    engines = {f"floe native ({native.native_kernel})": native}
+    if native.native_kernel != "int4pack":  # the PyTorch packed-int4 path beside floe's kernel
+        engines["floe native (int4pack)"] = Engine(fp32, max_seq_len=n, weights="native",
+                                                   native_kernel="int4pack")
+    engines |= {"floe float32": engine,
                "floe bfloat16": Engine(load_checkpoint(args.model, torch.bfloat16), dtype="bfloat16",
                                        max_seq_len=n)}
     runs = {name: floe_run(e, prompt, decode_ids) for name, e in engines.items()}
@@ -162,7 +166,7 @@ def main() -> None:
         row["decode_ceiling_tok_s"] = bandwidth * 1e9 / row["weight_bytes"]
     print(f"\n{fp32.name} · {args.threads} threads · {len(prompt)}-token prompt · "
           f"{args.decode_tokens} decode tokens · copy bandwidth {bandwidth:.1f} GB/s\n")
-    print(f"{'engine':<24}{'prefill tok/s':>14}{'decode tok/s':>14}{'ms/token':>10}"
+    print(f"{'engine':<28}{'prefill tok/s':>14}{'decode tok/s':>14}{'ms/token':>10}"
           f"{'weights MB':>12}{'% ceiling':>11}{'vs llama.cpp (p / d)':>22}{'greedy agree':>14}")
     for name, r in rows.items():
         if peer:
@@ -170,7 +174,7 @@ def main() -> None:
             r["decode_vs_llama_cpp"] = r["decode_tok_s"] / peer["decode_tok_s"]
         ratio = f"{r['prefill_vs_llama_cpp']:.2f}x / {r['decode_vs_llama_cpp']:.2f}x" if peer else "-"
         agree = f"{r['greedy_agreement']}/{len(decode_ids)}" if "greedy_agreement" in r else "-"
-        print(f"{name:<24}{r['prefill_tok_s']:>14.1f}{r['decode_tok_s']:>14.1f}{r['ms_per_token']:>10.2f}"
+        print(f"{name:<28}{r['prefill_tok_s']:>14.1f}{r['decode_tok_s']:>14.1f}{r['ms_per_token']:>10.2f}"
               f"{r['weight_bytes'] / 1e6:>12.0f}"
               f"{100 * r['decode_tok_s'] / r['decode_ceiling_tok_s']:>10.0f}%{ratio:>22}{agree:>14}")
     record = {"model": fp32.name, "fingerprint": fp32.fingerprint, "threads": args.threads,

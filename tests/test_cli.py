@@ -32,7 +32,7 @@ def test_run_json_reports_the_run():
     assert record["generated_tokens"] == len(record["token_ids"]) > 0
     assert record["prompt_tokens"] > 10 and record["ttft_ms"] > 0
     assert record["device"] == "cpu" and record["dtype"] == "bfloat16"
-    assert record["weights"] == {"kind": "dense", "packed_int4": {}}
+    assert record["weights"] == {"kind": "dense", "kernel": None, "quantized": {}}
     assert len(record["model"]["fingerprint"]) == 64 and record["model"]["file_type"] == "Q4_1+Q8_0"
 
 
@@ -80,8 +80,9 @@ def test_invalid_sampling_parameters(flag, value, message):
 
 def test_run_defaults_to_the_files_native_weights_on_cpu():
     record = json.loads(floe("run", "What is the capital of France?", "--json", "--max-tokens", "8").stdout)
-    # SmolLM2's Q4_1 projections (30 layers x 4 fused) and its Q8_0 tied head, all packed as int4.
-    assert record["weights"] == {"kind": "native", "packed_int4": {"Q4_1": 120, "Q8_0": 1}}
+    # SmolLM2's Q4_1 projections (30 layers x 4 fused) and its Q8_0 tied head, all run as they are.
+    assert record["weights"]["kind"] == "native" and record["weights"]["kernel"] in ("vnni", "int4pack")
+    assert record["weights"]["quantized"] == {"Q4_1": 120, "Q8_0": 1}
     assert record["dtype"] == "float32" and "Paris" in record["text"]
 
 

@@ -108,7 +108,7 @@ def _run_record(engine, reply, finish: str, guest: str | None) -> dict:
                   "file_type": ckpt.file_type},
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
-        "weights": {"kind": engine.weights, "packed_int4": engine.packed},
+        "weights": {"kind": engine.weights, "kernel": engine.native_kernel, "quantized": engine.packed},
         "guest": guest or "chat (built in)",
         "boundaries": reply.ledger.rows(),
     }

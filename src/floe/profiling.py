@@ -131,7 +131,8 @@ def profile_turn(checkpoint: Checkpoint, prompt: str, *, device: str = "cpu", dt
     result = {
         "model": {"name": checkpoint.name, "fingerprint": checkpoint.fingerprint,
                   "file_type": checkpoint.file_type},
-        "device": str(dev), "dtype": dtype, "weights": {"kind": weights, "packed_int4": engine.packed},
+        "device": str(dev), "dtype": dtype,
+        "weights": {"kind": weights, "kernel": engine.native_kernel, "quantized": engine.packed},
         "prompt": prompt, "run": run, "boundaries": ledger.rows(), "dispatches": dispatches,
         "roofline": roof, "matmul_dtype": str(matmul_dtype).removeprefix("torch."),
         "ledger_overhead": {"records": records, "per_record_us": per_record * 1e6,

@@ -25,12 +25,22 @@ from floe.engine.transformer import Transformer
 
 def project(x: Tensor, weight: Tensor, scales: Tensor, repeat: int) -> Tensor:
     """x Wᵀ. repeat > 0: W packed int4 (x bf16, repeated `repeat` times along its row); 0: dense
-    (x already in W's dtype)."""
+    (x already in W's dtype); -4 / -8: W as 4- / 8-bit codes for floe's kernel (x float32, scales the
+    [2, rows, groups] scale and offset)."""
     if repeat == 0:
         return F.linear(x, weight)
+    if repeat == -4:
+        return torch.ops.floe.gemv_q4(x, weight, scales[0], scales[1])
+    if repeat == -8:
+        return torch.ops.floe.gemv_q8(x, weight, scales[0], scales[1])
     if repeat > 1:
         x = x.repeat(1, repeat)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, 32, scales)
+
+
+def input_dtype(weight: Tensor, repeat: int) -> torch.dtype:
+    """The dtype `project` takes its input in."""
+    return torch.bfloat16 if repeat > 0 else torch.float32 if repeat < 0 else weight.dtype
 
 
 def rms_norm(x: Tensor, x0: Tensor, weight: Tensor, eps: float, zero: Tensor, out: Tensor) -> Tensor:
@@ -68,12 +78,12 @@ def decode_layers(x: Tensor, rotary: Tensor, row_scale: Tensor, position: int, e
         keys, values = k_cache[:, : position + 1].transpose(1, 2), v_cache[:, : position + 1]
         scores = torch.bmm(rot[:n_heads].view(n_kv, group, head_dim), keys)
         att = torch.bmm(torch.softmax(scores, dim=-1), values).view(1, n_heads * head_dim)
-        o_dtype = torch.bfloat16 if repeats[j + 1] > 0 else weights[j + 1].dtype
+        o_dtype = input_dtype(weights[j + 1], repeats[j + 1])
         x.add_(project(att.to(o_dtype), weights[j + 1], scales[j + 1], repeats[j + 1]))
         gate_up = project(rms_norm(x, x0, norms[2 * i + 1], eps, zero, inputs[2 * i + 1]), weights[j + 2],
                           scales[j + 2], repeats[j + 2])
         gate = F.silu(gate_up[:, :ffn_dim]).mul_(gate_up[:, ffn_dim:])
-        down_dtype = torch.bfloat16 if repeats[j + 3] > 0 else weights[j + 3].dtype
+        down_dtype = input_dtype(weights[j + 3], repeats[j + 3])
         if gate.dtype != down_dtype:
             gate = gate.to(down_dtype)
         x.add_(project(gate, weights[j + 3], scales[j + 3], repeats[j + 3]))
@@ -90,13 +100,27 @@ def _script(fn):
         return fn
 
 
-_decode_layers = _script(decode_layers)
-_project = _script(project)
-_rms_norm = _script(rms_norm)
+_scripted: dict[str, object] = {}
+
+
+def _compiled() -> dict[str, object]:
+    """The scripted step functions, made on first use: TorchScript resolves `torch.ops.floe.*` when
+    it compiles, so the kernels are loaded (or, where they cannot be, declared) first."""
+    if not _scripted:
+        from floe.engine import qgemv
+
+        qgemv.ensure_ops()
+        _scripted.update(decode_layers=_script(decode_layers), project=_script(project),
+                         rms_norm=_script(rms_norm))
+    return _scripted
 
 
 def _weights(module) -> tuple[Tensor, Tensor, int]:
     """(weight, scales, repeat) of a projection as `project` takes them."""
+    from floe.engine.qgemv import QLinear
+
+    if isinstance(module, QLinear):
+        return module.codes, module.scale_offset, -module.bits
     if isinstance(module, Int4Linear):
         return module.packed, module.scales_zeros, module.k_repeat
     return module.weight, torch.empty(0), 0
@@ -138,14 +162,14 @@ class CpuDecoder:
         else:
             self.head = (model.output_weight(), torch.empty(0), 0)
             self.head_input = torch.empty(1, c.dim, dtype=model.output_weight().dtype)
-        self.run_layers = _decode_layers if script else decode_layers
-        self.project = _project if script else project
-        self.rms_norm = _rms_norm if script else rms_norm
+        fns = _compiled() if script else {"decode_layers": decode_layers, "project": project,
+                                          "rms_norm": rms_norm}
+        self.run_layers, self.project, self.rms_norm = fns["decode_layers"], fns["project"], fns["rms_norm"]
 
     def _input(self, module) -> Tensor:
-        """The buffer a norm writes a projection's input into: bf16 for int4, else the weight's dtype."""
-        dtype = torch.bfloat16 if isinstance(module, Int4Linear) else module.weight.dtype
-        return torch.empty(1, self.config.dim, dtype=dtype)
+        """The buffer a norm writes a projection's input into, in the dtype `project` takes."""
+        weight, _, repeat = _weights(module)
+        return torch.empty(1, self.config.dim, dtype=input_dtype(weight, repeat))
 
     @torch.inference_mode()
     def step(self, token: int, position: int, out: Tensor | None = None) -> Tensor:

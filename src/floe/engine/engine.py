@@ -75,6 +75,7 @@ class Engine:
         compile_decode: bool = False,
         fused_kernels: bool | None = None,
         weights: str = "dense",
+        native_kernel: str = "auto",
     ) -> None:
         self.checkpoint = checkpoint
         self.config = checkpoint.config
@@ -94,7 +95,8 @@ class Engine:
         if weights not in ("dense", "native"):
             raise FloeError(f"weights {weights!r}: choose 'dense' or 'native'")
         self.weights = weights
-        self.packed = self._pack_native(model) if weights == "native" else {}
+        self.native_kernel = None
+        self.packed = self._pack_native(model, native_kernel) if weights == "native" else {}
         self.model = model.eval()
         self.cache = KVCache(self.config, self.max_seq_len, n_slots, self.dtype, self.device)
         self._free_slots = list(range(n_slots))
@@ -112,26 +114,38 @@ class Engine:
         self._batch = None  # the batched decode graphs, made on first use
         self._greedy: dict[int, int] = {}  # slot -> argmax of its latest logits, where computed
 
-    def _pack_native(self, model: Transformer) -> dict[str, int]:
-        """Swap in packed int4 layers for the file's quantized weights that have an exact int4 form;
-        returns how many matrices of each type were packed."""
+    def _pack_native(self, model: Transformer, kernel: str) -> dict[str, int]:
+        """Swap in quantized layers for the file's quantized weights that a kernel runs exactly:
+        floe's int8-activation kernels (QLinear) where they build here, else PyTorch's packed int4
+        (Int4Linear). Returns how many matrices of each type were swapped."""
+        from floe.engine import qgemv
         from floe.engine.int4 import Int4Linear, int4_available
 
         if self.device.type != "cpu":
             raise FloeError("native quantized weights run on the CPU; on CUDA choose dense weights")
-        if not int4_available():
+        if kernel not in ("auto", "vnni", "int4pack"):
+            raise FloeError(f"native kernel {kernel!r}: choose 'auto', 'vnni' or 'int4pack'")
+        use_vnni = kernel != "int4pack" and qgemv.load()
+        if kernel == "vnni" and not use_vnni:
+            raise FloeError(f"floe's VNNI kernels are not available here: {qgemv.unavailable_reason()}")
+        if not use_vnni and not int4_available():
             raise FloeError("this PyTorch build has no CPU int4 kernel; choose dense weights")
         packed: dict[str, int] = {}
         for path, weight in fused_quantized(self.checkpoint.quantized, self.config).items():
-            if not weight.has_int4_form:
+            if use_vnni and qgemv.supports(weight):
+                make = qgemv.QLinear
+            elif weight.has_int4_form:
+                make = Int4Linear
+            else:
                 continue
             if path == "output":
-                model.head = Int4Linear(weight, dense=False)
+                model.head = make(weight, dense=False)
             else:
                 parent, name = path.rsplit(".", 1)
                 old = model.get_submodule(path)
-                setattr(model.get_submodule(parent), name, Int4Linear(weight, old.bias))
+                setattr(model.get_submodule(parent), name, make(weight, old.bias))
             packed[weight.qtype] = packed.get(weight.qtype, 0) + 1
+        self.native_kernel = "vnni" if use_vnni else "int4pack"
         return packed
 
     def input_transfer(self, n_tokens: int) -> tuple[str, int] | None:
