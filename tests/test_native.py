@@ -84,6 +84,25 @@ def test_the_vnni_kernel_is_the_exact_linear_of_int8_rounded_inputs(tiny):
         assert (y.double() - F.linear(x.double(), w)).norm() / exact.norm() < 2e-2
 
 
+@pytest.mark.skipif(not qgemv.load(), reason="floe's VNNI kernels do not build here")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_the_vnni_kernel_on_wide_rows_with_a_tail(qtype):
+    """19 groups a row: two blocks of 8 (the unrolled loop) and a tail of 3."""
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((37, 19 * GROUP)).astype(np.float32)
+    q = QuantizedWeight(qtype.name, w.shape, quantize(w, qtype))
+    layer = qgemv.QLinear(q, dense=False)
+    x = torch.from_numpy(rng.standard_normal((2, w.shape[1])).astype(np.float32))
+    y = layer(x)
+    exact = F.linear(int8_rounded(x), q.dequantize().double())
+    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
+    assert layer.scale_offset.dtype == torch.float16  # the file's fp16 scales, kept as they are
+    layer.scale_offset = layer.scale_offset.float()  # the float32 variant (Q4_K's) computes the same
+    torch.testing.assert_close(layer(x), y, rtol=1e-6, atol=1e-6 * float(y.abs().max()))
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_native_engine_tracks_the_fp32_engine(tiny, kernel):
     prompt = list(range(5, 40))
