@@ -187,3 +187,34 @@ def test_lean_decode_step_with_qkv_bias_equals_the_module_path(tmp_path):
         engine.prefill([3, 4, 5, 6])
     for token in (7, 8, 9):
         torch.testing.assert_close(lean.decode_step(token), module.decode_step(token), rtol=1e-4, atol=1e-4)
+
+
+def test_without_the_vnni_kernel_native_weights_run_packed_int4(tiny, tmp_path):
+    """Where the kernel cannot build (no compiler, no VNNI), the ops are only declared, so the
+    scripted step still compiles, and native weights fall back to PyTorch's packed int4. A fresh
+    interpreter: the ops are process-wide."""
+    import subprocess
+    import sys
+
+    code = f"""
+import torch
+from floe.engine import qgemv
+qgemv._build = lambda: (False, "disabled for this test")
+from floe.engine import Engine
+from floe.model import load_checkpoint
+ckpt = load_checkpoint({str(tiny.source)!r})
+engine = Engine(ckpt, max_seq_len=64, weights="native")
+assert engine.native_kernel == "int4pack", engine.native_kernel
+engine.prefill(list(range(5, 30)))
+logits = engine.decode_step(7)
+assert logits.shape == (ckpt.config.vocab_size,) and torch.isfinite(logits).all()
+try:
+    Engine(ckpt, max_seq_len=64, weights="native", native_kernel="vnni")
+except Exception as e:
+    assert "disabled for this test" in str(e), e
+else:
+    raise AssertionError("native_kernel='vnni' was accepted without the kernel")
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
