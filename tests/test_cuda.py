@@ -96,6 +96,33 @@ def test_snapshot_migrates_between_cpu_and_cuda(engines, tmp_path):
         assert b.send("And the sky?", max_tokens=8).stats.token_ids[:4] == expected[:4]
 
 
+def test_a_cuda_thaw_continues_identically_and_refuses_a_damaged_kv_byte(engines, tmp_path):
+    """Same device and dtype: the thawed actor continues token for token; a damaged KV byte is
+    named, and nothing is created (the slot stays free)."""
+    import json
+    import struct
+
+    from floe.actor import Actor
+    from floe.snapshot import SnapshotCorrupt
+
+    engine = engines["graph"]
+    with Actor(engine) as a:
+        a.send("Tell me about the sea.", max_tokens=6)
+        a.freeze(tmp_path / "a.safetensors")
+        expected = a.send("And the sky?", max_tokens=8).stats.token_ids
+    with Actor.thaw(engine, tmp_path / "a.safetensors") as b:
+        assert b.send("And the sky?", max_tokens=8).stats.token_ids == expected
+    data = bytearray((tmp_path / "a.safetensors").read_bytes())
+    (n,) = struct.unpack_from("<Q", data, 0)
+    start, end = json.loads(data[8:8 + n])["kv.2.k"]["data_offsets"]
+    data[8 + n + (start + end) // 2] ^= 0x10
+    (tmp_path / "bad.safetensors").write_bytes(bytes(data))
+    free = list(engine._free_slots)
+    with pytest.raises(SnapshotCorrupt, match="kv.2.k"):
+        Actor.thaw(engine, tmp_path / "bad.safetensors")
+    assert engine._free_slots == free
+
+
 def test_fused_triton_decode_tracks_the_eager_step(engines, tokenizer):
     from floe.engine import Engine
 
