@@ -107,3 +107,17 @@ def test_a_scheduler_of_another_engine_is_refused(engine, default_checkpoint):
     other = Engine(default_checkpoint, max_seq_len=64)
     with pytest.raises(FloeError, match="another engine"):
         Actor(engine, scheduler=DecodeScheduler(other))
+
+
+def test_batched_step_inputs_pad_with_rows_that_write_nothing():
+    """The pinned inputs of a batched graph (written in place each step; the graph runs on CUDA)."""
+    import numpy as np
+
+    from floe.engine.cuda_graph import fill_rows
+
+    host = np.full((4, 8), 99, dtype=np.int64)
+    fill_rows(host, 4, [11, 12, 13], [5, 9, 2], [0, 3, 1], [0, 3, 1], spare=6)  # decode, 3 of 4 rows
+    assert host[:, :4].tolist() == [[11, 12, 13, 0], [5, 9, 2, 0], [0, 3, 1, -1], [0, 3, 1, 6]]
+    fill_rows(host, 4, [7, 8], [10, 11], [2, 2], [1, 2], spare=6)  # prefill: last row's index, slot
+    assert host[:, :4].tolist() == [[7, 8, 0, 0], [10, 11, 0, 0], [2, 2, -1, -1], [1, 2, 6, 6]]
+    assert (host[:, 4:] == 99).all()  # columns beyond the padded size are not touched

@@ -136,6 +136,19 @@ class GraphDecoder:
         return self.logits
 
 
+def fill_rows(host, size: int, tokens: list[int], positions: list[int], slots: list[int],
+              rows: list[int], spare: int) -> None:
+    """Write a batched step's inputs into the first `size` columns of host [4, top] (int64): token,
+    position, KV slot and logits row per row; padding rows get token 0, position 0, slot -1 (no
+    cache write) and the spare logits row."""
+    n = len(tokens)
+    host[0, :n], host[1, :n], host[2, :n] = tokens, positions, slots
+    host[:2, n:size] = 0
+    host[2, n:size] = -1
+    host[3, :len(rows)] = rows
+    host[3, len(rows):size] = spare
+
+
 class BatchGraphDecoder:
     """Continuous batching: one graph replay advances the decode of several KV cache slots, each at
     its own position. The weights are read once for all rows, so B rows cost little more than one.
@@ -160,6 +173,7 @@ class BatchGraphDecoder:
         top = max(self.sizes[-1], self.PREFILL_ROWS)
         # Rows: token, position, KV slot (-1: padding), logits row (n_slots: the spare one).
         self.host_in = torch.zeros(4, top, dtype=torch.long, pin_memory=True)
+        self.host_rows = self.host_in.numpy()  # the same pinned memory, written without a tensor op
         self.dev_in = torch.zeros(4, top, dtype=torch.long, device=dev)
         self.slot_logits = torch.zeros(n_slots + 1, model.config.vocab_size, dtype=torch.float32, device=dev)
         # Each row's greedy choice, computed in the graph and copied to pinned host memory, so an actor
@@ -220,11 +234,8 @@ class BatchGraphDecoder:
     def _replay(self, size: int, prefill: bool, tokens: list[int], positions: list[int],
                 slots: list[int], rows: list[int]) -> None:
         bucket = next(b for b in self.buckets if b > max(positions))
-        pad = size - len(tokens)
         self.done.synchronize()  # the previous replay has read host_in
-        self.host_in[:, :size] = torch.tensor(
-            [[*tokens, *[0] * pad], [*positions, *[0] * pad], [*slots, *[-1] * pad],
-             [*rows, *[self.cache.n_slots] * (size - len(rows))]], dtype=torch.long)
+        fill_rows(self.host_rows, size, tokens, positions, slots, rows, spare=self.cache.n_slots)
         graph = self.graphs.get((size, bucket, prefill))
         if graph is None:
             graph = capture(lambda: self._forward(size, bucket, prefill), self.device, self.pool)

@@ -223,8 +223,7 @@ class Engine:
         BatchGraphDecoder): on CUDA with graphs and fused kernels, up to PREFILL_ROWS tokens."""
         from floe.engine.cuda_graph import BatchGraphDecoder
 
-        return (self.device.type == "cuda" and self.cuda_graphs and self.fused_kernels and not all_logits
-                and not self.compile_decode and n_tokens <= BatchGraphDecoder.PREFILL_ROWS)
+        return self._batch_graphs and not all_logits and n_tokens <= BatchGraphDecoder.PREFILL_ROWS
 
     def _replay_prefill(self, ids: list[int], start: int, slot: int, logits_out: Tensor | None) -> Tensor:
         batch = self._batch_decoder()
@@ -268,11 +267,16 @@ class Engine:
         return logits
 
     @property
+    def _batch_graphs(self) -> bool:
+        """Whether the batched graph of the fused Triton step (BatchGraphDecoder) runs here."""
+        return (self.device.type == "cuda" and self.cuda_graphs and self.fused_kernels
+                and not self.compile_decode)
+
+    @property
     def batched_decode(self) -> bool:
         """Whether decode_batch runs several slots' steps as one forward (CUDA graphs of the fused
         Triton step); otherwise it runs them one after another."""
-        return (self.device.type == "cuda" and self.cuda_graphs and self.fused_kernels
-                and not self.compile_decode and self.cache.n_slots > 1)
+        return self._batch_graphs and self.cache.n_slots > 1
 
     @torch.inference_mode()
     def decode_batch(self, tokens: list[int], slots: list[int]) -> list[Tensor | FloeError]:
@@ -289,10 +293,11 @@ class Engine:
         results: list = [None] * len(slots)
         rows = []
         for i, token in enumerate(tokens):
-            if not 0 <= token < self.config.vocab_size:
-                results[i] = FloeError(f"token id {token} is out of range [0, {self.config.vocab_size})")
-            else:
+            try:
+                self._check_ids([token])
                 rows.append(i)
+            except FloeError as e:
+                results[i] = e
         with self._step_lock:
             starts = {}
             for i in list(rows):

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from floe.engine.int4 import DENSE_FROM_ROWS  # longer inputs (prefill): a bf16 copy and a GEMM
 from floe.model.quant import GROUP, QuantizedWeight
 
-DENSE_FROM_ROWS = 8  # as Int4Linear: longer inputs (prefill) use a bf16 copy and a GEMM
 SOURCE = Path(__file__).parent / "csrc" / "gemv_q.cpp"
 
 _lock = threading.Lock()

@@ -129,7 +129,7 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
         raise FloeError("decode batching needs the CUDA engine with graphs and fused kernels and more "
                         "than one slot; on the CPU, sessions take turns")
     scheduler = None
-    if batching is None and engine.batched_decode or batching:
+    if engine.batched_decode if batching is None else batching:
         from floe.actor import DecodeScheduler
 
         scheduler = DecodeScheduler(engine)
