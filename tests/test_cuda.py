@@ -123,6 +123,33 @@ def test_a_cuda_thaw_continues_identically_and_refuses_a_damaged_kv_byte(engines
     assert engine._free_slots == free
 
 
+@pytest.mark.parametrize("staging", ["one group", "a group per tensor"])
+def test_a_checked_load_onto_the_gpu_lands_exactly_in_groups_too(engines, monkeypatch, staging):
+    """Host tensors through the pinned buffer (hashed as they land) into a slot, in one group or,
+    with a tiny staging buffer, a group per tensor; a wrong digest leaves the slot empty."""
+    from floe.engine import copyhash, kvcache
+
+    if staging != "one group":
+        monkeypatch.setattr(kvcache, "STAGING_BYTES", 1)
+    engine = engines["graph"]
+    c, n = engine.config, 37
+    g = torch.Generator().manual_seed(3)
+    k = [torch.randn(c.n_kv_heads, n, c.head_dim, generator=g).to(engine.dtype) for _ in range(c.n_layers)]
+    v = [torch.randn(c.n_kv_heads, n, c.head_dim, generator=g).to(engine.dtype) for _ in range(c.n_layers)]
+    digests = copyhash.digests(k + v)
+    slot = engine.claim_slot()
+    try:
+        engine.cache.load(slot, k, v, list(range(n)), digests)
+        got_k, got_v = engine.cache.export(slot)
+        assert engine.kv_len(slot) == n
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got_k + got_v, k + v, strict=True))
+        with pytest.raises(kvcache.KVDigestMismatch):
+            engine.cache.load(slot, k, v, list(range(n)), digests[:-1] + ["0" * 32])
+        assert engine.kv_len(slot) == 0
+    finally:
+        engine.release_slot(slot)
+
+
 def test_fused_triton_decode_tracks_the_eager_step(engines, tokenizer):
     from floe.engine import Engine
 

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from floe.actor import Actor, builtin_guest
 from floe.engine import Engine, SamplingParams
+from floe.engine.kvcache import KVDigestMismatch
 from floe.model import load_checkpoint
 from floe.snapshot import (
     Snapshot,
@@ -144,6 +145,27 @@ def flip_byte_of(src: Path, dst: Path, tensor: str) -> Path:
 def test_a_damaged_byte_is_named_by_its_tensor_and_nothing_loads(engine, frozen, tmp_path, tensor):
     bad = flip_byte_of(frozen, tmp_path / "bad.safetensors", tensor)
     thaw_fails(engine, bad, SnapshotCorrupt, f"checksum mismatch in tensor {tensor}")
+
+
+def test_a_checked_load_hashes_each_kv_tensor_as_landed_and_a_mismatch_leaves_the_slot_empty(engine, frozen):
+    snap = Snapshot(frozen, contents=False)
+    assert snap.loads_checked(engine.dtype)
+    state, names, digests = snap.state(engine.dtype), snap.kv_names(), snap.kv_digests()
+    slot = engine.claim_slot()
+    try:
+        engine.cache.load(slot, state.k, state.v, state.tokens, digests)
+        assert engine.kv_len(slot) == snap.kv_len
+        k, v = engine.cache.export(slot)
+        assert all(torch.equal(a, snap.tensors[n]) for a, n in zip(k + v, names, strict=True))
+        wrong = list(digests)
+        wrong[names.index("kv.5.v")] = "0" * 32
+        with pytest.raises(KVDigestMismatch) as caught:
+            engine.cache.load(slot, state.k, state.v, state.tokens, wrong)
+        j = names.index("kv.5.v")
+        assert caught.value.index == j and caught.value.actual == digests[j]
+        assert engine.kv_len(slot) == 0 and engine.cache.tokens[slot] == []
+    finally:
+        engine.release_slot(slot)
 
 
 def test_format_1_snapshots_are_still_read(engine, frozen, tmp_path):

@@ -13,20 +13,19 @@ Metadata (all strings): see `_metadata`. `checksums` (format 2) is a JSON object
 xxh3-128 digest of its bytes. `checksum` is xxh3-128 over every tensor's name, dtype and shape and
 every other metadata entry (so over the per-tensor digests too); format 1 files hashed the tensor
 bytes into it directly, and are still read. The per-tensor digests are hashed by several threads at
-once (3.8 ms instead of one 20 ms pass for 134 MB on the H200's host). They detect corruption; they
-are not a signature.
+once (floe.engine.copyhash); a thaw checks the KV tensors in the same pass that copies them out of
+the file. They detect corruption; they are not a signature.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
-import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -37,7 +36,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from floe.actor import ABI_VERSION, Actor, ActorState, builtin_guest
-from floe.engine import Engine
+from floe.engine import Engine, copyhash
+from floe.engine.kvcache import KVDigestMismatch
 from floe.errors import FloeError
 from floe.wasm import GuestModule, default_runtime
 
@@ -150,34 +150,15 @@ def checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    """Threads that hash tensors side by side (xxhash releases the GIL on large inputs)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="floe-hash")
-        return _pool
-
-
-def _digest(t: torch.Tensor) -> str:
-    return xxhash.xxh3_128_hexdigest(t.contiguous().view(torch.uint8).numpy() if t.numel() else b"")
-
-
-def _digests(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, Future]:
-    """Each named tensor's digest, computed in the hash pool, largest first."""
-    order = sorted(names, key=lambda n: -tensors[n].numel() * tensors[n].element_size())
-    pool = _hash_pool()
-    return {name: pool.submit(_digest, tensors[name]) for name in order}
+def _digests(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, str]:
+    """Each named tensor's XXH3-128 digest (hex), hashed by several threads at once."""
+    return dict(zip(names, copyhash.digests([tensors[name] for name in names]), strict=True))
 
 
 def seal(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Set metadata's `checksums` (per tensor) and `checksum` (the whole file) for `tensors`."""
-    futures = _digests(tensors, list(tensors))
-    metadata["checksums"] = json.dumps({name: futures[name].result() for name in sorted(tensors)})
+    digests = _digests(tensors, list(tensors))
+    metadata["checksums"] = json.dumps({name: digests[name] for name in sorted(tensors)})
     metadata["checksum"] = checksum(tensors, metadata)
 
 
@@ -221,7 +202,11 @@ def write(state: ActorState, path: str | Path, kv_dtype: str | None = None, app:
 class Snapshot:
     """A snapshot file, read and checked. `verify` compares it with an engine and guest."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, contents: bool = True) -> None:
+        """Map and check `path`: header, layout and the checksum over metadata and digests, and
+        (`contents`) every tensor's bytes against its digest. Without `contents` (format 2) the
+        bytes are checked later, by `check_contents` or `kv_check` (a thaw checks the KV cache while
+        loading it)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise SnapshotError(f"no snapshot at {self.path}")
@@ -242,26 +227,44 @@ class Snapshot:
             raise SnapshotCorrupt(f"{self.path}: checksum mismatch (file says {expected}, contents hash "
                                   f"to {actual}): the file was damaged after it was written")
         self._check_layout()
-        if m["format_version"] != "1":
-            self._check_contents()
+        self._expected: dict[str, str] = {}
+        if m["format_version"] != "1":  # format 1: the checksum above covered the bytes already
+            try:
+                self._expected = json.loads(m["checksums"])
+            except (KeyError, ValueError) as e:
+                raise SnapshotCorrupt(f"{self.path} lacks its per-tensor checksums ({e})") from None
+            if not isinstance(self._expected, dict) or set(self._expected) != set(self.tensors):
+                raise SnapshotCorrupt(f"{self.path}: the per-tensor checksums do not name its tensors")
+            if contents:
+                self.check_contents()
 
-    def _check_contents(self) -> None:
-        """Every tensor's bytes against its digest, hashed side by side in the hash pool."""
-        try:
-            expected = json.loads(self.metadata["checksums"])
-        except (KeyError, ValueError) as e:
-            raise SnapshotCorrupt(f"{self.path} lacks its per-tensor checksums ({e})") from None
-        if not isinstance(expected, dict) or set(expected) != set(self.tensors):
-            raise SnapshotCorrupt(f"{self.path}: the per-tensor checksums do not name its tensors")
-        futures = _digests(self.tensors, list(self.tensors))
-        for name, future in futures.items():
-            actual = future.result()
-            if actual != expected[name]:
-                for rest in futures.values():
-                    rest.cancel()
-                raise SnapshotCorrupt(f"{self.path}: checksum mismatch in tensor {name} (file says "
-                                      f"{expected[name]}, its bytes hash to {actual}): the file was "
-                                      "damaged after it was written")
+    def _mismatch(self, name: str, actual: str) -> SnapshotCorrupt:
+        return SnapshotCorrupt(f"{self.path}: checksum mismatch in tensor {name} (file says "
+                               f"{self._expected[name]}, its bytes hash to {actual}): the file was "
+                               "damaged after it was written")
+
+    def check_contents(self, skip: tuple[str, ...] = ()) -> None:
+        """Every tensor's bytes but `skip`'s against its digest, hashed by several threads at once."""
+        if not self._expected:
+            return
+        names = [name for name in self.tensors if name not in skip]
+        for name, actual in _digests(self.tensors, names).items():
+            if actual != self._expected[name]:
+                raise self._mismatch(name, actual)
+
+    def kv_names(self) -> list[str]:
+        """The KV tensors in the order of `kv()`'s k + v: kv.0.k … kv.{n-1}.k, kv.0.v … kv.{n-1}.v."""
+        n = int(self.metadata["n_layers"])
+        return [f"kv.{i}.{name}" for name in ("k", "v") for i in range(n)]
+
+    def loads_checked(self, dtype: torch.dtype) -> bool:
+        """Whether the KV tensors go into a `dtype` cache as they are, so they can be checked while
+        loading (against `kv_digests()`) instead of before."""
+        return self.metadata["format_version"] != "1" and self.metadata["kv_dtype"] == _dtype_name(dtype)
+
+    def kv_digests(self) -> list[str]:
+        """The digests the KV tensors must hash to, in `kv_names()` order (for KVCache.load)."""
+        return [self._expected[name] for name in self.kv_names()]
 
     def _check_layout(self) -> None:
         m = self.metadata
@@ -375,6 +378,10 @@ _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16
               "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor], mmap.mmap]:
     """A safetensors file's metadata and its tensors as read-only views of the memory-mapped file:
     no copy on the way in (the checksum, the KV load and the guest-memory restore read the page
@@ -395,7 +402,7 @@ def _map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor
         for name, info in header.items():
             dtype, shape = _ST_DTYPES[info["dtype"]], [int(d) for d in info["shape"]]
             start, end = (int(o) for o in info["data_offsets"])
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            count = math.prod(shape)
             if not 0 <= start <= end <= size or end - start != count * dtype.itemsize:
                 raise ValueError(f"tensor {name} ({info['dtype']} {shape}) has offsets {start}..{end} "
                                  f"in a data section of {size} bytes")
@@ -431,7 +438,7 @@ def thaw(engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModu
     on any mismatch a specific SnapshotError is raised and nothing is created. `guest` defaults to
     the built-in guest the snapshot names.
     """
-    snap = Snapshot(path)
+    snap = Snapshot(path, contents=False)  # the bytes are checked below, nothing is used before
     if guest is None:
         guest = builtin_guest(Path(snap.metadata["guest_name"]).stem)
     module = guest if isinstance(guest, GuestModule) else default_runtime().compile(guest)
@@ -439,10 +446,23 @@ def thaw(engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModu
     snap.verify(fingerprint=engine.fingerprint, guest_sha256=module.sha256, abi_version=ABI_VERSION,
                 n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                 max_seq_len=engine.max_seq_len)
+    # KV tensors stored in the engine's dtype are checked as they are loaded (each read once, by
+    # several threads); the rest (small), and KV that must be converted, before anything is used.
+    # Onto a GPU the KV bytes start on their way (copy threads) while the actor is created.
+    checked = snap.loads_checked(engine.dtype)
+    snap.check_contents(skip=tuple(snap.kv_names()) if checked else ())
     state = snap.state(engine.dtype)
-    actor = Actor(engine, module, **actor_options)
+    kv = engine.cache.start_load(state.k, state.v, snap.kv_digests() if checked else None)
     try:
-        actor.restore(state)
+        actor = Actor(engine, module, **actor_options)
+    except BaseException:
+        kv.close()
+        raise
+    try:
+        actor.restore(state, kv)
+    except KVDigestMismatch as e:
+        actor.close()
+        raise snap._mismatch(snap.kv_names()[e.index], e.actual) from None
     except BaseException:
         actor.close()
         raise

@@ -16,6 +16,7 @@ import torch
 from floe.actor.abi import ABI_VERSION, IMPORT_MODULE, HostABI
 from floe.actor.scheduler import DecodeScheduler
 from floe.engine import Engine, SamplingParams
+from floe.engine.kvcache import PendingLoad
 from floe.errors import FloeError
 from floe.memory import Region
 from floe.profile import Ledger
@@ -301,13 +302,15 @@ class Actor:
                 engine_weights=self.engine.weights,
             )
 
-    def restore(self, state: ActorState) -> None:
-        """Make this (fresh) actor the one `state` was captured from; checked by the caller."""
+    def restore(self, state: ActorState, kv: PendingLoad | None = None) -> None:
+        """Make this (fresh) actor the one `state` was captured from; checked by the caller. `kv`: a
+        load of state's KV cache already begun (KVCache.start_load, maybe with digests to check: on
+        a mismatch the slot is left empty and KVDigestMismatch propagates)."""
         with self._lock:
             self.system_prompt = state.system_prompt
             self.guest.restore_memory(state.memory_size, state.memory_pages, state.memory_data)
             self.guest.restore_globals(state.globals)
-            self.engine.cache.load(self.slot, state.k, state.v, state.tokens)
+            (kv or self.engine.cache.start_load(state.k, state.v)).into(self.slot, state.tokens)
             self.generator.set_state(state.rng)
 
     # The snapshot API the issue asks for on the actor; the file format and its checks live in

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
-from floe.errors import ContextOverflow
+from floe.engine import copyhash
+from floe.errors import ContextOverflow, FloeError
 from floe.model.config import ModelConfig
 
 
@@ -25,8 +27,8 @@ class KVCache:
         self.max_seq_len = max_seq_len
         self.lengths = [0] * n_slots
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]  # the ids behind each slot
-        self._staging: list[torch.Tensor] | None = None  # pinned buffers for loads onto a GPU
-        self._staged: list = []
+        self._staging: torch.Tensor | None = None  # pinned buffer for loads onto a GPU
+        self._staged = None  # the event after the last copy out of it
         self._staging_lock = threading.Lock()
 
     @property
@@ -62,39 +64,157 @@ class KVCache:
         return ([self.k[i, slot, :, :n] for i in range(self.k.shape[0])],
                 [self.v[i, slot, :, :n] for i in range(self.v.shape[0])])
 
-    def load(self, slot: int, k: list[torch.Tensor], v: list[torch.Tensor], tokens: list[int]) -> None:
-        """Replace `slot`'s contents with k/v per layer [n_kv_heads, length, head_dim] and their ids."""
-        n = len(tokens)
-        if n > self.max_seq_len:
-            raise ContextOverflow(f"{n} tokens do not fit a context of {self.max_seq_len}")
-        pairs = [(self.k[i, slot, :, :n], ki) for i, ki in enumerate(k)]
-        pairs += [(self.v[i, slot, :, :n], vi) for i, vi in enumerate(v)]
-        if self.k.device.type == "cuda" and n and not k[0].is_pinned():
-            self._staged_upload(pairs)
-        else:
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-        self.lengths[slot] = n
-        self.tokens[slot] = list(tokens)
+    def load(self, slot: int, k: list[torch.Tensor], v: list[torch.Tensor], tokens: list[int],
+             digests: list[str] | None = None) -> None:
+        """Replace `slot`'s contents with k/v per layer [n_kv_heads, length, head_dim] and their ids.
 
-    def _staged_upload(self, pairs: list) -> None:
-        """Host tensors to the device through two pinned buffers: layer i+1 is copied into one
-        while layer i goes over the bus from the other. A host-to-device copy from pageable memory
-        (e.g. a memory-mapped snapshot) ran at 5.5 GB/s on the H200's host; pinned, at ~44."""
-        need = max(src.numel() * src.element_size() for _, src in pairs)
-        with self._staging_lock:  # one upload at a time through the shared buffers
-            if self._staging is None or self._staging[0].numel() < need:
-                self._staging = [torch.empty(need, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-                self._staged = [torch.cuda.Event(), torch.cuda.Event()]
-            self._upload(pairs)
+        `digests`, if given: the XXH3-128 (hex) of each tensor of `k + v`, checked against the bytes
+        as they landed in host memory on their way in (copied and hashed in one pass by several
+        threads, floe.engine.copyhash); a tensor that differs raises KVDigestMismatch and leaves the
+        slot empty.
+        """
+        self.start_load(k, v, digests).into(slot, tokens)
 
-    def _upload(self, pairs: list) -> None:
-        stream = torch.cuda.current_stream(self.k.device)
-        for j, (dst, src) in enumerate(pairs):
-            buf, done = self._staging[j % 2], self._staged[j % 2]
-            done.synchronize()  # the copy that last read this buffer has finished
-            staged = buf[: src.numel() * src.element_size()].view(src.dtype).view(src.shape)
-            staged.copy_(src)
-            dst.copy_(staged, non_blocking=True)
-            done.record(stream)
-        stream.synchronize()
+    def start_load(self, k: list[torch.Tensor], v: list[torch.Tensor],
+                   digests: list[str] | None = None) -> PendingLoad:
+        """Begin `load` before the slot is known: onto a GPU, the host tensors start going into pinned
+        memory (and being hashed) now, on threads of their own; `into(slot, tokens)` finishes. A
+        thaw creates its actor meanwhile. Until `into` or `close`, other loads onto this GPU wait."""
+        return PendingLoad(self, list(k) + list(v), digests)
+
+
+STAGING_BYTES = 256 << 20  # the most pinned memory a load onto a GPU stages at once
+
+
+class PendingLoad:
+    """Host KV tensors on their way into a cache slot (KVCache.start_load)."""
+
+    def __init__(self, cache: KVCache, src: list[torch.Tensor], digests: list[str] | None) -> None:
+        self.cache, self.src, self.digests = cache, src, digests
+        on_host = src[0].device.type == "cpu" if src else True
+        if digests is not None and not (on_host and all(s.is_contiguous() for s in src)):
+            raise ValueError("only contiguous tensors in host memory are checked on their way into the cache")
+        self.sizes = [s.numel() * s.element_size() for s in src]
+        self.staged = (cache.k.device.type == "cuda" and on_host and sum(self.sizes) > 0
+                       and (digests is not None or not src[0].is_pinned()))
+        self._locked = False
+        self._job: copyhash.Job | None = None
+        if self.staged:
+            self._groups = _groups(self.sizes, max(STAGING_BYTES, max(self.sizes)))
+            cache._staging_lock.acquire()  # one upload at a time through the pinned buffer
+            self._locked = True
+            try:
+                need = max(sum(self.sizes[j] for j in g) for g in self._groups)
+                if cache._staging is None or cache._staging.numel() < need:
+                    with torch.cuda.device(cache.k.device):
+                        cache._staging = torch.empty(need, dtype=torch.uint8, pin_memory=True)
+                        cache._staged = torch.cuda.Event()
+                self._views = self._start(self._groups[0])
+            except BaseException:
+                self.close()
+                raise
+
+    def _start(self, group: list[int]) -> list[torch.Tensor]:
+        """Copy (and hash) `group`'s tensors into the pinned buffer, on the copy threads."""
+        self.cache._staged.synchronize()  # the copies that last read the buffer have finished
+        at, views = 0, []
+        for j in group:
+            views.append(self.cache._staging[at:at + self.sizes[j]])
+            at += self.sizes[j]
+        pieces = [[(copyhash.as_bytes(self.src[j]), view.numpy())]
+                  for j, view in zip(group, views, strict=True)]
+        self._job = copyhash.Job(pieces, hash=self.digests is not None)
+        return views
+
+    def into(self, slot: int, tokens: list[int]) -> None:
+        """Finish: `slot` holds the tensors and `tokens`, or (on any error) nothing."""
+        cache, n = self.cache, len(tokens)
+        try:
+            if n > cache.max_seq_len:
+                raise ContextOverflow(f"{n} tokens do not fit a context of {cache.max_seq_len}")
+            cache.lengths[slot], cache.tokens[slot] = 0, []  # empty until every tensor is in and checked
+            if not n:
+                return
+            layers = range(len(self.src) // 2)
+            dst = [cache.k[i, slot, :, :n] for i in layers] + [cache.v[i, slot, :, :n] for i in layers]
+            landed = None
+            if self.staged:
+                landed = self._upload(slot, n)
+            elif self.digests is not None:  # a CPU cache: copied into the slot head by head, hashed there
+                heads = range(self.src[0].shape[0])
+                landed = copyhash.Job([[(copyhash.as_bytes(s[h]), _row_bytes(d[h])) for h in heads]
+                                       for s, d in zip(self.src, dst, strict=True)]).digests()
+            else:
+                for d, s in zip(dst, self.src, strict=True):
+                    d.copy_(s, non_blocking=True)
+            if self.digests is not None:
+                for j, (want, got) in enumerate(zip(self.digests, landed or [], strict=True)):
+                    if want != got:
+                        raise KVDigestMismatch(j, want, got)
+            cache.lengths[slot] = n
+            cache.tokens[slot] = list(tokens)
+        finally:
+            self.close()
+
+    def _upload(self, slot: int, n: int) -> list[str]:
+        """Each tensor over the bus as soon as it is in the pinned buffer, into one contiguous device
+        buffer (a strided destination would cost each copy a temporary and a kernel); then one
+        kernel per run of K or V layers puts them into the slot; then the next group."""
+        cache, layers, landed = self.cache, len(self.src) // 2, []
+        with torch.cuda.device(cache.k.device):
+            for g, group in enumerate(self._groups):
+                views = self._views if g == 0 else self._start(group)
+                assert self._job is not None
+                dtype, shape = self.src[group[0]].dtype, tuple(self.src[group[0]].shape)
+                device = torch.empty((len(group), *shape), dtype=dtype, device=cache.k.device)
+                for i in range(len(group)):
+                    self._job.wait(i)
+                    device[i].copy_(views[i].view(dtype).view(shape), non_blocking=True)
+                self.cache._staged.record()
+                for whole, lo, hi in ((cache.k, 0, layers), (cache.v, layers, 2 * layers)):
+                    run = [i for i, j in enumerate(group) if lo <= j < hi]
+                    if run:
+                        first = group[run[0]] - lo
+                        whole[first:first + len(run), slot, :, :n].copy_(device[run[0]:run[-1] + 1])
+                landed += self._job.digests() if self.digests is not None else [""] * len(group)
+        return landed
+
+    def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let go of the pinned buffer (after the copy threads are done with it)."""
+        if self._job is not None:
+            self._job.join()
+            self._job = None
+        if self._locked:
+            self._locked = False
+            self.cache._staging_lock.release()
+
+
+def _groups(sizes: list[int], cap: int) -> list[list[int]]:
+    """Consecutive indices in groups of at most `cap` bytes (a bigger one alone)."""
+    groups: list[list[int]] = [[]]
+    room = 0
+    for j, size in enumerate(sizes):
+        if groups[-1] and room + size > cap:
+            groups.append([])
+            room = 0
+        groups[-1].append(j)
+        room += size
+    return groups
+
+
+
+
+class KVDigestMismatch(FloeError):
+    """A tensor loaded into the cache did not hash to the digest it was given."""
+
+    def __init__(self, index: int, expected: str, actual: str) -> None:
+        super().__init__(f"KV tensor {index} hashes to {actual}, not {expected}")
+        self.index, self.expected, self.actual = index, expected, actual
+
+
+def _row_bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous [n, dim] view of a cache's memory as flat uint8 (writable)."""
+    return t.view(torch.uint8).numpy().reshape(-1)

@@ -13,7 +13,6 @@ The weights are the file's values exactly; the input's int8 rounding is the one 
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from floe.engine import cbuild
 from floe.engine.int4 import DENSE_FROM_ROWS  # longer inputs (prefill): a bf16 copy and a GEMM
 from floe.model.quant import GROUP, QuantizedWeight
 
@@ -66,14 +66,8 @@ def _build() -> tuple[bool, str]:
     if platform.machine() not in ("x86_64", "AMD64"):
         return False, f"the kernel is written for x86-64, this is {platform.machine()}"
     try:
-        from torch.utils import cpp_extension
-
-        build = Path(cpp_extension._get_build_directory("floe_gemv_q", verbose=False))
-        if not any(build.glob("*.so")):
-            print("floe: building the CPU decode kernels (once per machine, ~30 s) …", file=sys.stderr,
-                  flush=True)
-        cpp_extension.load(name="floe_gemv_q", sources=[str(SOURCE)], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        torch.ops.load_library(cbuild.build("floe_gemv_q", [SOURCE], ["-O3", "-march=native", "-fopenmp"],
+                                            ["-fopenmp"], what="the CPU decode kernels (~30 s)"))
     except Exception as e:  # noqa: BLE001 - no compiler, no headers...: the packed int4 path remains
         return False, f"building {SOURCE.name} failed: {type(e).__name__}: {str(e)[:300]}"
     if not torch.ops.floe.vnni():

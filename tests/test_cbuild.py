@@ -1,0 +1,45 @@
+"""Building floe's C++ routines: an up-to-date build loads without PyTorch's build lock, and a lock
+left by a builder that was killed is not waited for forever."""
+
+import os
+import time
+
+import pytest
+
+from floe.engine import cbuild, copyhash
+
+SOURCES = [copyhash.SOURCE]
+FLAGS = ["-O3", "-march=native"]
+
+
+@pytest.fixture(scope="module")
+def built():
+    try:
+        return cbuild.build("floe_copy_hash", SOURCES, FLAGS)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no C++ toolchain here: {e}")
+
+
+def test_a_built_library_loads_even_while_a_lock_file_exists(built):
+    lock = built.parent / "lock"
+    lock.touch()  # as if another process were building now (or had died doing it)
+    try:
+        t = time.monotonic()
+        assert cbuild.build("floe_copy_hash", SOURCES, FLAGS) == built
+        assert time.monotonic() - t < 1.0  # neither waited for the lock nor ran the build
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def test_a_stale_lock_of_a_killed_build_is_removed_and_the_build_finishes(built):
+    stamp, lock = built.parent / "floe.built", built.parent / "lock"
+    stamp.unlink()  # the build never said it finished
+    lock.touch()
+    old = time.time() - cbuild.STALE_LOCK_S - 10
+    os.utime(lock, (old, old))
+    assert cbuild.build("floe_copy_hash", SOURCES, FLAGS) == built
+    assert stamp.exists() and not lock.exists()
+
+
+def test_other_flags_build_apart(built):
+    assert cbuild.build("floe_copy_hash", SOURCES, [*FLAGS, "-DFLOE_TEST_FLAG"]).parent != built.parent

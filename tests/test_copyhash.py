@@ -1,0 +1,62 @@
+"""The copy-and-hash routine that checks snapshots while they load: its digests are xxhash's XXH3-128,
+its copies are exact, with the built C++ routine and with the Python fallback alike."""
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from floe.engine import copyhash
+
+
+@pytest.fixture(params=["native", "python"])
+def flavour(request, monkeypatch):
+    if request.param == "native":
+        if copyhash.library() is None:
+            pytest.skip(f"no native routine here: {copyhash.unavailable_reason()}")
+    else:
+        monkeypatch.setattr(copyhash, "library", lambda: None)
+    return request.param
+
+
+def arrays():
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 31, 4096, 262_145, 5_000_001)]
+
+
+def test_digests_are_xxh3_128_of_the_bytes(flavour):
+    data = arrays()  # more than copyhash.SMALL bytes: hashed by the threads; the first few: here
+    assert copyhash.digests(data) == [xxhash.xxh3_128_hexdigest(a) for a in data]
+    assert copyhash.digests(data[:4]) == [xxhash.xxh3_128_hexdigest(a) for a in data[:4]]
+    t = torch.arange(1000, dtype=torch.float32).to(torch.bfloat16)
+    assert copyhash.digests([t]) == [xxhash.xxh3_128_hexdigest(t.view(torch.uint8).numpy())]
+
+
+def test_pieces_are_copied_exactly_and_hashed_as_one_tensor(flavour):
+    data = arrays()
+    out = [np.zeros_like(a) for a in data]
+    pieces = [[(a[:len(a) // 3], o[:len(a) // 3]), (a[len(a) // 3:], o[len(a) // 3:])]
+              for a, o in zip(data, out, strict=True)]
+    job = copyhash.Job(pieces)
+    for t in range(len(data)):
+        job.wait(t)
+        assert np.array_equal(out[t], data[t])  # in place once its flag is up
+    assert job.digests() == [xxhash.xxh3_128_hexdigest(a) for a in data]
+
+
+def test_pieces_that_do_not_fit_are_refused():
+    a = np.zeros(10, np.uint8)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        copyhash.Job([[(a, np.zeros(9, np.uint8))]])
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        copyhash.Job([[(np.zeros((4, 4), np.uint8)[:, :2], None)]])
+
+
+def test_two_jobs_at_once_both_finish_exactly(flavour):
+    data = arrays()
+    outs = [[np.zeros_like(a) for a in data] for _ in range(2)]
+    # the second starts while the first (probably) still runs: it gets threads of its own
+    jobs = [copyhash.Job([[(a, o)] for a, o in zip(data, out, strict=True)]) for out in outs]
+    want = [xxhash.xxh3_128_hexdigest(a) for a in data]
+    assert [job.digests() for job in reversed(jobs)] == [want, want]
+    assert all(np.array_equal(o, a) for out in outs for o, a in zip(out, data, strict=True))
