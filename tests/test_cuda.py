@@ -307,6 +307,8 @@ def test_scheduled_actors_on_cuda_batch_and_answer_as_alone(batching):
 
     questions = ["Hello there.", "What is two plus two?", "Name a river.", "Tell me a story."]
 
+    ledgers = {}
+
     def run(scheduler):
         actors = [Actor(batching, scheduler=scheduler) for _ in questions]
         replies = [None] * len(actors)
@@ -314,6 +316,7 @@ def test_scheduled_actors_on_cuda_batch_and_answer_as_alone(batching):
         def work(i):
             reply = actors[i].send(questions[i], max_tokens=16, params=SamplingParams(0.0))
             replies[i] = reply.stats.token_ids
+            ledgers[scheduler is not None, i] = reply.ledger
 
         threads = [threading.Thread(target=work, args=(i,)) for i in range(len(actors))]
         for t in threads:
@@ -329,3 +332,9 @@ def test_scheduled_actors_on_cuda_batch_and_answer_as_alone(batching):
     batched = run(DecodeScheduler(batching, on_batch=sizes.append))
     assert batched == alone and all(alone)
     assert max(sizes) > 1
+    # The ledger shows what a batched step copied host→device: each row's share of the input block.
+    shared = [b for (was_batched, _), ledger in ledgers.items() if was_batched
+              for name, b in ledger.boundaries.items() if name.startswith("batched step inputs")]
+    assert shared and all(0 < b.bytes_copied / b.calls <= batching._batch.host_in.nbytes / 2 for b in shared)
+    assert not any(name.startswith("batched step inputs") for (was_batched, _), ledger in ledgers.items()
+                   if not was_batched for name in ledger.boundaries)

@@ -189,7 +189,9 @@ class HostABI:
             return ERR_CONTEXT_FULL
         self.actor.stats.on_forward(len(ids), time.perf_counter() - t0, self.engine.kv_len(self.actor.slot))
         self.last_logits = logits
-        transfer = self.engine.input_transfer(len(ids))
+        scheduler = self.actor.scheduler
+        rows = scheduler.rows_of.get(self.actor.slot, 1) if scheduler is not None and len(ids) == 1 else 1
+        transfer = self.engine.input_transfer(len(ids), rows)
         if transfer is not None:
             self.actor.ledger.copy(*transfer)
         if out is not None:

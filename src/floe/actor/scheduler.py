@@ -46,6 +46,7 @@ class DecodeScheduler:
         self._released_at = 0.0
         self.forwards = 0  # batched forwards run
         self.rows = 0  # steps run in them
+        self.rows_of: dict[int, int] = {}  # per slot: how many rows its last step's forward had
 
     def decode(self, token: int, slot: int) -> Tensor:
         """One decode step of `slot`, run together with whatever other slots are ready; its logits."""
@@ -88,6 +89,7 @@ class DecodeScheduler:
         with self._cond:
             for step, result in zip(batch, results, strict=True):
                 step.result, step.done = result, True
+                self.rows_of[step.slot] = len(batch)
             self._expected = {s.slot for s in batch if not isinstance(s.result, BaseException)}
             self._released_at = time.monotonic()
             self._running = False

@@ -148,11 +148,15 @@ class Engine:
         self.native_kernel = "vnni" if use_vnni else "int4pack"
         return packed
 
-    def input_transfer(self, n_tokens: int) -> tuple[str, int] | None:
+    def input_transfer(self, n_tokens: int, batch_rows: int = 1) -> tuple[str, int] | None:
         """(boundary name, bytes) of what a forward of n_tokens copies host→device, None on the CPU:
-        the int64 ids of a prefill, or a decode graph's token and position (from pinned memory)."""
+        the int64 ids of a prefill, or a decode graph's token and position (from pinned memory); for
+        one row of a batched decode step (`batch_rows` rows), its share of the step's input block."""
         if self.device.type == "cpu":
             return None
+        if n_tokens == 1 and batch_rows > 1 and self._batch is not None:
+            share = -(-self._batch.host_in.nbytes // batch_rows)
+            return f"batched step inputs host→{self.device.type} (pinned, in the graph; a row's share)", share
         if n_tokens == 1 and self.cuda_graphs:
             return f"token + position host→{self.device.type} (pinned, in the graph)", 16
         if self._graph_prefill(n_tokens):
