@@ -8,7 +8,9 @@ Llama-3.2-1B shape. Random seeded weights; the tokenizer from a folder (tokenize
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -100,6 +102,7 @@ def cuda_vs_cpu(tok):
 def migration(tok):
     out = {}
     folder = Path(tempfile.mkdtemp())
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # snapshots are big
     engines = {
         "cpu": Engine(random_checkpoint("smollm2-135m", tok, dtype=torch.float32), max_seq_len=512),
         "cuda": Engine(
@@ -133,6 +136,7 @@ def snapshot_1b(tok, h2d_gb_s):
         n_slots=3,
     )
     folder = Path(tempfile.mkdtemp())
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # snapshots are big
     rows = []
     base = tok.encode("The keeper wrote down the weather, the ships that passed, and the sea. " * 500)
     for n in (128, 512, 1024, 2048, 4096):

@@ -16,7 +16,9 @@ Writes bench/results/serve_load_<device>.json.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -128,6 +130,7 @@ def make_server(args, port: int) -> tuple[uvicorn.Server, dict]:
     warm_up_s = time.perf_counter() - t
     print(f"server: warm-up {warm_up_s:.1f} s", file=sys.stderr, flush=True)
     folder = tempfile.mkdtemp(prefix="floe-load-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # snapshots are big
     app = create_app(engine, snapshots=Path(folder), model_id=model_id, idle_seconds=3600,
                      batching={"auto": None, "on": True, "off": False}[args.batching])
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))

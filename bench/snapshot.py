@@ -12,7 +12,9 @@ Prints a table; writes bench/results/snapshot.json.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -66,6 +68,7 @@ def main() -> None:
     engine = Engine(load_checkpoint(dtype=dtype), dtype=dtype, max_seq_len=max(args.lengths) + 256, n_slots=4)
     rows = []
     folder = Path(tempfile.mkdtemp(prefix="floe-bench-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # snapshots are big
     for n in args.lengths:
         with Actor(engine) as actor:
             actor.send(text_of_tokens(engine, n), max_tokens=1)

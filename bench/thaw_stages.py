@@ -9,8 +9,10 @@ defaults to the current folder).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -43,7 +45,9 @@ def main() -> None:
     ckpt = random_checkpoint("llama-3.2-1b", tok, dtype=torch.bfloat16, device="cuda")
     engine = Engine(ckpt, device="cuda", dtype="bfloat16", max_seq_len=4352, n_slots=3)
     text = tok.decode(tok.encode("The keeper wrote down the weather, the ships and the sea. " * 500)[:4050])
-    path = Path(tempfile.mkdtemp()) / "a.safetensors"
+    folder = tempfile.mkdtemp()
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # snapshots are big
+    path = Path(folder) / "a.safetensors"
     with Actor(engine) as actor:
         actor.send(text, max_tokens=1)
         actor.freeze(path)

@@ -191,3 +191,18 @@ def test_the_wat_guest_in_the_abi_docs_runs(engine):
     wat = re.search(r"```wat\n(.*?)```", doc, re.S).group(1)
     with Actor(engine, wasmtime.wat2wasm(wat)) as actor:
         assert actor.send("The capital of France is").text == " Paris"
+
+
+def test_between_messages_holds_the_actor_until_the_block_ends(chat):
+    import threading
+    import time
+
+    replied = threading.Event()
+    with chat.between_messages():
+        sender = threading.Thread(target=lambda: (chat.send("Hello.", max_tokens=2), replied.set()))
+        sender.start()
+        time.sleep(0.3)
+        assert not replied.is_set()  # the message waits for the block
+        before = chat.capture_state()  # capture (and restore) work inside it
+    sender.join(timeout=60)
+    assert replied.is_set() and len(chat.capture_state().tokens) > len(before.tokens)

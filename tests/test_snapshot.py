@@ -16,7 +16,7 @@ import wasmtime
 from gguf import GGMLQuantizationType as Q
 from models import write_gguf
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from floe.actor import Actor, builtin_guest
 from floe.engine import Engine, SamplingParams
@@ -72,7 +72,10 @@ def test_snapshot_is_plain_safetensors_with_documented_contents(engine, tmp_path
     with Actor(engine) as actor:
         actor.send(TURNS[0], max_tokens=8)
         kv_len = engine.kv_len(actor.slot)
-        actor.freeze(tmp_path / "a.safetensors")
+        actor.freeze(tmp_path / "a.safetensors")  # written straight from the cache's strided views
+        k3, v4 = engine.cache.export(actor.slot)[0][3].clone(), engine.cache.export(actor.slot)[1][4].clone()
+    plain = load_file(str(tmp_path / "a.safetensors"))  # the library reads every tensor back exactly
+    assert torch.equal(plain["kv.3.k"], k3) and torch.equal(plain["kv.4.v"], v4)
     with safe_open(str(tmp_path / "a.safetensors"), framework="np") as f:
         keys, meta = set(f.keys()), f.metadata()
         assert f.get_tensor("kv.0.k").shape == (3, kv_len, 64)

@@ -169,15 +169,22 @@ def write(state: ActorState, path: str | Path, kv_dtype: str | None = None, app:
     JSON-able record, stored (and checksummed) with the state under the metadata key "app" (e.g. a
     server's conversation). Returns size and timings.
     """
+    t0 = time.perf_counter()
+    return _write(*_contents(state, kv_dtype, app), Path(path), t0)
+
+
+def _contents(state: ActorState, kv_dtype: str | None, app: dict | None) -> tuple[dict, dict]:
+    """The file's tensors (copies of the state's KV, guest memory, ...) and metadata."""
     kv_dtype = kv_dtype or state.engine_dtype
     if kv_dtype not in KV_DTYPES:
         raise SnapshotError(f"kv dtype {kv_dtype!r} is not supported; choose one of {', '.join(KV_DTYPES)}")
-    path = Path(path)
-    t0 = time.perf_counter()
-    tensors = _tensors(state, kv_dtype)
-    metadata = _metadata(state, kv_dtype)
+    tensors, metadata = _tensors(state, kv_dtype), _metadata(state, kv_dtype)
     if app is not None:
         metadata["app"] = json.dumps(app)
+    return tensors, metadata
+
+
+def _write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path, t0: float) -> dict:
     seal(tensors, metadata)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -413,8 +420,13 @@ def _map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor
 
 
 def freeze(actor: Actor, path: str | Path, kv_dtype: str | None = None, app: dict | None = None) -> dict:
-    """Write `actor` (between messages) to one safetensors file, atomically; it keeps running."""
-    return write(actor.capture_state(), path, kv_dtype, app)
+    """Write `actor` (between messages) to one safetensors file, atomically; it keeps running. It is
+    held between messages while its state is copied out (KV cache, guest memory), so the copy is of
+    one moment; it may run on while the copy is hashed and written."""
+    t0 = time.perf_counter()
+    with actor.between_messages():
+        contents = _contents(actor.capture_state(), kv_dtype, app)
+    return _write(*contents, Path(path), t0)
 
 
 def header(path: str | Path) -> dict[str, str]:

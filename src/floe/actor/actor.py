@@ -6,6 +6,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -162,7 +163,7 @@ class Actor:
         self.pending_error: BaseException | None = None
         self.stop_requested = False
         self.on_text: Callable[[str], None] = lambda text: None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a message, a capture, a restore: one at a time
         self.slot = engine.claim_slot()
         try:
             self.abi = HostABI(self)
@@ -286,6 +287,13 @@ class Actor:
             raise outcome[0]
 
     # ---- state capture and restore (between messages only: the lock waits for one in flight) ----
+
+    @contextmanager
+    def between_messages(self) -> Iterator[Actor]:
+        """Hold the actor between messages (one in flight finishes first): its state does not change
+        until the block ends. capture_state and restore may be called inside."""
+        with self._lock:
+            yield self
 
     def capture_state(self) -> ActorState:
         """Everything that makes this actor now, as tensors and values (KV views, not copies)."""
