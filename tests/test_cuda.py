@@ -111,6 +111,8 @@ def test_a_cuda_thaw_continues_identically_and_refuses_a_damaged_kv_byte(engines
         a.freeze(tmp_path / "a.safetensors")
         expected = a.send("And the sky?", max_tokens=8).stats.token_ids
     with Actor.thaw(engine, tmp_path / "a.safetensors") as b:
+        assert {"KV host→pinned (hashed in the same pass)", "KV pinned→cuda (DMA)",
+                "KV cuda staging→cache slot"} <= set(b.ledger.boundaries)  # every copy of the load shown
         assert b.send("And the sky?", max_tokens=8).stats.token_ids == expected
     data = bytearray((tmp_path / "a.safetensors").read_bytes())
     (n,) = struct.unpack_from("<Q", data, 0)

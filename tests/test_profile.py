@@ -94,6 +94,7 @@ def test_floe_profile_json_plot_and_html(tmp_path):
     names = {b["name"] for b in r["boundaries"]}
     assert {"guest→engine prompt ids", "snapshot write (actor → file)"} <= names
     assert any(n.startswith("snapshot read") for n in names)
+    assert "snapshot read: KV host→cache slot (hashed in the same pass)" in names  # each copy shown
     d = r["dispatches"]
     assert d["prefill"] > 0 and d["decode_per_token"] > 0 and d["counted"] == "framework_ops"
     roof = r["roofline"]

@@ -171,6 +171,14 @@ def test_a_checked_load_hashes_each_kv_tensor_as_landed_and_a_mismatch_leaves_th
         engine.release_slot(slot)
 
 
+def test_a_thawed_actor_shows_the_kv_copy_it_made(engine, frozen):
+    with Actor.thaw(engine, frozen) as actor:
+        snap = Snapshot(frozen)
+        kv_bytes = sum(snap.tensors[n].numel() * snap.tensors[n].element_size() for n in snap.kv_names())
+        row = actor.ledger.boundaries["KV host→cache slot (hashed in the same pass)"]
+        assert (row.copies, row.bytes_copied) == (1, kv_bytes)
+
+
 def test_format_1_snapshots_are_still_read(engine, frozen, tmp_path):
     with safe_open(str(frozen), framework="pt") as f:
         t = {k: f.get_tensor(k) for k in f.keys()}

@@ -53,10 +53,15 @@ def _snapshot_io(engine: Engine, prompt: str, ledger: Ledger) -> None:
             seconds = time.perf_counter() - t
         ledger.copy("snapshot write (actor → file)", path.stat().st_size, seconds=seconds)
         t = time.perf_counter()
-        with thaw(engine, path):
+        with thaw(engine, path) as thawed:
             seconds = time.perf_counter() - t
-        ledger.copy(f"snapshot read (file → actor, KV to {engine.device.type})", path.stat().st_size,
-                    seconds=seconds)
+            kv = [b for b in thawed.ledger.boundaries.values() if b.name.startswith("KV ")]
+        size = path.stat().st_size
+        kv_bytes = max((b.bytes_copied // b.copies for b in kv if b.copies), default=0)
+        ledger.copy(f"snapshot read (file → actor, all but the KV; KV to {engine.device.type} below)",
+                    size - kv_bytes, seconds=seconds)
+        for b in kv:
+            ledger.copy(f"snapshot read: {b.name}", b.bytes_copied // max(b.copies, 1), copies=b.copies)
 
 
 def _dispatches(engine: Engine, ids: list[int]) -> dict:

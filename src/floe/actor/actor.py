@@ -318,7 +318,10 @@ class Actor:
             self.system_prompt = state.system_prompt
             self.guest.restore_memory(state.memory_size, state.memory_pages, state.memory_data)
             self.guest.restore_globals(state.globals)
-            (kv or self.engine.cache.start_load(state.k, state.v)).into(self.slot, state.tokens)
+            kv = kv or self.engine.cache.start_load(state.k, state.v)
+            kv.into(self.slot, state.tokens)
+            for boundary, nbytes in kv.copies:  # in this actor's ledger until its next message
+                self.ledger.copy(boundary, nbytes)
             self.generator.set_state(state.rng)
 
     # The snapshot API the issue asks for on the actor; the file format and its checks live in

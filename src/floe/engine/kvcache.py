@@ -99,6 +99,7 @@ class PendingLoad:
                        and (digests is not None or not src[0].is_pinned()))
         self._locked = False
         self._job: copyhash.Job | None = None
+        self.copies: list[tuple[str, int]] = []  # after `into`: (boundary, bytes) of each copy made
         if self.staged:
             self._groups = _groups(self.sizes, max(STAGING_BYTES, max(self.sizes)))
             cache._staging_lock.acquire()  # one upload at a time through the pinned buffer
@@ -137,16 +138,22 @@ class PendingLoad:
                 return
             layers = range(len(self.src) // 2)
             dst = [cache.k[i, slot, :, :n] for i in layers] + [cache.v[i, slot, :, :n] for i in layers]
-            landed = None
+            landed, total = None, sum(self.sizes)
+            hashed = " (hashed in the same pass)" if self.digests is not None else ""
             if self.staged:
                 landed = self._upload(slot, n)
+                device = cache.k.device.type
+                self.copies = [(f"KV host→pinned{hashed}", total), (f"KV pinned→{device} (DMA)", total),
+                               (f"KV {device} staging→cache slot", total)]
             elif self.digests is not None:  # a CPU cache: copied into the slot head by head, hashed there
                 heads = range(self.src[0].shape[0])
                 landed = copyhash.Job([[(copyhash.as_bytes(s[h]), _row_bytes(d[h])) for h in heads]
                                        for s, d in zip(self.src, dst, strict=True)]).digests()
+                self.copies = [(f"KV host→cache slot{hashed}", total)]
             else:
                 for d, s in zip(dst, self.src, strict=True):
                     d.copy_(s, non_blocking=True)
+                self.copies = [(f"KV {self.src[0].device.type}→{cache.k.device.type} cache slot", total)]
             if self.digests is not None:
                 for j, (want, got) in enumerate(zip(self.digests, landed or [], strict=True)):
                     if want != got:
