@@ -5,6 +5,7 @@ import os
 import time
 
 import pytest
+from toolchain import has_compiler
 
 from floe.engine import cbuild, copyhash
 
@@ -14,10 +15,9 @@ FLAGS = ["-O3", "-march=native"]
 
 @pytest.fixture(scope="module")
 def built():
-    try:
-        return cbuild.build("floe_copy_hash", SOURCES, FLAGS)
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"no C++ toolchain here: {e}")
+    if not has_compiler():
+        pytest.skip("no C++ compiler on this machine (floe falls back to Python threads there)")
+    return cbuild.build("floe_copy_hash", SOURCES, FLAGS)  # with a compiler, it must build
 
 
 def test_a_built_library_loads_even_while_a_lock_file_exists(built):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import torch
 
 from floe.engine import copyhash
@@ -136,26 +135,27 @@ class PendingLoad:
             cache.lengths[slot], cache.tokens[slot] = 0, []  # empty until every tensor is in and checked
             if not n:
                 return
-            layers = range(len(self.src) // 2)
-            dst = [cache.k[i, slot, :, :n] for i in layers] + [cache.v[i, slot, :, :n] for i in layers]
-            landed, total = None, sum(self.sizes)
+            total = sum(self.sizes)
             hashed = " (hashed in the same pass)" if self.digests is not None else ""
             if self.staged:
                 landed = self._upload(slot, n)
                 device = cache.k.device.type
                 self.copies = [(f"KV host→pinned{hashed}", total), (f"KV pinned→{device} (DMA)", total),
                                (f"KV {device} staging→cache slot", total)]
-            elif self.digests is not None:  # a CPU cache: copied into the slot head by head, hashed there
-                heads = range(self.src[0].shape[0])
-                landed = copyhash.Job([[(copyhash.as_bytes(s[h]), _row_bytes(d[h])) for h in heads]
-                                       for s, d in zip(self.src, dst, strict=True)]).digests()
-                self.copies = [(f"KV host→cache slot{hashed}", total)]
             else:
-                for d, s in zip(dst, self.src, strict=True):
-                    d.copy_(s, non_blocking=True)
-                self.copies = [(f"KV {self.src[0].device.type}→{cache.k.device.type} cache slot", total)]
+                layers = range(len(self.src) // 2)
+                dst = [cache.k[i, slot, :, :n] for i in layers] + [cache.v[i, slot, :, :n] for i in layers]
+                if self.digests is not None:  # a CPU cache: copied into the slot head by head, hashed there
+                    heads = range(self.src[0].shape[0])
+                    landed = copyhash.Job([[(copyhash.as_bytes(s[h]), copyhash.as_bytes(d[h])) for h in heads]
+                                           for s, d in zip(self.src, dst, strict=True)]).digests()
+                    self.copies = [(f"KV host→cache slot{hashed}", total)]
+                else:
+                    for d, s in zip(dst, self.src, strict=True):
+                        d.copy_(s, non_blocking=True)
+                    self.copies = [(f"KV {self.src[0].device.type}→{cache.k.device.type} cache slot", total)]
             if self.digests is not None:
-                for j, (want, got) in enumerate(zip(self.digests, landed or [], strict=True)):
+                for j, (want, got) in enumerate(zip(self.digests, landed, strict=True)):
                     if want != got:
                         raise KVDigestMismatch(j, want, got)
             cache.lengths[slot] = n
@@ -166,7 +166,8 @@ class PendingLoad:
     def _upload(self, slot: int, n: int) -> list[str]:
         """Each tensor over the bus as soon as it is in the pinned buffer, into one contiguous device
         buffer (a strided destination would cost each copy a temporary and a kernel); then one
-        kernel per run of K or V layers puts them into the slot; then the next group."""
+        kernel per run of K or V layers puts them into the slot; then the next group. Returns the
+        tensors' digests (meaningless when not hashing)."""
         cache, layers, landed = self.cache, len(self.src) // 2, []
         with torch.cuda.device(cache.k.device):
             for g, group in enumerate(self._groups):
@@ -183,7 +184,7 @@ class PendingLoad:
                     if run:
                         first = group[run[0]] - lo
                         whole[first:first + len(run), slot, :, :n].copy_(device[run[0]:run[-1] + 1])
-                landed += self._job.digests() if self.digests is not None else [""] * len(group)
+                landed += self._job.digests()  # also waits for the copy threads to leave the job
         return landed
 
     def __del__(self) -> None:
@@ -220,8 +221,3 @@ class KVDigestMismatch(FloeError):
     def __init__(self, index: int, expected: str, actual: str) -> None:
         super().__init__(f"KV tensor {index} hashes to {actual}, not {expected}")
         self.index, self.expected, self.actual = index, expected, actual
-
-
-def _row_bytes(t: torch.Tensor) -> np.ndarray:
-    """A contiguous [n, dim] view of a cache's memory as flat uint8 (writable)."""
-    return t.view(torch.uint8).numpy().reshape(-1)

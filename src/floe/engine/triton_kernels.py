@@ -50,16 +50,23 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = Non
 
 
 @triton.jit
-def _rope_kv_kernel(QKV, COS, SIN, POS, SLOTS, Q_OUT, K_CACHE, V_CACHE, stride_slot, stride_kh, stride_ks,
-                    H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
-                    HAS_SLOTS: tl.constexpr):
-    h = tl.program_id(0)
-    b = tl.program_id(1)
+def _position_and_slot(POS, SLOTS, b, HAS_SLOTS: tl.constexpr):
+    """Row b's position and KV slot (slot 0 without per-row slots; a padding row's slot is -1)."""
     pos = tl.load(POS + b)
     if HAS_SLOTS:
         slot = tl.load(SLOTS + b)
     else:
         slot = b * 0
+    return pos, slot
+
+
+@triton.jit
+def _rope_kv_kernel(QKV, COS, SIN, POS, SLOTS, Q_OUT, K_CACHE, V_CACHE, stride_slot, stride_kh, stride_ks,
+                    H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+                    HAS_SLOTS: tl.constexpr):
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    pos, slot = _position_and_slot(POS, SLOTS, b, HAS_SLOTS)
     offs = tl.arange(0, HALF)
     cos1 = tl.load(COS + pos * HD + offs)
     cos2 = tl.load(COS + pos * HD + HALF + offs)
@@ -109,11 +116,7 @@ def _attention_split_kernel(Q, K, V, POS, SLOTS, M_OUT, L_OUT, ACC_OUT, stride_s
     kh = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
-    pos = tl.load(POS + b)
-    if HAS_SLOTS:
-        slot = tl.load(SLOTS + b)
-    else:
-        slot = b * 0
+    pos, slot = _position_and_slot(POS, SLOTS, b, HAS_SLOTS)
     g = tl.arange(0, GROUP_P)
     real = g < GROUP
     d = tl.arange(0, HD)
