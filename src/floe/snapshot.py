@@ -212,8 +212,8 @@ class Snapshot:
     def __init__(self, path: str | Path, *, contents: bool = True) -> None:
         """Map and check `path`: header, layout and the checksum over metadata and digests, and
         (`contents`) every tensor's bytes against its digest. Without `contents` (format 2) the
-        bytes are checked later, by `check_contents` or `kv_check` (a thaw checks the KV cache while
-        loading it)."""
+        bytes are checked later: by `check_contents`, and the KV cache against `kv_digests()` while
+        a thaw loads it."""
         self.path = Path(path)
         if not self.path.is_file():
             raise SnapshotError(f"no snapshot at {self.path}")
