@@ -44,3 +44,12 @@ def reference_tokenizer():
 
     p = default_model_path()
     return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine():
+    """A 2-layer model of random weights with the default model's real tokenizer: the engine for
+    tests about the sandbox, where what matters is the host, not the model's answers."""
+    from models import tiny_engine as make
+
+    return make()

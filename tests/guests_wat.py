@@ -45,3 +45,30 @@ MISALIGNED_LOGITS = guest(
     "(drop (call $prefill (i32.const 4096) (i32.const 1) (i32.const 65537))) (i32.const 0)",
     memory_pages=8,
 )
+
+
+# Every import of ABI v1, named $name, for guests that call anything.
+ALL_IMPORTS = {
+    "abi_version": (0, 1), "vocab_size": (0, 1), "context_length": (0, 1), "eos_ids": (2, 1),
+    "tokenize": (4, 1), "detokenize": (4, 1), "chat_render": (5, 1), "prefill": (3, 1),
+    "decode": (2, 1), "sample": (1, 1), "request": (1, 1), "system": (2, 1), "kv_len": (0, 1),
+    "kv_truncate": (1, 1), "emit": (2, 1), "log": (2, 1),
+}
+
+
+def import_decls(names=None, skip=("emit", "prefill", "vocab_size")) -> str:
+    """WAT import declarations for `names` (default: all but those `guest()` always imports)."""
+    out = []
+    for name in names or ALL_IMPORTS:
+        if name in skip:
+            continue
+        n, r = ALL_IMPORTS[name]
+        params = " ".join(["i32"] * n)
+        out.append(f'(import "floe" "{name}" (func ${name} (param {params}) (result i32)))'
+                   if n else f'(import "floe" "{name}" (func ${name} (result i32)))')
+    return "\n  ".join(out)
+
+
+def calls_host(body: str, memory_pages: int = 2, extra: str = "") -> bytes:
+    """A guest whose on_message runs `body` with every host function imported."""
+    return guest(body, imports=import_decls(), memory_pages=memory_pages, extra=extra)

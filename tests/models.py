@@ -151,3 +151,17 @@ def _add_field(writer: GGUFWriter, key: str, value) -> None:
         writer.add_uint32(key, value)
     elif isinstance(value, str):
         writer.add_string(key, value)
+
+
+def tiny_engine(n_slots: int = 8, max_seq_len: int = 512):
+    """An Engine on a 2-layer random model (dim 64) with SmolLM2's real tokenizer: fast to build and
+    to step, for tests of everything around the model."""
+    from floe.engine import Engine
+    from floe.model.config import ModelConfig
+    from floe.model.synthetic import random_checkpoint
+    from floe.model.tokenizer import tokenizer_from_gguf
+
+    config = ModelConfig("llama", 64, 2, 4, 2, 160, VOCAB, 512, name="tiny-test")
+    checkpoint = random_checkpoint(config, tokenizer_from_gguf(GGUFFile(default_model_path()).fields),
+                                   dtype=torch.float32, scale=0.5)
+    return Engine(checkpoint, max_seq_len=max_seq_len, n_slots=n_slots)

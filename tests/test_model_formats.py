@@ -40,7 +40,9 @@ def test_gguf_tensor_types_match_transformers(tmp_path, qtypes):
     ref = transformers_logits(tmp_path, IDS, gguf_file="tiny.gguf")
     ours = floe_logits(path, IDS)
     assert ref.abs().max() > 0.5  # the comparison means something
-    assert (ours - ref).abs().max().item() <= 1e-4
+    # fp32 with another summation order: random K-quant blocks give logits in the thousands, where
+    # one rounding is ~1e-4 of a unit (the order depends on the CPU's GEMM kernels).
+    assert (ours - ref).abs().max().item() <= 1e-4 + 1e-5 * ref.abs().max().item()
 
 
 def test_gguf_loads_to_bfloat16(tmp_path):

@@ -3,7 +3,11 @@ engine. docs/ABI.md is the contract; this file implements it.
 
 Every argument is an i32. Pointers are offsets into the guest's memory (the actor's Region) and are
 bounds-checked; a bad one traps the guest with GuestPointerError. Recoverable conditions return a
-negative status instead (context full, bad token id).
+negative status instead (context full, bad token id, a negative or too large length).
+
+Each host call is also charged to the message's HostBudget: its deadline and cancellation are checked
+on entry, the bytes it handles are counted, and the calls that can take long (tokenize) are bounded
+in size and waited for no longer than the deadline. docs/ABI.md, "Limits", is the contract.
 """
 
 from __future__ import annotations
@@ -12,15 +16,24 @@ import codecs
 import struct
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from floe.engine.sampling import SamplingParams, sample_token
-from floe.errors import ContextOverflow, FloeError, InvalidSamplingParams
+from floe.errors import ContextOverflow, InvalidSamplingParams
 from floe.memory import OutOfBounds
-from floe.wasm import GuestPointerError, HostFunction
+from floe.wasm import (
+    GuestBudgetExceeded,
+    GuestCancelled,
+    GuestDeadlineExceeded,
+    GuestError,
+    GuestHostCallError,
+    GuestPointerError,
+    HostFunction,
+)
 from floe.wasm.raw import trap_new
 
 if TYPE_CHECKING:
@@ -39,6 +52,54 @@ SAMPLING = struct.Struct("<fif4x")  # temperature, top_k, top_p, (reserved)
 REQUEST = struct.Struct("<IfifQ8x")  # max_tokens, temperature, top_k, top_p, seed, (reserved)
 _MASK32 = 0xFFFFFFFF
 
+# Host work one message may ask for, beyond guest instructions (docs/ABI.md, "Limits").
+BUDGET_PER_CAP = 4  # bytes the host handles for one message: at most this many times the memory cap
+CALL_OVERHEAD = 64  # bytes charged per host call on top of its data (each call costs the host objects)
+TEXT_BYTES_PER_TOKEN = 32  # tokenize / chat_render input: at most this many bytes per token of context
+MIN_TEXT_CAP = 64 << 10  # ... but never less than 64 KiB
+TEXT_CAP_PER_CAP = 64  # ... and at most 1/64 of the memory cap (tokenizing holds ~500 B per input byte)
+HOST_MEMORY_PER_CAP = 16  # what the above bound: the host holds at most ~this x the cap for a message
+MAX_IDS_PER_CALL = 1 << 16  # detokenize
+LOG_LINES_KEPT = 64
+LOG_LINE_BYTES = 4096
+
+# tokenize runs here, so a long one can be left behind at the deadline (the tokenizer releases the GIL).
+_SLOW_CALLS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="floe-host-call")
+
+
+class HostBudget:
+    """What one message may still ask of the host: time (the guest's watchdog: deadline and
+    cancellation) and bytes handled (text tokenized, rendered, emitted, logged; ids moved)."""
+
+    def __init__(self, watchdog, limit: int) -> None:
+        self.watchdog = watchdog
+        self.limit = limit
+        self.spent = 0
+
+    def check_time(self, call: str) -> None:
+        reason = self.watchdog.expired()
+        if reason == "deadline":
+            raise GuestDeadlineExceeded(f"the message ran past its deadline (in host call {call})")
+        if reason is not None:
+            raise GuestCancelled(f"the message was stopped: {reason} (in host call {call})")
+
+    def spend(self, nbytes: int, call: str) -> None:
+        self.spent += CALL_OVERHEAD + nbytes
+        if self.spent > self.limit:
+            raise GuestBudgetExceeded(
+                f"the guest asked the host to handle more than {self.limit >> 20} MiB in one message "
+                f"({BUDGET_PER_CAP}x its memory cap; at {call})")
+
+    def wait(self, fn: Callable[[], object], call: str) -> object:
+        """fn() in a worker thread, waited for only until the deadline or a cancellation (the work
+        left behind is bounded by the call's size cap)."""
+        future = _SLOW_CALLS.submit(fn)
+        while True:
+            try:
+                return future.result(timeout=0.01)
+            except TimeoutError:
+                self.check_time(call)
+
 
 def _i32(word: int) -> int:
     word &= _MASK32
@@ -55,6 +116,15 @@ class HostABI:
         self.vocab = self.engine.config.vocab_size
         self.last_logits: torch.Tensor | None = None
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.budget: HostBudget | None = None  # set for each message (and add_history) by the actor
+        self.text_cap = 0
+
+    def begin(self, watchdog, memory_cap: int) -> HostBudget:
+        """A fresh budget for the next guest call (a message, a history entry)."""
+        self.budget = HostBudget(watchdog, BUDGET_PER_CAP * memory_cap)
+        self.text_cap = min(max(MIN_TEXT_CAP, TEXT_BYTES_PER_TOKEN * self.engine.max_seq_len),
+                            memory_cap // TEXT_CAP_PER_CAP)
+        return self.budget
 
     # ---- plumbing ---------------------------------------------------------------------------------
 
@@ -81,24 +151,45 @@ class HostABI:
 
     def _raw(self, fn: Callable[..., int], n_params: int, n_results: int):
         """Adapt fn(*i32 args) -> i32 to the raw calling convention; errors trap the guest and are
-        kept on the actor so the host raises them as themselves."""
+        kept on the actor so the host raises them: GuestErrors as themselves, anything else wrapped in
+        GuestHostCallError (KeyboardInterrupt and SystemExit as themselves)."""
         actor = self.actor
+        name = getattr(fn, "__name__", "?")
 
         def call(raw) -> int:
             try:
+                if self.budget is None:
+                    raise GuestHostCallError(f"host function {name} called outside a message (from a "
+                                             "start function?): floe answers guests only within a call")
+                self.budget.check_time(name)
                 args = [raw[2 * i] & _MASK32 for i in range(n_params)]
                 result = fn(*args)
                 if n_results:
                     raw[0] = result & _MASK32
                 return 0
             except BaseException as e:  # noqa: BLE001 - becomes a trap, re-raised by the actor
-                actor.pending_error = e if isinstance(e, FloeError) else FloeError(
-                    f"host function {fn.__name__} failed: {type(e).__name__}: {e}")
+                if isinstance(e, (GuestError, KeyboardInterrupt, SystemExit)):
+                    actor.pending_error = e
+                else:
+                    actor.pending_error = GuestHostCallError(
+                        f"host function {name} failed: {type(e).__name__}: {e}")
+                    actor.pending_error.__cause__ = e
                 return trap_new(str(actor.pending_error))
 
         return call
 
+    def _length(self, value: int) -> int | None:
+        """An i32 length or count; None (the call answers ERR_BAD_ARGUMENT) when negative."""
+        value = _i32(value)
+        return None if value < 0 else value
+
+    def _struct(self, ptr: int, layout: struct.Struct, align: int, what: str) -> bytes:
+        if ptr % align:
+            raise GuestPointerError(f"{what}: pointer {ptr} is not {align}-byte aligned")
+        return self._bytes(ptr, layout.size, what)
+
     def _bytes(self, ptr: int, length: int, what: str) -> bytes:
+        self.budget.spend(length, what)
         t = time.perf_counter()
         try:
             data = self.actor.region.read(ptr, length)
@@ -118,6 +209,7 @@ class HostABI:
 
     def _write(self, ptr: int, cap: int, data: bytes, what: str) -> None:
         n = min(cap, len(data))
+        self.budget.spend(n, what)
         t = time.perf_counter()
         try:
             self.actor.region.check(ptr, cap)
@@ -127,6 +219,7 @@ class HostABI:
         self.actor.ledger.copy(f"host→guest {what}", n, seconds=time.perf_counter() - t)
 
     def _write_ids(self, ptr: int, cap: int, ids: list[int], what: str) -> int:
+        self.budget.spend(4 * min(cap, len(ids)), what)
         t = time.perf_counter()
         out = self._view(ptr, cap, torch.int32, what)
         n = min(cap, len(ids))
@@ -138,13 +231,24 @@ class HostABI:
     # ---- the ABI ----------------------------------------------------------------------------------
 
     def eos_ids(self, out_ptr: int, cap: int) -> int:
+        if (cap := self._length(cap)) is None:
+            return ERR_BAD_ARGUMENT
         return self._write_ids(out_ptr, cap, list(self.tokenizer.eos_ids), "eos ids")
 
     def tokenize(self, text_ptr: int, text_len: int, out_ptr: int, out_cap: int) -> int:
+        text_len, out_cap = self._length(text_len), self._length(out_cap)
+        if text_len is None or out_cap is None or text_len > self.text_cap:
+            return ERR_BAD_ARGUMENT
         text = self._bytes(text_ptr, text_len, "text").decode("utf-8", "replace")
-        return self._write_ids(out_ptr, out_cap, self.tokenizer.encode(text, add_bos=False), "token ids")
+        self._view(out_ptr, out_cap, torch.int32, "token ids")  # a bad buffer fails before the work
+        ids = self.budget.wait(lambda: self.tokenizer.encode_many([text])[0], "tokenize")
+        return self._write_ids(out_ptr, out_cap, ids, "token ids")
 
     def detokenize(self, ids_ptr: int, n: int, out_ptr: int, out_cap: int) -> int:
+        n, out_cap = self._length(n), self._length(out_cap)
+        if n is None or out_cap is None or n > MAX_IDS_PER_CALL:
+            return ERR_BAD_ARGUMENT
+        self.budget.spend(4 * n, "token ids")
         ids = self._view(ids_ptr, n, torch.int32, "token ids").tolist()
         self.actor.ledger.copy("guest→host token ids", 4 * n)
         if any(not 0 <= i < self.vocab for i in ids):
@@ -155,14 +259,18 @@ class HostABI:
 
     def chat_render(self, msgs_ptr: int, n_msgs: int, add_generation_prompt: int, out_ptr: int,
                     out_cap: int) -> int:
+        n_msgs, out_cap = self._length(n_msgs), self._length(out_cap)
+        if n_msgs is None or out_cap is None or n_msgs > self.engine.max_seq_len:
+            return ERR_BAD_ARGUMENT
+        if msgs_ptr % 4:
+            raise GuestPointerError(f"message table: pointer {msgs_ptr} is not 4-byte aligned")
         table = self._bytes(msgs_ptr, MESSAGE.size * n_msgs, "message table")
-        messages = []
-        for i in range(n_msgs):
-            role_ptr, role_len, content_ptr, content_len = MESSAGE.unpack_from(table, MESSAGE.size * i)
-            messages.append({
-                "role": self._bytes(role_ptr, role_len, "message role").decode("utf-8", "replace"),
-                "content": self._bytes(content_ptr, content_len, "message").decode("utf-8", "replace"),
-            })
+        records = [MESSAGE.unpack_from(table, MESSAGE.size * i) for i in range(n_msgs)]
+        if sum(r[1] + r[3] for r in records) > self.text_cap:
+            return ERR_BAD_ARGUMENT
+        messages = [{"role": self._bytes(rp, rl, "message role").decode("utf-8", "replace"),
+                     "content": self._bytes(cp, cl, "message").decode("utf-8", "replace")}
+                    for rp, rl, cp, cl in records]
         data = self.tokenizer.render_chat(messages, add_generation_prompt=bool(add_generation_prompt))
         encoded = data.encode()
         self._write(out_ptr, out_cap, encoded, "prompt text")
@@ -207,8 +315,12 @@ class HostABI:
         return OK
 
     def prefill(self, ids_ptr: int, n: int, logits_ptr: int) -> int:
-        if n == 0:
+        n = self._length(n)
+        if not n:
             return ERR_BAD_ARGUMENT
+        if n > self.engine.max_seq_len:
+            return ERR_CONTEXT_FULL
+        self.budget.spend(4 * n, "prompt ids")
         view = self._view(ids_ptr, n, torch.int32, "token ids")
         if self.actor.region.holds(view):  # the engine reads the guest's own bytes
             self.actor.ledger.share("guest→engine prompt ids", 4 * n)
@@ -232,9 +344,10 @@ class HostABI:
 
     def sample(self, params_ptr: int) -> int:
         if self.last_logits is None:
-            raise FloeError("sample() was called before any prefill or decode in this message")
+            raise GuestHostCallError("sample() was called before any prefill or decode in this message "
+                                     "(logits are forgotten at each new message)")
         if params_ptr:
-            t, k, p = SAMPLING.unpack(self._bytes(params_ptr, SAMPLING.size, "sampling params"))
+            t, k, p = SAMPLING.unpack(self._struct(params_ptr, SAMPLING, 4, "sampling params"))
             try:
                 params = SamplingParams(t, k, p, 0)
             except InvalidSamplingParams:
@@ -248,6 +361,8 @@ class HostABI:
             self.actor.ledger.copy(f"sampled token {self.last_logits.device.type}→host (readback, "
                                    "with the batched step)", 8, seconds=time.perf_counter() - t)
         else:
+            if not _samplable(self.last_logits):
+                return ERR_BAD_ARGUMENT
             token = int(sample_token(self.last_logits, params, self.actor.generator))
             if self.last_logits.device.type != "cpu":  # the chosen id is read back to the host
                 self.actor.ledger.copy(f"sampled token {self.last_logits.device.type}→host (readback)", 8,
@@ -258,11 +373,15 @@ class HostABI:
     def request(self, out_ptr: int) -> int:
         r = self.actor.request
         p = r.params
+        if out_ptr % 8:
+            raise GuestPointerError(f"request: pointer {out_ptr} is not 8-byte aligned")
         self._write(out_ptr, REQUEST.size,
                     REQUEST.pack(r.max_tokens, p.temperature, p.top_k, p.top_p, p.seed), "request")
         return OK
 
     def system(self, out_ptr: int, cap: int) -> int:
+        if (cap := self._length(cap)) is None:
+            return ERR_BAD_ARGUMENT
         data = self.actor.system_prompt.encode()
         self._write(out_ptr, cap, data, "system prompt")
         return len(data)
@@ -275,6 +394,8 @@ class HostABI:
         return OK
 
     def emit(self, ptr: int, length: int) -> int:
+        if (length := self._length(length)) is None:
+            return ERR_BAD_ARGUMENT
         self.actor.stats.emit_calls += 1
         text = self.utf8.decode(self._bytes(ptr, length, "emitted text"))
         if text:
@@ -283,8 +404,16 @@ class HostABI:
         return 1 if self.actor.stop_requested else 0
 
     def log(self, ptr: int, length: int) -> int:
-        self.actor.logs.append(self._bytes(ptr, length, "log").decode("utf-8", "replace"))
+        if (length := self._length(length)) is None:
+            return ERR_BAD_ARGUMENT
+        line = self._bytes(ptr, length, "log")[:LOG_LINE_BYTES].decode("utf-8", "replace")
+        self.actor.logs.append(line)  # a deque: the last LOG_LINES_KEPT lines
         return OK
+
+
+def _samplable(logits: torch.Tensor) -> bool:
+    """Logits a distribution can be drawn from: no NaN, no +inf, and not every token masked (-inf)."""
+    return not bool(torch.isnan(logits).any() or torch.isposinf(logits).any() or torch.isneginf(logits).all())
 
 
 def _token_bytes(tokenizer, ids: list[int]) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -14,17 +15,37 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from floe.actor.abi import ABI_VERSION, IMPORT_MODULE, HostABI
+from floe.actor.abi import ABI_VERSION, IMPORT_MODULE, LOG_LINES_KEPT, HostABI
 from floe.actor.scheduler import DecodeScheduler
 from floe.engine import Engine, SamplingParams
 from floe.engine.kvcache import PendingLoad
 from floe.errors import FloeError
-from floe.memory import Region
+from floe.memory import OutOfBounds, Region
 from floe.profile import Ledger
-from floe.wasm import GuestError, GuestInstance, GuestLoadError, GuestModule, default_runtime
+from floe.wasm import (
+    GuestError,
+    GuestInstance,
+    GuestLoadError,
+    GuestModule,
+    GuestPointerError,
+    default_runtime,
+)
 
 DEFAULT_MEMORY_CAP = 256 << 20
 DEFAULT_DEADLINE_S = 600.0
+
+
+class ActorClosed(FloeError):
+    """The actor was closed: it takes no more messages."""
+
+
+class ActorReentrantCall(FloeError):
+    """An actor was asked to do something from inside its own message (an on_text callback)."""
+
+
+# The exports the host calls, with their number of i32 parameters (each returns one i32).
+EXPORTS = {"floe_abi_version": 0, "alloc": 1, "on_message": 2}
+OPTIONAL_EXPORTS = {"on_history": 3}
 
 
 def builtin_guest(name: str) -> Path:
@@ -159,24 +180,33 @@ class Actor:
         self.request = Request()
         self.stats = MessageStats()
         self.ledger = Ledger()
-        self.logs: list[str] = []
+        self.logs: deque[str] = deque(maxlen=LOG_LINES_KEPT)
         self.pending_error: BaseException | None = None
         self.stop_requested = False
         self.on_text: Callable[[str], None] = lambda text: None
         self._lock = threading.RLock()  # a message, a capture, a restore: one at a time
+        self._message_thread: int | None = None  # the thread running a guest call, while it runs
+        self.closed = False
+        self._released = False
+        self.guest: GuestInstance | None = None
         self.slot = engine.claim_slot()
         try:
             self.abi = HostABI(self)
-            self.guest = GuestInstance(self.module, IMPORT_MODULE, self.abi.functions(), memory_cap)
+            self.guest = GuestInstance(self.module, IMPORT_MODULE, self.abi.functions(), memory_cap,
+                                       deadline_s=deadline_s)
+            for name, n_params in EXPORTS.items():
+                self.guest.function(name, n_params)
+            for name, n_params in OPTIONAL_EXPORTS.items():
+                if self.guest.has_function(name):
+                    self.guest.function(name, n_params)
             version = self._call("floe_abi_version")
             if version != ABI_VERSION:
                 raise GuestLoadError(f"guest speaks floe ABI {version}; this host speaks {ABI_VERSION}")
-            self.guest.function("alloc")
-            self.guest.function("on_message")
         except BaseException:
+            if self.guest is not None:
+                self.guest.close()
             engine.release_slot(self.slot)
             raise
-        self.closed = False
 
     @property
     def region(self) -> Region:
@@ -187,7 +217,37 @@ class Actor:
         return error
 
     def _call(self, name: str, *args: int) -> int:
-        return self.guest.call(name, *args, deadline_s=self.deadline_s, pending=self._take_pending)
+        """Call a guest export under a fresh host budget; a GuestError names the guest's last log line."""
+        self.abi.begin(self.guest.watchdog, self.guest.memory_cap)
+        try:
+            return self.guest.call(name, *args, deadline_s=self.deadline_s, pending=self._take_pending)
+        except GuestError as e:
+            if self.logs and e.args:
+                e.args = (f"{e.args[0]} (the guest's last log line: {self.logs[-1]!r})", *e.args[1:])
+            raise
+        finally:
+            self.abi.budget = None
+
+    def _refuse_reentry(self, what: str) -> None:
+        if self._message_thread == threading.get_ident():
+            raise ActorReentrantCall(f"{what} was called from inside this actor's own message (an on_text "
+                                     "callback); call it after the message returns")
+
+    @contextmanager
+    def _guest_turn(self, what: str) -> Iterator[None]:
+        """Hold the actor for one guest call (a message, a history entry): one at a time, never from
+        inside another, never on a closed actor; a close() during it takes effect when it ends."""
+        self._refuse_reentry(what)
+        with self._lock:
+            if self.closed:
+                raise ActorClosed("this actor is closed")
+            self._message_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._message_thread = None
+                if self.closed:
+                    self._release()
 
     def send(self, message: str, *, max_tokens: int = 256, params: SamplingParams | None = None,
              on_text: Callable[[str], None] | None = None) -> Reply:
@@ -197,10 +257,10 @@ class Actor:
         engine and other actors carry on, and this actor's KV slot is left as the guest left it.
         """
         if self.closed:
-            raise FloeError("this actor is closed")
+            raise ActorClosed("this actor is closed")
         if max_tokens < 1:
             raise FloeError(f"max_tokens must be >= 1, got {max_tokens}")
-        with self._lock:
+        with self._guest_turn("send()"):
             parts: list[str] = []
 
             def collect(text: str) -> None:
@@ -211,7 +271,7 @@ class Actor:
             self.request = Request(max_tokens, params or SamplingParams())
             self.stats = MessageStats(started=time.perf_counter())
             self.ledger = Ledger()
-            self.logs = []
+            self.logs.clear()
             self.on_text = collect
             self.stop_requested = False
             self.abi.last_logits = None
@@ -237,7 +297,11 @@ class Actor:
         ptr = self._call("alloc", len(data))
         if ptr == 0 and data:
             raise GuestError(f"guest could not allocate {len(data)} bytes for the {what}")
-        self.region.write(ptr, data)
+        try:
+            self.region.write(ptr, data)
+        except OutOfBounds as e:
+            raise GuestPointerError(f"alloc({len(data)}) returned {ptr & 0xFFFFFFFF}, outside the guest's "
+                                    f"memory ({e})") from None
         self.ledger.copy(f"host→guest {what}", len(data))
         return ptr
 
@@ -248,13 +312,13 @@ class Actor:
         generating; the next send() renders it with the rest and prefills what the cache lacks.
         Needs a guest that exports `on_history` (floe's chat and constrained guests do)."""
         if self.closed:
-            raise FloeError("this actor is closed")
+            raise ActorClosed("this actor is closed")
         if role not in self.HISTORY_ROLES:
             raise FloeError(f"message role {role!r}: choose one of {', '.join(self.HISTORY_ROLES)}")
         if not self.guest.has_function("on_history"):
             raise FloeError(f"guest {self.module.name} cannot take a conversation history "
                             "(it exports no on_history)")
-        with self._lock:
+        with self._guest_turn("add_history()"):
             data = text.encode()
             ptr = self._deliver(data, "history message")
             status = self._call("on_history", self.HISTORY_ROLES.index(role), ptr, len(data))
@@ -292,12 +356,15 @@ class Actor:
     def between_messages(self) -> Iterator[Actor]:
         """Hold the actor between messages (one in flight finishes first): its state does not change
         until the block ends. capture_state and restore may be called inside."""
+        self._refuse_reentry("between_messages()")
         with self._lock:
+            if self.closed:
+                raise ActorClosed("this actor is closed")
             yield self
 
     def capture_state(self) -> ActorState:
         """Everything that makes this actor now, as tensors and values (KV views, not copies)."""
-        with self._lock:
+        with self.between_messages():
             k, v = self.engine.cache.export(self.slot)
             size, pages, data = self.guest.capture_memory()
             return ActorState(
@@ -314,7 +381,7 @@ class Actor:
         """Make this (fresh) actor the one `state` was captured from; checked by the caller. `kv`: a
         load of state's KV cache already begun (KVCache.start_load, maybe with digests to check: on
         a mismatch the slot is left empty and KVDigestMismatch propagates)."""
-        with self._lock:
+        with self.between_messages():
             self.system_prompt = state.system_prompt
             self.guest.restore_memory(state.memory_size, state.memory_pages, state.memory_data)
             self.guest.restore_globals(state.globals)
@@ -342,8 +409,23 @@ class Actor:
         return snapshot.thaw(engine, path, guest, **kwargs)
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
+        """Close the actor and free its memory and KV slot. A message in flight is stopped first (its
+        sender gets GuestCancelled): from another thread close() waits for it to unwind; from inside it
+        (an on_text callback) the actor is freed as the message returns."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._message_thread is not None:
+            self.stop_requested = True
+            self.guest.cancel("the actor was closed")
+            if self._message_thread == threading.get_ident():
+                return  # _guest_turn releases it on the way out
+        with self._lock:
+            self._release()
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
             self.guest.close()
             self.engine.release_slot(self.slot)
 

@@ -97,6 +97,10 @@ class Tokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, no BOS; the tokenizer runs without holding the GIL."""
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 

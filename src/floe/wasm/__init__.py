@@ -1,8 +1,11 @@
 """Wasmtime set-up: guest linear memory backed by floe Regions, raw host functions, limits, traps."""
 
 from floe.wasm.runtime import (
+    GuestBudgetExceeded,
+    GuestCancelled,
     GuestDeadlineExceeded,
     GuestError,
+    GuestHostCallError,
     GuestInstance,
     GuestLoadError,
     GuestMemoryLimit,
@@ -15,8 +18,11 @@ from floe.wasm.runtime import (
 )
 
 __all__ = [
+    "GuestBudgetExceeded",
+    "GuestCancelled",
     "GuestDeadlineExceeded",
     "GuestError",
+    "GuestHostCallError",
     "GuestInstance",
     "GuestLoadError",
     "GuestMemoryLimit",

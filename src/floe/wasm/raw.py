@@ -4,6 +4,11 @@
   makes is a floe Region, so guest memory *is* a region the engine reads and writes in place.
 - "Unchecked" host functions (`wasmtime_linker_define_func_unchecked`): arguments arrive as raw
   16-byte slots, no Python objects are built per call (~0.5 µs instead of ~3 µs).
+- Calls into the guest and reads/writes of its globals through `wasmtime_val_t` directly: wasmtime-py
+  asks the C API for each value's type (`wasm_valtype_kind`), which aborts the whole process on a
+  `v128` ("support for v128 is not implemented"), so a guest could kill the host with one signature.
+- An epoch-deadline callback per store: the deadline is checked against the wall clock (epoch ticks
+  only wake it), and a call can be cancelled from another thread.
 
 A Python exception escaping a ctypes callback would abort the process, so every callback here
 catches everything and answers Wasmtime with an error or a trap.
@@ -13,7 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from wasmtime import _ffi as ffi
 
@@ -55,15 +62,16 @@ def error_new(message: str) -> int:
 class MemoryCreator:
     """Hands Wasmtime a Region for each new linear memory, and the Region to whoever instantiates.
 
-    new_memory runs inside instantiation; instantiations are serialised by the caller, which
-    collects the regions made during its own with `take_created()` right after.
+    new_memory runs inside instantiation, on the instantiating thread: `creating(cap)` collects the
+    regions made by this thread's instantiation and caps them from their first byte (a start function
+    cannot grow past the actor's cap), so instantiations in different threads need no common lock.
     """
 
     def __init__(self) -> None:
         self._regions: dict[int, Region] = {}
         self._next = 1
         self._lock = threading.Lock()
-        self._created: list[Region] = []
+        self._local = threading.local()
         self._new_memory = ffi.wasmtime_new_memory_callback_t(self._on_new_memory)
         self._get_memory = ffi.wasmtime_memory_get_callback_t(self._on_get_memory)
         self._grow_memory = ffi.wasmtime_memory_grow_callback_t(self._on_grow_memory)
@@ -74,15 +82,29 @@ class MemoryCreator:
     def install(self, config) -> None:
         ffi.wasmtime_config_host_memory_creator_set(config.ptr(), ctypes.byref(self.struct))
 
-    def take_created(self) -> list[Region]:
-        created, self._created = self._created, []
-        return created
+    @contextmanager
+    def creating(self, cap: int) -> Iterator[list[Region]]:
+        """Within the block, memories this thread creates are capped at `cap` bytes and listed in
+        the yielded list."""
+        created: list[Region] = []
+        self._local.created, self._local.cap = created, cap
+        try:
+            yield created
+        finally:
+            self._local.created, self._local.cap = None, None
 
     def _on_new_memory(self, env, ty, minimum, maximum, reserved, guard, memory_ret) -> int:
         try:
+            created, cap = getattr(self._local, "created", None), getattr(self._local, "cap", None)
+            if created is None:
+                return error_new("floe creates guest memory only while instantiating a guest")
+            if minimum > cap:
+                return error_new(f"the module's initial memory ({minimum} bytes) is over the guest's "
+                                 f"memory cap ({cap} bytes)")
             capacity = max(reserved, minimum) + guard if reserved else max(maximum, minimum)
             region = Region(minimum, capacity=capacity)
             region.max_size = min(maximum, reserved) if reserved else maximum
+            region.limit = cap
             with self._lock:
                 key = self._next
                 self._next += 1
@@ -92,7 +114,7 @@ class MemoryCreator:
             out.get_memory = self._get_memory
             out.grow_memory = self._grow_memory
             out.finalizer = self._finalize_memory
-            self._created.append(region)
+            created.append(region)
             return 0
         except BaseException as e:  # noqa: BLE001 - must not escape into Wasmtime
             return error_new(f"floe could not create guest memory: {e}")
@@ -163,3 +185,140 @@ class HostFunctions:
     def _forget(self, env) -> None:
         with self._lock:
             self._table.pop(env, None)
+
+
+# ---- calls and globals through raw values --------------------------------------------------------
+
+I32, I64, F32, F64, V128 = (int(k.value) for k in (ffi.WASMTIME_I32, ffi.WASMTIME_I64, ffi.WASMTIME_F32,
+                                                   ffi.WASMTIME_F64, ffi.WASMTIME_V128))
+KIND_NAMES = {I32: "i32", I64: "i64", F32: "f32", F64: "f64", V128: "v128", 5: "funcref", 6: "externref",
+              7: "anyref", 8: "exnref"}
+NUMERIC = {I32: "i32", I64: "i64", F32: "f32", F64: "f64"}  # what a snapshot captures, as raw bits
+_BITS = {"i32": 32, "i64": 64, "f32": 32, "f64": 64}
+
+
+class RawCallError(Exception):
+    """wasmtime_func_call refused the call (a signature mismatch) or trapped; `trap` tells which."""
+
+    def __init__(self, message: str, trap: bool) -> None:
+        super().__init__(message)
+        self.trap = trap
+
+
+def _message(ptr, free, to_bytes) -> str:
+    vec = ffi.wasm_byte_vec_t()
+    to_bytes(ptr, ctypes.byref(vec))
+    try:
+        return ctypes.string_at(vec.data, vec.size).decode("utf-8", "replace")
+    finally:
+        ffi.wasm_byte_vec_delete(ctypes.byref(vec))
+        free(ptr)
+
+
+def call_i32(store, func, args: tuple[int, ...]) -> int:
+    """Call `func` with i32 arguments, expecting exactly one i32 result. A function of another
+    signature is refused by Wasmtime (RawCallError, trap=False) without asking for type names."""
+    params = (ffi.wasmtime_val_t * max(1, len(args)))()
+    for i, a in enumerate(args):
+        params[i].kind = I32
+        params[i].of.i32 = ctypes.c_int32(a).value
+    results = (ffi.wasmtime_val_t * 1)()
+    trap = ctypes.POINTER(ffi.wasm_trap_t)()
+    error = ffi.wasmtime_func_call(store._context(), ctypes.byref(func._func), params, len(args),
+                                   results, 1, ctypes.byref(trap))
+    if error:
+        raise RawCallError(_message(error, ffi.wasmtime_error_delete, ffi.wasmtime_error_message), False)
+    if trap:
+        raise RawCallError(_message(trap, ffi.wasm_trap_delete, ffi.wasm_trap_message), True)
+    if results[0].kind != I32:
+        raise RawCallError(f"returned a {KIND_NAMES.get(results[0].kind, results[0].kind)}, not an i32",
+                           False)
+    return int(results[0].of.i32)
+
+
+def global_kind(store, g) -> str:
+    """The value type of a global ("i32", "v128", "funcref", ...), read from its value."""
+    val = ffi.wasmtime_val_t()
+    ffi.wasmtime_global_get(store._context(), ctypes.byref(g._global), ctypes.byref(val))
+    try:
+        return KIND_NAMES.get(int(val.kind), f"type {int(val.kind)}")
+    finally:
+        ffi.wasmtime_val_unroot(ctypes.byref(val))
+
+
+def global_bits(store, g) -> tuple[str, int]:
+    """(kind, raw bit pattern) of a numeric global: floats keep their exact bits (a signalling NaN
+    stays signalling, which a round trip through a Python float would not)."""
+    val = ffi.wasmtime_val_t()
+    ffi.wasmtime_global_get(store._context(), ctypes.byref(g._global), ctypes.byref(val))
+    kind = NUMERIC.get(int(val.kind))
+    if kind is None:
+        ffi.wasmtime_val_unroot(ctypes.byref(val))
+        raise TypeError(f"a {KIND_NAMES.get(int(val.kind), val.kind)} global has no raw bits")
+    raw = ctypes.string_at(ctypes.addressof(val.of), 8)
+    return kind, int.from_bytes(raw[: _BITS[kind] // 8], "little")
+
+
+def set_global_bits(store, g, kind: str, bits: int) -> None:
+    """Set a numeric global from its raw bit pattern (the inverse of global_bits)."""
+    code = {v: k for k, v in NUMERIC.items()}[kind]
+    val = ffi.wasmtime_val_t()
+    val.kind = code
+    raw = (bits & ((1 << _BITS[kind]) - 1)).to_bytes(8, "little")
+    ctypes.memmove(ctypes.addressof(val.of), raw, 8)
+    error = ffi.wasmtime_global_set(store._context(), ctypes.byref(g._global), ctypes.byref(val))
+    if error:
+        raise RawCallError(_message(error, ffi.wasmtime_error_delete, ffi.wasmtime_error_message), False)
+
+
+# ---- a wall-clock deadline and cancellation, checked on each epoch tick ---------------------------
+
+_DEADLINE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint8))
+_install_deadline_callback = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, _DEADLINE_CALLBACK, ctypes.c_void_p, ctypes.c_void_p,
+)(("wasmtime_store_epoch_deadline_callback", _dll))
+
+
+class Watchdog:
+    """Stops a store's running guest code when its wall-clock deadline passes or someone cancels it.
+
+    Wasmtime calls `_on_tick` on the guest's thread at each epoch tick while guest code runs; it
+    answers "one more tick" until the deadline or a cancellation, then an error that ends the call.
+    `reason` says which ("deadline" or the cancellation's reason), for the caller's error.
+    """
+
+    def __init__(self, store) -> None:
+        self.deadline = float("inf")  # time.monotonic()
+        self.reason: str | None = None
+        self.cancelled: str | None = None
+        self._callback = _DEADLINE_CALLBACK(self._on_tick)  # kept alive with the store
+        _install_deadline_callback(ctypes.cast(store.ptr(), ctypes.c_void_p), self._callback, None, None)
+        store.set_epoch_deadline(1)
+
+    def arm(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+        self.reason = None
+
+    def cancel(self, reason: str) -> None:
+        """From any thread: the guest stops at its next tick (≤ one tick, ~10 ms)."""
+        self.cancelled = reason
+
+    def expired(self) -> str | None:
+        """Why the guest must stop now ("deadline", a cancellation), or None."""
+        if self.cancelled is not None:
+            return self.cancelled
+        return "deadline" if time.monotonic() > self.deadline else None
+
+    def _on_tick(self, context, data, delta, kind) -> int:
+        try:
+            reason = self.expired()
+            if reason is None:
+                delta[0] = 1
+                kind[0] = 0  # continue
+                return 0
+            self.reason = reason
+            return error_new(f"floe stopped the guest: {reason}")
+        except BaseException as e:  # noqa: BLE001 - must not escape into Wasmtime
+            self.reason = "watchdog"
+            return error_new(f"floe's guest watchdog failed: {e}")

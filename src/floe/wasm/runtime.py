@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -14,11 +13,22 @@ from pathlib import Path
 
 import numpy as np
 import wasmtime
-from wasmtime import FuncType, Instance, Linker, Module, Store, Trap, TrapCode, ValType, WasmtimeError
+from wasmtime import FuncType, Instance, Linker, Module, Store, Trap, ValType, WasmtimeError
 
 from floe.errors import FloeError
 from floe.memory import Region
-from floe.wasm.raw import HostCallback, HostFunctions, MemoryCreator
+from floe.wasm.raw import (
+    NUMERIC,
+    HostCallback,
+    HostFunctions,
+    MemoryCreator,
+    RawCallError,
+    Watchdog,
+    call_i32,
+    global_bits,
+    global_kind,
+    set_global_bits,
+)
 
 EPOCH_TICK_S = 0.01  # deadline granularity
 
@@ -47,6 +57,18 @@ class GuestPointerError(GuestError):
     """The guest passed the host a (pointer, length) outside its memory."""
 
 
+class GuestBudgetExceeded(GuestError):
+    """The guest asked the host for more work in one message than its budget allows."""
+
+
+class GuestCancelled(GuestError):
+    """The guest's message was stopped by its host (the actor was closed during it)."""
+
+
+class GuestHostCallError(GuestError):
+    """A host function the guest called failed for a reason that is not a bad pointer or budget."""
+
+
 @dataclass(frozen=True)
 class HostFunction:
     """An import the host provides: all parameters and results are i32."""
@@ -66,6 +88,9 @@ class WasmRuntime:
         # Copy-on-write init would have Wasmtime map data segments itself: our memories are Regions.
         config.memory_init_cow = False
         config.cranelift_opt_level = "speed"
+        # The ABI is wasm32 with one memory: a memory64 or multi-memory module is refused at compile.
+        config.wasm_memory64 = False
+        config.wasm_multi_memory = False
         self.memory_creator = MemoryCreator()
         self.memory_creator.install(config)
         self.engine = wasmtime.Engine(config)
@@ -86,6 +111,8 @@ class WasmRuntime:
                 self._ticker.start()
 
     def _tick(self) -> None:
+        # Ticks only wake each store's watchdog, which compares the wall clock: a tick that comes
+        # late (this thread waits for the GIL) delays a stop by that much, never stretches a deadline.
         while True:
             time.sleep(EPOCH_TICK_S)
             self.engine.increment_epoch()
@@ -96,9 +123,11 @@ class WasmRuntime:
         digest = hashlib.sha256(data).hexdigest()
         with self._modules_lock:
             module = self._modules.get(digest)
-            if module is None:
-                module = self._modules[digest] = GuestModule(self, data, name)
-            return module
+        if module is None:  # compiled outside the lock: a huge module does not hold up others
+            module = GuestModule(self, data, name)
+            with self._modules_lock:
+                module = self._modules.setdefault(digest, module)
+        return module
 
 
 def _read_wasm(wasm: bytes | str | Path) -> tuple[bytes, str]:
@@ -144,10 +173,13 @@ class GuestModule:
 
 
 class GuestInstance:
-    """One instance of a guest module in its own Store, its linear memory a Region."""
+    """One instance of a guest module in its own Store, its linear memory a Region.
+
+    Its start function (if any) runs under `deadline_s` and `memory_cap` like any call, and holds no
+    lock another instantiation waits for."""
 
     def __init__(self, module: GuestModule, import_module: str, functions: Sequence[HostFunction],
-                 memory_cap: int) -> None:
+                 memory_cap: int, deadline_s: float = 60.0) -> None:
         runtime = module.runtime
         self.module = module
         self.memory_cap = memory_cap
@@ -155,8 +187,9 @@ class GuestInstance:
         # The memory cap is enforced by the Region (a refused grow is recorded there, so a trap that
         # follows it can be reported as GuestMemoryLimit); the store still bounds everything else.
         self.store.set_limits(table_elements=1 << 20, instances=1, tables=4, memories=1)
-        self.store.set_epoch_deadline(runtime.deadline_ticks(60.0))
-        provided = {f.name for f in functions}
+        runtime.deadline_ticks(deadline_s)  # starts the epoch ticker
+        self.watchdog = Watchdog(self.store)
+        provided = {f.name: f for f in functions}
         for mod, name in module.imports():
             if mod != import_module or name not in provided:
                 raise GuestLoadError(f"{module.name} imports {mod}.{name}, which floe does not provide")
@@ -164,55 +197,89 @@ class GuestInstance:
         for f in functions:
             ty = FuncType([ValType.i32()] * f.n_params, [ValType.i32()] * f.n_results)
             runtime.host_functions.define(linker, import_module, f.name, ty, f.fn)
-        with _INSTANTIATE_LOCK:
-            runtime.memory_creator.take_created()
+        self.watchdog.arm(deadline_s)
+        with runtime.memory_creator.creating(memory_cap) as created:
             try:
                 self.instance: Instance = linker.instantiate(self.store, module.module)
             except (Trap, WasmtimeError) as e:
-                raise GuestLoadError(f"cannot instantiate {module.name}: {e}") from e
-            finally:
-                created = runtime.memory_creator.take_created()
+                raise self._instantiate_error(e, created, deadline_s) from None
         self.exports = self.instance.exports(self.store)
-        if not isinstance(self.exports.get("memory"), wasmtime.Memory) or len(created) != 1:
-            raise GuestLoadError(f"{module.name} must define and export exactly one memory")
-        self.region: Region = created[0]
-        if self.region.size > memory_cap:
-            raise GuestLoadError(f"{module.name} starts with {self.region.size} bytes of memory, "
-                                 f"over its cap of {memory_cap}")
-        self.region.limit = memory_cap
-        self.memory: wasmtime.Memory = self.exports["memory"]
+        memory = self.exports.get("memory")
+        # Wasmtime may make other memories through the creator too (a GC heap for reference types):
+        # the guest's is the one at the exported memory's address.
+        base = _address(memory, self.store) if isinstance(memory, wasmtime.Memory) else None
+        regions = [r for r in created if r.base == base]
+        if len(regions) != 1:
+            raise GuestLoadError(f"{module.name} must define and export exactly one memory, named 'memory'")
+        self.region: Region = regions[0]
+        self.memory: wasmtime.Memory = memory
+        for name, g in self.mutable_globals():
+            kind = global_kind(self.store, g)
+            if kind not in NUMERIC.values():
+                raise GuestLoadError(
+                    f"{module.name} exports a mutable {kind} global {name!r}: a snapshot can hold only "
+                    "i32, i64, f32 and f64 globals (keep other state unexported or in memory)")
+
+    def _instantiate_error(self, e: BaseException, created: list[Region], deadline_s: float) -> GuestError:
+        name = self.module.name
+        if self.watchdog.reason == "deadline":
+            return GuestDeadlineExceeded(f"{name}'s start function ran past its {deadline_s:g} s deadline")
+        if any(r.denied_size for r in created):
+            denied = max(r.denied_size for r in created)
+            return GuestMemoryLimit(f"{name}'s start function asked for {_mib(denied)} of memory, "
+                                    f"over its cap of {_mib(self.memory_cap)}")
+        return GuestLoadError(f"cannot instantiate {name}: {_trap_reason(e)}")
 
     def has_function(self, name: str) -> bool:
         return isinstance(self.exports.get(name), wasmtime.Func)
 
-    def function(self, name: str) -> wasmtime.Func:
+    def function(self, name: str, n_params: int | None = None) -> wasmtime.Func:
+        """The exported function `name`; with n_params, checked to take that many values and return
+        one (the kinds are checked by Wasmtime at each call)."""
         f = self.exports.get(name)
         if not isinstance(f, wasmtime.Func):
             raise GuestLoadError(f"{self.module.name} does not export function {name!r}")
+        if n_params is not None:
+            ty = f.type(self.store)
+            if len(ty.params) != n_params or len(ty.results) != 1:
+                raise GuestLoadError(
+                    f"{self.module.name} exports {name} with {len(ty.params)} parameters and "
+                    f"{len(ty.results)} results; the ABI wants ({', '.join(['i32'] * n_params)}) -> i32")
         return f
 
     def call(self, name: str, *args: int, deadline_s: float, pending: Callable[[], BaseException | None]):
-        """Call an export; traps become GuestError subclasses, a host-side error found by `pending`
-        (raised inside a host function during the call) is re-raised as itself."""
+        """Call an export (i32s in, one i32 out); traps become GuestError subclasses, a host-side error
+        found by `pending` (raised inside a host function during the call) is re-raised as itself."""
         func = self.function(name)
         self.region.denied_size = 0
-        self.store.set_epoch_deadline(self.module.runtime.deadline_ticks(deadline_s))
+        self.watchdog.arm(deadline_s)
         try:
-            return func(self.store, *args)
-        except (Trap, WasmtimeError) as e:
+            return call_i32(self.store, func, args)
+        except RawCallError as e:
             host_error = pending()
             if host_error is not None:
                 raise host_error from None
-            if isinstance(e, Trap) and e.trap_code == TrapCode.INTERRUPT:
-                raise GuestDeadlineExceeded(
-                    f"guest {self.module.name} ran past its {deadline_s:g} s deadline and was stopped"
-                ) from None
-            if self.region.denied_size:
-                raise GuestMemoryLimit(
-                    f"guest {self.module.name} trapped after asking for {self.region.denied_size >> 20}"
-                    f" MiB of memory, over its cap of {self.memory_cap >> 20} MiB ({_trap_reason(e)})"
-                ) from None
-            raise GuestTrap(f"guest {self.module.name} trapped: {_trap_reason(e)}") from None
+            raise self._call_error(name, e, deadline_s) from None
+
+    def _call_error(self, name: str, e: RawCallError, deadline_s: float) -> GuestError:
+        guest = self.module.name
+        if self.watchdog.reason == "deadline":
+            return GuestDeadlineExceeded(f"guest {guest} ran past its {deadline_s:g} s deadline and was "
+                                         "stopped")
+        if self.watchdog.reason is not None:
+            return GuestCancelled(f"guest {guest} was stopped: {self.watchdog.reason}")
+        if self.region.denied_size:
+            return GuestMemoryLimit(
+                f"guest {guest} trapped after asking for {_mib(self.region.denied_size)} of memory, over "
+                f"its cap of {_mib(self.memory_cap)} ({_trap_reason(e)})")
+        if not e.trap:
+            return GuestLoadError(f"guest {guest} cannot be called as the ABI says ({name}: "
+                                  f"{_trap_reason(e)})")
+        return GuestTrap(f"guest {guest} trapped: {_trap_reason(e)}")
+
+    def cancel(self, reason: str) -> None:
+        """From any thread: stop the running call at its next epoch tick (GuestCancelled)."""
+        self.watchdog.cancel(reason)
 
     # ---- state capture and restore (between calls only) ---------------------------------------------
 
@@ -223,20 +290,16 @@ class GuestInstance:
                 if isinstance(ext, wasmtime.Global) and ext.type(self.store).mutable]
 
     def capture_globals(self) -> list[tuple[str, str, int]]:
-        """(name, wasm type, raw 64-bit pattern) of each exported mutable global."""
-        out = []
-        for name, g in self.mutable_globals():
-            kind = str(g.type(self.store).content)
-            out.append((name, kind, _to_bits(kind, g.value(self.store))))
-        return out
+        """(name, wasm type, raw bit pattern) of each exported mutable global (numeric: checked at load)."""
+        return [(name, *global_bits(self.store, g)) for name, g in self.mutable_globals()]
 
     def restore_globals(self, saved: list[tuple[str, str, int]]) -> None:
         mine = dict(self.mutable_globals())
         for name, kind, bits in saved:
             g = mine.get(name)
-            if g is None or str(g.type(self.store).content) != kind:
+            if g is None or global_kind(self.store, g) != kind:
                 raise GuestLoadError(f"guest has no mutable global {name!r} of type {kind}")
-            g.set_value(self.store, _val(kind, _from_bits(kind, bits)))
+            set_global_bits(self.store, g, kind, int(bits))
 
     def capture_memory(self, page: int = 4096) -> tuple[int, np.ndarray, np.ndarray]:
         """(size in bytes, indices of the pages that are not all zero, those pages' bytes)."""
@@ -247,18 +310,23 @@ class GuestInstance:
 
     def restore_memory(self, size: int, index: np.ndarray, data: np.ndarray, page: int = 4096) -> None:
         """Make guest memory exactly `size` bytes: zero everywhere but the given pages."""
-        if size < self.region.size:
-            raise GuestLoadError(f"saved memory ({size} bytes) is smaller than the module's initial "
-                                 f"memory ({self.region.size} bytes): not this guest's state")
+        if size < self.region.size or size % 65536:
+            raise GuestLoadError(f"saved memory ({size} bytes) is not a whole number of wasm pages at "
+                                 f"least the module's initial memory ({self.region.size} bytes)")
         if size > self.memory_cap:
             raise GuestMemoryLimit(f"saved memory ({size >> 20} MiB) is over the cap of "
                                    f"{self.memory_cap >> 20} MiB")
+        index = np.asarray(index, dtype=np.int64)
+        if len(index) and (index.min() < 0 or index.max() >= size // page or np.any(np.diff(index) <= 0)):
+            raise GuestLoadError(f"saved memory pages must be distinct, in order and below {size // page}")
+        if np.asarray(data).nbytes != len(index) * page:
+            raise GuestLoadError(f"saved memory holds {np.asarray(data).nbytes} bytes for {len(index)} pages")
         grow_pages = (size - self.region.size) // 65536
         if grow_pages:
             self.memory.grow(self.store, grow_pages)
         self.region.zero()
         words = self.region.numpy(0, size // 8, np.uint64).reshape(-1, page // 8)
-        words[index.astype(np.int64)] = data.view(np.uint64).reshape(len(index), page // 8)
+        words[index] = np.asarray(data).view(np.uint64).reshape(len(index), page // 8)
 
     @property
     def memory_base(self) -> int:
@@ -272,34 +340,14 @@ class GuestInstance:
         self.store = None  # type: ignore[assignment]
 
 
-_INSTANTIATE_LOCK = threading.Lock()
-
-
 def _address(memory: wasmtime.Memory, store: Store) -> int:
     import ctypes
 
     return ctypes.cast(memory.data_ptr(store), ctypes.c_void_p).value or 0
 
 
-def _to_bits(kind: str, value) -> int:
-    if kind == "f32":
-        return struct.unpack("<I", struct.pack("<f", value))[0]
-    if kind == "f64":
-        return struct.unpack("<Q", struct.pack("<d", value))[0]
-    return int(value)
-
-
-def _from_bits(kind: str, bits: int):
-    if kind == "f32":
-        return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
-    if kind == "f64":
-        return struct.unpack("<d", struct.pack("<Q", bits & 0xFFFFFFFFFFFFFFFF))[0]
-    return int(bits)
-
-
-def _val(kind: str, value) -> wasmtime.Val:
-    return {"i32": wasmtime.Val.i32, "i64": wasmtime.Val.i64, "f32": wasmtime.Val.f32,
-            "f64": wasmtime.Val.f64}[kind](value)
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3g} MiB"
 
 
 def _trap_reason(e: BaseException) -> str:

@@ -1,0 +1,186 @@
+"""Random guests against the host: random sequences of host calls with random pointers, lengths,
+token ids, globals and memory shapes. Every failure must be a GuestError subclass, the process must
+not crash or hang, and the host must go on serving a well-behaved actor afterwards.
+
+    python tests/guest_fuzz.py --min-calls 200000 --seed 7   # a longer campaign than CI's
+
+Prints one JSON line: guests, messages, host calls made, outcomes by error type, and any failure
+that was not a GuestError (with its traceback) under "unexpected".
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from guests_wat import ALL_IMPORTS, import_decls  # noqa: E402
+
+PAGE = 65536
+ODD = [0, 1, 2, 3, 4, 8, 16, 17, 255, 4095, 4096, 65535, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xFFFFFFFD]
+
+
+class GuestGenerator:
+    """WAT text of one random guest: a memory of random shape, random exported globals, a random
+    alloc, and an on_message that makes `n_calls` random host calls, counting them in `calls`."""
+
+    def __init__(self, rng: random.Random, vocab: int) -> None:
+        self.rng, self.vocab = rng, vocab
+
+    # Most arguments are plausible, so a message gets deep into its sequence; a few percent are
+    # hostile (out of bounds, misaligned, negative, huge), each of which ends its message.
+    def pointer(self, memory: int) -> int:
+        r = self.rng.random()
+        if r < 0.985:
+            return self.rng.randrange(0, memory - 8192, 4)
+        if r < 0.99:
+            return self.rng.randrange(0, memory)
+        if r < 0.995:
+            return memory - self.rng.choice([0, 1, 4, 16, 64])
+        return self.rng.choice(ODD)
+
+    def length(self) -> int:
+        r = self.rng.random()
+        if r < 0.8:
+            return self.rng.randrange(0, 64)
+        if r < 0.99:
+            return self.rng.randrange(0, 2048)
+        return self.rng.choice(ODD + [PAGE, 3 * PAGE, 1 << 20])
+
+    def token(self) -> int:
+        return self.rng.randrange(0, self.vocab) if self.rng.random() < 0.8 else self.rng.choice(
+            [-1, self.vocab, self.vocab + 1, 0x7FFFFFFF, 0x80000000])
+
+    def argument(self, name: str, i: int, memory: int) -> int:
+        kinds = {
+            "tokenize": "plpl", "detokenize": "plpl", "chat_render": "plbpl", "prefill": "plL",
+            "decode": "tL", "sample": "p", "request": "p", "system": "pl", "eos_ids": "pl",
+            "kv_truncate": "l", "emit": "pl", "log": "pl",
+        }[name]
+        kind = kinds[i]
+        if kind == "L":  # a logits buffer: vocab_size floats
+            fits, r = memory - 4 * self.vocab, self.rng.random()
+            if r < 0.6 or fits <= 0:
+                return 0
+            return self.rng.randrange(0, fits, 4) if r < 0.97 else self.pointer(memory)
+        if kind == "p":
+            return 0 if self.rng.random() < 0.15 else self.pointer(memory)
+        if kind == "t":
+            return self.token()
+        if kind == "b":
+            return self.rng.choice([0, 1, 2, -1])
+        return self.length()
+
+    def call(self, memory: int) -> str:
+        name = self.rng.choice(list(ALL_IMPORTS))
+        n, _ = ALL_IMPORTS[name]
+        args = " ".join(f"(i32.const {self.argument(name, i, memory) & 0xFFFFFFFF})" for i in range(n))
+        count = "(global.set $calls (i32.add (global.get $calls) (i32.const 1)))"
+        call = f"(call ${name} {args})"
+        if self.rng.random() < 0.05:  # keep the result in memory (rarely out of bounds: a trap)
+            return f"{count} (i32.store (i32.const {self.pointer(memory) & ~3}) {call})"
+        return f"{count} (drop {call})"
+
+    def module(self, n_calls: int) -> tuple[str, int]:
+        rng = self.rng
+        pages = rng.randint(1, 8)
+        maximum = f" {pages + rng.randint(0, 8)}" if rng.random() < 0.5 else ""
+        memory = pages * PAGE
+        globals_ = []
+        for g in range(rng.randint(0, 3)):
+            kind = rng.choice(["i32", "i64", "f32", "f64"])
+            value = rng.choice(["0", "-1", "7", "nan:0x1" if kind[0] == "f" else "123"])
+            globals_.append(f'(global (export "g{g}") (mut {kind}) ({kind}.const {value}))')
+        junk = "".join(f"\\{rng.randrange(256):02x}" for _ in range(rng.randint(0, 256)))
+        # First a valid prefill, so that sample() and decode() have logits to work on.
+        body = ["(global.set $calls (i32.add (global.get $calls) (i32.const 1)))"
+                "(i32.store (i32.const 4096) (i32.const 17))"
+                "(drop (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))"]
+        for _ in range(n_calls):
+            if rng.random() < 0.03:
+                body.append(f"(drop (memory.grow (i32.const {rng.choice([0, 1, 4, 64, 40000])})))")
+            body.append(self.call(memory))
+        endings = ["(i32.const 0)", "(i32.const 3)", "(unreachable)", "(loop $f (br $f)) (i32.const 0)"]
+        ending = rng.choices(endings, weights=[80, 8, 8, 4])[0]
+        alloc = rng.choices([1024, memory - 8, 0, 0x7FFF0000], weights=[90, 4, 3, 3])[0]
+        wat = f"""(module
+  {import_decls(skip=())}
+  (memory (export "memory") {pages}{maximum})
+  (global $calls (export "calls") (mut i32) (i32.const 0))
+  {" ".join(globals_)}
+  (data (i32.const 16) "ok")
+  (data (i32.const 2048) "{junk}")
+  (func (export "floe_abi_version") (result i32) (i32.const 1))
+  (func (export "alloc") (param i32) (result i32) (i32.const {alloc}))
+  (func (export "on_message") (param i32 i32) (result i32)
+    {" ".join(body)}
+    {ending}))"""
+        return wat, len(body)
+
+
+def run(min_calls: int, seed: int, calls_per_message: int = 60, deadline_s: float = 0.5,
+        max_guests: int = 100_000) -> dict:
+    """Random guests until `min_calls` host calls were made (or max_guests were tried)."""
+    import wasmtime
+    from models import tiny_engine
+
+    from floe.actor import Actor
+    from floe.engine import SamplingParams
+    from floe.wasm import GuestError
+
+    engine = tiny_engine(n_slots=4)
+    rng = random.Random(seed)
+    gen = GuestGenerator(rng, engine.config.vocab_size)
+    outcomes: collections.Counter = collections.Counter()
+    unexpected: list[str] = []
+    calls = messages = guests = 0
+    start = time.monotonic()
+    while calls < min_calls and guests < max_guests:
+        guests += 1
+        wat, _ = gen.module(calls_per_message)
+        wasm = wasmtime.wat2wasm(wat)
+        cap = rng.choice([1, 4, 16]) << 20
+        try:
+            actor = Actor(engine, wasm, memory_cap=cap, deadline_s=deadline_s, seed=rng.randrange(1 << 30))
+        except GuestError as e:
+            outcomes[f"load:{type(e).__name__}"] += 1
+            continue
+        except Exception:  # noqa: BLE001 - what the fuzz is for
+            unexpected.append(traceback.format_exc())
+            continue
+        with actor:
+            for _ in range(2):
+                messages += 1
+                params = SamplingParams(temperature=rng.choice([0.0, 0.7, 1.5]), top_k=rng.choice([0, 5]))
+                try:
+                    actor.send("Hi " * rng.randint(0, 30), max_tokens=rng.randint(1, 32), params=params)
+                    outcomes["ok"] += 1
+                except GuestError as e:
+                    outcomes[type(e).__name__] += 1
+                except Exception:  # noqa: BLE001
+                    unexpected.append(traceback.format_exc())
+            calls += dict((n, b) for n, _, b in actor.capture_state().globals)["calls"]
+    with Actor(engine) as actor:  # the host still serves a well-behaved guest
+        healthy = actor.send("Hi", max_tokens=3).stats.generated_tokens == 3
+    return {"guests": guests, "messages": messages, "host_calls": calls, "outcomes": dict(outcomes),
+            "unexpected": unexpected, "healthy_after": healthy, "seconds": round(time.monotonic() - start, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--min-calls", type=int, default=10_000, help="stop after this many host calls")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--calls", type=int, default=60, help="host calls per message")
+    args = parser.parse_args()
+    print(json.dumps(run(args.min_calls, args.seed, args.calls)))
+
+
+if __name__ == "__main__":
+    main()

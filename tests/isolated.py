@@ -1,0 +1,28 @@
+"""Run a piece of Python in a fresh interpreter: for behaviour whose failure mode is a crash or a hang,
+which would take the test runner down with it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+TESTS = Path(__file__).parent
+
+
+def run_isolated(code: str, timeout: float = 180) -> str:
+    """Run `code` in a new interpreter (tests/ on its path); its stdout. Fails the calling test with
+    the child's output if it crashed, hung past `timeout` or exited non-zero."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    try:
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the child hung past {timeout} s; its output: {e.stdout!r} {e.stderr!r}") \
+            from None
+    assert done.returncode == 0, (f"the child exited with {done.returncode} (negative: killed by signal "
+                                  f"{-done.returncode})\nstdout: {done.stdout}\n"
+                                  f"stderr: {done.stderr[-3000:]}")
+    return done.stdout

@@ -1,0 +1,398 @@
+"""The sandbox holds: no guest can crash, stall or exhaust the host, or reach another actor.
+
+Cases whose failure mode is a crash (an abort, a segfault) run in a fresh interpreter (isolated.py).
+The engine is a tiny random model with the real tokenizer: these tests are about the host."""
+
+import threading
+import time
+
+import pytest
+import wasmtime
+from guests_wat import calls_host, guest
+from isolated import run_isolated
+
+from floe.actor import Actor, ActorReentrantCall
+from floe.actor.abi import BUDGET_PER_CAP, HOST_MEMORY_PER_CAP, LOG_LINES_KEPT
+from floe.wasm import (
+    GuestBudgetExceeded,
+    GuestDeadlineExceeded,
+    GuestHostCallError,
+    GuestLoadError,
+    GuestMemoryLimit,
+    GuestPointerError,
+    GuestTrap,
+)
+
+OVERRUN_S = 0.1  # how far past its deadline a message may end
+
+
+def _module(on_message: str, *, result: str = "(result i32)", params: str = "(param i32 i32)") -> bytes:
+    """A minimal guest whose on_message has the given signature and body."""
+    return wasmtime.wat2wasm(f"""(module (memory (export "memory") 1)
+      (func (export "floe_abi_version") (result i32) (i32.const 1))
+      (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+      (func (export "on_message") {params} {result} {on_message}))""")
+
+
+def _expect(call: str, status: int) -> str:
+    """WAT: trap unless `call` returns `status`."""
+    return f"(if (i32.ne {call} (i32.const {status})) (then unreachable))"
+
+
+# ---- globals of every type ---------------------------------------------------------------------------
+
+def test_v128_globals_and_signatures_are_refused_without_aborting_the_host():
+    out = run_isolated("""
+        import wasmtime
+        from guests_wat import guest
+        from models import tiny_engine
+        from floe.actor import Actor
+        from floe.wasm import GuestLoadError
+        engine = tiny_engine(n_slots=2)
+        hostile = {
+            "global": guest("(i32.const 0)", extra='(global (export "g") (mut v128) (v128.const i64x2 1 2))'),
+            "param": wasmtime.wat2wasm('''(module (memory (export "memory") 1)
+                (func (export "floe_abi_version") (result i32) (i32.const 1))
+                (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+                (func (export "on_message") (param v128 i32) (result i32) (i32.const 0)))'''),
+            "result": wasmtime.wat2wasm('''(module (memory (export "memory") 1)
+                (func (export "floe_abi_version") (result v128) (v128.const i64x2 1 2))
+                (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+                (func (export "on_message") (param i32 i32) (result i32) (i32.const 0)))'''),
+        }
+        for name, wasm in hostile.items():
+            try:
+                with Actor(engine, wasm) as actor:
+                    actor.send("Hi", max_tokens=2)
+                print(name, "ACCEPTED")
+            except GuestLoadError as e:
+                print(name, "refused:", e)
+        with Actor(engine) as actor:
+            print("alive", len(actor.send("Hi", max_tokens=2).stats.token_ids))
+    """)
+    assert "ACCEPTED" not in out
+    assert "global refused:" in out and "mutable v128 global 'g'" in out
+    assert "param refused:" in out and "result refused:" in out
+    assert "alive 2" in out
+
+
+@pytest.mark.parametrize("kind, init", [("funcref", "(ref.null func)"), ("externref", "(ref.null extern)")])
+def test_reference_typed_globals_are_refused_at_load_by_name(tiny_engine, kind, init):
+    wasm = guest("(i32.const 0)", extra=f'(global (export "g") (mut {kind}) {init})')
+    with pytest.raises(GuestLoadError, match=f"mutable {kind} global 'g'"):
+        Actor(tiny_engine, wasm)
+
+
+def test_numeric_globals_keep_their_exact_bits_through_capture_and_restore(tiny_engine):
+    wasm = guest("(i32.const 0)", extra="""
+      (global (export "f") (mut f32) (f32.const nan:0x200000))
+      (global (export "d") (mut f64) (f64.const -nan:0x4000000000001))
+      (global (export "i") (mut i64) (i64.const -5))
+      (global (export "j") (mut i32) (i32.const 7))""")
+    with Actor(tiny_engine, wasm) as a, Actor(tiny_engine, wasm) as b:
+        state = a.capture_state()
+        assert dict((n, bits) for n, _, bits in state.globals)["f"] == 0x7FA00000  # a signalling NaN
+        changed = {"f": 0x7F800001, "d": 0xFFF0000000000001, "i": (1 << 64) - 9, "j": 0x80000000}
+        state.globals = [(n, kind, changed[n]) for n, kind, _ in state.globals]
+        b.restore(state)
+        assert {n: bits for n, _, bits in b.capture_state().globals} == changed
+
+
+# ---- closing an actor while its message runs ----------------------------------------------------------
+
+def test_closing_an_actor_from_its_own_on_text_stops_the_message_and_frees_it_safely():
+    # floe's chat guest stops when emit() says so; a guest that ignores it is cancelled at its next call.
+    ignores_stop = FLOODS["emit"]
+    out = run_isolated(f"""
+        from models import tiny_engine
+        from floe.actor import Actor
+        from floe.wasm import GuestCancelled
+        engine = tiny_engine(n_slots=1)
+        for guest in (None, {ignores_stop!r}) * 2:
+            actor = Actor(engine, guest)
+            pieces = []
+            def close(text):
+                pieces.append(text)
+                actor.close()
+            try:
+                actor.send("Hi", max_tokens=60, on_text=close)
+                print("stopped after", len(pieces))
+            except GuestCancelled as e:
+                print("cancelled after", len(pieces), e)
+            assert actor.closed
+        with Actor(engine) as actor:  # the only slot is free again
+            print("next", len(actor.send("Hi", max_tokens=3).stats.token_ids))
+    """)
+    assert out.count("stopped after 1") == 2 and out.count("cancelled after 1") == 2 and "next 3" in out
+
+
+def test_closing_an_actor_from_another_thread_waits_for_its_message_to_stop():
+    out = run_isolated("""
+        import threading
+        from models import tiny_engine
+        from floe.actor import Actor
+        engine = tiny_engine(n_slots=1)
+        for round in range(3):
+            actor = Actor(engine)
+            started, outcome = threading.Event(), []
+            def talk():
+                try:
+                    actor.send("Hi", max_tokens=400, on_text=lambda text: started.set())
+                    outcome.append("finished")
+                except Exception as e:
+                    outcome.append(type(e).__name__)
+            worker = threading.Thread(target=talk)
+            worker.start()
+            started.wait(60)
+            actor.close()
+            print("stopped before close returned:", bool(outcome))
+            worker.join()
+            print("outcome:", outcome[0])
+        with Actor(engine) as actor:
+            print("next", len(actor.send("Hi", max_tokens=3).stats.token_ids))
+    """)
+    assert out.count("stopped before close returned: True") == 3
+    assert out.count("outcome: GuestCancelled") + out.count("outcome: finished") == 3
+    assert "next 3" in out
+
+
+# ---- deadlines bound host work too ----------------------------------------------------------------------
+
+DIGITS = "1" * 60000  # one long "word": the tokenizer's slow case (~0.1-0.4 s per call)
+FLOODS = {
+    "tokenize": calls_host(
+        "(loop $l (drop (call $tokenize (i32.const 65536) (i32.const 60000) (i32.const 0) (i32.const 0)))"
+        " (br $l)) (i32.const 0)",
+        memory_pages=4, extra=f'(data (i32.const 65536) "{DIGITS}")'),
+    "emit": calls_host("(loop $l (drop (call $emit (i32.const 16) (i32.const 2))) (br $l)) (i32.const 0)"),
+    "log": calls_host("(loop $l (drop (call $log (i32.const 16) (i32.const 2))) (br $l)) (i32.const 0)"),
+    "decode": calls_host(
+        "(i32.store (i32.const 4096) (i32.const 17))"
+        "(drop (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))"
+        "(loop $l (drop (call $kv_truncate (i32.const 1)))"
+        " (drop (call $decode (i32.const 17) (i32.const 0))) (br $l)) (i32.const 0)"),
+}
+
+
+@pytest.mark.parametrize("flood", list(FLOODS))
+def test_a_host_call_flood_ends_within_its_deadline(tiny_engine, flood):
+    with Actor(tiny_engine, FLOODS[flood], deadline_s=1.0) as actor:
+        start = time.monotonic()
+        with pytest.raises(GuestDeadlineExceeded):
+            actor.send("Hi")
+        assert time.monotonic() - start < 1.0 + OVERRUN_S
+        assert len(actor.logs) <= LOG_LINES_KEPT
+
+
+@pytest.mark.parametrize("flood", ["emit", "log"])
+def test_a_flood_that_outlasts_its_bytes_budget_is_stopped(tiny_engine, flood):
+    cap = 4 << 20
+    with Actor(tiny_engine, FLOODS[flood], memory_cap=cap, deadline_s=120) as actor:
+        with pytest.raises(GuestBudgetExceeded, match=f"{BUDGET_PER_CAP * cap >> 20} MiB"):
+            actor.send("Hi")
+
+
+def test_chat_render_of_aliased_huge_records_is_refused_without_rendering():
+    # 100 records naming the same 3.5 MiB: the host would render 350 MB; it answers -3 at once.
+    table = "".join(f"(i32.store (i32.const {4096 + 16 * i + 12}) (i32.const 3670016))"
+                    f"(i32.store (i32.const {4096 + 16 * i + 8}) (i32.const 65536))" for i in range(100))
+    wasm = calls_host(table + _expect("(call $chat_render (i32.const 4096) (i32.const 100) (i32.const 1) "
+                                      "(i32.const 0) (i32.const 0))", -3) + "(i32.const 0)",
+                      memory_pages=64)
+    out = run_isolated(f"""
+        import time
+        from models import tiny_engine
+        from floe.actor import Actor
+        from floe.memory import rss_bytes
+        engine = tiny_engine(n_slots=1)
+        with Actor(engine, {wasm!r}) as actor:
+            before, start = rss_bytes(), time.monotonic()
+            actor.send("Hi")
+            print("seconds", time.monotonic() - start, "grew", rss_bytes() - before)
+    """)
+    seconds, grew = float(out.split()[1]), int(out.split()[3])
+    assert seconds < 0.5 and grew < 64 << 20
+
+
+def test_a_start_function_runs_under_the_actors_deadline(tiny_engine):
+    loops = guest("(i32.const 0)", extra="(func $s (loop $f (br $f))) (start $s)")
+    start = time.monotonic()
+    with pytest.raises(GuestDeadlineExceeded, match="start function"):
+        Actor(tiny_engine, loops, deadline_s=0.5)
+    assert time.monotonic() - start < 0.5 + OVERRUN_S
+
+
+def test_a_runaway_start_function_does_not_delay_another_actors_creation(tiny_engine):
+    loops = guest("(i32.const 0)", extra="(func $s (loop $f (br $f))) (start $s)")
+    errors = []
+
+    def runaway():
+        try:
+            Actor(tiny_engine, loops, deadline_s=3.0)
+        except GuestDeadlineExceeded as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=runaway)
+    thread.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    with Actor(tiny_engine):
+        created_in = time.monotonic() - start
+    thread.join()
+    assert created_in < 1.0 and len(errors) == 1
+
+
+def test_host_functions_are_refused_to_a_start_function(tiny_engine):
+    wasm = guest("(i32.const 0)",
+                 extra="(func $s (drop (call $emit (i32.const 16) (i32.const 2)))) (start $s)")
+    with pytest.raises(GuestLoadError, match="start function"):
+        Actor(tiny_engine, wasm)
+
+
+# ---- the memory cap from the first instruction -------------------------------------------------------
+
+def test_a_start_function_cannot_grow_past_the_cap(tiny_engine):
+    bomb = guest("(i32.const 0)", extra="""(func $s
+        (loop $more (br_if $more (i32.ne (memory.grow (i32.const 16)) (i32.const -1)))) (unreachable))
+        (start $s)""")
+    with pytest.raises(GuestMemoryLimit, match="over its cap of 4 MiB"):
+        Actor(tiny_engine, bomb, memory_cap=4 << 20)
+
+
+def test_an_initial_memory_over_the_cap_and_a_memory64_module_are_refused(tiny_engine):
+    with pytest.raises(GuestLoadError, match="memory cap"):
+        Actor(tiny_engine, guest("(i32.const 0)", memory_pages=128), memory_cap=4 << 20)
+    mem64 = wasmtime.wat2wasm('(module (memory (export "memory") i64 1))')
+    with pytest.raises(GuestLoadError, match="memory64"):
+        Actor(tiny_engine, mem64)
+
+
+def test_a_4_mib_guest_cannot_make_the_host_hold_more_than_a_fixed_multiple_of_its_cap():
+    floods = {name: FLOODS[name] for name in ("tokenize", "emit", "log")}
+    out = run_isolated(f"""
+        from models import tiny_engine
+        from floe.actor import Actor
+        from floe.wasm import GuestError
+        engine = tiny_engine(n_slots=1)
+        with Actor(engine) as actor:
+            actor.send("Hi", max_tokens=4)  # warm: the host's own first-use allocations
+        def hwm():
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM"))
+        before = hwm()
+        for name, wasm in {floods!r}.items():
+            with Actor(engine, wasm, memory_cap=4 << 20, deadline_s=5) as actor:
+                try:
+                    actor.send("Hi")
+                except GuestError as e:
+                    print(name, type(e).__name__)
+        print("peak growth", hwm() - before)
+    """)
+    growth = int(out.split("peak growth")[1])
+    assert growth <= HOST_MEMORY_PER_CAP * (4 << 20), out
+
+
+# ---- re-entrant calls ------------------------------------------------------------------------------------
+
+def test_send_from_inside_on_text_is_refused_and_the_outer_reply_is_whole(tiny_engine):
+    with Actor(tiny_engine) as plain:
+        expected = plain.send("Hi", max_tokens=12).text
+    refused = []
+    with Actor(tiny_engine) as actor:
+        def again(text):
+            try:
+                actor.send("again")
+            except ActorReentrantCall as e:
+                refused.append(e)
+
+        reply = actor.send("Hi", max_tokens=12, on_text=again)
+        assert reply.text == expected and refused
+        assert actor.send("Hi", max_tokens=2).stats.generated_tokens == 2  # and the next message is normal
+
+
+def test_freeze_from_inside_on_text_is_refused_and_writes_nothing(tiny_engine, tmp_path):
+    refused = []
+    with Actor(tiny_engine) as actor:
+        def freeze(text):
+            try:
+                actor.freeze(tmp_path / "mid-message.safetensors")
+            except ActorReentrantCall as e:
+                refused.append(e)
+
+        actor.send("Hi", max_tokens=4, on_text=freeze)
+    assert refused and not list(tmp_path.iterdir())
+
+
+# ---- errors that say what happened -------------------------------------------------------------------
+
+def test_alloc_returning_a_pointer_outside_memory_is_a_guest_pointer_error(tiny_engine):
+    bad_alloc = wasmtime.wat2wasm("""(module (memory (export "memory") 1)
+      (func (export "floe_abi_version") (result i32) (i32.const 1))
+      (func (export "alloc") (param i32) (result i32) (i32.const 0x7fff0000))
+      (func (export "on_message") (param i32 i32) (result i32) (i32.const 0)))""")
+    with Actor(tiny_engine, bad_alloc) as actor, pytest.raises(GuestPointerError, match="alloc"):
+        actor.send("Hi")
+
+
+def test_an_on_message_without_a_result_is_refused_at_load(tiny_engine):
+    with pytest.raises(GuestLoadError, match=r"on_message with 2 parameters and 0 results"):
+        Actor(tiny_engine, _module("", result=""))
+
+
+def test_a_trap_names_the_guests_last_log_line(tiny_engine):
+    wasm = guest("(drop (call $log (i32.const 16) (i32.const 2))) (unreachable)",
+                 imports='(import "floe" "log" (func $log (param i32 i32) (result i32)))')
+    with Actor(tiny_engine, wasm) as actor, pytest.raises(GuestTrap, match="last log line: 'ok'"):
+        actor.send("Hi")
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "all -inf"])
+def test_sample_refuses_logits_no_distribution_can_come_from(tiny_engine, poison):
+    vocab = tiny_engine.config.vocab_size
+    write = {"nan": "(f32.store (i32.const 65536) (f32.const nan))",
+             "inf": "(f32.store (i32.const 65540) (f32.const inf))",
+             "all -inf": f"""(local.set $i (i32.const 0)) (loop $l
+                (f32.store (i32.add (i32.const 65536) (i32.shl (local.get $i) (i32.const 2)))
+                           (f32.const -inf))
+                (local.set $i (i32.add (local.get $i) (i32.const 1)))
+                (br_if $l (i32.lt_u (local.get $i) (i32.const {vocab}))))"""}[poison]
+    body = ("(local $i i32) (i32.store (i32.const 4096) (i32.const 17))"
+            "(drop (call $prefill (i32.const 4096) (i32.const 1) (i32.const 65536)))"
+            + write + _expect("(call $sample (i32.const 0))", -3) + "(i32.const 0)")
+    with Actor(tiny_engine, calls_host(body, memory_pages=8)) as actor:
+        actor.send("Hi")
+
+
+def test_negative_lengths_and_caps_answer_bad_argument(tiny_engine):
+    checks = [
+        "(call $tokenize (i32.const 16) (i32.const -1) (i32.const 4096) (i32.const 8))",
+        "(call $tokenize (i32.const 16) (i32.const 2) (i32.const 4096) (i32.const -8))",
+        "(call $detokenize (i32.const 4096) (i32.const -1) (i32.const 8192) (i32.const 8))",
+        "(call $chat_render (i32.const 4096) (i32.const -1) (i32.const 1) (i32.const 8192) (i32.const 8))",
+        "(call $eos_ids (i32.const 4096) (i32.const -2))",
+        "(call $system (i32.const 4096) (i32.const -2))",
+        "(call $emit (i32.const 16) (i32.const -5))",
+        "(call $log (i32.const 16) (i32.const -5))",
+        "(call $prefill (i32.const 4096) (i32.const -3) (i32.const 0))",
+    ]
+    body = "".join(_expect(c, -3) for c in checks) + "(i32.const 0)"
+    with Actor(tiny_engine, calls_host(body)) as actor:
+        actor.send("Hi")
+
+
+@pytest.mark.parametrize("call", ["(call $request (i32.const 4100))",
+                                  "(call $sample (i32.const 4098))",
+                                  "(call $chat_render (i32.const 4098) (i32.const 1) (i32.const 1) "
+                                  "(i32.const 8192) (i32.const 8))"])
+def test_misaligned_structs_are_guest_pointer_errors(tiny_engine, call):
+    body = ("(i32.store (i32.const 4096) (i32.const 17))"
+            "(drop (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))"
+            f"(drop {call}) (i32.const 0)")
+    with Actor(tiny_engine, calls_host(body)) as actor, pytest.raises(GuestPointerError, match="aligned"):
+        actor.send("Hi")
+
+
+def test_sample_before_any_forward_is_a_guest_error_that_says_why(tiny_engine):
+    wasm = calls_host("(drop (call $sample (i32.const 0))) (i32.const 0)")
+    with Actor(tiny_engine, wasm) as actor, pytest.raises(GuestHostCallError, match="before any prefill"):
+        actor.send("Hi")
