@@ -1,5 +1,8 @@
 """Snapshots: an actor frozen to one safetensors file continues bit-for-bit, elsewhere; bad files are
-refused with their specific error and nothing half-loaded; a killed writer damages nothing."""
+refused with their specific error and nothing half-loaded; hostile files (checksums recomputed over
+inconsistent contents, FIFOs, huge header lengths, appended bytes) are SnapshotErrors, never other
+exceptions or hangs; a killed writer damages nothing and its temporaries are cleaned; concurrent
+writers of one path take turns. The mutation fuzz is tests/test_snapshot_fuzz.py."""
 
 import json
 import os
@@ -7,18 +10,22 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import wasmtime
 from gguf import GGMLQuantizationType as Q
 from models import write_gguf
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+from test_snapshot_fuzz import FUZZ_GUEST, join, reseal, same_state, split, tiny_engine, tiny_snapshot
 
-from floe.actor import Actor, builtin_guest
+from floe.actor import Actor, ActorState, builtin_guest
+from floe.cli import main
 from floe.engine import Engine, SamplingParams
 from floe.engine.kvcache import KVDigestMismatch
 from floe.model import load_checkpoint
@@ -27,11 +34,19 @@ from floe.snapshot import (
     SnapshotCorrupt,
     SnapshotGuestMismatch,
     SnapshotModelMismatch,
+    SnapshotRestoreFailed,
     SnapshotShapeMismatch,
     SnapshotVersionMismatch,
     checksum_v1,
+    clean_stale,
+    header,
+    path_lock,
     seal,
+    thaw,
+    write,
 )
+from floe.snapshot.atomic import TEMP_SUFFIX, lock_path
+from floe.wasm import GuestLoadError, GuestMemoryLimit, default_runtime
 
 TURNS = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
 
@@ -281,37 +296,322 @@ def test_guest_state_in_globals_and_memory_round_trips(engine, tmp_path):
         assert thawed.send("x").text == "36"
 
 
+def synthetic_state(tag: int = 0, *, n_layers: int = 2, kv_len: int = 4, n_kv_heads: int = 1,
+                    head_dim: int = 8) -> ActorState:
+    """An actor state made up without a model or guest, for the writer's tests: every KV value and
+    token is `tag`."""
+    shape = (n_kv_heads, kv_len, head_dim)
+    k, v = ([torch.full(shape, float(tag)) for _ in range(n_layers)] for _ in range(2))
+    return ActorState(k=k, v=v, tokens=[tag] * kv_len, memory_size=65536, memory_pages=np.zeros(0, np.int32),
+                      memory_data=np.zeros(0, np.uint8), globals=[], rng=torch.Generator().get_state(),
+                      system_prompt="", model_fingerprint="f" * 64, model_name="m", guest_sha256="g" * 64,
+                      guest_name="chat.wasm", engine_dtype="float32", abi_version=1)
+
+
+def in_subprocess(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `script` in a fresh interpreter that imports this folder's modules; a hang fails the test."""
+    return subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
 WRITER = """
-import sys, numpy as np, torch
-from floe.snapshot import ActorState, write
-k, v = ([torch.randn(3, 4096, 64) for _ in range(30)] for _ in range(2))
-state = ActorState(k=k, v=v, tokens=[1] * 4096, memory_size=65536, memory_pages=np.zeros(0, np.int32),
-                   memory_data=np.zeros(0, np.uint8), globals=[], rng=torch.Generator().get_state(),
-                   system_prompt="", model_fingerprint="f" * 64, model_name="m", guest_sha256="g" * 64,
-                   guest_name="chat.wasm", engine_dtype="float32", abi_version=1)
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_snapshot import synthetic_state
+from floe.snapshot import write
+state = synthetic_state(1, n_layers=30, kv_len=4096, n_kv_heads=3, head_dim=64)
 print("ready", flush=True)
 while True:
-    write(state, sys.argv[1])
+    write(state, sys.argv[2])
 """
 
 
-def test_writer_killed_mid_freeze_leaves_the_earlier_snapshot(tmp_path):
+def test_writer_killed_mid_freeze_leaves_the_earlier_snapshot_and_its_temporaries_are_cleaned(tmp_path):
     path = tmp_path / "live.safetensors"
     mid_write = 0
-    for delay in (0.05, 0.13, 0.21, 0.37):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    for delay in (0.0, 0.03, 0.1, 0.2):  # after its temporary appears: inside serializing, fsync, rename
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(Path(__file__).parent), str(path)],
+                                stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 60
-        while not path.exists():
+        while not (path.exists() and any(p.name.endswith(TEMP_SUFFIX) for p in tmp_path.iterdir())):
             assert proc.poll() is None and time.monotonic() < deadline, "the writer died before writing"
-            time.sleep(0.01)
+            time.sleep(0.002)
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        leftovers = [p for p in tmp_path.iterdir() if p != path]  # temp files of an interrupted write
+        leftovers = {p for p in tmp_path.iterdir() if p not in (path, lock_path(path))}
         mid_write += bool(leftovers)
-        snap = Snapshot(path)  # complete and checksummed, whatever the kill interrupted
-        assert snap.kv_len == 4096
-        for p in leftovers:
-            p.unlink()
+        # Only floe's own names (the library's temporary file lies inside floe's folder), so a later
+        # writer or scan can tell them from anything else.
+        assert all(p.name.startswith(f".{path.name}.") and p.name.endswith(TEMP_SUFFIX) for p in leftovers)
+        assert Snapshot(path).kv_len == 4096  # complete and checksummed, whatever the kill interrupted
+        assert set(clean_stale(tmp_path)) == leftovers
+        assert set(tmp_path.iterdir()) == {path, lock_path(path)}
     assert mid_write >= 1  # at least one kill really landed inside a write
+
+
+def test_a_writer_removes_stale_temporaries_of_its_path_and_a_scan_keeps_a_live_writers(tmp_path):
+    path = tmp_path / "s.safetensors"
+    stale = tmp_path / f".s.safetensors.999999999-1-0badf00d{TEMP_SUFFIX}"  # no such process
+    stale.mkdir()
+    (stale / ".tmpAbC123").write_bytes(b"x" * 4096)  # what the library's own writer leaves inside
+    legacy = tmp_path / ".s.safetensors.999999999.tmp"  # an older floe's name
+    legacy.write_bytes(b"x")
+    other = tmp_path / f".t.safetensors.{os.getpid()}-1-0badf00d{TEMP_SUFFIX}"
+    other.mkdir()
+    write(synthetic_state(), path)
+    assert not stale.exists() and not legacy.exists() and other.exists()
+    with path_lock(tmp_path / "t.safetensors"):  # as a live writer of t.safetensors holds it
+        assert clean_stale(tmp_path) == [] and other.exists()
+    assert clean_stale(tmp_path) == [other] and not other.exists()
+
+
+def test_writers_of_one_path_take_turns_and_each_success_installed_its_own_state(tmp_path, monkeypatch):
+    path = tmp_path / "shared.safetensors"
+    installed = []  # (writer, the tag of the file it renamed into place), in rename order
+    replace = os.replace
+
+    def recording_replace(src, dst):
+        installed.append((threading.current_thread().name, Snapshot(src).tensors["tokens"][0].item()))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    for _ in range(5):
+        installed.clear()
+        start, errors = threading.Barrier(6), []
+
+        def writer(tag: int, start=start, errors=errors) -> None:
+            start.wait()
+            try:
+                write(synthetic_state(tag), path)
+            except Exception as e:  # noqa: BLE001 - any failure of a writer fails the test
+                errors.append(e)
+
+        threads = [threading.Thread(target=writer, args=(tag,), name=str(tag)) for tag in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert errors == []
+        assert sorted(installed) == [(str(tag), tag) for tag in range(6)]  # each installed its own state
+        assert Snapshot(path).tensors["tokens"][0].item() == installed[-1][1]  # the last one stays
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(TEMP_SUFFIX)] == []
+
+
+LOCKED_WRITER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_snapshot import synthetic_state
+from floe.snapshot import write
+print("ready", flush=True)
+write(synthetic_state(2), sys.argv[2])
+print("written", flush=True)
+"""
+
+
+def test_a_writer_in_another_process_waits_while_the_path_is_locked(tmp_path):
+    path = tmp_path / "p.safetensors"
+    write(synthetic_state(1), path)
+    with path_lock(path):
+        proc = subprocess.Popen([sys.executable, "-c", LOCKED_WRITER, str(Path(__file__).parent), str(path)],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(1.5)  # a tiny write takes milliseconds: it is waiting for the lock
+        assert proc.poll() is None and Snapshot(path).tensors["tokens"][0].item() == 1
+    assert proc.stdout.readline() == "written\n" and proc.wait(timeout=60) == 0
+    assert Snapshot(path).tensors["tokens"][0].item() == 2
+
+
+# ---- hostile files: one small snapshot of a tiny model, forged with recomputed checksums ----------
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_engine(), default_runtime().compile(FUZZ_GUEST)
+
+
+@pytest.fixture(scope="module")
+def small(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("small") / "small.safetensors"
+    return path, tiny_snapshot(*tiny, path)
+
+
+def forge(src: Path, dst: Path, edit, *, digests: bool = True) -> Path:
+    """A copy of `src` that `edit(header, data)` changed (in place, or returning new data), with its
+    checksums recomputed: only the format's own checks can refuse it."""
+    h, data = split(src.read_bytes())
+    data = edit(h, data) or data
+    reseal(h, data, digests)
+    dst.write_bytes(join(h, data))
+    return dst
+
+
+def slots_all_free(engine) -> None:
+    slots = [engine.claim_slot() for _ in range(engine.cache.n_slots)]  # raises if one leaked
+    for slot in slots:
+        engine.release_slot(slot)
+
+
+def refused(tiny, path: Path, error=SnapshotCorrupt, match: str | None = None, *,
+            by_header: bool = True) -> None:
+    """`thaw`, `Snapshot` and (`by_header`) `header` all raise `error`; no slot stays taken."""
+    engine, module = tiny
+    readers = [lambda: Snapshot(path), lambda: thaw(engine, path, module)]
+    for read in readers + ([lambda: header(path)] if by_header else []):
+        with pytest.raises(error, match=match):
+            read()
+    slots_all_free(engine)
+
+
+@pytest.mark.parametrize("metadata", [["format", "floe-snapshot"], 7, "floe-snapshot", None],
+                         ids=["list", "number", "string", "null"])
+def test_metadata_that_is_not_an_object_of_strings_is_a_one_line_error_in_the_cli(small, tmp_path, capsys,
+                                                                                    metadata):
+    path = forge(small[0], tmp_path / "m.safetensors", lambda h, d: h.update(__metadata__=metadata))
+    for command in ("inspect", "verify"):
+        assert main(["snapshot", command, str(path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("floe: error:") and err.count("\n") == 1 and "Traceback" not in err
+
+
+MALFORMED = [("kv_len", None), ("n_layers", "3.0"), ("head_dim", "-1"), ("n_kv_heads", str(2**40)),
+             ("guest_memory_bytes", "1e6"), ("guest_memory_bytes", "65537"), ("guest_page_size", "8192"),
+             ("kv_dtype", "int4"), ("globals", "not json"), ("globals", '[["a"]]'),
+             ("globals", '[["a","i32"],["a","i32"]]'), ("app", "[]"), ("app", "[" * 100_000),
+             ("checksums", None), ("checksums", '{"tokens": "00"}'), ("created_at", None),
+             ("model_fingerprint", None), ("abi_version", "one"), ("guest_name", None)]
+
+
+@pytest.mark.parametrize("key, value", MALFORMED, ids=[f"{k}={str(v)[:12]}" for k, v in MALFORMED])
+def test_missing_or_malformed_metadata_is_refused_though_its_checksums_match(tiny, small, tmp_path, key,
+                                                                             value):
+    def edit(h, data):
+        if value is None:
+            del h["__metadata__"][key]
+        else:
+            h["__metadata__"][key] = value
+
+    path = forge(small[0], tmp_path / "m.safetensors", edit, digests=key != "checksums")
+    refused(tiny, path, SnapshotCorrupt, "truncated or corrupt")
+
+
+INCONSISTENT = {
+    "tokens stored as float32": lambda h, d: h["tokens"].update(dtype="F32"),
+    "a KV tensor transposed": lambda h, d: h["kv.0.k"].update(shape=h["kv.0.k"]["shape"][::-1]),
+    "page numbers in two dimensions": lambda h, d: h["guest.memory.pages"]["shape"].append(1),
+    "an extra tensor": lambda h, d: h.update(extra={"dtype": "U8", "shape": [0],
+                                                    "data_offsets": [len(d), len(d)]}),
+    "a layer renamed": lambda h, d: h.update({"kv.7.k": h.pop("kv.1.k")}),
+    "an entry with an unknown key": lambda h, d: h["tokens"].update(offsets=[0, 0]),
+    "a duplicate of a tensor's bytes": lambda h, d: h.update(alias=h["tokens"]),
+}
+
+
+@pytest.mark.parametrize("edit", INCONSISTENT.values(), ids=INCONSISTENT.keys())
+def test_tensor_dtypes_shapes_and_names_must_be_those_the_metadata_describes(tiny, small, tmp_path, edit):
+    refused(tiny, forge(small[0], tmp_path / "t.safetensors", edit), SnapshotCorrupt)
+
+
+@pytest.mark.parametrize("extra", [b"\0" * 8, b"garbage!" * 100], ids=["zeros", "text"])
+def test_bytes_after_the_last_tensor_are_refused_as_safetensors_refuses_them(tiny, small, tmp_path, extra):
+    path = tmp_path / "appended.safetensors"
+    path.write_bytes(small[0].read_bytes() + extra)
+    with pytest.raises(SafetensorError), safe_open(str(path), framework="pt"):
+        pass
+    refused(tiny, path, SnapshotCorrupt, "bytes after its last tensor")
+
+
+@pytest.mark.parametrize("pages", [[0, 1, -1], [0, 1, 1], [0, 17, 1], "past the end", [0, 1]],
+                         ids=["minus one", "repeated", "unordered", "past the end", "fewer than the data"])
+def test_guest_page_numbers_are_in_range_strictly_increasing_and_one_per_stored_page(tiny, small, tmp_path,
+                                                                                     pages):
+    if pages == "past the end":
+        pages = [0, 1, int(header(small[0])["guest_memory_bytes"]) // 4096]
+    bad = rewrite(small[0], tmp_path / "p.safetensors",
+                  tensors={"guest.memory.pages": torch.tensor(pages, dtype=torch.int32)})
+    refused(tiny, bad, SnapshotCorrupt, "guest.memory.pages", by_header=len(pages) != 3)
+
+
+def test_globals_of_every_type_round_trip_negative_values_included(tiny, small):
+    engine, module = tiny
+    path, state = small
+    assert {kind for _, kind, _ in state.globals} == {"i32", "i64", "f32", "f64"}
+    assert dict((name, bits) for name, _, bits in state.globals)["d"] >= 1 << 63  # f64 -0.375: sign bit set
+    with thaw(engine, path, module) as actor:
+        assert same_state(actor.capture_state(), state)
+
+
+def test_what_the_guest_refuses_while_restoring_is_a_snapshot_error_with_its_cause(tiny, small, tmp_path):
+    engine, module = tiny
+    too_big = forge(small[0], tmp_path / "big.safetensors",
+                    lambda h, d: h["__metadata__"].update(guest_memory_bytes=str(512 << 20)))
+    with pytest.raises(SnapshotRestoreFailed, match="over the cap") as caught:
+        thaw(engine, too_big, module)
+    assert isinstance(caught.value.__cause__, GuestMemoryLimit)
+    renamed = forge(small[0], tmp_path / "renamed.safetensors", lambda h, d: h["__metadata__"].update(
+        globals=json.dumps([[name + "x", kind] for name, kind in json.loads(h["__metadata__"]["globals"])])))
+    with pytest.raises(SnapshotRestoreFailed, match="no mutable global") as caught:
+        thaw(engine, renamed, module)
+    assert isinstance(caught.value.__cause__, GuestLoadError)
+    slots_all_free(engine)
+
+
+def test_a_snapshot_naming_no_built_in_guest_is_a_guest_mismatch(tiny, small, tmp_path):
+    path = forge(small[0], tmp_path / "g.safetensors",
+                 lambda h, d: h["__metadata__"].update(guest_name="../../../etc/passwd"))
+    with pytest.raises(SnapshotGuestMismatch, match="not built into floe"):
+        thaw(tiny[0], path)
+
+
+HUGE_HEADER = """
+import resource, sys
+from floe.snapshot import Snapshot, SnapshotCorrupt, header
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for read in (header, Snapshot):
+    try:
+        read(sys.argv[2])
+    except SnapshotCorrupt as e:
+        print(e)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10)
+"""
+
+
+def test_a_header_length_over_the_safetensors_cap_is_refused_before_anything_is_read(tmp_path):
+    path = tmp_path / "huge.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", 256 << 20) + b'{"a":')
+        f.truncate(300 << 20)  # sparse: the claimed 256 MiB header "exists"
+    proc = in_subprocess(HUGE_HEADER, str(path))
+    refusals, grown_mib = proc.stdout.splitlines()[:2], int(proc.stdout.splitlines()[2])
+    assert all("over the limit of 100000000 bytes" in line for line in refusals), proc.stdout + proc.stderr
+    assert grown_mib < 16
+
+
+SCAN = """
+import logging, sys
+from pathlib import Path
+from floe.cli import main
+from floe.server.sessions import SessionStore
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+folder = Path(sys.argv[2])
+print("cli", main(["snapshot", "inspect", str(folder / "fifo.safetensors")]), flush=True)
+store = SessionStore(None, folder)  # the scan at start reads headers only: no engine is used
+print(store.load_folder(), sorted(store.sessions), flush=True)
+"""
+
+
+def test_a_fifo_is_refused_at_once_by_the_cli_and_skipped_by_the_server_scan(tmp_path):
+    record = {"floe_server": {"id": "alive", "messages": [{"role": "user", "content": "hi"}], "seed": 0}}
+    write(synthetic_state(), tmp_path / "alive.safetensors", app=record)
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    (tmp_path / "folder.safetensors").mkdir()
+    (tmp_path / "broken.safetensors").write_bytes(b"\0" * 16)
+    stale = tmp_path / f".alive.safetensors.999999999-1-0badf00d{TEMP_SUFFIX}"
+    stale.mkdir()
+    proc = in_subprocess(SCAN, str(tmp_path), timeout=60)  # a reader that opens the FIFO blocks here
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["cli 1", "1 ['alive']"]
+    assert "fifo.safetensors is a FIFO, not a regular file" in proc.stderr  # the CLI's line
+    for name in ("fifo", "folder", "broken"):
+        assert f"skipping {name}.safetensors" in proc.stderr  # the server's log lines
+    assert not stale.exists()

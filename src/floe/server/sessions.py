@@ -9,6 +9,7 @@ actor is closed; a thaw that fails leaves the file where it was. The conversatio
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -21,6 +22,7 @@ from floe.actor import Actor, DecodeScheduler
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError
 
+log = logging.getLogger("floe.serve")
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 ROLES = ("system", "user", "assistant")
 
@@ -93,17 +95,22 @@ class SessionStore:
     # ---- startup -----------------------------------------------------------------------------------
 
     def load_folder(self) -> int:
-        """Register every session frozen in the folder (headers only; each is verified on thaw)."""
-        from floe.snapshot import SnapshotError, header
+        """Register every session frozen in the folder (headers only, each checked as a thaw checks
+        it; the tensors are verified on thaw), skipping with a log line whatever is not one (a FIFO
+        or a folder is refused at once, never waited on); remove what killed writers left."""
+        from floe.snapshot import SnapshotError, clean_stale, header
 
+        for path in clean_stale(self.folder):
+            log.info("removed %s, left by a snapshot writer that was killed", path.name)
         for path in sorted(self.folder.glob("*.safetensors")):
             try:
                 record = _app_record(header(path))
-            except (SnapshotError, ValueError, KeyError) as e:
+            except (SnapshotError, NotASession) as e:
                 self.skipped.append(f"{path.name}: {e}")
+                log.warning("skipping %s: %s", path.name, e)
                 continue
             sid = path.stem
-            self.sessions[sid] = Session(sid, path, messages=record["messages"], seed=record.get("seed", 0))
+            self.sessions[sid] = Session(sid, path, messages=record["messages"], seed=record["seed"])
         return len(self.sessions)
 
     # ---- choosing the session for a request --------------------------------------------------------
@@ -318,10 +325,21 @@ class SessionStore:
                         session.actor = None
 
 
+class NotASession(ValueError):
+    """A snapshot without a well-formed conversation record of floe serve's."""
+
+
 def _app_record(metadata: dict[str, str]) -> dict:
+    """The snapshot's conversation record: messages of a known role with text, and an integer seed."""
     import json
 
-    record = json.loads(metadata.get("app", "{}")).get("floe_server")
-    if not record or not isinstance(record.get("messages"), list):
-        raise ValueError("not a floe serve session (no conversation record)")
-    return record
+    record = json.loads(metadata.get("app", "{}")).get("floe_server")  # "app" is checked to be an object
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+            for m in messages):
+        raise NotASession("not a floe serve session (no conversation record of role and content messages)")
+    seed = record.get("seed", 0)
+    if type(seed) is not int:
+        raise NotASession(f"not a floe serve session (its seed {str(seed)[:20]!r} is not an integer)")
+    return {"messages": messages, "seed": seed}

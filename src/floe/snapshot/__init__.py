@@ -5,7 +5,7 @@ Tensors (format version 1):
   kv.{layer}.k, kv.{layer}.v      [n_kv_heads, kv_len, head_dim], engine dtype or int8
   kv.{layer}.k.scale, ...v.scale  float32 [n_kv_heads, kv_len, 1]   (int8 only: absmax / 127)
   guest.memory                    uint8 [n_pages * 4096]: the pages of guest memory not all zero
-  guest.memory.pages              int32 [n_pages]: their page numbers
+  guest.memory.pages              int32 [n_pages]: their page numbers, strictly increasing
   guest.globals                   int64 [n_globals]: raw bits of exported mutable globals
   tokens                          int32 [kv_len]: the token ids behind the KV cache
   sampler.rng                     uint8: the actor's torch.Generator state
@@ -14,7 +14,9 @@ xxh3-128 digest of its bytes. `checksum` is xxh3-128 over every tensor's name, d
 every other metadata entry (so over the per-tensor digests too); format 1 files hashed the tensor
 bytes into it directly, and are still read. The per-tensor digests are hashed by several threads at
 once (floe.engine.copyhash); a thaw checks the KV tensors in the same pass that copies them out of
-the file. They detect corruption; they are not a signature.
+the file. They detect corruption; they are not a signature: every file is also checked against the
+format (floe.snapshot.layout) before anything in it is used, and every error is a SnapshotError.
+Writing: floe.snapshot.atomic (a temporary beside the target, renamed; writers of a path take turns).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import json
 import math
 import mmap
 import os
-import struct
 import time
 import warnings
 from datetime import UTC, datetime
@@ -32,44 +33,44 @@ from pathlib import Path
 import numpy as np
 import torch
 import xxhash
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from floe.actor import ABI_VERSION, Actor, ActorState, builtin_guest
 from floe.engine import Engine, copyhash
 from floe.engine.kvcache import KVDigestMismatch
 from floe.errors import FloeError
+from floe.snapshot.atomic import clean_stale, path_lock, replace_file
+from floe.snapshot.errors import (
+    SnapshotCorrupt,
+    SnapshotError,
+    SnapshotGuestMismatch,
+    SnapshotModelMismatch,
+    SnapshotRestoreFailed,
+    SnapshotShapeMismatch,
+    SnapshotUnreadable,
+    SnapshotVersionMismatch,
+)
+from floe.snapshot.layout import (
+    FORMAT,
+    FORMAT_VERSION,
+    KV_DTYPES,
+    PAGE,
+    READABLE_VERSIONS,
+    Header,
+    check_values,
+    compare_checksum,
+    header_checksum,
+    open_regular,
+    read_header,
+)
 from floe.wasm import GuestModule, default_runtime
 
-FORMAT = "floe-snapshot"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = ("1", "2")
-KV_DTYPES = ("float32", "bfloat16", "int8")  # "int4" fits the same layout later (packed + scales)
-PAGE = 4096
-
-
-class SnapshotError(FloeError):
-    """A snapshot cannot be used; nothing was loaded."""
-
-
-class SnapshotCorrupt(SnapshotError):
-    """The file is truncated, not a safetensors file, or its contents do not match its checksum."""
-
-
-class SnapshotVersionMismatch(SnapshotError):
-    """The snapshot's format or guest ABI version is not one this floe reads."""
-
-
-class SnapshotModelMismatch(SnapshotError):
-    """The snapshot was made with another model than the engine runs."""
-
-
-class SnapshotGuestMismatch(SnapshotError):
-    """The snapshot was made with another guest module."""
-
-
-class SnapshotShapeMismatch(SnapshotError):
-    """The snapshot's KV cache does not fit this engine's cache (layers, heads, length)."""
+__all__ = [
+    "FORMAT", "FORMAT_VERSION", "KV_DTYPES", "PAGE", "READABLE_VERSIONS", "ActorState", "Snapshot",
+    "SnapshotCorrupt", "SnapshotError", "SnapshotGuestMismatch", "SnapshotModelMismatch",
+    "SnapshotRestoreFailed", "SnapshotShapeMismatch", "SnapshotUnreadable", "SnapshotVersionMismatch",
+    "checksum", "checksum_v1", "clean_stale", "freeze", "header", "path_lock", "seal", "thaw", "write",
+]
 
 
 def _quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +94,9 @@ def _tensors(state: ActorState, kv_dtype: str) -> dict[str, torch.Tensor]:
     out["tokens"] = torch.tensor(state.tokens, dtype=torch.int32)
     out["guest.memory"] = torch.from_numpy(np.ascontiguousarray(state.memory_data))
     out["guest.memory.pages"] = torch.from_numpy(np.ascontiguousarray(state.memory_pages))
-    out["guest.globals"] = torch.tensor([bits for _, _, bits in state.globals], dtype=torch.int64)
+    # An f64's bits are unsigned (a negative value's are >= 2**63): stored as the int64 of the same bits.
+    out["guest.globals"] = torch.tensor([bits - (1 << 64) if bits >= 1 << 63 else bits
+                                         for _, _, bits in state.globals], dtype=torch.int64)
     out["sampler.rng"] = state.rng.clone()
     return out
 
@@ -140,14 +143,7 @@ def checksum_v1(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> s
 def checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
     """Format 2: xxh3-128 over every tensor's name, dtype and shape and every metadata entry but
     itself. The tensors' bytes enter through the `checksums` entry (see `seal`)."""
-    h = xxhash.xxh3_128()
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-    for key in sorted(metadata):
-        if key != "checksum":
-            h.update(f"{key}\0{metadata[key]}\0".encode())
-    return h.hexdigest()
+    return header_checksum(((name, t.dtype, tuple(t.shape)) for name, t in tensors.items()), metadata)
 
 
 def _digests(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, str]:
@@ -186,23 +182,7 @@ def _contents(state: ActorState, kv_dtype: str | None, app: dict | None) -> tupl
 
 def _write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path, t0: float) -> dict:
     seal(tensors, metadata)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    replace_file(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     return {"path": str(path), "bytes": path.stat().st_size, "seconds": time.perf_counter() - t0}
 
 
@@ -210,40 +190,22 @@ class Snapshot:
     """A snapshot file, read and checked. `verify` compares it with an engine and guest."""
 
     def __init__(self, path: str | Path, *, contents: bool = True) -> None:
-        """Map and check `path`: header, layout and the checksum over metadata and digests, and
-        (`contents`) every tensor's bytes against its digest. Without `contents` (format 2) the
-        bytes are checked later: by `check_contents`, and the KV cache against `kv_digests()` while
-        a thaw loads it."""
+        """Open and check `path`: its header against the format (layout.read_header), the checksum
+        over metadata and digests, and (`contents`) every tensor's bytes against its digest and the
+        small tensors' values. Without `contents` (format 2) the bytes are checked later: by
+        `check_contents`, the KV cache against `kv_digests()` while a thaw loads it, and the values
+        by `state()`."""
         self.path = Path(path)
-        if not self.path.is_file():
-            raise SnapshotError(f"no snapshot at {self.path}")
-        try:
-            self.metadata, self.tensors, self._map = _map_safetensors(self.path)
-        except (OSError, ValueError, RuntimeError, KeyError, TypeError, struct.error) as e:
-            raise SnapshotCorrupt(
-                f"{self.path} is not a readable snapshot (truncated or corrupt: {e})") from e
-        m = self.metadata
-        if m.get("format") != FORMAT:
-            raise SnapshotCorrupt(f"{self.path} is a safetensors file but not a floe snapshot")
-        if m.get("format_version") not in READABLE_VERSIONS:
-            raise SnapshotVersionMismatch(f"snapshot format version {m.get('format_version')}; this floe "
-                                          f"reads versions {', '.join(READABLE_VERSIONS)}")
-        expected = m.get("checksum")
-        actual = (checksum_v1 if m["format_version"] == "1" else checksum)(self.tensors, m)
-        if expected != actual:
-            raise SnapshotCorrupt(f"{self.path}: checksum mismatch (file says {expected}, contents hash "
-                                  f"to {actual}): the file was damaged after it was written")
-        self._check_layout()
+        self.header, self.tensors, self._map = _open(self.path)
+        m = self.metadata = self.header.metadata
         self._expected: dict[str, str] = {}
-        if m["format_version"] != "1":  # format 1: the checksum above covered the bytes already
-            try:
-                self._expected = json.loads(m["checksums"])
-            except (KeyError, ValueError) as e:
-                raise SnapshotCorrupt(f"{self.path} lacks its per-tensor checksums ({e})") from None
-            if not isinstance(self._expected, dict) or set(self._expected) != set(self.tensors):
-                raise SnapshotCorrupt(f"{self.path}: the per-tensor checksums do not name its tensors")
-            if contents:
-                self.check_contents()
+        if m["format_version"] == "1":  # its checksum covers the tensors' bytes
+            compare_checksum(m["checksum"], checksum_v1(self.tensors, m), self.path)
+        else:
+            self._expected = json.loads(m["checksums"])  # checked by read_header
+        if contents:
+            self.check_contents()
+            check_values(self.tensors, m, self.path)
 
     def _mismatch(self, name: str, actual: str) -> SnapshotCorrupt:
         return SnapshotCorrupt(f"{self.path}: checksum mismatch in tensor {name} (file says "
@@ -272,21 +234,6 @@ class Snapshot:
     def kv_digests(self) -> list[str]:
         """The digests the KV tensors must hash to, in `kv_names()` order (for KVCache.load)."""
         return [self._expected[name] for name in self.kv_names()]
-
-    def _check_layout(self) -> None:
-        m = self.metadata
-        try:
-            n_layers, kv_len = int(m["n_layers"]), int(m["kv_len"])
-            shape = (int(m["n_kv_heads"]), kv_len, int(m["head_dim"]))
-            for i in range(n_layers):
-                for name in ("k", "v"):
-                    if tuple(self.tensors[f"kv.{i}.{name}"].shape) != shape:
-                        raise SnapshotCorrupt(f"kv.{i}.{name} has shape "
-                                              f"{tuple(self.tensors[f'kv.{i}.{name}'].shape)}, not {shape}")
-            if self.tensors["tokens"].numel() != kv_len:
-                raise SnapshotCorrupt("token history and KV cache lengths differ")
-        except KeyError as e:
-            raise SnapshotCorrupt(f"{self.path} lacks {e}") from None
 
     @property
     def kv_len(self) -> int:
@@ -335,9 +282,11 @@ class Snapshot:
                 out[j].append(t.to(dtype))
         return out
 
-    def state(self, dtype: torch.dtype) -> ActorState:
-        """The actor state this file holds, KV in `dtype` (int8 files are dequantized)."""
+    def state(self, dtype: torch.dtype, vocab_size: int | None = None) -> ActorState:
+        """The actor state this file holds, KV in `dtype` (int8 files are dequantized). The small
+        tensors' values are checked first (token ids against `vocab_size`, if given)."""
         m = self.metadata
+        check_values(self.tensors, m, self.path, vocab_size)
         k, v = self.kv(dtype)
         kinds = json.loads(m["globals"])
         bits = self.tensors["guest.globals"].tolist()
@@ -362,7 +311,7 @@ class Snapshot:
             sizes[key] += t.numel() * t.element_size()
         return {
             "path": str(self.path),
-            "file_bytes": self.path.stat().st_size,
+            "file_bytes": self.header.file_bytes,
             "tensor_bytes": sizes,
             "tokens": self.kv_len,
             "model": {"name": m["model_name"], "fingerprint": m["model_fingerprint"]},
@@ -381,42 +330,38 @@ class Snapshot:
         }
 
 
-_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
-              "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor], mmap.mmap]:
-    """A safetensors file's metadata and its tensors as read-only views of the memory-mapped file:
-    no copy on the way in (the checksum, the KV load and the guest-memory restore read the page
-    cache directly). Every offset and size is checked against the file before a view is made."""
-    with open(path, "rb") as f:
-        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    (n,) = struct.unpack_from("<Q", data, 0)
-    if not 0 < n <= len(data) - 8:
-        raise ValueError(f"header length {n} does not fit a file of {len(data)} bytes")
-    header = json.loads(bytes(data[8:8 + n]))
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    metadata = {str(k): str(v) for k, v in (header.pop("__metadata__", None) or {}).items()}
-    base, size = 8 + n, len(data) - 8 - n
+def _open(path: Path) -> tuple[Header, dict[str, torch.Tensor], mmap.mmap]:
+    """A snapshot file's checked header and its tensors as read-only views of the memory-mapped
+    file: no copy on the way in (the checksum, the KV load and the guest-memory restore read the
+    page cache directly)."""
+    fd = open_regular(path)
+    try:
+        header = read_header(fd, path)
+        try:
+            data = mmap.mmap(fd, header.file_bytes, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise SnapshotUnreadable(f"cannot map snapshot {path}: {e}") from None
+    finally:
+        os.close(fd)
     tensors: dict[str, torch.Tensor] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "buffer is not writable": these views are only read
-        for name, info in header.items():
-            dtype, shape = _ST_DTYPES[info["dtype"]], [int(d) for d in info["shape"]]
-            start, end = (int(o) for o in info["data_offsets"])
-            count = math.prod(shape)
-            if not 0 <= start <= end <= size or end - start != count * dtype.itemsize:
-                raise ValueError(f"tensor {name} ({info['dtype']} {shape}) has offsets {start}..{end} "
-                                 f"in a data section of {size} bytes")
-            t = (torch.frombuffer(data, dtype=dtype, count=count, offset=base + start) if count
-                 else torch.empty(0, dtype=dtype))
-            tensors[name] = t.view(shape)
-    return metadata, tensors, data
+        for name, info in header.tensors.items():
+            count = math.prod(info.shape)  # read_header checked that it lies inside the file
+            t = (torch.frombuffer(data, dtype=info.dtype, count=count, offset=header.data_offset + info.start)
+                 if count else torch.empty(0, dtype=info.dtype))
+            tensors[name] = t.view(info.shape)
+    return header, tensors, data
+
+
+def _map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor], mmap.mmap]:
+    """(metadata, tensor views, mapping) of a checked snapshot: the stage bench/thaw_stages.py times."""
+    header, tensors, data = _open(Path(path))
+    return header.metadata, tensors, data
 
 
 def freeze(actor: Actor, path: str | Path, kv_dtype: str | None = None, app: dict | None = None) -> dict:
@@ -430,16 +375,16 @@ def freeze(actor: Actor, path: str | Path, kv_dtype: str | None = None, app: dic
 
 
 def header(path: str | Path) -> dict[str, str]:
-    """A snapshot's metadata from its header only (no tensors read, nothing verified): for listing
-    many files quickly. Thawing reads and verifies the whole file."""
+    """A snapshot's metadata from its header only (no tensors read): for listing many files quickly.
+    The header is checked as a thaw checks it (structure, format, version, the checksum over the
+    metadata, the schema); the tensors' bytes when it is thawed. Only a regular file is opened (a
+    FIFO or a device is refused at once, never waited on)."""
+    path = Path(path)
+    fd = open_regular(path)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = dict(f.metadata() or {})
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise SnapshotCorrupt(f"{path} is not a readable snapshot (truncated or corrupt: {e})") from e
-    if metadata.get("format") != FORMAT:
-        raise SnapshotCorrupt(f"{path} is a safetensors file but not a floe snapshot")
-    return metadata
+        return dict(read_header(fd, path).metadata)
+    finally:
+        os.close(fd)
 
 
 def thaw(engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModule | None = None,
@@ -448,12 +393,11 @@ def thaw(engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModu
 
     The file is verified first (integrity, format and ABI version, model, guest module, cache shape);
     on any mismatch a specific SnapshotError is raised and nothing is created. `guest` defaults to
-    the built-in guest the snapshot names.
+    the built-in guest the snapshot names. A state the guest or engine refuses while it is restored
+    (e.g. guest memory over the actor's cap) raises SnapshotRestoreFailed; the actor is closed.
     """
     snap = Snapshot(path, contents=False)  # the bytes are checked below, nothing is used before
-    if guest is None:
-        guest = builtin_guest(Path(snap.metadata["guest_name"]).stem)
-    module = guest if isinstance(guest, GuestModule) else default_runtime().compile(guest)
+    module = _guest_module(snap, guest)
     c = engine.config
     snap.verify(fingerprint=engine.fingerprint, guest_sha256=module.sha256, abi_version=ABI_VERSION,
                 n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
@@ -463,19 +407,43 @@ def thaw(engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModu
     # Onto a GPU the KV bytes start on their way (copy threads) while the actor is created.
     checked = snap.loads_checked(engine.dtype)
     snap.check_contents(skip=tuple(snap.kv_names()) if checked else ())
-    state = snap.state(engine.dtype)
+    state = snap.state(engine.dtype, c.vocab_size)
     kv = engine.cache.start_load(state.k, state.v, snap.kv_digests() if checked else None)
     try:
         actor = Actor(engine, module, **actor_options)
     except BaseException:
         kv.close()
         raise
+    _restore(snap, actor, state, kv)
+    return actor
+
+
+def _guest_module(snap: Snapshot, guest: str | Path | bytes | GuestModule | None) -> GuestModule:
+    """`guest` compiled, or (None) the built-in guest the snapshot names."""
+    if guest is None:
+        name = snap.metadata["guest_name"]
+        try:
+            guest = builtin_guest(Path(name).stem)
+        except (FloeError, ValueError, OSError) as e:
+            raise SnapshotGuestMismatch(f"snapshot was made with guest {name[:80]!r}, which is not built "
+                                        "into floe; thaw it with the module it was made with") from e
+    return guest if isinstance(guest, GuestModule) else default_runtime().compile(guest)
+
+
+def _restore(snap: Snapshot, actor: Actor, state: ActorState, kv) -> None:
+    """`actor.restore`; on any failure the actor is closed, and what the guest or engine refused is
+    raised as a SnapshotError (the cause chained)."""
     try:
         actor.restore(state, kv)
     except KVDigestMismatch as e:
         actor.close()
         raise snap._mismatch(snap.kv_names()[e.index], e.actual) from None
+    except FloeError as e:
+        actor.close()
+        if isinstance(e, SnapshotError):
+            raise
+        raise SnapshotRestoreFailed(f"{snap.path}: the snapshot's state was refused while it was "
+                                    f"restored: {e}") from e
     except BaseException:
         actor.close()
         raise
-    return actor

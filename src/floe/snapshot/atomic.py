@@ -1,0 +1,159 @@
+"""Replacing a file atomically, one writer of a path at a time, and cleaning what killed writers left.
+
+A write goes into a temporary folder beside the target, named `.{target}.{pid}-{thread}-{random}
+.floe-tmp` (the library that serializes the file may make its own temporary files: they land inside
+it), is fsynced, renamed over the target, and the folder fsynced. Writers of one path take turns: a
+lock per path, held from before the temporary folder is made until after the rename is durable — a
+`threading.Lock` within the process and `fcntl.flock` on the sidecar `.{target}.floe-lock` across
+processes. So a write that returns has put its whole file at the path, and the file at a path is
+the one whose writer took its turn last. A temporary folder whose path nobody holds the lock of is
+stale (its writer died: the kernel drops a dead process's flock) and is removed by the next writer
+of that path and by `clean_stale` over a folder.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import glob
+import os
+import re
+import secrets
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+TEMP_SUFFIX = ".floe-tmp"
+LOCK_SUFFIX = ".floe-lock"
+_TEMP = re.compile(r"\.(?P<target>.+)\.(?P<pid>\d+)-(?P<tid>\d+)-[0-9a-f]{8}" + re.escape(TEMP_SUFFIX))
+_LEGACY_TEMP = re.compile(r"\.(?P<target>.+)\.(?P<pid>\d+)\.tmp")  # floe before per-writer names
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+_locks: dict[str, list] = {}  # absolute path -> [threading.Lock, number of users]
+_locks_guard = threading.Lock()
+
+
+def temp_name(target: Path) -> str:
+    """This writer's temporary name for `target`: unique per process, thread and call."""
+    return f".{target.name}.{os.getpid()}-{threading.get_native_id()}-{secrets.token_hex(4)}{TEMP_SUFFIX}"
+
+
+def lock_path(target: Path) -> Path:
+    return target.with_name(f".{target.name}{LOCK_SUFFIX}")
+
+
+@contextmanager
+def path_lock(target: Path, *, blocking: bool = True) -> Iterator[bool]:
+    """Hold the writers' lock of `target` (yields True), or yield False at once if `blocking` is off
+    and another writer holds it. Where the filesystem has no flock, only this process's writers
+    take turns."""
+    key = os.path.abspath(target)
+    with _locks_guard:
+        entry = _locks.setdefault(key, [threading.Lock(), 0])
+        entry[1] += 1
+    try:
+        if not entry[0].acquire(blocking=blocking):
+            yield False
+            return
+        try:
+            fd = os.open(lock_path(target), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                yield _flock(fd, blocking)
+            finally:
+                os.close(fd)  # drops the flock
+        finally:
+            entry[0].release()
+    finally:
+        with _locks_guard:
+            entry[1] -= 1
+            if not entry[1]:
+                del _locks[key]
+
+
+def _flock(fd: int, blocking: bool) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno not in _NO_FLOCK:
+            raise
+    return True
+
+
+def replace_file(target: Path, save: Callable[[Path], None]) -> None:
+    """Call `save(tmp)` to write the new file, then put it at `target` atomically and durably."""
+    with path_lock(target):
+        _remove_stale_of(target)
+        folder = target.with_name(temp_name(target))
+        folder.mkdir()
+        try:
+            tmp = folder / target.name
+            save(tmp)
+            _fsync(tmp)
+            os.replace(tmp, target)
+            _fsync(target.parent)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_of(target: Path) -> list[Path]:
+    """Under `target`'s lock: every temporary of it is stale (a live writer would hold the lock)."""
+    removed = []
+    for entry in target.parent.glob(f".{glob.escape(target.name)}.*"):
+        match = _TEMP.fullmatch(entry.name) or _LEGACY_TEMP.fullmatch(entry.name)
+        if match is None or match["target"] != target.name:
+            continue
+        if match.re is _LEGACY_TEMP and _pid_alive(int(match["pid"])):
+            continue  # an older floe's writer, which takes no lock, may still be at work
+        _remove(entry)
+        removed.append(entry)
+    return removed
+
+
+def clean_stale(folder: Path) -> list[Path]:
+    """Remove the temporaries that killed writers left in `folder` (live writers' are kept)."""
+    targets = set()
+    for entry in folder.glob(f"*{TEMP_SUFFIX}"):
+        match = _TEMP.fullmatch(entry.name)
+        if match is not None:
+            targets.add(match["target"])
+    for entry in folder.glob("*.tmp"):
+        match = _LEGACY_TEMP.fullmatch(entry.name)
+        if match is not None:
+            targets.add(match["target"])
+    removed: list[Path] = []
+    for name in sorted(targets):
+        with path_lock(folder / name, blocking=False) as held:
+            if held:
+                removed += _remove_stale_of(folder / name)
+    return removed
+
+
+def _remove(entry: Path) -> None:
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry, ignore_errors=True)
+    else:
+        entry.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
