@@ -1,6 +1,8 @@
-"""Build the guests in this folder to wasm32 with zig's clang (PyPI `ziglang`), into the package.
+"""Build floe guests to wasm32 with zig's clang (PyPI `ziglang`): this folder's, into the package, or
+your own C sources anywhere (floe.h is found here, whatever the current folder).
 
-    python guests/build.py [--out src/floe/guests]
+    python guests/build.py [--out src/floe/guests]          # chat, constrained, probe
+    python guests/build.py my_guest.c [more.c …] --out .    # your own: my_guest.wasm in --out
 
 No wasi-libc: guests use only floe.h. Exports come from FLOE_EXPORT attributes; `__stack_pointer`
 stays unexported, as clang leaves it.
@@ -21,20 +23,24 @@ FLAGS = [
 ]
 
 
-def build(name: str, out: Path) -> Path:
-    target = out / f"{name}.wasm"
-    cmd = [sys.executable, "-m", "ziglang", "cc", *FLAGS, "-o", str(target), str(HERE / f"{name}.c")]
+def build(source: Path, out: Path) -> Path:
+    target = out / f"{source.stem}.wasm"
+    cmd = [sys.executable, "-m", "ziglang", "cc", *FLAGS, f"-I{HERE}", "-o", str(target), str(source)]
     subprocess.run(cmd, check=True)
     return target
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=HERE.parent / "src" / "floe" / "guests")
+    ap.add_argument("sources", nargs="*", type=Path, help="C files to build (default: floe's own guests)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default: the package for floe's guests, else the current folder)")
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in GUESTS:
-        path = build(name, args.out)
+    sources = args.sources or [HERE / f"{name}.c" for name in GUESTS]
+    out = args.out or (HERE.parent / "src" / "floe" / "guests" if not args.sources else Path.cwd())
+    out.mkdir(parents=True, exist_ok=True)
+    for source in sources:
+        path = build(source, out)
         print(f"built {path} ({path.stat().st_size} bytes)")
 
 
