@@ -1,46 +1,141 @@
 """Build floe's C++ routines on first use with the machine's compiler, and load them cheaply after.
 
-PyTorch's `cpp_extension.load` builds into a per-machine cache (~/.cache/torch_extensions) under a
-lock file, and takes that lock and runs ninja in every process, even when nothing changed. A process
-killed while holding it (a SIGKILLed server, a test that kills writers) left the lock behind, and
-every later `load` waited for it forever. So: a build that is up to date (its stamp names the same
-sources and flags: each version builds in a folder named by their hash) is loaded directly, with no
-lock and no ninja; a lock older than STALE_LOCK_S is taken for a dead builder's and removed.
+Two kinds: `build` makes a PyTorch extension (PyTorch's `cpp_extension.load`: its headers, its
+libraries; tens of seconds), `build_plain` a plain shared library with no PyTorch in it (one
+compiler call; a second or two). Each version builds in its own folder of PyTorch's per-user cache
+(~/.cache/torch_extensions), named by a hash of the sources, the headers they include and the flags
+(and, only for `-march=native`, the CPU's feature flags), so a library built for one instruction set
+never stands in for another.
+
+PyTorch's `cpp_extension.load` takes its lock file and runs ninja in every process, even when nothing
+changed, and a process killed while holding it (a SIGKILLed server, a test that kills writers) left
+the lock behind, so every later `load` waited forever. So: a build that is up to date (its stamp
+exists) is loaded directly, with no lock and no ninja; a lock older than STALE_LOCK_S is taken for a
+dead builder's and removed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+import shutil
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 STALE_LOCK_S = 300.0  # a build takes 1–60 s; a lock this old belongs to a builder that died
+STAMP = "floe.built"
+
+
+class BuildError(RuntimeError):
+    """A C++ build that could not run or did not compile; the message has the compiler's words."""
 
 
 def build(name: str, sources: list[Path], cflags: list[str], ldflags: list[str] = (),
-          what: str = "") -> Path:
-    """The built shared library for `sources` (built now if needed; it registers whatever it
+          what: str = "", seconds: float = 30) -> Path:
+    """The built PyTorch extension for `sources` (built now if needed; it registers whatever it
     registers when loaded by the caller). Raises what the build raises (no compiler, ...)."""
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256()
-    for source in sources:
-        digest.update(source.read_bytes())
-        for header in sorted(source.parent.glob("*.h")):
-            digest.update(header.read_bytes())
-    digest.update(repr((cflags, list(ldflags), _cpu())).encode())  # -march=native: per CPU
-    name = f"{name}_{digest.hexdigest()[:12]}"  # each version of the sources builds in its own folder
-    directory = Path(cpp_extension._get_build_directory(name, verbose=False))
-    library, stamp = directory / f"{name}.so", directory / "floe.built"
-    if library.exists() and stamp.exists():
+    directory, name = _folder(name, sources, [*cflags, "|", *ldflags])
+    library = directory / f"{name}.so"
+    if library.exists() and (directory / STAMP).exists():
         return library
     _clear_stale_lock(directory / "lock")
-    print(f"floe: building {what or name} (once per machine) …", file=sys.stderr, flush=True)
+    started = _announce(what or name, seconds)
     cpp_extension.load(name=name, sources=[str(s) for s in sources], is_python_module=False,
                        extra_cflags=cflags, extra_ldflags=list(ldflags))
-    stamp.touch()
+    (directory / STAMP).touch()
+    _done(what or name, started)
     return library
+
+
+def build_plain(name: str, sources: list[Path], cflags: list[str], what: str = "",
+                seconds: float = 2) -> Path:
+    """A shared library of `sources` built with the C++ compiler alone (no PyTorch headers or
+    libraries; -O3, C++17, hidden symbols unless exported) and `cflags`; built now if needed.
+    Raises BuildError if there is no compiler or the sources do not compile with these flags."""
+    directory, name = _folder(name, sources, cflags)
+    library = directory / f"lib{name}.so"
+    if library.exists() and (directory / STAMP).exists():
+        return library
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise BuildError(f"no C++ compiler {compiler!r} on PATH: install g++ or clang++, or set CXX")
+    directory.mkdir(parents=True, exist_ok=True)
+    with _locked(directory / "lock"):
+        if library.exists() and (directory / STAMP).exists():
+            return library  # another process built it while we waited
+        started = _announce(what or name, seconds)
+        partial = directory / f"lib{name}.{os.getpid()}.tmp"
+        command = [compiler, "-std=c++17", "-O3", "-fPIC", "-shared", "-fvisibility=hidden", *cflags,
+                   "-o", str(partial), *map(str, sources)]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise BuildError(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")
+        os.replace(partial, library)
+        (directory / STAMP).touch()
+    _done(what or name, started)
+    return library
+
+
+def _folder(name: str, sources: list[Path], flags: list[str]) -> tuple[Path, str]:
+    """(build folder, versioned name): each version of sources, headers and flags in its own."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256()
+    for path in _with_headers(sources):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    native = any(f.startswith(("-march=native", "-mcpu=native")) for f in flags)
+    digest.update(repr((flags, _cpu() if native else "")).encode())
+    name = f"{name}_{digest.hexdigest()[:12]}"
+    return Path(cpp_extension._get_build_directory(name, verbose=False)), name
+
+
+_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def _with_headers(sources: list[Path]) -> list[Path]:
+    """The sources and every header they include with quotes, found next to the includer."""
+    seen: dict[Path, None] = {}
+    todo = [Path(s) for s in sources]
+    while todo:
+        path = todo.pop(0)
+        if path in seen or not path.exists():
+            continue
+        seen[path] = None
+        todo += [path.parent / m.decode() for m in _INCLUDE.findall(path.read_bytes())]
+    return list(seen)
+
+
+def _announce(what: str, seconds: float) -> float:
+    print(f"floe: building {what} (~{seconds:.0f} s, once per machine) …", file=sys.stderr,
+          flush=True)
+    return time.monotonic()
+
+
+def _done(what: str, started: float) -> None:
+    print(f"floe: built {what} in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _locked(lock: Path):
+    """Hold `lock` (created exclusively) while building; a dead builder's lock is removed."""
+    while True:
+        _clear_stale_lock(lock)
+        try:
+            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            break
+        except FileExistsError:
+            continue
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
 
 
 def _clear_stale_lock(lock: Path) -> None:

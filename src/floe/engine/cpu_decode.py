@@ -25,14 +25,12 @@ from floe.engine.transformer import Transformer
 
 def project(x: Tensor, weight: Tensor, scales: Tensor, repeat: int) -> Tensor:
     """x Wᵀ. repeat > 0: W packed int4 (x bf16, repeated `repeat` times along its row); 0: dense
-    (x already in W's dtype); -4 / -8: W as 4- / 8-bit codes for floe's kernel (x float32, scales the
-    [2, rows, groups] scale and offset)."""
+    (x already in W's dtype); < 0: W as 4- or 8-bit codes for floe's kernel number -repeat (x float32,
+    scales the [2, rows, groups] scale and offset)."""
     if repeat == 0:
         return F.linear(x, weight)
-    if repeat == -4:
-        return torch.ops.floe.gemv_q4(x, weight, scales[0], scales[1])
-    if repeat == -8:
-        return torch.ops.floe.gemv_q8(x, weight, scales[0], scales[1])
+    if repeat < 0:
+        return torch.ops.floe.gemv_q(x, weight, scales[0], scales[1], -repeat)
     if repeat > 1:
         x = x.repeat(1, repeat)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, 32, scales)
@@ -104,12 +102,11 @@ _scripted: dict[str, object] = {}
 
 
 def _compiled() -> dict[str, object]:
-    """The scripted step functions, made on first use: TorchScript resolves `torch.ops.floe.*` when
-    it compiles, so the kernels are loaded (or, where they cannot be, declared) first."""
+    """The scripted step functions, made on first use (TorchScript resolves `torch.ops.floe.gemv_q`
+    when it compiles: importing qgemv declares it, built or not)."""
     if not _scripted:
-        from floe.engine import qgemv
+        import floe.engine.qgemv  # noqa: F401 - declares torch.ops.floe.gemv_q
 
-        qgemv.ensure_ops()
         _scripted.update(decode_layers=_script(decode_layers), project=_script(project),
                          rms_norm=_script(rms_norm))
     return _scripted
@@ -120,7 +117,7 @@ def _weights(module) -> tuple[Tensor, Tensor, int]:
     from floe.engine.qgemv import QLinear
 
     if isinstance(module, QLinear):
-        return module.codes, module.scale_offset, -module.bits
+        return module.codes, module.scale_offset, -module.number
     if isinstance(module, Int4Linear):
         return module.packed, module.scales_zeros, module.k_repeat
     return module.weight, torch.empty(0), 0

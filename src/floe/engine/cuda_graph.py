@@ -23,6 +23,12 @@ def kv_buckets(max_seq_len: int, smallest: int = 256) -> list[int]:
     return [*buckets, max_seq_len]
 
 
+def logits(model: Transformer, h: Tensor) -> Tensor:
+    """Float32 logits of h [B, dim]: through the model's head where it has one (bf16 weights: the
+    engine's LogitsHead, fp32 out of cuBLAS), else the fp32 projection."""
+    return model.head(h) if model.head is not None else F.linear(h, model.output_weight()).float()
+
+
 def capture(run, device: torch.device, pool=None) -> torch.cuda.CUDAGraph:
     """A CUDA graph of run(). It is warmed up first on a side stream (cuBLAS handles, workspaces);
     warm-up and capture both run the step for real, writing what the first replay will write."""
@@ -92,7 +98,7 @@ class GraphDecoder:
             y = torch.matmul(probs, values).reshape(1, q_size)
             x = x + att.wo(y)
             x = x + layer.feed_forward(layer.ffn_norm(x))
-        return F.linear(m.norm(x), m.output_weight())[0].float()
+        return logits(m, m.norm(x))[0]
 
     def _core_fused(self, dev_in: Tensor, bucket: int) -> Tensor:
         """The same step with Triton kernels: 9 launches a layer instead of ~49."""
@@ -113,7 +119,7 @@ class GraphDecoder:
             d = layer.feed_forward.w2(tk.swiglu(layer.feed_forward.w13(h)))
             next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else m.norm
             h, x = tk.rmsnorm(d, next_norm.weight, c.norm_eps, residual=x)
-        return F.linear(h, m.output_weight())[0].float()
+        return logits(m, h)[0]
 
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph:
         graph = capture(lambda: self._forward(bucket), self.device, self.pool)
@@ -192,9 +198,9 @@ class BatchGraphDecoder:
         h = self._core(tokens, pos, slots, bucket)
         if prefill:  # only the last row's logits: rows[0] is its index, rows[1] its slot
             h, rows = h.index_select(0, rows[:1]), rows[1:2]
-        logits = F.linear(h, self.model.output_weight()).float()
-        self.slot_logits.index_copy_(0, rows, logits)
-        self.slot_argmax.index_copy_(0, rows, logits.argmax(-1))  # the first maximum, as torch.argmax
+        out = logits(self.model, h)
+        self.slot_logits.index_copy_(0, rows, out)
+        self.slot_argmax.index_copy_(0, rows, out.argmax(-1))  # the first maximum, as torch.argmax
         self.host_argmax.copy_(self.slot_argmax, non_blocking=True)
 
     def _core(self, tokens: Tensor, pos: Tensor, slots: Tensor, bucket: int) -> Tensor:

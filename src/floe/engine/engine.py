@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from floe.engine.kvcache import KVCache
 from floe.engine.transformer import Transformer, fused_quantized, fused_state_dict
@@ -61,6 +62,22 @@ class FairLock:
             self._cond.notify_all()
 
 
+class LogitsHead(nn.Module):
+    """The projection to the vocabulary with float32 logits from bf16 activations. A bf16 matmul
+    rounds its output to bf16 (steps of 0.125 at 25), which ties logits that fp32 tells apart. On
+    CUDA the bf16 weight is read as it is (cuBLAS writes fp32); PyTorch's CPU has no such matmul, so
+    there the weight is kept in float32 (twice the head's bytes)."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight if weight.is_cuda else weight.float(), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.weight.dtype == torch.float32:
+            return F.linear(x.float(), self.weight)
+        return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+
+
 class Engine:
     """Owns the model weights and the KV cache on `device`; prefill and decode per slot."""
 
@@ -97,6 +114,8 @@ class Engine:
         self.weights = weights
         self.native_kernel = None
         self.packed = self._pack_native(model, native_kernel) if weights == "native" else {}
+        if self.dtype != torch.float32 and model.head is None:
+            model.head = LogitsHead(model.output_weight())  # the sampler sees float32 logits
         self.model = model.eval()
         self.cache = KVCache(self.config, self.max_seq_len, n_slots, self.dtype, self.device)
         self._free_slots = list(range(n_slots))
@@ -116,37 +135,61 @@ class Engine:
 
     def _pack_native(self, model: Transformer, kernel: str) -> dict[str, int]:
         """Swap in quantized layers for the file's quantized weights that a kernel runs exactly:
-        floe's int8-activation kernels (QLinear) where they build here, else PyTorch's packed int4
-        (Int4Linear). Returns how many matrices of each type were swapped."""
+        floe's int8-activation kernel (QLinear, the variant `kernel` or the best this CPU runs),
+        else PyTorch's packed int4 (Int4Linear) for the layers only: that kernel rounds its output
+        to bf16, which ties near-equal logits, so the head stays float32. Returns how many
+        matrices of each type were swapped."""
         from floe.engine import qgemv
-        from floe.engine.int4 import Int4Linear, int4_available
+        from floe.engine.int4 import Int4Linear
 
         if self.device.type != "cpu":
             raise FloeError("native quantized weights run on the CPU; on CUDA choose dense weights")
-        if kernel not in ("auto", "vnni", "int4pack"):
-            raise FloeError(f"native kernel {kernel!r}: choose 'auto', 'vnni' or 'int4pack'")
-        use_vnni = kernel != "int4pack" and qgemv.load()
-        if kernel == "vnni" and not use_vnni:
-            raise FloeError(f"floe's VNNI kernels are not available here: {qgemv.unavailable_reason()}")
-        if not use_vnni and not int4_available():
-            raise FloeError("this PyTorch build has no CPU int4 kernel; choose dense weights")
+        self.native_kernel = kernel = self._native_kernel(kernel)
         packed: dict[str, int] = {}
         for path, weight in fused_quantized(self.checkpoint.quantized, self.config).items():
-            if use_vnni and qgemv.supports(weight):
-                make = qgemv.QLinear
-            elif weight.has_int4_form:
-                make = Int4Linear
+            head = path == "output"
+            bias = None if head else model.get_submodule(path).bias
+            if kernel != "int4pack" and qgemv.supports(weight):
+                layer = qgemv.QLinear(weight, bias, dense=not head, kernel=kernel)
+            elif weight.has_int4_form and not head:
+                layer = Int4Linear(weight, bias)
             else:
                 continue
-            if path == "output":
-                model.head = make(weight, dense=False)
+            if head:
+                model.head = layer
             else:
                 parent, name = path.rsplit(".", 1)
-                old = model.get_submodule(path)
-                setattr(model.get_submodule(parent), name, make(weight, old.bias))
+                setattr(model.get_submodule(parent), name, layer)
             packed[weight.qtype] = packed.get(weight.qtype, 0) + 1
-        self.native_kernel = "vnni" if use_vnni else "int4pack"
         return packed
+
+    @staticmethod
+    def _native_kernel(kernel: str) -> str:
+        """The kernel `kernel` names, built and loaded now: auto is floe's best variant for this CPU
+        (chosen from its flags before anything compiles), or PyTorch's packed int4 where floe's
+        kernels cannot be built (said on stderr)."""
+        import sys
+
+        from floe.engine import qgemv
+        from floe.engine.int4 import int4_available
+
+        choices = ("auto", *qgemv.VARIANTS, "int4pack")
+        if kernel not in choices:
+            raise FloeError(f"native kernel {kernel!r}: choose one of {', '.join(choices)}")
+        if kernel == "int4pack":
+            if not int4_available():
+                raise FloeError("this PyTorch build has no CPU int4 kernel; choose another native kernel "
+                                "or dense weights")
+            return kernel
+        name = qgemv.runnable()[0] if kernel == "auto" else kernel
+        try:
+            qgemv.load(name)
+        except qgemv.KernelUnavailable as e:
+            if kernel != "auto" or not int4_available():
+                raise
+            print(f"floe: {e}; running PyTorch's packed int4 kernel instead", file=sys.stderr, flush=True)
+            return "int4pack"
+        return name
 
     def input_transfer(self, n_tokens: int, batch_rows: int = 1) -> tuple[str, int] | None:
         """(boundary name, bytes) of what a forward of n_tokens copies host→device, None on the CPU:
@@ -184,7 +227,8 @@ class Engine:
         """A free KV cache slot, emptied, for a new conversation."""
         with self._slot_lock:
             if not self._free_slots:
-                raise FloeError(f"all {self.cache.n_slots} KV cache slots are in use")
+                raise FloeError(f"all {self.cache.n_slots} KV cache slots are in use: each actor holds one "
+                                "until closed; create the Engine with n_slots=N to run N actors at once")
             slot = self._free_slots.pop(0)
         self.cache.truncate(slot, 0)
         self._greedy.pop(slot, None)

@@ -5,6 +5,9 @@ input, a scale and a zero per group, bf16 activations). Batch-1 decode reads eac
 token, so 4.5 bits per weight instead of 16 is the whole game; see docs/PERF.md for the numbers.
 The kernel only runs fast with bf16 inputs, and for many rows at once (prefill) a bf16 matrix
 multiply is faster than it, so a layer keeps a bf16 copy of the same values for long inputs.
+Its output is bf16: fine for a layer (added to the fp32 residual stream), not for the vocabulary
+head, whose rounded logits tie near-equal tokens, so the engine never uses it for the head. floe's own
+kernels (qgemv) are preferred wherever a compiler exists; this is the fallback where none does.
 """
 
 from __future__ import annotations

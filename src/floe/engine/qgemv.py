@@ -1,11 +1,20 @@
 """Quantized matrix-vector products for CPU decode: int8 activations × 4- or 8-bit weight codes.
 
 PyTorch's packed int4 CPU kernel turns every weight into a float and multiplies in fp32, which made
-the GEMVs ~6 of a SmolLM2 decode step's ~8 ms. This kernel (csrc/gemv_q.cpp, built on first use with
-the machine's compiler and cached) does what llama.cpp does: quantize the input row to int8 per group
-of 32, take each group's integer dot product with the codes on VNNI, and combine groups in float.
-The weights are the file's values exactly; the input's int8 rounding is the one approximation
-(relative error ~5e-3 per product; docs/PERF.md measures what it does to the tokens).
+the GEMVs ~6 of a SmolLM2 decode step's ~8 ms. floe's kernel does what llama.cpp does: quantize the
+input row to int8 per group of 32, take each group's exact integer dot product with the codes, and
+combine groups in float. The weights are the file's values exactly; the input's int8 rounding is
+the one approximation (relative error ~5e-3 per product; docs/PERF.md measures what it does to the
+tokens). Every variant computes the same sums (csrc/qdot/qdot.h); they differ in instructions:
+
+    vnni      AVX-512 VNNI (vpdpbusd on 256-bit vectors)       x86-64
+    avx2      AVX2 vpmaddubsw + vpmaddwd, as llama.cpp         x86-64
+    neon      vdotq_s32 (ARMv8.2-A dot product)                aarch64 (compiled in tests, not run)
+    portable  plain C++, no intrinsics                         any CPU
+
+The variant is chosen from the CPU's feature flags *before* anything is compiled; each is a shared
+library of its own built with that variant's flags (a second or two), opened by one PyTorch operator,
+`torch.ops.floe.gemv_q` (csrc/qdot/op.cpp, built once per machine, ~35 s).
 
     Q4_0, Q4_1, Q4_K  →  4-bit codes, w = scale·code + offset per group of 32 (from int4_groups)
     Q8_0              →  8-bit codes = q + 128, scale d, offset −128·d
@@ -13,7 +22,9 @@ The weights are the file's values exactly; the input's int8 rounding is the one 
 
 from __future__ import annotations
 
+import platform
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,57 +33,120 @@ from torch import Tensor, nn
 
 from floe.engine import cbuild
 from floe.engine.int4 import DENSE_FROM_ROWS  # longer inputs (prefill): a bf16 copy and a GEMM
+from floe.errors import FloeError
 from floe.model.quant import GROUP, QuantizedWeight
 
-SOURCE = Path(__file__).parent / "csrc" / "gemv_q.cpp"
+CSRC = Path(__file__).parent / "csrc" / "qdot"
+OPERATOR_SECONDS = 35  # building the operator (PyTorch's headers) on 2 cores
+VARIANT_SECONDS = 2  # building one variant (no PyTorch headers)
+
+X86, ARM = ("x86_64", "AMD64"), ("aarch64", "arm64")
+
+
+class KernelUnavailable(FloeError):
+    """A native kernel that cannot run here: the CPU lacks its instructions, or it cannot be built."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    machines: tuple[str, ...]  # platform.machine() values it is for; empty: any
+    cpu_flags: tuple[str, ...]  # the CPU features it needs, as Linux's /proc/cpuinfo names them
+    cflags: tuple[str, ...]  # what it is compiled with (never -march=native: one library per variant)
+
+    @property
+    def source(self) -> Path:
+        return CSRC / f"{self.name}.cpp"
+
+
+_AVX2 = ("avx2", "fma", "f16c")
+# Best first: `auto` takes the first one this CPU can run.
+VARIANTS = {v.name: v for v in (
+    Variant("vnni", X86, (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+            ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
+    Variant("avx2", X86, _AVX2, ("-mavx2", "-mfma", "-mf16c")),
+    Variant("neon", ARM, ("asimddp",), ("-march=armv8.2-a+dotprod",)),
+    Variant("portable", (), (), ()),
+)}
+
+# The operator's schema, declared here so that TorchScript compiles code naming it even where the
+# operator cannot be built (then no layer calls it); op.cpp adds the CPU implementation.
+_schema = torch.library.Library("floe", "FRAGMENT")
+_schema.define("gemv_q(Tensor x, Tensor codes, Tensor scale, Tensor offset, int kernel) -> Tensor")
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_numbers: dict[str, int] = {}  # variant -> its number for torch.ops.floe.gemv_q
+_operator: dict[str, object] = {}  # "error": why the operator did not build, once it failed
 
 
-def load() -> bool:
-    """Build (once per machine; cached by PyTorch) and load the kernels; False where they cannot run
-    here (not x86-64, no compiler, no VNNI), with the reason in `unavailable_reason()`."""
-    with _lock:
-        if "ok" not in _state:
-            _state["ok"], _state["reason"] = _build()
-        return bool(_state["ok"])
-
-
-def unavailable_reason() -> str:
-    return str(_state.get("reason", ""))
-
-
-def ensure_ops() -> None:
-    """Make `torch.ops.floe.gemv_q4/q8` exist: the built kernels, or, where they cannot be built,
-    declarations that refuse to run (so code that names them still compiles under TorchScript; no
-    layer uses them then)."""
-    if load() or hasattr(torch.ops.floe, "gemv_q4"):
-        return
-    lib = torch.library.Library("floe", "DEF")
-    _state["fallback"] = lib  # kept alive: the registration lives as long as the Library object
-
-    def refuse(*args):
-        raise RuntimeError(f"floe's quantized CPU kernels are not available: {unavailable_reason()}")
-
-    for name in ("gemv_q4", "gemv_q8"):
-        lib.define(f"{name}(Tensor x, Tensor codes, Tensor scale, Tensor offset) -> Tensor")
-        lib.impl(name, refuse, "CPU")
-
-
-def _build() -> tuple[bool, str]:
-    import platform
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False, f"the kernel is written for x86-64, this is {platform.machine()}"
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (/proc/cpuinfo `flags`, or `Features` on ARM);
+    elsewhere, what PyTorch's CPU capability implies."""
     try:
-        torch.ops.load_library(cbuild.build("floe_gemv_q", [SOURCE], ["-O3", "-march=native", "-fopenmp"],
-                                            ["-fopenmp"], what="the CPU decode kernels (~30 s)"))
-    except Exception as e:  # noqa: BLE001 - no compiler, no headers...: the packed int4 path remains
-        return False, f"building {SOURCE.name} failed: {type(e).__name__}: {str(e)[:300]}"
-    if not torch.ops.floe.vnni():
-        return False, "this CPU has no AVX-512 VNNI (the int8 dot products would be emulated)"
-    return True, ""
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    if platform.machine() == "arm64" and platform.system() == "Darwin":
+        return frozenset({"asimddp"})  # every Apple silicon core
+    capability = torch.backends.cpu.get_cpu_capability()
+    return frozenset(_AVX2 if capability in ("AVX2", "AVX512") else ())
+
+
+def missing(name: str) -> str | None:
+    """Why this CPU cannot run variant `name` (the missing flags), or None if it can."""
+    variant = VARIANTS[name]
+    if variant.machines and platform.machine() not in variant.machines:
+        return f"it is for {variant.machines[0]}, this machine is {platform.machine()}"
+    lacks = [flag for flag in variant.cpu_flags if flag not in cpu_flags()]
+    return f"this CPU lacks {', '.join(lacks)}" if lacks else None
+
+
+def runnable() -> list[str]:
+    """The variants this CPU can run, best first (`portable` always)."""
+    return [name for name in VARIANTS if missing(name) is None]
+
+
+def load(name: str = "auto") -> int:
+    """The number `torch.ops.floe.gemv_q` takes for variant `name` (`auto`: the best this CPU runs),
+    built on first use and cached per machine. The CPU is checked before anything is compiled.
+    Raises KernelUnavailable (unknown name, the CPU lacks a flag, no compiler, a failed build)."""
+    name = runnable()[0] if name == "auto" else name
+    if name not in VARIANTS:
+        raise KernelUnavailable(f"no native kernel {name!r}; choose one of: auto, {', '.join(VARIANTS)}")
+    with _lock:
+        if name not in _numbers:
+            why = missing(name)
+            if why:
+                raise KernelUnavailable(f"the {name} kernel cannot run here: {why}; "
+                                        f"this CPU runs: {', '.join(runnable())}")
+            _load_operator()
+            variant = VARIANTS[name]
+            try:
+                library = cbuild.build_plain(f"floe_qdot_{name}", [variant.source], list(variant.cflags),
+                                             what=f"floe's {name} int8 GEMV kernel", seconds=VARIANT_SECONDS)
+            except cbuild.BuildError as e:
+                raise KernelUnavailable(f"building the {name} kernel failed: {e}") from e
+            _numbers[name] = torch.ops.floe.qdot_load(str(library))
+        return _numbers[name]
+
+
+def _load_operator() -> None:
+    """Build (once per machine) and load op.cpp; a failure is remembered, not retried."""
+    if "error" in _operator:
+        raise KernelUnavailable(str(_operator["error"]))
+    if "loaded" in _operator:
+        return
+    try:
+        torch.ops.load_library(cbuild.build(
+            "floe_qdot_op", [CSRC / "op.cpp"], ["-O3", "-fopenmp"], ["-fopenmp"],
+            what="floe's PyTorch operator for the CPU kernels", seconds=OPERATOR_SECONDS))
+    except Exception as e:  # noqa: BLE001 - no compiler, no headers...: the caller falls back
+        _operator["error"] = f"building floe's CPU kernel operator failed: {type(e).__name__}: {str(e)[:300]}"
+        raise KernelUnavailable(str(_operator["error"])) from e
+    _operator["loaded"] = True
 
 
 def supports(weight: QuantizedWeight) -> bool:
@@ -110,13 +184,16 @@ def _codes(weight: QuantizedWeight) -> tuple[Tensor, Tensor, int]:
 
 
 class QLinear(nn.Module):
-    """y = x Wᵀ (+ b) on the file's quantized weight: the int8-activation kernel for a few rows,
-    a bf16 copy for many (prefill). Output float32."""
+    """y = x Wᵀ (+ b) on the file's quantized weight: floe's int8-activation kernel (`kernel`: a
+    variant name or auto) for a few rows, a bf16 copy for many (prefill). Output float32."""
 
-    def __init__(self, weight: QuantizedWeight, bias: Tensor | None = None, dense: bool = True) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: Tensor | None = None, dense: bool = True,
+                 kernel: str = "auto") -> None:
         super().__init__()
         if not supports(weight):
             raise ValueError(f"{weight.qtype} {weight.shape} has no kernel here")
+        self.number = load(kernel)
+        self.kernel = torch.ops.floe.qdot_name(self.number)
         self.qtype = weight.qtype
         self.out_features, self.in_features = weight.shape
         codes, scale_offset, self.bits = _codes(weight)
@@ -134,14 +211,9 @@ class QLinear(nn.Module):
         if self.dense is not None and x.shape[0] >= DENSE_FROM_ROWS:
             return F.linear(x.to(torch.bfloat16), self.dense, None if self.bias is None
                             else self.bias.to(torch.bfloat16)).float()
-        y = gemv(x, self.codes, self.scale_offset, self.bits)
+        y = torch.ops.floe.gemv_q(x, self.codes, self.scale_offset[0], self.scale_offset[1], self.number)
         return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.qtype} as {self.bits}-bit codes"
-
-
-def gemv(x: Tensor, codes: Tensor, scale_offset: Tensor, bits: int) -> Tensor:
-    """x [M, K] (any float dtype) times the coded weight; float32 [M, N]."""
-    op = torch.ops.floe.gemv_q4 if bits == 4 else torch.ops.floe.gemv_q8
-    return op(x, codes, scale_offset[0], scale_offset[1])
+        return (f"{self.in_features} -> {self.out_features}, {self.qtype} as {self.bits}-bit codes, "
+                f"{self.kernel} kernel")

@@ -1,0 +1,58 @@
+// AArch64 group dot products with the dot-product extension (ARMv8.2-A +dotprod): vdotq_s32 sums
+// four s8 x s8 products per 32-bit lane. 4-bit codes (0..15) are valid s8 as they are; byte codes
+// become code - 128 (code_bias 128). Compiled in floe's tests by cross-compiling, not run there.
+#ifndef FLOE_QDOT_ISA_NEON_H
+#define FLOE_QDOT_ISA_NEON_H
+
+#include <arm_neon.h>
+#if defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#endif
+
+#include "qdot.h"
+
+namespace floe_qdot {
+namespace {
+
+struct Neon : ScalarBlocks {
+  using Acc = float32x4_t;
+
+  static int runs_here() {
+#if defined(__linux__)
+    return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#elif defined(__APPLE__)
+    return 1;  // every Apple silicon core has it
+#else
+    return 0;
+#endif
+  }
+  static constexpr float code_bias(bool four_bit) { return four_bit ? 0.f : 128.f; }
+  static float32x4_t zero() { return vdupq_n_f32(0.f); }
+  static float32x4_t add(float32x4_t a, float32x4_t b) { return vaddq_f32(a, b); }
+  static float32x4_t fma(float32x4_t d, float s, float32x4_t acc) { return vfmaq_n_f32(acc, d, s); }
+  static float hsum(float32x4_t v) { return vaddvq_f32(v); }
+
+  template <bool FourBit>
+  static float32x4_t group(const uint8_t* c, const int8_t* q) {
+    const int8x16_t q0 = vld1q_s8(q), q1 = vld1q_s8(q + 16);
+    int8x16_t w0, w1;
+    if constexpr (FourBit) {
+      const uint8x16_t b = vld1q_u8(c);
+      w0 = vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F)));
+      w1 = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
+    } else {
+      const uint8x16_t m = vdupq_n_u8(0x80);
+      w0 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(c), m));
+      w1 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(c + 16), m));
+    }
+    return vcvtq_f32_s32(vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, q0), w1, q1));
+  }
+};
+
+}  // namespace
+}  // namespace floe_qdot
+
+#endif

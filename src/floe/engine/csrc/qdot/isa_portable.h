@@ -1,0 +1,35 @@
+// Plain C++ group dot products (no intrinsics): runs on any CPU; the compiler vectorises what it can
+// for the target it is given.
+#ifndef FLOE_QDOT_ISA_PORTABLE_H
+#define FLOE_QDOT_ISA_PORTABLE_H
+
+#include "qdot.h"
+
+namespace floe_qdot {
+namespace {
+
+struct Portable : ScalarBlocks {
+  using Acc = float;
+  static int runs_here() { return 1; }
+  static constexpr float code_bias(bool) { return 0.f; }
+  static float zero() { return 0.f; }
+  static float add(float a, float b) { return a + b; }
+  static float hsum(float a) { return a; }
+  static float fma(float d, float s, float acc) { return acc + d * s; }
+
+  template <bool FourBit>
+  static float group(const uint8_t* c, const int8_t* q) {
+    int32_t sum = 0;  // at most 32 x 255 x 127: exact in int32, and in float
+    if constexpr (FourBit) {
+      for (int j = 0; j < 16; ++j) sum += (c[j] & 15) * q[j] + (c[j] >> 4) * q[j + 16];
+    } else {
+      for (int j = 0; j < 32; ++j) sum += c[j] * q[j];
+    }
+    return static_cast<float>(sum);
+  }
+};
+
+}  // namespace
+}  // namespace floe_qdot
+
+#endif

@@ -1,0 +1,87 @@
+// x86-64 group dot products on 256-bit vectors. Vnni: one vpdpbusd (u8 x s8, four products summed
+// per 32-bit lane, no saturation; AVX-512 VNNI + VL). Without it, AVX2 as llama.cpp does:
+// vpmaddubsw (u8 x s8 pairs summed to int16, SATURATING) then vpmaddwd to int32. 4-bit codes are
+// safe (|pair| <= 2 x 15 x 127 = 3810); byte codes are not (2 x 255 x 127 > 32767), so for those
+// the codes become signed (code - 128, code_bias 128) and the sign moves to the input:
+// |code - 128| x sign(qx, code - 128), whose pairs are at most 2 x 128 x 127 = 32512.
+#ifndef FLOE_QDOT_ISA_X86_H
+#define FLOE_QDOT_ISA_X86_H
+
+#include <immintrin.h>
+
+#include "qdot.h"
+
+namespace floe_qdot {
+namespace {
+
+template <bool Vnni>
+struct X86 {
+  using Acc = __m256;
+  using Off = __m256;
+
+  static int runs_here() {
+    __builtin_cpu_init();
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if constexpr (Vnni) {
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    }
+    return avx2;
+  }
+  static constexpr float code_bias(bool four_bit) { return Vnni || four_bit ? 0.f : 128.f; }
+  static __m256 zero() { return _mm256_setzero_ps(); }
+  static __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+  static __m256 fma(__m256 d, float s, __m256 acc) { return _mm256_fmadd_ps(d, _mm256_set1_ps(s), acc); }
+  static float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+
+  template <bool FourBit>
+  static __m256 group(const uint8_t* c, const int8_t* q) {
+    __m256i w;
+    if constexpr (FourBit) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+      w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+    } else {
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+    }
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    __m256i d;
+    if constexpr (Vnni) {
+      d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+    } else if constexpr (FourBit) {
+      d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+    } else {
+      const __m256i sw = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));  // code - 128
+      const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(sw), _mm256_sign_epi8(x, sw));
+      d = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    }
+    return _mm256_cvtepi32_ps(d);
+  }
+
+  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+  static __m256 load8(const Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static float to_float(float v) { return v; }
+  static float to_float(Half h) { return _cvtsh_ss(h.bits); }
+  static __m256 off_zero() { return _mm256_setzero_ps(); }
+  static float off_sum(__m256 off) { return hsum(off); }
+  template <typename S>
+  static __m256 block8(const S* s, const S* o, const float* xs, const float* u, float bias, float* cs,
+                       __m256 off) {
+    const __m256 sv = load8(s);
+    _mm256_store_ps(cs, _mm256_mul_ps(sv, _mm256_loadu_ps(xs)));
+    __m256 ov = load8(o);
+    if (bias != 0.f) ov = _mm256_fmadd_ps(_mm256_set1_ps(bias), sv, ov);
+    return _mm256_fmadd_ps(ov, _mm256_loadu_ps(u), off);
+  }
+};
+
+}  // namespace
+}  // namespace floe_qdot
+
+#endif

@@ -1,0 +1,102 @@
+// floe's quantized GEMV as a PyTorch operator. torch.ops.floe.gemv_q(x, codes, scale, offset, kernel)
+// runs instruction-set variant number `kernel`, as returned by torch.ops.floe.qdot_load(path): each
+// variant (portable.cpp, avx2.cpp, vnni.cpp, neon.cpp) is a shared library of its own, built with its
+// own compiler flags and opened here. This file is built once, with no instruction-set flags; it
+// owns the tensors and the threads, the variants own the arithmetic (qdot.h).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <dlfcn.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "abi.h"
+
+namespace {
+
+constexpr int64_t G = 32;
+constexpr int kMaxKernels = 16;
+const FloeQdotKernel* g_kernels[kMaxKernels];
+std::atomic<int> g_count{0};
+std::mutex g_load;
+
+// Open a variant's library (it stays open) and return its number (1-based; the same library twice:
+// the same number). Refuses a library of another ABI or one this CPU cannot run.
+int64_t qdot_load(const std::string& path) {
+  std::lock_guard<std::mutex> lock(g_load);
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(lib != nullptr, "cannot open the kernel library ", path, ": ", dlerror());
+  auto entry = reinterpret_cast<const FloeQdotKernel* (*)()>(dlsym(lib, "floe_qdot_kernel"));
+  TORCH_CHECK(entry != nullptr, path, " is not a floe kernel library (it has no floe_qdot_kernel)");
+  const FloeQdotKernel* kernel = entry();
+  TORCH_CHECK(kernel->abi == FLOE_QDOT_ABI, path, " has kernel ABI ", kernel->abi, ", this operator ",
+              FLOE_QDOT_ABI, ": rebuild it");
+  TORCH_CHECK(kernel->runs_here(), "this CPU lacks instructions the '", kernel->name, "' kernel uses");
+  const int count = g_count.load();
+  for (int i = 0; i < count; ++i) {
+    if (g_kernels[i] == kernel) return i + 1;
+  }
+  TORCH_CHECK(count < kMaxKernels, "too many kernel libraries loaded");
+  g_kernels[count] = kernel;
+  g_count.store(count + 1);
+  return count + 1;
+}
+
+const FloeQdotKernel* kernel_of(int64_t number) {
+  TORCH_CHECK(number >= 1 && number <= g_count.load(), "no kernel number ", number,
+              " (torch.ops.floe.qdot_load gives one)");
+  return g_kernels[number - 1];
+}
+
+std::string qdot_name(int64_t number) { return kernel_of(number)->name; }
+
+// y [..., N] = x [..., K] times the coded weight: codes uint8 [N, K/2] (4-bit) or [N, K] (8-bit),
+// scale and offset float32 or float16 [N, K/32].
+at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scale,
+                  const at::Tensor& offset, int64_t number) {
+  const FloeQdotKernel* kernel = kernel_of(number);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
+              "codes: uint8 [N, *], contiguous");
+  TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf) && scale.dim() == 2 &&
+                  offset.scalar_type() == scale.scalar_type() && scale.is_contiguous() &&
+                  offset.is_contiguous() && scale.size(0) == codes.size(0) && offset.sizes() == scale.sizes(),
+              "scale/offset: float32 or float16 [N, K/32], both alike, contiguous");
+  const int64_t n = codes.size(0), groups = scale.size(1), k = groups * G;
+  const bool four_bit = codes.size(1) * 2 == k;
+  TORCH_CHECK(four_bit || codes.size(1) == k, "codes width ", codes.size(1), " is neither K/2 (4-bit) nor K ",
+              "(8-bit) for K = 32 x ", groups, " groups");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "input width must be K = ", k);
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = n;
+  at::Tensor y = at::empty(sizes, x.options());
+  const floe_qdot_rows_fn rows = kernel->rows[four_bit][scale.scalar_type() == at::kHalf];
+  std::vector<int8_t> qx(k);
+  std::vector<float> xs(groups), u(groups);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const void* s = scale.data_ptr();
+  const void* o = offset.data_ptr();
+  for (int64_t r = 0; r < x.numel() / k; ++r) {
+    kernel->quantize(x.data_ptr<float>() + r * k, k, qx.data(), xs.data(), u.data());
+    float* out = y.data_ptr<float>() + r * n;
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      rows(c, s, o, qx.data(), xs.data(), u.data(), groups, begin, end, out);
+    });
+  }
+  return y;
+}
+
+}  // namespace
+
+// gemv_q's schema is declared by floe.engine.qgemv (so that TorchScript can compile code naming it
+// where this file cannot be built); this library adds its CPU implementation.
+TORCH_LIBRARY_FRAGMENT(floe, m) {
+  m.def("qdot_load(str path) -> int", &qdot_load);
+  m.def("qdot_name(int kernel) -> str", &qdot_name);
+}
+
+TORCH_LIBRARY_IMPL(floe, CPU, m) { m.impl("gemv_q", gemv_q); }

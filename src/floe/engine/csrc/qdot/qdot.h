@@ -1,0 +1,156 @@
+// The quantized GEMV's mathematics, shared by every instruction-set variant (header-only, no ATen):
+// the input row is quantized to int8 per group of 32 (step = absmax / 127, as llama.cpp does), each
+// group's integer dot product with the weight codes is exact, and groups combine in float:
+//   y[n] = sum_g xs[g] * (scale[n,g] * dot(codes[n,g], qx[g]) + offset[n,g] * sum(qx[g]))
+// q4: 4-bit codes (0..15), 16 bytes a group, byte j = element j (low nibble) and j + 16 (high);
+// q8: byte codes (0..255), 32 a group; w = scale * code + offset (int8 weights: code = w8 + 128).
+//
+// A variant supplies an `Isa` (isa_portable.h, isa_x86.h, isa_neon.h):
+//   Acc, zero(), add(a, b), fma(d, s, acc) = acc + d * s, hsum(acc): float lanes of group dots
+//   group<FourBit>(codes, qx) -> Acc whose lanes sum to dot(codes - code_bias(FourBit), qx)
+//   Off, off_zero(), block8(scale, offset, xs, u, bias, cs, off), off_sum(off), to_float(S)
+// A variant whose instructions cannot multiply the unsigned 8-bit codes directly works on
+// code - 128 (a signed byte) and reports code_bias = 128; the loop below adds 128 * scale back as
+// part of the offset, so every variant computes the same sum.
+#ifndef FLOE_QDOT_H
+#define FLOE_QDOT_H
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "abi.h"
+
+#if defined(__GNUC__)
+#define FLOE_QDOT_EXPORT extern "C" __attribute__((visibility("default")))
+#else
+#define FLOE_QDOT_EXPORT extern "C"
+#endif
+
+namespace floe_qdot {
+namespace {  // each variant's library has its own copy: nothing here is shared between them
+
+constexpr int64_t G = 32;
+
+struct Half {  // IEEE binary16, as stored (PyTorch's float16)
+  uint16_t bits;
+};
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);  // 112 = 127 - 15
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: man * 2^-24, normalised
+    uint32_t shift = 0;
+    while (!(man & 0x400u)) {
+      man <<= 1;
+      ++shift;
+    }
+    bits = sign | ((113 - shift) << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// qx int8 [K], xs [K/32] each group's step, u [K/32] = step * sum(qx of the group)
+inline void quantize_row(const float* x, int64_t k, int8_t* qx, float* xs, float* u) {
+  for (int64_t g = 0; g < k / G; ++g) {
+    const float* xg = x + g * G;
+    float amax = 0.f;
+    for (int j = 0; j < G; ++j) amax = std::fmax(amax, std::fabs(xg[j]));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int j = 0; j < G; ++j) {
+      const int q = static_cast<int>(std::nearbyint(xg[j] * inv));
+      qx[g * G + j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    xs[g] = d;
+    u[g] = d * static_cast<float>(sum);
+  }
+}
+
+// The per-group scale arithmetic in plain C++, for variants without a vector version of it.
+struct ScalarBlocks {
+  using Off = float;
+  static float off_zero() { return 0.f; }
+  static float off_sum(float off) { return off; }
+  static float to_float(float v) { return v; }
+  static float to_float(Half h) { return half_to_float(h.bits); }
+  // cs[j] = scale[j] * xs[j]; off += (offset[j] + bias * scale[j]) * u[j], for 8 groups
+  template <typename S>
+  static float block8(const S* s, const S* o, const float* xs, const float* u, float bias, float* cs,
+                      float off) {
+    for (int j = 0; j < 8; ++j) {
+      const float sj = to_float(s[j]);
+      cs[j] = sj * xs[j];
+      off += (to_float(o[j]) + bias * sj) * u[j];
+    }
+    return off;
+  }
+};
+
+// One output. Groups go in blocks of 8, spread over four independent accumulators (an FMA's
+// latency is about four of its issue slots); the offset term is accumulated apart.
+template <class Isa, bool FourBit, typename S>
+inline float row_dot(const uint8_t* cr, const S* sr, const S* orow, const int8_t* q, const float* xs,
+                     const float* u, int64_t groups) {
+  constexpr int64_t width = FourBit ? G / 2 : G;  // code bytes a group
+  constexpr float bias = Isa::code_bias(FourBit);
+  using Acc = typename Isa::Acc;
+  Acc a0 = Isa::zero(), a1 = a0, a2 = a0, a3 = a0;
+  typename Isa::Off off = Isa::off_zero();
+  alignas(32) float cs[8];
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    off = Isa::block8(sr + g, orow + g, xs + g, u + g, bias, cs, off);
+    const uint8_t* c = cr + g * width;
+    const int8_t* qg = q + g * G;
+    a0 = Isa::fma(Isa::template group<FourBit>(c, qg), cs[0], a0);
+    a1 = Isa::fma(Isa::template group<FourBit>(c + width, qg + G), cs[1], a1);
+    a2 = Isa::fma(Isa::template group<FourBit>(c + 2 * width, qg + 2 * G), cs[2], a2);
+    a3 = Isa::fma(Isa::template group<FourBit>(c + 3 * width, qg + 3 * G), cs[3], a3);
+    a0 = Isa::fma(Isa::template group<FourBit>(c + 4 * width, qg + 4 * G), cs[4], a0);
+    a1 = Isa::fma(Isa::template group<FourBit>(c + 5 * width, qg + 5 * G), cs[5], a1);
+    a2 = Isa::fma(Isa::template group<FourBit>(c + 6 * width, qg + 6 * G), cs[6], a2);
+    a3 = Isa::fma(Isa::template group<FourBit>(c + 7 * width, qg + 7 * G), cs[7], a3);
+  }
+  float rest = 0.f;
+  for (; g < groups; ++g) {
+    const float s = Isa::to_float(sr[g]);
+    a0 = Isa::fma(Isa::template group<FourBit>(cr + g * width, q + g * G), s * xs[g], a0);
+    rest += (Isa::to_float(orow[g]) + bias * s) * u[g];
+  }
+  return Isa::hsum(Isa::add(Isa::add(a0, a1), Isa::add(a2, a3))) + Isa::off_sum(off) + rest;
+}
+
+template <class Isa, bool FourBit, typename S>
+void rows(const uint8_t* codes, const void* scale, const void* offset, const int8_t* qx, const float* xs,
+          const float* u, int64_t groups, int64_t begin, int64_t end, float* y) {
+  const S* sc = static_cast<const S*>(scale);
+  const S* of = static_cast<const S*>(offset);
+  const int64_t width = groups * (FourBit ? G / 2 : G);
+  for (int64_t r = begin; r < end; ++r) {
+    y[r] = row_dot<Isa, FourBit>(codes + r * width, sc + r * groups, of + r * groups, qx, xs, u, groups);
+  }
+}
+
+// The table a variant's library hands to floe's operator.
+template <class Isa>
+const FloeQdotKernel* kernel(const char* name) {
+  static const FloeQdotKernel table = {
+      FLOE_QDOT_ABI, name, &Isa::runs_here, &quantize_row,
+      {{&rows<Isa, false, float>, &rows<Isa, false, Half>}, {&rows<Isa, true, float>, &rows<Isa, true, Half>}}};
+  return &table;
+}
+
+}  // namespace
+}  // namespace floe_qdot
+
+#endif

@@ -1,0 +1,175 @@
+"""floe's quantized GEMV, every instruction-set variant: exact against the dequantized weights,
+chosen from the CPU's flags before anything is built, and the aarch64 variant cross-compiled."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+from models import write_gguf
+from toolchain import has_compiler
+
+from floe.engine import cbuild, qgemv
+from floe.model import load_checkpoint
+from floe.model.quant import GROUP, QuantizedWeight
+
+
+def runnable(name: str) -> str:
+    """`name` if this machine can build and run it; else the test skips, saying what is missing."""
+    why = qgemv.missing(name)
+    if why:
+        pytest.skip(f"the {name} kernel cannot run here: {why}")
+    if not has_compiler():
+        pytest.skip("no C++ compiler on this machine (native weights run PyTorch's packed int4 there)")
+    return name
+
+
+@pytest.fixture(params=list(qgemv.VARIANTS))
+def variant(request) -> str:
+    return runnable(request.param)
+
+
+@pytest.fixture(scope="module", params=[Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
+def tiny(request, tmp_path_factory):
+    return load_checkpoint(write_gguf(tmp_path_factory.mktemp("qgemv") / "t.gguf", [request.param]))
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x with each group of 32 rounded to int8 steps of absmax / 127, as the kernels read it."""
+    g = x.double().view(x.shape[0], -1, GROUP)
+    step = g.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(g / step.clamp(min=1e-300)) * step).view(x.shape)
+
+
+def assert_exact(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y is x's int8 rounding times w, up to float rounding of the group sums."""
+    exact = F.linear(int8_rounded(x), w.double())
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
+
+
+def test_every_variant_is_the_exact_linear_of_int8_rounded_inputs(tiny, variant):
+    """The weights are the file's exactly and the integer dot products are exact: the one rounding
+    is the input's, to int8 per group of 32 (what llama.cpp does too)."""
+    torch.manual_seed(0)
+    for name in ("layers.0.feed_forward.w2.weight", "layers.1.attention.wq.weight"):
+        q, w = tiny.quantized[name], tiny.weights[name]
+        layer = qgemv.QLinear(q, dense=False, kernel=variant)
+        assert layer.kernel == variant
+        x = torch.randn(3, q.shape[1])
+        y = layer(x)
+        assert_exact(y, x, w)
+        assert (y.double() - F.linear(x.double(), w.double())).norm() / y.norm() < 2e-2
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_every_variant_on_wide_rows_with_a_tail(qtype, variant):
+    """19 groups a row: two blocks of 8 (the unrolled loop) and a tail of 3; fp16 and fp32 scales."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((37, 19 * GROUP)).astype(np.float32)
+    q = QuantizedWeight(qtype.name, w.shape, quantize(w, qtype))
+    layer = qgemv.QLinear(q, dense=False, kernel=variant)
+    x = torch.from_numpy(rng.standard_normal((2, w.shape[1])).astype(np.float32))
+    y = layer(x)
+    assert_exact(y, x, q.dequantize())
+    assert layer.scale_offset.dtype == torch.float16  # the file's fp16 scales, kept as they are
+    layer.scale_offset = layer.scale_offset.float()  # the float32 variant (Q4_K's) computes the same
+    torch.testing.assert_close(layer(x), y, rtol=1e-6, atol=1e-6 * float(y.abs().max()))
+
+
+def q8_blocks(q8: np.ndarray, d: float) -> np.ndarray:
+    """Q8_0 bytes of int8 values q8 [rows, cols] with one scale d for every block."""
+    rows, cols = q8.shape
+    scale = np.full((rows, cols // GROUP, 1), d, np.float16).view(np.uint8)
+    return np.concatenate([scale, q8.reshape(rows, -1, GROUP).view(np.uint8)], -1).reshape(rows, -1)
+
+
+def test_byte_codes_at_their_extremes_do_not_saturate(variant):
+    """AVX2's vpmaddubsw sums pairs of u8 x s8 products into a saturating int16: byte codes of 255
+    (or, as signed values, -128) times inputs of ±127 are where an unsigned product would overflow."""
+    q8 = np.where(np.arange(64) % 3 == 0, -128, 127).astype(np.int8)
+    q8 = np.stack([q8, -q8.clip(-127), np.full(64, -128, np.int8), np.full(64, 127, np.int8)])
+    q = QuantizedWeight("Q8_0", q8.shape, q8_blocks(q8, 0.5))
+    layer = qgemv.QLinear(q, dense=False, kernel=variant)
+    x = torch.tensor([[1.0, -1.0] * 32, [-1.0] * 64, [1.0] * 64])  # rounds to ±127 exactly
+    assert_exact(layer(x), x, q.dequantize())
+
+
+def test_4bit_codes_at_their_extremes(variant):
+    codes = np.full((2, 32), 0xFF, np.uint8)  # Q4_0 nibbles of 15 everywhere
+    codes[1, ::2] = 0x00
+    blocks = np.concatenate([np.full((2, 2, 1), 0.25, np.float16).view(np.uint8),
+                             codes.reshape(2, 2, 16)], -1).reshape(2, -1)
+    q = QuantizedWeight("Q4_0", (2, 64), blocks)
+    x = torch.tensor([[1.0] * 64, [-1.0, 1.0] * 32])
+    assert_exact(qgemv.QLinear(q, dense=False, kernel=variant)(x), x, q.dequantize())
+
+
+def test_auto_takes_the_best_variant_the_cpu_flags_name(monkeypatch):
+    monkeypatch.setattr(qgemv.platform, "machine", lambda: "x86_64")
+    avx2 = frozenset({"sse2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"})
+    monkeypatch.setattr(qgemv, "cpu_flags", lambda: avx2)
+    assert qgemv.runnable() == ["avx2", "portable"]
+    assert qgemv.missing("vnni") == "this CPU lacks avx512_vnni"
+    monkeypatch.setattr(qgemv, "cpu_flags", lambda: avx2 | {"avx512_vnni"})
+    assert qgemv.runnable() == ["vnni", "avx2", "portable"]
+    monkeypatch.setattr(qgemv, "cpu_flags", lambda: frozenset({"sse2"}))
+    assert qgemv.runnable() == ["portable"]
+    assert "aarch64" in qgemv.missing("neon")
+
+
+def test_a_variant_the_cpu_cannot_run_is_refused_before_anything_is_built(monkeypatch):
+    monkeypatch.setattr(qgemv.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(qgemv, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma"}))
+    monkeypatch.setattr(qgemv, "_numbers", {})
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a build was started for a kernel this CPU cannot run")
+
+    monkeypatch.setattr(cbuild, "build", no_build)
+    monkeypatch.setattr(cbuild, "build_plain", no_build)
+    for name, flag in (("vnni", "avx512_vnni"), ("avx2", "f16c")):
+        with pytest.raises(qgemv.KernelUnavailable, match=f"the {name} kernel cannot run here: .*{flag}"):
+            qgemv.load(name)
+
+
+def test_each_variant_builds_apart_with_its_own_flags():
+    """One library per variant, in a folder named by its sources and flags: none is -march=native."""
+    folders = set()
+    for variant in qgemv.VARIANTS.values():
+        assert not any("native" in flag for flag in variant.cflags)
+        folders.add(cbuild._folder(f"floe_qdot_{variant.name}", [variant.source], list(variant.cflags))[0])
+    assert len(folders) == len(qgemv.VARIANTS)
+
+
+def zig_cxx(target: str, cpu: str, source, out) -> subprocess.CompletedProcess:
+    """Cross-compile `source` with zig's clang (pip's ziglang) for `target`."""
+    return subprocess.run([sys.executable, "-m", "ziglang", "c++", "-std=c++17", "-O3", "-Wall", "-Werror",
+                           "-target", target, f"-mcpu={cpu}", "-c", str(source), "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("name,cpu", [("neon", "generic+dotprod"), ("portable", "generic")])
+def test_the_aarch64_kernels_compile(name, cpu, tmp_path):
+    """The NEON variant is compiled here, not run: its core is free of PyTorch, so zig's clang
+    cross-compiles it for aarch64 (armv8.2-a+dotprod, spelt -mcpu=generic+dotprod for zig)."""
+    pytest.importorskip("ziglang", reason="no cross-compiler here (pip install ziglang)")
+    out = tmp_path / f"{name}.o"
+    proc = zig_cxx("aarch64-linux-gnu", cpu, qgemv.VARIANTS[name].source, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    elf = out.read_bytes()
+    assert elf[:4] == b"\x7fELF" and int.from_bytes(elf[18:20], "little") == 183  # EM_AARCH64
+    assert b"floe_qdot_kernel" in elf
+
+
+def test_the_neon_kernel_needs_the_dot_product_extension(tmp_path):
+    """Without +dotprod the NEON source does not compile: its flags are what makes it that variant."""
+    pytest.importorskip("ziglang", reason="no cross-compiler here (pip install ziglang)")
+    proc = zig_cxx("aarch64-linux-gnu", "generic", qgemv.VARIANTS["neon"].source, tmp_path / "n.o")
+    assert proc.returncode != 0 and "dotprod" in proc.stderr
