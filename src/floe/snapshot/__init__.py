@@ -256,11 +256,11 @@ class Snapshot:
                 f"this host speaks {abi_version}")
         if fingerprint is not None and m["model_fingerprint"] != fingerprint:
             raise SnapshotModelMismatch(
-                f"snapshot was made with model {m['model_name']!r} ({m['model_fingerprint'][:12]}…) but this "
-                f"engine runs {fingerprint[:12]}…; load the same model file to thaw it")
+                f"snapshot was made with model {m['model_name'][:80]!r} ({m['model_fingerprint'][:12]}…) but "
+                f"this engine runs {fingerprint[:12]}…; load the same model file to thaw it")
         if guest_sha256 is not None and m["guest_sha256"] != guest_sha256:
             raise SnapshotGuestMismatch(
-                f"snapshot was made with guest {m['guest_name']} ({m['guest_sha256'][:12]}…), not "
+                f"snapshot was made with guest {m['guest_name'][:80]} ({m['guest_sha256'][:12]}…), not "
                 f"{guest_sha256[:12]}…; thaw it with the same guest module")
         wanted = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
         for key, value in wanted.items():

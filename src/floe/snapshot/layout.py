@@ -44,7 +44,8 @@ _HEX128 = re.compile(r"[0-9a-f]{32}")
 # Whole-number metadata: inclusive ranges.
 _NUMBERS = {"abi_version": (0, 2**31 - 1), "kv_len": (0, 2**31 - 1), "n_layers": (1, 2**16),
             "n_kv_heads": (1, 2**16), "head_dim": (1, 2**16), "guest_memory_bytes": (0, 2**32)}
-_TEXT = ("model_fingerprint", "model_name", "guest_sha256", "guest_name", "engine_dtype", "created_at")
+_REQUIRED = ("model_fingerprint", "model_name", "guest_sha256", "guest_name", "engine_dtype", "created_at",
+             "checksum", "kv_dtype", "guest_page_size", "globals")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ def open_regular(path: Path) -> int:
         raise SnapshotUnreadable(f"no snapshot at {path}") from None
     except OSError as e:
         raise SnapshotUnreadable(f"cannot open snapshot {path}: {e.strerror}") from None
+    except ValueError as e:  # a NUL byte in the path
+        raise SnapshotUnreadable(f"cannot open snapshot {str(path)[:200]!r}: {e}") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
@@ -91,6 +94,24 @@ def open_regular(path: Path) -> int:
 def read_header(fd: int, path: Path) -> Header:
     """The header of the open file `fd`, checked: safetensors' structure, then floe's format,
     version, header checksum (format 2) and schema. Reads the header only, never the tensors."""
+    try:
+        size, raw = _header_bytes(fd, path)
+    except OSError as e:
+        raise SnapshotUnreadable(f"cannot read snapshot {path}: {e.strerror}") from None
+    n = len(raw)
+    document = parse_json(raw, path, "the header")
+    if not isinstance(document, dict):
+        raise corrupt(path, "the header is not a JSON object")
+    metadata = _string_metadata(document.pop("__metadata__", None), path)
+    tensors = {name: _tensor_info(name, entry, path) for name, entry in document.items()}
+    _check_tiling(tensors, size - 8 - n, path)
+    header = Header(metadata, tensors, 8 + n, size)
+    check_format(header, path)
+    return header
+
+
+def _header_bytes(fd: int, path: Path) -> tuple[int, bytes]:
+    """(file size, the header's bytes), its length checked against the cap and the file first."""
     size = os.fstat(fd).st_size
     if size < 8:
         raise corrupt(path, f"{size} bytes, shorter than a safetensors header length")
@@ -101,16 +122,7 @@ def read_header(fd: int, path: Path) -> Header:
         raise corrupt(path, f"header length {n} does not fit a file of {size} bytes")
     if (8 + n) % 8:
         raise corrupt(path, f"header length {n} leaves the data section unaligned (safetensors pads it)")
-    raw = _read_exactly(fd, 8, n, path)
-    document = parse_json(raw, path, "the header")
-    if not isinstance(document, dict):
-        raise corrupt(path, "the header is not a JSON object")
-    metadata = _string_metadata(document.pop("__metadata__", None), path)
-    tensors = {name: _tensor_info(name, entry, path) for name, entry in document.items()}
-    _check_tiling(tensors, size - 8 - n, path)
-    header = Header(metadata, tensors, 8 + n, size)
-    check_format(header, path)
-    return header
+    return size, _read_exactly(fd, 8, n, path)
 
 
 def _read_exactly(fd: int, offset: int, n: int, path: Path) -> bytes:
@@ -242,7 +254,7 @@ def number(m: dict[str, str], key: str, path: Path) -> int:
 
 
 def _check_metadata(m: dict[str, str], names: set[str], path: Path) -> None:
-    for key in (*_TEXT, "checksum"):
+    for key in (*_REQUIRED, *(("checksums",) if m["format_version"] != "1" else ())):
         if key not in m:
             raise corrupt(path, f"metadata lacks {key!r}")
     for key in _NUMBERS:
@@ -258,7 +270,7 @@ def _check_metadata(m: dict[str, str], names: set[str], path: Path) -> None:
     if "app" in m and not isinstance(parse_json(m["app"], path, "metadata 'app'"), dict):
         raise corrupt(path, "metadata 'app' is not a JSON object")
     if m["format_version"] != "1":
-        digests = parse_json(m.get("checksums", ""), path, "metadata 'checksums'")
+        digests = parse_json(m["checksums"], path, "metadata 'checksums'")
         if not isinstance(digests, dict) or set(digests) != names:
             raise corrupt(path, "the per-tensor checksums do not name its tensors")
         if not all(isinstance(d, str) and _HEX128.fullmatch(d) for d in digests.values()):
@@ -267,7 +279,7 @@ def _check_metadata(m: dict[str, str], names: set[str], path: Path) -> None:
 
 def globals_kinds(m: dict[str, str], path: Path) -> list[tuple[str, str]]:
     """Metadata 'globals': [[name, wasm type], ...], names distinct."""
-    kinds = parse_json(m.get("globals", ""), path, "metadata 'globals'")
+    kinds = parse_json(m["globals"], path, "metadata 'globals'")
     if not isinstance(kinds, list) or not all(
             isinstance(g, list) and len(g) == 2 and isinstance(g[0], str) and g[1] in GLOBAL_KINDS
             for g in kinds):
