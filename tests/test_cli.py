@@ -117,3 +117,41 @@ def test_bench_dispatch_measures_and_checks_every_kernel_ran():
         assert row["checked"] is True
         assert row["a_dispatch_sync_us"] > 0 and row["b_dispatch_batch_us"] > 0
         assert row["c_graph_replay_us"] is None  # CPU: no graphs
+
+
+def test_help_and_usage_errors_answer_without_importing_torch():
+    for args in (["--help"], ["run", "x", "--device", "foo"], ["run"]):
+        code = ("import sys; from floe.cli import main\n"
+                "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+                "print('torch' in sys.modules)")
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+        assert proc.stdout.strip().splitlines()[-1] == "False", (args, proc.stdout, proc.stderr)
+    proc = floe("run", "x", "--device", "foo")
+    assert proc.returncode == 2 and "unknown device 'foo'" in proc.stderr
+
+
+def test_cuda_asked_for_on_a_machine_without_it_is_refused_before_loading():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = floe("run", "x", "--device", "cuda", "--model", "/nonexistent.gguf")
+    assert_one_line_error(proc, "no usable CUDA device")  # not "no such model file": nothing was loaded
+
+
+@pytest.mark.parametrize("when", ["while starting", "while generating"])
+def test_ctrl_c_ends_with_interrupted_and_exit_130(when):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "floe.cli", "run", "Tell me a long story.", "--max-tokens",
+                             "2000", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    if when == "while starting":
+        time.sleep(0.5)
+    else:
+        proc.stdout.read(1)  # the reply has begun
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "floe: interrupted" and "Traceback" not in err, err

@@ -13,6 +13,7 @@ from floe.errors import FloeError
 DEFAULT_PROMPT_HELP = "the user's message (the model's chat template wraps it)"
 # --weights: (activation and KV cache dtype, Engine weights kind)
 WEIGHTS = {"native": ("float32", "native"), "bf16": ("bfloat16", "dense"), "fp32": ("float32", "dense")}
+THREADS_HELP = "CPU threads for the model (default: the cores idle when floe starts)"
 WEIGHTS_HELP = ("native: a quantized GGUF's 4-bit/8-bit weights as the file stores them (CPU; the "
                 "default there); bf16 or fp32: dequantized (bf16 is the default on cuda)")
 
@@ -51,6 +52,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_tokens < 1:
         raise FloeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    from floe.engine import parse_device
+
+    parse_device(args.device)  # before the model loads: no CUDA here is said at once
+    _threads(args, args.device)
     weights = args.weights or ("native" if args.device == "cpu" else "bf16")
     dtype, kind = WEIGHTS[weights]
     checkpoint = _load_with_progress(args.model, "float32", quiet=args.json)
@@ -196,6 +201,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     device = parse_device(args.device)
     if args.max_tokens < 1:
         raise FloeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    _threads(args, args.device)
     weights = args.weights or ("native" if device.type == "cpu" else "bf16")
     dtype, kind = WEIGHTS[weights]
     if args.shape:
@@ -253,14 +259,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     device = parse_device(args.device)
     if args.max_sessions < 1 or args.idle_seconds <= 0:
         raise FloeError("--max-sessions must be >= 1 and --idle-seconds > 0")
-    if device.type == "cpu":
-        import os
-
-        import torch
-
-        # The event loop streams every token: leave it a core, or the model's parallel GEMVs wait
-        # on their slowest thread (2 cores: 40 -> 73 tok/s per stream, docs/PERF.md).
-        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
+    # The event loop streams every token: leave it a core, or the model's parallel GEMVs wait
+    # on their slowest thread (2 cores: 40 -> 73 tok/s per stream, docs/PERF.md).
+    _threads(args, args.device, reserve=1)
     weights = args.weights or ("native" if device.type == "cpu" else "bf16")
     dtype, kind = WEIGHTS[weights]
     checkpoint = _load_with_progress(args.model, "float32", quiet=False)
@@ -287,6 +288,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     from floe.engine import parse_device
 
     parse_device(args.device)
+    _threads(args, args.device)
     tokenizer = _tokenizer(args.tokenizer)
     say = (lambda text: None) if args.json else (lambda text: print(text, flush=True))
     results = [decode(shape, args.device, tokenizer, peers=not args.no_peers, guest=not args.no_guest,
@@ -315,6 +317,62 @@ def cmd_bench_dispatch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device(text: str) -> str:
+    """cpu, cuda or cuda:N, checked without importing torch (a typo is a usage error at once)."""
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}: choose cpu, cuda or cuda:N")
+    return text
+
+
+def _threads(args: argparse.Namespace, device: str, reserve: int = 0) -> int | None:
+    """Set PyTorch's CPU threads for a CPU run: --threads, else the cores idle right now (less
+    `reserve`). A thread on a core another process keeps busy makes every parallel op wait for it
+    (decode ~50x slower on 2 cores), so busy cores are left out. Returns the count (None: not CPU)."""
+    if not device.startswith("cpu"):
+        return None
+    import torch
+
+    n = args.threads or max(1, idle_cpus() - reserve)
+    torch.set_num_threads(n)
+    return n
+
+
+def idle_cpus(window_s: float = 0.1) -> int:
+    """CPUs (of those this process may run on) that were mostly idle over the last `window_s`."""
+    import os
+    import time
+
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    try:
+        first = _cpu_times()
+        time.sleep(window_s)
+        second = _cpu_times()
+    except OSError:  # no /proc/stat: every allowed core
+        return max(1, len(allowed) or (os.cpu_count() or 1))
+    idle = 0
+    for cpu in allowed or second:
+        if cpu in first and cpu in second:
+            busy0, total0 = first[cpu]
+            busy1, total1 = second[cpu]
+            if total1 > total0 and (busy1 - busy0) / (total1 - total0) < 0.5:
+                idle += 1
+    return max(1, idle)
+
+
+def _cpu_times() -> dict[int, tuple[int, int]]:
+    """cpu index -> (busy jiffies, total jiffies), from /proc/stat."""
+    out = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit():
+                values = [int(v) for v in fields]
+                total = sum(values[:8])
+                out[int(name[3:])] = (total - values[3] - values[4], total)  # idle, iowait
+    return out
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -335,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     run.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
     run.add_argument("--weights", choices=list(WEIGHTS), default=None, help=WEIGHTS_HELP)
-    run.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    run.add_argument("--device", type=_device, default="cpu", help="cpu (default) or cuda")
+    run.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     run.add_argument("--context", type=_positive_int, default=None,
                      help="KV cache length in tokens (default: the model's context length)")
     run.add_argument("--guest", help="guest module (.wasm) that drives the model (default: built-in chat)")
@@ -351,14 +410,15 @@ def build_parser() -> argparse.ArgumentParser:
     dec = bench_sub.add_parser("decode", help="batch-1 decode at a real shape, seeded random weights")
     dec.add_argument("--shape", action="append", choices=sorted(KNOWN_SHAPE_NAMES),
                      help="repeat for several (default: llama-3.2-1b on cuda, smollm2-135m on cpu)")
-    dec.add_argument("--device", default="cuda" if _cuda_present() else "cpu")
+    dec.add_argument("--device", type=_device, default=None, help="cuda if present, else cpu")
+    dec.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     dec.add_argument("--tokenizer", help="folder with tokenizer.json (default: the default model's)")
     dec.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     dec.add_argument("--no-guest", action="store_true", help="skip guest-driven vs host-driven")
     dec.add_argument("--json", action="store_true")
     dec.set_defaults(handler=cmd_bench_decode)
     disp = bench_sub.add_parser("dispatch", help="cost of one kernel launch: synced, batched, graph-replayed")
-    disp.add_argument("--device", default="cuda" if _cuda_present() else "cpu")
+    disp.add_argument("--device", type=_device, default=None, help="cuda if present, else cpu")
     disp.add_argument("--n", type=_positive_int, default=2000, help="kernels per measurement")
     disp.add_argument("--json", action="store_true")
     disp.set_defaults(handler=cmd_bench_dispatch)
@@ -382,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seeded random weights at a real architecture's shape instead of --model")
     prof.add_argument("--tokenizer",
                       help="folder with tokenizer.json for --shape (default: the default model's)")
-    prof.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    prof.add_argument("--device", type=_device, default="cpu", help="cpu (default) or cuda")
+    prof.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     prof.add_argument("--weights", choices=list(WEIGHTS), default=None, help=WEIGHTS_HELP)
     prof.add_argument("--max-tokens", type=int, default=64, help="most tokens the turn generates (64)")
     prof.add_argument("--context", type=_positive_int, default=None, help="KV cache length (default: ≤ 4096)")
@@ -399,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
     serve.add_argument("--model-id", help="the model name clients send (default: the file's name)")
-    serve.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    serve.add_argument("--device", type=_device, default="cpu", help="cpu (default) or cuda")
     serve.add_argument("--weights", choices=list(WEIGHTS), default=None, help=WEIGHTS_HELP)
     serve.add_argument("--guest", help="guest module (.wasm) every session runs (default: built-in chat)")
     serve.add_argument("--snapshots", default="floe-sessions",
@@ -410,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="live sessions (KV cache slots); beyond, the least recently used is frozen")
     serve.add_argument("--context", type=_positive_int, default=4096, help="tokens per session (4096)")
     serve.add_argument("--threads", type=_positive_int, default=None,
-                       help="CPU threads for the model (default: all cores but one, for the HTTP stack)")
+                       help="CPU threads for the model (default: the idle cores but one, for the HTTP "
+                            "stack)")
     serve.add_argument("--batching", choices=["auto", "on", "off"], default="auto",
                        help="run concurrent sessions' decode steps as one batched forward (auto: on CUDA)")
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -419,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe = sub.add_parser("probe", help="prove and measure floe's zero-copy chain")
     probe_sub = probe.add_subparsers(dest="probe", required=True)
     zero = probe_sub.add_parser("zero-copy", help="region == guest memory == tensor; RSS; in-place GEMM")
-    zero.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    zero.add_argument("--device", type=_device, default="cpu", help="cpu (default) or cuda")
     zero.add_argument("--json", action="store_true", help="print one JSON object")
     zero.set_defaults(handler=cmd_probe)
     return parser
@@ -435,10 +497,12 @@ def _cuda_present() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "bench", None) == "decode" and not args.shape:
-        args.shape = ["llama-3.2-1b" if args.device.startswith("cuda") else "smollm2-135m"]
     try:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "bench", None) and args.device is None:
+            args.device = "cuda" if _cuda_present() else "cpu"
+        if getattr(args, "bench", None) == "decode" and not args.shape:
+            args.shape = ["llama-3.2-1b" if args.device.startswith("cuda") else "smollm2-135m"]
         return args.handler(args)
     except FloeError as e:
         print(f"floe: error: {e}", file=sys.stderr)

@@ -292,13 +292,14 @@ class Watchdog:
         self.deadline = float("inf")  # time.monotonic()
         self.reason: str | None = None
         self.cancelled: str | None = None
+        self.interrupt: BaseException | None = None  # a Ctrl-C that arrived while guest code ran
         self._callback = _DEADLINE_CALLBACK(self._on_tick)  # kept alive with the store
         _install_deadline_callback(ctypes.cast(store.ptr(), ctypes.c_void_p), self._callback, None, None)
         store.set_epoch_deadline(1)
 
     def arm(self, seconds: float) -> None:
         self.deadline = time.monotonic() + seconds
-        self.reason = None
+        self.reason = self.interrupt = None
 
     def cancel(self, reason: str) -> None:
         """From any thread: the guest stops at its next tick (≤ one tick, ~10 ms)."""
@@ -319,6 +320,9 @@ class Watchdog:
                 return 0
             self.reason = reason
             return error_new(f"floe stopped the guest: {reason}")
+        except (KeyboardInterrupt, SystemExit) as e:  # Python delivers Ctrl-C here while wasm runs
+            self.interrupt, self.reason = e, "interrupted"
+            return error_new("floe stopped the guest: interrupted")
         except BaseException as e:  # noqa: BLE001 - must not escape into Wasmtime
             self.reason = "watchdog"
             return error_new(f"floe's guest watchdog failed: {e}")

@@ -202,6 +202,8 @@ class GuestInstance:
             try:
                 self.instance: Instance = linker.instantiate(self.store, module.module)
             except (Trap, WasmtimeError) as e:
+                if self.watchdog.interrupt is not None:
+                    raise self.watchdog.interrupt from None
                 raise self._instantiate_error(e, created, deadline_s) from None
         self.exports = self.instance.exports(self.store)
         memory = self.exports.get("memory")
@@ -256,7 +258,7 @@ class GuestInstance:
         try:
             return call_i32(self.store, func, args)
         except RawCallError as e:
-            host_error = pending()
+            host_error = pending() or self.watchdog.interrupt
             if host_error is not None:
                 raise host_error from None
             raise self._call_error(name, e, deadline_s) from None
