@@ -17,14 +17,22 @@ struct Portable : ScalarBlocks {
   static float hsum(float a) { return a; }
   static float fma(float d, float s, float acc) { return acc + d * s; }
 
+  // Both operands widened to int16 first: then compilers find the multiply-add of int16 pairs into
+  // int32 lanes (SSE2's pmaddwd, NEON's smlal) that no int8 instruction offers without extensions.
   template <bool FourBit>
   static float group(const uint8_t* c, const int8_t* q) {
-    int32_t sum = 0;  // at most 32 x 255 x 127: exact in int32, and in float
+    int16_t w[32], x[32];
     if constexpr (FourBit) {
-      for (int j = 0; j < 16; ++j) sum += (c[j] & 15) * q[j] + (c[j] >> 4) * q[j + 16];
+      for (int j = 0; j < 16; ++j) {
+        w[j] = c[j] & 15;
+        w[j + 16] = c[j] >> 4;
+      }
     } else {
-      for (int j = 0; j < 32; ++j) sum += c[j] * q[j];
+      for (int j = 0; j < 32; ++j) w[j] = c[j];
     }
+    for (int j = 0; j < 32; ++j) x[j] = q[j];
+    int32_t sum = 0;  // at most 32 x 255 x 127: exact in int32, and in float
+    for (int j = 0; j < 32; ++j) sum += w[j] * x[j];
     return static_cast<float>(sum);
   }
 };
