@@ -556,6 +556,29 @@ def test_what_the_guest_refuses_while_restoring_is_a_snapshot_error_with_its_cau
     slots_all_free(engine)
 
 
+BOUNDED = wasmtime.wat2wasm("""
+(module
+  (memory (export "memory") 2 3)
+  (func (export "floe_abi_version") (result i32) (i32.const 1))
+  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "on_message") (param i32 i32) (result i32) (i32.const 0)))
+""")
+
+
+def test_guest_memory_past_the_modules_maximum_is_refused_as_a_snapshot_error(tiny, tmp_path):
+    engine = tiny[0]
+    module = default_runtime().compile(BOUNDED)
+    with Actor(engine, module) as actor:
+        actor.send("x")
+        actor.freeze(tmp_path / "b.safetensors")
+    grown = forge(tmp_path / "b.safetensors", tmp_path / "grown.safetensors",
+                  lambda h, d: h["__metadata__"].update(guest_memory_bytes=str(8 * 65536)))
+    with pytest.raises(SnapshotRestoreFailed, match="grow memory") as caught:
+        thaw(engine, grown, module)
+    assert caught.value.__cause__ is not None
+    slots_all_free(engine)
+
+
 def test_a_snapshot_naming_no_built_in_guest_is_a_guest_mismatch(tiny, small, tmp_path):
     path = forge(small[0], tmp_path / "g.safetensors",
                  lambda h, d: h["__metadata__"].update(guest_name="../../../etc/passwd"))

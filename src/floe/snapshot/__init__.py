@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import wasmtime
 import xxhash
 from safetensors.torch import save_file
 
@@ -438,12 +439,12 @@ def _restore(snap: Snapshot, actor: Actor, state: ActorState, kv) -> None:
     except KVDigestMismatch as e:
         actor.close()
         raise snap._mismatch(snap.kv_names()[e.index], e.actual) from None
-    except FloeError as e:
+    except (FloeError, wasmtime.WasmtimeError) as e:  # Wasmtime's own: e.g. memory past the module's max
         actor.close()
         if isinstance(e, SnapshotError):
             raise
         raise SnapshotRestoreFailed(f"{snap.path}: the snapshot's state was refused while it was "
-                                    f"restored: {e}") from e
+                                    f"restored: {str(e).strip()[:300]}") from e
     except BaseException:
         actor.close()
         raise
