@@ -193,7 +193,7 @@ def start_serve(folder: Path, port: int) -> subprocess.Popen:
         [sys.executable, "-m", "floe.cli", "serve", "--port", str(port), "--snapshots", str(folder),
          "--idle-seconds", "0.5", "--context", str(CONTEXT), "--max-sessions", "4"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
+    deadline = time.time() + 300  # a 2-core CI box loading the native engine under load: minutes
     while True:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:

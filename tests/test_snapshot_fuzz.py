@@ -55,17 +55,10 @@ FUZZ_GUEST = guest(
 # ---- one small snapshot -------------------------------------------------------------------------
 
 def tiny_engine(max_seq_len: int = 64):
-    """A 2-layer random Llama (dim 64) with the default model's tokenizer: builds in seconds."""
-    from models import tokenizer_fields
+    """tests/models.py's tiny engine with a short context: a small KV cache to mutate."""
+    from models import tiny_engine as make
 
-    from floe.engine import Engine
-    from floe.model.config import ModelConfig
-    from floe.model.synthetic import random_checkpoint
-    from floe.model.tokenizer import tokenizer_from_gguf
-
-    config = ModelConfig("llama", 64, 2, 4, 2, 128, 49152, 512, name="tiny")
-    checkpoint = random_checkpoint(config, tokenizer_from_gguf(tokenizer_fields()), dtype=torch.float32)
-    return Engine(checkpoint, max_seq_len=max_seq_len, n_slots=2)
+    return make(n_slots=2, max_seq_len=max_seq_len)
 
 
 def tiny_snapshot(engine, module, path: Path):
