@@ -23,9 +23,11 @@ FLAGS = [
 ]
 
 
-def build(source: Path, out: Path) -> Path:
-    target = out / f"{source.stem}.wasm"
-    cmd = [sys.executable, "-m", "ziglang", "cc", *FLAGS, f"-I{HERE}", "-o", str(target), str(source)]
+def build(source: Path, out: Path, defines: tuple[str, ...] = (), name: str | None = None) -> Path:
+    """Compile one C guest to out/<name or its stem>.wasm; `defines`: e.g. ("FLOE_ABI_V1",)."""
+    target = out / f"{name or source.stem}.wasm"
+    cmd = [sys.executable, "-m", "ziglang", "cc", *FLAGS, *(f"-D{d}" for d in defines), f"-I{HERE}",
+           "-o", str(target), str(source)]
     subprocess.run(cmd, check=True)
     return target
 

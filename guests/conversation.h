@@ -42,6 +42,7 @@ static ids_buf history;   /* exactly the token ids in this actor's KV cache */
 static ids_buf prompt;    /* scratch: the rendered conversation's ids */
 static bytes_buf rendered, reply, input;
 static int32_t eos[8], n_eos = -1;
+static floe_request req;
 
 /* The guest's rule for the next token: called after each prefill/decode. */
 typedef int32_t (*next_token_fn)(void);
@@ -116,8 +117,10 @@ static int render_prompt(void) {
     return m > 0;
 }
 
-static int32_t conversation_turn(const char *text, int32_t len, next_token_fn next_token) {
-    floe_request req;
+/* Adds the user's message, renders and tokenizes the conversation, and reuses the longest prefix
+ * the KV cache holds: the tokens still to prefill are prompt.data[p .. prompt.len). Returns 0 and sets
+ * *p, or the turn's error status. */
+static int32_t begin_turn(const char *text, int32_t len, uint32_t *start) {
     floe_request_params(&req);
     if (n_eos < 0) n_eos = floe_eos_ids(eos, 8);
     if (n_messages == 0) {
@@ -128,40 +131,104 @@ static int32_t conversation_turn(const char *text, int32_t len, next_token_fn ne
     }
     if (!add_message("user", text, (uint32_t)len)) return 2;
     if (!render_prompt()) { floe_log_str("could not render the conversation"); return 3; }
-
     /* Reuse what the KV cache already holds; prefill at least one token to get fresh logits. */
     uint32_t p = 0;
     while (p < history.len && p < prompt.len && history.data[p] == prompt.data[p]) p++;
     if (p == prompt.len) p--;
     floe_kv_truncate((int32_t)p);
     history.len = p;
-    int32_t status = floe_prefill(prompt.data + p, (int32_t)(prompt.len - p), logits_target);
+    *start = p;
+    return 0;
+}
+
+/* Records the prompt's tokens as what the KV cache holds (after a prefill was taken). */
+static int32_t took_prompt(uint32_t p) {
+    if (!reserve_ids(&history, prompt.len)) return 5;
+    __builtin_memcpy(history.data + p, prompt.data + p, (prompt.len - p) * sizeof(int32_t));
+    history.len = prompt.len;
+    reply.len = 0;
+    return 0;
+}
+
+/* One chosen token: EOS ends the reply; otherwise its bytes are kept and streamed. Returns 1 to go
+ * on, 0 when the reply is over (EOS, the caller said stop), or a negative error. */
+static int32_t take_token(int32_t tok) {
+    static char piece[64];
+    if (tok < 0 || is_eos(tok)) return 0;
+    int32_t k = floe_detokenize(&tok, 1, piece, sizeof piece);
+    if (k < 0 || k > (int32_t)sizeof piece || !reserve_bytes(&reply, reply.len + (uint32_t)k)) return -6;
+    __builtin_memcpy(reply.data + reply.len, piece, (size_t)k);
+    reply.len += (uint32_t)k;
+    return floe_emit(piece, k) ? 0 : 1;
+}
+
+static int32_t end_reply(void) { return add_message("assistant", reply.data, reply.len) ? 0 : 8; }
+
+#ifdef FLOE_ABI_V1
+/* ABI v1: the guest drives the engine itself, one blocking call at a time. */
+static int32_t conversation_turn(const char *text, int32_t len, next_token_fn next_token) {
+    uint32_t p;
+    int32_t status = begin_turn(text, len, &p);
+    if (status) return status;
+    status = floe_prefill(prompt.data + p, (int32_t)(prompt.len - p), logits_target);
     if (status == FLOE_ERR_CONTEXT_FULL) {
         log_overflow(prompt.len);
         n_messages--; /* the message was not taken */
         return 4;
     }
-    if (status != FLOE_OK || !reserve_ids(&history, prompt.len)) return 5;
-    __builtin_memcpy(history.data + p, prompt.data + p, (prompt.len - p) * sizeof(int32_t));
-    history.len = prompt.len;
-
-    reply.len = 0;
-    char piece[64];
+    if (status != FLOE_OK || took_prompt(p)) return 5;
     for (uint32_t i = 0; i < req.max_tokens; i++) {
         int32_t tok = next_token();
-        if (tok < 0 || is_eos(tok)) break;
-        int32_t k = floe_detokenize(&tok, 1, piece, sizeof piece);
-        if (k < 0 || k > (int32_t)sizeof piece || !reserve_bytes(&reply, reply.len + (uint32_t)k)) return 6;
-        __builtin_memcpy(reply.data + reply.len, piece, (size_t)k);
-        reply.len += (uint32_t)k;
-        int stop = floe_emit(piece, k);
-        if (stop || i + 1 == req.max_tokens) break;
+        int32_t go = take_token(tok);
+        if (go < 0) return -go;
+        if (!go || i + 1 == req.max_tokens) break;
         if (floe_decode(tok, logits_target) != FLOE_OK) break; /* context full: the reply ends here */
         if (!reserve_ids(&history, history.len + 1)) return 7;
         history.data[history.len++] = tok;
     }
-    if (!add_message("assistant", reply.data, reply.len)) return 8;
-    return 0;
+    return end_reply();
 }
+#else
+/* ABI v2: on_message queues the prompt; the engine loop calls on_token after each step (the host
+ * appends the token it returns, and counts max_tokens), then on_end. */
+static next_token_fn turn_rule;
+static int32_t pending = -1; /* the token on_token returned last, appended by the host's next step */
+
+static int32_t conversation_turn(const char *text, int32_t len, next_token_fn next_token) {
+    uint32_t p;
+    int32_t status = begin_turn(text, len, &p);
+    if (status) return status;
+    status = floe_prefill(prompt.data + p, (int32_t)(prompt.len - p), logits_target);
+    if (status == FLOE_ERR_CONTEXT_FULL) {
+        log_overflow(prompt.len);
+        n_messages--;
+        return 4;
+    }
+    if (status != FLOE_OK) return 5;
+    turn_rule = next_token;
+    pending = -1;
+    return took_prompt(p);
+}
+
+FLOE_EXPORT(on_token) int32_t on_token(void) {
+    if (pending >= 0) { /* the host appended the token we returned last time */
+        if (!reserve_ids(&history, history.len + 1)) return -7;
+        history.data[history.len++] = pending;
+        pending = -1;
+    }
+    int32_t tok = turn_rule();
+    int32_t go = take_token(tok);
+    if (go < 0) return go;
+    if (!go) return FLOE_STOP;
+    pending = tok;
+    return tok;
+}
+
+FLOE_EXPORT(on_end) int32_t on_end(int32_t reason) {
+    (void)reason; /* the last token returned was not appended: history holds what the cache holds */
+    pending = -1;
+    return end_reply();
+}
+#endif
 
 #endif

@@ -1,9 +1,13 @@
-/* floe guest ABI, version 1 — the `floe` import module. See docs/ABI.md.
+/* floe guest ABI, version 2 — the `floe` import module. See docs/ABI.md.
  *
  * Every pointer is an offset into this module's linear memory; the host bounds-checks each
  * (pointer, length) and traps the guest on a bad one. Calls that can fail recoverably return a
- * negative FLOE_ERR_* status. A guest exports `memory`, `floe_abi_version`, `alloc` and
- * `on_message` (see the bottom of this file for the helpers it may use).
+ * negative FLOE_ERR_* status. A v2 guest exports `memory`, `floe_abi_version` (returning 2), `alloc`,
+ * `on_message` (prepare the turn: queue its prompt with floe_prefill), `on_token` (choose the next
+ * token after each step) and optionally `on_end` and `on_history`. The engine drives: one loop steps
+ * every actor's turn in one batched forward and calls each guest's on_token. A guest that defines
+ * FLOE_ABI_V1 before including this file speaks version 1 (it drives the engine itself with
+ * floe_prefill and floe_decode; see docs/ABI.md). See the bottom of this file for helpers.
  */
 #ifndef FLOE_H
 #define FLOE_H
@@ -11,7 +15,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef FLOE_ABI_V1
 #define FLOE_ABI_VERSION 1
+#else
+#define FLOE_ABI_VERSION 2
+#endif
 #define FLOE_IMPORT(name) __attribute__((import_module("floe"), import_name(#name)))
 #define FLOE_EXPORT(name) __attribute__((export_name(#name)))
 
@@ -21,6 +29,11 @@ enum {
     FLOE_ERR_BAD_TOKEN = -2,    /* a token id outside [0, vocab_size) */
     FLOE_ERR_BAD_ARGUMENT = -3, /* e.g. n == 0, or invalid sampling parameters */
 };
+
+/* v2: what on_token returns to end the turn (any token id >= 0 continues it). */
+#define FLOE_STOP (-1)
+/* v2: why a turn ended, passed to on_end. */
+enum { FLOE_END_STOP = 0, FLOE_END_LENGTH = 1, FLOE_END_CONTEXT_FULL = 2, FLOE_END_CANCELLED = 3 };
 
 /* One chat message, for floe_chat_render (16 bytes on wasm32). */
 typedef struct {
@@ -61,9 +74,11 @@ FLOE_IMPORT(detokenize) int32_t floe_detokenize(const int32_t *ids, int32_t n, c
 FLOE_IMPORT(chat_render) int32_t floe_chat_render(const floe_message *msgs, int32_t n,
                                                   int32_t add_generation_prompt, char *out, int32_t cap);
 
-/* Compute. prefill appends ids to this actor's KV cache; decode appends one token. With a non-null
- * `logits` (4-byte aligned, vocab_size floats) the engine writes the next-token float32 logits
- * there, in place. Both return FLOE_OK or a FLOE_ERR_* status. */
+/* Compute. v1: prefill appends ids to this actor's KV cache and runs them now; decode appends one
+ * token. v2: prefill (only inside on_message) queues the ids: the engine loop runs them, then calls
+ * on_token after every step; decode is not available (on_token returns the next token). With a
+ * non-null `logits` (4-byte aligned, vocab_size floats) the engine writes the next-token float32
+ * logits there (v2: for every step of the turn). Both return FLOE_OK or a FLOE_ERR_* status. */
 FLOE_IMPORT(prefill) int32_t floe_prefill(const int32_t *ids, int32_t n, float *logits);
 FLOE_IMPORT(decode) int32_t floe_decode(int32_t token, float *logits);
 /* A token drawn from the latest logits (if they were written into guest memory: from those bytes as

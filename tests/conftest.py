@@ -53,3 +53,12 @@ def tiny_engine():
     from models import tiny_engine as make
 
     return make()
+
+
+@pytest.fixture(scope="session")
+def chat_v1(tmp_path_factory):
+    """floe's chat guest built for ABI v1 (it drives the engine itself): the path v1 guests take."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "guests"))
+    from build import HERE, build
+
+    return build(HERE / "chat.c", tmp_path_factory.mktemp("guests"), ("FLOE_ABI_V1",), name="chat_v1")

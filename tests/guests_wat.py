@@ -72,3 +72,24 @@ def import_decls(names=None, skip=("emit", "prefill", "vocab_size")) -> str:
 def calls_host(body: str, memory_pages: int = 2, extra: str = "") -> bytes:
     """A guest whose on_message runs `body` with every host function imported."""
     return guest(body, imports=import_decls(), memory_pages=memory_pages, extra=extra)
+
+
+def v2_guest(on_token_extra: str = "", *, after: int = 3) -> bytes:
+    """An ABI v2 guest: on_message queues token 17; on_token takes the host's sample, and from its
+    `after`-th call on runs `on_token_extra` first (e.g. a trap or an endless loop)."""
+    return wasmtime.wat2wasm(f"""
+(module
+  (import "floe" "prefill" (func $prefill (param i32 i32 i32) (result i32)))
+  (import "floe" "sample" (func $sample (param i32) (result i32)))
+  (memory (export "memory") 2)
+  (global $n (mut i32) (i32.const 0))
+  (func (export "floe_abi_version") (result i32) (i32.const 2))
+  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "on_message") (param i32 i32) (result i32)
+    (i32.store (i32.const 4096) (i32.const 17))
+    (global.set $n (i32.const 0))
+    (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))
+  (func (export "on_token") (result i32)
+    (global.set $n (i32.add (global.get $n) (i32.const 1)))
+    (if (i32.ge_u (global.get $n) (i32.const {after})) (then {on_token_extra}))
+    (call $sample (i32.const 0))))""")

@@ -101,7 +101,8 @@ def test_numeric_globals_keep_their_exact_bits_through_capture_and_restore(tiny_
 # ---- closing an actor while its message runs ----------------------------------------------------------
 
 def test_closing_an_actor_from_its_own_on_text_stops_the_message_and_frees_it_safely():
-    # floe's chat guest stops when emit() says so; a guest that ignores it is cancelled at its next call.
+    # floe's chat guest (ABI v2) is cancelled by its engine loop; a v1 guest that ignores emit()'s stop
+    # is cancelled at its next host call. Either way the sender gets GuestCancelled after one piece.
     ignores_stop = FLOODS["emit"]
     out = run_isolated(f"""
         from models import tiny_engine
@@ -123,7 +124,7 @@ def test_closing_an_actor_from_its_own_on_text_stops_the_message_and_frees_it_sa
         with Actor(engine) as actor:  # the only slot is free again
             print("next", len(actor.send("Hi", max_tokens=3).stats.token_ids))
     """)
-    assert out.count("stopped after 1") == 2 and out.count("cancelled after 1") == 2 and "next 3" in out
+    assert out.count("cancelled after 1") == 4 and "next 3" in out, out
 
 
 def test_closing_an_actor_from_another_thread_waits_for_its_message_to_stop():

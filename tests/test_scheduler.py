@@ -56,9 +56,9 @@ def test_one_slots_error_does_not_stop_the_others(engine):
         engine.release_slot(ok)
 
 
-def run_actors(engine, scheduler, max_tokens=12):
-    """Four actors answering at once, each in its own thread; their replies in order."""
-    actors = [Actor(engine, scheduler=scheduler) for _ in QUESTIONS]
+def run_actors(engine, scheduler, guest, max_tokens=12):
+    """Four ABI v1 actors answering at once, each in its own thread; their replies in order."""
+    actors = [Actor(engine, guest, scheduler=scheduler) for _ in QUESTIONS]
     replies = [None] * len(actors)
 
     def work(i):
@@ -76,11 +76,11 @@ def run_actors(engine, scheduler, max_tokens=12):
     return replies
 
 
-def test_scheduled_actors_batch_their_steps_and_answer_as_alone(engine):
-    alone = run_actors(engine, None)
+def test_scheduled_actors_batch_their_steps_and_answer_as_alone(engine, chat_v1):
+    alone = run_actors(engine, None, chat_v1)
     sizes = []
     scheduler = DecodeScheduler(engine, on_batch=sizes.append)
-    batched = run_actors(engine, scheduler)
+    batched = run_actors(engine, scheduler, chat_v1)
     assert [r.text for r in batched] == [r.text for r in alone] and all(r.text for r in alone)
     # every decode step went through the scheduler
     assert scheduler.rows == sum(sizes) == sum(len(r.stats.decoded) for r in batched)
@@ -88,10 +88,10 @@ def test_scheduled_actors_batch_their_steps_and_answer_as_alone(engine):
     assert not scheduler._expected  # every actor said its message ended
 
 
-def test_an_actor_whose_message_ended_is_not_waited_for(engine):
+def test_an_actor_whose_message_ended_is_not_waited_for(engine, chat_v1):
     # With a 60 s gather window, a step waiting for the finished actor would stall the test.
     scheduler = DecodeScheduler(engine, gather_s=60.0)
-    first, second = Actor(engine, scheduler=scheduler), Actor(engine, scheduler=scheduler)
+    first, second = Actor(engine, chat_v1, scheduler=scheduler), Actor(engine, chat_v1, scheduler=scheduler)
     try:
         first.send("Say hello.", max_tokens=4, params=SamplingParams(0.0))
         t = time.monotonic()

@@ -83,7 +83,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         _stderr_console().print(
             f"[dim]{stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated "
             f"({finish}); TTFT {stats.ttft_s * 1e3:.0f} ms, "
-            f"decode {stats.decode_tokens_per_s:.1f} tok/s; "
+            f"decode {stats.decode_tokens_per_s:.1f} tok/s"
+            f"{f' ({engine.native_kernel} kernel)' if engine.native_kernel else ''}; "
             f"{reply.ledger.total_copies()} copies across the guest boundary[/dim]"
         )
         if frozen:
@@ -163,13 +164,13 @@ def cmd_snapshot_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_snapshot_verify(args: argparse.Namespace) -> int:
-    from floe.actor import ABI_VERSION
+    from floe.actor import SUPPORTED_ABI_VERSIONS
     from floe.snapshot import Snapshot
 
     snap = Snapshot(args.file)  # integrity, format version and checksum
     checks = ["integrity and checksum"]
-    snap.verify(abi_version=ABI_VERSION)
-    checks.append(f"ABI {ABI_VERSION}")
+    snap.verify(abi_version=SUPPORTED_ABI_VERSIONS)
+    checks.append(f"ABI {snap.metadata['abi_version']}")
     if args.model is not None or args.default_model:
         checkpoint = _load_with_progress(args.model, "float32", quiet=True)
         c = checkpoint.config

@@ -1,6 +1,6 @@
 """Actors: a guest instance + KV slot + RNG, and the host ABI connecting guest calls to the engine."""
 
-from floe.actor.abi import ABI_VERSION
+from floe.actor.abi import ABI_VERSION, SUPPORTED_ABI_VERSIONS
 from floe.actor.actor import (
     Actor,
     ActorClosed,
@@ -11,7 +11,8 @@ from floe.actor.actor import (
     Request,
     builtin_guest,
 )
+from floe.actor.loop import EngineLoop
 from floe.actor.scheduler import DecodeScheduler
 
 __all__ = ["ABI_VERSION", "Actor", "ActorClosed", "ActorReentrantCall", "ActorState", "DecodeScheduler",
-           "MessageStats", "Reply", "Request", "builtin_guest"]
+           "EngineLoop", "MessageStats", "Reply", "Request", "SUPPORTED_ABI_VERSIONS", "builtin_guest"]

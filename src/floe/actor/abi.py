@@ -1,5 +1,9 @@
-"""The host side of guest ABI version 1: the `floe` import module, connecting guest calls to the
-engine. docs/ABI.md is the contract; this file implements it.
+"""The host side of the guest ABI (versions 1 and 2): the `floe` import module, connecting guest calls
+to the engine. docs/ABI.md is the contract; this file implements it.
+
+v1: the guest drives; prefill and decode run the engine now. v2: the engine loop drives
+(floe.actor.loop); prefill, inside on_message, queues the prompt for the loop, and the guest's
+on_token export chooses each next token.
 
 Every argument is an i32. Pointers are offsets into the guest's memory (the actor's Region) and are
 bounds-checked; a bad one traps the guest with GuestPointerError. Recoverable conditions return a
@@ -39,7 +43,8 @@ from floe.wasm.raw import trap_new
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # the newest this host speaks
+SUPPORTED_ABI_VERSIONS = (1, 2)
 IMPORT_MODULE = "floe"
 
 OK = 0
@@ -118,6 +123,11 @@ class HostABI:
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.budget: HostBudget | None = None  # set for each message (and add_history) by the actor
         self.text_cap = 0
+        self.version = ABI_VERSION  # the guest's, once it said
+        # v2: what on_message queued for the engine loop, and where each step's logits go.
+        self.queued: list[int] = []
+        self.logits_ptr = 0
+        self.preparing = False  # inside on_message (v2): prefill queues, kv_truncate allowed
 
     def begin(self, watchdog, memory_cap: int) -> HostBudget:
         """A fresh budget for the next guest call (a message, a history entry)."""
@@ -287,32 +297,54 @@ class HostABI:
         try:
             if isinstance(ids, list) and len(ids) == 1 and self.actor.scheduler is not None:
                 logits = self.actor.scheduler.decode(ids[0], self.actor.slot)  # batched with others
-                if out is not None:
-                    out.copy_(logits)
             elif isinstance(ids, list) and len(ids) == 1:  # one decode step (a CUDA graph replay on GPU)
                 logits = self.engine.decode_step(ids[0], self.actor.slot, logits_out=out)
             else:
                 logits = self.engine.prefill(ids, self.actor.slot, logits_out=out)
         except ContextOverflow:
             return ERR_CONTEXT_FULL
-        self.actor.stats.on_forward(len(ids), time.perf_counter() - t0, self.engine.kv_len(self.actor.slot))
-        self.last_logits = logits
         scheduler = self.actor.scheduler
         rows = scheduler.rows_of.get(self.actor.slot, 1) if scheduler is not None and len(ids) == 1 else 1
-        transfer = self.engine.input_transfer(len(ids), rows)
+        self.took_step(len(ids), logits, out, time.perf_counter() - t0, rows)
+        return OK
+
+    def run_queued(self, chunk: int) -> int:
+        """v2, for the engine loop: prefill up to `chunk` of the queued prompt ids now; a status.
+        Logits (after the last chunk) go where on_message asked."""
+        ids, self.queued = self.queued[:chunk], self.queued[chunk:]
+        status = self._run(torch.tensor(ids, dtype=torch.long), self.logits_ptr if not self.queued else 0)
+        if status != OK:
+            self.queued = []
+        return status
+
+    def took_step(self, n_tokens: int, logits: torch.Tensor, out: torch.Tensor | None, seconds: float,
+                  rows: int = 1) -> None:
+        """Record a forward that appended n_tokens to this actor's slot (stats, ledger) and keep its
+        logits for sample(). `out`: the guest buffer the logits were asked into (written here if the
+        forward did not compute them there); rows: the batched step's rows."""
+        self.actor.stats.on_forward(n_tokens, seconds, self.engine.kv_len(self.actor.slot))
+        transfer = self.engine.input_transfer(n_tokens, rows)
         if transfer is not None:
             self.actor.ledger.copy(*transfer)
-        if out is not None:
-            # Zero copies only if the engine computes into the buffer and the result is that buffer
-            # in guest memory (pointers compared, not assumed).
-            in_place = logits.data_ptr() == out.data_ptr() and self.actor.region.holds(logits)
-            if self.engine.logits_in_place and in_place:
-                self.actor.ledger.share("engine→guest logits (computed in place)", 4 * self.vocab)
-            else:
-                e = self.engine
-                source = f"{e.device.type}, {str(e.dtype)[6:]} engine, {e.weights} weights"
-                self.actor.ledger.copy(f"engine→guest logits (written from {source})", 4 * self.vocab)
-        return OK
+        if out is None:
+            self.last_logits = logits
+            return
+        # Zero copies only if the engine computed into the buffer and the result is that buffer in
+        # guest memory (pointers compared, not assumed).
+        in_place = logits.data_ptr() == out.data_ptr() and self.actor.region.holds(logits)
+        if self.engine.logits_in_place and in_place:
+            self.actor.ledger.share("engine→guest logits (computed in place)", 4 * self.vocab)
+        else:
+            if logits.data_ptr() != out.data_ptr():
+                out.copy_(logits)
+            e = self.engine
+            source = f"{e.device.type}, {str(e.dtype)[6:]} engine, {e.weights} weights"
+            self.actor.ledger.copy(f"engine→guest logits (written from {source})", 4 * self.vocab)
+        self.last_logits = out  # sample() reads the guest's buffer as the guest left it
+
+    def step_target(self) -> torch.Tensor | None:
+        """v2: the guest buffer each decode step's logits go to (None: the host keeps them)."""
+        return self._logits_target(self.logits_ptr)
 
     def prefill(self, ids_ptr: int, n: int, logits_ptr: int) -> int:
         n = self._length(n)
@@ -329,13 +361,30 @@ class HostABI:
         ids = view.numpy()
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
             return ERR_BAD_TOKEN
+        if self.version >= 2:
+            return self._queue(ids, logits_ptr)
         # int32 guest ids -> int64 for the embedding: a conversion the ledger shows.
         t = time.perf_counter()
         wide = torch.from_numpy(ids.astype(np.int64))
         self.actor.ledger.copy("prompt ids int32→int64", 8 * n, seconds=time.perf_counter() - t)
         return self._run(wide, logits_ptr)
 
+    def _queue(self, ids: np.ndarray, logits_ptr: int) -> int:
+        """v2 prefill: the ids wait for the engine loop (copied out of guest memory now)."""
+        if not self.preparing:
+            raise GuestHostCallError("prefill() is for on_message in ABI v2 (the engine loop runs it); "
+                                     "on_token returns the next token instead")
+        if self.engine.kv_len(self.actor.slot) + len(self.queued) + len(ids) > self.engine.max_seq_len:
+            return ERR_CONTEXT_FULL
+        self._logits_target(logits_ptr)  # a bad buffer fails now, not in the loop
+        self.queued.extend(ids.tolist())
+        self.actor.ledger.copy("guest→host prompt ids (queued for the engine loop)", 4 * len(ids))
+        self.logits_ptr = logits_ptr
+        return OK
+
     def decode(self, token: int, logits_ptr: int) -> int:
+        if self.version >= 2:
+            raise GuestHostCallError("decode() is ABI v1; a v2 guest returns its next token from on_token")
         token = _i32(token)
         if not 0 <= token < self.vocab:
             return ERR_BAD_TOKEN
@@ -387,6 +436,8 @@ class HostABI:
         return len(data)
 
     def kv_truncate(self, n: int) -> int:
+        if self.version >= 2 and (not self.preparing or self.queued):
+            return ERR_BAD_ARGUMENT  # v2: only in on_message, before prefill queues anything
         n = _i32(n)
         if not 0 <= n <= self.engine.kv_len(self.actor.slot):
             return ERR_BAD_ARGUMENT

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from floe.actor.abi import ABI_VERSION, IMPORT_MODULE, LOG_LINES_KEPT, HostABI
+from floe.actor.abi import IMPORT_MODULE, LOG_LINES_KEPT, SUPPORTED_ABI_VERSIONS, HostABI
+from floe.actor.loop import END_REASONS, EngineLoop, engine_loop, in_engine_loop
 from floe.actor.scheduler import DecodeScheduler
 from floe.engine import Engine, SamplingParams
 from floe.engine.kvcache import PendingLoad
@@ -43,9 +44,9 @@ class ActorReentrantCall(FloeError):
     """An actor was asked to do something from inside its own message (an on_text callback)."""
 
 
-# The exports the host calls, with their number of i32 parameters (each returns one i32).
-EXPORTS = {"floe_abi_version": 0, "alloc": 1, "on_message": 2}
-OPTIONAL_EXPORTS = {"on_history": 3}
+# The exports the host calls, by ABI version, with their number of i32 parameters (each returns one i32).
+EXPORTS = {1: {"alloc": 1, "on_message": 2}, 2: {"alloc": 1, "on_message": 2, "on_token": 0}}
+OPTIONAL_EXPORTS = {1: {"on_history": 3}, 2: {"on_history": 3, "on_end": 1}}
 
 
 def builtin_guest(name: str) -> Path:
@@ -102,6 +103,7 @@ class MessageStats:
     emits: int = 0
     emit_calls: int = 0  # one per token for floe's guests, whatever the text
     wall_s: float = 0.0  # the whole message, guest and engine
+    finish_reason: str = ""  # ABI v2: why the engine loop ended the turn (stop, length, context_full, …)
 
     @property
     def outside_engine_s(self) -> float:
@@ -159,16 +161,21 @@ class Reply:
 
 
 class Actor:
-    """A sandboxed guest that drives the engine through ABI v1, one message at a time."""
+    """A sandboxed guest and its KV slot: one message at a time, driven by the guest (ABI v1) or by
+    its engine's loop, which steps every actor's turn in one batched forward (ABI v2)."""
 
     def __init__(self, engine: Engine, guest: str | Path | bytes | GuestModule | None = None, *,
                  seed: int = 0, system_prompt: str = "", memory_cap: int = DEFAULT_MEMORY_CAP,
-                 deadline_s: float = DEFAULT_DEADLINE_S, scheduler: DecodeScheduler | None = None) -> None:
+                 deadline_s: float = DEFAULT_DEADLINE_S, scheduler: DecodeScheduler | None = None,
+                 loop: EngineLoop | None = None) -> None:
         self.engine = engine
         # With a scheduler, this actor's decode steps are batched with other actors' (its engine's).
         if scheduler is not None and scheduler.engine is not engine:
             raise FloeError("the decode scheduler drives another engine than this actor's")
         self.scheduler = scheduler
+        if loop is not None and loop.engine is not engine:
+            raise FloeError("the engine loop drives another engine than this actor's")
+        self._loop = loop
         runtime = default_runtime()
         if guest is None:
             guest = builtin_guest("chat")
@@ -194,14 +201,17 @@ class Actor:
             self.abi = HostABI(self)
             self.guest = GuestInstance(self.module, IMPORT_MODULE, self.abi.functions(), memory_cap,
                                        deadline_s=deadline_s)
-            for name, n_params in EXPORTS.items():
+            self.guest.function("floe_abi_version", 0)
+            version = self._call("floe_abi_version")
+            if version not in SUPPORTED_ABI_VERSIONS:
+                raise GuestLoadError(f"guest speaks floe ABI {version}; this host speaks "
+                                     f"{' and '.join(map(str, SUPPORTED_ABI_VERSIONS))}")
+            self.abi_version = self.abi.version = version
+            for name, n_params in EXPORTS[version].items():
                 self.guest.function(name, n_params)
-            for name, n_params in OPTIONAL_EXPORTS.items():
+            for name, n_params in OPTIONAL_EXPORTS[version].items():
                 if self.guest.has_function(name):
                     self.guest.function(name, n_params)
-            version = self._call("floe_abi_version")
-            if version != ABI_VERSION:
-                raise GuestLoadError(f"guest speaks floe ABI {version}; this host speaks {ABI_VERSION}")
         except BaseException:
             if self.guest is not None:
                 self.guest.close()
@@ -216,22 +226,39 @@ class Actor:
         error, self.pending_error = self.pending_error, None
         return error
 
-    def _call(self, name: str, *args: int) -> int:
-        """Call a guest export under a fresh host budget; a GuestError names the guest's last log line."""
-        self.abi.begin(self.guest.watchdog, self.guest.memory_cap)
+    def _call(self, name: str, *args: int, deadline: float | None = None) -> int:
+        """Call a guest export, by `deadline` (time.monotonic(); default: deadline_s from now), under
+        the message's host budget (a fresh one outside a message); a GuestError names the guest's
+        last log line."""
+        own_budget = self.abi.budget is None
+        if own_budget:
+            self.abi.begin(self.guest.watchdog, self.guest.memory_cap)
+        seconds = self.deadline_s if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return self.guest.call(name, *args, deadline_s=self.deadline_s, pending=self._take_pending)
+            return self.guest.call(name, *args, deadline_s=seconds, pending=self._take_pending)
         except GuestError as e:
             if self.logs and e.args:
                 e.args = (f"{e.args[0]} (the guest's last log line: {self.logs[-1]!r})", *e.args[1:])
             raise
         finally:
-            self.abi.budget = None
+            if own_budget:
+                self.abi.budget = None
+
+    def guest_call(self, name: str, *args: int, deadline: float) -> int:
+        """For the engine loop: call a guest export within the running message (its budget)."""
+        return self._call(name, *args, deadline=deadline)
+
+    @property
+    def loop(self) -> EngineLoop:
+        """The engine loop that runs this actor's turns (ABI v2): the one given, else its engine's."""
+        if self._loop is None:
+            self._loop = engine_loop(self.engine)
+        return self._loop
 
     def _refuse_reentry(self, what: str) -> None:
-        if self._message_thread == threading.get_ident():
-            raise ActorReentrantCall(f"{what} was called from inside this actor's own message (an on_text "
-                                     "callback); call it after the message returns")
+        if self._message_thread == threading.get_ident() or in_engine_loop():
+            raise ActorReentrantCall(f"{what} was called from inside a message (an on_text callback); "
+                                     "call it after the message returns")
 
     @contextmanager
     def _guest_turn(self, what: str) -> Iterator[None]:
@@ -279,7 +306,10 @@ class Actor:
             data = message.encode()
             ptr = self._deliver(data, "message")
             try:
-                status = self._call("on_message", ptr, len(data))
+                if self.abi_version == 1:
+                    status = self._call("on_message", ptr, len(data))
+                else:
+                    status = self._turn(ptr, len(data), max_tokens)
             finally:
                 self.stats.wall_s = time.perf_counter() - self.stats.started
                 if self.scheduler is not None:
@@ -291,6 +321,25 @@ class Actor:
                 raise GuestError(f"guest reported error {status} for this message"
                                  + (f": {self.logs[-1]}" if self.logs else ""))
             return Reply("".join(parts), self.stats, self.ledger, list(self.logs))
+
+    def _turn(self, ptr: int, length: int, max_tokens: int) -> int:
+        """ABI v2: on_message queues the turn's prompt (here, in the caller's thread), then the engine
+        loop runs it with every other actor's; the guest's status."""
+        deadline = time.monotonic() + self.deadline_s
+        self.abi.begin(self.guest.watchdog, self.guest.memory_cap)
+        self.abi.queued, self.abi.logits_ptr = [], 0
+        try:
+            self.abi.preparing = True
+            try:
+                status = self._call("on_message", ptr, length, deadline=deadline)
+            finally:
+                self.abi.preparing = False
+            if status == 0 and self.abi.queued:
+                self.stats.finish_reason = END_REASONS[self.loop.run(self, max_tokens, deadline)]
+            return status
+        finally:
+            self.abi.budget = None
+            self.abi.queued = []
 
     def _deliver(self, data: bytes, what: str) -> int:
         """Copy `data` into the buffer the guest's alloc() hands out; its guest address."""
@@ -373,7 +422,7 @@ class Actor:
                 rng=self.generator.get_state(), system_prompt=self.system_prompt,
                 model_fingerprint=self.engine.fingerprint, model_name=self.engine.checkpoint.name,
                 guest_sha256=self.module.sha256, guest_name=self.module.name,
-                engine_dtype=str(self.engine.dtype).removeprefix("torch."), abi_version=ABI_VERSION,
+                engine_dtype=str(self.engine.dtype).removeprefix("torch."), abi_version=self.abi_version,
                 engine_weights=self.engine.weights,
             )
 
@@ -418,7 +467,7 @@ class Actor:
         if self._message_thread is not None:
             self.stop_requested = True
             self.guest.cancel("the actor was closed")
-            if self._message_thread == threading.get_ident():
+            if self._message_thread == threading.get_ident() or in_engine_loop():
                 return  # _guest_turn releases it on the way out
         with self._lock:
             self._release()

@@ -128,13 +128,16 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
     if batching and not engine.batched_decode:
         raise FloeError("decode batching needs the CUDA engine with graphs and fused kernels and more "
                         "than one slot; on the CPU, sessions take turns")
-    scheduler = None
-    if engine.batched_decode if batching is None else batching:
-        from floe.actor import DecodeScheduler
+    from floe.actor import DecodeScheduler, EngineLoop
 
-        scheduler = DecodeScheduler(engine)
-    store = SessionStore(engine, snapshots, idle_seconds=idle_seconds, guest=guest, scheduler=scheduler)
+    batched = engine.batched_decode if batching is None else batching
+    # ABI v2 guests (floe's own) are stepped by one engine loop; v1 guests batch through the scheduler.
+    scheduler = DecodeScheduler(engine) if batched else None
+    loop = EngineLoop(engine, batch=batched)
+    store = SessionStore(engine, snapshots, idle_seconds=idle_seconds, guest=guest, scheduler=scheduler,
+                         loop=loop)
     metrics = Metrics(store)
+    loop.on_step = metrics.batch_rows.observe
     if scheduler is not None:
         scheduler.on_batch = metrics.batch_rows.observe
     store.on_thaw, store.on_freeze = metrics.thaw.observe, metrics.freeze.observe

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from floe.actor import Actor, DecodeScheduler
+from floe.actor import Actor, DecodeScheduler, EngineLoop
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError
 
@@ -82,9 +82,10 @@ class SessionStore:
     def __init__(self, engine: Engine, folder: Path, *, idle_seconds: float = 300.0,
                  guest: str | None = None, on_thaw: Callable[[float], None] = lambda s: None,
                  on_freeze: Callable[[float], None] = lambda s: None,
-                 scheduler: DecodeScheduler | None = None) -> None:
+                 scheduler: DecodeScheduler | None = None, loop: EngineLoop | None = None) -> None:
         self.engine, self.folder, self.idle_seconds, self.guest = engine, Path(folder), idle_seconds, guest
-        self.scheduler = scheduler  # batches live sessions' decode steps (None: they take turns)
+        self.scheduler = scheduler  # batches v1 guests' decode steps (None: they take turns)
+        self.loop = loop  # steps v2 guests' turns (None: the engine's own loop)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.sessions: dict[str, Session] = {}
         self.lock = threading.Lock()  # guards `sessions` and slot accounting
@@ -195,13 +196,14 @@ class SessionStore:
                 t = time.perf_counter()
                 try:
                     session.actor = Actor.thaw(self.engine, session.path, self.guest, seed=session.seed,
-                                               scheduler=self.scheduler)
+                                               scheduler=self.scheduler, loop=self.loop)
                 except FloeError as e:
                     raise ThawFailed(f"session {session.id!r} could not be thawed from {session.path.name} "
                                      f"(the file is left in place): {e}") from e
                 self.on_thaw(time.perf_counter() - t)
             else:
-                session.actor = Actor(self.engine, self.guest, seed=session.seed, scheduler=self.scheduler)
+                session.actor = Actor(self.engine, self.guest, seed=session.seed, scheduler=self.scheduler,
+                                      loop=self.loop)
         finally:
             with self.lock:
                 self._reserved -= 1

@@ -36,7 +36,7 @@ import wasmtime
 import xxhash
 from safetensors.torch import save_file
 
-from floe.actor import ABI_VERSION, Actor, ActorState, builtin_guest
+from floe.actor import SUPPORTED_ABI_VERSIONS, Actor, ActorState, builtin_guest
 from floe.engine import Engine, copyhash
 from floe.engine.kvcache import KVDigestMismatch
 from floe.errors import FloeError
@@ -246,15 +246,16 @@ class Snapshot:
         return json.loads(self.metadata.get("app", "{}"))
 
     def verify(self, *, fingerprint: str | None = None, guest_sha256: str | None = None,
-               abi_version: int | None = None, n_layers: int | None = None,
+               abi_version: int | tuple[int, ...] | None = None, n_layers: int | None = None,
                n_kv_heads: int | None = None, head_dim: int | None = None,
                max_seq_len: int | None = None) -> None:
         """Raise the specific SnapshotError for the first thing that does not match."""
         m = self.metadata
-        if abi_version is not None and m["abi_version"] != str(abi_version):
+        speaks = (abi_version,) if isinstance(abi_version, int) else abi_version
+        if speaks is not None and m["abi_version"] not in {str(v) for v in speaks}:
             raise SnapshotVersionMismatch(
-                f"snapshot was made by a guest speaking ABI {m['abi_version']}; "
-                f"this host speaks {abi_version}")
+                f"snapshot was made by a guest speaking ABI {m['abi_version'][:20]}; "
+                f"this host speaks {' and '.join(str(v) for v in speaks)}")
         if fingerprint is not None and m["model_fingerprint"] != fingerprint:
             raise SnapshotModelMismatch(
                 f"snapshot was made with model {m['model_name'][:80]!r} ({m['model_fingerprint'][:12]}…) but "
@@ -400,7 +401,8 @@ def thaw(engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModu
     snap = Snapshot(path, contents=False)  # the bytes are checked below, nothing is used before
     module = _guest_module(snap, guest)
     c = engine.config
-    snap.verify(fingerprint=engine.fingerprint, guest_sha256=module.sha256, abi_version=ABI_VERSION,
+    snap.verify(fingerprint=engine.fingerprint, guest_sha256=module.sha256,
+                abi_version=SUPPORTED_ABI_VERSIONS,
                 n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                 max_seq_len=engine.max_seq_len)
     # KV tensors stored in the engine's dtype are checked as they are loaded (each read once, by

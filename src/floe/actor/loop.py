@@ -1,0 +1,239 @@
+"""The engine loop: one thread per engine steps every active turn of ABI v2 actors.
+
+An actor's caller thread runs the guest's on_message (it renders, tokenizes and queues its prompt),
+then hands the turn to the loop and waits. Each step of the loop:
+  1. prefill: one chunk of each queued prompt (a long prompt does not stall the others' decoding);
+  2. decode: one batched forward (Engine.decode_batch) for every turn that has a next token;
+  3. guests: each turn whose logits are fresh calls its guest's on_token, which chooses the next
+     token (or stop); the host appends it in the next step and counts max_tokens;
+  4. ended turns call on_end and wake their caller.
+A guest that traps, overruns or passes a bad pointer fails its own turn; the others go on. One turn
+waits at most one step for its next forward, whatever the others do (no turn starves).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from floe.actor.abi import OK
+from floe.engine import Engine
+from floe.errors import ContextOverflow
+from floe.wasm import GuestError
+
+if TYPE_CHECKING:
+    from floe.actor.actor import Actor
+
+STOP = -1  # what on_token returns to end the turn
+END_STOP, END_LENGTH, END_CONTEXT_FULL, END_CANCELLED = 0, 1, 2, 3
+END_REASONS = {END_STOP: "stop", END_LENGTH: "length", END_CONTEXT_FULL: "context_full",
+               END_CANCELLED: "cancelled"}
+PREFILL_CHUNK = 512  # prompt tokens one turn prefills per step
+TOKEN_CALL_S = 1.0  # the most one on_token call may take (the batch waits for it)
+IDLE_EXIT_S = 5.0  # the loop's thread ends after this long without turns (the next turn starts one)
+
+
+@dataclass
+class Turn:
+    """One message of one actor, as the loop runs it."""
+
+    actor: Actor
+    max_tokens: int
+    deadline: float  # time.monotonic()
+    generated: int = 0
+    next_token: int | None = None  # to append in the next step
+    fresh: bool = False  # logits of a forward the guest has not seen yet
+    end: int | None = None  # why it ended (END_*), once it has
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class EngineLoop:
+    """Steps the turns of every v2 actor of `engine` in one thread (see the module docstring).
+
+    on_step(rows): called after each decode forward with its number of rows (metrics).
+    batch: run the turns' decode steps as one forward (Engine.decode_batch); False: one by one.
+    """
+
+    def __init__(self, engine: Engine, prefill_chunk: int = PREFILL_CHUNK, on_step=lambda rows: None,
+                 batch: bool = True) -> None:
+        self.engine, self.prefill_chunk, self.on_step, self.batch = engine, prefill_chunk, on_step, batch
+        self._cond = threading.Condition()
+        self._arrived: list[Turn] = []
+        self._active: list[Turn] = []
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # decode forwards run
+        self.rows = 0  # decode rows run in them
+
+    # ---- the caller's side ------------------------------------------------------------------------
+
+    def run(self, actor: Actor, max_tokens: int, deadline: float) -> int:
+        """Run the turn `actor`'s on_message has just queued, until it ends; why it ended (END_*).
+        Raises what failed it (a GuestError of its guest, an engine error)."""
+        turn = Turn(actor, max_tokens, deadline)
+        with self._cond:
+            self._arrived.append(turn)
+            self._start()
+            self._cond.notify()
+        turn.done.wait()
+        if turn.error is not None:
+            raise turn.error
+        return turn.end
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"active": len(self._active), "waiting": len(self._arrived), "steps": self.steps,
+                    "rows": self.rows}
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="floe-engine-loop", daemon=True)
+            self._thread.floe_engine_loop = True  # actors refuse blocking calls from this thread
+            self._thread.start()
+
+    # ---- the loop -----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._arrived and not self._active:
+                    if not self._cond.wait(IDLE_EXIT_S) and not self._arrived:
+                        self._thread = None  # nothing holds the engine alive through this thread
+                        return
+                self._active.extend(self._arrived)
+                self._arrived.clear()
+            try:
+                self._step()
+            except BaseException as e:  # noqa: BLE001 - a bug here must fail turns, not hang callers
+                for turn in self._active:
+                    self._finish(turn, END_CANCELLED, e)
+            self._active = [t for t in self._active if not t.done.is_set()]
+
+    def _step(self) -> None:
+        for turn in self._active:
+            self._check_cancelled(turn)
+        for turn in self._live():
+            if turn.actor.abi.queued:
+                self._prefill(turn)
+        self._decode([t for t in self._live() if t.next_token is not None])
+        for turn in self._live():
+            if turn.fresh:
+                self._ask_guest(turn)
+        for turn in self._active:
+            if turn.end is not None and not turn.done.is_set():
+                self._end(turn)
+
+    def _live(self) -> list[Turn]:
+        return [t for t in self._active if t.end is None]
+
+    def _check_cancelled(self, turn: Turn) -> None:
+        actor = turn.actor
+        if turn.end is None and (actor.stop_requested or actor.closed or time.monotonic() > turn.deadline):
+            turn.end = END_CANCELLED
+
+    def _prefill(self, turn: Turn) -> None:
+        abi = turn.actor.abi
+        try:
+            status = abi.run_queued(self.prefill_chunk)
+        except BaseException as e:  # noqa: BLE001 - fails this turn only
+            self._finish(turn, END_CANCELLED, e)
+            return
+        if status != OK:
+            turn.end = END_CONTEXT_FULL
+        elif not abi.queued:
+            turn.fresh = True
+
+    def _decode(self, turns: list[Turn]) -> None:
+        if not self.batch and len(turns) > 1:
+            for turn in turns:
+                self._decode([turn])
+            return
+        if not turns:
+            return
+        t0 = time.perf_counter()
+        results = self.engine.decode_batch([t.next_token for t in turns], [t.actor.slot for t in turns])
+        seconds = time.perf_counter() - t0
+        self.steps += 1
+        self.rows += len(turns)
+        self.on_step(len(turns))
+        for turn, result in zip(turns, results, strict=True):
+            turn.next_token = None
+            if isinstance(result, ContextOverflow):
+                turn.end = END_CONTEXT_FULL
+            elif isinstance(result, BaseException):
+                self._finish(turn, END_CANCELLED, result)
+            else:
+                abi = turn.actor.abi
+                try:
+                    abi.took_step(1, result, abi.step_target(), seconds, len(turns))
+                except BaseException as e:  # noqa: BLE001 - a bad logits buffer fails this turn only
+                    self._finish(turn, END_CANCELLED, e)
+                    continue
+                turn.fresh = True
+
+    def _ask_guest(self, turn: Turn) -> None:
+        turn.fresh = False
+        try:
+            token = turn.actor.guest_call("on_token", deadline=min(turn.deadline, time.monotonic()
+                                                                   + TOKEN_CALL_S))
+        except BaseException as e:  # noqa: BLE001 - fails this turn only
+            self._finish(turn, END_CANCELLED, e)
+            return
+        if token == STOP:
+            turn.end = END_STOP
+        elif token < 0:
+            self._finish(turn, END_CANCELLED, GuestError(f"on_token returned {token} (an error)"))
+        else:
+            turn.generated += 1
+            if turn.generated >= turn.max_tokens:
+                turn.end = END_LENGTH
+            else:
+                turn.next_token = token
+
+    def _end(self, turn: Turn) -> None:
+        actor = turn.actor
+        error = None
+        if actor.closed:
+            from floe.wasm import GuestCancelled
+
+            error = GuestCancelled("the actor was closed during its message")
+        elif turn.end == END_CANCELLED and time.monotonic() > turn.deadline and not actor.stop_requested:
+            from floe.wasm import GuestDeadlineExceeded
+
+            error = GuestDeadlineExceeded(f"the message ran past its {actor.deadline_s:g} s deadline")
+        elif actor.guest.has_function("on_end"):
+            try:
+                status = actor.guest_call("on_end", turn.end, deadline=turn.deadline)
+                if status != 0:
+                    error = GuestError(f"guest reported error {status} at the end of its turn")
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        self._finish(turn, turn.end, error)
+
+    @staticmethod
+    def _finish(turn: Turn, end: int, error: BaseException | None) -> None:
+        turn.end, turn.error = end, error
+        turn.done.set()
+
+
+_LOOPS: weakref.WeakKeyDictionary[Engine, EngineLoop] = weakref.WeakKeyDictionary()
+_LOOPS_LOCK = threading.Lock()
+
+
+def engine_loop(engine: Engine) -> EngineLoop:
+    """The engine loop of `engine` (one per engine, made on first use)."""
+    with _LOOPS_LOCK:
+        loop = _LOOPS.get(engine)
+        if loop is None:
+            loop = _LOOPS[engine] = EngineLoop(engine)
+        return loop
+
+
+def in_engine_loop() -> bool:
+    """Whether the calling thread is an engine loop's (where blocking on an actor would deadlock)."""
+    return getattr(threading.current_thread(), "floe_engine_loop", False)
+
+
