@@ -164,19 +164,26 @@ static int32_t take_token(int32_t tok) {
 
 static int32_t end_reply(void) { return add_message("assistant", reply.data, reply.len) ? 0 : 8; }
 
+/* Prefills (v1) or queues (v2) the prompt from token p on; 0, or the turn's error status. */
+static int32_t prefill_prompt(uint32_t p) {
+    int32_t status = floe_prefill(prompt.data + p, (int32_t)(prompt.len - p), logits_target);
+    if (status == FLOE_ERR_CONTEXT_FULL) {
+        log_overflow(prompt.len);
+        n_messages--; /* the message was not taken */
+        return 4;
+    }
+    return status == FLOE_OK ? 0 : 5;
+}
+
 #ifdef FLOE_ABI_V1
 /* ABI v1: the guest drives the engine itself, one blocking call at a time. */
 static int32_t conversation_turn(const char *text, int32_t len, next_token_fn next_token) {
     uint32_t p;
     int32_t status = begin_turn(text, len, &p);
     if (status) return status;
-    status = floe_prefill(prompt.data + p, (int32_t)(prompt.len - p), logits_target);
-    if (status == FLOE_ERR_CONTEXT_FULL) {
-        log_overflow(prompt.len);
-        n_messages--; /* the message was not taken */
-        return 4;
-    }
-    if (status != FLOE_OK || took_prompt(p)) return 5;
+    status = prefill_prompt(p);
+    if (status) return status;
+    if (took_prompt(p)) return 5;
     for (uint32_t i = 0; i < req.max_tokens; i++) {
         int32_t tok = next_token();
         int32_t go = take_token(tok);
@@ -198,13 +205,8 @@ static int32_t conversation_turn(const char *text, int32_t len, next_token_fn ne
     uint32_t p;
     int32_t status = begin_turn(text, len, &p);
     if (status) return status;
-    status = floe_prefill(prompt.data + p, (int32_t)(prompt.len - p), logits_target);
-    if (status == FLOE_ERR_CONTEXT_FULL) {
-        log_overflow(prompt.len);
-        n_messages--;
-        return 4;
-    }
-    if (status != FLOE_OK) return 5;
+    status = prefill_prompt(p);
+    if (status) return status;
     turn_rule = next_token;
     pending = -1;
     return took_prompt(p);
