@@ -58,7 +58,7 @@ def test_concurrent_actors_share_steps_and_answer_exactly_as_alone(tiny_engine):
                                         ("(loop $f (br $f))", GuestDeadlineExceeded)])
 def test_a_guest_failing_in_on_token_fails_only_its_own_turn(tiny_engine, bad, error):
     expected = [alone(tiny_engine, p, 16) for p in PROMPTS[:3]]
-    loop = EngineLoop(tiny_engine)
+    loop = EngineLoop(tiny_engine, token_call_s=1.0)
     jobs = [(None, p, 16) for p in PROMPTS[:3]] + [(v2_guest(bad), "x", 16)]
     *replies, failed = concurrently(tiny_engine, loop, jobs)
     assert isinstance(failed, error), failed

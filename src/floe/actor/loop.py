@@ -32,7 +32,9 @@ END_STOP, END_LENGTH, END_CONTEXT_FULL, END_CANCELLED = 0, 1, 2, 3
 END_REASONS = {END_STOP: "stop", END_LENGTH: "length", END_CONTEXT_FULL: "context_full",
                END_CANCELLED: "cancelled"}
 PREFILL_CHUNK = 512  # prompt tokens one turn prefills per step
-TOKEN_CALL_S = 1.0  # the most one on_token call may take (the batch waits for it)
+# The most one on_token call may take: the batch waits for it. Its host calls count too, and the first
+# sample on a fresh CUDA context loads kernels (~1 s), so this is a bound on a stall, not a budget.
+TOKEN_CALL_S = 5.0
 IDLE_EXIT_S = 5.0  # the loop's thread ends after this long without turns (the next turn starts one)
 
 
@@ -56,11 +58,13 @@ class EngineLoop:
 
     on_step(rows): called after each decode forward with its number of rows (metrics).
     batch: run the turns' decode steps as one forward (Engine.decode_batch); False: one by one.
+    token_call_s: the most one on_token call may take (seconds).
     """
 
     def __init__(self, engine: Engine, prefill_chunk: int = PREFILL_CHUNK, on_step=lambda rows: None,
-                 batch: bool = True) -> None:
+                 batch: bool = True, token_call_s: float = TOKEN_CALL_S) -> None:
         self.engine, self.prefill_chunk, self.on_step, self.batch = engine, prefill_chunk, on_step, batch
+        self.token_call_s = token_call_s
         self._cond = threading.Condition()
         self._arrived: list[Turn] = []
         self._active: list[Turn] = []
@@ -178,7 +182,7 @@ class EngineLoop:
         turn.fresh = False
         try:
             token = turn.actor.guest_call("on_token", deadline=min(turn.deadline, time.monotonic()
-                                                                   + TOKEN_CALL_S))
+                                                                   + self.token_call_s))
         except BaseException as e:  # noqa: BLE001 - fails this turn only
             self._finish(turn, END_CANCELLED, e)
             return
