@@ -302,23 +302,24 @@ def test_short_prompts_prefill_as_one_graph_replay_like_the_eager_forward(engine
 
 
 def test_scheduled_actors_on_cuda_batch_and_answer_as_alone(batching):
+    """Four ABI v2 actors through one engine loop: batched steps answer as rows stepped one by one."""
     import threading
 
-    from floe.actor import Actor, DecodeScheduler
+    from floe.actor import Actor, EngineLoop
     from floe.engine import SamplingParams
 
     questions = ["Hello there.", "What is two plus two?", "Name a river.", "Tell me a story."]
 
     ledgers = {}
 
-    def run(scheduler):
-        actors = [Actor(batching, scheduler=scheduler) for _ in questions]
+    def run(loop):
+        actors = [Actor(batching, loop=loop) for _ in questions]
         replies = [None] * len(actors)
 
         def work(i):
             reply = actors[i].send(questions[i], max_tokens=16, params=SamplingParams(0.0))
             replies[i] = reply.stats.token_ids
-            ledgers[scheduler is not None, i] = reply.ledger
+            ledgers[loop.batch, i] = reply.ledger
 
         threads = [threading.Thread(target=work, args=(i,)) for i in range(len(actors))]
         for t in threads:
@@ -329,9 +330,9 @@ def test_scheduled_actors_on_cuda_batch_and_answer_as_alone(batching):
             a.close()
         return replies
 
-    alone = run(None)
+    alone = run(EngineLoop(batching, batch=False))
     sizes = []
-    batched = run(DecodeScheduler(batching, on_batch=sizes.append))
+    batched = run(EngineLoop(batching, on_step=sizes.append))
     assert batched == alone and all(alone)
     assert max(sizes) > 1
     # The ledger shows what a batched step copied host→device: each row's share of the input block.
