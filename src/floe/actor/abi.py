@@ -125,7 +125,7 @@ class HostABI:
         self.text_cap = 0
         self.version = ABI_VERSION  # the guest's, once it said
         # v2: what on_message queued for the engine loop, and where each step's logits go.
-        self.queued: list[int] = []
+        self.queued = torch.empty(0, dtype=torch.long)
         self.logits_ptr = 0
         self.preparing = False  # inside on_message (v2): prefill queues, kv_truncate allowed
 
@@ -308,13 +308,21 @@ class HostABI:
         self.took_step(len(ids), logits, out, time.perf_counter() - t0, rows)
         return OK
 
+    @property
+    def queued_tokens(self) -> int:
+        """v2: prompt tokens on_message queued that the engine loop has not run yet."""
+        return len(self.queued)
+
+    def clear_queue(self) -> None:
+        self.queued = self.queued[:0]
+
     def run_queued(self, chunk: int) -> int:
         """v2, for the engine loop: prefill up to `chunk` of the queued prompt ids now; a status.
         Logits (after the last chunk) go where on_message asked."""
         ids, self.queued = self.queued[:chunk], self.queued[chunk:]
-        status = self._run(torch.tensor(ids, dtype=torch.long), self.logits_ptr if not self.queued else 0)
+        status = self._run(ids, self.logits_ptr if not len(self.queued) else 0)
         if status != OK:
-            self.queued = []
+            self.clear_queue()
         return status
 
     def took_step(self, n_tokens: int, logits: torch.Tensor, out: torch.Tensor | None, seconds: float,
@@ -361,24 +369,24 @@ class HostABI:
         ids = view.numpy()
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
             return ERR_BAD_TOKEN
-        if self.version >= 2:
-            return self._queue(ids, logits_ptr)
-        # int32 guest ids -> int64 for the embedding: a conversion the ledger shows.
+        if self.version >= 2 and not self.preparing:
+            raise GuestHostCallError("prefill() is for on_message in ABI v2 (the engine loop runs it); "
+                                     "on_token returns the next token instead")
+        # int32 guest ids -> int64 for the embedding: a conversion the ledger shows (v2: the copy the
+        # engine loop keeps until it runs them).
         t = time.perf_counter()
         wide = torch.from_numpy(ids.astype(np.int64))
         self.actor.ledger.copy("prompt ids int32→int64", 8 * n, seconds=time.perf_counter() - t)
+        if self.version >= 2:
+            return self._queue(wide, logits_ptr)
         return self._run(wide, logits_ptr)
 
-    def _queue(self, ids: np.ndarray, logits_ptr: int) -> int:
-        """v2 prefill: the ids wait for the engine loop (copied out of guest memory now)."""
-        if not self.preparing:
-            raise GuestHostCallError("prefill() is for on_message in ABI v2 (the engine loop runs it); "
-                                     "on_token returns the next token instead")
+    def _queue(self, ids: torch.Tensor, logits_ptr: int) -> int:
+        """v2 prefill: the ids wait for the engine loop."""
         if self.engine.kv_len(self.actor.slot) + len(self.queued) + len(ids) > self.engine.max_seq_len:
             return ERR_CONTEXT_FULL
         self._logits_target(logits_ptr)  # a bad buffer fails now, not in the loop
-        self.queued.extend(ids.tolist())
-        self.actor.ledger.copy("guest→host prompt ids (queued for the engine loop)", 4 * len(ids))
+        self.queued = torch.cat([self.queued, ids]) if len(self.queued) else ids
         self.logits_ptr = logits_ptr
         return OK
 
@@ -436,7 +444,7 @@ class HostABI:
         return len(data)
 
     def kv_truncate(self, n: int) -> int:
-        if self.version >= 2 and (not self.preparing or self.queued):
+        if self.version >= 2 and (not self.preparing or len(self.queued)):
             return ERR_BAD_ARGUMENT  # v2: only in on_message, before prefill queues anything
         n = _i32(n)
         if not 0 <= n <= self.engine.kv_len(self.actor.slot):

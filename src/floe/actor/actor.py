@@ -327,19 +327,20 @@ class Actor:
         loop runs it with every other actor's; the guest's status."""
         deadline = time.monotonic() + self.deadline_s
         self.abi.begin(self.guest.watchdog, self.guest.memory_cap)
-        self.abi.queued, self.abi.logits_ptr = [], 0
+        self.abi.clear_queue()
+        self.abi.logits_ptr = 0
         try:
             self.abi.preparing = True
             try:
                 status = self._call("on_message", ptr, length, deadline=deadline)
             finally:
                 self.abi.preparing = False
-            if status == 0 and self.abi.queued:
+            if status == 0 and self.abi.queued_tokens:
                 self.stats.finish_reason = END_REASONS[self.loop.run(self, max_tokens, deadline)]
             return status
         finally:
             self.abi.budget = None
-            self.abi.queued = []
+            self.abi.clear_queue()
 
     def _deliver(self, data: bytes, what: str) -> int:
         """Copy `data` into the buffer the guest's alloc() hands out; its guest address."""

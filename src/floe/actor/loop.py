@@ -120,7 +120,7 @@ class EngineLoop:
         for turn in self._active:
             self._check_cancelled(turn)
         for turn in self._live():
-            if turn.actor.abi.queued:
+            if turn.actor.abi.queued_tokens:
                 self._prefill(turn)
         self._decode([t for t in self._live() if t.next_token is not None])
         for turn in self._live():
@@ -147,7 +147,7 @@ class EngineLoop:
             return
         if status != OK:
             turn.end = END_CONTEXT_FULL
-        elif not abi.queued:
+        elif not abi.queued_tokens:
             turn.fresh = True
 
     def _decode(self, turns: list[Turn]) -> None:

@@ -417,6 +417,12 @@ def thaw(engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModu
     except BaseException:
         kv.close()
         raise
+    if str(actor.abi_version) != snap.metadata["abi_version"]:
+        kv.close()
+        actor.close()
+        said = snap.metadata["abi_version"][:20]
+        raise SnapshotVersionMismatch(f"snapshot says its guest speaks ABI {said}, but the module speaks "
+                                      f"ABI {actor.abi_version}")
     _restore(snap, actor, state, kv)
     return actor
 
