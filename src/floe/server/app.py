@@ -142,6 +142,7 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
         scheduler.on_batch = metrics.batch_rows.observe
     store.on_thaw, store.on_freeze = metrics.thaw.observe, metrics.freeze.observe
     store.load_folder()
+    store.warm_up()
     started = time.time()
 
     @asynccontextmanager
