@@ -429,13 +429,25 @@ class Engine:
                 self.cache.truncate(slot, 0)
                 self.prefill(list(range(8)), slot)
                 for token in range(3):
-                    self.decode_step(token, slot)
+                    logits = self.decode_step(token, slot)
+                if done == 1:
+                    self._warm_up_sampling(logits)
             finally:
                 self.cache.truncate(slot, 0)
                 self.release_slot(slot)
             progress(done, len(slots))
         if self._graph_prefill(1):
             self._warm_up_graphs(slots)
+
+    @staticmethod
+    def _warm_up_sampling(logits: Tensor) -> None:
+        """Draw once greedily and once with temperature, top-k and top-p: on CUDA the first draw
+        compiles the Triton argmax and loads the sampling kernels (~0.3 s), which the first request of
+        a server would otherwise wait for."""
+        from floe.engine.sampling import SamplingParams, sample_token
+
+        for params in (SamplingParams(), SamplingParams(temperature=1.0, top_k=40, top_p=0.9)):
+            sample_token(logits, params, torch.Generator())
 
     @torch.inference_mode()
     def _warm_up_graphs(self, slots: list[int]) -> None:
