@@ -134,6 +134,7 @@ def test_session_freeze_thaw_and_delete_endpoints(server):
     assert httpx.post(f"{server.url}/v1/sessions/lifecycle/thaw").json()["state"] == "live"
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "floe_thaw_seconds_count 1.0" in metrics and 'floe_sessions{state="live"}' in metrics
+    assert 'floe_engine_loop_turns{state="active"} 0.0' in metrics  # the loop's queue, between requests
     assert httpx.delete(f"{server.url}/v1/sessions/lifecycle").status_code == 200
     assert not Path(frozen["path"]).exists()
     gone = httpx.post(f"{server.url}/v1/sessions/lifecycle/freeze")
@@ -295,3 +296,11 @@ def test_a_client_that_leaves_a_stream_stops_the_generation(server):
     kv_len = int(header(frozen.json()["path"])["kv_len"])
     tokens = generated() - before
     assert 1 <= tokens < 100 and kv_len < 150, (tokens, kv_len)  # stopped long before 400 tokens
+
+
+def test_a_busy_server_says_when_to_retry():
+    from floe.server.app import _error
+
+    busy = _error(503, "all slots busy", "server_error", "server_busy")
+    assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+    assert "retry-after" not in _error(400, "bad", "invalid_request_error").headers

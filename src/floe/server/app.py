@@ -77,8 +77,10 @@ class APIError(Exception):
 
 
 def _error(status: int, message: str, type_: str, code: str | None = None, param: str | None = None):
+    # A 503 is a busy server: say when to come back (clients such as openai's honour Retry-After).
+    headers = {"Retry-After": "1"} if status == 503 else None
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 class Metrics:
@@ -99,6 +101,10 @@ class Metrics:
                                 buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
         self.batch_rows = Histogram("floe_decode_batch_rows", "Sessions advanced by one batched decode "
                                     "forward", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64))
+        turns = Gauge("floe_engine_loop_turns", "Turns in the engine loop: stepping, or arrived and "
+                      "waiting for the next step", ["state"], registry=r)
+        turns.labels("active").set_function(lambda: store.loop.stats()["active"] if store.loop else 0)
+        turns.labels("waiting").set_function(lambda: store.loop.stats()["waiting"] if store.loop else 0)
         sessions = Gauge("floe_sessions", "Sessions by state", ["state"], registry=r)
         sessions.labels("live").set_function(lambda: store.counts()["live"])
         sessions.labels("frozen").set_function(lambda: store.counts()["frozen"])
