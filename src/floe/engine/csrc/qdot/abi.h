@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#define FLOE_QDOT_ABI 1
+#define FLOE_QDOT_ABI 2
 
 #ifdef __cplusplus
 extern "C" {
@@ -22,8 +22,9 @@ typedef struct FloeQdotKernel {
   int abi;           // FLOE_QDOT_ABI
   const char* name;  // "portable", "avx2", "vnni", "neon"
   int (*runs_here)(void);  // whether this CPU has every instruction the variant uses
-  // x [K] -> qx int8 [K], xs [K/32] (each group's step), u [K/32] (step * sum of the group's qx)
-  void (*quantize)(const float* x, int64_t k, int8_t* qx, float* xs, float* u);
+  // x [K] -> qx int8 [K], xs [K/32] (each group's step), u [K/32] (step * sum of the group's qx);
+  // qx is laid out as this variant's rows for codes of that width (four_bit) read it
+  void (*quantize)(const float* x, int64_t k, int four_bit, int8_t* qx, float* xs, float* u);
   floe_qdot_rows_fn rows[2][2];  // [four_bit][half_scales]
 } FloeQdotKernel;
 

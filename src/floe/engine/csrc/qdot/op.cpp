@@ -81,7 +81,7 @@ at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
   const void* s = scale.data_ptr();
   const void* o = offset.data_ptr();
   for (int64_t r = 0; r < x.numel() / k; ++r) {
-    kernel->quantize(x.data_ptr<float>() + r * k, k, qx.data(), xs.data(), u.data());
+    kernel->quantize(x.data_ptr<float>() + r * k, k, four_bit, qx.data(), xs.data(), u.data());
     float* out = y.data_ptr<float>() + r * n;
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       rows(c, s, o, qx.data(), xs.data(), u.data(), groups, begin, end, out);

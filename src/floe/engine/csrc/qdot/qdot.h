@@ -9,6 +9,7 @@
 //   Acc, zero(), add(a, b), fma(d, s, acc) = acc + d * s, hsum(acc): float lanes of group dots
 //   group<FourBit>(codes, qx) -> Acc whose lanes sum to dot(codes - code_bias(FourBit), qx)
 //   Off, off_zero(), block8(scale, offset, xs, u, bias, cs, off), off_sum(off), to_float(S)
+//   kPairs, dot8_pairs(...): whether it takes 4-bit groups two at a time (see pair_layout)
 // A variant whose instructions cannot multiply the unsigned 8-bit codes directly works on
 // code - 128 (a signed byte) and reports code_bias = 128; the loop below adds 128 * scale back as
 // part of the offset, so every variant computes the same sum.
@@ -76,8 +77,31 @@ inline void quantize_row(const float* x, int64_t k, int8_t* qx, float* xs, float
   }
 }
 
+// For variants with kPairs: each pair of 4-bit groups (g, g+1) of a block of 8 is read as one
+// register of 32 code bytes, whose low nibbles are elements 0..15 of g and of g+1 and whose high
+// nibbles are their elements 16..31; the input is laid out to match, once per input row:
+// [g 0..15 | g 16..31 | g+1 0..15 | g+1 16..31] -> [g 0..15 | g+1 0..15 | g 16..31 | g+1 16..31].
+// Groups after the last full block of 8 stay as they are (the tail reads them one at a time).
+inline void pair_layout(int8_t* qx, int64_t groups) {
+  for (int64_t g = 0; g + 8 <= groups; g += 8) {
+    for (int64_t p = g; p < g + 8; p += 2) {
+      int8_t swap[16];
+      std::memcpy(swap, qx + p * G + 16, 16);
+      std::memcpy(qx + p * G + 16, qx + p * G + 32, 16);
+      std::memcpy(qx + p * G + 32, swap, 16);
+    }
+  }
+}
+
+template <class Isa>
+void quantize(const float* x, int64_t k, int four_bit, int8_t* qx, float* xs, float* u) {
+  quantize_row(x, k, qx, xs, u);
+  if (four_bit && Isa::kPairs) pair_layout(qx, k / G);
+}
+
 // The per-group scale arithmetic in plain C++, for variants without a vector version of it.
 struct ScalarBlocks {
+  static constexpr bool kPairs = false;
   using Off = float;
   static float off_zero() { return 0.f; }
   static float off_sum(float off) { return off; }
@@ -112,14 +136,18 @@ inline float row_dot(const uint8_t* cr, const S* sr, const S* orow, const int8_t
     off = Isa::block8(sr + g, orow + g, xs + g, u + g, bias, cs, off);
     const uint8_t* c = cr + g * width;
     const int8_t* qg = q + g * G;
-    a0 = Isa::fma(Isa::template group<FourBit>(c, qg), cs[0], a0);
-    a1 = Isa::fma(Isa::template group<FourBit>(c + width, qg + G), cs[1], a1);
-    a2 = Isa::fma(Isa::template group<FourBit>(c + 2 * width, qg + 2 * G), cs[2], a2);
-    a3 = Isa::fma(Isa::template group<FourBit>(c + 3 * width, qg + 3 * G), cs[3], a3);
-    a0 = Isa::fma(Isa::template group<FourBit>(c + 4 * width, qg + 4 * G), cs[4], a0);
-    a1 = Isa::fma(Isa::template group<FourBit>(c + 5 * width, qg + 5 * G), cs[5], a1);
-    a2 = Isa::fma(Isa::template group<FourBit>(c + 6 * width, qg + 6 * G), cs[6], a2);
-    a3 = Isa::fma(Isa::template group<FourBit>(c + 7 * width, qg + 7 * G), cs[7], a3);
+    if constexpr (FourBit && Isa::kPairs) {
+      Isa::dot8_pairs(c, qg, cs, a0, a1, a2, a3);
+    } else {
+      a0 = Isa::fma(Isa::template group<FourBit>(c, qg), cs[0], a0);
+      a1 = Isa::fma(Isa::template group<FourBit>(c + width, qg + G), cs[1], a1);
+      a2 = Isa::fma(Isa::template group<FourBit>(c + 2 * width, qg + 2 * G), cs[2], a2);
+      a3 = Isa::fma(Isa::template group<FourBit>(c + 3 * width, qg + 3 * G), cs[3], a3);
+      a0 = Isa::fma(Isa::template group<FourBit>(c + 4 * width, qg + 4 * G), cs[4], a0);
+      a1 = Isa::fma(Isa::template group<FourBit>(c + 5 * width, qg + 5 * G), cs[5], a1);
+      a2 = Isa::fma(Isa::template group<FourBit>(c + 6 * width, qg + 6 * G), cs[6], a2);
+      a3 = Isa::fma(Isa::template group<FourBit>(c + 7 * width, qg + 7 * G), cs[7], a3);
+    }
   }
   float rest = 0.f;
   for (; g < groups; ++g) {
@@ -145,8 +173,9 @@ void rows(const uint8_t* codes, const void* scale, const void* offset, const int
 template <class Isa>
 const FloeQdotKernel* kernel(const char* name) {
   static const FloeQdotKernel table = {
-      FLOE_QDOT_ABI, name, &Isa::runs_here, &quantize_row,
-      {{&rows<Isa, false, float>, &rows<Isa, false, Half>}, {&rows<Isa, true, float>, &rows<Isa, true, Half>}}};
+      FLOE_QDOT_ABI, name, &Isa::runs_here, &quantize<Isa>,
+      {{&rows<Isa, false, float>, &rows<Isa, false, Half>},
+       {&rows<Isa, true, float>, &rows<Isa, true, Half>}}};
   return &table;
 }
 
