@@ -50,6 +50,7 @@ class Turn:
     fresh: bool = False  # logits of a forward the guest has not seen yet
     end: int | None = None  # why it ended (END_*), once it has
     error: BaseException | None = None
+    abandoned: bool = False  # its caller stopped waiting (Ctrl-C): end it at the next step
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -82,7 +83,12 @@ class EngineLoop:
             self._arrived.append(turn)
             self._start()
             self._cond.notify()
-        turn.done.wait()
+        try:
+            turn.done.wait()
+        except BaseException:  # Ctrl-C in the caller: the guest and its memory must outlive the turn
+            turn.abandoned = True
+            _wait_out(turn)
+            raise
         if turn.error is not None:
             raise turn.error
         return turn.end
@@ -135,7 +141,8 @@ class EngineLoop:
 
     def _check_cancelled(self, turn: Turn) -> None:
         actor = turn.actor
-        if turn.end is None and (actor.stop_requested or actor.closed or time.monotonic() > turn.deadline):
+        if turn.end is None and (actor.stop_requested or actor.closed or turn.abandoned
+                                 or time.monotonic() > turn.deadline):
             turn.end = END_CANCELLED
 
     def _prefill(self, turn: Turn) -> None:
@@ -221,6 +228,17 @@ class EngineLoop:
     def _finish(turn: Turn, end: int, error: BaseException | None) -> None:
         turn.end, turn.error = end, error
         turn.done.set()
+
+
+def _wait_out(turn: Turn, patience_s: float = 30.0) -> None:
+    """Wait for an abandoned turn to end (the loop ends it at its next step), through further
+    interrupts, so that the caller never frees an actor the loop is still stepping."""
+    end = time.monotonic() + patience_s
+    while not turn.done.is_set() and time.monotonic() < end:
+        try:
+            turn.done.wait(0.05)
+        except KeyboardInterrupt:
+            continue
 
 
 _LOOPS: weakref.WeakKeyDictionary[Engine, EngineLoop] = weakref.WeakKeyDictionary()
