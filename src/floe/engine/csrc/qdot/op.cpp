@@ -9,6 +9,7 @@
 #include <dlfcn.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <string>
@@ -20,6 +21,7 @@ namespace {
 
 constexpr int64_t G = 32;
 constexpr int kMaxKernels = 16;
+constexpr int64_t kBlockBytes = 16 * 1024;  // codes of one block of output rows: in a core's L1
 const FloeQdotKernel* g_kernels[kMaxKernels];
 std::atomic<int> g_count{0};
 std::mutex g_load;
@@ -75,18 +77,35 @@ at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
   sizes.back() = n;
   at::Tensor y = at::empty(sizes, x.options());
   const floe_qdot_rows_fn rows = kernel->rows[four_bit][scale.scalar_type() == at::kHalf];
-  std::vector<int8_t> qx(k);
-  std::vector<float> xs(groups), u(groups);
+  const int64_t m = x.numel() / k;
+  std::vector<int8_t> qx(m * k);
+  std::vector<float> xs(m * groups), u(m * groups);
+  const float* xp = x.data_ptr<float>();
+  const auto quantize = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      kernel->quantize(xp + r * k, k, four_bit, &qx[r * k], &xs[r * groups], &u[r * groups]);
+    }
+  };
+  if (m == 1) {
+    quantize(0, 1);
+  } else {
+    at::parallel_for(0, m, 1, quantize);
+  }
+  // Several input rows (prefill): each block of output rows meets every input row while its codes
+  // are in the core's cache, so the weights are read from memory once, not once per input row.
+  const int64_t block = std::max<int64_t>(1, kBlockBytes / codes.size(1));
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const void* s = scale.data_ptr();
   const void* o = offset.data_ptr();
-  for (int64_t r = 0; r < x.numel() / k; ++r) {
-    kernel->quantize(x.data_ptr<float>() + r * k, k, four_bit, qx.data(), xs.data(), u.data());
-    float* out = y.data_ptr<float>() + r * n;
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      rows(c, s, o, qx.data(), xs.data(), u.data(), groups, begin, end, out);
-    });
-  }
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; b += block) {
+      const int64_t e = std::min(end, b + block);
+      for (int64_t r = 0; r < m; ++r) {
+        rows(c, s, o, &qx[r * k], &xs[r * groups], &u[r * groups], groups, b, e, out + r * n);
+      }
+    }
+  });
   return y;
 }
 
