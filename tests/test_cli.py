@@ -144,9 +144,11 @@ def test_ctrl_c_ends_with_interrupted_and_exit_130(when):
     import signal
     import time
 
+    # A background job of a non-interactive shell (as CI may run us) inherits SIGINT ignored: give the
+    # child the default disposition a terminal's foreground job has.
     proc = subprocess.Popen([sys.executable, "-m", "floe.cli", "run", "Tell me a long story.", "--max-tokens",
                              "2000", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     if when == "while starting":
         time.sleep(0.5)
     else:
