@@ -1,5 +1,6 @@
 """Every file format and tensor type floe reads gives the logits transformers gives on the same file."""
 
+import hashlib
 import json
 
 import numpy as np
@@ -7,6 +8,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from models import save_hf_folder, write_gguf
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from floe.engine import Engine
 from floe.errors import ModelNotFound, NotAModel, UnsupportedModel
@@ -95,6 +98,62 @@ def test_fingerprint_is_stable_and_sensitive_to_weights(tmp_path):
     assert load_checkpoint(a).fingerprint == load_checkpoint(a).fingerprint
     assert load_checkpoint(a).fingerprint != load_checkpoint(b).fingerprint
     assert len(load_checkpoint(a).fingerprint) == 64
+
+
+def test_fingerprint_changes_with_one_weight_byte_and_not_with_the_dtype(tmp_path):
+    path = write_gguf(tmp_path / "a.gguf", [Q.Q4_0])
+    before = load_checkpoint(path)
+    assert load_checkpoint(path, torch.bfloat16).fingerprint == before.fingerprint
+    data = bytearray(path.read_bytes())
+    data[-5000] ^= 1  # one bit of the last tensor's bytes
+    path.write_bytes(bytes(data))
+    assert load_checkpoint(path).fingerprint != before.fingerprint
+
+
+# The default model's fingerprint as floe computed it before scheme v2 (SHA-256 of every byte), and
+# after (XXH3-128 of each tensor's bytes under the SHA-256): each a pass over the same 98 MB.
+DEFAULT_V1 = "211578811c8d58fce3595b3518f69b0fb963052b79a8b1905ab55df6c8a3013b"
+DEFAULT_V2 = "bad233e086f025c7a89cfa221d33e7018716abfc13e234e8f1ab985bcdba82f7"
+
+
+def test_the_default_models_fingerprints_by_both_schemes(default_checkpoint):
+    assert default_checkpoint.fingerprint == DEFAULT_V2
+    assert default_checkpoint.legacy_fingerprint() == DEFAULT_V1
+
+
+def test_an_hf_folders_fingerprint_keeps_its_v1_value_for_old_snapshots(tmp_path):
+    folder = save_hf_folder(tmp_path, "qwen2", tie=True)
+    checkpoint = load_checkpoint(folder)
+    legacy = hashlib.sha256(b"floe-model-v1\0" + checkpoint.config.to_json().encode())
+    tensors = {}
+    for shard in folder.glob("*.safetensors"):  # the names sorted across shards, as v1 took them
+        with safe_open(str(shard), framework="pt") as f:
+            tensors.update((name, f.get_tensor(name)) for name in f.keys())
+    for name, t in sorted(tensors.items()):
+        legacy.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        legacy.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    assert checkpoint.legacy_fingerprint() == legacy.hexdigest() != checkpoint.fingerprint
+
+
+def test_a_snapshot_made_under_fingerprint_scheme_v1_still_thaws(tmp_path):
+    """Snapshots record the model's fingerprint; those written before scheme v2 hold the v1 value."""
+    from floe.actor import Actor
+    from floe.snapshot import SnapshotModelMismatch, seal
+
+    engine = Engine(load_checkpoint(write_gguf(tmp_path / "m.gguf", [Q.Q8_0])), max_seq_len=64)
+    with Actor(engine) as actor:
+        actor.send("Hi", max_tokens=3)
+        actor.freeze(tmp_path / "new.safetensors")
+    for name, fingerprint in (("old", engine.checkpoint.legacy_fingerprint()), ("other", "0" * 64)):
+        with safe_open(str(tmp_path / "new.safetensors"), framework="pt") as f:
+            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, {**f.metadata()}
+        meta["model_fingerprint"] = fingerprint
+        seal(tensors, meta)
+        save_file(tensors, str(tmp_path / f"{name}.safetensors"), metadata=meta)
+    with Actor.thaw(engine, tmp_path / "old.safetensors") as actor:
+        assert actor.send("And?", max_tokens=2).stats.generated_tokens >= 1
+    with pytest.raises(SnapshotModelMismatch, match="load the same model file"):
+        Actor.thaw(engine, tmp_path / "other.safetensors")
 
 
 def test_unsupported_architecture_is_named(tmp_path):

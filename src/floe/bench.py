@@ -58,14 +58,17 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
 
 def decode_bytes(engine: Engine) -> int:
     """Bytes one batch-1 decode step must read: every weight once (one embedding row only), quantized
-    layers at their stored size."""
+    layers at their stored size, a quantized embedding table's row as the file stores it."""
     from floe.engine.int4 import Int4Linear
     from floe.engine.qgemv import QLinear
+    from floe.engine.transformer import QuantizedEmbedding
 
     model, c = engine.model, engine.config
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     total += sum(m.nbytes for m in model.modules() if isinstance(m, Int4Linear | QLinear))
-    if not c.tie_embeddings or model.head is not None:  # the table is read one row at a time
+    if isinstance(model.tok_embeddings, QuantizedEmbedding):  # not a parameter: its row only
+        total += model.tok_embeddings.row_nbytes
+    elif not c.tie_embeddings or model.head is not None:  # the table is read one row at a time
         total -= (c.vocab_size - 1) * c.dim * model.tok_embeddings.weight.element_size()
     return total
 

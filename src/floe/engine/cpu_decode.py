@@ -172,7 +172,7 @@ class CpuDecoder:
     def step(self, token: int, position: int, out: Tensor | None = None) -> Tensor:
         """Logits [vocab] (float32) after appending `token` at `position` to the slot's cache."""
         c, m, x = self.config, self.model, self.x
-        x.copy_(m.tok_embeddings.weight[token : token + 1])
+        x.copy_(m.token_row(token))
         rotary = torch.diag(m.cos[position]) + self.roll * self.sin_signed[position]
         self.run_layers(x, rotary, self.row_scale, position, c.norm_eps, self.norms, self.inputs,
                         self.weights, self.scales, self.repeats, self.qkv_bias, self.k_caches,

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from floe.engine.kvcache import KVCache
-from floe.engine.transformer import Transformer, fused_quantized, fused_state_dict
+from floe.engine.transformer import (
+    QuantizedEmbedding,
+    Transformer,
+    fused_quantized,
+    fused_state_dict,
+    module_weight,
+    quantized_paths,
+    stacked,
+)
 from floe.errors import ContextOverflow, FloeError
 from floe.model.checkpoint import Checkpoint
 
@@ -93,27 +102,25 @@ class Engine:
         fused_kernels: bool | None = None,
         weights: str = "dense",
         native_kernel: str = "auto",
+        prefill_copy: bool = False,
     ) -> None:
+        # A file's checkpoint is lazy: holding it pins the file's mapping, no dequantized tensor.
         self.checkpoint = checkpoint
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.device = parse_device(device)
         self.dtype = parse_dtype(dtype)
         self.max_seq_len = min(max_seq_len or self.config.context_length, self.config.context_length)
-        with torch.device("meta"):
-            model = Transformer(self.config, self.max_seq_len)
-        state = fused_state_dict(checkpoint.weights, self.config)
-        state = {k: v.to(device=self.device, dtype=self.dtype) for k, v in state.items()}
-        model.load_state_dict(state, strict=False, assign=True)
-        # Rotary tables are buffers built on meta above; rebuild them for real.
-        with torch.device("cpu"):
-            real = Transformer.rotary_tables(self.config, self.max_seq_len)
-        model.cos, model.sin = (t.to(self.device) for t in real)
         if weights not in ("dense", "native"):
             raise FloeError(f"weights {weights!r}: choose 'dense' or 'native'")
         self.weights = weights
         self.native_kernel = None
-        self.packed = self._pack_native(model, native_kernel) if weights == "native" else {}
+        if weights == "native":
+            if self.device.type != "cpu":
+                raise FloeError("native quantized weights run on the CPU; on CUDA choose dense weights")
+            self.native_kernel = self._native_kernel(native_kernel)
+        self.prefill_copy = prefill_copy
+        model = self._build(checkpoint)
         if self.dtype != torch.float32 and model.head is None:
             model.head = LogitsHead(model.output_weight())  # the sampler sees float32 logits
         self.model = model.eval()
@@ -133,30 +140,63 @@ class Engine:
         self._batch = None  # the batched decode graphs, made on first use
         self._greedy: dict[int, int] = {}  # slot -> argmax of its latest logits, where computed
 
-    def _pack_native(self, model: Transformer, kernel: str) -> dict[str, int]:
-        """Swap in quantized layers for the file's quantized weights that a kernel runs exactly:
-        floe's int8-activation kernel (QLinear, the variant `kernel` or the best this CPU runs),
-        else PyTorch's packed int4 (Int4Linear) for the layers only: that kernel rounds its output
-        to bf16, which ties near-equal logits, so the head stays float32. Returns how many
-        matrices of each type were swapped."""
+    def _build(self, checkpoint: Checkpoint) -> Transformer:
+        """The model, its weights read from the checkpoint one at a time in the engine's dtype, on its
+        device. Native weights: the file's quantized projections run as they are (_pack_native) and
+        a quantized embedding table is looked up in the file (QuantizedEmbedding); only what they
+        cannot run is dequantized."""
+        c = self.config
+        with torch.device("meta"):
+            model = Transformer(c, self.max_seq_len)
+
+        def take(name: str) -> Tensor:
+            return checkpoint.weight(name, self.dtype).to(self.device)
+
+        native = quantized_paths(checkpoint.quantized, c) if self.weights == "native" else []
+        table = "tok_embeddings.weight"
+        lookup = self.weights == "native" and table in checkpoint.quantized
+        skip = {module_weight(path, c) for path in native} | ({table} if lookup else set())
+        for name, tensor in fused_state_dict(take, c, skip):
+            model.load_state_dict({name: tensor}, strict=False, assign=True)
+        self.packed = self._pack_native(model, checkpoint, native, take) if native else {}
+        if lookup and (not c.tie_embeddings or model.head is not None):
+            model.tok_embeddings = QuantizedEmbedding(checkpoint.quantized[table], self.dtype)
+        elif lookup:  # tied, and the head runs dense: the table is that head's weight
+            model.load_state_dict({table: take(table)}, strict=False, assign=True)
+        model.cos, model.sin = model.cos.to(self.device), model.sin.to(self.device)
+        unread = [name for name, p in model.named_parameters() if p.is_meta]
+        if unread:
+            raise FloeError(f"{checkpoint.source}: no weight was read for {unread[0]}")
+        return model
+
+    def _pack_native(self, model: Transformer, checkpoint: Checkpoint, paths: list[str],
+                     take: Callable[[str], Tensor]) -> dict[str, int]:
+        """Swap in quantized layers for the file's quantized projections (`paths`, see
+        quantized_paths) that a kernel runs exactly: floe's int8-activation kernel (QLinear), else
+        PyTorch's packed int4 (Int4Linear) for the layers only: that kernel rounds its output to
+        bf16, which ties near-equal logits, so the head stays float32. A projection no kernel runs
+        is dequantized instead (the tied head: see _build). One projection at a time, so one layer's
+        stacked blocks at most exist beside the packed ones. Returns how many matrices of each type
+        were swapped."""
         from floe.engine import qgemv
         from floe.engine.int4 import Int4Linear
 
-        if self.device.type != "cpu":
-            raise FloeError("native quantized weights run on the CPU; on CUDA choose dense weights")
-        self.native_kernel = kernel = self._native_kernel(kernel)
-        packed: dict[str, int] = {}
-        for path, weight in fused_quantized(self.checkpoint.quantized, self.config).items():
-            head = path == "output"
+        kernel, packed = self.native_kernel, {}
+        for path in paths:
+            weight, head = fused_quantized(checkpoint.quantized, path, self.config), path == "output"
             bias = None if head else model.get_submodule(path).bias
-            if kernel != "int4pack" and qgemv.supports(weight):
-                layer = qgemv.QLinear(weight, bias, dense=not head, kernel=kernel)
-            elif weight.has_int4_form and not head:
-                layer = Int4Linear(weight, bias)
-            else:
+            layer = None
+            if weight is not None and kernel != "int4pack" and qgemv.supports(weight):
+                layer = qgemv.QLinear(weight, bias, dense=self.prefill_copy and not head, kernel=kernel)
+            elif weight is not None and weight.has_int4_form and not head:
+                layer = Int4Linear(weight, bias, dense=self.prefill_copy)
+            if layer is None:
+                name = module_weight(path, self.config)
+                if name != "tok_embeddings.weight":
+                    model.load_state_dict({name: stacked(take, name)}, strict=False, assign=True)
                 continue
             if head:
-                model.head = layer
+                model.head, model.output = layer, None  # untied: its dense weight is never read
             else:
                 parent, name = path.rsplit(".", 1)
                 setattr(model.get_submodule(parent), name, layer)

@@ -47,7 +47,7 @@ class Int4Linear(nn.Module):
         sz = torch.stack([torch.from_numpy(groups.scale), torch.from_numpy(groups.zero)], dim=-1)
         self.scales_zeros = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
         self.bias = None if bias is None else bias.to(torch.bfloat16)
-        self.dense = weight.dequantize().to(torch.bfloat16) if dense else None
+        self.dense = weight.dequantize(torch.bfloat16) if dense else None
 
     @property
     def nbytes(self) -> int:

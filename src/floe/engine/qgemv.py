@@ -200,7 +200,7 @@ class QLinear(nn.Module):
         self.codes = codes.contiguous()
         self.scale_offset = scale_offset.contiguous()  # [2, rows, groups], float16 or float32
         self.bias = None if bias is None else bias.float()
-        self.dense = weight.dequantize().to(torch.bfloat16) if dense else None
+        self.dense = weight.dequantize(torch.bfloat16) if dense else None
 
     @property
     def nbytes(self) -> int:

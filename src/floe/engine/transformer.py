@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import re
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from floe.engine.kvcache import KVCache
+from floe.engine.prefill import project
 from floe.model.config import ModelConfig
+from floe.model.quant import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -45,7 +52,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         # Computed in the cache's dtype (a no-op unless the projection runs in another one).
-        q, k, v = self.wqkv(x).to(k_cache.dtype).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = project(self.wqkv, x).to(k_cache.dtype).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rotary(q.view(t, self.n_heads, self.head_dim).transpose(0, 1), cos, sin)
         k = apply_rotary(k.view(t, self.n_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
         end = start + t
@@ -59,7 +66,7 @@ class Attention(nn.Module):
         else:  # appending to an existing prefix: query i sees keys 0..start+i
             mask = torch.ones(t, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
             y = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=True)
-        return self.wo(y[0].transpose(0, 1).reshape(t, q_size))
+        return project(self.wo, y[0].transpose(0, 1).reshape(t, q_size))
 
 
     def _decode_attention(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
@@ -82,8 +89,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(c.ffn_dim, c.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        gate, up = project(self.w13, x).split(self.ffn_dim, dim=-1)
+        return project(self.w2, F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -100,17 +107,47 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class QuantizedEmbedding(nn.Module):
+    """The token embedding table as the file stores it (block-quantized): a lookup reads and
+    dequantizes only the rows asked for, as llama.cpp's get_rows does, so the table costs no
+    memory of its own. CPU only."""
+
+    def __init__(self, table: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+        self.num_embeddings, self.embedding_dim = table.shape
+        # Opened once: rows come from the file loaded, even if a new one is renamed over its path.
+        self._fd = None if table.file is None else os.open(table.file[0], os.O_RDONLY)
+        if self._fd is not None:
+            weakref.finalize(self, os.close, self._fd)
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes one lookup reads from the file."""
+        return self.table.blocks.shape[1]
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        rows = self.table.read_rows(tokens.reshape(-1).cpu().numpy(), self._fd).dequantize(self.dtype)
+        return rows.reshape(*tokens.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.table.qtype} rows of the file"
+
+
 class Transformer(nn.Module):
     def __init__(self, c: ModelConfig, max_seq_len: int) -> None:
         super().__init__()
         self.config = c
-        self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)
+        # Given its tensor, the table skips its random init: on the meta device that init would
+        # import torch._dynamo (~40 MB of Python objects and ~1 s) only to be overwritten.
+        self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim, _weight=torch.empty(c.vocab_size, c.dim))
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.output = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
         # A module that replaces the plain projection to the vocabulary (e.g. packed int4 weights).
         self.head: nn.Module | None = None
-        cos, sin = self.rotary_tables(c, max_seq_len)
+        with torch.device("cpu"):  # computed, even when the module is made on meta (the engine does)
+            cos, sin = self.rotary_tables(c, max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -123,6 +160,13 @@ class Transformer(nn.Module):
 
     def output_weight(self) -> Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def token_row(self, token: int) -> Tensor:
+        """The embedding of one token, [1, dim] (a view of the table where it is dense)."""
+        table = self.tok_embeddings
+        if isinstance(table, QuantizedEmbedding):
+            return table(torch.tensor([token]))
+        return table.weight[token : token + 1]
 
     def forward(self, tokens: Tensor, start: int, cache: KVCache, slot: int,
                 all_logits: bool = False, out: Tensor | None = None) -> Tensor:
@@ -158,41 +202,63 @@ FUSED = {
 }
 
 
-def fused_quantized(quantized: dict, c: ModelConfig) -> dict:
-    """The file's quantized weights stacked like fused_state_dict's, by module path (no ".weight");
-    the head under "output" (the embedding table when tied). A projection is left out when one of
-    its parts is not quantized or the parts differ in type."""
-    from floe.model.quant import QuantizedWeight
+_LAYER_PART = re.compile(r"(layers\.\d+\.)(.+)\.(weight|bias)")
 
-    out = {}
-    head = "tok_embeddings.weight" if c.tie_embeddings else "output.weight"
-    if head in quantized:
-        out["output"] = quantized[head]
+
+def stacked_names(name: str) -> list[str]:
+    """The canonical weights that module weight `name` stacks by rows (itself, if none):
+    'layers.0.attention.wqkv.weight' -> its wq, wk and wv weights."""
+    m = _LAYER_PART.fullmatch(name)
+    if m and m.group(2) in FUSED:
+        return [f"{m.group(1)}{part}.{m.group(3)}" for part in FUSED[m.group(2)]]
+    return [name]
+
+
+def stacked(get: Callable[[str], Tensor], name: str) -> Tensor:
+    """Module weight `name`, its canonical parts read by `get` and concatenated once."""
+    parts = [get(part) for part in stacked_names(name)]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def head_weight(c: ModelConfig) -> str:
+    """The canonical name of the projection to the vocabulary's weight (the embedding table if tied)."""
+    return "tok_embeddings.weight" if c.tie_embeddings else "output.weight"
+
+
+def module_weight(path: str, c: ModelConfig) -> str:
+    """The weight a projection path of quantized_paths names ("output": the head's)."""
+    return head_weight(c) if path == "output" else f"{path}.weight"
+
+
+def quantized_paths(quantized: Mapping, c: ModelConfig) -> list[str]:
+    """The projections (module paths, no ".weight") whose canonical weights the file stores all
+    block-quantized, decided from the names alone: the head as "output" (the embedding table when
+    tied), then each layer's fused projections."""
+    paths = ["output"] if head_weight(c) in quantized else []
     for i in range(c.n_layers):
-        for fused, parts in FUSED.items():
-            names = [f"layers.{i}.{p}.weight" for p in parts]
-            if all(n in quantized for n in names):
-                stacked = QuantizedWeight.cat([quantized[n] for n in names])
-                if stacked is not None:
-                    out[f"layers.{i}.{fused}"] = stacked
-    return out
+        for fused in FUSED:
+            path = f"layers.{i}.{fused}"
+            if all(part in quantized for part in stacked_names(f"{path}.weight")):
+                paths.append(path)
+    return paths
 
 
-def fused_state_dict(weights: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
-    """Canonical checkpoint weights -> this module's names, Q/K/V and gate/up concatenated once."""
-    out: dict[str, Tensor] = {"tok_embeddings.weight": weights["tok_embeddings.weight"],
-                              "norm.weight": weights["norm.weight"]}
-    if not c.tie_embeddings:
-        out["output.weight"] = weights["output.weight"]
+def fused_quantized(quantized: Mapping, path: str, c: ModelConfig) -> QuantizedWeight | None:
+    """The file's quantized weight of projection `path` (a path of quantized_paths), its parts
+    stacked by rows like fused_state_dict's; None if they differ in type or width."""
+    return QuantizedWeight.cat([quantized[name] for name in stacked_names(module_weight(path, c))])
+
+
+def fused_state_dict(get: Callable[[str], Tensor], c: ModelConfig,
+                     skip: set[str] | frozenset[str] = frozenset()) -> Iterator[tuple[str, Tensor]]:
+    """This module's weights from canonical ones, one at a time (Q/K/V and gate/up concatenated
+    once), each read by `get` only when it comes; names in `skip` are left out."""
+    names = ["tok_embeddings.weight", "norm.weight"] + ([] if c.tie_embeddings else ["output.weight"])
     for i in range(c.n_layers):
         p = f"layers.{i}."
-        w = {k[len(p):]: v for k, v in weights.items() if k.startswith(p)}
-        out[p + "attention_norm.weight"] = w["attention_norm.weight"]
-        out[p + "ffn_norm.weight"] = w["ffn_norm.weight"]
-        for fused, parts in FUSED.items():
-            stacked = [w[f"{part}.weight"] for part in parts]
-            out[f"{p}{fused}.weight"] = torch.cat(stacked) if len(stacked) > 1 else stacked[0]
-        if c.qkv_bias:
-            biases = [w[f"{part}.bias"] for part in FUSED["attention.wqkv"]]
-            out[p + "attention.wqkv.bias"] = torch.cat(biases)
-    return out
+        names += [p + "attention_norm.weight", p + "ffn_norm.weight"]
+        names += [f"{p}{fused}.weight" for fused in FUSED]
+        names += [p + "attention.wqkv.bias"] if c.qkv_bias else []
+    for name in names:
+        if name not in skip:
+            yield name, stacked(get, name)

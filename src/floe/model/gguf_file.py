@@ -1,7 +1,10 @@
-"""Read a GGUF file (llama.cpp's format): config, dequantized weights, tokenizer, chat template."""
+"""Read a GGUF file (llama.cpp's format): config, weights (memory-mapped, read lazily), tokenizer,
+chat template."""
 
 from __future__ import annotations
 
+import functools
+import mmap
 import re
 import struct
 from dataclasses import dataclass
@@ -9,13 +12,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from floe.errors import NotAModel, UnsupportedModel
-from floe.model.checkpoint import Checkpoint, Fingerprint, Progress, unpermute_rotary_rows
+from floe.model.checkpoint import (
+    Checkpoint,
+    Lazy,
+    LazyWeights,
+    Progress,
+    mapped,
+    model_fingerprint,
+    unpermute_rotary_rows,
+)
 from floe.model.config import ARCHITECTURES, ModelConfig
-from floe.model.quant import QuantizedWeight
+from floe.model.quant import QuantizedWeight, dequantized
 from floe.model.tokenizer import tokenizer_from_gguf
 
 _GLOBAL_NAMES = {
@@ -52,11 +63,31 @@ class GGUFTensor:
     name: str
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # numpy order (rows, cols): GGUF's ne reversed
-    data: np.ndarray  # uint8 [rows, bytes per row], a view of the memory-mapped file
+    path: Path
+    offset: int  # of its first byte in the file
+    byte_shape: tuple[int, ...]  # uint8 [rows, bytes per row] (1-D tensors: [bytes])
+
+    @property
+    def data(self) -> np.ndarray:
+        """The tensor's bytes, uint8 `byte_shape`: a view of a mapping of just this tensor (private,
+        copy-on-write), unmapped when the last view goes; its pages count as this process's memory
+        only while mapped and touched."""
+        return map_bytes(self.path, self.offset, int(np.prod(self.byte_shape))).reshape(self.byte_shape)
+
+
+def map_bytes(path: Path, offset: int, nbytes: int) -> np.ndarray:
+    """Bytes offset..offset+nbytes of the file at `path`, memory-mapped, as a writable uint8 array
+    (writes stay private to this process)."""
+    if nbytes == 0:
+        return np.zeros(0, dtype=np.uint8)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), offset + nbytes - start, offset=start, access=mmap.ACCESS_COPY)
+    return np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=offset - start)
 
 
 class GGUFFile:
-    """The metadata and tensor table of a GGUF file, tensor data memory-mapped.
+    """The metadata and tensor table of a GGUF file; tensor data mapped when a tensor's `data` is read.
 
     gguf.GGUFReader builds a numpy view per metadata string (~4 s for a 49k-token vocabulary);
     this reads the same header in ~0.1 s. Dequantization still goes through gguf.quants.
@@ -72,6 +103,8 @@ class GGUFFile:
             self._parse()
         except (struct.error, ValueError, UnicodeDecodeError, KeyError, OverflowError) as e:
             raise NotAModel(f"{path} is not a readable GGUF file (truncated or corrupt: {e})") from e
+        finally:  # the header is parsed into Python objects: the whole-file mapping can go
+            self._mv = self._buf = None
 
     def _unpack(self, fmt: str):
         value = struct.unpack_from(fmt, self._mv, self._pos)[0]
@@ -126,8 +159,7 @@ class GGUFFile:
             begin = start + offset
             if begin + size > len(self._buf):
                 raise ValueError(f"tensor {name} runs past the end of the file")
-            data = self._buf[begin : begin + size].reshape(byte_shape)
-            self.tensors.append(GGUFTensor(name, qtype, shape, data))
+            self.tensors.append(GGUFTensor(name, qtype, shape, self.path, begin, tuple(byte_shape)))
 
 
 def config_from_fields(fields: dict, tensor_names: set[str], rope_freqs: np.ndarray | None) -> ModelConfig:
@@ -178,54 +210,81 @@ def canonical_name(gguf_name: str) -> str:
     raise UnsupportedModel(f"unexpected tensor {gguf_name!r}: not a Llama/Qwen2 weight")
 
 
-def _dequantize(t: GGUFTensor) -> np.ndarray:
+@functools.cache
+def _readable(qtype: GGMLQuantizationType) -> bool:
+    """Whether gguf can dequantize `qtype` (tried on one zero block)."""
     try:
-        return dequantize(t.data, t.qtype).reshape(t.shape)
-    except NotImplementedError as e:
-        raise UnsupportedModel(
-            f"tensor {t.name} uses quantization {t.qtype.name}, which gguf cannot dequantize"
-        ) from e
+        dequantize(np.zeros(GGML_QUANT_SIZES[qtype][1], dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+_FLOATS = ("F32", "F16", "BF16", "F64")
 
 
 def load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None = None) -> Checkpoint:
+    """The file's checkpoint: header parsed, every tensor's bytes hashed once for the fingerprint,
+    weights left in the file until an engine takes them (Checkpoint.weights is lazy)."""
     reader = GGUFFile(path)
-    fields = reader.fields
     tensors = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:
+        if not _readable(t.qtype):
+            raise UnsupportedModel(f"tensor {t.name} uses quantization {t.qtype.name}, which gguf cannot "
+                                   "dequantize")
     rope_freqs = tensors.get("rope_freqs.weight")
-    config = config_from_fields(
-        fields, set(tensors), None if rope_freqs is None else _dequantize(rope_freqs)
-    )
-    tokenizer = tokenizer_from_gguf(fields)
-    fingerprint = Fingerprint(config.to_json())
-    weights: dict[str, torch.Tensor] = {}
-    quantized: dict[str, QuantizedWeight] = {}
-    kinds = set()
+    config = config_from_fields(reader.fields, set(tensors), None if rope_freqs is None else
+                                dequantized(rope_freqs.data, rope_freqs.qtype.name, rope_freqs.shape,
+                                            torch.float32).numpy())
     todo = [t for t in reader.tensors if t.name not in _IGNORED]
-    for done, t in enumerate(todo, 1):
+    weights, quantized = {}, {}
+    for t in todo:
         name = canonical_name(t.name)
-        kinds.add(t.qtype.name)
-        fingerprint.add(t.name, t.qtype.name, t.shape, t.data)
-        w = torch.from_numpy(np.array(_dequantize(t), dtype=np.float32))
         heads = _permuted_heads(config, name)
-        if heads:
-            w = unpermute_rotary_rows(w, heads)
-        weights[name] = w.to(dtype).contiguous()
-        if t.qtype.name not in ("F32", "F16", "BF16", "F64") and len(t.shape) == 2:
-            q = QuantizedWeight(t.qtype.name, t.shape, t.data)
-            if heads:
-                q = q.rows(unpermute_rotary_rows(torch.arange(t.shape[0]), heads))
-            quantized[name] = q
-        if progress:
-            progress(done, len(todo), t.name)
-    return Checkpoint(
+        if t.qtype.name not in _FLOATS and len(t.shape) == 2:
+            quantized[name] = functools.partial(_quantized, t, heads)
+            weights[name] = functools.partial(_from_quantized, quantized[name])
+        else:
+            weights[name] = functools.partial(_dense, t, heads)
+
+    def stored():
+        return ((t.name, t.qtype.name, t.shape, t.data) for t in todo)
+
+    checkpoint = Checkpoint(
         config=config,
-        weights=weights,
-        tokenizer=tokenizer,
-        fingerprint=fingerprint.hexdigest(),
+        weights=LazyWeights(weights, dtype),
+        tokenizer=tokenizer_from_gguf(reader.fields),
+        fingerprint=model_fingerprint(config, stored(), progress=progress, total=len(todo)),
         source=path,
-        file_type=_file_type(kinds),
-        quantized=quantized,
+        file_type=_file_type({t.qtype.name for t in todo}),
+        quantized=Lazy(quantized),
+        stored=stored,
     )
+    checkpoint.check_complete()
+    return checkpoint
+
+
+def _quantized(t: GGUFTensor, heads: int) -> QuantizedWeight:
+    """A block-quantized matrix as the file stores it (a view of its mapping), rows un-permuted (a
+    copy of the blocks) where llama.cpp permutes them."""
+    q = QuantizedWeight(t.qtype.name, t.shape, t.data, file=(t.path, t.offset))
+    return q.rows(unpermute_rotary_rows(torch.arange(t.shape[0]), heads)) if heads else q
+
+
+def _from_quantized(quantized, dtype: torch.dtype) -> torch.Tensor:
+    return quantized().dequantize(dtype)
+
+
+def _dense(t: GGUFTensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """A float (or 1-D) tensor in `dtype`: where the file stores it so (F32 for float32, BF16 for
+    bfloat16), the file's values as they are (a view of its mapping, see `mapped`), else converted."""
+    as_stored = (t.qtype.name, dtype) in (("F32", torch.float32), ("BF16", torch.bfloat16))
+    if as_stored:
+        raw = t.data.view(np.float32 if dtype == torch.float32 else np.int16).reshape(t.shape)
+        w = mapped(torch.from_numpy(raw).view(dtype))
+    else:
+        w = dequantized(t.data, t.qtype.name, t.shape, dtype)
+    return unpermute_rotary_rows(w, heads) if heads else w
 
 
 def _permuted_heads(config: ModelConfig, name: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -11,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
 from floe.errors import NotAModel, UnsupportedModel
-from floe.model.checkpoint import Checkpoint, Fingerprint, Progress
+from floe.model.checkpoint import Checkpoint, LazyWeights, Progress, mapped, model_fingerprint
 from floe.model.config import ARCHITECTURES, ModelConfig, RopeScaling
 from floe.model.tokenizer import Tokenizer
 
@@ -36,6 +37,8 @@ _LAYER_NAMES = {
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+# safetensors' dtype names as torch names them (Checkpoint.file_type).
+_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
 def _read_json(path: Path) -> dict:
@@ -142,36 +145,55 @@ def tokenizer_from_folder(folder: Path, cfg: dict) -> Tokenizer:
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype, progress: Progress | None = None) -> Checkpoint:
+    """The folder's checkpoint: every tensor's bytes hashed once for the fingerprint, weights left in
+    the files until an engine takes them (Checkpoint.weights is lazy; a tensor the file stores in the
+    dtype asked for is a view of safetensors' memory map of it)."""
     cfg = _read_json(folder / "config.json")
     config = config_from_hf(cfg, folder.name)
     tokenizer = tokenizer_from_folder(folder, cfg)
-    fingerprint = Fingerprint(config.to_json())
-    weights: dict[str, torch.Tensor] = {}
-    kinds = set()
+    shards = _shards(folder)
+    names, kinds = {}, set()
     try:
-        handles = [safe_open(str(s), framework="pt") for s in _shards(folder)]
+        for shard in shards:
+            with safe_open(str(shard), framework="pt") as handle:
+                for name in handle.keys():
+                    names[name] = shard
+                    if _canonical(name) is not None:
+                        stored_type = handle.get_slice(name).get_dtype()
+                        kinds.add(_DTYPES.get(stored_type, stored_type.lower()))
     except (SafetensorError, OSError) as e:
         raise NotAModel(f"cannot read safetensors in {folder}: {e}") from e
-    todo = sorted((name, h) for h in handles for name in h.keys())
-    for done, (name, handle) in enumerate(todo, 1):
-        canonical = _canonical(name)
-        if canonical is None:
-            continue
-        t = handle.get_tensor(name)
-        kinds.add(str(t.dtype).removeprefix("torch."))
-        fingerprint.add(name, str(t.dtype), tuple(t.shape), t.contiguous().view(torch.uint8).numpy())
-        weights[canonical] = t.to(dtype).contiguous()
-        if progress:
-            progress(done, len(todo), name)
+    todo = sorted((name, shard) for name, shard in names.items() if _canonical(name) is not None)
+    weights = {_canonical(name): functools.partial(_tensor, shard, name) for name, shard in todo}
     if config.tie_embeddings:
         weights.pop("output.weight", None)
     elif "output.weight" not in weights:
         raise NotAModel(f"{folder}: config says untied embeddings but lm_head.weight is missing")
-    return Checkpoint(
+
+    def stored():
+        for name, shard in todo:
+            t = _tensor(shard, name, None)
+            yield name, str(t.dtype), tuple(t.shape), t.view(torch.uint8).numpy()
+
+    checkpoint = Checkpoint(
         config=config,
-        weights=weights,
+        weights=LazyWeights(weights, dtype),
         tokenizer=tokenizer,
-        fingerprint=fingerprint.hexdigest(),
+        fingerprint=model_fingerprint(config, stored(), progress=progress, total=len(todo)),
         source=folder,
         file_type="+".join(sorted(kinds)),
+        stored=stored,
     )
+    checkpoint.check_complete()
+    return checkpoint
+
+
+def _tensor(shard: Path, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+    """Tensor `name` of `shard` in `dtype` (None: as stored, for the fingerprint). safetensors maps the
+    file and hands out views of its mapping (kept where the dtype matches: see `mapped`); each read
+    opens its own, so the pages a read touched leave this process's memory with its last view."""
+    with safe_open(str(shard), framework="pt") as handle:
+        t = handle.get_tensor(name)
+    if dtype is None:
+        return t
+    return mapped(t) if t.dtype == dtype else t.to(dtype)

@@ -14,14 +14,21 @@ match), so `k_repeat` tells the caller how many times to repeat the input.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
+from floe.errors import NotAModel
+
 GROUP = 32
+# Values dequantized at a time (float32, 4 MB): a whole matrix never exists in float32 on its way
+# to another dtype.
+BAND = 1 << 20
 
 # Block types whose values int4_groups re-expresses exactly (in float32 arithmetic). Not here:
 # Q6_K (sub-blocks of 16 weights, finer than the kernel's smallest group of 32), Q5_x, Q2_K/Q3_K.
@@ -43,20 +50,38 @@ class QuantizedWeight:
     qtype: str
     shape: tuple[int, int]  # (rows, cols) as the matrix is used: y = W x, W [rows, cols]
     blocks: np.ndarray
+    # Where `blocks` lie in their file, row after row (path, offset of row 0); None for a copy.
+    file: tuple[Path, int] | None = None
 
-    def dequantize(self) -> torch.Tensor:
-        values = dequantize(self.blocks, Q[self.qtype]).reshape(self.shape)
-        return torch.from_numpy(np.array(values, dtype=np.float32))
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight's values [rows, cols] in `dtype` (computed in float32, as gguf does)."""
+        return dequantized(self.blocks, self.qtype, self.shape, dtype)
 
     def rows(self, order: np.ndarray | torch.Tensor) -> QuantizedWeight:
         """The same weight with its rows reordered (quantization blocks never span rows)."""
         index = np.asarray(order)
         return QuantizedWeight(self.qtype, (len(index), self.shape[1]), self.blocks[index])
 
+    def read_rows(self, ids: np.ndarray, fd: int | None) -> QuantizedWeight:
+        """Rows `ids` (a table lookup), read with pread from `fd`, this weight's file opened, where the
+        weight knows its place in it: through the mapping, the kernel would map the page cache's folio
+        around each row (2 MB on Linux 6.x) into this process's resident memory."""
+        if self.file is None or fd is None:
+            return self.rows(ids)
+        path, offset = self.file
+        width = self.blocks.shape[1]
+        out = np.empty((len(ids), width), dtype=np.uint8)
+        for row, i in zip(out, np.asarray(ids).tolist(), strict=True):
+            if os.preadv(fd, [row], offset + i * width) != width:
+                raise NotAModel(f"{path} is shorter than when it was loaded")
+        return QuantizedWeight(self.qtype, (len(ids), self.shape[1]), out)
+
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
         """Rows of several weights stacked, or None if they differ in type or width."""
         first = parts[0]
+        if len(parts) == 1:
+            return first  # as it is: a view of the file stays one
         if any(p.qtype != first.qtype or p.shape[1] != first.shape[1] for p in parts):
             return None
         rows = sum(p.shape[0] for p in parts)
@@ -95,6 +120,19 @@ class QuantizedWeight:
         # Byte j of a block holds value j in its low nibble and value j + 16 in its high nibble.
         codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, cols)
         return Int4Groups(codes, d, zero, 1)
+
+
+def dequantized(data: np.ndarray, qtype: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """GGUF bytes `data` (uint8 [rows, bytes per row], or 1-D) of type `qtype` as a `dtype` tensor of
+    `shape`, a band of rows at a time, so the float32 values of the whole tensor never exist at once
+    (unless `dtype` is float32)."""
+    rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+    out = torch.empty(len(rows), int(np.prod(shape)) // len(rows), dtype=dtype)
+    step = max(1, BAND // out.shape[1])
+    for start in range(0, len(rows), step):
+        band = np.asarray(dequantize(rows[start : start + step], Q[qtype]), dtype=np.float32)
+        out[start : start + step] = torch.from_numpy(band.reshape(-1, out.shape[1]))
+    return out.reshape(shape)
 
 
 def _q4_k_groups(blocks: np.ndarray, rows: int, cols: int) -> Int4Groups:
