@@ -1,6 +1,10 @@
 """CPU prefill and decode speed of floe (native, fp32, bf16) beside llama.cpp on the same GGUF, same run.
 
     python bench/cpu_decode.py [--model PATH] [--threads 2] [--prompt-tokens 256] [--decode-tokens 128]
+                               [--kernels vnni,avx2,portable,int4pack] [--no-dense]
+
+--kernels: the native kernels to run, each as its own engine (default: every variant of floe's
+kernel this CPU runs, and PyTorch's packed int4); --no-dense leaves out floe fp32 and bf16.
 
 Needs the `bench` extra for the peer (`pip install -e ".[bench]"`). Prints a table, writes JSON to
 bench/results/cpu_decode.json. Each figure is the median of --repeats runs after one warm-up run,
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -92,6 +97,36 @@ def llama_cpp_run(path: Path, threads: int, prompt: list[int], decode_ids: list[
     return run
 
 
+def floe_engines(fp32, args, n: int, fp32_engine: Engine) -> dict[str, Engine]:
+    """One engine per native kernel asked for, then (unless --no-dense) floe fp32 and bf16."""
+    from floe.engine import qgemv
+
+    kernels = args.kernels.split(",") if args.kernels else [*qgemv.runnable(), "int4pack"]
+    engines = {f"floe native ({k})": Engine(fp32, max_seq_len=n, weights="native", native_kernel=k)
+               for k in kernels}
+    if not args.no_dense:
+        engines["floe float32"] = fp32_engine
+        engines["floe bfloat16"] = Engine(load_checkpoint(args.model, torch.bfloat16), dtype="bfloat16",
+                                          max_seq_len=n)
+    return engines
+
+
+def machine() -> dict:
+    """The CPU's model name and the feature flags floe's kernel variants look at."""
+    from floe.engine import qgemv
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    wanted = {flag for v in qgemv.VARIANTS.values() for flag in v.cpu_flags}
+    return {"cpu": model, "cores": os.cpu_count(), "flags": sorted(wanted & qgemv.cpu_flags()),
+            "floe_kernels": qgemv.runnable()}
+
+
 def interleaved(runs: dict, repeats: int) -> dict[str, tuple[list[float], list[float]]]:
     """Each engine's runs taken in turn (after one warm-up each), so that drift of a shared
     machine's speed lands on every engine alike."""
@@ -113,6 +148,21 @@ def _rates(prefill: list[float], decode: list[float], n_prompt: int, n_decode: i
             "decode_tok_s_runs": [round(n_decode / x, 2) for x in decode]}
 
 
+def print_table(rows: dict, peer: dict | None, cpu: dict, title: str, n_decode: int) -> None:
+    print(f"\n{cpu['cpu']} ({', '.join(cpu['flags'])})\n{title}\n")
+    print(f"{'engine':<30}{'prefill tok/s':>14}{'decode tok/s':>14}{'ms/token':>10}"
+          f"{'weights MB':>12}{'% ceiling':>11}{'vs llama.cpp (p / d)':>22}{'greedy agree':>14}")
+    for name, r in rows.items():
+        if peer:
+            r["prefill_vs_llama_cpp"] = r["prefill_tok_s"] / peer["prefill_tok_s"]
+            r["decode_vs_llama_cpp"] = r["decode_tok_s"] / peer["decode_tok_s"]
+        ratio = f"{r['prefill_vs_llama_cpp']:.2f}x / {r['decode_vs_llama_cpp']:.2f}x" if peer else "-"
+        agree = f"{r['greedy_agreement']}/{n_decode}" if "greedy_agreement" in r else "-"
+        print(f"{name:<30}{r['prefill_tok_s']:>14.1f}{r['decode_tok_s']:>14.1f}{r['ms_per_token']:>10.2f}"
+              f"{r['weight_bytes'] / 1e6:>12.0f}"
+              f"{100 * r['decode_tok_s'] / r['decode_ceiling_tok_s']:>10.0f}%{ratio:>22}{agree:>14}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
@@ -120,6 +170,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--kernels", default=None, help="native kernels, comma-separated (default: all here)")
+    ap.add_argument("--no-dense", action="store_true", help="leave out floe fp32 and bf16")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_decode.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -137,18 +189,15 @@ def main() -> None:
     engine.kv_truncate(0)
 
     bandwidth = measure_bandwidth_gb_s(args.threads)
-    n = len(prompt) + args.decode_tokens + 8
-    native = Engine(fp32, max_seq_len=n, weights="native")
-    engines = {f"floe native ({native.native_kernel})": native}
-    if native.native_kernel != "int4pack":  # the PyTorch packed-int4 path beside floe's kernel
-        engines["floe native (int4pack)"] = Engine(fp32, max_seq_len=n, weights="native",
-                                                   native_kernel="int4pack")
-    engines |= {"floe float32": engine,
-               "floe bfloat16": Engine(load_checkpoint(args.model, torch.bfloat16), dtype="bfloat16",
-                                       max_seq_len=n)}
+    engines = floe_engines(fp32, args, len(prompt) + args.decode_tokens + 8, engine)
     runs = {name: floe_run(e, prompt, decode_ids) for name, e in engines.items()}
+    peer_info = None
     try:
         runs[f"llama.cpp ({fp32.file_type})"] = llama_cpp_run(fp32.source, args.threads, prompt, decode_ids)
+        import llama_cpp
+
+        peer_info = {"version": llama_cpp.__version__, "path": llama_cpp.__file__,
+                     "system_info": llama_cpp.llama_print_system_info().decode()}
     except ImportError:
         print("llama-cpp-python is not installed (pip install -e '.[bench]'): peer skipped")
     rows = {}
@@ -164,23 +213,13 @@ def main() -> None:
     for row in rows.values():
         # Decode reads every weight once per token: the bandwidth ceiling for this engine's bytes.
         row["decode_ceiling_tok_s"] = bandwidth * 1e9 / row["weight_bytes"]
-    print(f"\n{fp32.name} · {args.threads} threads · {len(prompt)}-token prompt · "
-          f"{args.decode_tokens} decode tokens · copy bandwidth {bandwidth:.1f} GB/s\n")
-    print(f"{'engine':<28}{'prefill tok/s':>14}{'decode tok/s':>14}{'ms/token':>10}"
-          f"{'weights MB':>12}{'% ceiling':>11}{'vs llama.cpp (p / d)':>22}{'greedy agree':>14}")
-    for name, r in rows.items():
-        if peer:
-            r["prefill_vs_llama_cpp"] = r["prefill_tok_s"] / peer["prefill_tok_s"]
-            r["decode_vs_llama_cpp"] = r["decode_tok_s"] / peer["decode_tok_s"]
-        ratio = f"{r['prefill_vs_llama_cpp']:.2f}x / {r['decode_vs_llama_cpp']:.2f}x" if peer else "-"
-        agree = f"{r['greedy_agreement']}/{len(decode_ids)}" if "greedy_agreement" in r else "-"
-        print(f"{name:<28}{r['prefill_tok_s']:>14.1f}{r['decode_tok_s']:>14.1f}{r['ms_per_token']:>10.2f}"
-              f"{r['weight_bytes'] / 1e6:>12.0f}"
-              f"{100 * r['decode_tok_s'] / r['decode_ceiling_tok_s']:>10.0f}%{ratio:>22}{agree:>14}")
+    cpu = machine()
+    print_table(rows, peer, cpu, f"{fp32.name} · {args.threads} threads · {len(prompt)}-token prompt · "
+                f"{args.decode_tokens} decode tokens · copy bandwidth {bandwidth:.1f} GB/s", len(decode_ids))
     record = {"model": fp32.name, "fingerprint": fp32.fingerprint, "threads": args.threads,
               "prompt_tokens": len(prompt), "decode_tokens": args.decode_tokens,
-              "bandwidth_gb_s": bandwidth, "machine": platform.processor() or platform.machine(),
-              "torch": torch.__version__, "engines": rows}
+              "bandwidth_gb_s": bandwidth, "machine": cpu,
+              "torch": torch.__version__, "llama_cpp": peer_info, "engines": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2))
     print(f"\nwrote {args.out}")

@@ -3,9 +3,10 @@
     python bench/cpu_gemv.py [--threads 2]
 
 All the linears of one decode token (30 layers' qkv, o, gate+up, down, and the tied lm_head), with
-fp32, bf16, int8 weight-only (`torch._weight_int8pack_mm`, per-row scales, bf16 activations) and int4
+fp32, bf16, int8 weight-only (`torch._weight_int8pack_mm`, per-row scales, bf16 activations), int4
 weight-only (`torch._weight_int4pack_mm_for_cpu`, groups of 32 with a scale and a zero: the layout
-Q4_1 maps onto exactly).
+Q4_1 maps onto exactly), and floe's int8-activation kernel in each variant this CPU runs (4-bit
+codes for the layers, 8-bit for the head, fp16 scales: the SmolLM2 Q4_1 file's mix).
 Shows what a faster CPU decode needs: fewer weight bytes through a kernel that streams them well.
 Prints a table; writes bench/results/cpu_gemv.json.
 """
@@ -43,6 +44,27 @@ def time_all(fn, weights, xs, repeats: int = 10) -> float:
     return statistics.median(times)
 
 
+def floe_rows(shapes: list[tuple[int, int]], x32: dict) -> dict[str, tuple[float, int]]:
+    """(seconds, bytes) a token for each variant of floe's kernel this CPU runs."""
+    from floe.engine import qgemv
+
+    weights = []
+    for i, (o, k) in enumerate(shapes):
+        bits = 8 if i == len(shapes) - 1 else 4  # the head as Q8_0, the layers as Q4_1
+        codes = torch.randint(0, 256, (o, k * bits // 8), dtype=torch.uint8)
+        weights.append((codes, torch.randn(2, o, k // 32).half(), k))
+    nbytes = sum(c.nbytes + so.nbytes for c, so, _ in weights)
+    rows = {}
+    for name in qgemv.runnable():
+        number = qgemv.load(name)
+
+        def gemv(x, w, number=number):
+            return torch.ops.floe.gemv_q(x, w[0], w[1][0], w[1][1], number)
+
+        rows[f"floe {name} (int8 x 4/8-bit)"] = (time_all(gemv, weights, x32), nbytes)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -73,13 +95,14 @@ def main() -> None:
         "bfloat16 (F.linear)": (time_all(lambda x, w: torch.nn.functional.linear(x, w[0]), bf16, x16), 2 * n),
         "int8 weight-only": (time_all(lambda x, w: torch._weight_int8pack_mm(x, w[0], w[1]), int8, x16), n),
         "int4 weight-only (g32)": (time_all(int4_mm, int4, x16), n * 5 // 8),
+        **floe_rows(shapes, x32),
     }
     print(f"\n{args.shape}: {len(shapes)} matrices, {n / 1e6:.0f} M weights, {args.threads} threads\n")
-    print(f"{'weights':<22}{'ms/token':>10}{'MB/token':>10}{'GB/s':>8}{'tok/s if only GEMV':>20}")
+    print(f"{'weights':<30}{'ms/token':>10}{'MB/token':>10}{'GB/s':>8}{'tok/s if only GEMV':>20}")
     out = {}
     for name, (s, nbytes) in rows.items():
         out[name] = {"s_per_token": s, "bytes_per_token": nbytes, "gb_s": nbytes / s / 1e9}
-        print(f"{name:<22}{s * 1e3:>10.2f}{nbytes / 1e6:>10.0f}{nbytes / s / 1e9:>8.1f}{1 / s:>20.1f}")
+        print(f"{name:<30}{s * 1e3:>10.2f}{nbytes / 1e6:>10.0f}{nbytes / s / 1e9:>8.1f}{1 / s:>20.1f}")
     path = Path(__file__).parent / "results" / "cpu_gemv.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps({"shape": args.shape, "threads": args.threads, "rows": out}, indent=2))

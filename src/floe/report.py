@@ -17,10 +17,15 @@ def _bytes(n: float) -> str:
     return f"{n:.2f} GB"
 
 
+def _weights(w: dict) -> str:
+    """The weights' kind, and the CPU kernel that runs native ones (e.g. 'native (avx2 kernel)')."""
+    return f"{w['kind']} ({w['kernel']} kernel)" if w.get("kernel") else w["kind"]
+
+
 def print_report(r: dict, console: Console) -> None:
     run, roof, d = r["run"], r["roofline"], r["dispatches"]
     console.print(f"[bold]{r['model']['name']}[/bold] ({r['model']['file_type']}) on {r['device']}, "
-                  f"{r['dtype']} engine, {r['weights']['kind']} weights · "
+                  f"{r['dtype']} engine, {_weights(r['weights'])} weights · "
                   f"prompt {run['prompt_tokens']} tokens, "
                   f"{run['generated_tokens']} generated · TTFT {run['ttft_ms']:.1f} ms · actor decode "
                   f"{run['decode_tok_s']:.1f} tok/s")
