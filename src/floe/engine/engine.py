@@ -19,7 +19,7 @@ from floe.engine.transformer import (
     quantized_paths,
     stacked,
 )
-from floe.errors import ContextOverflow, FloeError
+from floe.errors import ContextOverflow, FloeError, NotAModel
 from floe.model.checkpoint import Checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -166,7 +166,7 @@ class Engine:
         model.cos, model.sin = model.cos.to(self.device), model.sin.to(self.device)
         unread = [name for name, p in model.named_parameters() if p.is_meta]
         if unread:
-            raise FloeError(f"{checkpoint.source}: no weight was read for {unread[0]}")
+            raise NotAModel(f"{checkpoint.source}: no weight was read for {unread[0]}")
         return model
 
     def _pack_native(self, model: Transformer, checkpoint: Checkpoint, paths: list[str],
