@@ -189,7 +189,6 @@ def test_a_checkpoint_keeps_no_tensor_it_hands_out(tiny_q8):
 def test_a_prompt_on_quantized_layers_runs_as_with_a_stored_bf16_copy(tmp_path, qtype):
     """No stored copy: each matrix is dequantized from the kernel's codes a band at a time, to the
     values the copy held, and the prompt's logits are the copy's."""
-    from floe.engine.prefill import dequantized_rows
     from floe.engine.qgemv import QLinear
 
     checkpoint = load_checkpoint(write_gguf(tmp_path / "t.gguf", [qtype]))
@@ -197,7 +196,7 @@ def test_a_prompt_on_quantized_layers_runs_as_with_a_stored_bf16_copy(tmp_path, 
     stored = Engine(checkpoint, max_seq_len=64, weights="native", prefill_copy=True)
     layer, copy = banded.model.layers[1].feed_forward.w13, stored.model.layers[1].feed_forward.w13
     assert isinstance(layer, QLinear) and layer.dense is None and copy.dense is not None
-    assert torch.equal(dequantized_rows(layer, 0, layer.out_features), copy.dense)
+    assert torch.equal(layer.rows(slice(None), copy.dense.dtype), copy.dense)
     ids = list(range(100, 140))  # the bands' products may block their sums otherwise: float rounding only
     torch.testing.assert_close(banded.prefill(ids, all_logits=True), stored.prefill(ids, all_logits=True),
                                rtol=0, atol=1e-4)

@@ -273,3 +273,40 @@ print("ok")
 def test_an_unknown_native_kernel_is_refused_with_the_choices(tiny):
     with pytest.raises(FloeError, match="native kernel 'sse9'.*auto, vnni, avx2, neon, portable, int4pack"):
         Engine(tiny, weights="native", native_kernel="sse9")
+
+
+def test_a_prompt_on_quantized_layers_runs_in_float32_where_asked(tiny, kernel):
+    """Where the CPU has no native bf16 product the bands run in float32: the product is then the
+    dense float32 one, up to the order of its sums."""
+    from floe.engine.prefill import banded_linear
+
+    engine = Engine(tiny, max_seq_len=64, weights="native", native_kernel=kernel)
+    layer = engine.model.layers[0].feed_forward.w13
+    if not isinstance(layer, qgemv.QLinear):
+        pytest.skip(f"{kernel} runs no QLinear")
+    x = torch.randn(40, layer.in_features)
+    dense = tiny.quantized["layers.0.feed_forward.w1.weight"].dequantize(torch.float32)
+    expect = F.linear(x, dense)
+    got = banded_linear(layer, x, torch.float32)[:, : dense.shape[0]]
+    torch.testing.assert_close(got, expect, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_without_a_native_bf16_product_prompts_run_in_float32_and_still_answer_paris():
+    """oneDNN held to AVX2 (as on a CPU without AVX-512 BF16) emulates bf16 GEMMs, ~7x slower than
+    fp32: a native engine's prompt then runs in float32, and the README's question answers Paris."""
+    code = (
+        "import torch\n"
+        "from floe.engine import Engine, SamplingParams, generate, qgemv\n"
+        "from floe.engine.int4 import gemm_dtype\n"
+        "from floe.model import load_checkpoint\n"
+        "assert gemm_dtype() == torch.float32, gemm_dtype()\n"
+        "kernel = 'avx2' if 'avx2' in qgemv.runnable() else 'auto'\n"
+        "e = Engine(load_checkpoint(), max_seq_len=256, weights='native', native_kernel=kernel)\n"
+        "ids = e.tokenizer.encode_chat([{'role': 'user', 'content': 'What is the capital of France?'}])\n"
+        "print(''.join(generate(e, ids, SamplingParams(), max_tokens=8)))\n"
+    )
+    env = {**__import__("os").environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Paris" in out.stdout, out.stdout

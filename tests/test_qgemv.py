@@ -173,3 +173,28 @@ def test_the_neon_kernel_needs_the_dot_product_extension(tmp_path):
     pytest.importorskip("ziglang", reason="no cross-compiler here (pip install ziglang)")
     proc = zig_cxx("aarch64-linux-gnu", "generic", qgemv.VARIANTS["neon"].source, tmp_path / "n.o")
     assert proc.returncode != 0 and "dotprod" in proc.stderr
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_a_head_with_exact_top_keeps_the_float32_argmax(qtype, variant):
+    """A vocabulary head of near-tied rows: the int8 rounding of the input moves each output by no
+    more than the layer's bound, and with exact_top every output that could be the largest is the
+    float32 product's, so the argmax is float32's even where the int8 kernel alone picks another."""
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal((1, 8 * GROUP)).astype(np.float32)
+    w = np.repeat(base, 2000, 0) + 0.2 * rng.standard_normal((2000, 8 * GROUP)).astype(np.float32)
+    q = QuantizedWeight(qtype.name, w.shape, quantize(w, qtype))
+    plain = qgemv.QLinear(q, dense=False, kernel=variant)
+    head = qgemv.QLinear(q, dense=False, kernel=variant, exact_top=True)
+    dense = q.dequantize().double()
+    flips = 0
+    for seed in range(100):
+        x = torch.from_numpy(np.random.default_rng(seed).standard_normal((2, w.shape[1])).astype(np.float32))
+        exact, rounded, y = F.linear(x.double(), dense), plain(x), head(x)
+        bound = torch.mm(x.view(2, -1, GROUP).abs().amax(-1), head.rounding_bound.t()).double()
+        assert ((rounded.double() - exact).abs() <= bound).all()
+        assert torch.equal(y.argmax(-1), exact.argmax(-1))
+        top = exact.argmax(-1, keepdim=True)
+        torch.testing.assert_close(y.double().gather(1, top), exact.gather(1, top), rtol=1e-6, atol=1e-5)
+        flips += int((rounded.argmax(-1) != exact.argmax(-1)).sum())
+    assert flips > 0  # the kernel alone picks another row somewhere: the test can tell them apart

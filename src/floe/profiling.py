@@ -21,6 +21,7 @@ import torch
 from floe.actor import Actor
 from floe.bench import copy_bandwidth, decode_bytes, matmul_rate, timed
 from floe.engine import Engine
+from floe.engine.int4 import gemm_dtype
 from floe.model.checkpoint import Checkpoint
 from floe.profile import Ledger, count_dispatches, linear_params, prefill_flops, roofline
 
@@ -113,7 +114,10 @@ def profile_turn(checkpoint: Checkpoint, prompt: str, *, device: str = "cpu", dt
     engine = make(fusion != "off")
     progress("measuring the device's bandwidth and matmul rate")
     bandwidth = copy_bandwidth(dev)
-    matmul_dtype = torch.bfloat16 if (dev.type == "cuda" or weights == "native") else engine.dtype
+    # The dtype the prompt's matmuls run in: a native engine's bands in gemm_dtype (float32 where
+    # this CPU has no native bf16 product), a dense engine's weights as they are.
+    matmul_dtype = (torch.bfloat16 if dev.type == "cuda" else gemm_dtype() if weights == "native"
+                    else engine.dtype)
     rate = matmul_rate(dev, matmul_dtype)
     progress("one actor turn (ledger on)")
     _turn(engine, prompt, max_tokens, 1)  # warm-up: compiled guest, decode graphs, TorchScript
@@ -129,7 +133,7 @@ def profile_turn(checkpoint: Checkpoint, prompt: str, *, device: str = "cpu", dt
                     prefill_flops(engine.config, len(ids)), rate)
     layers, head = linear_params(engine.config)
     roof["decode_flops_per_token"] = 2 * (layers + head)  # two per weight read; attention is small
-    # Prefill reads each layer weight once, in the dtype its matmuls run (bf16 copies when native).
+    # Prefill reads each layer weight once, in the dtype its matmuls run (dequantized bands when native).
     roof["prefill_weight_bytes"] = layers * matmul_dtype.itemsize
     records = sum(b.calls for b in ledger.boundaries.values())
     per_record = ledger.overhead_per_record_s()

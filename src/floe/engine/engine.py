@@ -187,7 +187,8 @@ class Engine:
             bias = None if head else model.get_submodule(path).bias
             layer = None
             if weight is not None and kernel != "int4pack" and qgemv.supports(weight):
-                layer = qgemv.QLinear(weight, bias, dense=self.prefill_copy and not head, kernel=kernel)
+                layer = qgemv.QLinear(weight, bias, dense=self.prefill_copy and not head, kernel=kernel,
+                                      exact_top=head)
             elif weight is not None and weight.has_int4_form and not head:
                 layer = Int4Linear(weight, bias, dense=self.prefill_copy)
             if layer is None:

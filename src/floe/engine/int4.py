@@ -12,6 +12,8 @@ kernels (qgemv) are preferred wherever a compiler exists; this is the fallback w
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -20,6 +22,14 @@ from floe.model.quant import GROUP, QuantizedWeight
 
 # Inputs of at least this many rows (prefill) use the bf16 copy; shorter ones the int4 kernel.
 DENSE_FROM_ROWS = 8
+
+
+@functools.cache
+def gemm_dtype() -> torch.dtype:
+    """The dtype a prompt's matrix products on a quantized layer's dense values run in on this CPU:
+    bfloat16 where oneDNN runs it natively (AVX-512 BF16, AMX), else float32 (on AVX2 alone oneDNN
+    emulates bf16, ~7x slower than fp32: docs/PERF.md). It follows ONEDNN_MAX_CPU_ISA."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
 def int4_available() -> bool:

@@ -6,6 +6,9 @@ one int8 GEMV per row, and bf16 activations keep the prompt's numerics those of 
 copy of every matrix would cost 2 bytes per weight, 3.5x the 4-bit codes; instead each matrix is
 dequantized from the codes the kernel reads, a band of rows at a time, right before its band of
 the product: one band (~2 MB) exists at a time. docs/PERF.md has the measurements.
+
+Where the CPU has no native bf16 matrix product (AVX2 without AVX-512 BF16 or AMX: oneDNN emulates
+it, ~7x slower than fp32 there) the bands and the product are float32 instead (`gemm_dtype`).
 """
 
 from __future__ import annotations
@@ -14,9 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from floe.engine.int4 import DENSE_FROM_ROWS
+from floe.engine.int4 import DENSE_FROM_ROWS, gemm_dtype
 from floe.engine.qgemv import QLinear
-from floe.model.quant import GROUP
 
 BAND = 1 << 20  # weights dequantized at a time
 
@@ -29,31 +31,16 @@ def project(module: nn.Module, x: Tensor) -> Tensor:
     return module(x)
 
 
-def banded_linear(layer: QLinear, x: Tensor) -> Tensor:
-    """x Wᵀ (+ b) for x [T, in], float32 out, as QLinear computes it with a bf16 copy (bf16 inputs,
-    weights and output), the weight dequantized a band of rows at a time."""
-    xb = x.to(torch.bfloat16)
+def banded_linear(layer: QLinear, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """x Wᵀ (+ b) for x [T, in], float32 out, the weight dequantized a band of rows at a time; the
+    product in `dtype` (default gemm_dtype(); in bf16 as QLinear computes it with a bf16 copy: bf16
+    inputs, weights and output)."""
+    dtype = dtype or gemm_dtype()
+    xb = x.to(dtype)
     out = torch.empty(x.shape[0], layer.out_features)
     step = max(1, BAND // layer.in_features)
     for start in range(0, layer.out_features, step):
         end = min(start + step, layer.out_features)
-        bias = None if layer.bias is None else layer.bias[start:end].to(torch.bfloat16)
-        out[:, start:end] = F.linear(xb, dequantized_rows(layer, start, end), bias)
+        bias = None if layer.bias is None else layer.bias[start:end].to(dtype)
+        out[:, start:end] = F.linear(xb, layer.rows(slice(start, end), dtype), bias)
     return out
-
-
-def dequantized_rows(layer: QLinear, start: int, end: int) -> Tensor:
-    """Rows start..end of the layer's weight, bf16: w = scale·code + offset in float32 per group of 32
-    (qgemv's code layout: 8-bit codes as they are; 4-bit, byte j of a group holds value j in its low
-    nibble and value j + 16 in its high one)."""
-    n, groups = end - start, layer.in_features // GROUP
-    scale, offset = (t[start:end, :, None].float() for t in layer.scale_offset)
-    codes = layer.codes[start:end]
-    w = torch.empty(n, groups, GROUP)
-    if layer.bits == 8:
-        torch.addcmul(offset, codes.view(n, groups, GROUP).float(), scale, out=w)
-    else:
-        codes = codes.view(n, groups, GROUP // 2)
-        torch.addcmul(offset, (codes & 15).float(), scale, out=w[..., : GROUP // 2])
-        torch.addcmul(offset, (codes >> 4).float(), scale, out=w[..., GROUP // 2 :])
-    return w.view(n, layer.in_features).to(torch.bfloat16)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from floe.engine import cbuild
-from floe.engine.int4 import DENSE_FROM_ROWS  # longer inputs (prefill): a bf16 copy and a GEMM
+from floe.engine.int4 import DENSE_FROM_ROWS, gemm_dtype  # longer inputs (prefill): a dense copy, a GEMM
 from floe.errors import FloeError
 from floe.model.quant import GROUP, QuantizedWeight
 
@@ -41,6 +41,7 @@ OPERATOR_SECONDS = 35  # building the operator (PyTorch's headers) on 2 cores
 VARIANT_SECONDS = 2  # building one variant (no PyTorch headers)
 
 X86, ARM = ("x86_64", "AMD64"), ("aarch64", "arm64")
+ROUNDING_SLACK = 1.001  # exact_top's bound, widened for the float rounding of the sums
 
 
 class KernelUnavailable(FloeError):
@@ -185,10 +186,11 @@ def _codes(weight: QuantizedWeight) -> tuple[Tensor, Tensor, int]:
 
 class QLinear(nn.Module):
     """y = x Wᵀ (+ b) on the file's quantized weight: floe's int8-activation kernel (`kernel`: a
-    variant name or auto) for a few rows, a bf16 copy for many (prefill). Output float32."""
+    variant name or auto) for a few rows; for many (prefill), with `dense`, a stored copy in
+    gemm_dtype() (else floe.engine.prefill dequantizes bands). Output float32."""
 
     def __init__(self, weight: QuantizedWeight, bias: Tensor | None = None, dense: bool = True,
-                 kernel: str = "auto") -> None:
+                 kernel: str = "auto", exact_top: bool = False) -> None:
         super().__init__()
         if not supports(weight):
             raise ValueError(f"{weight.qtype} {weight.shape} has no kernel here")
@@ -200,7 +202,10 @@ class QLinear(nn.Module):
         self.codes = codes.contiguous()
         self.scale_offset = scale_offset.contiguous()  # [2, rows, groups], float16 or float32
         self.bias = None if bias is None else bias.float()
-        self.dense = weight.dequantize(torch.bfloat16) if dense else None
+        self.dense = weight.dequantize(gemm_dtype()) if dense else None
+        # exact_top (the vocabulary head): per row and group of 32, how far the int8 rounding of an
+        # input whose group has absmax 1 can move the output (see _exact_top)
+        self.rounding_bound = self._abs_sums().mul_(ROUNDING_SLACK / 254) if exact_top else None
 
     @property
     def nbytes(self) -> int:
@@ -209,11 +214,52 @@ class QLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.dense is not None and x.shape[0] >= DENSE_FROM_ROWS:
-            return F.linear(x.to(torch.bfloat16), self.dense, None if self.bias is None
-                            else self.bias.to(torch.bfloat16)).float()
+            return F.linear(x.to(self.dense.dtype), self.dense, None if self.bias is None
+                            else self.bias.to(self.dense.dtype)).float()
         y = torch.ops.floe.gemv_q(x, self.codes, self.scale_offset[0], self.scale_offset[1], self.number)
-        return y if self.bias is None else y.add_(self.bias)
+        if self.bias is not None:
+            y.add_(self.bias)
+        if self.rounding_bound is not None:
+            self._exact_top(x, y)
+        return y
 
-    def extra_repr(self) -> str:
-        return (f"{self.in_features} -> {self.out_features}, {self.qtype} as {self.bits}-bit codes, "
-                f"{self.kernel} kernel")
+    def rows(self, index: slice | Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Rows `index` of the weight in `dtype`: w = scale·code + offset, in float32 per group of 32
+        (8-bit codes as they are; 4-bit: byte j of a group holds value j in its low nibble and value
+        j + 16 in its high one)."""
+        codes = self.codes[index]
+        scale, offset = (t[index, :, None].float() for t in self.scale_offset)
+        n, groups = codes.shape[0], self.in_features // GROUP
+        w = torch.empty(n, groups, GROUP)
+        if self.bits == 8:
+            torch.addcmul(offset, codes.view(n, groups, GROUP).float(), scale, out=w)
+        else:
+            codes = codes.view(n, groups, GROUP // 2)
+            torch.addcmul(offset, (codes & 15).float(), scale, out=w[..., : GROUP // 2])
+            torch.addcmul(offset, (codes >> 4).float(), scale, out=w[..., GROUP // 2 :])
+        return w.view(n, self.in_features).to(dtype)
+
+    def _abs_sums(self, band: int = 1 << 20) -> Tensor:
+        """float32 [rows, groups]: the sum of |w| over each group of 32 of each row."""
+        out = torch.empty(self.out_features, self.in_features // GROUP)
+        step = max(1, band // self.in_features)
+        for start in range(0, self.out_features, step):
+            end = min(start + step, self.out_features)
+            out[start:end] = self.rows(slice(start, end)).view(end - start, -1, GROUP).abs().sum(-1)
+        return out
+
+    def _exact_top(self, x: Tensor, y: Tensor) -> None:
+        """Recompute in float32, in place, every output of y [M, rows] that could be its row's
+        largest. The kernel rounds each input group g to int8 steps of absmax_g / 127, each element by
+        at most half a step, which moves output r by at most sum_g absmax_g / 254 · sum|w_rg|
+        (rounding_bound holds sum|w_rg| / 254, with a little slack for float sums); any output whose
+        interval reaches the best lower end is recomputed exactly. The argmax is then the float32
+        product's (a head's near-tie is not decided by the input's rounding), for a [M, groups] x
+        [groups, rows] product and a few rows' dot products (typically 1 to 20 on SmolLM2)."""
+        m = x.shape[0]
+        xf = x.reshape(m, self.in_features).float()
+        bound = torch.mm(xf.view(m, -1, GROUP).abs().amax(-1), self.rounding_bound.t()).add_(1e-4)
+        for row in range(m):
+            index = torch.nonzero(y[row] + bound[row] >= torch.max(y[row] - bound[row])).squeeze(1)
+            exact = torch.mv(self.rows(index), xf[row])
+            y[row, index] = exact if self.bias is None else exact.add_(self.bias[index])
