@@ -9,7 +9,12 @@ streams the reply. Reports p50/p95 TTFT (request sent → first content chunk, c
 per-turn decode rate, cached vs prefilled prompt tokens, and the aggregate generated tokens/s over
 the wall time of the whole load. Bounded: every request has a timeout, the run has --budget-s.
 With --server-process the server runs in a child process (as a real deployment: the clients' HTTP
-and JSON work does not share the server's GIL).
+and JSON work does not share the server's GIL). Before the clock starts the client is warmed with
+one throwaway request (its session deleted after): the openai package's first request imports and
+builds its resources (~0.1 s), a cost of the client, not of the server.
+--prompt-tokens N pads each session's first message with context to about N prompt tokens.
+--probe K: once every session has its first token, K new sessions one after another send a
+--prompt-tokens prompt and take one token: the TTFT of a new conversation while the others decode.
 Writes bench/results/serve_load_<device>.json.
 """
 
@@ -65,6 +70,10 @@ def main() -> None:
     ap.add_argument("--server-process", action="store_true",
                     help="run the server in a child process, so the clients do not share its GIL")
     ap.add_argument("--serve-on", type=int, default=None, help=argparse.SUPPRESS)  # the child's port
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="pad each first message to about this many prompt tokens (0: the short questions)")
+    ap.add_argument("--probe", type=int, default=0,
+                    help="TTFT probes: new sessions sent one by one while the load decodes")
     ap.add_argument("--budget-s", type=float, default=600)
     ap.add_argument("--out", default=None)
     ap.add_argument("--url", default=None,
@@ -123,8 +132,8 @@ def make_server(args, port: int) -> tuple[uvicorn.Server, dict]:
 
         checkpoint = load_checkpoint()
         model_id = checkpoint.source.stem
-    engine = Engine(checkpoint, device=device, dtype=dtype, max_seq_len=1024, n_slots=args.sessions,
-                    weights=weights)
+    engine = Engine(checkpoint, device=device, dtype=dtype, max_seq_len=1024,
+                    n_slots=args.sessions + (1 if args.probe else 0), weights=weights)
     t = time.perf_counter()
     engine.warm_up()  # graph captures are not a user's TTFT
     warm_up_s = time.perf_counter() - t
@@ -167,9 +176,52 @@ def run_against_child(args) -> None:
         child.wait(30)
 
 
+CONTEXT = ("Background notes: rivers, mountains, harbours, markets, libraries, gardens, railways, "
+           "festivals, bridges and museums all shape how a place is remembered by those who visit it. ")
+
+
+def first_message(i: int, prompt_tokens: int) -> str:
+    """Session i's first question, padded with context to about prompt_tokens tokens (~0.75 words a
+    token, less the chat template's ~30)."""
+    question = QUESTIONS[0].format(TOPICS[i % len(TOPICS)])
+    words = max(0, int((prompt_tokens - 30) * 0.75) - len(question.split()))
+    padding = (CONTEXT.split() * (1 + words // len(CONTEXT.split())))[:words]
+    return " ".join(padding + [question]) if padding else question
+
+
+def stream_turn(client: openai.OpenAI, model_id: str, messages: list[dict], max_tokens: int,
+                session_id: str) -> dict:
+    """One streamed request; its TTFT, decode rate, text and token counts."""
+    sent = time.perf_counter()
+    first = last = None
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(
+            model=model_id, messages=messages, temperature=0, max_tokens=max_tokens,
+            stream=True, stream_options={"include_usage": True}, extra_body={"session_id": session_id}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            last = time.perf_counter()
+            first = first or last
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    n = usage.completion_tokens if usage else len(pieces)
+    return {"ttft_s": (first or sent) - sent, "text": "".join(pieces),
+            "decode_tok_s": (n - 1) / (last - first) if first and last > first else None,
+            "completion_tokens": n, "prompt_tokens": usage.prompt_tokens if usage else None,
+            "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage else None}
+
+
+def warm_client(client: openai.OpenAI, model_id: str) -> None:
+    """One throwaway request (its session deleted): the client's lazy imports and its connection."""
+    client.models.list()
+    stream_turn(client, model_id, [{"role": "user", "content": "Hi."}], 2, "warm-client")
+    client.delete("/sessions/warm-client", cast_to=object)
+
+
 def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
+    warm_client(client, model_id)
     deadline = time.time() + args.budget_s
-    rows, errors = [], []
+    rows, errors, probes = [], [], []
+    started = threading.Barrier(args.sessions + 1) if args.probe else None
 
     def session(i: int) -> None:
         messages = []
@@ -177,34 +229,47 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
             if time.time() > deadline:
                 errors.append(f"session {i}: budget exhausted before turn {t}")
                 return
-            messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)].format(
-                TOPICS[i % len(TOPICS)])})
-            sent = time.perf_counter()
-            first = last = None
-            pieces, usage = [], None
+            messages.append({"role": "user", "content": first_message(i, args.prompt_tokens) if t == 0
+                             else QUESTIONS[t % len(QUESTIONS)].format(TOPICS[i % len(TOPICS)])})
             try:
-                for chunk in client.chat.completions.create(
-                        model=model_id, messages=messages, temperature=0, max_tokens=args.max_tokens,
-                        stream=True, stream_options={"include_usage": True},
-                        extra_body={"session_id": f"load-{i}"}):
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        last = time.perf_counter()
-                        first = first or last
-                        pieces.append(chunk.choices[0].delta.content)
-                    usage = chunk.usage or usage
+                row = stream_turn(client, model_id, messages, args.max_tokens, f"load-{i}")
             except openai.APIError as e:
                 errors.append(f"session {i} turn {t}: {e}")
                 return
-            messages.append({"role": "assistant", "content": "".join(pieces)})
-            n = usage.completion_tokens if usage else len(pieces)
-            rows.append({"session": i, "turn": t, "ttft_s": (first or sent) - sent,
-                         "decode_tok_s": (n - 1) / (last - first) if first and last > first else None,
-                         "completion_tokens": n, "prompt_tokens": usage.prompt_tokens if usage else None,
-                         "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage else None})
+            finally:
+                if started is not None and t == 0:  # the probe starts once every session has replied
+                    try:
+                        started.wait(args.budget_s)
+                    except threading.BrokenBarrierError:
+                        pass
+            messages.append({"role": "assistant", "content": row.pop("text")})
+            rows.append({"session": i, "turn": t} | row)
+
+    def probe() -> None:
+        """New sessions one by one while the others decode: their TTFT."""
+        try:
+            started.wait(args.budget_s)
+        except threading.BrokenBarrierError:
+            errors.append("probe: the sessions never all replied")
+            return
+        for k in range(args.probe):
+            messages = [{"role": "user", "content": first_message(k, args.prompt_tokens)}]
+            try:
+                row = stream_turn(client, model_id, messages, 1, f"probe-{k}")
+                client.delete(f"/sessions/probe-{k}", cast_to=object)
+            except openai.APIError as e:
+                errors.append(f"probe {k}: {e}")
+                return
+            row.pop("text")
+            probes.append(row)
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(args.sessions) as pool:
-        list(pool.map(session, range(args.sessions)))
+    with ThreadPoolExecutor(args.sessions + 1) as pool:
+        jobs = [pool.submit(session, i) for i in range(args.sessions)]
+        if args.probe:
+            jobs.append(pool.submit(probe))
+        for job in jobs:
+            job.result()
     wall = time.perf_counter() - start
     ttft = [r["ttft_s"] for r in rows]
     rates = [r["decode_tok_s"] for r in rows if r["decode_tok_s"]]
@@ -220,7 +285,11 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
         "aggregate_tok_s": generated / wall, "generated_tokens": generated,
         "later_turns_cached_share": (sum(r["cached_tokens"] for r in later)
                                      / max(1, sum(r["prompt_tokens"] for r in later))) if later else None,
-        "rows": rows,
+        "prompt_tokens": args.prompt_tokens or None,
+        "probe_ttft_p50_ms": 1e3 * pct([p["ttft_s"] for p in probes], 0.5) if probes else None,
+        "probe_ttft_p95_ms": 1e3 * pct([p["ttft_s"] for p in probes], 0.95) if probes else None,
+        "probe_prompt_tokens": probes[0]["prompt_tokens"] if probes else None,
+        "rows": rows, "probes": probes,
     }
     print(f"{args.sessions} sessions × {args.turns} turns on {about['device']} ({model_id}): "
           f"{len(rows)} requests, {len(errors)} errors, {wall:.1f} s")
@@ -229,6 +298,10 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
           f"{result['ttft_later_turns_p50_ms']:.0f} ms); per-stream decode p50 "
           f"{result['decode_tok_s_p50']:.1f} tok/s; aggregate {result['aggregate_tok_s']:.1f} tok/s; "
           f"later turns: {100 * (result['later_turns_cached_share'] or 0):.0f} % of prompt tokens cached")
+    if probes:
+        print(f"new sessions while {args.sessions} decode: TTFT p50 {result['probe_ttft_p50_ms']:.1f} ms, "
+              f"p95 {result['probe_ttft_p95_ms']:.1f} ms ({len(probes)} probes, "
+              f"{result['probe_prompt_tokens']} prompt tokens)")
     device = about["device"].split(":")[0]
     out = Path(args.out or Path(__file__).parent / "results" / f"serve_load_{device}.json")
     out.parent.mkdir(exist_ok=True)

@@ -17,6 +17,7 @@ in size and waited for no longer than the deadline. docs/ABI.md, "Limits", is th
 from __future__ import annotations
 
 import codecs
+import math
 import struct
 import time
 from collections.abc import Callable
@@ -471,8 +472,9 @@ class HostABI:
 
 
 def _samplable(logits: torch.Tensor) -> bool:
-    """Logits a distribution can be drawn from: no NaN, no +inf, and not every token masked (-inf)."""
-    return not bool(torch.isnan(logits).any() or torch.isposinf(logits).any() or torch.isneginf(logits).all())
+    """Logits a distribution can be drawn from: no NaN, no +inf, and not every token masked (-inf).
+    One pass: the maximum propagates a NaN, is +inf if any is, and -inf only if all are."""
+    return math.isfinite(float(logits.max()))
 
 
 def _token_bytes(tokenizer, ids: list[int]) -> bytes:
