@@ -124,9 +124,9 @@ def test_lean_decode_step_equals_the_module_path(tiny):
     engine.kv_truncate(25)
     lean = engine.decode_step(7)
     torch.testing.assert_close(lean, module, rtol=1e-4, atol=1e-4)
-    scripted = CpuDecoder(engine.model, engine.cache, 0)
-    eager = CpuDecoder(engine.model, engine.cache, 0, script=False)
-    assert torch.equal(scripted.step(9, 26), eager.step(9, 26))
+    scripted = CpuDecoder(engine.model, engine.cache)
+    eager = CpuDecoder(engine.model, engine.cache, script=False)
+    assert torch.equal(scripted.step([9], [26], [0]), eager.step([9], [26], [0]))
 
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",

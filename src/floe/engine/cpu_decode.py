@@ -1,4 +1,5 @@
-"""Batch-1 decode on the CPU as a flat sequence of tensor ops.
+"""Decode on the CPU, one step for B rows (B = 1 alone, or several actors' slots at once), as a flat
+sequence of tensor ops.
 
 On a CPU a decode token of a small model is a few hundred tiny operations, and each costs a few
 microseconds of dispatch whatever its size, so their number matters as much as the weight bytes.
@@ -7,6 +8,17 @@ module calls, RMSNorm as a dot product and one fused multiply into a preallocate
 next projection's input dtype, rotary for all Q and K heads as one small matrix product (with the
 attention scale folded in), batched attention over grouped heads, and the residual stream updated
 in place. It reads the model's own weights; nothing is copied.
+
+Rows share what is shared: each projection runs once over the B rows, so its weights are read from
+memory once a step, not once a row; what differs per row (its slot, its position, its length of
+context) runs in a loop over the rows: the KV cache write and the attention. Every op a row goes
+through computes that row alone, in the same order whatever B is, so a row's logits are bitwise
+the same alone or beside others. The exception is PyTorch's products, whose sums are blocked
+differently for one row than for several: a dense (float32, bfloat16) weight runs as a GEMV for one
+row and as a GEMM for several, and the packed int4 kernel (native_kernel="int4pack") also changes
+its order with B (float rounding, ~1e-6 relative: tests compare those with a tolerance and the same
+argmax). floe's quantized kernel computes each input row alone, so on it every row's logits are
+bitwise its batch-1 logits.
 """
 
 from __future__ import annotations
@@ -24,9 +36,9 @@ from floe.engine.transformer import Transformer
 
 
 def project(x: Tensor, weight: Tensor, scales: Tensor, repeat: int) -> Tensor:
-    """x Wᵀ. repeat > 0: W packed int4 (x bf16, repeated `repeat` times along its row); 0: dense
-    (x already in W's dtype); < 0: W as 4- or 8-bit codes for floe's kernel number -repeat (x float32,
-    scales the [2, rows, groups] scale and offset)."""
+    """x Wᵀ for the rows of x. repeat > 0: W packed int4 (x bf16, repeated `repeat` times along its
+    rows); 0: dense (x already in W's dtype); < 0: W as 4- or 8-bit codes for floe's kernel number
+    -repeat (x float32, scales the [2, rows, groups] scale and offset)."""
     if repeat == 0:
         return F.linear(x, weight)
     if repeat < 0:
@@ -41,46 +53,71 @@ def input_dtype(weight: Tensor, repeat: int) -> torch.dtype:
     return torch.bfloat16 if repeat > 0 else torch.float32 if repeat < 0 else weight.dtype
 
 
-def rms_norm(x: Tensor, x0: Tensor, weight: Tensor, eps: float, zero: Tensor, out: Tensor) -> Tensor:
-    """RMSNorm of the one fp32 row x [1, dim] (x0 = x[0]) written into `out`, the next projection's
-    input buffer (of that projection's dtype): one dot product and one fused multiply."""
-    r = 1.0 / math.sqrt(float(torch.dot(x0, x0)) / x0.shape[0] + eps)
-    return torch.addcmul(zero, x, weight, value=r, out=out)
+def rms_norm(x: Tensor, rows: list[Tensor], weight: Tensor, eps: float, zero: Tensor, out: Tensor) -> Tensor:
+    """RMSNorm of each fp32 row of x [B, dim] (rows: x's rows, views) written into `out` [B, dim], the
+    next projection's input buffer (of that projection's dtype). Per row one dot product (its scale in
+    float64, as Python computes it); one row: one fused multiply, several: two multiplies, which round
+    alike."""
+    dim = x.shape[1]
+    if len(rows) == 1:
+        r = 1.0 / math.sqrt(float(torch.dot(rows[0], rows[0])) / dim + eps)
+        return torch.addcmul(zero, x, weight, value=r, out=out)
+    scale = [1.0 / math.sqrt(float(torch.dot(row, row)) / dim + eps) for row in rows]
+    return torch.mul(torch.mul(x, torch.tensor(scale).unsqueeze(1)), weight, out=out)
 
 
-def decode_layers(x: Tensor, rotary: Tensor, row_scale: Tensor, position: int, eps: float,
-                  norms: list[Tensor], inputs: list[Tensor], weights: list[Tensor], scales: list[Tensor],
-                  repeats: list[int], qkv_bias: list[Tensor], k_caches: list[Tensor],
-                  v_caches: list[Tensor], n_heads: int, n_kv: int, head_dim: int, ffn_dim: int,
-                  zero: Tensor) -> None:
-    """Every layer of one decode step, updating the fp32 residual row x [1, dim] in place.
+def attend(rot: Tensor, v: Tensor, out: list[Tensor], slots: list[int], positions: list[int],
+           k_cache: Tensor, v_cache: Tensor, n_heads: int, group: int) -> None:
+    """Per row b: write its k (rot[b]'s last heads, rotated) and v [B, n_kv, head_dim] at positions[b]
+    of its slot's cache [n_slots, n_kv, seq, head_dim], then attend its q (rot[b]'s first n_heads,
+    rotated and scaled) over that slot's first positions[b] + 1 positions into out[b]
+    [n_kv, group, head_dim]."""
+    n_kv, head_dim = v.shape[1], v.shape[2]
+    for b in range(len(slots)):
+        length, rb = positions[b] + 1, rot.select(0, b)
+        k_slot, v_slot = k_cache.select(0, slots[b]), v_cache.select(0, slots[b])
+        k_slot.select(1, positions[b]).copy_(rb.narrow(0, n_heads, n_kv))
+        v_slot.select(1, positions[b]).copy_(v.select(0, b))
+        scores = torch.bmm(rb.narrow(0, 0, n_heads).view(n_kv, group, head_dim),
+                           k_slot.narrow(1, 0, length).transpose(1, 2))
+        torch.bmm(torch.softmax(scores, dim=-1), v_slot.narrow(1, 0, length), out=out[b])
 
-    Per layer i: norms[2i], norms[2i+1] (attention, ffn) and their output buffers inputs[2i],
-    inputs[2i+1]; weights/scales/repeats[4i..4i+3] the qkv, o, gate+up and down projections (see
-    `project`); qkv_bias[i] (empty if none); zero: a float32 [1] of 0 (addcmul's base).
+
+def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Tensor, slots: list[int],
+                  positions: list[int], eps: float, norms: list[Tensor], inputs: list[Tensor],
+                  weights: list[Tensor], scales: list[Tensor], repeats: list[int], qkv_bias: list[Tensor],
+                  k_caches: list[Tensor], v_caches: list[Tensor], att: Tensor, att_rows: list[Tensor],
+                  n_heads: int, n_kv: int, head_dim: int, ffn_dim: int, zero: Tensor) -> None:
+    """Every layer of one decode step of B rows, updating the fp32 residual rows x [B, dim] (x_rows:
+    its rows, views) in place.
+
+    Row b appends at positions[b] of KV slot slots[b]; rotary [B, head_dim, head_dim] is its
+    position's rotation. Per layer i: norms[2i], norms[2i+1] (attention, ffn) and their output
+    buffers inputs[2i], inputs[2i+1] ([B, dim]); weights/scales/repeats[4i..4i+3] the qkv, o,
+    gate+up and down projections (see `project`); qkv_bias[i] (empty if none); k_caches[i],
+    v_caches[i] the layer's cache [n_slots, n_kv, seq, head_dim]; att [B, n_heads * head_dim] fp32,
+    attention's output buffer, att_rows its rows as [n_kv, n_heads / n_kv, head_dim] views; zero: a
+    float32 [1] of 0 (addcmul's base).
     """
-    qk_size, group = (n_heads + n_kv) * head_dim, n_heads // n_kv
-    x0 = x[0]
+    rows, qk_size, group = x.shape[0], (n_heads + n_kv) * head_dim, n_heads // n_kv
     for i in range(len(k_caches)):
         k_cache, v_cache, j = k_caches[i], v_caches[i], 4 * i
-        h = rms_norm(x, x0, norms[2 * i], eps, zero, inputs[2 * i])
+        h = rms_norm(x, x_rows, norms[2 * i], eps, zero, inputs[2 * i])
         y = project(h, weights[j], scales[j], repeats[j])
         if qkv_bias[i].numel() > 0:
             y = y + qkv_bias[i]
-        # Rotary for all Q and K heads in one product; Q's rows also carry the attention scale.
-        rot = torch.mm(torch.mul(y[:, :qk_size].view(n_heads + n_kv, head_dim), row_scale), rotary)
+        # Rotary for all Q and K heads of a row in one product; Q's rows also carry the attention scale.
+        qk = y.narrow(1, 0, qk_size).view(rows, n_heads + n_kv, head_dim)
+        rot = torch.bmm(torch.mul(qk, row_scale), rotary)
         if rot.dtype != k_cache.dtype:
             rot = rot.to(k_cache.dtype)
-        k_cache[:, position].copy_(rot[n_heads:])
-        v_cache[:, position].copy_(y[:, qk_size:].view(n_kv, head_dim))
-        keys, values = k_cache[:, : position + 1].transpose(1, 2), v_cache[:, : position + 1]
-        scores = torch.bmm(rot[:n_heads].view(n_kv, group, head_dim), keys)
-        att = torch.bmm(torch.softmax(scores, dim=-1), values).view(1, n_heads * head_dim)
+        v = y.narrow(1, qk_size, n_kv * head_dim).view(rows, n_kv, head_dim)
+        attend(rot, v, att_rows, slots, positions, k_cache, v_cache, n_heads, group)
         o_dtype = input_dtype(weights[j + 1], repeats[j + 1])
         x.add_(project(att.to(o_dtype), weights[j + 1], scales[j + 1], repeats[j + 1]))
-        gate_up = project(rms_norm(x, x0, norms[2 * i + 1], eps, zero, inputs[2 * i + 1]), weights[j + 2],
+        gate_up = project(rms_norm(x, x_rows, norms[2 * i + 1], eps, zero, inputs[2 * i + 1]), weights[j + 2],
                           scales[j + 2], repeats[j + 2])
-        gate = F.silu(gate_up[:, :ffn_dim]).mul_(gate_up[:, ffn_dim:])
+        gate = F.silu(gate_up.narrow(1, 0, ffn_dim)).mul_(gate_up.narrow(1, ffn_dim, ffn_dim))
         down_dtype = input_dtype(weights[j + 3], repeats[j + 3])
         if gate.dtype != down_dtype:
             gate = gate.to(down_dtype)
@@ -124,12 +161,13 @@ def _weights(module) -> tuple[Tensor, Tensor, int]:
 
 
 class CpuDecoder:
-    """Decode steps of one KV cache slot on the CPU (its buffers serve one thread at a time)."""
+    """Decode steps of up to `cache.n_slots` rows at once, each row a slot of `cache`, on the CPU (its
+    buffers serve one thread at a time)."""
 
-    def __init__(self, model: Transformer, cache: KVCache, slot: int, script: bool = True) -> None:
+    def __init__(self, model: Transformer, cache: KVCache, script: bool = True) -> None:
         c = model.config
-        self.model, self.cache, self.slot, self.config = model, cache, slot, c
-        hd, half = c.head_dim, c.head_dim // 2
+        self.model, self.cache, self.config = model, cache, c
+        hd, half, rows = c.head_dim, c.head_dim // 2, cache.n_slots
         # Rotary of a row x is x @ R(position), R = diag(cos) + P diag(sin_signed), P the half-roll
         # permutation; Q's rows are first scaled by 1/sqrt(head_dim), the attention scale.
         self.sin_signed = model.sin.clone()
@@ -137,7 +175,8 @@ class CpuDecoder:
         self.roll = torch.roll(torch.eye(hd), half, dims=1)  # x @ roll == torch.roll(x, half)
         self.row_scale = torch.ones(c.n_heads + c.n_kv_heads, 1)
         self.row_scale[: c.n_heads] = 1 / math.sqrt(hd)
-        self.x = torch.empty(1, c.dim)  # the residual stream, fp32 whatever the weights' dtype
+        self.x = torch.empty(rows, c.dim)  # the residual stream, fp32 whatever the weights' dtype
+        self.att = torch.empty(rows, c.n_heads * hd)  # attention's output, fp32
         self.zero = torch.zeros(1)
         self.norms, self.inputs, self.qkv_bias = [], [], []
         self.weights, self.scales, self.repeats = [], [], []
@@ -152,34 +191,51 @@ class CpuDecoder:
             self.inputs += [self._input(a.wqkv), self._input(f.w13)]
             bias = a.wqkv.bias
             self.qkv_bias.append(torch.empty(0) if bias is None else bias)
-        self.k_caches = [cache.k[i, slot] for i in range(c.n_layers)]
-        self.v_caches = [cache.v[i, slot] for i in range(c.n_layers)]
-        if model.head is not None:
-            self.head, self.head_input = _weights(model.head), self._input(model.head)
-        else:
-            self.head = (model.output_weight(), torch.empty(0), 0)
-            self.head_input = torch.empty(1, c.dim, dtype=model.output_weight().dtype)
+        self.k_caches = [cache.k[i] for i in range(c.n_layers)]
+        self.v_caches = [cache.v[i] for i in range(c.n_layers)]
+        # The head as `project` takes it: the kernel's product alone (QLinear's exact_top pass, which
+        # the module forward of a prompt runs, is not run here).
+        head = model.head
+        self.head = _weights(head) if head is not None else (model.output_weight(), torch.empty(0), 0)
+        self.head_input = torch.empty(rows, c.dim, dtype=input_dtype(self.head[0], self.head[2]))
+        self._rows_views: dict[int, tuple] = {}
         fns = _compiled() if script else {"decode_layers": decode_layers, "project": project,
                                           "rms_norm": rms_norm}
         self.run_layers, self.project, self.rms_norm = fns["decode_layers"], fns["project"], fns["rms_norm"]
 
     def _input(self, module) -> Tensor:
-        """The buffer a norm writes a projection's input into, in the dtype `project` takes."""
+        """The buffer a norm writes a projection's input rows into, in the dtype `project` takes."""
         weight, _, repeat = _weights(module)
-        return torch.empty(1, self.config.dim, dtype=input_dtype(weight, repeat))
+        return torch.empty(self.cache.n_slots, self.config.dim, dtype=input_dtype(weight, repeat))
+
+    def _views(self, rows: int) -> tuple:
+        """The buffers' first `rows` rows as the step passes them (made once per row count)."""
+        views = self._rows_views.get(rows)
+        if views is None:
+            c = self.config
+            x, att = self.x[:rows], self.att[:rows]
+            views = (x, list(x.unbind()), [buffer[:rows] for buffer in self.inputs], att,
+                     [row.view(c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim) for row in att.unbind()],
+                     self.head_input[:rows])
+            self._rows_views[rows] = views
+        return views
 
     @torch.inference_mode()
-    def step(self, token: int, position: int, out: Tensor | None = None) -> Tensor:
-        """Logits [vocab] (float32) after appending `token` at `position` to the slot's cache."""
-        c, m, x = self.config, self.model, self.x
-        x.copy_(m.token_row(token))
-        rotary = torch.diag(m.cos[position]) + self.roll * self.sin_signed[position]
-        self.run_layers(x, rotary, self.row_scale, position, c.norm_eps, self.norms, self.inputs,
-                        self.weights, self.scales, self.repeats, self.qkv_bias, self.k_caches,
-                        self.v_caches, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, self.zero)
-        h = self.rms_norm(x, x[0], m.norm.weight, c.norm_eps, self.zero, self.head_input)
+    def step(self, tokens: list[int], positions: list[int], slots: list[int],
+             out: Tensor | None = None) -> Tensor:
+        """Logits [B, vocab] (float32): row b after appending tokens[b] at positions[b] to the cache
+        of slot slots[b] (distinct slots). With `out` (float32 [B, vocab]) they are written there."""
+        c, m = self.config, self.model
+        x, x_rows, inputs, att, att_rows, head_input = self._views(len(tokens))
+        x.copy_(m.tok_embeddings(torch.tensor(tokens)))
+        at = torch.tensor(positions)
+        rotary = torch.diag_embed(m.cos[at]) + self.roll * self.sin_signed[at].unsqueeze(1)
+        self.run_layers(x, x_rows, rotary, self.row_scale, slots, positions, c.norm_eps, self.norms, inputs,
+                        self.weights, self.scales, self.repeats, self.qkv_bias, self.k_caches, self.v_caches,
+                        att, att_rows, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, self.zero)
+        h = self.rms_norm(x, x_rows, m.norm.weight, c.norm_eps, self.zero, head_input)
         weight, scales, repeat = self.head
         if out is not None and repeat == 0 and weight.dtype == torch.float32:
-            return torch.mv(weight, h[0], out=out)  # straight into the caller's buffer
-        logits = self.project(h, weight, scales, repeat)[0]
+            return torch.mm(h, weight.t(), out=out)  # straight into the caller's buffer
+        logits = self.project(h, weight, scales, repeat)
         return logits.float() if out is None else out.copy_(logits)

@@ -137,7 +137,7 @@ class Engine:
             fused_kernels = self.device.type == "cpu" or (self.cuda_graphs and _has_triton())
         self.fused_kernels = fused_kernels
         self._decoders: dict[int, object] = {}
-        self._batch = None  # the batched decode graphs, made on first use
+        self._batch = None  # the batched decode step (CUDA graphs; the CPU's lean step), made on first use
         self._greedy: dict[int, int] = {}  # slot -> argmax of its latest logits, where computed
 
     def _build(self, checkpoint: Checkpoint) -> Transformer:
@@ -348,8 +348,9 @@ class Engine:
             return self.prefill([token], slot, logits_out=logits_out)
         self._check_ids([token])
         if self.device.type == "cpu":
-            return self._append(slot, [token],
-                                lambda position: self._decoder(slot).step(token, position, logits_out))
+            out = None if logits_out is None else logits_out.unsqueeze(0)
+            return self._append(slot, [token], lambda position: self._batch_decoder().step(
+                [token], [position], [slot], out)[0])
         logits = self._append(slot, [token], lambda position: self._decoder(slot).step(token, position))
         if logits_out is not None:
             logits_out.copy_(logits)
@@ -364,8 +365,9 @@ class Engine:
     @property
     def batched_decode(self) -> bool:
         """Whether decode_batch runs several slots' steps as one forward (CUDA graphs of the fused
-        Triton step); otherwise it runs them one after another."""
-        return self._batch_graphs and self.cache.n_slots > 1
+        Triton step; on the CPU the lean step over several rows); otherwise one after another."""
+        fused = self._batch_graphs or (self.device.type == "cpu" and self.fused_kernels)
+        return fused and self.cache.n_slots > 1
 
     @torch.inference_mode()
     def decode_batch(self, tokens: list[int], slots: list[int]) -> list[Tensor | FloeError]:
@@ -373,7 +375,8 @@ class Engine:
         (a device buffer valid until that slot's next step) or the FloeError that stopped it (a full
         context, a bad token): one slot's error does not stop the others.
 
-        A single slot runs decode_step, so an actor alone gets exactly the batch-1 numbers.
+        A single slot runs decode_step, so an actor alone gets exactly the batch-1 numbers. On the CPU
+        every row gets them too where the weights are quantized (see floe.engine.cpu_decode).
         """
         if len(set(slots)) != len(slots) or len(tokens) != len(slots):
             raise ValueError(f"decode_batch needs one token per distinct slot, got {tokens} for {slots}")
@@ -396,18 +399,21 @@ class Engine:
                     results[i] = e
                     rows.remove(i)
             if len(rows) > 1:
+                row_slots = [slots[i] for i in rows]
                 try:
-                    self._batch_decoder().step([tokens[i] for i in rows], [starts[i] for i in rows],
-                                               [slots[i] for i in rows])
+                    logits = self._batch_decoder().step([tokens[i] for i in rows], [starts[i] for i in rows],
+                                                        row_slots)
                 except BaseException:
                     for i in rows:
                         self.cache.truncate(slots[i], starts[i])
                     raise
-                self._batch.done.synchronize()  # every row's greedy choice is on the host now
-                for i in rows:
+                if self.device.type != "cpu":
+                    self._batch.done.synchronize()  # every row's greedy choice is on the host now
+                    logits = [self._batch.slot_logits[s] for s in row_slots]
+                    self._greedy.update((s, int(self._batch.host_argmax[s])) for s in row_slots)
+                for i, row in zip(rows, logits, strict=True):
                     self.cache.tokens[slots[i]].append(tokens[i])
-                    results[i] = self._batch.slot_logits[slots[i]]
-                    self._greedy[slots[i]] = int(self._batch.host_argmax[slots[i]])
+                    results[i] = row
                 return results
             for i in rows:
                 self.cache.truncate(slots[i], starts[i])
@@ -427,26 +433,28 @@ class Engine:
             return e
 
     def _batch_decoder(self):
+        """The step over several slots' rows: CUDA graphs of the fused Triton step, or the CPU's lean
+        step (which also runs decode_step's single row)."""
         if self._batch is None:
-            from floe.engine.cuda_graph import BatchGraphDecoder
+            if self.device.type == "cpu":
+                from floe.engine.cpu_decode import CpuDecoder
 
-            self._batch = BatchGraphDecoder(self.model, self.cache)
+                self._batch = CpuDecoder(self.model, self.cache)
+            else:
+                from floe.engine.cuda_graph import BatchGraphDecoder
+
+                self._batch = BatchGraphDecoder(self.model, self.cache)
         return self._batch
 
     def _decoder(self, slot: int):
         decoder = self._decoders.get(slot)
         if decoder is not None:
             return decoder
-        if self.device.type == "cpu":
-            from floe.engine.cpu_decode import CpuDecoder
+        from floe.engine.cuda_graph import GraphDecoder
 
-            decoder = CpuDecoder(self.model, self.cache, slot)
-        else:
-            from floe.engine.cuda_graph import GraphDecoder
-
-            decoder = GraphDecoder(
-                self.model, self.cache, slot, compile=self.compile_decode, fused=self.fused_kernels
-            )
+        decoder = GraphDecoder(
+            self.model, self.cache, slot, compile=self.compile_decode, fused=self.fused_kernels
+        )
         self._decoders[slot] = decoder
         return decoder
 

@@ -161,13 +161,6 @@ class Transformer(nn.Module):
     def output_weight(self) -> Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def token_row(self, token: int) -> Tensor:
-        """The embedding of one token, [1, dim] (a view of the table where it is dense)."""
-        table = self.tok_embeddings
-        if isinstance(table, QuantizedEmbedding):
-            return table(torch.tensor([token]))
-        return table.weight[token : token + 1]
-
     def forward(self, tokens: Tensor, start: int, cache: KVCache, slot: int,
                 all_logits: bool = False, out: Tensor | None = None) -> Tensor:
         """Run tokens [T] at positions start.. through the model, writing the KV cache of `slot`.

@@ -1,0 +1,179 @@
+"""Batched decode on the CPU: one step runs every row's projections at once, and each row still gets
+what it would alone — bitwise on floe's quantized kernel, within float rounding on PyTorch's dense
+products; a row whose token or context is bad fails alone; concurrent actors batch their steps."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+from models import write_gguf
+from test_qgemv import runnable
+
+from floe.engine import Engine, SamplingParams, qgemv
+from floe.engine.cpu_decode import CpuDecoder
+from floe.errors import ContextOverflow, FloeError
+from floe.model import load_checkpoint
+from floe.model.quant import GROUP, QuantizedWeight
+
+PROMPT_LENGTHS = (5, 17, 40, 9)  # rows at different positions
+
+
+@pytest.fixture(params=list(qgemv.VARIANTS))
+def variant(request) -> str:
+    return runnable(request.param)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_gemv_q_over_rows_equals_each_row_alone(qtype, variant):
+    """4-bit and 8-bit codes, several blocks of output rows, 19 groups a row (a tail): B input rows in
+    one call give each row the bits of its own call."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((300, 19 * GROUP)).astype(np.float32)
+    layer = qgemv.QLinear(QuantizedWeight(qtype.name, w.shape, quantize(w, qtype)), dense=False,
+                          kernel=variant)
+    x = torch.from_numpy(rng.standard_normal((6, w.shape[1])).astype(np.float32))
+    x *= torch.logspace(-2, 2, 6).unsqueeze(1)  # rows of different scales: their int8 steps differ
+    together = layer(x)
+    alone = torch.cat([layer(x[b : b + 1]) for b in range(x.shape[0])])
+    assert together.shape == (6, 300) and torch.equal(together, alone)
+
+
+@pytest.fixture(scope="module", params=[Q.Q4_0, Q.Q8_0], ids=lambda t: t.name)
+def tiny_q(request, tmp_path_factory):
+    """A tiny GGUF of 4-bit or 8-bit weights."""
+    return load_checkpoint(write_gguf(tmp_path_factory.mktemp("batch") / "t.gguf", [request.param]))
+
+
+def prefilled(engine: Engine, lengths=PROMPT_LENGTHS) -> list[int]:
+    """Slots 0.. emptied and filled with prompts of `lengths`; the slots."""
+    slots = list(range(len(lengths)))
+    for slot, n in zip(slots, lengths, strict=True):
+        engine.kv_truncate(0, slot)
+        engine.prefill([(37 * slot + 11 * j) % 4000 + 3 for j in range(n)], slot)
+    return slots
+
+
+def alone_then_together(engine: Engine, steps: int = 3) -> tuple[list, list]:
+    """Each slot stepped alone (decode_step), then the same steps for every slot at once
+    (decode_batch) from the same contexts: per step, the logits of each."""
+    slots = prefilled(engine)
+    lengths = [engine.kv_len(s) for s in slots]
+    tokens = [[100 + 7 * s + 3 * t for s in slots] for t in range(steps)]
+    alone = [[None] * len(slots) for _ in range(steps)]
+    for s in slots:
+        for t in range(steps):
+            alone[t][s] = engine.decode_step(tokens[t][s], s).clone()
+        engine.kv_truncate(lengths[s], s)
+    together = [[row.clone() for row in engine.decode_batch(tokens[t], slots)] for t in range(steps)]
+    assert [engine.kv_len(s) for s in slots] == [n + steps for n in lengths]
+    return alone, together
+
+
+def test_a_batched_step_gives_every_row_the_bits_of_its_step_alone(tiny_q, variant):
+    """floe's kernel computes each input row alone, and so does every other op of the step: rows at
+    different positions, three steps running (each row's K/V written where its next step reads)."""
+    engine = Engine(tiny_q, max_seq_len=64, n_slots=4, weights="native", native_kernel=variant)
+    assert engine.batched_decode and sum(engine.packed.values()) == 2 * 4 + 1  # every projection
+    alone, together = alone_then_together(engine)
+    for t, (a, b) in enumerate(zip(alone, together, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), t
+
+
+def test_dense_rows_match_their_step_alone_within_float_rounding(tiny_engine):
+    """A dense weight's product is a GEMV for one row and a GEMM for several (sums in another order):
+    close, with the same greedy token, not bitwise."""
+    assert tiny_engine.batched_decode
+    alone, together = alone_then_together(tiny_engine)
+    for a, b in zip(alone, together, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-5 * float(x.abs().max()))
+            assert int(y.argmax()) == int(x.argmax())
+
+
+def test_the_packed_int4_kernel_rows_match_their_step_alone(tiny_q):
+    engine = Engine(tiny_q, max_seq_len=64, n_slots=4, weights="native", native_kernel="int4pack")
+    alone, together = alone_then_together(engine, steps=2)
+    for a, b in zip(alone, together, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-4 * float(x.abs().max()))
+            assert int(y.argmax()) == int(x.argmax())
+
+
+def test_a_full_context_or_a_bad_token_fails_only_its_row(tiny_q):
+    engine = Engine(tiny_q, max_seq_len=48, n_slots=4, weights="native")
+    slots = prefilled(engine, (5, 48, 9, 12))  # slot 1's context is full
+    lengths = [engine.kv_len(s) for s in slots]
+    expect = {}
+    for s in (0, 3):
+        expect[s] = engine.decode_step(50 + s, s).clone()
+        engine.kv_truncate(lengths[s], s)
+    results = engine.decode_batch([50, 51, engine.config.vocab_size, 53], slots)
+    assert isinstance(results[1], ContextOverflow)
+    assert isinstance(results[2], FloeError) and "out of range" in str(results[2])
+    assert torch.equal(results[0], expect[0]) and torch.equal(results[3], expect[3])
+    assert [engine.kv_len(s) for s in slots] == [lengths[0] + 1, 48, lengths[2], lengths[3] + 1]
+
+
+def test_a_failure_inside_the_step_takes_every_row_back(tiny_engine, monkeypatch):
+    slots = prefilled(tiny_engine)
+    lengths = [tiny_engine.kv_len(s) for s in slots]
+
+    def broken(self, tokens, positions, slots, out=None):
+        raise RuntimeError("the step broke")
+
+    monkeypatch.setattr(CpuDecoder, "step", broken)
+    with pytest.raises(RuntimeError, match="the step broke"):
+        tiny_engine.decode_batch([1, 2, 3, 4], slots)
+    assert [tiny_engine.kv_len(s) for s in slots] == lengths
+    assert [len(tiny_engine.cache.tokens[s]) for s in slots] == lengths
+
+
+def test_the_scripted_step_over_rows_equals_the_eager_one(tiny_q):
+    engine = Engine(tiny_q, max_seq_len=64, n_slots=4, weights="native")
+    slots = prefilled(engine)
+    positions = [engine.kv_len(s) for s in slots]
+    scripted = CpuDecoder(engine.model, engine.cache).step([7, 8, 9, 10], positions, slots).clone()
+    eager = CpuDecoder(engine.model, engine.cache, script=False).step([7, 8, 9, 10], positions, slots)
+    assert torch.equal(scripted, eager)
+
+
+def test_concurrent_actors_batch_their_cpu_steps_and_answer_as_alone(tiny_q, monkeypatch):
+    from floe.actor import Actor, EngineLoop
+
+    engine = Engine(tiny_q, max_seq_len=256, n_slots=4, weights="native")
+    prompts = ["Hello there.", "Name a colour.", "What is two plus two?", "Tell me about owls."]
+    greedy = SamplingParams(0.0)
+
+    def alone(prompt: str) -> list[int]:
+        with Actor(engine) as actor:
+            return actor.send(prompt, max_tokens=12, params=greedy).stats.token_ids
+
+    expected = [alone(p) for p in prompts]
+    rows_per_step: list[int] = []
+    step = CpuDecoder.step
+
+    def counted(self, tokens, positions, slots, out=None):
+        rows_per_step.append(len(tokens))
+        return step(self, tokens, positions, slots, out)
+
+    monkeypatch.setattr(CpuDecoder, "step", counted)
+    loop, replies = EngineLoop(engine), [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def work(i: int) -> None:
+        with Actor(engine, loop=loop) as actor:
+            start.wait()
+            replies[i] = actor.send(prompts[i], max_tokens=12, params=greedy).stats.token_ids
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert replies == expected
+    assert max(rows_per_step) > 1  # the loop's steps ran several actors' rows as one forward
