@@ -11,11 +11,11 @@ static int build_mask(void) {
     allowed = floe_alloc((size_t)vocab);
     logits_target = floe_alloc((size_t)vocab * sizeof(float));
     if (!allowed || !logits_target) return 0;
-    char text[64];
+    char text[256];
     for (int32_t id = 0; id < vocab; id++) {
         int32_t n = floe_detokenize(&id, 1, text, sizeof text);
-        int ok = n >= 0;
-        for (int32_t i = 0; ok && i < n && i < (int32_t)sizeof text; i++)
+        int ok = n >= 0 && n <= (int32_t)sizeof text; /* a longer token is not checked: not allowed */
+        for (int32_t i = 0; ok && i < n; i++)
             if (text[i] == 'e' || text[i] == 'E') ok = 0;
         allowed[id] = (uint8_t)ok;
     }

@@ -153,13 +153,21 @@ static int32_t took_prompt(uint32_t p) {
 /* One chosen token: EOS ends the reply; otherwise its bytes are kept and streamed. Returns 1 to go
  * on, 0 when the reply is over (EOS, the caller said stop), or a negative error. */
 static int32_t take_token(int32_t tok) {
-    static char piece[64];
     if (tok < 0 || is_eos(tok)) return 0;
-    int32_t k = floe_detokenize(&tok, 1, piece, sizeof piece);
-    if (k < 0 || k > (int32_t)sizeof piece || !reserve_bytes(&reply, reply.len + (uint32_t)k)) return -6;
-    __builtin_memcpy(reply.data + reply.len, piece, (size_t)k);
-    reply.len += (uint32_t)k;
-    return floe_emit(piece, k) ? 0 : 1;
+    /* The token's text goes straight to the end of the reply; a token longer than the room left
+     * (some are 80 bytes of '#' or spaces) is asked for again with room for all of it. */
+    uint32_t room = 64;
+    for (;;) {
+        if (!reserve_bytes(&reply, reply.len + room)) return -6;
+        int32_t k = floe_detokenize(&tok, 1, reply.data + reply.len, (int32_t)room);
+        if (k < 0) return -6;
+        if ((uint32_t)k <= room) {
+            const char *piece = reply.data + reply.len;
+            reply.len += (uint32_t)k;
+            return floe_emit(piece, k) ? 0 : 1;
+        }
+        room = (uint32_t)k;
+    }
 }
 
 static int32_t end_reply(void) { return add_message("assistant", reply.data, reply.len) ? 0 : 8; }

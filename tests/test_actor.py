@@ -207,3 +207,20 @@ def test_between_messages_holds_the_actor_until_the_block_ends(chat):
         before = chat.capture_state()  # capture (and restore) work inside it
     sender.join(timeout=60)
     assert replied.is_set() and len(chat.capture_state().tokens) > len(before.tokens)
+
+
+@pytest.mark.parametrize("guest", ["chat", "constrained"])
+def test_tokens_longer_than_the_guests_first_buffer_stream_whole(guest):
+    """Real vocabularies have tokens of 80 bytes and more (runs of '#' or spaces): each one streams
+    and lands in the reply whole. Here every token of a fresh tiny engine's tokenizer is 100 bytes."""
+    from models import tiny_engine
+
+    engine = tiny_engine(n_slots=1, max_seq_len=256)
+    tokenizer = engine.tokenizer
+    long = [b"[" + bytes([97 + i % 4]) * 98 + b"]" for i in range(len(tokenizer._byte_table))]
+    tokenizer.__dict__["_byte_table"] = long  # the bytes each id stands for, as the host reads them
+    pieces = []
+    with Actor(engine, builtin_guest(guest)) as actor:
+        reply = actor.send("x", max_tokens=6, params=SamplingParams(0.0), on_text=pieces.append)
+    assert pieces and all(p.encode() in long for p in pieces), pieces
+    assert reply.text == "".join(pieces)

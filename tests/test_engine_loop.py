@@ -20,9 +20,9 @@ def alone(engine, prompt: str, max_tokens: int) -> list[int]:
         return actor.send(prompt, max_tokens=max_tokens, params=GREEDY).stats.token_ids
 
 
-def concurrently(engine, loop, jobs: list[tuple[object, str, int]]) -> list:
-    """Each (guest, prompt, max_tokens) as its own actor in its own thread, started together; each
-    one's Reply or the exception it raised."""
+def concurrently(engine, loop, jobs: list[tuple[object, str, int]], take=lambda actor, reply: reply) -> list:
+    """Each (guest, prompt, max_tokens) as its own actor in its own thread, started together; for
+    each, take(actor, its Reply) or the exception it raised."""
     out: list = [None] * len(jobs)
     start = threading.Barrier(len(jobs))
 
@@ -30,7 +30,7 @@ def concurrently(engine, loop, jobs: list[tuple[object, str, int]]) -> list:
         with Actor(engine, guest, loop=loop) as actor:
             start.wait()
             try:
-                out[i] = actor.send(prompt, max_tokens=max_tokens, params=GREEDY)
+                out[i] = take(actor, actor.send(prompt, max_tokens=max_tokens, params=GREEDY))
             except Exception as e:  # noqa: BLE001 - the test looks at it
                 out[i] = e
 
@@ -106,3 +106,58 @@ def test_the_host_counts_max_tokens_whatever_the_guest_does(tiny_engine):
         reply = actor.send("x", max_tokens=7)
     assert reply.stats.finish_reason == "length" and reply.stats.generated_tokens == 7
 
+
+
+# A v2 guest that takes the host's sample except on every third token, where it takes the next id:
+# a speculated row (the forward's greedy choice launched before the guest chose) it must undo.
+REFUSES = v2_guest("(if (i32.eqz (i32.rem_u (global.get $n) (i32.const 3))) (then (return (i32.rem_u "
+                   "(i32.add (call $sample (i32.const 0)) (i32.const 1)) (i32.const 1000)))))", after=1)
+STOPS = v2_guest("(return (i32.const -1))", after=6)  # stops at its sixth token, speculated or not
+
+
+def contexts(engine, loop, jobs):
+    """concurrently(): each actor's tokens, end, and KV cache tokens once its turn ended."""
+    return concurrently(engine, loop, jobs, lambda actor, reply: (
+        reply.stats.token_ids, reply.stats.finish_reason, list(engine.cache.tokens[actor.slot])))
+
+
+def test_overlapped_steps_answer_and_cache_exactly_as_plain_steps(tiny_engine):
+    """With overlap (speculated greedy rows; forced on here, where the CPU's step is not async) the
+    tokens, the ends and every KV cache are those of plain steps, for guests that always take the
+    greedy choice, refuse it now and then, or stop while a speculated row is in flight."""
+    jobs = [(None, PROMPTS[0], 24), (REFUSES, "x", 20), (STOPS, "x", 20), (None, PROMPTS[1], 9)]
+    plain = EngineLoop(tiny_engine, overlap=False)
+    expected = contexts(tiny_engine, plain, jobs)
+    overlapped = EngineLoop(tiny_engine, overlap=True)
+    assert contexts(tiny_engine, overlapped, jobs) == expected
+    assert expected[2][1] == "stop" and len(expected[2][0]) == 5
+    assert overlapped.undone > 0 and plain.undone == 0  # the refusals were speculated and undone
+    assert overlapped.rows > plain.rows  # ...which cost rows, not answers
+
+
+def test_a_greedy_draw_is_from_the_logits_the_guest_left_in_its_memory(tiny_engine):
+    """A guest that has the logits written into its memory and masks all but token 5 gets 5 from a
+    greedy sample(), although the batched step computed its own (unmasked) greedy choice."""
+    import wasmtime
+
+    vocab = tiny_engine.config.vocab_size
+    masks = wasmtime.wat2wasm(f"""
+(module
+  (import "floe" "prefill" (func $prefill (param i32 i32 i32) (result i32)))
+  (import "floe" "sample" (func $sample (param i32) (result i32)))
+  (memory (export "memory") 8)
+  (func (export "floe_abi_version") (result i32) (i32.const 2))
+  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "on_message") (param i32 i32) (result i32)
+    (i32.store (i32.const 4096) (i32.const 17))
+    (call $prefill (i32.const 4096) (i32.const 1) (i32.const 65536)))
+  (func (export "on_token") (result i32) (local $i i32)
+    (loop $l
+      (f32.store (i32.add (i32.const 65536) (i32.shl (local.get $i) (i32.const 2))) (f32.const -inf))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $l (i32.lt_u (local.get $i) (i32.const {vocab}))))
+    (f32.store (i32.const 65556) (f32.const 0))
+    (call $sample (i32.const 0))))""")
+    for overlap in (False, True):
+        out = contexts(tiny_engine, EngineLoop(tiny_engine, overlap=overlap), [(masks, "x", 4)] * 3)
+        assert all(tokens == [5, 5, 5, 5] for tokens, _, _ in out), out

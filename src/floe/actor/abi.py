@@ -413,7 +413,10 @@ class HostABI:
         else:
             params = self.actor.request.params
         t = time.perf_counter()
-        chosen = self.engine.greedy_token(self.actor.slot) if params.greedy else None
+        # The forward's own greedy choice, unless the logits are in guest memory (the guest may have
+        # changed them: the draw is from the bytes as it left them).
+        in_guest = self.actor.region.holds(self.last_logits)
+        chosen = self.engine.greedy_token(self.actor.slot) if params.greedy and not in_guest else None
         if chosen is not None:  # chosen in the batched forward and already read back with it
             token = chosen
             self.actor.ledger.copy(f"sampled token {self.last_logits.device.type}→host (readback, "

@@ -3,12 +3,22 @@
 An actor's caller thread runs the guest's on_message (it renders, tokenizes and queues its prompt),
 then hands the turn to the loop and waits. Each step of the loop:
   1. prefill: one chunk of each queued prompt (a long prompt does not stall the others' decoding);
-  2. decode: one batched forward (Engine.decode_batch) for every turn that has a next token;
+  2. the previous decode forward's results: each of its turns has fresh logits;
   3. guests: each turn whose logits are fresh calls its guest's on_token, which chooses the next
-     token (or stop); the host appends it in the next step and counts max_tokens;
-  4. ended turns call on_end and wake their caller.
+     token (or stop); the host appends it in the next forward and counts max_tokens;
+  4. decode: one batched forward (Engine.launch_batch) for every turn that has a next token;
+  5. ended turns call on_end and wake their caller.
 A guest that traps, overruns or passes a bad pointer fails its own turn; the others go on. One turn
 waits at most one step for its next forward, whatever the others do (no turn starves).
+
+Overlap. Where the engine's forward runs on its own (a CUDA graph replay: Engine.overlaps), the loop
+does not leave the device idle while guests choose: a turn whose guest took the forward's greedy
+choice last time (the argmax the graph computed) is *speculated* to take it again. Its next forward
+is launched with that token before its guest is asked, and the guest is asked while the device
+computes; if it chooses otherwise (or stops), that row's forward is undone (its KV position
+truncated, its logits dropped) and the guest's token runs in the next step. What the guest sees and
+decides is the same either way (its logits are a copy held for the call); only when the device works
+changes. The KV cache holds exactly the tokens the guest returned, as without overlap.
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
 
 from floe.actor.abi import OK
 from floe.engine import Engine
@@ -48,6 +60,10 @@ class Turn:
     generated: int = 0
     next_token: int | None = None  # to append in the next step
     fresh: bool = False  # logits of a forward the guest has not seen yet
+    takes_greedy: bool = False  # its guest's last token was the forward's greedy choice
+    speculated: int | None = None  # the token in flight before its guest chose it (see module doc)
+    chosen: int | None = None  # what its guest chose for a speculated row (None: stop or failure)
+    in_flight: bool = False  # a launched forward has a row of this turn
     end: int | None = None  # why it ended (END_*), once it has
     error: BaseException | None = None
     abandoned: bool = False  # its caller stopped waiting (Ctrl-C): end it at the next step
@@ -63,15 +79,19 @@ class EngineLoop:
     """
 
     def __init__(self, engine: Engine, prefill_chunk: int = PREFILL_CHUNK, on_step=lambda rows: None,
-                 batch: bool = True, token_call_s: float = TOKEN_CALL_S) -> None:
+                 batch: bool = True, token_call_s: float = TOKEN_CALL_S, overlap: bool | None = None) -> None:
         self.engine, self.prefill_chunk, self.on_step, self.batch = engine, prefill_chunk, on_step, batch
         self.token_call_s = token_call_s
+        # Speculate greedy rows (module doc) where the engine's forward runs while Python goes on.
+        self.overlap = (engine.overlaps and batch) if overlap is None else overlap
+        self._launched = None  # (the engine's launched step, its turns), finished at the next step
         self._cond = threading.Condition()
         self._arrived: list[Turn] = []
         self._active: list[Turn] = []
         self._thread: threading.Thread | None = None
         self.steps = 0  # decode forwards run
         self.rows = 0  # decode rows run in them
+        self.undone = 0  # speculated rows whose guest chose otherwise (their forward undone)
 
     # ---- the caller's side ------------------------------------------------------------------------
 
@@ -96,7 +116,7 @@ class EngineLoop:
     def stats(self) -> dict:
         with self._cond:
             return {"active": len(self._active), "waiting": len(self._arrived), "steps": self.steps,
-                    "rows": self.rows}
+                    "rows": self.rows, "undone": self.undone}
 
     def _start(self) -> None:
         if self._thread is None:
@@ -118,22 +138,46 @@ class EngineLoop:
             try:
                 self._step()
             except BaseException as e:  # noqa: BLE001 - a bug here must fail turns, not hang callers
-                for turn in self._active:
-                    self._finish(turn, END_CANCELLED, e)
+                self._abort(e)
             self._active = [t for t in self._active if not t.done.is_set()]
+
+    def _abort(self, error: BaseException) -> None:
+        """Fail every turn (a bug in the loop, or the engine failed): the forward in flight is waited
+        for first, so that no turn ends while the device still writes its rows."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            try:
+                self.engine.finish_batch(launched[0])
+            except BaseException:  # noqa: BLE001 - already failing
+                pass
+            for turn in launched[1]:
+                turn.in_flight = False
+        for turn in self._active:
+            self._finish(turn, END_CANCELLED, error)
 
     def _step(self) -> None:
         for turn in self._active:
             self._check_cancelled(turn)
         for turn in self._live():
-            if turn.actor.abi.queued_tokens:
+            if turn.actor.abi.queued_tokens and not turn.in_flight:
                 self._prefill(turn)
-        self._decode([t for t in self._live() if t.next_token is not None])
+        self._take_results()
+        speculated = []
         for turn in self._live():
-            if turn.fresh:
+            if turn.fresh and self._speculate(turn):
+                speculated.append(turn)
+            elif turn.fresh:
+                self._ask_guest(turn)
+        self._launch([t for t in self._live() if t.next_token is not None])
+        for turn in speculated:  # while the device computes their next logits
+            if turn.end is None:
                 self._ask_guest(turn)
         for turn in self._active:
-            if turn.end is not None and not turn.done.is_set():
+            if turn.end is None or turn.done.is_set() or turn.in_flight:
+                continue
+            if turn.error is not None:  # failed while a forward had its row: wake its caller now
+                turn.done.set()
+            else:
                 self._end(turn)
 
     def _live(self) -> list[Turn]:
@@ -157,21 +201,64 @@ class EngineLoop:
         elif not abi.queued_tokens:
             turn.fresh = True
 
-    def _decode(self, turns: list[Turn]) -> None:
-        if not self.batch and len(turns) > 1:
-            for turn in turns:
-                self._decode([turn])
-            return
+    def _speculate(self, turn: Turn) -> bool:
+        """Whether to launch `turn`'s next forward with its forward's greedy choice before asking its
+        guest (module doc): its guest took the greedy choice last time, and the token would be
+        appended (not its last one, which max_tokens ends unappended)."""
+        if not (self.overlap and turn.takes_greedy and turn.generated + 1 < turn.max_tokens):
+            return False
+        greedy = self.engine.greedy_token(turn.actor.slot)
+        if greedy is None:
+            return False
+        turn.fresh = False
+        turn.next_token = turn.speculated = greedy
+        return True
+
+    def _launch(self, turns: list[Turn]) -> None:
+        """Launch one forward for every turn with a next token (the rows' steps one by one if not
+        batching). Speculated turns' guests read their logits during it: those are held in a copy
+        first (the forward overwrites the engine's buffer)."""
         if not turns:
             return
-        t0 = time.perf_counter()
-        results = self.engine.decode_batch([t.next_token for t in turns], [t.actor.slot for t in turns])
+        if not self.batch and len(turns) > 1:
+            for turn in turns:
+                self._launch([turn])
+                self._take_results()
+            return
+        held = [t for t in turns if t.speculated is not None and not t.actor.abi.logits_ptr]
+        if held:  # one copy of every speculated row's logits (on CUDA: ordered before the forward)
+            copies = torch.stack([t.actor.abi.last_logits for t in held])
+            for turn, logits in zip(held, copies, strict=True):
+                turn.actor.abi.last_logits = logits
+        tokens, slots = [t.next_token for t in turns], [t.actor.slot for t in turns]
+        self._launched = (self.engine.launch_batch(tokens, slots), turns, time.perf_counter())
+        for turn in turns:
+            turn.next_token, turn.in_flight = None, True
+
+    def _take_results(self) -> None:
+        """Wait for the launched forward; each row's turn has fresh logits, or its error. A speculated
+        row its guest did not confirm is undone: its KV position truncated, its logits dropped, and
+        the guest's own token (if it goes on) runs next."""
+        if self._launched is None:
+            return
+        launched, turns, t0 = self._launched
+        self._launched = None
+        results = self.engine.finish_batch(launched)
         seconds = time.perf_counter() - t0
         self.steps += 1
         self.rows += len(turns)
         self.on_step(len(turns))
         for turn, result in zip(turns, results, strict=True):
-            turn.next_token = None
+            turn.in_flight = False
+            speculated, chosen, turn.speculated, turn.chosen = turn.speculated, turn.chosen, None, None
+            refused = speculated is not None and chosen != speculated
+            if not isinstance(result, BaseException) and (turn.end is not None or refused):
+                # Ended while in flight (its guest keeps only the tokens the cache held before), or a
+                # speculated token its guest did not choose: the row's forward is undone.
+                self.undone += refused
+                self.engine.kv_truncate(self.engine.kv_len(turn.actor.slot) - 1, turn.actor.slot)
+                turn.next_token = chosen if turn.end is None else None
+                continue
             if isinstance(result, ContextOverflow):
                 turn.end = END_CONTEXT_FULL
             elif isinstance(result, BaseException):
@@ -186,13 +273,17 @@ class EngineLoop:
                 turn.fresh = True
 
     def _ask_guest(self, turn: Turn) -> None:
+        """Its guest's on_token: the next token (appended by the next forward, or confirming the
+        speculated one), a stop, or a failure of this turn."""
         turn.fresh = False
+        greedy = self.engine.greedy_token(turn.actor.slot)
         try:
             token = turn.actor.guest_call("on_token", deadline=min(turn.deadline, time.monotonic()
                                                                    + self.token_call_s))
         except BaseException as e:  # noqa: BLE001 - fails this turn only
             self._finish(turn, END_CANCELLED, e)
             return
+        turn.takes_greedy = token == greedy
         if token == STOP:
             turn.end = END_STOP
         elif token < 0:
@@ -201,6 +292,8 @@ class EngineLoop:
             turn.generated += 1
             if turn.generated >= turn.max_tokens:
                 turn.end = END_LENGTH
+            elif turn.speculated is not None:
+                turn.chosen = token  # the launched forward has it if it is the speculated one
             else:
                 turn.next_token = token
 
@@ -226,8 +319,11 @@ class EngineLoop:
 
     @staticmethod
     def _finish(turn: Turn, end: int, error: BaseException | None) -> None:
+        """End the turn now and wake its caller, unless a launched forward still has its row: then
+        it ends (on_end is skipped for a failure) once that forward is taken."""
         turn.end, turn.error = end, error
-        turn.done.set()
+        if not turn.in_flight:
+            turn.done.set()
 
 
 def _wait_out(turn: Turn, patience_s: float = 30.0) -> None:

@@ -193,10 +193,11 @@ class CpuDecoder:
             self.qkv_bias.append(torch.empty(0) if bias is None else bias)
         self.k_caches = [cache.k[i] for i in range(c.n_layers)]
         self.v_caches = [cache.v[i] for i in range(c.n_layers)]
-        # The head as `project` takes it: the kernel's product alone (QLinear's exact_top pass, which
-        # the module forward of a prompt runs, is not run here).
+        # The head as `project` takes it; a quantized head's exact_top pass (QLinear) runs after it,
+        # as in the module forward.
         head = model.head
         self.head = _weights(head) if head is not None else (model.output_weight(), torch.empty(0), 0)
+        self.exact_head = head if getattr(head, "rounding_bound", None) is not None else None
         self.head_input = torch.empty(rows, c.dim, dtype=input_dtype(self.head[0], self.head[2]))
         self._rows_views: dict[int, tuple] = {}
         fns = _compiled() if script else {"decode_layers": decode_layers, "project": project,
@@ -238,4 +239,6 @@ class CpuDecoder:
         if out is not None and repeat == 0 and weight.dtype == torch.float32:
             return torch.mm(h, weight.t(), out=out)  # straight into the caller's buffer
         logits = self.project(h, weight, scales, repeat)
+        if self.exact_head is not None:
+            self.exact_head.exact_top(h, logits)
         return logits.float() if out is None else out.copy_(logits)

@@ -1,4 +1,7 @@
-"""Batch-1 decode on CUDA as captured graphs: one replay per token.
+"""Decode on CUDA as captured graphs: one replay per step.
+
+BatchGraphDecoder is the fused step (Triton kernels) for one row or many; GraphDecoder is the eager
+reference step of one slot in a graph (fused_kernels=False), optionally through torch.compile.
 
 The step reads its token and position from device buffers fed from pinned host memory inside the
 graph, so a replay needs no argument and allocates nothing. One graph per KV-length bucket keeps
@@ -48,7 +51,7 @@ class GraphDecoder:
     """Decode steps of one KV cache slot, replayed from CUDA graphs."""
 
     def __init__(self, model: Transformer, cache, slot: int, min_bucket: int = 256,
-                 compile: bool = False, fused: bool = False) -> None:
+                 compile: bool = False) -> None:
         self.model, self.cache, self.slot = model, cache, slot
         dev = model.tok_embeddings.weight.device
         c = model.config
@@ -64,7 +67,7 @@ class GraphDecoder:
         self.done = torch.cuda.Event()  # the last replay finished reading host_in
         # Inductor fuses the step's elementwise ops (norms, rotary, residuals) into fewer kernels;
         # the graph below is still ours, so replay and I/O are the same either way.
-        core = self._core_fused if fused else self._core_eager
+        core = self._core_eager
         self._core = torch.compile(core, fullgraph=True, dynamic=False) if compile else core
 
     def bucket_for(self, length: int) -> int:
@@ -99,27 +102,6 @@ class GraphDecoder:
             x = x + att.wo(y)
             x = x + layer.feed_forward(layer.ffn_norm(x))
         return logits(m, m.norm(x))[0]
-
-    def _core_fused(self, dev_in: Tensor, bucket: int) -> Tensor:
-        """The same step with Triton kernels: 9 launches a layer instead of ~49."""
-        from floe.engine import triton_kernels as tk
-
-        m, c, slot = self.model, self.model.config, self.slot
-        token, pos = dev_in[:1], dev_in[1:]
-        layers = m.layers
-        x = m.tok_embeddings(token)  # [1, dim], the residual stream
-        h, _ = tk.rmsnorm(x, layers[0].attention_norm.weight, c.norm_eps)
-        for i, layer in enumerate(layers):
-            k_cache, v_cache = self.cache.k[i, slot], self.cache.v[i, slot]
-            qkv = layer.attention.wqkv(h)
-            q = tk.rope_kv_write(qkv, m.cos, m.sin, pos, k_cache, v_cache,
-                                 c.n_heads, c.n_kv_heads, c.head_dim)
-            y = tk.decode_attention(q, k_cache, v_cache, pos, c.n_kv_heads, bucket)
-            h, x = tk.rmsnorm(layer.attention.wo(y), layer.ffn_norm.weight, c.norm_eps, residual=x)
-            d = layer.feed_forward.w2(tk.swiglu(layer.feed_forward.w13(h)))
-            next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else m.norm
-            h, x = tk.rmsnorm(d, next_norm.weight, c.norm_eps, residual=x)
-        return logits(m, h)[0]
 
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph:
         graph = capture(lambda: self._forward(bucket), self.device, self.pool)
@@ -174,7 +156,8 @@ class BatchGraphDecoder:
         dev = model.tok_embeddings.weight.device
         self.device = dev
         n_slots = cache.n_slots
-        self.sizes = sorted({min(2**i, n_slots) for i in range(1, max(1, n_slots - 1).bit_length() + 1)})
+        powers = range(1, max(1, n_slots - 1).bit_length() + 1)
+        self.sizes = sorted({1} | {min(2**i, n_slots) for i in powers})  # padded row counts
         self.prefill_sizes = [2**i for i in range(1, self.PREFILL_ROWS.bit_length())]
         top = max(self.sizes[-1], self.PREFILL_ROWS)
         # Rows: token, position, KV slot (-1: padding), logits row (n_slots: the spare one).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +70,17 @@ class FairLock:
         with self._cond:
             self._serving += 1
             self._cond.notify_all()
+
+
+@dataclass
+class LaunchedStep:
+    """A decode step launch_batch started; finish_batch completes it."""
+
+    tokens: list[int]
+    slots: list[int]
+    results: list  # per row: its logits, or the FloeError that stopped it (None while running)
+    rows: list[int] = field(default_factory=list)  # indices of the rows the batched forward runs
+    logits: list[Tensor] | None = None  # the CPU's rows, computed at launch
 
 
 class LogitsHead(nn.Module):
@@ -238,8 +250,8 @@ class Engine:
         one row of a batched decode step (`batch_rows` rows), its share of the step's input block."""
         if self.device.type == "cpu":
             return None
-        if n_tokens == 1 and batch_rows > 1 and self._batch is not None:
-            share = -(-self._batch.host_in.nbytes // batch_rows)
+        if n_tokens == 1 and self._batch_graphs:
+            share = -(-self._batch_decoder().host_in.nbytes // batch_rows)
             return f"batched step inputs host→{self.device.type} (pinned, in the graph; a row's share)", share
         if n_tokens == 1 and self.cuda_graphs:
             return f"token + position host→{self.device.type} (pinned, in the graph)", 16
@@ -263,6 +275,7 @@ class Engine:
 
     def kv_truncate(self, n: int, slot: int = 0) -> None:
         self.cache.truncate(slot, n)
+        self._greedy.pop(slot, None)  # the logits it was the choice of are not the context's now
 
     def claim_slot(self) -> int:
         """A free KV cache slot, emptied, for a new conversation."""
@@ -347,6 +360,11 @@ class Engine:
         if not (self.cuda_graphs if self.device.type == "cuda" else self.fused_kernels):
             return self.prefill([token], slot, logits_out=logits_out)
         self._check_ids([token])
+        if self._batch_graphs:  # the batched graph's step for one row: one step for B = 1 and B = N
+            result = self.finish_batch(self.launch_batch([token], [slot]))[0]
+            if isinstance(result, FloeError):
+                raise result
+            return result if logits_out is None else logits_out.copy_(result)
         if self.device.type == "cpu":
             out = None if logits_out is None else logits_out.unsqueeze(0)
             return self._append(slot, [token], lambda position: self._batch_decoder().step(
@@ -369,6 +387,12 @@ class Engine:
         fused = self._batch_graphs or (self.device.type == "cpu" and self.fused_kernels)
         return fused and self.cache.n_slots > 1
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether launch_batch returns while its forward still runs on the device (a replay of the
+        batched graph, for one row or many), so the caller can work before finish_batch waits."""
+        return self._batch_graphs
+
     @torch.inference_mode()
     def decode_batch(self, tokens: list[int], slots: list[int]) -> list[Tensor | FloeError]:
         """One decode step for each of several distinct slots; per slot its float32 logits [vocab]
@@ -378,48 +402,70 @@ class Engine:
         A single slot runs decode_step, so an actor alone gets exactly the batch-1 numbers. On the CPU
         every row gets them too where the weights are quantized (see floe.engine.cpu_decode).
         """
+        return self.finish_batch(self.launch_batch(tokens, slots))
+
+    @torch.inference_mode()
+    def launch_batch(self, tokens: list[int], slots: list[int]) -> LaunchedStep:
+        """decode_batch in two halves: this one starts the step (on CUDA a graph replay it does not
+        wait for: see `overlaps`; elsewhere the whole step runs now), finish_batch waits for it and
+        gives the results. Until then the slots' greedy_token and logits are the previous step's."""
         if len(set(slots)) != len(slots) or len(tokens) != len(slots):
             raise ValueError(f"decode_batch needs one token per distinct slot, got {tokens} for {slots}")
-        if len(slots) == 1 or not self.batched_decode:
-            return [self._step_or_error(t, s) for t, s in zip(tokens, slots, strict=True)]
-        results: list = [None] * len(slots)
-        rows = []
+        step = LaunchedStep(tokens, slots, [None] * len(slots))
+        if not self._batch_graphs and (len(slots) == 1 or not self.batched_decode):
+            step.results[:] = [self._step_or_error(t, s) for t, s in zip(tokens, slots, strict=True)]
+            return step
         for i, token in enumerate(tokens):
             try:
                 self._check_ids([token])
-                rows.append(i)
+                step.rows.append(i)
             except FloeError as e:
-                results[i] = e
+                step.results[i] = e
         with self._step_lock:
             starts = {}
-            for i in list(rows):
+            for i in list(step.rows):
                 try:
                     starts[i] = self.cache.reserve(slots[i], 1)
                 except ContextOverflow as e:
-                    results[i] = e
-                    rows.remove(i)
-            if len(rows) > 1:
-                row_slots = [slots[i] for i in rows]
+                    step.results[i] = e
+                    step.rows.remove(i)
+            if len(step.rows) > 1 or (step.rows and self._batch_graphs):  # CUDA: one row too
+                row_slots = [slots[i] for i in step.rows]
                 try:
-                    logits = self._batch_decoder().step([tokens[i] for i in rows], [starts[i] for i in rows],
-                                                        row_slots)
+                    step.logits = self._batch_decoder().step([tokens[i] for i in step.rows],
+                                                             [starts[i] for i in step.rows], row_slots)
                 except BaseException:
-                    for i in rows:
+                    for i in step.rows:
                         self.cache.truncate(slots[i], starts[i])
                     raise
-                if self.device.type != "cpu":
-                    self._batch.done.synchronize()  # every row's greedy choice is on the host now
-                    logits = [self._batch.slot_logits[s] for s in row_slots]
-                    self._greedy.update((s, int(self._batch.host_argmax[s])) for s in row_slots)
-                for i, row in zip(rows, logits, strict=True):
+                for i in step.rows:  # reserved and written (or being written): the cache holds them
                     self.cache.tokens[slots[i]].append(tokens[i])
-                    results[i] = row
-                return results
-            for i in rows:
+                return step
+            for i in step.rows:
                 self.cache.truncate(slots[i], starts[i])
-        for i in rows:  # the others failed: the one left runs the batch-1 step, as decode_step does
-            results[i] = self._step_or_error(tokens[i], slots[i])
-        return results
+        for i in step.rows:  # the others failed: the one left runs the batch-1 step, as decode_step does
+            step.results[i] = self._step_or_error(tokens[i], slots[i])
+        step.rows = []
+        return step
+
+    @torch.inference_mode()
+    def finish_batch(self, step: LaunchedStep) -> list[Tensor | FloeError]:
+        """Wait for a launched step; per slot its logits or the FloeError that stopped it (see
+        decode_batch). On CUDA each row's greedy choice is on the host now (greedy_token)."""
+        if step.rows:
+            row_slots = [step.slots[i] for i in step.rows]
+            logits = step.logits
+            if self.device.type == "cpu":  # one argmax for every row: greedy sampling needs no pass
+                self._greedy.update(zip(row_slots, logits.argmax(-1).tolist(), strict=True))
+            else:
+                with self._step_lock:
+                    self._batch.done.synchronize()  # every row's greedy choice is on the host now
+                    self._greedy.update((s, int(self._batch.host_argmax[s])) for s in row_slots)
+                logits = [self._batch.slot_logits[s] for s in row_slots]
+            for i, row in zip(step.rows, logits, strict=True):
+                step.results[i] = row
+            step.rows = []
+        return step.results
 
     def greedy_token(self, slot: int) -> int | None:
         """The argmax of `slot`'s latest logits if the forward that made them computed it (a batched
@@ -452,9 +498,7 @@ class Engine:
             return decoder
         from floe.engine.cuda_graph import GraphDecoder
 
-        decoder = GraphDecoder(
-            self.model, self.cache, slot, compile=self.compile_decode, fused=self.fused_kernels
-        )
+        decoder = GraphDecoder(self.model, self.cache, slot, compile=self.compile_decode)
         self._decoders[slot] = decoder
         return decoder
 
@@ -515,8 +559,8 @@ class Engine:
                     for size in batch.prefill_sizes:
                         if free and size <= bucket:
                             batch.prefill([0] * size, bucket - size, free[0])
-                    for size in batch.sizes if self.batched_decode else ():
-                        if 1 < size <= len(free):
+                    for size in batch.sizes:
+                        if size <= len(free):
                             batch.step([0] * size, [bucket - 1] * size, free[:size])
                 batch.done.synchronize()
         finally:

@@ -204,7 +204,7 @@ class QLinear(nn.Module):
         self.bias = None if bias is None else bias.float()
         self.dense = weight.dequantize(gemm_dtype()) if dense else None
         # exact_top (the vocabulary head): per row and group of 32, how far the int8 rounding of an
-        # input whose group has absmax 1 can move the output (see _exact_top)
+        # input whose group has absmax 1 can move the output (see exact_top)
         self.rounding_bound = self._abs_sums().mul_(ROUNDING_SLACK / 254) if exact_top else None
 
     @property
@@ -220,7 +220,7 @@ class QLinear(nn.Module):
         if self.bias is not None:
             y.add_(self.bias)
         if self.rounding_bound is not None:
-            self._exact_top(x, y)
+            self.exact_top(x, y)
         return y
 
     def rows(self, index: slice | Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -248,7 +248,7 @@ class QLinear(nn.Module):
             out[start:end] = self.rows(slice(start, end)).view(end - start, -1, GROUP).abs().sum(-1)
         return out
 
-    def _exact_top(self, x: Tensor, y: Tensor) -> None:
+    def exact_top(self, x: Tensor, y: Tensor) -> None:
         """Recompute in float32, in place, every output of y [M, rows] that could be its row's
         largest. The kernel rounds each input group g to int8 steps of absmax_g / 127, each element by
         at most half a step, which moves output r by at most sum_g absmax_g / 254 · sum|w_rg|

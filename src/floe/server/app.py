@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -344,11 +345,32 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
                 payload["usage"] = usage
             return f"data: {json.dumps(payload)}\n\n"
 
+        # Text from the engine loop's thread is handed over in batches: a piece joins the pending
+        # ones, and the event loop is woken only if no wake-up is already on its way, so a busy
+        # server sends several tokens a chunk instead of falling behind one wake-up per token.
+        pending: list[str] = []  # appended by the engine loop's thread, taken from the front here
+        wake = threading.Lock()  # held while a wake-up is on its way to the event loop
+
+        def take_pending() -> None:
+            n = len(pending)
+            if n:
+                text = "".join(pending[:n])
+                del pending[:n]
+                queue.put_nowait(("text", text))
+
+        def hand_over() -> None:
+            wake.release()  # first: a piece appended from here on schedules its own wake-up
+            take_pending()
+
+        def on_text(piece: str) -> None:
+            pending.append(piece)
+            if wake.acquire(blocking=False):
+                loop.call_soon_threadsafe(hand_over)
+
         async def work():
             try:
-                reply = await asyncio.to_thread(
-                    run, lambda piece: loop.call_soon_threadsafe(queue.put_nowait, ("text", piece)),
-                    lambda: gone)
+                reply = await asyncio.to_thread(run, on_text, lambda: gone)
+                take_pending()  # no piece comes after the reply: none is left behind
                 queue.put_nowait(("done", finish(reply)))  # counted even if the client has left
             except BaseException as e:  # noqa: BLE001 - handed to the stream
                 queue.put_nowait(("error", e))
