@@ -198,10 +198,13 @@ def stream_turn(client: openai.OpenAI, model_id: str, messages: list[dict], max_
     for chunk in client.chat.completions.create(
             model=model_id, messages=messages, temperature=0, max_tokens=max_tokens,
             stream=True, stream_options={"include_usage": True}, extra_body={"session_id": session_id}):
-        if chunk.choices and chunk.choices[0].delta.content:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        # A token's chunk, even of no text (random weights pick ids past the tokenizer's vocabulary,
+        # which stand for nothing); the first chunk only says the role.
+        if delta is not None and delta.content is not None and not delta.role:
             last = time.perf_counter()
             first = first or last
-            pieces.append(chunk.choices[0].delta.content)
+            pieces.append(delta.content)
         usage = chunk.usage or usage
     n = usage.completion_tokens if usage else len(pieces)
     return {"ttft_s": (first or sent) - sent, "text": "".join(pieces),

@@ -106,6 +106,26 @@ def test_streamed_completion_equals_the_plain_one(server):
     assert usage is not None and usage.completion_tokens > 0
 
 
+def test_many_streams_at_once_each_get_the_plain_reply(server, monkeypatch):
+    """More streams than BUSY_STREAMS: text is handed over in intervals, several tokens a chunk, and
+    every stream still carries exactly its plain reply, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import floe.server.app as app_module
+
+    monkeypatch.setattr(app_module, "BUSY_STREAMS", 2)
+    c = client(server.url)
+    questions = [[{"role": "user", "content": f"Count from {i} to {i + 5}."}] for i in range(6)]
+    plain = [ask(c, m).choices[0].message.content for m in questions]
+
+    def streamed(messages) -> str:
+        return "".join(chunk.choices[0].delta.content or "" for chunk in ask(c, messages, stream=True)
+                       if chunk.choices)
+
+    with ThreadPoolExecutor(len(questions)) as pool:
+        assert list(pool.map(streamed, questions)) == plain
+
+
 def test_a_session_prefills_only_the_new_tokens(server):
     c = client(server.url)
     replies, usages = conversation(c, "three-turns")

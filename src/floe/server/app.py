@@ -125,6 +125,10 @@ def _text(m: ChatMessage) -> str:
     return "".join(parts)
 
 
+BUSY_STREAMS = 8  # more streams than this: a stream's text is handed over every STREAM_INTERVAL_S
+STREAM_INTERVAL_S = 0.02
+
+
 def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: float = 300.0,
                guest: str | None = None, batching: bool | None = None) -> FastAPI:
     """The ASGI app serving `engine`; sessions freeze into `snapshots`, which a restart reads back.
@@ -151,6 +155,7 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
     store.load_folder()
     store.warm_up()
     started = time.time()
+    streams = [0]  # streamed replies being generated
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -347,9 +352,21 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
 
         # Text from the engine loop's thread is handed over in batches: a piece joins the pending
         # ones, and the event loop is woken only if no wake-up is already on its way, so a busy
-        # server sends several tokens a chunk instead of falling behind one wake-up per token.
+        # server sends several tokens a chunk instead of falling behind one wake-up per token. With
+        # more than BUSY_STREAMS streams, a stream's hand-overs after its first wait STREAM_INTERVAL_S
+        # (as vLLM's stream interval): each chunk's JSON and write cost the event loop's share of the
+        # GIL, which the engine loop's thread needs for the next step.
         pending: list[str] = []  # appended by the engine loop's thread, taken from the front here
         wake = threading.Lock()  # held while a wake-up is on its way to the event loop
+        handed = False  # the first piece went out (it never waits: time to first token)
+
+        def schedule() -> None:
+            nonlocal handed
+            if handed and streams[0] > BUSY_STREAMS:
+                loop.call_later(STREAM_INTERVAL_S, hand_over)
+            else:
+                handed = True
+                hand_over()
 
         def take_pending() -> None:
             n = len(pending)
@@ -365,15 +382,18 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
         def on_text(piece: str) -> None:
             pending.append(piece)
             if wake.acquire(blocking=False):
-                loop.call_soon_threadsafe(hand_over)
+                loop.call_soon_threadsafe(schedule)
 
         async def work():
+            streams[0] += 1
             try:
                 reply = await asyncio.to_thread(run, on_text, lambda: gone)
                 take_pending()  # no piece comes after the reply: none is left behind
                 queue.put_nowait(("done", finish(reply)))  # counted even if the client has left
             except BaseException as e:  # noqa: BLE001 - handed to the stream
                 queue.put_nowait(("error", e))
+            finally:
+                streams[0] -= 1
 
         # Started now, not when the response body is first pulled: the session's lock is released
         # by `run` whatever the client does.
