@@ -14,7 +14,7 @@ one throwaway request (its session deleted after): the openai package's first re
 builds its resources (~0.1 s), a cost of the client, not of the server.
 --prompt-tokens N pads each session's first message with context to about N prompt tokens.
 --probe K: once every session has its first token, K new sessions one after another send a
---prompt-tokens prompt and take one token: the TTFT of a new conversation while the others decode.
+--prompt-tokens prompt and take two tokens: the TTFT of a new conversation while the others decode.
 Writes bench/results/serve_load_<device>.json.
 """
 
@@ -190,8 +190,9 @@ def first_message(i: int, prompt_tokens: int) -> str:
 
 
 def stream_turn(client: openai.OpenAI, model_id: str, messages: list[dict], max_tokens: int,
-                session_id: str) -> dict:
-    """One streamed request; its TTFT, decode rate, text and token counts."""
+                session_id: str, on_first=lambda: None) -> dict:
+    """One streamed request; its TTFT, decode rate, text and token counts. on_first(): called at its
+    first token."""
     sent = time.perf_counter()
     first = last = None
     pieces, usage = [], None
@@ -203,11 +204,13 @@ def stream_turn(client: openai.OpenAI, model_id: str, messages: list[dict], max_
         # which stand for nothing); the first chunk only says the role.
         if delta is not None and delta.content is not None and not delta.role:
             last = time.perf_counter()
-            first = first or last
+            if first is None:
+                first = last
+                on_first()
             pieces.append(delta.content)
         usage = chunk.usage or usage
     n = usage.completion_tokens if usage else len(pieces)
-    return {"ttft_s": (first or sent) - sent, "text": "".join(pieces),
+    return {"ttft_s": None if first is None else first - sent, "text": "".join(pieces),
             "decode_tok_s": (n - 1) / (last - first) if first and last > first else None,
             "completion_tokens": n, "prompt_tokens": usage.prompt_tokens if usage else None,
             "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage else None}
@@ -224,7 +227,7 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
     warm_client(client, model_id)
     deadline = time.time() + args.budget_s
     rows, errors, probes = [], [], []
-    started = threading.Barrier(args.sessions + 1) if args.probe else None
+    decoding = [threading.Event() for _ in range(args.sessions)]  # set at each session's first token
 
     def session(i: int) -> None:
         messages = []
@@ -235,30 +238,26 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
             messages.append({"role": "user", "content": first_message(i, args.prompt_tokens) if t == 0
                              else QUESTIONS[t % len(QUESTIONS)].format(TOPICS[i % len(TOPICS)])})
             try:
-                row = stream_turn(client, model_id, messages, args.max_tokens, f"load-{i}")
+                row = stream_turn(client, model_id, messages, args.max_tokens, f"load-{i}",
+                                  on_first=decoding[i].set)
             except openai.APIError as e:
                 errors.append(f"session {i} turn {t}: {e}")
                 return
             finally:
-                if started is not None and t == 0:  # the probe starts once every session has replied
-                    try:
-                        started.wait(args.budget_s)
-                    except threading.BrokenBarrierError:
-                        pass
+                decoding[i].set()
             messages.append({"role": "assistant", "content": row.pop("text")})
             rows.append({"session": i, "turn": t} | row)
 
     def probe() -> None:
-        """New sessions one by one while the others decode: their TTFT."""
-        try:
-            started.wait(args.budget_s)
-        except threading.BrokenBarrierError:
-            errors.append("probe: the sessions never all replied")
-            return
+        """New sessions one by one while the others decode (each has its first token): their TTFT."""
+        for event in decoding:
+            if not event.wait(max(0.0, deadline - time.time())):
+                errors.append("probe: the sessions never all started")
+                return
         for k in range(args.probe):
             messages = [{"role": "user", "content": first_message(k, args.prompt_tokens)}]
             try:
-                row = stream_turn(client, model_id, messages, 1, f"probe-{k}")
+                row = stream_turn(client, model_id, messages, 2, f"probe-{k}")
                 client.delete(f"/sessions/probe-{k}", cast_to=object)
             except openai.APIError as e:
                 errors.append(f"probe {k}: {e}")
@@ -274,23 +273,26 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
         for job in jobs:
             job.result()
     wall = time.perf_counter() - start
-    ttft = [r["ttft_s"] for r in rows]
+    ttft = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
     rates = [r["decode_tok_s"] for r in rows if r["decode_tok_s"]]
     generated = sum(r["completion_tokens"] for r in rows)
     later = [r for r in rows if r["turn"] > 0]
+    probe_ttft = [p["ttft_s"] for p in probes if p["ttft_s"] is not None]
     result = about | {
         "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens,
         "requests": len(rows), "errors": errors, "wall_s": wall,
         "ttft_p50_ms": 1e3 * pct(ttft, 0.5), "ttft_p95_ms": 1e3 * pct(ttft, 0.95),
-        "ttft_first_turn_p50_ms": 1e3 * pct([r["ttft_s"] for r in rows if r["turn"] == 0], 0.5),
-        "ttft_later_turns_p50_ms": 1e3 * pct([r["ttft_s"] for r in later], 0.5),
+        "ttft_first_turn_p50_ms": 1e3 * pct([r["ttft_s"] for r in rows if r["turn"] == 0
+                                             and r["ttft_s"] is not None], 0.5),
+        "ttft_later_turns_p50_ms": 1e3 * pct([r["ttft_s"] for r in later if r["ttft_s"] is not None], 0.5),
+        "replies_without_a_token": sum(r["ttft_s"] is None for r in rows),
         "decode_tok_s_p50": pct(rates, 0.5), "decode_tok_s_p95": pct(rates, 0.95),
         "aggregate_tok_s": generated / wall, "generated_tokens": generated,
         "later_turns_cached_share": (sum(r["cached_tokens"] for r in later)
                                      / max(1, sum(r["prompt_tokens"] for r in later))) if later else None,
         "prompt_tokens": args.prompt_tokens or None,
-        "probe_ttft_p50_ms": 1e3 * pct([p["ttft_s"] for p in probes], 0.5) if probes else None,
-        "probe_ttft_p95_ms": 1e3 * pct([p["ttft_s"] for p in probes], 0.95) if probes else None,
+        "probe_ttft_p50_ms": 1e3 * pct(probe_ttft, 0.5) if probe_ttft else None,
+        "probe_ttft_p95_ms": 1e3 * pct(probe_ttft, 0.95) if probe_ttft else None,
         "probe_prompt_tokens": probes[0]["prompt_tokens"] if probes else None,
         "rows": rows, "probes": probes,
     }
@@ -301,7 +303,7 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
           f"{result['ttft_later_turns_p50_ms']:.0f} ms); per-stream decode p50 "
           f"{result['decode_tok_s_p50']:.1f} tok/s; aggregate {result['aggregate_tok_s']:.1f} tok/s; "
           f"later turns: {100 * (result['later_turns_cached_share'] or 0):.0f} % of prompt tokens cached")
-    if probes:
+    if probe_ttft:
         print(f"new sessions while {args.sessions} decode: TTFT p50 {result['probe_ttft_p50_ms']:.1f} ms, "
               f"p95 {result['probe_ttft_p95_ms']:.1f} ms ({len(probes)} probes, "
               f"{result['probe_prompt_tokens']} prompt tokens)")
