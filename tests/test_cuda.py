@@ -119,10 +119,10 @@ def test_a_cuda_thaw_continues_identically_and_refuses_a_damaged_kv_byte(engines
     start, end = json.loads(data[8:8 + n])["kv.2.k"]["data_offsets"]
     data[8 + n + (start + end) // 2] ^= 0x10
     (tmp_path / "bad.safetensors").write_bytes(bytes(data))
-    free = list(engine._free_slots)
+    free = engine.slots.free
     with pytest.raises(SnapshotCorrupt, match="kv.2.k"):
         Actor.thaw(engine, tmp_path / "bad.safetensors")
-    assert engine._free_slots == free
+    assert engine.slots.free == free
 
 
 @pytest.mark.parametrize("staging", ["one group", "a group per tensor"])
@@ -281,7 +281,7 @@ def test_warm_up_captures_every_graph_and_leaves_slots_empty(batching):
         assert {size for size, b, prefill in graphs if b == bucket and not prefill} == {1, 2, 4}
         assert {size for size, b, prefill in graphs if b == bucket and prefill} == {2, 4, 8, 16, 32, 64,
                                                                                    128, 256}
-    assert batching.cache.lengths == [0, 0, 0, 0] and len(batching._free_slots) == 4
+    assert batching.cache.lengths == [0, 0, 0, 0] and len(batching.slots.free) == 4
 
 
 def test_short_prompts_prefill_as_one_graph_replay_like_the_eager_forward(engines, batching):

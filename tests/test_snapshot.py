@@ -129,10 +129,10 @@ def rewrite(src: Path, dst: Path, *, meta=None, tensors=None) -> Path:
 
 
 def thaw_fails(engine, path, error, match, **kwargs):
-    free = list(engine._free_slots)
+    free = engine.slots.free
     with pytest.raises(error, match=match):
         Actor.thaw(engine, path, **kwargs)
-    assert engine._free_slots == free  # nothing was created or loaded half-way
+    assert engine.slots.free == free  # nothing was created or loaded half-way
 
 
 def test_truncated_file(engine, frozen, tmp_path):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from floe.engine.kvcache import KVCache
+from floe.engine.slots import SlotPool
 from floe.engine.transformer import (
     QuantizedEmbedding,
     Transformer,
@@ -137,8 +138,7 @@ class Engine:
             model.head = LogitsHead(model.output_weight())  # the sampler sees float32 logits
         self.model = model.eval()
         self.cache = KVCache(self.config, self.max_seq_len, n_slots, self.dtype, self.device)
-        self._free_slots = list(range(n_slots))
-        self._slot_lock = threading.Lock()
+        self.slots = SlotPool(n_slots)
         self._step_lock = FairLock()  # one forward at a time, in arrival order, across threads
         # On CUDA, decode steps replay captured graphs unless asked not to (eager is the reference).
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -279,20 +279,13 @@ class Engine:
 
     def claim_slot(self) -> int:
         """A free KV cache slot, emptied, for a new conversation."""
-        with self._slot_lock:
-            if not self._free_slots:
-                raise FloeError(f"all {self.cache.n_slots} KV cache slots are in use: each actor holds one "
-                                "until closed; create the Engine with n_slots=N to run N actors at once")
-            slot = self._free_slots.pop(0)
+        slot = self.slots.claim()
         self.cache.truncate(slot, 0)
         self._greedy.pop(slot, None)
         return slot
 
     def release_slot(self, slot: int) -> None:
-        with self._slot_lock:
-            if slot not in self._free_slots:
-                self._free_slots.append(slot)
-                self._free_slots.sort()
+        self.slots.release(slot)
 
     @torch.inference_mode()
     def prefill(
@@ -511,13 +504,10 @@ class Engine:
         """Run a short prefill and a few decode steps in every free slot, then empty it: captures
         each slot's first CUDA graphs and runs TorchScript's profiling passes before a user waits
         for them (a server calls this at start)."""
-        with self._slot_lock:
-            slots = list(self._free_slots)
+        slots = self.slots.free
         for done, slot in enumerate(slots, 1):
-            with self._slot_lock:
-                if slot not in self._free_slots:
-                    continue
-                self._free_slots.remove(slot)
+            if not self.slots.claim_free([slot]):
+                continue
             try:
                 self.cache.truncate(slot, 0)
                 self.prefill(list(range(8)), slot)
@@ -548,10 +538,7 @@ class Engine:
         decode batch sizes, each at every KV bucket) by running it on free slots at the bucket's last
         positions; the slots are emptied after. Without this, a capture (tens of ms, under the step
         lock) would stall every session the first time a new shape is met."""
-        with self._slot_lock:
-            free = [s for s in slots if s in self._free_slots]
-            for s in free:
-                self._free_slots.remove(s)
+        free = self.slots.claim_free(slots)
         batch = self._batch_decoder()
         try:
             with self._step_lock:
