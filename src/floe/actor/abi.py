@@ -107,6 +107,11 @@ class HostBudget:
                 self.check_time(call)
 
 
+# Texts up to this size are tokenized in the calling thread (~1 ms at most); longer ones in a worker
+# that the message's deadline can walk away from.
+INLINE_TOKENIZE_BYTES = 16 << 10
+
+
 def _i32(word: int) -> int:
     word &= _MASK32
     return word - (1 << 32) if word & 0x80000000 else word
@@ -252,7 +257,12 @@ class HostABI:
             return ERR_BAD_ARGUMENT
         text = self._bytes(text_ptr, text_len, "text").decode("utf-8", "replace")
         self._view(out_ptr, out_cap, torch.int32, "token ids")  # a bad buffer fails before the work
-        ids = self.budget.wait(lambda: self.tokenizer.encode_many([text])[0], "tokenize")
+        encode = lambda: self.tokenizer.encode_many([text])[0]  # noqa: E731
+        if text_len <= INLINE_TOKENIZE_BYTES:  # short: here (a thread hop costs more than it)
+            ids = encode()
+            self.budget.check_time("tokenize")
+        else:  # long: in a worker, waited for only until the deadline
+            ids = self.budget.wait(encode, "tokenize")
         return self._write_ids(out_ptr, out_cap, ids, "token ids")
 
     def detokenize(self, ids_ptr: int, n: int, out_ptr: int, out_cap: int) -> int:
