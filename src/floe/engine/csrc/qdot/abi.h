@@ -6,17 +6,18 @@
 
 #include <stdint.h>
 
-#define FLOE_QDOT_ABI 2
+#define FLOE_QDOT_ABI 3
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-// Rows [begin, end) of y = W x for one input row quantized by `quantize`. codes: uint8 [N, K/2]
-// (4-bit) or [N, K] (8-bit); scale, offset: [N, K/32], float32 or IEEE half (uint16 bits).
+// Outputs [begin, end) of y = x Wt for m input rows quantized by `quantize` (qx [m, K], xs and u
+// [m, K/32]), row r's written to y[r * ldy + begin .. end). codes: uint8 [N, K/2] (4-bit) or [N, K]
+// (8-bit); scale, offset: [N, K/32], float32 or IEEE half (uint16 bits).
 typedef void (*floe_qdot_rows_fn)(const uint8_t* codes, const void* scale, const void* offset,
-                                  const int8_t* qx, const float* xs, const float* u, int64_t groups,
-                                  int64_t begin, int64_t end, float* y);
+                                  const int8_t* qx, const float* xs, const float* u, int64_t m,
+                                  int64_t groups, int64_t begin, int64_t end, float* y, int64_t ldy);
 
 typedef struct FloeQdotKernel {
   int abi;           // FLOE_QDOT_ABI

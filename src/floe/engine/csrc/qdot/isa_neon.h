@@ -35,20 +35,24 @@ struct Neon : ScalarBlocks {
   static float32x4_t fma(float32x4_t d, float s, float32x4_t acc) { return vfmaq_n_f32(acc, d, s); }
   static float hsum(float32x4_t v) { return vaddvq_f32(v); }
 
-  template <bool FourBit>
-  static float32x4_t group(const uint8_t* c, const int8_t* q) {
-    const int8x16_t q0 = vld1q_s8(q), q1 = vld1q_s8(q + 16);
+  static constexpr int kRows = 4;
+
+  struct Codes {
     int8x16_t w0, w1;
+  };
+  template <bool FourBit>
+  static Codes codes(const uint8_t* c) {
     if constexpr (FourBit) {
       const uint8x16_t b = vld1q_u8(c);
-      w0 = vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F)));
-      w1 = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
-    } else {
-      const uint8x16_t m = vdupq_n_u8(0x80);
-      w0 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(c), m));
-      w1 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(c + 16), m));
+      return {vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), vreinterpretq_s8_u8(vshrq_n_u8(b, 4))};
     }
-    return vcvtq_f32_s32(vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, q0), w1, q1));
+    const uint8x16_t m = vdupq_n_u8(0x80);
+    return {vreinterpretq_s8_u8(veorq_u8(vld1q_u8(c), m)), vreinterpretq_s8_u8(veorq_u8(vld1q_u8(c + 16), m))};
+  }
+  template <bool FourBit>
+  static float32x4_t dot(const Codes& w, const int8_t* q) {
+    const int8x16_t q0 = vld1q_s8(q), q1 = vld1q_s8(q + 16);
+    return vcvtq_f32_s32(vdotq_s32(vdotq_s32(vdupq_n_s32(0), w.w0, q0), w.w1, q1));
   }
 };
 

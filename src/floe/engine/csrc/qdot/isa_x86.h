@@ -17,6 +17,7 @@ namespace {
 template <bool Vnni>
 struct X86 {
   static constexpr bool kPairs = true;
+  static constexpr int kRows = Vnni ? 4 : 2;  // 16 accumulators in AVX-512's 32 registers, 8 in AVX2's 16
   using Acc = __m256;
   using Off = __m256;
 
@@ -40,57 +41,58 @@ struct X86 {
     return _mm_cvtss_f32(s);
   }
 
+  // A group's codes as one register of 32 bytes (byte codes without VNNI: made signed, code - 128).
   template <bool FourBit>
-  static __m256 group(const uint8_t* c, const int8_t* q) {
-    __m256i w;
+  static __m256i codes(const uint8_t* c) {
     if constexpr (FourBit) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-      w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
-    } else {
-      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+      return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
     }
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+    return Vnni ? w : _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+  template <bool FourBit>
+  static __m256 dot(__m256i w, const int8_t* q) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
     __m256i d;
     if constexpr (Vnni) {
       d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
     } else if constexpr (FourBit) {
       d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-    } else {
-      const __m256i sw = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));  // code - 128
-      const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(sw), _mm256_sign_epi8(x, sw));
+    } else {  // w = code - 128
+      const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
       d = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
     }
     return _mm256_cvtepi32_ps(d);
   }
 
-  // A block of 8 four-bit groups as 4 pairs (pair_layout): per pair one load, one shift, two masks
-  // and two dot products fill one register, lanes 0-3 group g's, lanes 4-7 group g+1's; the pair's
-  // two scales are spread to match. 1.6x the groups a second of taking them one at a time.
-  static void dot8_pairs(const uint8_t* c, const int8_t* q, const float* cs, __m256& a0, __m256& a1,
-                         __m256& a2, __m256& a3) {
-    const __m256 scales = _mm256_load_ps(cs);
-    a0 = _mm256_fmadd_ps(pair(c, q), spread(scales, 0), a0);
-    a1 = _mm256_fmadd_ps(pair(c + 32, q + 64), spread(scales, 1), a1);
-    a2 = _mm256_fmadd_ps(pair(c + 64, q + 128), spread(scales, 2), a2);
-    a3 = _mm256_fmadd_ps(pair(c + 96, q + 192), spread(scales, 3), a3);
-  }
-  static __m256 spread(__m256 scales, int p) {  // [scales[2p] x 4, scales[2p + 1] x 4]
-    const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    return _mm256_permutevar8x32_ps(scales, _mm256_add_epi32(lanes, _mm256_set1_epi32(2 * p)));
-  }
-  static __m256 pair(const uint8_t* c, const int8_t* q) {
+  // Two four-bit groups at once (pair_layout): one load, one shift and two masks give a register of
+  // low nibbles and one of high nibbles; per input row two dot products fill one register, lanes 0-3
+  // group g's, lanes 4-7 group g+1's, and the pair's two scales are spread to match. 1.6x the groups a
+  // second of taking them one at a time.
+  struct PairCodes {
+    __m256i lo, hi;
+  };
+  static PairCodes pair_codes(const uint8_t* c) {
     const __m256i m = _mm256_set1_epi8(0x0F), b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
-    const __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+    return {_mm256_and_si256(b, m), _mm256_and_si256(_mm256_srli_epi16(b, 4), m)};
+  }
+  // acc + the pair's dots with q, times pair p's scales of cs (a block's 8)
+  static __m256 pair_fma(const PairCodes& w, const int8_t* q, const float* cs, int p, __m256 acc) {
     const __m256i qlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
     const __m256i qhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
     __m256i d;
     if constexpr (Vnni) {
-      d = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, qlo), hi, qhi);
+      d = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w.lo, qlo), w.hi, qhi);
     } else {  // each int16 pair sum is at most 2 x 15 x 127, so adding two of them stays in range
-      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, qlo), _mm256_maddubs_epi16(hi, qhi));
-      d = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+      const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w.lo, qlo), _mm256_maddubs_epi16(w.hi, qhi));
+      d = _mm256_madd_epi16(s, _mm256_set1_epi16(1));
     }
-    return _mm256_cvtepi32_ps(d);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), spread(_mm256_load_ps(cs), p), acc);
+  }
+  static __m256 spread(__m256 scales, int p) {  // [scales[2p] x 4, scales[2p + 1] x 4]
+    const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    return _mm256_permutevar8x32_ps(scales, _mm256_add_epi32(lanes, _mm256_set1_epi32(2 * p)));
   }
 
   static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

@@ -91,8 +91,9 @@ at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
   } else {
     at::parallel_for(0, m, 1, quantize);
   }
-  // Several input rows (prefill): each block of output rows meets every input row while its codes
-  // are in the core's cache, so the weights are read from memory once, not once per input row.
+  // Several input rows (a batched decode step, a prompt): each block of output rows meets every input
+  // row while its codes are in the core's cache (the variant unpacks them once for a few input rows
+  // at a time), so the weights are read from memory once, not once per input row.
   const int64_t block = std::max<int64_t>(1, kBlockBytes / codes.size(1));
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const void* s = scale.data_ptr();
@@ -100,10 +101,7 @@ at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
   float* out = y.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b += block) {
-      const int64_t e = std::min(end, b + block);
-      for (int64_t r = 0; r < m; ++r) {
-        rows(c, s, o, &qx[r * k], &xs[r * groups], &u[r * groups], groups, b, e, out + r * n);
-      }
+      rows(c, s, o, qx.data(), xs.data(), u.data(), m, groups, b, std::min(end, b + block), out, n);
     }
   });
   return y;

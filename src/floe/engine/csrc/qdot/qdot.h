@@ -7,9 +7,12 @@
 //
 // A variant supplies an `Isa` (isa_portable.h, isa_x86.h, isa_neon.h):
 //   Acc, zero(), add(a, b), fma(d, s, acc) = acc + d * s, hsum(acc): float lanes of group dots
-//   group<FourBit>(codes, qx) -> Acc whose lanes sum to dot(codes - code_bias(FourBit), qx)
+//   codes<FourBit>(codes) -> a group's codes unpacked, dot<FourBit>(those, qx) -> Acc whose lanes sum
+//   to dot(codes - code_bias(FourBit), qx)
 //   Off, off_zero(), block8(scale, offset, xs, u, bias, cs, off), off_sum(off), to_float(S)
-//   kPairs, dot8_pairs(...): whether it takes 4-bit groups two at a time (see pair_layout)
+//   kPairs, pair_codes(codes), pair_fma(...): whether it takes 4-bit groups two at a time (see
+//   pair_layout)
+//   kRows: how many input rows share one unpacking of the codes (as many as its registers hold)
 // A variant whose instructions cannot multiply the unsigned 8-bit codes directly works on
 // code - 128 (a signed byte) and reports code_bias = 128; the loop below adds 128 * scale back as
 // part of the offset, so every variant computes the same sum.
@@ -120,52 +123,97 @@ struct ScalarBlocks {
   }
 };
 
-// One output. Groups go in blocks of 8, spread over four independent accumulators (an FMA's
-// latency is about four of its issue slots); the offset term is accumulated apart.
-template <class Isa, bool FourBit, typename S>
-inline float row_dot(const uint8_t* cr, const S* sr, const S* orow, const int8_t* q, const float* xs,
-                     const float* u, int64_t groups) {
+// The outputs of one weight row for R input rows (q, xs, u: the first row's; each next row `k`, and
+// `groups`, further on), written to y[0], y[ldy], ... Each group's codes are read and unpacked once
+// for all R rows. Per row, groups go in blocks of 8, spread over four independent accumulators (an
+// FMA's latency is about four of its issue slots), the offset term accumulated apart, in the same
+// order whatever R is: every output is the same number for R = 1 as for R = 4.
+template <class Isa, bool FourBit, typename S, int R>
+inline void row_dots(const uint8_t* cr, const S* sr, const S* orow, const int8_t* q, const float* xs,
+                     const float* u, int64_t groups, float* y, int64_t ldy) {
   constexpr int64_t width = FourBit ? G / 2 : G;  // code bytes a group
   constexpr float bias = Isa::code_bias(FourBit);
+  const int64_t k = groups * G;
   using Acc = typename Isa::Acc;
-  Acc a0 = Isa::zero(), a1 = a0, a2 = a0, a3 = a0;
-  typename Isa::Off off = Isa::off_zero();
-  alignas(32) float cs[8];
+  Acc a[R][4];
+  typename Isa::Off off[R];
+  alignas(32) float cs[R][8];
+  for (int r = 0; r < R; ++r) {
+    a[r][0] = a[r][1] = a[r][2] = a[r][3] = Isa::zero();
+    off[r] = Isa::off_zero();
+  }
   int64_t g = 0;
   for (; g + 8 <= groups; g += 8) {
-    off = Isa::block8(sr + g, orow + g, xs + g, u + g, bias, cs, off);
+    for (int r = 0; r < R; ++r) {
+      off[r] = Isa::block8(sr + g, orow + g, xs + r * groups + g, u + r * groups + g, bias, cs[r], off[r]);
+    }
     const uint8_t* c = cr + g * width;
     const int8_t* qg = q + g * G;
     if constexpr (FourBit && Isa::kPairs) {
-      Isa::dot8_pairs(c, qg, cs, a0, a1, a2, a3);
+      for (int p = 0; p < 4; ++p) {
+        const auto w = Isa::pair_codes(c + 32 * p);
+        for (int r = 0; r < R; ++r) a[r][p] = Isa::pair_fma(w, qg + r * k + 64 * p, cs[r], p, a[r][p]);
+      }
     } else {
-      a0 = Isa::fma(Isa::template group<FourBit>(c, qg), cs[0], a0);
-      a1 = Isa::fma(Isa::template group<FourBit>(c + width, qg + G), cs[1], a1);
-      a2 = Isa::fma(Isa::template group<FourBit>(c + 2 * width, qg + 2 * G), cs[2], a2);
-      a3 = Isa::fma(Isa::template group<FourBit>(c + 3 * width, qg + 3 * G), cs[3], a3);
-      a0 = Isa::fma(Isa::template group<FourBit>(c + 4 * width, qg + 4 * G), cs[4], a0);
-      a1 = Isa::fma(Isa::template group<FourBit>(c + 5 * width, qg + 5 * G), cs[5], a1);
-      a2 = Isa::fma(Isa::template group<FourBit>(c + 6 * width, qg + 6 * G), cs[6], a2);
-      a3 = Isa::fma(Isa::template group<FourBit>(c + 7 * width, qg + 7 * G), cs[7], a3);
+      for (int j = 0; j < 8; ++j) {
+        const auto w = Isa::template codes<FourBit>(c + j * width);
+        for (int r = 0; r < R; ++r) {
+          a[r][j % 4] = Isa::fma(Isa::template dot<FourBit>(w, qg + r * k + j * G), cs[r][j], a[r][j % 4]);
+        }
+      }
     }
   }
-  float rest = 0.f;
+  float rest[R] = {};
   for (; g < groups; ++g) {
     const float s = Isa::to_float(sr[g]);
-    a0 = Isa::fma(Isa::template group<FourBit>(cr + g * width, q + g * G), s * xs[g], a0);
-    rest += (Isa::to_float(orow[g]) + bias * s) * u[g];
+    const auto w = Isa::template codes<FourBit>(cr + g * width);
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = Isa::fma(Isa::template dot<FourBit>(w, q + r * k + g * G), s * xs[r * groups + g], a[r][0]);
+      rest[r] += (Isa::to_float(orow[g]) + bias * s) * u[r * groups + g];
+    }
   }
-  return Isa::hsum(Isa::add(Isa::add(a0, a1), Isa::add(a2, a3))) + Isa::off_sum(off) + rest;
+  for (int r = 0; r < R; ++r) {
+    y[r * ldy] = Isa::hsum(Isa::add(Isa::add(a[r][0], a[r][1]), Isa::add(a[r][2], a[r][3]))) +
+                 Isa::off_sum(off[r]) + rest[r];
+  }
 }
 
+// Outputs [begin, end) for R input rows.
+template <class Isa, bool FourBit, typename S, int R>
+void rows_of(const uint8_t* codes, const S* sc, const S* of, const int8_t* q, const float* xs, const float* u,
+             int64_t groups, int64_t begin, int64_t end, float* y, int64_t ldy) {
+  const int64_t width = groups * (FourBit ? G / 2 : G);
+  for (int64_t n = begin; n < end; ++n) {
+    row_dots<Isa, FourBit, S, R>(codes + n * width, sc + n * groups, of + n * groups, q, xs, u, groups, y + n,
+                                 ldy);
+  }
+}
+
+// rows_of for `count` <= R input rows.
+template <class Isa, bool FourBit, typename S, int R>
+void rows_upto(int64_t count, const uint8_t* codes, const S* sc, const S* of, const int8_t* q,
+               const float* xs, const float* u, int64_t groups, int64_t begin, int64_t end, float* y,
+               int64_t ldy) {
+  if constexpr (R > 1) {
+    if (count < R) {
+      return rows_upto<Isa, FourBit, S, R - 1>(count, codes, sc, of, q, xs, u, groups, begin, end, y, ldy);
+    }
+  }
+  rows_of<Isa, FourBit, S, R>(codes, sc, of, q, xs, u, groups, begin, end, y, ldy);
+}
+
+// Outputs [begin, end) (a block whose codes stay in the core's cache) for m input rows, kRows at a
+// time: the weights are read from memory once, and unpacked once for every kRows input rows.
 template <class Isa, bool FourBit, typename S>
 void rows(const uint8_t* codes, const void* scale, const void* offset, const int8_t* qx, const float* xs,
-          const float* u, int64_t groups, int64_t begin, int64_t end, float* y) {
+          const float* u, int64_t m, int64_t groups, int64_t begin, int64_t end, float* y, int64_t ldy) {
+  constexpr int R = Isa::kRows;
   const S* sc = static_cast<const S*>(scale);
   const S* of = static_cast<const S*>(offset);
-  const int64_t width = groups * (FourBit ? G / 2 : G);
-  for (int64_t r = begin; r < end; ++r) {
-    y[r] = row_dot<Isa, FourBit>(codes + r * width, sc + r * groups, of + r * groups, qx, xs, u, groups);
+  const int64_t k = groups * G;
+  for (int64_t r = 0; r < m; r += R) {
+    rows_upto<Isa, FourBit, S, R>(m - r < R ? m - r : R, codes, sc, of, qx + r * k, xs + r * groups,
+                                  u + r * groups, groups, begin, end, y + r * ldy, ldy);
   }
 }
 
