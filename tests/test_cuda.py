@@ -278,7 +278,8 @@ def test_warm_up_captures_every_graph_and_leaves_slots_empty(batching):
     batching.warm_up()
     graphs = batching._batch.graphs
     for bucket in (256, 512):
-        assert {size for size, b, prefill in graphs if b == bucket and not prefill} == {1, 2, 4}
+        mixed = {size for size in batching._batch.mixed_sizes if size <= bucket}
+        assert {size for size, b, prefill in graphs if b == bucket and not prefill} == {1, 2, 4} | mixed
         assert {size for size, b, prefill in graphs if b == bucket and prefill} == {2, 4, 8, 16, 32, 64,
                                                                                    128, 256}
     assert batching.cache.lengths == [0, 0, 0, 0] and len(batching.slots.free) == 4
@@ -343,3 +344,29 @@ def test_scheduled_actors_on_cuda_batch_and_answer_as_alone(batching):
     alone_rows = [b for (was_batched, _), ledger in ledgers.items() if not was_batched
                   for name, b in ledger.boundaries.items() if name.startswith("batched step inputs")]
     assert alone_rows and all(b.bytes_copied == b.calls * batching._batch.host_in.nbytes for b in alone_rows)
+
+
+def test_prompts_riding_along_decode_rows_equal_their_own_prefill(batching):
+    """A decode step that takes two prompts along (one replay, rows of three slots) gives each prompt
+    the logits and greedy choice its own prefill gives, and the decode row its own step's."""
+    slots = [batching.claim_slot() for _ in range(3)]
+    try:
+        a, b, c = slots
+        first = int(batching.prefill(list(range(100, 130)), a).argmax())
+        p, q = list(range(7, 47)), list(range(300, 317))
+        step = batching.launch_batch([first], [a], [(p, b), (q, c)])
+        together = [r.float().cpu().clone() for r in batching.finish_batch(step) + step.prompt_results]
+        greedy = [batching.greedy_token(s) for s in slots]
+        assert batching.kv_len(a) == 31 and batching.kv_len(b) == len(p) and batching.kv_len(c) == len(q)
+        for s in slots:
+            batching.kv_truncate(0, s)
+        first = int(batching.prefill(list(range(100, 130)), a).argmax())
+        alone = [batching.decode_step(first, a).float().cpu().clone(),
+                 batching.prefill(p, b).float().cpu().clone(), batching.prefill(q, c).float().cpu().clone()]
+        for got, want in zip(together, alone, strict=True):
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+        assert greedy == [int(x.argmax()) for x in alone]
+    finally:
+        for s in slots:
+            batching.kv_truncate(0, s)
+            batching.release_slot(s)

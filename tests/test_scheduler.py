@@ -30,7 +30,9 @@ def test_decode_batch_equals_each_slot_stepped_alone(engine):
             engine.kv_truncate(len(prompt), slot)
         batched = engine.decode_batch([7, 7, 7], slots)
         for slot, prompt, logits, reference in zip(slots, prompts, batched, alone, strict=True):
-            assert torch.equal(logits, reference)
+            # dense float32 rows: one GEMM for the batch, a GEMV alone (float rounding apart)
+            torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-4)
+            assert int(logits.argmax()) == int(reference.argmax())
             assert engine.kv_len(slot) == len(prompt) + 1
             assert engine.cache.tokens[slot][-1] == 7
     finally:

@@ -336,6 +336,23 @@ class HostABI:
             self.clear_queue()
         return status
 
+    def take_queued(self) -> list[int]:
+        """v2, for the engine loop: all the queued prompt ids, which its next step appends (then
+        took_prompt)."""
+        ids, self.queued = self.queued, self.queued[:0]
+        return ids.tolist()
+
+    def took_prompt(self, n_tokens: int, result: torch.Tensor | BaseException, seconds: float,
+                    rows: int) -> int:
+        """v2: the step that appended the queued prompt ended with `result` (its last logits, which
+        go where on_message asked, or its error); a status, as run_queued's."""
+        if isinstance(result, ContextOverflow):
+            return ERR_CONTEXT_FULL
+        if isinstance(result, BaseException):
+            raise result
+        self.took_step(n_tokens, result, self._logits_target(self.logits_ptr), seconds, rows)
+        return OK
+
     def took_step(self, n_tokens: int, logits: torch.Tensor, out: torch.Tensor | None, seconds: float,
                   rows: int = 1) -> None:
         """Record a forward that appended n_tokens to this actor's slot (stats, ledger) and keep its

@@ -44,6 +44,9 @@ END_STOP, END_LENGTH, END_CONTEXT_FULL, END_CANCELLED = 0, 1, 2, 3
 END_REASONS = {END_STOP: "stop", END_LENGTH: "length", END_CONTEXT_FULL: "context_full",
                END_CANCELLED: "cancelled"}
 PREFILL_CHUNK = 512  # prompt tokens one turn prefills per step
+# With overlap (CUDA): whole queued prompts of up to this many tokens in all ride in the
+# next decode step's replay instead of a prefill of their own (Engine.launch_batch's prompts).
+RIDE_ROWS = 256
 # The most one on_token call may take: the batch waits for it. Its host calls count too, and the first
 # sample on a fresh CUDA context loads kernels (~1 s), so this is a bound on a stall, not a budget.
 TOKEN_CALL_S = 5.0
@@ -84,7 +87,8 @@ class EngineLoop:
         self.token_call_s = token_call_s
         # Speculate greedy rows (module doc) where the engine's forward runs while Python goes on.
         self.overlap = (engine.overlaps and batch) if overlap is None else overlap
-        self._launched = None  # (the engine's launched step, its turns), finished at the next step
+        self._launched = None  # (the engine's launched step, its turns, ...), finished at the next step
+        self.ride_rows = RIDE_ROWS
         self._cond = threading.Condition()
         self._arrived: list[Turn] = []
         self._active: list[Turn] = []
@@ -150,7 +154,7 @@ class EngineLoop:
                 self.engine.finish_batch(launched[0])
             except BaseException:  # noqa: BLE001 - already failing
                 pass
-            for turn in launched[1]:
+            for turn in (*launched[1], *launched[3]):
                 turn.in_flight = False
         for turn in self._active:
             self._finish(turn, END_CANCELLED, error)
@@ -158,8 +162,13 @@ class EngineLoop:
     def _step(self) -> None:
         for turn in self._active:
             self._check_cancelled(turn)
+        riding, room = [], self.ride_rows if self.overlap else 0
         for turn in self._live():
-            if turn.actor.abi.queued_tokens and not turn.in_flight:
+            queued = turn.actor.abi.queued_tokens
+            if queued and not turn.in_flight and queued <= room:  # rides in the next decode step
+                riding.append(turn)
+                room -= queued
+            elif queued and not turn.in_flight:
                 self._prefill(turn)
         self._take_results()
         speculated = []
@@ -168,7 +177,7 @@ class EngineLoop:
                 speculated.append(turn)
             elif turn.fresh:
                 self._ask_guest(turn)
-        self._launch([t for t in self._live() if t.next_token is not None])
+        self._launch([t for t in self._live() if t.next_token is not None], riding)
         for turn in speculated:  # while the device computes their next logits
             if turn.end is None:
                 self._ask_guest(turn)
@@ -214,15 +223,18 @@ class EngineLoop:
         turn.next_token = turn.speculated = greedy
         return True
 
-    def _launch(self, turns: list[Turn]) -> None:
-        """Launch one forward for every turn with a next token (the rows' steps one by one if not
-        batching). Speculated turns' guests read their logits during it: those are held in a copy
-        first (the forward overwrites the engine's buffer)."""
-        if not turns:
+    def _launch(self, turns: list[Turn], riding: list[Turn] = ()) -> None:
+        """Launch one forward for every turn with a next token and the whole queued prompt of each
+        `riding` turn (the rows' steps one by one if not batching). Speculated turns' guests read their
+        logits during it: those are held in a copy first (the forward overwrites the engine's buffer)."""
+        if not turns and not riding:
             return
-        if not self.batch and len(turns) > 1:
+        if not self.batch and len(turns) + len(riding) > 1:
             for turn in turns:
                 self._launch([turn])
+                self._take_results()
+            for turn in riding:
+                self._launch([], [turn])
                 self._take_results()
             return
         held = [t for t in turns if t.speculated is not None and not t.actor.abi.logits_ptr]
@@ -231,8 +243,10 @@ class EngineLoop:
             for turn, logits in zip(held, copies, strict=True):
                 turn.actor.abi.last_logits = logits
         tokens, slots = [t.next_token for t in turns], [t.actor.slot for t in turns]
-        self._launched = (self.engine.launch_batch(tokens, slots), turns, time.perf_counter())
-        for turn in turns:
+        prompts = [(t.actor.abi.take_queued(), t.actor.slot) for t in riding]
+        t0 = time.perf_counter()
+        self._launched = (self.engine.launch_batch(tokens, slots, prompts), turns, t0, riding)
+        for turn in (*turns, *riding):
             turn.next_token, turn.in_flight = None, True
 
     def _take_results(self) -> None:
@@ -241,13 +255,27 @@ class EngineLoop:
         the guest's own token (if it goes on) runs next."""
         if self._launched is None:
             return
-        launched, turns, t0 = self._launched
+        launched, turns, t0, riding = self._launched
         self._launched = None
         results = self.engine.finish_batch(launched)
         seconds = time.perf_counter() - t0
-        self.steps += 1
-        self.rows += len(turns)
-        self.on_step(len(turns))
+        if turns:
+            self.steps += 1
+            self.rows += len(turns)
+            self.on_step(len(turns))
+        for turn, (ids, _), result in zip(riding, launched.prompts, launched.prompt_results, strict=True):
+            turn.in_flight = False
+            if turn.end is not None:
+                continue  # its prompt stays in the cache, as a prefill before a cancellation leaves it
+            try:
+                status = turn.actor.abi.took_prompt(len(ids), result, seconds, len(ids) + len(turns))
+            except BaseException as e:  # noqa: BLE001 - fails this turn only
+                self._finish(turn, END_CANCELLED, e)
+                continue
+            if status != OK:
+                turn.end = END_CONTEXT_FULL
+            else:
+                turn.fresh = True
         for turn, result in zip(turns, results, strict=True):
             turn.in_flight = False
             speculated, chosen, turn.speculated, turn.chosen = turn.speculated, turn.chosen, None, None

@@ -150,6 +150,7 @@ class BatchGraphDecoder:
     """
 
     PREFILL_ROWS = 256  # longer prompts run eagerly: per-row attention re-reads the prefix per row
+    MIXED_ROWS = 256  # prompt rows a decode step takes along (see mixed)
 
     def __init__(self, model: Transformer, cache, min_bucket: int = 256) -> None:
         self.model, self.cache = model, cache
@@ -158,8 +159,11 @@ class BatchGraphDecoder:
         n_slots = cache.n_slots
         powers = range(1, max(1, n_slots - 1).bit_length() + 1)
         self.sizes = sorted({1} | {min(2**i, n_slots) for i in powers})  # padded row counts
+        # Decode rows plus prompt rows riding along (mixed): powers of two past n_slots.
+        most = n_slots + self.MIXED_ROWS
+        self.mixed_sizes = [2**i for i in range(1, most.bit_length() + 1) if self.sizes[-1] < 2**i < 2 * most]
         self.prefill_sizes = [2**i for i in range(1, self.PREFILL_ROWS.bit_length())]
-        top = max(self.sizes[-1], self.PREFILL_ROWS)
+        top = max(self.mixed_sizes[-1] if self.mixed_sizes else self.sizes[-1], self.PREFILL_ROWS)
         # Rows: token, position, KV slot (-1: padding), logits row (n_slots: the spare one).
         self.host_in = torch.zeros(4, top, dtype=torch.long, pin_memory=True)
         self.host_rows = self.host_in.numpy()  # the same pinned memory, written without a tensor op
@@ -211,6 +215,14 @@ class BatchGraphDecoder:
         host_argmax[slot] (valid once `done` has completed)."""
         size = next(s for s in self.sizes if s >= len(slots))
         self._replay(size, False, tokens, positions, slots, slots)
+
+    def mixed(self, tokens: list[int], positions: list[int], slots: list[int], dests: list[int]) -> None:
+        """A step of any rows: tokens[b] written at positions[b] of slots[b] (a slot's rows at
+        consecutive positions: a prompt's chunk, which attends to itself as prefill does), row b's
+        logits and argmax to slot_logits / host_argmax row dests[b] (the spare row, n_slots, for
+        rows whose logits nobody reads)."""
+        size = next(s for s in (*self.sizes, *self.mixed_sizes) if s >= len(tokens))
+        self._replay(size, False, tokens, positions, slots, dests)
 
     def prefill(self, tokens: list[int], start: int, slot: int) -> None:
         """Append tokens (at most PREFILL_ROWS) at positions start.. of `slot`; the last one's logits

@@ -82,6 +82,9 @@ class LaunchedStep:
     results: list  # per row: its logits, or the FloeError that stopped it (None while running)
     rows: list[int] = field(default_factory=list)  # indices of the rows the batched forward runs
     logits: list[Tensor] | None = None  # the CPU's rows, computed at launch
+    prompts: list[tuple[list[int], int]] = field(default_factory=list)  # (ids, slot) appended too
+    prompt_results: list = field(default_factory=list)  # per prompt: its last logits, or its error
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # (prompt, first position) in the replay
 
 
 class LogitsHead(nn.Module):
@@ -398,13 +401,20 @@ class Engine:
         return self.finish_batch(self.launch_batch(tokens, slots))
 
     @torch.inference_mode()
-    def launch_batch(self, tokens: list[int], slots: list[int]) -> LaunchedStep:
+    def launch_batch(self, tokens: list[int], slots: list[int],
+                     prompts: list[tuple[list[int], int]] = ()) -> LaunchedStep:
         """decode_batch in two halves: this one starts the step (on CUDA a graph replay it does not
         wait for: see `overlaps`; elsewhere the whole step runs now), finish_batch waits for it and
-        gives the results. Until then the slots' greedy_token and logits are the previous step's."""
+        gives the results. Until then the slots' greedy_token and logits are the previous step's.
+
+        prompts: (ids, slot) chunks of prompts appended in the same step (each slot's rows at its
+        next positions), their results in step.prompt_results (the last row's logits, or the error).
+        On CUDA they ride in the decode rows' replay, up to MIXED_ROWS rows in all; elsewhere (and past
+        that) each runs as its own prefill first."""
         if len(set(slots)) != len(slots) or len(tokens) != len(slots):
             raise ValueError(f"decode_batch needs one token per distinct slot, got {tokens} for {slots}")
-        step = LaunchedStep(tokens, slots, [None] * len(slots))
+        step = LaunchedStep(tokens, slots, [None] * len(slots), prompts=list(prompts))
+        mixed = self._ride_along(step, step.prompts)
         if not self._batch_graphs and (len(slots) == 1 or not self.batched_decode):
             step.results[:] = [self._step_or_error(t, s) for t, s in zip(tokens, slots, strict=True)]
             return step
@@ -422,17 +432,34 @@ class Engine:
                 except ContextOverflow as e:
                     step.results[i] = e
                     step.rows.remove(i)
-            if len(step.rows) > 1 or (step.rows and self._batch_graphs):  # CUDA: one row too
+            chunks = self._reserve_prompts(step, mixed)
+            if len(step.rows) > 1 or ((step.rows or chunks) and self._batch_graphs):  # CUDA: one row too
                 row_slots = [slots[i] for i in step.rows]
+                rows = ([tokens[i] for i in step.rows], [starts[i] for i in step.rows], list(row_slots),
+                        list(row_slots))  # tokens, positions, slots, logits rows
                 try:
-                    step.logits = self._batch_decoder().step([tokens[i] for i in step.rows],
-                                                             [starts[i] for i in step.rows], row_slots)
+                    if chunks:
+                        spare = self.cache.n_slots
+                        for k, start in chunks:
+                            ids, slot = prompts[k]
+                            rows[0].extend(ids)
+                            rows[1].extend(range(start, start + len(ids)))
+                            rows[2].extend([slot] * len(ids))
+                            rows[3].extend([*[spare] * (len(ids) - 1), slot])
+                        self._batch_decoder().mixed(*rows)
+                    else:
+                        step.logits = self._batch_decoder().step(*rows[:3])
                 except BaseException:
                     for i in step.rows:
                         self.cache.truncate(slots[i], starts[i])
+                    for k, start in chunks:
+                        self.cache.truncate(prompts[k][1], start)
                     raise
                 for i in step.rows:  # reserved and written (or being written): the cache holds them
                     self.cache.tokens[slots[i]].append(tokens[i])
+                for k, _ in chunks:
+                    self.cache.tokens[prompts[k][1]].extend(prompts[k][0])
+                step.chunks = chunks
                 return step
             for i in step.rows:
                 self.cache.truncate(slots[i], starts[i])
@@ -441,23 +468,58 @@ class Engine:
         step.rows = []
         return step
 
+    def _ride_along(self, step: LaunchedStep, prompts: list[tuple[list[int], int]]) -> list[int]:
+        """The prompts (indices) that ride in the decode step's replay (CUDA, MIXED_ROWS rows in all);
+        the others run now, each as its own prefill, their results in step.prompt_results."""
+        from floe.engine.cuda_graph import BatchGraphDecoder
+
+        step.prompt_results = [None] * len(prompts)
+        mixed, room = [], BatchGraphDecoder.MIXED_ROWS if self._batch_graphs else 0
+        for k, (ids, slot) in enumerate(prompts):
+            if 0 < len(ids) <= room:
+                mixed.append(k)
+                room -= len(ids)
+                continue
+            try:
+                step.prompt_results[k] = self.prefill(ids, slot)
+            except FloeError as e:
+                step.prompt_results[k] = e
+        return mixed
+
+    def _reserve_prompts(self, step: LaunchedStep, mixed: list[int]) -> list[tuple[int, int]]:
+        """Positions for the riding prompts (under the step lock): (index, first position) of each
+        that fits; one with a bad id or a full context gets its error instead."""
+        chunks = []
+        for k in mixed:
+            ids, slot = step.prompts[k]
+            try:
+                self._check_ids(ids)
+                chunks.append((k, self.cache.reserve(slot, len(ids))))
+                self._greedy.pop(slot, None)
+            except FloeError as e:
+                step.prompt_results[k] = e
+        return chunks
+
     @torch.inference_mode()
     def finish_batch(self, step: LaunchedStep) -> list[Tensor | FloeError]:
         """Wait for a launched step; per slot its logits or the FloeError that stopped it (see
         decode_batch). On CUDA each row's greedy choice is on the host now (greedy_token)."""
-        if step.rows:
+        if step.rows or step.chunks:
             row_slots = [step.slots[i] for i in step.rows]
             logits = step.logits
             if self.device.type == "cpu":  # one argmax for every row: greedy sampling needs no pass
                 self._greedy.update(zip(row_slots, logits.argmax(-1).tolist(), strict=True))
             else:
+                chunk_slots = [step.prompts[k][1] for k, _ in step.chunks]
                 with self._step_lock:
                     self._batch.done.synchronize()  # every row's greedy choice is on the host now
-                    self._greedy.update((s, int(self._batch.host_argmax[s])) for s in row_slots)
+                    self._greedy.update((s, int(self._batch.host_argmax[s])) for s in row_slots + chunk_slots)
                 logits = [self._batch.slot_logits[s] for s in row_slots]
+                for (k, _), slot in zip(step.chunks, chunk_slots, strict=True):
+                    step.prompt_results[k] = self._batch.slot_logits[slot]
             for i, row in zip(step.rows, logits, strict=True):
                 step.results[i] = row
-            step.rows = []
+            step.rows, step.chunks = [], []
         return step.results
 
     def greedy_token(self, slot: int) -> int | None:
@@ -549,6 +611,10 @@ class Engine:
                     for size in batch.sizes:
                         if size <= len(free):
                             batch.step([0] * size, [bucket - 1] * size, free[:size])
+                    for size in batch.mixed_sizes:  # decode rows with prompts along: one slot's rows here
+                        if free and size <= bucket:
+                            batch.mixed([0] * size, list(range(bucket - size, bucket)), [free[0]] * size,
+                                        [self.cache.n_slots] * size)
                 batch.done.synchronize()
         finally:
             for s in free:

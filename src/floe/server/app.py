@@ -125,8 +125,8 @@ def _text(m: ChatMessage) -> str:
     return "".join(parts)
 
 
-BUSY_STREAMS = 8  # more streams than this: a stream's text is handed over every STREAM_INTERVAL_S
-STREAM_INTERVAL_S = 0.02
+BUSY_STREAMS = 8  # more streams than this: a stream's text is handed over in intervals, STREAM_INTERVAL_S
+STREAM_INTERVAL_S = 0.02  # at BUSY_STREAMS streams, growing with their number up to 0.1 s
 
 
 def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: float = 300.0,
@@ -353,17 +353,17 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
         # Text from the engine loop's thread is handed over in batches: a piece joins the pending
         # ones, and the event loop is woken only if no wake-up is already on its way, so a busy
         # server sends several tokens a chunk instead of falling behind one wake-up per token. With
-        # more than BUSY_STREAMS streams, a stream's hand-overs after its first wait STREAM_INTERVAL_S
-        # (as vLLM's stream interval): each chunk's JSON and write cost the event loop's share of the
-        # GIL, which the engine loop's thread needs for the next step.
+        # more than BUSY_STREAMS streams, a stream's hand-overs after its first wait an interval (as
+        # vLLM's stream interval; 20 ms at 8 streams, 0.1 s from 40): each chunk's JSON and write cost
+        # the event loop's share of the GIL, which the engine loop's thread needs for the next step.
         pending: list[str] = []  # appended by the engine loop's thread, taken from the front here
         wake = threading.Lock()  # held while a wake-up is on its way to the event loop
         handed = False  # the first piece went out (it never waits: time to first token)
 
         def schedule() -> None:
             nonlocal handed
-            if handed and streams[0] > BUSY_STREAMS:
-                loop.call_later(STREAM_INTERVAL_S, hand_over)
+            if handed and streams[0] > BUSY_STREAMS:  # the busier, the longer: up to 0.1 s a chunk
+                loop.call_later(min(0.1, STREAM_INTERVAL_S * streams[0] / BUSY_STREAMS), hand_over)
             else:
                 handed = True
                 hand_over()
