@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -58,6 +59,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     _threads(args, args.device)
     weights = args.weights or ("native" if args.device == "cpu" else "bf16")
     dtype, kind = WEIGHTS[weights]
+    started = time.perf_counter()
     checkpoint = _load_with_progress(args.model, "float32", quiet=args.json)
     engine = Engine(checkpoint, device=args.device, dtype=dtype, max_seq_len=args.context, weights=kind)
     stream = None if args.json else _write_stdout
@@ -67,6 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         actor = Actor.thaw(engine, args.thaw, args.guest, seed=args.seed)
     else:
         actor = Actor(engine, args.guest, seed=args.seed, system_prompt=args.system or "")
+    setup_s = time.perf_counter() - started  # the model read, the engine built, the actor made
     with actor:
         reply = actor.send(args.prompt, max_tokens=args.max_tokens, params=params, on_text=stream)
         frozen = actor.freeze(args.freeze, args.kv_dtype) if args.freeze else None
@@ -75,6 +78,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         record = _run_record(engine, reply, finish, args.guest)
         record["kv_len"] = engine.kv_len(actor.slot)
+        record["setup_ms"] = round(setup_s * 1e3, 1)
         if frozen:
             record["frozen"] = frozen
         print(json.dumps(record, ensure_ascii=False))
