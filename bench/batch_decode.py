@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from floe.bench import together
 from floe.engine import Engine
 from floe.model.synthetic import random_checkpoint
 
@@ -50,22 +50,9 @@ def run_actors(engine: Engine, n: int, max_tokens: int, gather_s: float | None) 
     scheduler = DecodeScheduler(engine, gather_s, lambda r: stamps.append((time.perf_counter(), r))) \
         if batched else None
     actors = [Actor(engine, scheduler=scheduler) for _ in range(n)]
-    replies = [None] * n
-    barrier = threading.Barrier(n + 1)
-
-    def work(i: int) -> None:
-        barrier.wait()
-        replies[i] = actors[i].send(f"Write a long story about topic number {i}.", max_tokens=max_tokens,
-                                    params=SamplingParams(0.0))
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    replies, wall = together([lambda a=a, i=i: a.send(f"Write a long story about topic number {i}.",
+                                                      max_tokens=max_tokens, params=SamplingParams(0.0))
+                              for i, a in enumerate(actors)])
     for a in actors:
         a.close()
     generated = sum(r.stats.generated_tokens for r in replies)

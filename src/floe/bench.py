@@ -384,6 +384,28 @@ def _dispatch_row(dev: torch.device, size: int, n: int) -> dict:
     return row
 
 
+def together(fns: list) -> tuple[list, float]:
+    """Each fn() in its own thread, all released at once (e.g. actors sending at the same moment):
+    their results, and the wall seconds from the release until the last one ended."""
+    import threading
+
+    results: list = [None] * len(fns)
+    barrier = threading.Barrier(len(fns) + 1)
+
+    def work(i: int) -> None:
+        barrier.wait()
+        results[i] = fns[i]()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - start
+
+
 def wall_time(fn, repeats: int = 5, warmup: int = 3) -> float:
     """Median wall seconds of fn() (each fn ends with its own synchronisation)."""
     for _ in range(warmup):
