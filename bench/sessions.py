@@ -1,0 +1,157 @@
+"""Many sessions on one device, three ways in one run: the engine alone, actors through one engine
+loop, and `floe serve` (a child process, the official openai client) — issue 16's benchmark.
+
+    python bench/sessions.py --device cuda --shape llama-3.2-1b --tokenizer DIR [--sessions 1 4 16 64]
+    python bench/sessions.py --device cpu [--sessions 1 8] [--threads 2]
+
+Per session count S, each with --prompt-tokens-token prompts (64) and --tokens out (128), greedy:
+- engine: S slots prefilled, then --tokens steps of Engine.decode_batch, each row's greedy choice
+  fed back (the argmax the step computed where it has one); TTFT = one prompt's prefill alone.
+- actors: S chat-guest actors send one message each at once through one EngineLoop (no HTTP).
+- serve: bench/serve_load.py --server-process --sessions S --turns 1 with --probe new sessions
+  timed while the S decode (the TTFT the issue asks for), the client warmed first.
+Aggregate tok/s = tokens generated / wall; per-stream decode and TTFT p50 (p95 where measured).
+The CPU runs the default model (native weights); CUDA a real shape with seeded random bf16 weights.
+Writes bench/results/sessions_<device>_<name>.json and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from cpu_batch import actors_run, message
+
+from floe.engine import Engine
+
+HERE = Path(__file__).parent
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def engine_alone(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
+    """S slots prefilled, then `steps` batched greedy steps; aggregate rate and one prefill's time."""
+    slots = list(range(len(prompts)))
+    tokens = []
+    prefill_s = []
+    for slot, ids in zip(slots, prompts, strict=True):
+        engine.kv_truncate(0, slot)
+        sync(engine.device)
+        t = time.perf_counter()
+        logits = engine.prefill(ids, slot)
+        token = engine.greedy_token(slot)
+        tokens.append(int(logits.argmax()) if token is None else token)
+        prefill_s.append(time.perf_counter() - t)
+    sync(engine.device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        rows = engine.decode_batch(tokens, slots)
+        tokens = [engine.greedy_token(s) for s in slots]
+        if None in tokens:
+            tokens = [int(r.argmax()) for r in rows]
+    sync(engine.device)
+    wall = time.perf_counter() - t
+    for slot in slots:
+        engine.kv_truncate(0, slot)
+    n = len(prompts) * steps
+    return {"tok_s": n / wall, "stream_decode_tok_s": steps / wall,
+            "ttft_ms": 1e3 * statistics.median(prefill_s)}
+
+
+def serve(args, sessions: int) -> dict:
+    out = Path(tempfile.mkdtemp()) / "serve.json"
+    cmd = [sys.executable, str(HERE / "serve_load.py"), "--server-process", "--device", args.device,
+           "--sessions", str(sessions), "--turns", "1", "--max-tokens", str(args.tokens),
+           "--prompt-tokens", str(args.prompt_tokens), "--probe", str(args.probe), "--threads",
+           str(args.threads), "--out", str(out)]
+    if args.shape:
+        cmd += ["--shape", args.shape, "--tokenizer", args.tokenizer]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.serve_timeout_s)
+    if not out.exists():
+        return {"failed": done.stderr[-1500:]}
+    r = json.loads(out.read_text())
+    return {"tok_s": r["aggregate_tok_s"], "stream_decode_tok_s": r["decode_tok_s_p50"],
+            "ttft_ms": r["ttft_p50_ms"], "ttft_p95_ms": r["ttft_p95_ms"],
+            "probe_ttft_ms": r["probe_ttft_p50_ms"], "probe_ttft_p95_ms": r["probe_ttft_p95_ms"],
+            "errors": len(r["errors"]), "generated": r["generated_tokens"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shape", default=None, help="seeded random weights at this shape (CUDA runs)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder for --shape")
+    ap.add_argument("--sessions", type=int, nargs="+", default=None)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--probe", type=int, default=8, help="new sessions timed while the others decode")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ways", nargs="+", default=["engine", "actors", "serve"])
+    ap.add_argument("--serve-timeout-s", type=float, default=400)
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    sessions = args.sessions or ([1, 4, 16, 64] if device.type == "cuda" else [1, 8])
+    torch.set_num_threads(args.threads)
+    if args.shape:
+        from floe.cli import _tokenizer
+        from floe.model.synthetic import random_checkpoint
+
+        checkpoint = random_checkpoint(args.shape, _tokenizer(args.tokenizer), dtype=torch.bfloat16,
+                                       device=device)
+    else:
+        from floe.model import load_checkpoint
+
+        checkpoint = load_checkpoint()
+    native = device.type == "cpu"
+    rows = {}
+    if {"engine", "actors"} & set(args.ways):
+        engine = Engine(checkpoint, device=device, dtype="float32" if native else "bfloat16",
+                        max_seq_len=1024, n_slots=max(sessions), weights="native" if native else "dense")
+        engine.warm_up()
+        texts = [message(engine.tokenizer, i, args.prompt_tokens) for i in range(max(sessions))]
+        prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+        actors_run(engine, texts[:1], 2, batch=True)  # compiles the guest module, starts the loop
+        for s in sessions:
+            if "engine" in args.ways:
+                engine_alone(engine, prompts[:1], 4)  # its first steps at this size: warm
+                rows[s, "engine"] = engine_alone(engine, prompts[:s], args.tokens)
+            if "actors" in args.ways:
+                rows[s, "actors"] = actors_run(engine, texts[:s], args.tokens, batch=True)
+            print(s, {k: v for (n, k), v in rows.items() if n == s}, flush=True)
+        del engine
+    if "serve" in args.ways:
+        for s in sessions:
+            rows[s, "serve"] = serve(args, s)
+            print(s, "serve", rows[s, "serve"], flush=True)
+    base = {s: rows[s, "engine"]["tok_s"] for s in sessions if (s, "engine") in rows}
+    print(f"\n{'sessions':>8} {'way':>7} {'tok/s':>9} {'of engine':>9} {'stream':>8} {'TTFT p50':>9} "
+          f"{'probe TTFT':>10} {'errors':>6}")
+    for (s, way), r in rows.items():
+        share = f"{100 * r['tok_s'] / base[s]:.0f} %" if s in base and "tok_s" in r else ""
+        probe = f"{r['probe_ttft_ms']:.1f}" if r.get("probe_ttft_ms") else ""
+        stream = r.get("stream_decode_tok_s") or 0
+        print(f"{s:>8} {way:>7} {r.get('tok_s', 0):>9.1f} {share:>9} {stream:>8.1f} "
+              f"{r.get('ttft_ms', 0):>9.1f} {probe:>10} {r.get('errors', '')!s:>6}")
+    name = args.name or (args.shape or "default")
+    out = HERE / "results" / f"sessions_{device.type}_{name}.json"
+    out.parent.mkdir(exist_ok=True)
+    about = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+             "shape": args.shape, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens}
+    out.write_text(json.dumps(about | {"rows": [{"sessions": s, "way": w} | r for (s, w), r in rows.items()]},
+                              indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
