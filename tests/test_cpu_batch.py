@@ -95,6 +95,18 @@ def test_dense_rows_match_their_step_alone_within_float_rounding(tiny_engine):
             assert int(y.argmax()) == int(x.argmax())
 
 
+def test_bf16_weights_and_cache_step_over_rows(tiny_q):
+    """bf16 weights keep a bf16 KV cache, whose attention output is bf16: the rows' step runs (it
+    raised on a float32 output buffer) and matches each row alone within bf16 rounding."""
+    engine = Engine(tiny_q, dtype="bfloat16", max_seq_len=64, n_slots=4)
+    assert engine.cache.k.dtype == torch.bfloat16 and engine.batched_decode
+    alone, together = alone_then_together(engine)
+    for a, b in zip(alone, together, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert y.dtype == torch.float32
+            torch.testing.assert_close(y, x, rtol=0, atol=2e-2 * float(x.abs().max()))
+
+
 def test_the_packed_int4_kernel_rows_match_their_step_alone(tiny_q):
     engine = Engine(tiny_q, max_seq_len=64, n_slots=4, weights="native", native_kernel="int4pack")
     alone, together = alone_then_together(engine, steps=2)

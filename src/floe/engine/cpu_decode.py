@@ -95,9 +95,9 @@ def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Te
     position's rotation. Per layer i: norms[2i], norms[2i+1] (attention, ffn) and their output
     buffers inputs[2i], inputs[2i+1] ([B, dim]); weights/scales/repeats[4i..4i+3] the qkv, o,
     gate+up and down projections (see `project`); qkv_bias[i] (empty if none); k_caches[i],
-    v_caches[i] the layer's cache [n_slots, n_kv, seq, head_dim]; att [B, n_heads * head_dim] fp32,
-    attention's output buffer, att_rows its rows as [n_kv, n_heads / n_kv, head_dim] views; zero: a
-    float32 [1] of 0 (addcmul's base).
+    v_caches[i] the layer's cache [n_slots, n_kv, seq, head_dim]; att [B, n_heads * head_dim] in the
+    cache's dtype, attention's output buffer, att_rows its rows as [n_kv, n_heads / n_kv, head_dim]
+    views; zero: a float32 [1] of 0 (addcmul's base).
     """
     rows, qk_size, group = x.shape[0], (n_heads + n_kv) * head_dim, n_heads // n_kv
     for i in range(len(k_caches)):
@@ -176,7 +176,8 @@ class CpuDecoder:
         self.row_scale = torch.ones(c.n_heads + c.n_kv_heads, 1)
         self.row_scale[: c.n_heads] = 1 / math.sqrt(hd)
         self.x = torch.empty(rows, c.dim)  # the residual stream, fp32 whatever the weights' dtype
-        self.att = torch.empty(rows, c.n_heads * hd)  # attention's output, fp32
+        # attention's output, in the KV cache's dtype (its values' product; bf16 caches: bf16)
+        self.att = torch.empty(rows, c.n_heads * hd, dtype=cache.v.dtype)
         self.zero = torch.zeros(1)
         self.norms, self.inputs, self.qkv_bias = [], [], []
         self.weights, self.scales, self.repeats = [], [], []
