@@ -183,13 +183,25 @@ static int32_t prefill_prompt(uint32_t p) {
     return status == FLOE_OK ? 0 : 5;
 }
 
+/* The start of a turn, either ABI: the message appended and rendered, its new prompt tokens prefilled
+ * (v1) or queued (v2) from token *p on; 0, or the turn's error status. */
+static int32_t start_turn(const char *text, int32_t len, uint32_t *p) {
+    int32_t status = begin_turn(text, len, p);
+    return status ? status : prefill_prompt(*p);
+}
+
+/* A token the KV cache now holds, kept in the history; 0 if memory ran out. */
+static int keep_token(int32_t tok) {
+    if (!reserve_ids(&history, history.len + 1)) return 0;
+    history.data[history.len++] = tok;
+    return 1;
+}
+
 #ifdef FLOE_ABI_V1
 /* ABI v1: the guest drives the engine itself, one blocking call at a time. */
 static int32_t conversation_turn(const char *text, int32_t len, next_token_fn next_token) {
     uint32_t p;
-    int32_t status = begin_turn(text, len, &p);
-    if (status) return status;
-    status = prefill_prompt(p);
+    int32_t status = start_turn(text, len, &p);
     if (status) return status;
     if (took_prompt(p)) return 5;
     for (uint32_t i = 0; i < req.max_tokens; i++) {
@@ -198,8 +210,7 @@ static int32_t conversation_turn(const char *text, int32_t len, next_token_fn ne
         if (go < 0) return -go;
         if (!go || i + 1 == req.max_tokens) break;
         if (floe_decode(tok, logits_target) != FLOE_OK) break; /* context full: the reply ends here */
-        if (!reserve_ids(&history, history.len + 1)) return 7;
-        history.data[history.len++] = tok;
+        if (!keep_token(tok)) return 7;
     }
     return end_reply();
 }
@@ -211,9 +222,7 @@ static int32_t pending = -1; /* the token on_token returned last, appended by th
 
 static int32_t conversation_turn(const char *text, int32_t len, next_token_fn next_token) {
     uint32_t p;
-    int32_t status = begin_turn(text, len, &p);
-    if (status) return status;
-    status = prefill_prompt(p);
+    int32_t status = start_turn(text, len, &p);
     if (status) return status;
     turn_rule = next_token;
     pending = -1;
@@ -222,8 +231,7 @@ static int32_t conversation_turn(const char *text, int32_t len, next_token_fn ne
 
 FLOE_EXPORT(on_token) int32_t on_token(void) {
     if (pending >= 0) { /* the host appended the token we returned last time */
-        if (!reserve_ids(&history, history.len + 1)) return -7;
-        history.data[history.len++] = pending;
+        if (!keep_token(pending)) return -7;
         pending = -1;
     }
     int32_t tok = turn_rule();
