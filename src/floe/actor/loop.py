@@ -27,12 +27,13 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from floe.actor.abi import OK
 from floe.engine import Engine
+from floe.engine.engine import LaunchedStep
 from floe.errors import ContextOverflow
 from floe.wasm import GuestError
 
@@ -73,6 +74,15 @@ class Turn:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+class Launched(NamedTuple):
+    """A forward the loop launched: the engine's step, its decode turns and riding prompts' turns."""
+
+    step: LaunchedStep
+    turns: list[Turn]
+    riding: list[Turn]
+    started: float  # time.perf_counter()
+
+
 class EngineLoop:
     """Steps the turns of every v2 actor of `engine` in one thread (see the module docstring).
 
@@ -87,8 +97,7 @@ class EngineLoop:
         self.token_call_s = token_call_s
         # Speculate greedy rows (module doc) where the engine's forward runs while Python goes on.
         self.overlap = (engine.overlaps and batch) if overlap is None else overlap
-        self._launched = None  # (the engine's launched step, its turns, ...), finished at the next step
-        self.ride_rows = RIDE_ROWS
+        self._launched: Launched | None = None  # the forward in flight, finished at the next step
         self._cond = threading.Condition()
         self._arrived: list[Turn] = []
         self._active: list[Turn] = []
@@ -151,10 +160,10 @@ class EngineLoop:
         launched, self._launched = self._launched, None
         if launched is not None:
             try:
-                self.engine.finish_batch(launched[0])
+                self.engine.finish_batch(launched.step)
             except BaseException:  # noqa: BLE001 - already failing
                 pass
-            for turn in (*launched[1], *launched[3]):
+            for turn in (*launched.turns, *launched.riding):
                 turn.in_flight = False
         for turn in self._active:
             self._finish(turn, END_CANCELLED, error)
@@ -162,7 +171,7 @@ class EngineLoop:
     def _step(self) -> None:
         for turn in self._active:
             self._check_cancelled(turn)
-        riding, room = [], self.ride_rows if self.overlap else 0
+        riding, room = [], RIDE_ROWS if self.overlap else 0
         for turn in self._live():
             queued = turn.actor.abi.queued_tokens
             if queued and not turn.in_flight and queued <= room:  # rides in the next decode step
@@ -245,7 +254,7 @@ class EngineLoop:
         tokens, slots = [t.next_token for t in turns], [t.actor.slot for t in turns]
         prompts = [(t.actor.abi.take_queued(), t.actor.slot) for t in riding]
         t0 = time.perf_counter()
-        self._launched = (self.engine.launch_batch(tokens, slots, prompts), turns, t0, riding)
+        self._launched = Launched(self.engine.launch_batch(tokens, slots, prompts), turns, riding, t0)
         for turn in (*turns, *riding):
             turn.next_token, turn.in_flight = None, True
 
@@ -255,7 +264,7 @@ class EngineLoop:
         the guest's own token (if it goes on) runs next."""
         if self._launched is None:
             return
-        launched, turns, t0, riding = self._launched
+        launched, turns, riding, t0 = self._launched
         self._launched = None
         results = self.engine.finish_batch(launched)
         seconds = time.perf_counter() - t0
