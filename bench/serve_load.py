@@ -8,10 +8,11 @@ in its own client thread: each turn sends the whole conversation so far with the
 streams the reply. Reports p50/p95 TTFT (request sent → first content chunk, client side), p50/p95
 per-turn decode rate, cached vs prefilled prompt tokens, and the aggregate generated tokens/s over
 the wall time of the whole load. Bounded: every request has a timeout, the run has --budget-s.
-With --server-process the server runs in a child process (as a real deployment: the clients' HTTP
-and JSON work does not share the server's GIL). Before the clock starts the client is warmed with
-one throwaway request (its session deleted after): the openai package's first request imports and
-builds its resources (~0.1 s), a cost of the client, not of the server.
+With --server-process the server runs as `floe serve` does, in child processes (its engine core,
+and the HTTP front in the core's child; the clients' HTTP and JSON work shares neither's GIL).
+Before the clock starts the client is warmed with one throwaway request (its session deleted
+after): the openai package's first request imports and builds its resources (~0.1 s), a cost of
+the client, not of the server.
 --prompt-tokens N pads each session's first message with context to about N prompt tokens.
 --probe K: once every session has its first token, K new sessions one after another send a
 --prompt-tokens prompt and take two tokens: the TTFT of a new conversation while the others decode.
@@ -89,10 +90,14 @@ def main() -> None:
     if args.server_process:
         run_against_child(args)
         return
-    server, about = make_server(args, args.serve_on or free_port())
-    if args.serve_on:  # the child of --server-process: serve until terminated
-        server.run()
+    if args.serve_on:  # the child of --server-process: `floe serve`'s two processes, until terminated
+        from floe.server.core import ServeCore, serve
+
+        engine, model_id, folder, _ = make_engine(args)
+        serve(ServeCore(engine, snapshots=folder, model_id=model_id, idle_seconds=3600, batching=BATCHING[
+            args.batching]), port=args.serve_on, log_level="error")
         return
+    server, about = make_server(args, free_port())
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -112,8 +117,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_server(args, port: int) -> tuple[uvicorn.Server, dict]:
-    """The engine (warmed up, as `floe serve` does at start) and the app, on a loopback port."""
+BATCHING = {"auto": None, "on": True, "off": False}
+
+
+def make_engine(args) -> tuple[Engine, str, Path, dict]:
+    """The engine (warmed up, as `floe serve` does at start), its model id, a snapshot folder."""
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     torch.set_num_threads(args.threads)
@@ -138,14 +146,20 @@ def make_server(args, port: int) -> tuple[uvicorn.Server, dict]:
     engine.warm_up()  # graph captures are not a user's TTFT
     warm_up_s = time.perf_counter() - t
     print(f"server: warm-up {warm_up_s:.1f} s", file=sys.stderr, flush=True)
-    folder = tempfile.mkdtemp(prefix="floe-load-")
+    folder = Path(tempfile.mkdtemp(prefix="floe-load-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)  # snapshots are big
-    app = create_app(engine, snapshots=Path(folder), model_id=model_id, idle_seconds=3600,
-                     batching={"auto": None, "on": True, "off": False}[args.batching])
+    return engine, model_id, folder, {"device": str(device), "model": model_id, "weights": weights,
+                                      "threads": args.threads, "warm_up_s": warm_up_s,
+                                      "switch_interval_ms": 1e3 * sys.getswitchinterval()}
+
+
+def make_server(args, port: int) -> tuple[uvicorn.Server, dict]:
+    """The app (front and engine core in this process) on a loopback port."""
+    engine, model_id, folder, about = make_engine(args)
+    app = create_app(engine, snapshots=folder, model_id=model_id, idle_seconds=3600,
+                     batching=BATCHING[args.batching])
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    return server, {"device": str(device), "model": model_id, "weights": weights, "threads": args.threads,
-                    "decode_batching": app.state.batching, "warm_up_s": warm_up_s,
-                    "switch_interval_ms": 1e3 * sys.getswitchinterval()}
+    return server, about | {"decode_batching": app.state.core.scheduler is not None}
 
 
 def run_against_child(args) -> None:
@@ -273,6 +287,12 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
         for job in jobs:
             job.result()
     wall = time.perf_counter() - start
+    try:  # the server's own count of its engine loop's steps and rows
+        health = str(client.base_url).rstrip("/").removesuffix("/v1") + "/health"
+        with urllib.request.urlopen(health, timeout=30) as r:
+            about = about | {"engine_loop": json.loads(r.read()).get("engine_loop")}
+    except (urllib.error.URLError, ConnectionError, ValueError):
+        pass
     ttft = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
     rates = [r["decode_tok_s"] for r in rows if r["decode_tok_s"]]
     generated = sum(r["completion_tokens"] for r in rows)

@@ -244,6 +244,15 @@ def test_an_idle_session_survives_a_server_restart(server, tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     assert (tmp_path / "restarted.safetensors").is_file()
+    # The HTTP front (the killed core's child) saw its core go and exited: the port is free again.
+    deadline = time.time() + 30
+    while True:
+        try:
+            httpx.get(f"{url}/health", timeout=1)
+        except httpx.ConnectError:
+            break
+        assert time.time() < deadline, "the HTTP front outlived its engine core"
+        time.sleep(0.1)
     proc = start_serve(tmp_path, port)
     try:
         sessions = httpx.get(f"{url}/v1/sessions").json()["data"]
@@ -324,3 +333,80 @@ def test_a_busy_server_says_when_to_retry():
     busy = _error(503, "all slots busy", "server_error", "server_busy")
     assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
     assert "retry-after" not in _error(400, "bad", "invalid_request_error").headers
+
+
+def test_the_http_front_imports_no_torch():
+    """`floe serve`'s front process (python -m floe.server.app) stays light: no engine, no torch."""
+    probe = "import sys, floe.server.app; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], timeout=120).returncode == 0
+
+
+def frames(sock: socket.socket, *values) -> None:
+    from floe.server.protocol import pack
+
+    for value in values:
+        sock.sendall(pack(value))
+
+
+def reply(sock: socket.socket):
+    from floe.server.protocol import HEADER, frame_length, unpack
+
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                return b""
+            data += chunk
+        return data
+
+    header = exactly(HEADER.size)
+    return unpack(exactly(frame_length(header))) if header else None
+
+
+def test_a_broken_front_connection_never_harms_the_core(default_checkpoint):
+    """Frames that are not requests (not JSON, a huge length, no id, a list) close that connection
+    only; bad requests on a good connection get errors; a front whose core went away answers 503."""
+    import tempfile
+
+    from floe.server.app import create_front
+    from floe.server.core import CoreServer, ServeCore
+    from floe.server.protocol import HEADER
+
+    folder = Path(tempfile.mkdtemp(prefix="floe-test-"))  # short: a Unix socket's path has ~100 bytes
+    engine = Engine(default_checkpoint, max_seq_len=64, n_slots=2)
+    core = ServeCore(engine, snapshots=folder / "sessions", model_id=MODEL_ID)
+    server = CoreServer(core, folder / "core.sock")
+    try:
+        for garbage in (HEADER.pack(5) + b"hello", HEADER.pack(1 << 30), b"\x00\x00\x00\x02{}",
+                        HEADER.pack(7) + b"[1,2,3]"):
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(server.path)
+                s.sendall(garbage)
+                s.settimeout(30)
+                assert reply(s) is None  # the core hung up on it
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(server.path)
+            s.settimeout(60)
+            frames(s, {"op": "call", "id": 1, "name": "health"}, {"op": "call", "id": 2, "name": "shutdown"},
+                   {"op": "chat", "id": 3, "request": {"messages": "not a list"}},
+                   {"op": "chat", "id": 4, "request": {"messages": [{"role": "user", "content": "hi"}],
+                                                       "temperature": "hot"}},
+                   {"op": "call", "id": 5, "name": "freeze", "arg": ["not", "an", "id"]})
+            answers = {r[1]: r for r in (reply(s) for _ in range(5))}
+        assert answers[1][0] == "ok" and answers[1][2]["status"] == "ok"
+        assert all(answers[i][0] == "error" and answers[i][2]["status"] == 400 for i in (2, 3, 4, 5))
+        front = ThreadServer(create_front(server.path))
+        try:
+            assert httpx.get(f"{front.url}/health", timeout=60).status_code == 200
+            server.close()
+            deadline = time.time() + 30
+            while (r := httpx.get(f"{front.url}/health", timeout=60)).status_code == 200:
+                assert time.time() < deadline
+                time.sleep(0.05)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_gone"
+        finally:
+            front.stop()
+    finally:
+        server.close()
+        core.close()

@@ -253,9 +253,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
+        import fastapi  # noqa: F401 - the HTTP front's, checked before the model loads
+        import uvicorn  # noqa: F401
 
-        from floe.server.app import create_app
+        from floe.server.core import ServeCore, serve
     except ImportError as e:
         raise FloeError(f"floe serve needs fastapi and uvicorn ({e.name} is missing): "
                         "pip install floe") from e
@@ -264,8 +265,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     device = parse_device(args.device)
     if args.max_sessions < 1 or args.idle_seconds <= 0:
         raise FloeError("--max-sessions must be >= 1 and --idle-seconds > 0")
-    # The event loop streams every token: leave it a core, or the model's parallel GEMVs wait
-    # on their slowest thread (2 cores: 40 -> 73 tok/s per stream, docs/PERF.md).
+    # The HTTP front (its own process) streams every token: leave it a core, or the model's parallel
+    # GEMVs wait on their slowest thread (2 cores: 40 -> 73 tok/s per stream, docs/PERF.md).
     _threads(args, args.device, reserve=1)
     weights = args.weights or ("native" if device.type == "cpu" else "bf16")
     dtype, kind = WEIGHTS[weights]
@@ -275,17 +276,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"floe serve: warming up {args.max_sessions} KV slots …", file=sys.stderr, flush=True)
     engine.warm_up()
     model_id = args.model_id or checkpoint.source.stem
-    app = create_app(engine, snapshots=Path(args.snapshots).expanduser(), model_id=model_id,
+    core = ServeCore(engine, snapshots=Path(args.snapshots).expanduser(), model_id=model_id,
                      idle_seconds=args.idle_seconds, guest=args.guest,
                      batching={"auto": None, "on": True, "off": False}[args.batching])
-    batching = "batched decode" if engine.batched_decode and args.batching != "off" else "decode in turns"
+    batching = "batched decode" if core.scheduler is not None else "decode in turns"
     print(f"floe serve: {model_id} on {device} ({weights} weights, {batching}), {args.max_sessions} live "
           "sessions × "
           f"{engine.max_seq_len} tokens, snapshots in {args.snapshots} "
-          f"({len(app.state.store.sessions)} sessions found); http://{args.host}:{args.port}/v1",
+          f"({len(core.store.sessions)} sessions found); http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    return serve(core, host=args.host, port=args.port, log_level=args.log_level)
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""`floe serve`: an OpenAI-compatible HTTP API whose conversations are stateful Wasm actors.
+"""`floe serve`'s HTTP front: an OpenAI-compatible API whose conversations are stateful Wasm actors.
 
 Routes: POST /v1/chat/completions (plain and SSE streaming), GET /v1/models, GET /health,
 GET /metrics (Prometheus), GET /v1/sessions, POST /v1/sessions/{id}/freeze, POST
@@ -6,39 +6,40 @@ GET /metrics (Prometheus), GET /v1/sessions, POST /v1/sessions/{id}/freeze, POST
 `X-Floe-Session` header or a `session_id` field in the body; every response says which session it
 used (the same header, and `session_id` in the body). Errors are OpenAI-shaped JSON:
 {"error": {"message", "type", "param", "code"}}, 4xx for bad requests.
+
+The front holds no engine: it checks requests, and talks to the engine core (floe.server.core) over
+a Unix socket (floe.server.protocol). `floe serve` runs it in a process of its own
+(`python -m floe.server.app --socket PATH`), so that HTTP and SSE work never takes the GIL from the
+engine loop; `create_app` runs both in one process (tests, embedding). This module imports no torch.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import itertools
 import json
 import logging
-import threading
+import shutil
+import tempfile
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from floe.engine import Engine, SamplingParams
-from floe.errors import FloeError, InvalidSamplingParams
-from floe.server.sessions import ROLES, SessionError, SessionStore
-from floe.wasm import GuestError
+from floe.server.protocol import HEADER, ROLES, ProtocolError, ServeError, frame_length, pack, unpack
+
+if TYPE_CHECKING:
+    from floe.engine import Engine
 
 log = logging.getLogger("floe.serve")
 
@@ -70,45 +71,11 @@ class ChatRequest(BaseModel):
     session_id: str | None = None
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-
-
 def _error(status: int, message: str, type_: str, code: str | None = None, param: str | None = None):
     # A 503 is a busy server: say when to come back (clients such as openai's honour Retry-After).
     headers = {"Retry-After": "1"} if status == 503 else None
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status, headers=headers)
-
-
-class Metrics:
-    def __init__(self, store: SessionStore) -> None:
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("floe_requests", "HTTP requests to the chat API", ["status"], registry=r)
-        self.prompt_tokens = Counter("floe_prompt_tokens", "Prompt tokens of chat requests", registry=r)
-        self.prefilled_tokens = Counter("floe_prefilled_tokens",
-                                        "Prompt tokens actually prefilled (the rest was cached)", registry=r)
-        self.generated_tokens = Counter("floe_generated_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("floe_ttft_seconds", "Time to first token", registry=r,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.decode_rate = Histogram("floe_decode_tokens_per_second", "Decode speed of a reply",
-                                     registry=r, buckets=(5, 10, 20, 50, 100, 200, 500, 1000, 2000))
-        self.thaw = Histogram("floe_thaw_seconds", "Thawing a frozen session", registry=r,
-                              buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
-        self.freeze = Histogram("floe_freeze_seconds", "Freezing a session", registry=r,
-                                buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
-        self.batch_rows = Histogram("floe_decode_batch_rows", "Sessions advanced by one batched decode "
-                                    "forward", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64))
-        turns = Gauge("floe_engine_loop_turns", "Turns in the engine loop: stepping, or arrived and "
-                      "waiting for the next step", ["state"], registry=r)
-        turns.labels("active").set_function(lambda: store.loop.stats()["active"] if store.loop else 0)
-        turns.labels("waiting").set_function(lambda: store.loop.stats()["waiting"] if store.loop else 0)
-        sessions = Gauge("floe_sessions", "Sessions by state", ["state"], registry=r)
-        sessions.labels("live").set_function(lambda: store.counts()["live"])
-        sessions.labels("frozen").set_function(lambda: store.counts()["frozen"])
 
 
 def _text(m: ChatMessage) -> str:
@@ -119,73 +86,133 @@ def _text(m: ChatMessage) -> str:
     parts = []
     for part in m.content:
         if part.get("type") != "text":
-            raise APIError(400, f"content part of type {part.get('type')!r} is not supported (text only)",
-                           param="messages")
+            raise ServeError(400, f"content part of type {part.get('type')!r} is not supported (text only)",
+                             param="messages")
         parts.append(str(part.get("text", "")))
     return "".join(parts)
+
+
+class CoreClient:
+    """The front's end of the socket to the engine core. Its methods run on the event loop; one task
+    reads the core's frames and hands each to the call or chat it answers."""
+
+    GONE = ServeError(503, "the engine core is not running", "server_error", "engine_gone")
+
+    def __init__(self, path: str, on_lost: Callable[[], None] = lambda: None) -> None:
+        self.path, self.on_lost = path, on_lost
+        self._ids = itertools.count(1)
+        self._calls: dict[int, asyncio.Future] = {}
+        self._chats: dict[int, asyncio.Queue] = {}
+        self.streams = 0  # streamed replies being sent
+        self.gone = False
+        self._task: asyncio.Task | None = None
+
+    async def connect(self) -> None:
+        self._reader, self._writer = await asyncio.open_unix_connection(self.path)
+        self._task = asyncio.create_task(self._read_loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._writer.close()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def _send(self, value) -> None:
+        if self.gone:
+            raise self.GONE
+        self._writer.write(pack(value))
+
+    async def call(self, name: str, arg=None):
+        rid = next(self._ids)
+        self._calls[rid] = future = asyncio.get_running_loop().create_future()
+        self._send({"op": "call", "id": rid, "name": name, "arg": arg})
+        return await future
+
+    def chat(self, request: dict) -> tuple[int, asyncio.Queue]:
+        """Start a chat: its id and the queue of its events: ("started", session id), then ("text",
+        piece)s when streamed, then ("done", result) or ("error", payload) at any point."""
+        rid = next(self._ids)
+        self._chats[rid] = queue = asyncio.Queue()
+        self._send({"op": "chat", "id": rid, "request": request})
+        return rid, queue
+
+    def cancel(self, rid: int) -> None:
+        """The chat's client left: its row stops at its next token (nothing if it has ended)."""
+        if self._chats.pop(rid, None) is not None and not self.gone:
+            self._send({"op": "cancel", "id": rid})
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                header = await self._reader.readexactly(HEADER.size)
+                self._dispatch(unpack(await self._reader.readexactly(frame_length(header))))
+        except (asyncio.IncompleteReadError, ConnectionError, ProtocolError) as e:
+            if not isinstance(e, asyncio.IncompleteReadError):
+                log.error("the engine core's connection broke: %s", e)
+        finally:
+            self.gone = True
+            for future in self._calls.values():
+                if not future.done():
+                    future.set_exception(self.GONE)
+            for queue in self._chats.values():
+                queue.put_nowait(("error", self.GONE.payload()))
+            self._calls.clear()
+            self._chats.clear()
+            self.on_lost()
+
+    def _dispatch(self, message: list) -> None:
+        kind = message[0]
+        if kind == "text":
+            for rid, piece in message[1]:
+                queue = self._chats.get(rid)
+                if queue is not None:
+                    queue.put_nowait(("text", piece))
+            return
+        rid, value = message[1], message[2]
+        future = self._calls.pop(rid, None)
+        if future is not None:
+            if not future.done():
+                if kind == "ok":
+                    future.set_result(value)
+                else:
+                    future.set_exception(ServeError.from_payload(value))
+            return
+        queue = self._chats.get(rid)
+        if queue is not None:
+            queue.put_nowait((kind, value))
+            if kind in ("done", "error"):
+                del self._chats[rid]
 
 
 BUSY_STREAMS = 8  # more streams than this: a stream's text is handed over in intervals, STREAM_INTERVAL_S
 STREAM_INTERVAL_S = 0.02  # at BUSY_STREAMS streams, growing with their number up to 0.1 s
 
 
-def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: float = 300.0,
-               guest: str | None = None, batching: bool | None = None) -> FastAPI:
-    """The ASGI app serving `engine`; sessions freeze into `snapshots`, which a restart reads back.
+def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: None,
+                 on_lost: Callable[[], None] = lambda: None) -> FastAPI:
+    """The ASGI app of the HTTP front, talking to the engine core at `socket_path`.
 
-    batching: concurrent sessions' decode steps run as one batched forward (default: where the engine
-    has one, i.e. CUDA graphs of the fused step); off, they take turns.
+    on_shutdown: run (in a thread) when the app stops. on_lost: called when the core's connection ends.
     """
-    if batching and not engine.batched_decode:
-        raise FloeError("decode batching needs the CUDA engine with graphs and fused kernels and more "
-                        "than one slot; on the CPU, sessions take turns")
-    from floe.actor import DecodeScheduler, EngineLoop
-
-    batched = engine.batched_decode if batching is None else batching
-    # ABI v2 guests (floe's own) are stepped by one engine loop; v1 guests batch through the scheduler.
-    scheduler = DecodeScheduler(engine) if batched else None
-    loop = EngineLoop(engine, batch=batched)
-    store = SessionStore(engine, snapshots, idle_seconds=idle_seconds, guest=guest, scheduler=scheduler,
-                         loop=loop)
-    metrics = Metrics(store)
-    loop.on_step = metrics.batch_rows.observe
-    if scheduler is not None:
-        scheduler.on_batch = metrics.batch_rows.observe
-    store.on_thaw, store.on_freeze = metrics.thaw.observe, metrics.freeze.observe
-    store.load_folder()
-    store.warm_up()
-    started = time.time()
-    streams = [0]  # streamed replies being generated
+    client = CoreClient(socket_path, on_lost)
+    registry = CollectorRegistry()
+    requests = Counter("floe_requests", "HTTP requests to the chat API", ["status"], registry=registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # Every running request holds a worker thread for its whole reply (the guest drives the
-        # engine synchronously); asyncio's default pool has cpu_count + 4 of them (6 on 2 cores).
-        workers = engine.cache.n_slots + 8
-        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(workers, "floe-session"))
-        async def evict_loop():
-            while True:
-                await asyncio.sleep(max(0.05, min(1.0, idle_seconds / 4)))
-                try:
-                    frozen = await asyncio.to_thread(store.evict_idle)
-                    if frozen:
-                        log.info("froze idle sessions %s", frozen)
-                except Exception:  # noqa: BLE001 - keep evicting; the error is logged
-                    log.exception("idle eviction failed")
-
-        task = asyncio.create_task(evict_loop())
+        await client.connect()
+        hello = await client.call("hello")
+        app.state.model_id, app.state.started = hello["model_id"], hello["started"]
         try:
             yield
         finally:
-            task.cancel()
-            await asyncio.to_thread(store.close)
+            await client.close()
+            await asyncio.to_thread(on_shutdown)
 
     app = FastAPI(title="floe", lifespan=lifespan)
-    app.state.store, app.state.metrics = store, metrics
-    app.state.batching = scheduler is not None
+    app.state.client = client
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
+    @app.exception_handler(ServeError)
+    async def api_error(request: Request, e: ServeError):
         return _error(e.status, e.message, e.type, e.code, e.param)
 
     @app.exception_handler(RequestValidationError)
@@ -210,137 +237,90 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_id, "device": str(engine.device),
-                "decode_batching": scheduler is not None,
-                "uptime_s": time.time() - started, "sessions": store.counts(),
-                "skipped_snapshots": store.skipped}
+        return await client.call("health")
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(started),
-                                            "owned_by": "floe"}]}
+        return {"object": "list", "data": [{"id": app.state.model_id, "object": "model",
+                                            "created": int(app.state.started), "owned_by": "floe"}]}
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        core = await client.call("metrics")
+        return Response(generate_latest(registry) + core.encode(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/sessions")
     async def sessions():
-        with store.lock:
-            items = list(store.sessions.values())
-        return {"object": "list", "data": [s.describe() for s in items]}
-
-    async def session_call(fn, sid: str):
-        try:
-            return await asyncio.to_thread(fn, sid)
-        except SessionError as e:
-            raise _failure(e, sid) from None
+        return {"object": "list", "data": await client.call("sessions")}
 
     @app.post("/v1/sessions/{sid}/freeze")
     async def freeze(sid: str):
-        return await session_call(store.freeze, sid)
+        return await client.call("freeze", sid)
 
     @app.post("/v1/sessions/{sid}/thaw")
     async def thaw(sid: str):
-        return await session_call(store.thaw, sid)
+        return await client.call("thaw", sid)
 
     @app.delete("/v1/sessions/{sid}")
     async def delete(sid: str):
-        await session_call(store.delete, sid)
-        return {"id": sid, "object": "session", "deleted": True}
+        return await client.call("delete", sid)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         try:
             response = await _chat(body, request)
-        except APIError as e:
-            metrics.requests.labels(str(e.status)).inc()
+        except ServeError as e:
+            requests.labels(str(e.status)).inc()
             raise
-        metrics.requests.labels("200").inc()
+        requests.labels("200").inc()
         return response
 
-    def _validate(body: ChatRequest) -> tuple[list[dict], int, SamplingParams]:
-        if body.model != model_id:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_id!r}",
-                           code="model_not_found", param="model")
+    def _messages(body: ChatRequest) -> list[dict]:
+        """What the front checks without the engine (the core checks sampling and the context)."""
+        if body.model != app.state.model_id:
+            raise ServeError(404, f"the model {body.model!r} does not exist; this server serves "
+                                  f"{app.state.model_id!r}", code="model_not_found", param="model")
         if body.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
+            raise ServeError(400, "only n=1 is supported", param="n")
         if body.stop:
-            raise APIError(400, "stop sequences are not supported", param="stop")
+            raise ServeError(400, "stop sequences are not supported", param="stop")
         messages = []
         for m in body.messages:
             if m.role not in ROLES:
-                raise APIError(400, f"message role {m.role!r} is not supported ({', '.join(ROLES)})",
-                               param="messages")
+                raise ServeError(400, f"message role {m.role!r} is not supported ({', '.join(ROLES)})",
+                                 param="messages")
             messages.append({"role": m.role, "content": _text(m)})
         if messages[-1]["role"] != "user":
-            raise APIError(400, "the last message must be from the user", param="messages")
-        try:
-            params = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed or 0)
-        except InvalidSamplingParams as e:
-            raise APIError(400, str(e), param="temperature") from None
-        prompt = len(engine.tokenizer.encode_chat(messages))
-        room = engine.max_seq_len - prompt
-        if room < 1:
-            raise APIError(400, f"the conversation is {prompt} tokens; this server's context holds "
-                           f"{engine.max_seq_len}", code="context_length_exceeded", param="messages")
-        max_tokens = body.max_completion_tokens or body.max_tokens or min(room, 1024)
-        if max_tokens > room:
-            raise APIError(400, f"max_tokens {max_tokens} + the conversation's {prompt} tokens exceed this "
-                           f"server's context of {engine.max_seq_len}", code="context_length_exceeded",
-                           param="max_tokens")
-        return messages, max_tokens, params
+            raise ServeError(400, "the last message must be from the user", param="messages")
+        return messages
 
     async def _chat(body: ChatRequest, request: Request):
-        messages, max_tokens, params = _validate(body)
-        sid = request.headers.get("x-floe-session") or body.session_id
+        rid, queue = client.chat({
+            "messages": _messages(body), "max_tokens": body.max_completion_tokens or body.max_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
+            "session_id": request.headers.get("x-floe-session") or body.session_id,
+            "stream": body.stream})
         try:
-            session, history = await asyncio.to_thread(store.acquire, sid, messages, body.seed or 0)
-        except SessionError as e:
-            raise _failure(e, sid) from None
-        cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        headers = {"X-Floe-Session": session.id}
-        base = {"id": cid, "created": created, "model": model_id, "session_id": session.id}
-
-        def finish(reply) -> tuple[str, dict]:
-            s = reply.stats
-            generated = s.generated_tokens
-            metrics.prompt_tokens.inc(s.context_tokens)
-            metrics.prefilled_tokens.inc(s.first_forward_tokens)
-            metrics.generated_tokens.inc(generated)
-            if s.ttft_s:
-                metrics.ttft.observe(s.ttft_s)
-            if s.decode_tokens_per_s:
-                metrics.decode_rate.observe(s.decode_tokens_per_s)
-            usage = {"prompt_tokens": s.context_tokens, "completion_tokens": generated,
-                     "total_tokens": s.context_tokens + generated,
-                     "prompt_tokens_details": {"cached_tokens": s.context_tokens - s.first_forward_tokens},
-                     "prefilled_tokens": s.first_forward_tokens}
-            return ("length" if generated >= max_tokens else "stop"), usage
-
-        def run(on_text=None, should_stop=lambda: False):
-            try:
-                return store.run(session, history, messages[-1]["content"], max_tokens=max_tokens,
-                                 params=params, on_text=on_text, should_stop=should_stop)
-            finally:
-                store.release(session)
+            kind, value = await queue.get()  # its session, or why it has none
+        except asyncio.CancelledError:
+            client.cancel(rid)
+            raise
+        if kind == "error":
+            raise ServeError.from_payload(value)
+        sid = value
+        headers = {"X-Floe-Session": sid}
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+                "model": app.state.model_id, "session_id": sid}
 
         if not body.stream:
-            try:
-                reply = await asyncio.to_thread(run)
-            except (GuestError, FloeError) as e:
-                raise _failure(e, session.id) from None
-            reason, usage = finish(reply)
+            kind, value = await queue.get()
+            if kind == "error":
+                raise ServeError.from_payload(value)
             return JSONResponse(base | {
                 "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text},
-                             "finish_reason": reason, "logprobs": None}],
-                "usage": usage}, headers=headers)
-
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        gone = False
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": value["text"]},
+                             "finish_reason": value["finish_reason"], "logprobs": None}],
+                "usage": value["usage"]}, headers=headers)
 
         def chunk(delta: dict, reason: str | None = None, usage: dict | None = None) -> str:
             payload = base | {"object": "chat.completion.chunk",
@@ -350,91 +330,92 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
                 payload["usage"] = usage
             return f"data: {json.dumps(payload)}\n\n"
 
-        # Text from the engine loop's thread is handed over in batches: a piece joins the pending
-        # ones, and the event loop is woken only if no wake-up is already on its way, so a busy
-        # server sends several tokens a chunk instead of falling behind one wake-up per token. With
-        # more than BUSY_STREAMS streams, a stream's hand-overs after its first wait an interval (as
-        # vLLM's stream interval; 20 ms at 8 streams, 0.1 s from 40): each chunk's JSON and write cost
-        # the event loop's share of the GIL, which the engine loop's thread needs for the next step.
-        pending: list[str] = []  # appended by the engine loop's thread, taken from the front here
-        wake = threading.Lock()  # held while a wake-up is on its way to the event loop
-        handed = False  # the first piece went out (it never waits: time to first token)
-
-        def schedule() -> None:
-            nonlocal handed
-            if handed and streams[0] > BUSY_STREAMS:  # the busier, the longer: up to 0.1 s a chunk
-                loop.call_later(min(0.1, STREAM_INTERVAL_S * streams[0] / BUSY_STREAMS), hand_over)
-            else:
-                handed = True
-                hand_over()
-
-        def take_pending() -> None:
-            n = len(pending)
-            if n:
-                text = "".join(pending[:n])
-                del pending[:n]
-                queue.put_nowait(("text", text))
-
-        def hand_over() -> None:
-            wake.release()  # first: a piece appended from here on schedules its own wake-up
-            take_pending()
-
-        def on_text(piece: str) -> None:
-            pending.append(piece)
-            if wake.acquire(blocking=False):
-                loop.call_soon_threadsafe(schedule)
-
-        async def work():
-            streams[0] += 1
-            try:
-                reply = await asyncio.to_thread(run, on_text, lambda: gone)
-                take_pending()  # no piece comes after the reply: none is left behind
-                queue.put_nowait(("done", finish(reply)))  # counted even if the client has left
-            except BaseException as e:  # noqa: BLE001 - handed to the stream
-                queue.put_nowait(("error", e))
-            finally:
-                streams[0] -= 1
-
-        # Started now, not when the response body is first pulled: the session's lock is released
-        # by `run` whatever the client does.
-        task = asyncio.create_task(work())
-
         async def events():
-            nonlocal gone
+            # The core sends a stream's text as it comes (one frame carries every stream's pieces);
+            # each piece waiting in the queue goes in one chunk. With more than BUSY_STREAMS streams,
+            # a stream's chunks after its first wait an interval (as vLLM's stream interval; 20 ms at
+            # 8 streams, 0.1 s from 40): every chunk costs JSON, a write and the client's parsing.
+            client.streams += 1
             try:
                 yield chunk({"role": "assistant", "content": ""})
+                handed = False  # the first text never waits: time to first token
                 while True:
                     kind, value = await queue.get()
                     if kind == "text":
-                        yield chunk({"content": value})
-                    elif kind == "error":
-                        e = _failure(value, session.id)
+                        if handed and client.streams > BUSY_STREAMS:
+                            await asyncio.sleep(min(0.1, STREAM_INTERVAL_S * client.streams / BUSY_STREAMS))
+                        handed, texts, end = True, [value], None
+                        while end is None and not queue.empty():
+                            k, v = queue.get_nowait()
+                            if k == "text":
+                                texts.append(v)
+                            else:
+                                end = (k, v)
+                        yield chunk({"content": "".join(texts)})
+                        if end is None:
+                            continue
+                        kind, value = end
+                    if kind == "error":
+                        e = ServeError.from_payload(value)
                         error = {"message": e.message, "type": e.type, "code": e.code}
                         yield f"data: {json.dumps({'error': error})}\n\n"
                         break
-                    else:
-                        reason, usage = value
-                        yield chunk({}, reason)
-                        if body.stream_options and body.stream_options.include_usage:
-                            yield chunk({}, usage=usage)
-                        break
+                    yield chunk({}, value["finish_reason"])
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield chunk({}, usage=value["usage"])
+                    break
                 yield "data: [DONE]\n\n"
             finally:
-                gone = True  # the client left (or we are done): the guest stops at its next token
-                # Shielded: a client that hangs up cancels this generator, not the worker, which
-                # still records the (shortened) reply and releases the session.
-                await asyncio.shield(task)
+                client.streams -= 1
+                client.cancel(rid)  # a client that hung up: the guest stops at its next token
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     return app
 
 
-def _failure(e: BaseException, sid: str) -> APIError:
-    if isinstance(e, SessionError):
-        return APIError(e.status, str(e), "server_error" if e.status >= 500 else "invalid_request_error",
-                        e.code)
-    if isinstance(e, GuestError):
-        return APIError(500, f"session {sid!r}: the guest failed on this message ({type(e).__name__}: {e}); "
-                             "the session was returned to its last snapshot", "server_error", "guest_error")
-    return APIError(500, f"session {sid!r}: {e}", "server_error", "engine_error")
+def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: float = 300.0,
+               guest: str | None = None, batching: bool | None = None) -> FastAPI:
+    """The front and the engine core of `engine` in this process (the core's socket in a private
+    temporary folder): what `floe serve` runs in two, for tests and embedding. Sessions freeze into
+    `snapshots`, which a restart reads back; the app's shutdown freezes the live ones."""
+    from floe.server.core import CoreServer, ServeCore
+
+    core = ServeCore(engine, snapshots=snapshots, model_id=model_id, idle_seconds=idle_seconds,
+                     guest=guest, batching=batching)
+    folder = tempfile.mkdtemp(prefix="floe-serve-")  # 0700: only this user reaches the socket
+    server = CoreServer(core, Path(folder) / "core.sock")
+
+    def shutdown() -> None:
+        server.close()
+        core.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    app = create_front(server.path, on_shutdown=shutdown)
+    app.state.core = core
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The HTTP front of `floe serve`, started by it: serves until its engine core goes away."""
+    import uvicorn
+
+    ap = argparse.ArgumentParser(prog="python -m floe.server.app", description=main.__doc__)
+    ap.add_argument("--socket", required=True, help="the engine core's Unix socket")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="floe serve (http): %(message)s")
+    server: uvicorn.Server | None = None
+
+    def lost() -> None:
+        server.should_exit = True
+
+    app = create_front(args.socket, on_lost=lost)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server.run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,462 @@
+"""The engine core of `floe serve`: the engine, its loop, the session store, their metrics, served to
+the HTTP front over a Unix socket (floe.server.protocol; docs/SERVER.md).
+
+`floe serve` runs this in its main process and the front (floe.server.front) in a child: the engine
+loop's thread then shares this process's GIL only with the socket's threads, which hand streamed text
+over in one frame per flush for every stream, not with the event loop's HTTP and SSE work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from floe.engine import Engine, SamplingParams
+from floe.errors import FloeError, InvalidSamplingParams
+from floe.server.protocol import CALLS, HEADER, ROLES, ProtocolError, ServeError, frame_length, pack, unpack
+from floe.server.sessions import Session, SessionError, SessionStore
+from floe.wasm import GuestError
+
+log = logging.getLogger("floe.serve")
+FLUSH_S = 0.002  # after a flush of streamed text, the next waits this long: its frame gathers more
+
+
+class Metrics:
+    """The core's Prometheus metrics (the front adds its HTTP request counts)."""
+
+    def __init__(self, store: SessionStore) -> None:
+        self.registry = r = CollectorRegistry()
+        self.prompt_tokens = Counter("floe_prompt_tokens", "Prompt tokens of chat requests", registry=r)
+        self.prefilled_tokens = Counter("floe_prefilled_tokens",
+                                        "Prompt tokens actually prefilled (the rest was cached)", registry=r)
+        self.generated_tokens = Counter("floe_generated_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("floe_ttft_seconds", "Time to first token", registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.decode_rate = Histogram("floe_decode_tokens_per_second", "Decode speed of a reply",
+                                     registry=r, buckets=(5, 10, 20, 50, 100, 200, 500, 1000, 2000))
+        self.thaw = Histogram("floe_thaw_seconds", "Thawing a frozen session", registry=r,
+                              buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
+        self.freeze = Histogram("floe_freeze_seconds", "Freezing a session", registry=r,
+                                buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
+        self.batch_rows = Histogram("floe_decode_batch_rows", "Sessions advanced by one batched decode "
+                                    "forward", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64))
+        turns = Gauge("floe_engine_loop_turns", "Turns in the engine loop: stepping, or arrived and "
+                      "waiting for the next step", ["state"], registry=r)
+        turns.labels("active").set_function(lambda: store.loop.stats()["active"] if store.loop else 0)
+        turns.labels("waiting").set_function(lambda: store.loop.stats()["waiting"] if store.loop else 0)
+        sessions = Gauge("floe_sessions", "Sessions by state", ["state"], registry=r)
+        sessions.labels("live").set_function(lambda: store.counts()["live"])
+        sessions.labels("frozen").set_function(lambda: store.counts()["frozen"])
+
+
+@dataclass
+class Chat:
+    """A chat request that holds its session (ServeCore.open), until ServeCore.run returns."""
+
+    session: Session
+    history: list[dict]  # earlier messages the session has not seen yet
+    text: str  # the last (user) message
+    max_tokens: int
+    params: SamplingParams
+
+
+class ServeCore:
+    """What `floe serve` does with an engine, transport aside: chats and the session calls.
+
+    batching: concurrent sessions' decode steps run as one batched forward (default: where the engine
+    has one, i.e. CUDA graphs of the fused step); off, they take turns.
+    """
+
+    def __init__(self, engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: float = 300.0,
+                 guest: str | None = None, batching: bool | None = None) -> None:
+        if batching and not engine.batched_decode:
+            raise FloeError("decode batching needs the CUDA engine with graphs and fused kernels and "
+                            "more than one slot; on the CPU, sessions take turns")
+        from floe.actor import DecodeScheduler, EngineLoop
+
+        self.engine, self.model_id, self.idle_seconds = engine, model_id, idle_seconds
+        batched = engine.batched_decode if batching is None else batching
+        # ABI v2 guests (floe's own) are stepped by one engine loop; v1 guests batch through the scheduler.
+        self.scheduler = DecodeScheduler(engine) if batched else None
+        self.loop = EngineLoop(engine, batch=batched)
+        self.store = SessionStore(engine, snapshots, idle_seconds=idle_seconds, guest=guest,
+                                  scheduler=self.scheduler, loop=self.loop)
+        self.metrics = Metrics(self.store)
+        self.loop.on_step = self.metrics.batch_rows.observe
+        if self.scheduler is not None:
+            self.scheduler.on_batch = self.metrics.batch_rows.observe
+        self.store.on_thaw, self.store.on_freeze = self.metrics.thaw.observe, self.metrics.freeze.observe
+        self.store.load_folder()
+        self.store.warm_up()
+        self.started = time.time()
+        self._closed = threading.Event()
+        self._evictor = threading.Thread(target=self._evict_loop, name="floe-evict", daemon=True)
+        self._evictor.start()
+
+    # ---- chats -------------------------------------------------------------------------------------
+
+    def open(self, request: dict) -> Chat:
+        """Check a chat request against the engine and take its session (locked for it)."""
+        messages, max_tokens, params, sid = self._validate(request)
+        try:
+            session, history = self.store.acquire(sid, messages, params.seed)
+        except SessionError as e:
+            raise failure(e, sid) from None
+        return Chat(session, history, messages[-1]["content"], max_tokens, params)
+
+    def run(self, chat: Chat, on_text=None, should_stop=lambda: False) -> dict:
+        """Run an opened chat to its end (the session is released whatever happens): its text, why it
+        ended and its usage. on_text(piece): each piece of streamed text (in the engine loop's thread)."""
+        try:
+            reply = self.store.run(chat.session, chat.history, chat.text, max_tokens=chat.max_tokens,
+                                   params=chat.params, on_text=on_text, should_stop=should_stop)
+        except (GuestError, FloeError) as e:
+            raise failure(e, chat.session.id) from None
+        finally:
+            self.store.release(chat.session)
+        s, m = reply.stats, self.metrics
+        generated = s.generated_tokens
+        m.prompt_tokens.inc(s.context_tokens)
+        m.prefilled_tokens.inc(s.first_forward_tokens)
+        m.generated_tokens.inc(generated)
+        if s.ttft_s:
+            m.ttft.observe(s.ttft_s)
+        if s.decode_tokens_per_s:
+            m.decode_rate.observe(s.decode_tokens_per_s)
+        usage = {"prompt_tokens": s.context_tokens, "completion_tokens": generated,
+                 "total_tokens": s.context_tokens + generated,
+                 "prompt_tokens_details": {"cached_tokens": s.context_tokens - s.first_forward_tokens},
+                 "prefilled_tokens": s.first_forward_tokens}
+        return {"text": reply.text, "finish_reason": "length" if generated >= chat.max_tokens else "stop",
+                "usage": usage}
+
+    def _validate(self, request: dict) -> tuple[list[dict], int, SamplingParams, str | None]:
+        """The fields the front checked, checked again for type (the core trusts no peer), then
+        against the engine: sampling parameters and the context."""
+        messages = request.get("messages")
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+                for m in messages)):
+            raise ServeError(400, "messages: a list of role and text content messages", param="messages")
+        if messages[-1]["role"] != "user":
+            raise ServeError(400, "the last message must be from the user", param="messages")
+        sid, max_tokens = request.get("session_id"), request.get("max_tokens")
+        if not (sid is None or isinstance(sid, str)) or not (max_tokens is None or _int(max_tokens) > 0):
+            raise ServeError(400, "session_id must be a string and max_tokens a positive integer")
+        seed = request.get("seed") or 0
+        try:
+            params = SamplingParams(float(request.get("temperature", 1.0)), _int(request.get("top_k", 0)),
+                                    float(request.get("top_p", 1.0)), _int(seed))
+        except (InvalidSamplingParams, TypeError, ValueError) as e:
+            raise ServeError(400, str(e), param="temperature") from None
+        prompt = len(self.engine.tokenizer.encode_chat(messages))
+        room = self.engine.max_seq_len - prompt
+        if room < 1:
+            raise ServeError(400, f"the conversation is {prompt} tokens; this server's context holds "
+                             f"{self.engine.max_seq_len}", code="context_length_exceeded", param="messages")
+        max_tokens = max_tokens or min(room, 1024)
+        if max_tokens > room:
+            raise ServeError(400, f"max_tokens {max_tokens} + the conversation's {prompt} tokens exceed "
+                             f"this server's context of {self.engine.max_seq_len}",
+                             code="context_length_exceeded", param="max_tokens")
+        return messages, max_tokens, params, sid
+
+    # ---- calls (floe.server.protocol.CALLS) ----------------------------------------------------------
+
+    def call(self, name: str, arg=None):
+        if name not in CALLS:
+            raise ServeError(400, f"no call {name!r}")
+        if name == "hello":
+            return {"model_id": self.model_id, "started": self.started}
+        if name == "health":
+            return {"status": "ok", "model": self.model_id, "device": str(self.engine.device),
+                    "decode_batching": self.scheduler is not None, "uptime_s": time.time() - self.started,
+                    "sessions": self.store.counts(), "skipped_snapshots": self.store.skipped,
+                    "engine_loop": self.loop.stats()}
+        if name == "sessions":
+            with self.store.lock:
+                items = list(self.store.sessions.values())
+            return [s.describe() for s in items]
+        if name == "metrics":
+            return generate_latest(self.metrics.registry).decode()
+        if not isinstance(arg, str):
+            raise ServeError(400, f"{name} needs a session id")
+        try:
+            if name == "freeze":
+                return self.store.freeze(arg)
+            if name == "thaw":
+                return self.store.thaw(arg)
+            self.store.delete(arg)
+            return {"id": arg, "object": "session", "deleted": True}
+        except SessionError as e:
+            raise failure(e, arg) from None
+
+    # ---- lifetime ----------------------------------------------------------------------------------
+
+    def _evict_loop(self) -> None:
+        while not self._closed.wait(max(0.05, min(1.0, self.idle_seconds / 4))):
+            try:
+                frozen = self.store.evict_idle()
+                if frozen:
+                    log.info("froze idle sessions %s", frozen)
+            except Exception:  # noqa: BLE001 - keep evicting; the error is logged
+                log.exception("idle eviction failed")
+
+    def close(self) -> None:
+        """Stop evicting and freeze every live session (a restart serves them again)."""
+        if not self._closed.is_set():
+            self._closed.set()
+            self._evictor.join(30)
+            self.store.close()
+
+
+def failure(e: BaseException, sid: str | None) -> ServeError:
+    if isinstance(e, SessionError):
+        return ServeError(e.status, str(e), "server_error" if e.status >= 500 else "invalid_request_error",
+                          e.code)
+    if isinstance(e, GuestError):
+        return ServeError(500, f"session {sid!r}: the guest failed on this message ({type(e).__name__}: "
+                               f"{e}); the session was returned to its last snapshot", "server_error",
+                          "guest_error")
+    return ServeError(500, f"session {sid!r}: {e}", "server_error", "engine_error")
+
+
+def _int(value) -> int:
+    if type(value) is not int:
+        raise ServeError(400, f"{value!r} is not an integer")
+    return value
+
+
+# ---- the socket -------------------------------------------------------------------------------------
+
+
+class _Connection:
+    """One front's connection: frames out under one lock, streamed text gathered in an outbox."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.send_lock = threading.Lock()  # frames go out whole and in order
+        self.out_lock = threading.Lock()  # guards outbox (appended by the engine loop's thread)
+        self.outbox: list[list] = []  # [id, text] pieces not yet sent
+        self.cancelled: set[int] = set()  # chats whose client left
+        self.closed = False
+
+    def text(self, rid: int, piece: str) -> None:
+        with self.out_lock:
+            self.outbox.append([rid, piece])
+
+    def send(self, value) -> None:
+        """Send a frame after every piece of text gathered before it (a chat's text precedes its end)."""
+        with self.send_lock:
+            self._flush_locked()
+            self._write(pack(value))
+
+    def flush(self) -> None:
+        with self.send_lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        with self.out_lock:
+            pieces, self.outbox = self.outbox, []
+        if pieces:
+            self._write(pack(["text", pieces]))
+
+    def _write(self, frame: bytes) -> None:
+        if self.closed:
+            return
+        try:
+            self.sock.sendall(frame)
+        except OSError:  # the front is gone: its chats stop at their next token
+            self.closed = True
+
+    def read(self):
+        """The next frame's value, or None at the end of the connection."""
+        header = self._read_exactly(HEADER.size)
+        if header is None:
+            return None
+        data = self._read_exactly(frame_length(header))
+        if data is None:
+            raise ProtocolError("the connection ended inside a frame")
+        return unpack(data)
+
+    def _read_exactly(self, n: int) -> bytes | None:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return bytes(buf)
+
+
+class CoreServer:
+    """Serves a ServeCore on a Unix socket at `path` (its folder should be private: 0700): a thread
+    reads each connection's frames, chats and calls run in a pool of threads (a chat's thread waits
+    while the engine loop steps it), and a flusher thread sends each connection's streamed text."""
+
+    def __init__(self, core: ServeCore, path: str | Path) -> None:
+        self.core, self.path = core, str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.path)
+        os.chmod(self.path, 0o600)
+        self.sock.listen()
+        # Every running chat holds a thread for its whole reply; calls (freeze, thaw) need some too.
+        self.pool = ThreadPoolExecutor(core.engine.cache.n_slots + 8, "floe-chat")
+        self.connections: list[_Connection] = []
+        self._wake = threading.Event()  # text is waiting in an outbox
+        self._closed = False
+        for target, name in ((self._accept, "floe-accept"), (self._flush_loop, "floe-flush")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            conn = _Connection(sock)
+            self.connections.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="floe-conn", daemon=True).start()
+
+    def _serve(self, conn: _Connection) -> None:
+        try:
+            while (message := conn.read()) is not None:
+                self._dispatch(conn, message)
+        except (ProtocolError, OSError) as e:
+            log.error("the HTTP front's connection broke: %s", e)
+        finally:
+            conn.closed = True  # its running chats stop at their next token
+            self.connections.remove(conn)
+            conn.sock.close()
+
+    def _dispatch(self, conn: _Connection, message) -> None:
+        if not isinstance(message, dict) or type(message.get("id")) is not int:
+            raise ProtocolError(f"not a request: {str(message)[:200]}")
+        op, rid = message.get("op"), message["id"]
+        if op == "chat" and isinstance(message.get("request"), dict):
+            self.pool.submit(self._chat, conn, rid, message["request"])
+        elif op == "cancel":
+            conn.cancelled.add(rid)
+        elif op == "call":
+            self.pool.submit(self._call, conn, rid, message.get("name"), message.get("arg"))
+        else:
+            raise ProtocolError(f"not a request: {str(message)[:200]}")
+
+    def _call(self, conn: _Connection, rid: int, name, arg) -> None:
+        try:
+            conn.send(["ok", rid, self.core.call(name, arg)])
+        except ServeError as e:
+            conn.send(["error", rid, e.payload()])
+        except Exception as e:  # noqa: BLE001 - a bug answers 500, the core goes on
+            log.exception("call %s failed", name)
+            conn.send(["error", rid, _internal(e).payload()])
+
+    def _chat(self, conn: _Connection, rid: int, request: dict) -> None:
+        try:
+            chat = self.core.open(request)
+        except ServeError as e:
+            conn.send(["error", rid, e.payload()])
+            return
+        except Exception as e:  # noqa: BLE001
+            log.exception("opening a chat failed")
+            conn.send(["error", rid, _internal(e).payload()])
+            return
+        try:
+            conn.send(["started", rid, chat.session.id])
+            on_text = None
+            if request.get("stream"):
+                def on_text(piece: str) -> None:
+                    conn.text(rid, piece)
+                    if not self._wake.is_set():
+                        self._wake.set()
+            result = self.core.run(chat, on_text, lambda: conn.closed or rid in conn.cancelled)
+            conn.send(["done", rid, result])
+        except ServeError as e:
+            conn.send(["error", rid, e.payload()])
+        except Exception as e:  # noqa: BLE001
+            log.exception("a chat failed")
+            conn.send(["error", rid, _internal(e).payload()])
+        finally:
+            conn.cancelled.discard(rid)
+
+    def _flush_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            for conn in list(self.connections):
+                conn.flush()
+            time.sleep(FLUSH_S)
+
+    def close(self) -> None:
+        """Stop serving: no new connections or requests; running chats stop at their next token."""
+        self._closed = True
+        self._wake.set()
+        for conn in list(self.connections):
+            conn.closed = True
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        except OSError:
+            pass
+        self.sock.close()
+        Path(self.path).unlink(missing_ok=True)
+        self.pool.shutdown(wait=True)
+
+
+def _internal(e: Exception) -> ServeError:
+    return ServeError(500, f"internal error: {type(e).__name__}: {e}", "server_error", "internal_error")
+
+
+def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+          on_ready: Callable[[CoreServer], None] = lambda server: None) -> int:
+    """`floe serve` with its engine core in this process: the HTTP front (floe.server.app) runs in a
+    child process, talking to the core's socket in a private temporary folder. Returns when the
+    front exits or this process is told to stop (SIGINT, SIGTERM); every live session is frozen
+    before it returns. The front's exit status: 0 after a stop."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="floe-serve-")  # 0700: only this user reaches the socket
+    server = CoreServer(core, Path(folder) / "core.sock")
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    front = subprocess.Popen([sys.executable, "-m", "floe.server.app", "--socket", server.path, "--host",
+                              host, "--port", str(port), "--log-level", log_level])
+    code = 0
+    try:
+        on_ready(server)
+        code = front.wait()
+        if code:
+            log.error("the HTTP front exited with status %s", code)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if front.poll() is None:
+            front.terminate()
+            try:
+                front.wait(30)
+            except subprocess.TimeoutExpired:
+                front.kill()
+        server.close()
+        core.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    return code

@@ -1,0 +1,69 @@
+"""The wire between `floe serve`'s HTTP front and its engine core (docs/SERVER.md).
+
+The front (FastAPI, uvicorn, SSE) and the core (the engine loop, the actors, the session store) run
+in two processes, so the front's event loop never competes with the engine loop for one GIL. They
+talk over a Unix socket in a private folder: frames of a 4-byte big-endian length and a JSON value
+(JSON, not pickle: the front faces the network, and a front that misbehaves must not run code in the
+core). This module imports nothing heavy: the front process never imports torch.
+
+Front to core, objects:
+  {"op": "chat", "id": N, "request": {...}}     a chat completion (core.ServeCore.open's fields)
+  {"op": "cancel", "id": N}                      the client left: its row stops at the next token
+  {"op": "call", "id": N, "name": NAME, "arg": A} health, sessions, freeze, thaw, delete, metrics
+Core to front, lists:
+  ["ok", N, value]             a call's answer
+  ["error", N, error]          a call's or a chat's failure: ServeError.payload()
+  ["started", N, session_id]   a chat holds its session; its text follows
+  ["text", [[N, text], ...]]   streamed text of every chat since the last frame (one frame a flush)
+  ["done", N, result]          a chat's end: {"text", "finish_reason", "usage"}
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+HEADER = struct.Struct("!I")
+MAX_FRAME = 64 << 20  # a frame longer than this is a broken peer, not a message
+ROLES = ("system", "user", "assistant")
+CALLS = ("hello", "health", "sessions", "freeze", "thaw", "delete", "metrics")
+
+
+class ServeError(Exception):
+    """A request the server answers with an error: HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+
+    def payload(self) -> dict:
+        return {"status": self.status, "message": self.message, "type": self.type, "code": self.code,
+                "param": self.param}
+
+    @classmethod
+    def from_payload(cls, p: dict) -> ServeError:
+        return cls(p["status"], p["message"], p["type"], p.get("code"), p.get("param"))
+
+
+class ProtocolError(Exception):
+    """A frame that is not one: the peer is broken and the connection is closed."""
+
+
+def pack(value) -> bytes:
+    data = json.dumps(value, separators=(",", ":")).encode()
+    return HEADER.pack(len(data)) + data
+
+
+def frame_length(header: bytes) -> int:
+    (n,) = HEADER.unpack(header)
+    if n > MAX_FRAME:
+        raise ProtocolError(f"a frame of {n} bytes (the limit is {MAX_FRAME})")
+    return n
+
+
+def unpack(data: bytes):
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"a frame that is not JSON: {e}") from None
