@@ -71,6 +71,9 @@ def actors_run(engine: Engine, messages: list[str], max_tokens: int, batch: bool
             "prompt_tokens": [r.context_tokens for r in replies],
             "stream_decode_tok_s": statistics.median(r.decode_tokens_per_s for r in replies),
             "ttft_ms": 1e3 * statistics.median(r.ttft_s for r in replies),
+            # on_message in each caller's thread (the rest of TTFT: the loop's steps to its first token)
+            "prepare_ms": 1e3 * statistics.median(r.prepared - r.started for r in replies),
+            "prepare_max_ms": 1e3 * max(r.prepared - r.started for r in replies),
             "rows_per_step": loop.rows / max(loop.steps, 1)}
 
 

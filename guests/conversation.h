@@ -101,6 +101,10 @@ static void log_overflow(uint32_t tokens) {
 
 /* Renders and tokenizes the conversation into `prompt`; returns 0 on failure. */
 static int render_prompt(void) {
+    /* Room for the template's text around the messages, so that one call usually renders it all. */
+    uint32_t guess = 1024;
+    for (uint32_t i = 0; i < n_messages; i++) guess += messages[i].content_len + 64;
+    if (!reserve_bytes(&rendered, guess)) return 0;
     int32_t n = floe_chat_render(messages, (int32_t)n_messages, 1, rendered.data, (int32_t)rendered.cap);
     if (n < 0) return 0;
     if ((uint32_t)n > rendered.cap) {
@@ -108,6 +112,8 @@ static int render_prompt(void) {
         floe_chat_render(messages, (int32_t)n_messages, 1, rendered.data, (int32_t)rendered.cap);
     }
     rendered.len = (uint32_t)n;
+    /* A token stands for at least one byte of text (plus a few the tokenizer may add): one call. */
+    if (!reserve_ids(&prompt, (uint32_t)n + 16)) return 0;
     int32_t m = floe_tokenize(rendered.data, n, prompt.data, (int32_t)prompt.cap);
     if ((uint32_t)m > prompt.cap) {
         if (!reserve_ids(&prompt, (uint32_t)m)) return 0;

@@ -161,3 +161,38 @@ def test_a_greedy_draw_is_from_the_logits_the_guest_left_in_its_memory(tiny_engi
     for overlap in (False, True):
         out = contexts(tiny_engine, EngineLoop(tiny_engine, overlap=overlap), [(masks, "x", 4)] * 3)
         assert all(tokens == [5, 5, 5, 5] for tokens, _, _ in out), out
+
+
+def test_a_guest_stuck_in_on_message_does_not_hold_up_others_arriving(tiny_engine):
+    """Arrivals take turns (EngineLoop.arriving), but a turn waits at most ARRIVAL_WAIT_S for the one
+    before it: an actor whose on_message spins until its deadline does not keep another from
+    arriving and finishing first; the spinning one fails with its deadline only."""
+    import time
+
+    import wasmtime
+
+    spins = wasmtime.wat2wasm("""
+(module
+  (memory (export "memory") 2)
+  (func (export "floe_abi_version") (result i32) (i32.const 2))
+  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "on_message") (param i32 i32) (result i32) (loop $l (br $l)) (i32.const 0))
+  (func (export "on_token") (result i32) (i32.const -1)))""")
+    loop = EngineLoop(tiny_engine)
+    ended: dict[str, float] = {}
+
+    def stuck():
+        with Actor(tiny_engine, spins, loop=loop, deadline_s=3.0) as actor:
+            with pytest.raises(GuestDeadlineExceeded):
+                actor.send("spin", max_tokens=4)
+        ended["stuck"] = time.monotonic()
+
+    thread = threading.Thread(target=stuck)
+    thread.start()
+    while not loop._arrival.locked():  # the stuck guest holds the arrival turn
+        time.sleep(0.01)
+    with Actor(tiny_engine, loop=loop) as actor:
+        assert actor.send(PROMPTS[0], max_tokens=3, params=GREEDY).stats.generated_tokens == 3
+    ended["other"] = time.monotonic()
+    thread.join()
+    assert ended["other"] < ended["stuck"]

@@ -98,6 +98,7 @@ class MessageStats:
     forward_s: float = 0.0  # time in the engine
     forwards: int = 0
     started: float = 0.0
+    prepared: float = 0.0  # ABI v2: on_message returned, its prompt queued for the engine loop
     first_text: float = 0.0
     last_text: float = 0.0
     emits: int = 0
@@ -332,9 +333,11 @@ class Actor:
         try:
             self.abi.preparing = True
             try:
-                status = self._call("on_message", ptr, length, deadline=deadline)
+                with self.loop.arriving():
+                    status = self._call("on_message", ptr, length, deadline=deadline)
             finally:
                 self.abi.preparing = False
+                self.stats.prepared = time.perf_counter()
             if status == 0 and self.abi.queued_tokens:
                 self.stats.finish_reason = END_REASONS[self.loop.run(self, max_tokens, deadline)]
             return status

@@ -23,6 +23,7 @@ changes. The KV cache holds exactly the tokens the guest returned, as without ov
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -51,6 +52,7 @@ RIDE_ROWS = 256
 # The most one on_token call may take: the batch waits for it. Its host calls count too, and the first
 # sample on a fresh CUDA context loads kernels (~1 s), so this is a bound on a stall, not a budget.
 TOKEN_CALL_S = 5.0
+ARRIVAL_WAIT_S = 0.05  # the most an arriving turn waits for the one before it (EngineLoop.arriving)
 IDLE_EXIT_S = 5.0  # the loop's thread ends after this long without turns (the next turn starts one)
 
 
@@ -105,6 +107,7 @@ class EngineLoop:
         self.steps = 0  # decode forwards run
         self.rows = 0  # decode rows run in them
         self.undone = 0  # speculated rows whose guest chose otherwise (their forward undone)
+        self._arrival = threading.Lock()  # see arriving()
 
     # ---- the caller's side ------------------------------------------------------------------------
 
@@ -125,6 +128,19 @@ class EngineLoop:
         if turn.error is not None:
             raise turn.error
         return turn.end
+
+    @contextlib.contextmanager
+    def arriving(self):
+        """Held around an arriving turn's on_message (its caller's thread, Actor._turn): arrivals take
+        turns, so that 16 of them at once do not each hand the GIL to the others at every call into
+        Wasmtime (each call releases it), which made every arrival wait for all. Bounded: a turn waits
+        at most ARRIVAL_WAIT_S for the one before it (a slow guest delays others' arrival no longer)."""
+        held = self._arrival.acquire(timeout=ARRIVAL_WAIT_S)
+        try:
+            yield
+        finally:
+            if held:
+                self._arrival.release()
 
     def stats(self) -> dict:
         with self._cond:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -25,7 +26,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,6 +103,7 @@ class CoreClient:
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future] = {}
         self._chats: dict[int, asyncio.Queue] = {}
+        self._ended: dict[int, asyncio.Event] = {}  # set when a chat's last event is queued
         self.streams = 0  # streamed replies being sent
         self.gone = False
         self._task: asyncio.Task | None = None
@@ -127,16 +128,18 @@ class CoreClient:
         self._send({"op": "call", "id": rid, "name": name, "arg": arg})
         return await future
 
-    def chat(self, request: dict) -> tuple[int, asyncio.Queue]:
-        """Start a chat: its id and the queue of its events: ("started", session id), then ("text",
-        piece)s when streamed, then ("done", result) or ("error", payload) at any point."""
+    def chat(self, request: dict) -> tuple[int, asyncio.Queue, asyncio.Event]:
+        """Start a chat: its id, the queue of its events (("started", session id), then ("text",
+        piece)s when streamed, then ("done", result) or ("error", payload) at any point) and an
+        event set once its last one is queued."""
         rid = next(self._ids)
-        self._chats[rid] = queue = asyncio.Queue()
+        self._chats[rid], self._ended[rid] = queue, ended = asyncio.Queue(), asyncio.Event()
         self._send({"op": "chat", "id": rid, "request": request})
-        return rid, queue
+        return rid, queue, ended
 
     def cancel(self, rid: int) -> None:
         """The chat's client left: its row stops at its next token (nothing if it has ended)."""
+        self._ended.pop(rid, None)
         if self._chats.pop(rid, None) is not None and not self.gone:
             self._send({"op": "cancel", "id": rid})
 
@@ -155,8 +158,11 @@ class CoreClient:
                     future.set_exception(self.GONE)
             for queue in self._chats.values():
                 queue.put_nowait(("error", self.GONE.payload()))
+            for ended in self._ended.values():
+                ended.set()
             self._calls.clear()
             self._chats.clear()
+            self._ended.clear()
             self.on_lost()
 
     def _dispatch(self, message: list) -> None:
@@ -181,6 +187,7 @@ class CoreClient:
             queue.put_nowait((kind, value))
             if kind in ("done", "error"):
                 del self._chats[rid]
+                self._ended.pop(rid).set()
 
 
 BUSY_STREAMS = 8  # more streams than this: a stream's text is handed over in intervals, STREAM_INTERVAL_S
@@ -197,7 +204,7 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
     registry = CollectorRegistry()
     requests = Counter("floe_requests", "HTTP requests to the chat API", ["status"], registry=registry)
 
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await client.connect()
         hello = await client.call("hello")
@@ -295,7 +302,7 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
         return messages
 
     async def _chat(body: ChatRequest, request: Request):
-        rid, queue = client.chat({
+        rid, queue, ended = client.chat({
             "messages": _messages(body), "max_tokens": body.max_completion_tokens or body.max_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
             "session_id": request.headers.get("x-floe-session") or body.session_id,
@@ -334,7 +341,8 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
             # The core sends a stream's text as it comes (one frame carries every stream's pieces);
             # each piece waiting in the queue goes in one chunk. With more than BUSY_STREAMS streams,
             # a stream's chunks after its first wait an interval (as vLLM's stream interval; 20 ms at
-            # 8 streams, 0.1 s from 40): every chunk costs JSON, a write and the client's parsing.
+            # 8 streams, 0.1 s from 40; cut short by the stream's end, which never waits): every chunk
+            # costs JSON, a write and the client's parsing.
             client.streams += 1
             try:
                 yield chunk({"role": "assistant", "content": ""})
@@ -342,8 +350,10 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
                 while True:
                     kind, value = await queue.get()
                     if kind == "text":
-                        if handed and client.streams > BUSY_STREAMS:
-                            await asyncio.sleep(min(0.1, STREAM_INTERVAL_S * client.streams / BUSY_STREAMS))
+                        if handed and client.streams > BUSY_STREAMS and not ended.is_set():
+                            interval = min(0.1, STREAM_INTERVAL_S * client.streams / BUSY_STREAMS)
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(ended.wait(), interval)
                         handed, texts, end = True, [value], None
                         while end is None and not queue.empty():
                             k, v = queue.get_nowait()
