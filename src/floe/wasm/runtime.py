@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -99,6 +100,17 @@ class WasmRuntime:
         self._ticker_lock = threading.Lock()
         self._modules: dict[str, GuestModule] = {}  # sha256 -> compiled module
         self._modules_lock = threading.Lock()
+        self._func_types: dict[tuple[int, int], FuncType] = {}
+
+    def func_type(self, n_params: int, n_results: int) -> FuncType:
+        """(i32 × n_params) -> (i32 × n_results), made once (linkers copy it; making one is ~100
+        calls into Wasmtime, which every new actor paid for each of its host functions)."""
+        key = (n_params, n_results)
+        ty = self._func_types.get(key)
+        if ty is None:
+            ty = self._func_types.setdefault(key, FuncType([ValType.i32()] * n_params,
+                                                           [ValType.i32()] * n_results))
+        return ty
 
     def deadline_ticks(self, seconds: float) -> int:
         self._start_ticker()
@@ -165,11 +177,19 @@ class GuestModule:
         except WasmtimeError as e:
             raise GuestLoadError(f"{self.name} is not a valid WebAssembly module: {e}") from e
 
+    @functools.cached_property
+    def _imports(self) -> tuple[tuple[str, str], ...]:
+        return tuple((i.module, i.name) for i in self.module.imports)
+
+    @functools.cached_property
+    def _exports(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.module.exports)
+
     def imports(self) -> list[tuple[str, str]]:
-        return [(i.module, i.name) for i in self.module.imports]
+        return list(self._imports)  # read once: each read makes a wrapper per import through ctypes
 
     def exports(self) -> list[str]:
-        return [e.name for e in self.module.exports]
+        return list(self._exports)
 
 
 class GuestInstance:
@@ -195,8 +215,8 @@ class GuestInstance:
                 raise GuestLoadError(f"{module.name} imports {mod}.{name}, which floe does not provide")
         linker = Linker(runtime.engine)
         for f in functions:
-            ty = FuncType([ValType.i32()] * f.n_params, [ValType.i32()] * f.n_results)
-            runtime.host_functions.define(linker, import_module, f.name, ty, f.fn)
+            runtime.host_functions.define(linker, import_module, f.name, runtime.func_type(f.n_params,
+                                                                                         f.n_results), f.fn)
         self.watchdog.arm(deadline_s)
         with runtime.memory_creator.creating(memory_cap) as created:
             try:
