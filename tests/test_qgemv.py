@@ -83,6 +83,61 @@ def test_every_variant_on_wide_rows_with_a_tail(qtype, variant):
     torch.testing.assert_close(layer(x), y, rtol=1e-6, atol=1e-6 * float(y.abs().max()))
 
 
+def rows_in_torch(layer: qgemv.QLinear, index, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `index` of the layer's weight as the prompt path computed them before the kernel did:
+    scale·code + offset in float32 per group (PyTorch's addcmul), then rounded to `dtype`."""
+    codes = layer.codes[index]
+    scale, offset = (t[index, :, None].float() for t in layer.scale_offset)
+    n, groups = codes.shape[0], layer.in_features // GROUP
+    w = torch.empty(n, groups, GROUP)
+    if layer.bits == 8:
+        torch.addcmul(offset, codes.view(n, groups, GROUP).float(), scale, out=w)
+    else:
+        codes = codes.view(n, groups, GROUP // 2)
+        torch.addcmul(offset, (codes & 15).float(), scale, out=w[..., : GROUP // 2])
+        torch.addcmul(offset, (codes >> 4).float(), scale, out=w[..., GROUP // 2 :])
+    return w.view(n, layer.in_features).to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(bits), b.view(bits))
+
+
+def test_every_variant_dequantizes_rows_bitwise_as_pytorch_did(tiny, variant):
+    """A prompt's bands of weight values come from the kernel in one pass: the same bits, in float32
+    and in bfloat16, as PyTorch's float passes gave (a code times a file's scale is exact in float32,
+    so the one rounding is the sum's), for the file's fp16 scales and as float32, for a band of rows
+    and for scattered rows (exact_top's)."""
+    for name in ("layers.0.feed_forward.w2.weight", "layers.1.attention.wq.weight"):
+        q = tiny.quantized[name]
+        layer = qgemv.QLinear(q, dense=False, kernel=variant)
+        assert torch.equal(layer.rows(slice(0, q.shape[0])).double(), q.dequantize().double())
+        for scale_offset in (layer.scale_offset, layer.scale_offset.float()):
+            layer.scale_offset = scale_offset
+            for dtype in (torch.float32, torch.bfloat16):
+                for index in (slice(0, q.shape[0]), slice(3, 17), torch.tensor([9, 0, 5, 9])):
+                    expect = rows_in_torch(layer, index, dtype)
+                    assert same_bits(layer.rows(index, dtype), expect), (name, dtype)
+
+
+def test_bfloat16_rows_round_ties_to_even_as_pytorch(variant):
+    """Q8_0 values d·q with q = ±2^k lie halfway between two bfloat16 values for d = 1 + 2^-8 (the even
+    one below) and d = 1 + 3·2^-8 (the even one above): the kernel rounds them as PyTorch does."""
+    q8 = np.arange(-128, 128, dtype=np.int8).reshape(4, 64)
+    directions = set()
+    for d in (1 + 2**-8, 1 + 3 * 2**-8):
+        q = QuantizedWeight("Q8_0", q8.shape, q8_blocks(q8, d))
+        layer = qgemv.QLinear(q, dense=False, kernel=variant)
+        exact = layer.rows(slice(0, 4))
+        rounded = layer.rows(slice(0, 4), torch.bfloat16)
+        assert same_bits(rounded, exact.bfloat16())
+        assert same_bits(rounded, rows_in_torch(layer, slice(0, 4), torch.bfloat16))
+        ties = (exact.view(torch.int32) & 0xFFFF) == 0x8000
+        directions |= set((rounded.float().abs() > exact.abs())[ties].tolist())
+    assert directions == {True, False}
+
+
 def q8_blocks(q8: np.ndarray, d: float) -> np.ndarray:
     """Q8_0 bytes of int8 values q8 [rows, cols] with one scale d for every block."""
     rows, cols = q8.shape

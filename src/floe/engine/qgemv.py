@@ -74,6 +74,7 @@ VARIANTS = {v.name: v for v in (
 # operator cannot be built (then no layer calls it); op.cpp adds the CPU implementation.
 _schema = torch.library.Library("floe", "FRAGMENT")
 _schema.define("gemv_q(Tensor x, Tensor codes, Tensor scale, Tensor offset, int kernel) -> Tensor")
+_schema.define("dequant_q(Tensor codes, Tensor scale, Tensor offset, ScalarType dtype, int kernel) -> Tensor")
 
 _lock = threading.Lock()
 _numbers: dict[str, int] = {}  # variant -> its number for torch.ops.floe.gemv_q
@@ -224,20 +225,10 @@ class QLinear(nn.Module):
         return y
 
     def rows(self, index: slice | Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-        """Rows `index` of the weight in `dtype`: w = scale·code + offset, in float32 per group of 32
-        (8-bit codes as they are; 4-bit: byte j of a group holds value j in its low nibble and value
-        j + 16 in its high one)."""
-        codes = self.codes[index]
-        scale, offset = (t[index, :, None].float() for t in self.scale_offset)
-        n, groups = codes.shape[0], self.in_features // GROUP
-        w = torch.empty(n, groups, GROUP)
-        if self.bits == 8:
-            torch.addcmul(offset, codes.view(n, groups, GROUP).float(), scale, out=w)
-        else:
-            codes = codes.view(n, groups, GROUP // 2)
-            torch.addcmul(offset, (codes & 15).float(), scale, out=w[..., : GROUP // 2])
-            torch.addcmul(offset, (codes >> 4).float(), scale, out=w[..., GROUP // 2 :])
-        return w.view(n, self.in_features).to(dtype)
+        """Rows `index` of the weight in `dtype` (float32 or bfloat16): w = scale·code + offset,
+        rounded once to float32 (then to bfloat16, to nearest even), in one pass of the kernel."""
+        return torch.ops.floe.dequant_q(self.codes[index], self.scale_offset[0, index],
+                                        self.scale_offset[1, index], dtype, self.number)
 
     def _abs_sums(self, band: int = 1 << 20) -> Tensor:
         """float32 [rows, groups]: the sum of |w| over each group of 32 of each row."""

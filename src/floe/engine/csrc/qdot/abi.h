@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#define FLOE_QDOT_ABI 3
+#define FLOE_QDOT_ABI 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -19,6 +19,11 @@ typedef void (*floe_qdot_rows_fn)(const uint8_t* codes, const void* scale, const
                                   const int8_t* qx, const float* xs, const float* u, int64_t m,
                                   int64_t groups, int64_t begin, int64_t end, float* y, int64_t ldy);
 
+// Weight rows [begin, end) as values, w = scale * code + offset (codes, scale, offset as above),
+// written as float32 or bfloat16 (bits) to out, row n at out + (n - begin) * K.
+typedef void (*floe_qdot_dequant_fn)(const uint8_t* codes, const void* scale, const void* offset,
+                                     int64_t groups, int64_t begin, int64_t end, void* out);
+
 typedef struct FloeQdotKernel {
   int abi;           // FLOE_QDOT_ABI
   const char* name;  // "portable", "avx2", "vnni", "neon"
@@ -27,6 +32,7 @@ typedef struct FloeQdotKernel {
   // qx is laid out as this variant's rows for codes of that width (four_bit) read it
   void (*quantize)(const float* x, int64_t k, int four_bit, int8_t* qx, float* xs, float* u);
   floe_qdot_rows_fn rows[2][2];  // [four_bit][half_scales]
+  floe_qdot_dequant_fn dequant[2][2][2];  // [four_bit][half_scales][bfloat16 out]
 } FloeQdotKernel;
 
 const FloeQdotKernel* floe_qdot_kernel(void);

@@ -101,6 +101,43 @@ struct X86 {
   }
   static float to_float(float v) { return v; }
   static float to_float(Half h) { return _cvtsh_ss(h.bits); }
+
+  // A group's 32 weights s * code + z (a product, then a sum, as ScalarBlocks), 16 codes at a time.
+  template <bool FourBit, typename Out>
+  static void dequant_group(const uint8_t* c, float s, float z, Out* out) {
+    const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
+    __m128i lo, hi;  // elements 0..15 and 16..31
+    if constexpr (FourBit) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), m = _mm_set1_epi8(0x0F);
+      lo = _mm_and_si128(b, m);
+      hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    } else {
+      lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+      hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
+    }
+    store16(weights8(lo, sv, zv), weights8(_mm_srli_si128(lo, 8), sv, zv), out);
+    store16(weights8(hi, sv, zv), weights8(_mm_srli_si128(hi, 8), sv, zv), out + 16);
+  }
+  static __m256 weights8(__m128i codes, __m256 s, __m256 z) {  // the low 8 bytes' weights
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), s), z);
+  }
+  static void store16(__m256 a, __m256 b, float* out) {
+    _mm256_storeu_ps(out, a);
+    _mm256_storeu_ps(out + 8, b);
+  }
+  static void store16(__m256 a, __m256 b, uint16_t* out) {  // to bf16, as to_bf16
+    // packus packs within 128-bit lanes (a0-3 b0-3 a4-7 b4-7); the permute puts a before b
+    const __m256i packed = _mm256_packus_epi32(bf16_bits(a), bf16_bits(b));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+  static __m256i bf16_bits(__m256 w) {  // in the low 16 bits of each lane
+    const __m256i u = _mm256_castps_si256(w);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
+                                        16);
+    const __m256 nan = _mm256_cmp_ps(w, w, _CMP_UNORD_Q);
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+  }
   static __m256 off_zero() { return _mm256_setzero_ps(); }
   static float off_sum(__m256 off) { return hsum(off); }
   template <typename S>

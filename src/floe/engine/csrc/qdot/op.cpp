@@ -1,4 +1,5 @@
 // floe's quantized GEMV as a PyTorch operator. torch.ops.floe.gemv_q(x, codes, scale, offset, kernel)
+// (and dequant_q(codes, scale, offset, dtype, kernel), the weight's values for a prompt's GEMM)
 // runs instruction-set variant number `kernel`, as returned by torch.ops.floe.qdot_load(path): each
 // variant (portable.cpp, avx2.cpp, vnni.cpp, neon.cpp) is a shared library of its own, built with its
 // own compiler flags and opened here. This file is built once, with no instruction-set flags; it
@@ -56,21 +57,27 @@ const FloeQdotKernel* kernel_of(int64_t number) {
 
 std::string qdot_name(int64_t number) { return kernel_of(number)->name; }
 
-// y [..., N] = x [..., K] times the coded weight: codes uint8 [N, K/2] (4-bit) or [N, K] (8-bit),
-// scale and offset float32 or float16 [N, K/32].
-at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scale,
-                  const at::Tensor& offset, int64_t number) {
-  const FloeQdotKernel* kernel = kernel_of(number);
+// codes uint8 [N, K/2] (4-bit) or [N, K] (8-bit), scale and offset float32 or float16 [N, K/32].
+void check_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
               "codes: uint8 [N, *], contiguous");
   TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf) && scale.dim() == 2 &&
                   offset.scalar_type() == scale.scalar_type() && scale.is_contiguous() &&
                   offset.is_contiguous() && scale.size(0) == codes.size(0) && offset.sizes() == scale.sizes(),
               "scale/offset: float32 or float16 [N, K/32], both alike, contiguous");
+  const int64_t groups = scale.size(1);
+  TORCH_CHECK(codes.size(1) * 2 == groups * G || codes.size(1) == groups * G, "codes width ", codes.size(1),
+              " is neither K/2 (4-bit) nor K (8-bit) for K = 32 x ", groups, " groups");
+}
+
+// y [..., N] = x [..., K] times the coded weight: codes uint8 [N, K/2] (4-bit) or [N, K] (8-bit),
+// scale and offset float32 or float16 [N, K/32].
+at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scale,
+                  const at::Tensor& offset, int64_t number) {
+  const FloeQdotKernel* kernel = kernel_of(number);
+  check_weight(codes, scale, offset);
   const int64_t n = codes.size(0), groups = scale.size(1), k = groups * G;
   const bool four_bit = codes.size(1) * 2 == k;
-  TORCH_CHECK(four_bit || codes.size(1) == k, "codes width ", codes.size(1), " is neither K/2 (4-bit) nor K ",
-              "(8-bit) for K = 32 x ", groups, " groups");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "input width must be K = ", k);
   auto sizes = x_in.sizes().vec();
@@ -107,6 +114,30 @@ at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// The weight's rows as values: codes uint8 [N, K/2] or [N, K], scale and offset [N, K/32] as gemv_q
+// takes them -> [N, K] float32 or bfloat16 (what a prompt's matrix product reads), split over threads.
+at::Tensor dequant_q(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+                     at::ScalarType dtype, int64_t number) {
+  const FloeQdotKernel* kernel = kernel_of(number);
+  check_weight(codes, scale, offset);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequant_q writes float32 or bfloat16, not ",
+              dtype);
+  const int64_t n = codes.size(0), groups = scale.size(1);
+  const bool four_bit = codes.size(1) * 2 == groups * G;
+  at::Tensor w = at::empty({n, groups * G}, codes.options().dtype(dtype));
+  const floe_qdot_dequant_fn dequant =
+      kernel->dequant[four_bit][scale.scalar_type() == at::kHalf][dtype == at::kBFloat16];
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const void* s = scale.data_ptr();
+  const void* o = offset.data_ptr();
+  char* out = static_cast<char*>(w.data_ptr());
+  const int64_t row_bytes = groups * G * w.element_size();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    dequant(c, s, o, groups, begin, end, out + begin * row_bytes);
+  });
+  return w;
+}
+
 }  // namespace
 
 // gemv_q's schema is declared by floe.engine.qgemv (so that TorchScript can compile code naming it
@@ -116,4 +147,7 @@ TORCH_LIBRARY_FRAGMENT(floe, m) {
   m.def("qdot_name(int kernel) -> str", &qdot_name);
 }
 
-TORCH_LIBRARY_IMPL(floe, CPU, m) { m.impl("gemv_q", gemv_q); }
+TORCH_LIBRARY_IMPL(floe, CPU, m) {
+  m.impl("gemv_q", gemv_q);
+  m.impl("dequant_q", dequant_q);
+}

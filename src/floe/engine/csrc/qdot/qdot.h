@@ -13,6 +13,7 @@
 //   kPairs, pair_codes(codes), pair_fma(...): whether it takes 4-bit groups two at a time (see
 //   pair_layout)
 //   kRows: how many input rows share one unpacking of the codes (as many as its registers hold)
+//   dequant_group<FourBit>(codes, s, z, out): a group's 32 weights s * code + z, float32 or bf16
 // A variant whose instructions cannot multiply the unsigned 8-bit codes directly works on
 // code - 128 (a signed byte) and reports code_bias = 128; the loop below adds 128 * scale back as
 // part of the offset, so every variant computes the same sum.
@@ -102,6 +103,15 @@ void quantize(const float* x, int64_t k, int four_bit, int8_t* qx, float* xs, fl
   if (four_bit && Isa::kPairs) pair_layout(qx, k / G);
 }
 
+// float32 -> bfloat16 bits, rounded to nearest even (NaN -> a quiet NaN), as PyTorch rounds.
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return f != f ? uint16_t{0x7fc0} : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline void store(float w, float* out) { *out = w; }
+inline void store(float w, uint16_t* out) { *out = to_bf16(w); }
+
 // The per-group scale arithmetic in plain C++, for variants without a vector version of it.
 struct ScalarBlocks {
   static constexpr bool kPairs = false;
@@ -120,6 +130,20 @@ struct ScalarBlocks {
       off += (to_float(o[j]) + bias * sj) * u[j];
     }
     return off;
+  }
+  // A group's 32 weights, s * code + z (a product, then a sum: as PyTorch's addcmul), to out.
+  template <bool FourBit, typename Out>
+  static void dequant_group(const uint8_t* c, float s, float z, Out* out) {
+    float w[G];
+    if constexpr (FourBit) {
+      for (int j = 0; j < G / 2; ++j) {
+        w[j] = s * static_cast<float>(c[j] & 15) + z;
+        w[j + G / 2] = s * static_cast<float>(c[j] >> 4) + z;
+      }
+    } else {
+      for (int j = 0; j < G; ++j) w[j] = s * static_cast<float>(c[j]) + z;
+    }
+    for (int j = 0; j < G; ++j) store(w[j], out + j);
   }
 };
 
@@ -217,13 +241,33 @@ void rows(const uint8_t* codes, const void* scale, const void* offset, const int
   }
 }
 
+// Weight rows [begin, end) themselves, w = scale * code + offset in float32 (a code times a file's
+// scale is exact in float32: the one rounding is the sum's), written to out as float32 or bfloat16
+// (Out = uint16_t), row n at out + (n - begin) * K: the values a prompt's matrix product reads, in
+// one pass from the codes.
+template <class Isa, bool FourBit, typename S, typename Out>
+void dequant(const uint8_t* codes, const void* scale, const void* offset, int64_t groups, int64_t begin,
+             int64_t end, void* out) {
+  constexpr int64_t width = FourBit ? G / 2 : G;  // code bytes a group
+  const S* sc = static_cast<const S*>(scale);
+  const S* of = static_cast<const S*>(offset);
+  Out* o = static_cast<Out*>(out);
+  for (int64_t i = begin * groups; i < end * groups; ++i, o += G) {
+    Isa::template dequant_group<FourBit>(codes + i * width, Isa::to_float(sc[i]), Isa::to_float(of[i]), o);
+  }
+}
+
 // The table a variant's library hands to floe's operator.
 template <class Isa>
 const FloeQdotKernel* kernel(const char* name) {
   static const FloeQdotKernel table = {
       FLOE_QDOT_ABI, name, &Isa::runs_here, &quantize<Isa>,
       {{&rows<Isa, false, float>, &rows<Isa, false, Half>},
-       {&rows<Isa, true, float>, &rows<Isa, true, Half>}}};
+       {&rows<Isa, true, float>, &rows<Isa, true, Half>}},
+      {{{&dequant<Isa, false, float, float>, &dequant<Isa, false, float, uint16_t>},
+        {&dequant<Isa, false, Half, float>, &dequant<Isa, false, Half, uint16_t>}},
+       {{&dequant<Isa, true, float, float>, &dequant<Isa, true, float, uint16_t>},
+        {&dequant<Isa, true, Half, float>, &dequant<Isa, true, Half, uint16_t>}}}};
   return &table;
 }
 
