@@ -412,7 +412,7 @@ class CoreServer:
             pass
         self.sock.close()
         Path(self.path).unlink(missing_ok=True)
-        self.pool.shutdown(wait=True)
+        self.pool.shutdown(wait=True, cancel_futures=True)  # chats not yet started never start
 
 
 def _internal(e: Exception) -> ServeError:
