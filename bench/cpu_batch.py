@@ -74,7 +74,7 @@ def actors_run(engine: Engine, messages: list[str], max_tokens: int, batch: bool
             # on_message in each caller's thread (the rest of TTFT: the loop's steps to its first token)
             "prepare_ms": 1e3 * statistics.median(r.prepared - r.started for r in replies),
             "prepare_max_ms": 1e3 * max(r.prepared - r.started for r in replies),
-            "rows_per_step": loop.rows / max(loop.steps, 1)}
+            "rows_per_step": loop.rows / max(loop.steps, 1), "engine_loop": loop.stats()}
 
 
 def interleaved(runs: dict, repeats: int) -> dict[str, list]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import multiprocessing
 import shutil
 import socket
 import subprocess
@@ -75,6 +76,9 @@ def main() -> None:
                     help="pad each first message to about this many prompt tokens (0: the short questions)")
     ap.add_argument("--probe", type=int, default=0,
                     help="TTFT probes: new sessions sent one by one while the load decodes")
+    ap.add_argument("--client-processes", type=int, default=1,
+                    help="spread the sessions' clients over this many processes (one process's GIL "
+                         "is a bottleneck of its own past ~16 streams: 64 users are not one process)")
     ap.add_argument("--budget-s", type=float, default=600)
     ap.add_argument("--out", default=None)
     ap.add_argument("--url", default=None,
@@ -230,18 +234,19 @@ def stream_turn(client: openai.OpenAI, model_id: str, messages: list[dict], max_
             "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage else None}
 
 
-def warm_client(client: openai.OpenAI, model_id: str) -> None:
+def warm_client(client: openai.OpenAI, model_id: str, session_id: str = "warm-client") -> None:
     """One throwaway request (its session deleted): the client's lazy imports and its connection."""
     client.models.list()
-    stream_turn(client, model_id, [{"role": "user", "content": "Hi."}], 2, "warm-client")
-    client.delete("/sessions/warm-client", cast_to=object)
+    stream_turn(client, model_id, [{"role": "user", "content": "Hi."}], 2, session_id)
+    client.delete(f"/sessions/{session_id}", cast_to=object)
 
 
-def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
-    warm_client(client, model_id)
-    deadline = time.time() + args.budget_s
-    rows, errors, probes = [], [], []
-    decoding = [threading.Event() for _ in range(args.sessions)]  # set at each session's first token
+def run_sessions(args, client: openai.OpenAI, model_id: str, indices: list[int], deadline: float,
+                 decoding: list) -> tuple[list[dict], list[str], float]:
+    """Sessions `indices`, each in its own thread: its rows, the errors and when the last ended
+    (time.perf_counter: one clock for every process of this machine). decoding[i] is set at session
+    i's first token."""
+    rows, errors = [], []
 
     def session(i: int) -> None:
         messages = []
@@ -262,6 +267,30 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
             messages.append({"role": "assistant", "content": row.pop("text")})
             rows.append({"session": i, "turn": t} | row)
 
+    with ThreadPoolExecutor(len(indices)) as pool:
+        for job in [pool.submit(session, i) for i in indices]:
+            job.result()
+    return rows, errors, time.perf_counter()
+
+
+def client_process(args, model_id: str, indices: list[int], deadline: float, decoding: list, ready,
+                   out) -> None:
+    """A client process's share of the sessions (--client-processes): its own client, warmed, then
+    waits for the others so that all start together."""
+    client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=args.budget_s)
+    warm_client(client, model_id, f"warm-client-{indices[0]}")
+    ready.wait()
+    out.put(run_sessions(args, client, model_id, indices, deadline, decoding))
+
+
+def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
+    warm_client(client, model_id)
+    deadline = time.time() + args.budget_s
+    rows, errors, probes = [], [], []
+    processes = max(1, min(args.client_processes, args.sessions))
+    context = multiprocessing.get_context("fork")  # forked before any thread of this process starts
+    decoding = [context.Event() for _ in range(args.sessions)]  # set at each session's first token
+
     def probe() -> None:
         """New sessions one by one while the others decode (each has its first token): their TTFT."""
         for event in decoding:
@@ -279,14 +308,30 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
             row.pop("text")
             probes.append(row)
 
+    groups = [list(range(args.sessions))[p::processes] for p in range(processes)]
+    if processes > 1:
+        args.base_url = str(client.base_url)
+        ready, out = context.Barrier(processes + 1), context.Queue()
+        children = [context.Process(target=client_process, args=(args, model_id, g, deadline, decoding,
+                                                                 ready, out)) for g in groups]
+        for child in children:
+            child.start()
+        ready.wait()
     start = time.perf_counter()
-    with ThreadPoolExecutor(args.sessions + 1) as pool:
-        jobs = [pool.submit(session, i) for i in range(args.sessions)]
-        if args.probe:
-            jobs.append(pool.submit(probe))
-        for job in jobs:
-            job.result()
-    wall = time.perf_counter() - start
+    with ThreadPoolExecutor(2) as pool:
+        prober = pool.submit(probe) if args.probe else None
+        if processes > 1:
+            results = [out.get(timeout=args.budget_s) for _ in children]
+            for child in children:
+                child.join(30)
+        else:
+            results = [run_sessions(args, client, model_id, groups[0], deadline, decoding)]
+        if prober is not None:
+            prober.result()
+    for group_rows, group_errors, _ in results:
+        rows += group_rows
+        errors += group_errors
+    wall = max(end for *_, end in results) - start
     try:  # the server's own count of its engine loop's steps and rows
         health = str(client.base_url).rstrip("/").removesuffix("/v1") + "/health"
         with urllib.request.urlopen(health, timeout=30) as r:

@@ -9,7 +9,8 @@ Per session count S, each with --prompt-tokens-token prompts (64) and --tokens o
   fed back (the argmax the step computed where it has one); TTFT = one prompt's prefill alone.
 - actors: S chat-guest actors send one message each at once through one EngineLoop (no HTTP).
 - serve: bench/serve_load.py --server-process --sessions S --turns 1 with --probe new sessions
-  timed while the S decode (the TTFT the issue asks for), the client warmed first.
+  timed while the S decode (the TTFT the issue asks for), the clients warmed first, CLIENT_STREAMS
+  sessions a client process (many users are many processes, not one process's GIL).
 Aggregate tok/s = tokens generated / wall; per-stream decode and TTFT p50 (p95 where measured).
 The CPU runs the default model (native weights); CUDA a real shape with seeded random bf16 weights.
 Writes bench/results/sessions_<device>_<name>.json and prints the table.
@@ -32,6 +33,7 @@ from cpu_batch import actors_run, message
 from floe.engine import Engine
 
 HERE = Path(__file__).parent
+CLIENT_STREAMS = 8  # serve: sessions a client process holds (64 sessions: 8 processes of 8 streams)
 
 
 def sync(device: torch.device) -> None:
@@ -73,7 +75,8 @@ def serve(args, sessions: int) -> dict:
     cmd = [sys.executable, str(HERE / "serve_load.py"), "--server-process", "--device", args.device,
            "--sessions", str(sessions), "--turns", "1", "--max-tokens", str(args.tokens),
            "--prompt-tokens", str(args.prompt_tokens), "--probe", str(args.probe), "--threads",
-           str(args.threads), "--out", str(out)]
+           str(args.threads), "--client-processes", str(max(1, sessions // CLIENT_STREAMS)),
+           "--out", str(out)]
     if args.shape:
         cmd += ["--shape", args.shape, "--tokenizer", args.tokenizer]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.serve_timeout_s)
@@ -83,7 +86,8 @@ def serve(args, sessions: int) -> dict:
     return {"tok_s": r["aggregate_tok_s"], "stream_decode_tok_s": r["decode_tok_s_p50"],
             "ttft_ms": r["ttft_p50_ms"], "ttft_p95_ms": r["ttft_p95_ms"],
             "probe_ttft_ms": r["probe_ttft_p50_ms"], "probe_ttft_p95_ms": r["probe_ttft_p95_ms"],
-            "errors": len(r["errors"]), "generated": r["generated_tokens"]}
+            "errors": len(r["errors"]), "generated": r["generated_tokens"],
+            "engine_loop": r.get("engine_loop")}
 
 
 def main() -> None:

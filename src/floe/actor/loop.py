@@ -107,6 +107,9 @@ class EngineLoop:
         self.steps = 0  # decode forwards run
         self.rows = 0  # decode rows run in them
         self.undone = 0  # speculated rows whose guest chose otherwise (their forward undone)
+        self.step_s = 0.0  # time in steps (the loop's thread busy or waiting for the device)
+        self.wait_s = 0.0  # of which waiting for launched forwards (the rest: the host's work)
+        self.phase_s = dict.fromkeys(("prefill", "results", "launch", "guests", "end"), 0.0)  # of step_s
         self._arrival = threading.Lock()  # see arriving()
 
     # ---- the caller's side ------------------------------------------------------------------------
@@ -145,7 +148,8 @@ class EngineLoop:
     def stats(self) -> dict:
         with self._cond:
             return {"active": len(self._active), "waiting": len(self._arrived), "steps": self.steps,
-                    "rows": self.rows, "undone": self.undone}
+                    "rows": self.rows, "undone": self.undone, "step_s": self.step_s, "wait_s": self.wait_s,
+                    "phase_s": dict(self.phase_s)}
 
     def _start(self) -> None:
         if self._thread is None:
@@ -164,10 +168,12 @@ class EngineLoop:
                         return
                 self._active.extend(self._arrived)
                 self._arrived.clear()
+            t0 = time.perf_counter()
             try:
                 self._step()
             except BaseException as e:  # noqa: BLE001 - a bug here must fail turns, not hang callers
                 self._abort(e)
+            self.step_s += time.perf_counter() - t0
             self._active = [t for t in self._active if not t.done.is_set()]
 
     def _abort(self, error: BaseException) -> None:
@@ -185,6 +191,7 @@ class EngineLoop:
             self._finish(turn, END_CANCELLED, error)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         for turn in self._active:
             self._check_cancelled(turn)
         riding, room = [], RIDE_ROWS if self.overlap else 0
@@ -195,7 +202,9 @@ class EngineLoop:
                 room -= queued
             elif queued and not turn.in_flight:
                 self._prefill(turn)
+        t1 = time.perf_counter()
         self._take_results()
+        t2 = time.perf_counter()
         speculated = []
         for turn in self._live():
             if turn.fresh and self._speculate(turn):
@@ -203,9 +212,11 @@ class EngineLoop:
             elif turn.fresh:
                 self._ask_guest(turn)
         self._launch([t for t in self._live() if t.next_token is not None], riding)
+        t3 = time.perf_counter()
         for turn in speculated:  # while the device computes their next logits
             if turn.end is None:
                 self._ask_guest(turn)
+        t4 = time.perf_counter()
         for turn in self._active:
             if turn.end is None or turn.done.is_set() or turn.in_flight:
                 continue
@@ -213,6 +224,12 @@ class EngineLoop:
                 turn.done.set()
             else:
                 self._end(turn)
+        phase = self.phase_s
+        phase["prefill"] += t1 - t0
+        phase["results"] += t2 - t1  # with waiting for the forward (wait_s)
+        phase["launch"] += t3 - t2  # with the guests asked before it (not speculated)
+        phase["guests"] += t4 - t3  # speculated rows' guests, while the device computes
+        phase["end"] += time.perf_counter() - t4
 
     def _live(self) -> list[Turn]:
         return [t for t in self._active if t.end is None]
@@ -282,7 +299,9 @@ class EngineLoop:
             return
         launched, turns, riding, t0 = self._launched
         self._launched = None
+        t1 = time.perf_counter()
         results = self.engine.finish_batch(launched)
+        self.wait_s += time.perf_counter() - t1
         seconds = time.perf_counter() - t0
         if turns:
             self.steps += 1

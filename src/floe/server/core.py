@@ -158,7 +158,9 @@ class ServeCore:
                                     float(request.get("top_p", 1.0)), _int(seed))
         except (InvalidSamplingParams, TypeError, ValueError) as e:
             raise ServeError(400, str(e), param="temperature") from None
-        prompt = len(self.engine.tokenizer.encode_chat(messages))
+        prompt = self._prompt_bound(messages)
+        if prompt + (max_tokens or 1024) > self.engine.max_seq_len:  # near the end: count exactly
+            prompt = len(self.engine.tokenizer.encode_chat(messages))
         room = self.engine.max_seq_len - prompt
         if room < 1:
             raise ServeError(400, f"the conversation is {prompt} tokens; this server's context holds "
@@ -169,6 +171,12 @@ class ServeCore:
                              f"this server's context of {self.engine.max_seq_len}",
                              code="context_length_exceeded", param="max_tokens")
         return messages, max_tokens, params, sid
+
+    def _prompt_bound(self, messages: list[dict]) -> int:
+        """At least the conversation's prompt tokens, without tokenizing it (the guest will, and each
+        tokenization is core GIL time that the engine loop waits behind): a token stands for at least
+        one byte of the rendered text, plus a few the tokenizer may add."""
+        return len(self.engine.tokenizer.render_chat(messages).encode()) + 16
 
     # ---- calls (floe.server.protocol.CALLS) ----------------------------------------------------------
 
