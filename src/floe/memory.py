@@ -63,6 +63,9 @@ class Region:
         self._lock = threading.Lock()
         self._devices: list[_DeviceMapping] = []
         self.closed = False
+        # Bytes of the whole reservation for read/write: a slice copies in C, where a ctypes memmove
+        # would release and retake the GIL at every small host call (only checked ranges are touched).
+        self._bytes = memoryview((ctypes.c_ubyte * capacity).from_address(addr)).cast("B")
         self.grow(size)
 
     def grow(self, new_size: int) -> None:
@@ -139,10 +142,14 @@ class Region:
 
     def read(self, offset: int, length: int) -> bytes:
         """A copy of [offset, offset + length) as bytes."""
-        return bytes(self.buffer(offset, length))
+        self._check_open()
+        self.check(offset, length)
+        return self._bytes[offset:offset + length].tobytes()
 
     def write(self, offset: int, data: bytes) -> None:
-        ctypes.memmove(self.buffer(offset, len(data)), data, len(data))
+        self._check_open()
+        self.check(offset, len(data))
+        self._bytes[offset:offset + len(data)] = data
 
     def zero(self) -> None:
         """Drop every page's contents (they read as zero again and leave resident memory)."""
@@ -176,8 +183,9 @@ class Region:
             for mapping in self._devices:
                 mapping.release()
             self._devices.clear()
+            self.closed = True  # first: read and write refuse from here on
+            self._bytes.release()
             _libc.munmap(self.base, self.capacity)
-            self.closed = True
 
     def _check_open(self) -> None:
         if self.closed:
