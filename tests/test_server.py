@@ -3,6 +3,7 @@ sessions that prefill only new tokens, idle freezing and a server restart, concu
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -410,3 +411,55 @@ def test_a_broken_front_connection_never_harms_the_core(default_checkpoint):
     finally:
         server.close()
         core.close()
+
+
+def test_requests_without_a_seed_are_random_and_with_one_repeat(server):
+    """As OpenAI (and llama.cpp's seed -1): no seed draws a fresh one; the same seed, the same reply."""
+    c = client(server.url)
+    story = [{"role": "user", "content": "Invent a name for a new colour."}]
+    free = {ask(c, story, temperature=1.5, max_tokens=24).choices[0].message.content for _ in range(3)}
+    assert len(free) > 1, free
+    seeded = {ask(c, story, temperature=1.5, max_tokens=24, seed=7).choices[0].message.content
+              for _ in range(2)}
+    assert len(seeded) == 1, seeded
+
+
+def requests_counted(url: str, status: str) -> float:
+    line = next((x for x in httpx.get(f"{url}/metrics").text.splitlines()
+                 if x.startswith(f'floe_requests_total{{status="{status}"}}')), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+def test_a_request_that_cannot_succeed_is_not_retried(server):
+    """The official client retries 409 and 5xx by default; a deterministic error says
+    x-should-retry: false, so the server sees it once."""
+    retrying = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300)  # 2 retries
+    conversation(client(server.url), "no-retry", TURNS[:1])
+    before = requests_counted(server.url, "409")
+    with pytest.raises(openai.ConflictError) as e:
+        ask(retrying, [{"role": "user", "content": "Not what was said"}, {"role": "assistant", "content": "x"},
+                       {"role": "user", "content": "next"}], extra_body={"session_id": "no-retry"})
+    assert e.value.response.headers["x-should-retry"] == "false"
+    assert requests_counted(server.url, "409") == before + 1
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"temperature": 1e308}, "temperature"), ({"top_k": 2**31}, "top_k"),
+    ({"session_id": "abc\n"}, "session"), ({"session_id": "../../etc/passwd"}, "session"),
+    ({"messages": [{"role": "user", "content": "half a pair: \ud800"}]}, "Unicode"),
+    ({"messages": [{"role": "tool", "content": "hi"}]}, "role"),
+])
+def test_hostile_values_get_a_400_naming_them(server, change, param):
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | change
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(body),  # \ud800 escaped
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert param in r.json()["error"]["message"] and r.headers["x-should-retry"] == "false"
+
+
+def test_the_developer_role_is_a_system_message(server):
+    c = client(server.url)
+    messages = [{"role": "developer", "content": "Answer in one word."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    as_system = [{"role": "system", "content": messages[0]["content"]}, messages[1]]
+    assert ask(c, messages).choices[0].message.content == ask(c, as_system).choices[0].message.content

@@ -11,6 +11,9 @@ from torch import Tensor
 from floe.errors import InvalidSamplingParams
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
@@ -19,10 +22,11 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise InvalidSamplingParams(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidSamplingParams(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
+        # The guest ABI carries them as float32 and int32 (floe.actor.abi's REQUEST and SAMPLING).
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX):
+            raise InvalidSamplingParams(f"temperature must be in [0, {FLOAT32_MAX:.4g}], got {self.temperature}")
+        if not 0 <= self.top_k < 2**31:
+            raise InvalidSamplingParams(f"top_k must be in [0, 2**31) (0 = no limit), got {self.top_k}")
         if not (0 < self.top_p <= 1):
             raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.seed < 2**63:

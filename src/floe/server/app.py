@@ -73,7 +73,10 @@ class ChatRequest(BaseModel):
 
 def _error(status: int, message: str, type_: str, code: str | None = None, param: str | None = None):
     # A 503 is a busy server: say when to come back (clients such as openai's honour Retry-After).
+    # A 4xx but 408 and 429 fails the same way again: the openai client retries 409 unless told not to.
     headers = {"Retry-After": "1"} if status == 503 else None
+    if 400 <= status < 500 and status not in (408, 429):
+        headers = {"x-should-retry": "false"}
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status, headers=headers)
 
@@ -292,11 +295,18 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
         if body.stop:
             raise ServeError(400, "stop sequences are not supported", param="stop")
         messages = []
-        for m in body.messages:
-            if m.role not in ROLES:
-                raise ServeError(400, f"message role {m.role!r} is not supported ({', '.join(ROLES)})",
-                                 param="messages")
-            messages.append({"role": m.role, "content": _text(m)})
+        for i, m in enumerate(body.messages):
+            role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for it
+            if role not in ROLES:
+                raise ServeError(400, f"message role {m.role!r} is not supported ({', '.join(ROLES)}, "
+                                      "developer)", param="messages")
+            text = _text(m)
+            try:
+                text.encode()
+            except UnicodeEncodeError as e:
+                raise ServeError(400, f"messages[{i}].content is not valid Unicode text ({e.reason} at "
+                                      f"{e.start})", param="messages") from None
+            messages.append({"role": role, "content": text})
         if messages[-1]["role"] != "user":
             raise ServeError(400, "the last message must be from the user", param="messages")
         return messages

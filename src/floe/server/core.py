@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -67,6 +68,7 @@ class Chat:
     text: str  # the last (user) message
     max_tokens: int
     params: SamplingParams
+    seed: int | None  # the request's own seed (its session's generator restarts from it), or None
 
 
 class ServeCore:
@@ -107,18 +109,21 @@ class ServeCore:
     def open(self, request: dict) -> Chat:
         """Check a chat request against the engine and take its session (locked for it)."""
         messages, max_tokens, params, sid = self._validate(request)
-        try:
-            session, history = self.store.acquire(sid, messages, params.seed)
+        seed = None if request.get("seed") in (None, -1) else params.seed  # -1: random, as llama.cpp
+        try:  # a new session's generator starts from the request's seed, or a random one (as OpenAI)
+            session, history = self.store.acquire(sid, messages, secrets.randbits(63) if seed is None
+                                                  else seed)
         except SessionError as e:
             raise failure(e, sid) from None
-        return Chat(session, history, messages[-1]["content"], max_tokens, params)
+        return Chat(session, history, messages[-1]["content"], max_tokens, params, seed)
 
     def run(self, chat: Chat, on_text=None, should_stop=lambda: False) -> dict:
         """Run an opened chat to its end (the session is released whatever happens): its text, why it
         ended and its usage. on_text(piece): each piece of streamed text (in the engine loop's thread)."""
         try:
             reply = self.store.run(chat.session, chat.history, chat.text, max_tokens=chat.max_tokens,
-                                   params=chat.params, on_text=on_text, should_stop=should_stop)
+                                   params=chat.params, on_text=on_text, should_stop=should_stop,
+                                   reseed=chat.seed)
         except (GuestError, FloeError) as e:
             raise failure(e, chat.session.id) from None
         finally:
@@ -152,7 +157,8 @@ class ServeCore:
         sid, max_tokens = request.get("session_id"), request.get("max_tokens")
         if not (sid is None or isinstance(sid, str)) or not (max_tokens is None or _int(max_tokens) > 0):
             raise ServeError(400, "session_id must be a string and max_tokens a positive integer")
-        seed = request.get("seed") or 0
+        seed = request.get("seed")
+        seed = 0 if seed in (None, -1) else seed
         try:
             params = SamplingParams(float(request.get("temperature", 1.0)), _int(request.get("top_k", 0)),
                                     float(request.get("top_p", 1.0)), _int(seed))

@@ -23,7 +23,7 @@ from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError
 
 log = logging.getLogger("floe.serve")
-SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # fullmatch: "$" would let a final "\n" in
 ROLES = ("system", "user", "assistant")
 
 
@@ -132,7 +132,7 @@ class SessionStore:
         history = messages[:-1]
         with self.lock:
             if session_id is not None:
-                if not SESSION_ID.match(session_id):
+                if not SESSION_ID.fullmatch(session_id):
                     raise SessionError(f"session id {session_id!r} is not valid (letters, digits, _ . -)")
                 session = self.sessions.get(session_id)
                 if session is None:
@@ -165,14 +165,18 @@ class SessionStore:
 
     def run(self, session: Session, history: list[dict], text: str, *, max_tokens: int,
             params: SamplingParams, on_text: Callable[[str], None] | None = None,
-            should_stop: Callable[[], bool] = lambda: False):
+            should_stop: Callable[[], bool] = lambda: False, reseed: int | None = None):
         """Deliver `text` to the (locked) session's actor, loading `history` first. Returns the reply.
+        reseed: restart the actor's generator from this seed first (a request's own seed: the same
+        request with the same seed draws the same tokens); None: it goes on from where it was.
 
         A guest failure ends this request only: the actor is dropped and the session returns to its
         last snapshot (or is forgotten if it never had one).
         """
         self._ensure_live(session)
         actor = session.actor
+        if reseed is not None:
+            actor.generator.manual_seed(reseed)
         try:
             for m in history:
                 actor.add_history(m["role"], m["content"])
