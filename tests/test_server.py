@@ -437,8 +437,9 @@ def test_a_request_that_cannot_succeed_is_not_retried(server):
     conversation(client(server.url), "no-retry", TURNS[:1])
     before = requests_counted(server.url, "409")
     with pytest.raises(openai.ConflictError) as e:
-        ask(retrying, [{"role": "user", "content": "Not what was said"}, {"role": "assistant", "content": "x"},
-                       {"role": "user", "content": "next"}], extra_body={"session_id": "no-retry"})
+        ask(retrying, [{"role": "user", "content": "Not what was said"},
+                       {"role": "assistant", "content": "x"}, {"role": "user", "content": "next"}],
+            extra_body={"session_id": "no-retry"})
     assert e.value.response.headers["x-should-retry"] == "false"
     assert requests_counted(server.url, "409") == before + 1
 
@@ -463,3 +464,24 @@ def test_the_developer_role_is_a_system_message(server):
                 {"role": "user", "content": "What is the capital of France?"}]
     as_system = [{"role": "system", "content": messages[0]["content"]}, messages[1]]
     assert ask(c, messages).choices[0].message.content == ask(c, as_system).choices[0].message.content
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("response_format", {"type": "json_object"}), ("logprobs", True), ("presence_penalty", 0.5),
+    ("frequency_penalty", 1.0), ("logit_bias", {"17": 5}),
+])
+def test_a_field_floe_would_ignore_gets_a_400_naming_it(server, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client(server.url), [{"role": "user", "content": "hi"}], max_tokens=2, **{field: value})
+    assert e.value.response.json()["error"]["param"] == field
+    # Their neutral values, as clients send by default, are accepted.
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "tools": None}
+    assert ask(client(server.url), [{"role": "user", "content": "hi"}], max_tokens=2, **neutral).choices
+
+
+def test_one_model_by_its_id(server):
+    c = client(server.url)
+    assert c.models.retrieve(MODEL_ID).id == MODEL_ID
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4o")

@@ -10,7 +10,6 @@ from torch import Tensor
 
 from floe.errors import InvalidSamplingParams
 
-
 FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -24,7 +23,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # The guest ABI carries them as float32 and int32 (floe.actor.abi's REQUEST and SAMPLING).
         if not (math.isfinite(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX):
-            raise InvalidSamplingParams(f"temperature must be in [0, {FLOAT32_MAX:.4g}], got {self.temperature}")
+            raise InvalidSamplingParams(f"temperature must be in [0, {FLOAT32_MAX:.4g}], "
+                                        f"got {self.temperature}")
         if not 0 <= self.top_k < 2**31:
             raise InvalidSamplingParams(f"top_k must be in [0, 2**31) (0 = no limit), got {self.top_k}")
         if not (0 < self.top_p <= 1):

@@ -193,6 +193,16 @@ class CoreClient:
                 self._ended.pop(rid).set()
 
 
+# OpenAI fields floe does not implement: a request that sets one to anything but these values gets a
+# 400 naming it rather than a reply that silently ignored it (tools and response_format: the grammar
+# guest's issue; logprobs and penalties: not yet).
+UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none"), "parallel_tool_calls": (None,),
+               "response_format": (None, {"type": "text"}), "logprobs": (None, False),
+               "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
+               "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "prediction": (None,),
+               "audio": (None,), "modalities": (None, ["text"])}
+
 BUSY_STREAMS = 8  # more streams than this: a stream's text is handed over in intervals, STREAM_INTERVAL_S
 STREAM_INTERVAL_S = 0.02  # at BUSY_STREAMS streams, growing with their number up to 0.1 s
 
@@ -249,10 +259,19 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
     async def health():
         return await client.call("health")
 
+    def _model(name: str) -> dict:
+        if name != app.state.model_id:
+            raise ServeError(404, f"the model {name!r} does not exist; this server serves "
+                                  f"{app.state.model_id!r}", code="model_not_found", param="model")
+        return {"id": name, "object": "model", "created": int(app.state.started), "owned_by": "floe"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": app.state.model_id, "object": "model",
-                                            "created": int(app.state.started), "owned_by": "floe"}]}
+        return {"object": "list", "data": [_model(app.state.model_id)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        return _model(name)
 
     @app.get("/metrics")
     async def prometheus():
@@ -287,9 +306,11 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
 
     def _messages(body: ChatRequest) -> list[dict]:
         """What the front checks without the engine (the core checks sampling and the context)."""
-        if body.model != app.state.model_id:
-            raise ServeError(404, f"the model {body.model!r} does not exist; this server serves "
-                                  f"{app.state.model_id!r}", code="model_not_found", param="model")
+        _model(body.model)
+        for name, value in (body.model_extra or {}).items():
+            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+                raise ServeError(400, f"{name} is not supported by this server (it would be ignored)",
+                                 code="unsupported_parameter", param=name)
         if body.n != 1:
             raise ServeError(400, "only n=1 is supported", param="n")
         if body.stop:
