@@ -485,3 +485,30 @@ def test_one_model_by_its_id(server):
     assert c.models.retrieve(MODEL_ID).id == MODEL_ID
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("gpt-4o")
+
+
+def test_a_full_server_answers_a_stream_with_503_and_forgets_the_new_session(default_checkpoint, tmp_path):
+    """Every KV slot busy: a new session's streamed request gets HTTP 503 with Retry-After before any
+    stream starts (not a 200 carrying an error), and the session it would have made is not listed."""
+    from guests_wat import v2_guest
+
+    engine = Engine(default_checkpoint, max_seq_len=256, n_slots=1)
+    # A guest that never stops by itself: its request holds the one slot until max_tokens.
+    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, guest=v2_guest(after=10**6)))
+    try:
+        body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 150,
+                "temperature": 0, "session_id": "holder"}
+        with ThreadPoolExecutor(1) as pool:
+            holder = pool.submit(httpx.post, f"{s.url}/v1/chat/completions", json=body, timeout=300)
+            deadline = time.time() + 60
+            while httpx.get(f"{s.url}/health").json()["engine_loop"]["active"] == 0:
+                assert time.time() < deadline and not holder.done(), "the holder never ran"
+                time.sleep(0.01)
+            busy = httpx.post(f"{s.url}/v1/chat/completions", timeout=60,
+                              json=body | {"session_id": "late", "stream": True})
+            assert holder.result().status_code == 200
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
+        assert busy.json()["error"]["code"] == "server_busy"
+        assert "late" not in {x["id"] for x in httpx.get(f"{s.url}/v1/sessions").json()["data"]}
+    finally:
+        s.stop()

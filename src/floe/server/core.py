@@ -115,6 +115,11 @@ class ServeCore:
                                                   else seed)
         except SessionError as e:
             raise failure(e, sid) from None
+        try:  # live before the reply starts: a busy server is a 503, not a 200 stream with an error
+            self.store.go_live(session)
+        except SessionError as e:
+            self.store.release(session)
+            raise failure(e, session.id) from None
         return Chat(session, history, messages[-1]["content"], max_tokens, params, seed)
 
     def run(self, chat: Chat, on_text=None, should_stop=lambda: False) -> dict:

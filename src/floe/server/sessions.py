@@ -196,6 +196,18 @@ class SessionStore:
         session.last_used = time.monotonic()
         return reply
 
+    def go_live(self, session: Session) -> None:
+        """Give the (locked) session a live actor now: thawed, or made, in a KV slot (freezing an idle
+        session for it if need be). Raises NoFreeSlot or ThawFailed; a session that never held
+        anything is then forgotten (not left listed as frozen without a file)."""
+        try:
+            self._ensure_live(session)
+        except SessionError:
+            if not session.messages and not session.path.exists():
+                with self.lock:
+                    self.sessions.pop(session.id, None)
+            raise
+
     def release(self, session: Session) -> None:
         session.last_used = time.monotonic()
         session.lock.release()
