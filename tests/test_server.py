@@ -512,3 +512,29 @@ def test_a_full_server_answers_a_stream_with_503_and_forgets_the_new_session(def
         assert "late" not in {x["id"] for x in httpx.get(f"{s.url}/v1/sessions").json()["data"]}
     finally:
         s.stop()
+
+
+def test_model_aliases_and_any_name(default_checkpoint, tmp_path):
+    """Tools that hard-code a model name: aliases (--model-id given again) answer too, "*" any name;
+    an unknown name is still 404; the reply names the model it was asked for."""
+    engine = Engine(default_checkpoint, max_seq_len=128, n_slots=2)
+    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, aliases=("gpt-4o-mini",)))
+    try:
+        c = client(s.url)
+        assert [m.id for m in c.models.list().data] == [MODEL_ID, "gpt-4o-mini"]
+        r = c.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}],
+                                      max_tokens=2)
+        assert r.model == "gpt-4o-mini" and r.choices[0].message.content is not None
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model="claude", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        s.stop()
+    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, aliases=("*",)))
+    try:
+        c = client(s.url)
+        assert [m.id for m in c.models.list().data] == [MODEL_ID]
+        r = c.chat.completions.create(model="anything-at-all", max_tokens=2,
+                                      messages=[{"role": "user", "content": "hi"}])
+        assert r.model == "anything-at-all"
+    finally:
+        s.stop()

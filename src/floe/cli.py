@@ -275,8 +275,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     n_slots=args.max_sessions, weights=kind)
     print(f"floe serve: warming up {args.max_sessions} KV slots …", file=sys.stderr, flush=True)
     engine.warm_up()
-    model_id = args.model_id or checkpoint.source.stem
-    core = ServeCore(engine, snapshots=Path(args.snapshots).expanduser(), model_id=model_id,
+    model_id, *aliases = args.model_id or [checkpoint.source.stem]
+    core = ServeCore(engine, snapshots=Path(args.snapshots).expanduser(), model_id=model_id, aliases=aliases,
                      idle_seconds=args.idle_seconds, guest=args.guest,
                      batching={"auto": None, "on": True, "off": False}[args.batching])
     batching = "batched decode" if core.scheduler is not None else "decode in turns"
@@ -464,7 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    serve.add_argument("--model-id", help="the model name clients send (default: the file's name)")
+    serve.add_argument("--model-id", action="append", metavar="NAME",
+                       help="the model name clients send (default: the file's name); again for aliases "
+                            "(many tools hard-code a name), '*' to accept any")
     serve.add_argument("--device", type=_device, default="cpu", help="cpu (default) or cuda")
     serve.add_argument("--weights", choices=list(WEIGHTS), default=None, help=WEIGHTS_HELP)
     serve.add_argument("--guest", help="guest module (.wasm) every session runs (default: built-in chat)")

@@ -222,6 +222,7 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
         await client.connect()
         hello = await client.call("hello")
         app.state.model_id, app.state.started = hello["model_id"], hello["started"]
+        app.state.aliases = tuple(hello["aliases"])
         try:
             yield
         finally:
@@ -260,14 +261,16 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
         return await client.call("health")
 
     def _model(name: str) -> dict:
-        if name != app.state.model_id:
+        known = (app.state.model_id, *app.state.aliases)
+        if name not in known and "*" not in known:
             raise ServeError(404, f"the model {name!r} does not exist; this server serves "
-                                  f"{app.state.model_id!r}", code="model_not_found", param="model")
+                                  f"{', '.join(map(repr, known))}", code="model_not_found", param="model")
         return {"id": name, "object": "model", "created": int(app.state.started), "owned_by": "floe"}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model(app.state.model_id)]}
+        return {"object": "list", "data": [_model(name) for name in (app.state.model_id, *app.state.aliases)
+                                           if name != "*"]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
@@ -348,7 +351,7 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
         sid = value
         headers = {"X-Floe-Session": sid}
         base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
-                "model": app.state.model_id, "session_id": sid}
+                "model": body.model, "session_id": sid}  # the name it was asked by (an alias too)
 
         if not body.stream:
             kind, value = await queue.get()
@@ -416,14 +419,15 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
 
 
 def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: float = 300.0,
-               guest: str | None = None, batching: bool | None = None) -> FastAPI:
+               guest: str | None = None, batching: bool | None = None,
+               aliases: tuple[str, ...] = ()) -> FastAPI:
     """The front and the engine core of `engine` in this process (the core's socket in a private
     temporary folder): what `floe serve` runs in two, for tests and embedding. Sessions freeze into
     `snapshots`, which a restart reads back; the app's shutdown freezes the live ones."""
     from floe.server.core import CoreServer, ServeCore
 
     core = ServeCore(engine, snapshots=snapshots, model_id=model_id, idle_seconds=idle_seconds,
-                     guest=guest, batching=batching)
+                     guest=guest, batching=batching, aliases=aliases)
     folder = tempfile.mkdtemp(prefix="floe-serve-")  # 0700: only this user reaches the socket
     server = CoreServer(core, Path(folder) / "core.sock")
 

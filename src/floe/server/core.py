@@ -75,17 +75,20 @@ class ServeCore:
     """What `floe serve` does with an engine, transport aside: chats and the session calls.
 
     batching: concurrent sessions' decode steps run as one batched forward (default: where the engine
-    has one, i.e. CUDA graphs of the fused step); off, they take turns.
+    has one, i.e. CUDA graphs of the fused step); off, they take turns. aliases: other model names
+    requests may use (many tools hard-code one), "*" for any.
     """
 
     def __init__(self, engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: float = 300.0,
-                 guest: str | None = None, batching: bool | None = None) -> None:
+                 guest: str | None = None, batching: bool | None = None,
+                 aliases: tuple[str, ...] = ()) -> None:
         if batching and not engine.batched_decode:
             raise FloeError("decode batching needs the CUDA engine with graphs and fused kernels and "
                             "more than one slot; on the CPU, sessions take turns")
         from floe.actor import DecodeScheduler, EngineLoop
 
         self.engine, self.model_id, self.idle_seconds = engine, model_id, idle_seconds
+        self.aliases = tuple(a for a in aliases if a != model_id)  # other names clients may use; "*": any
         batched = engine.batched_decode if batching is None else batching
         # ABI v2 guests (floe's own) are stepped by one engine loop; v1 guests batch through the scheduler.
         self.scheduler = DecodeScheduler(engine) if batched else None
@@ -195,7 +198,7 @@ class ServeCore:
         if name not in CALLS:
             raise ServeError(400, f"no call {name!r}")
         if name == "hello":
-            return {"model_id": self.model_id, "started": self.started}
+            return {"model_id": self.model_id, "aliases": list(self.aliases), "started": self.started}
         if name == "health":
             return {"status": "ok", "model": self.model_id, "device": str(self.engine.device),
                     "decode_batching": self.scheduler is not None, "uptime_s": time.time() - self.started,
