@@ -252,6 +252,8 @@ def test_an_idle_session_survives_a_server_restart(server, tmp_path):
             httpx.get(f"{url}/health", timeout=1)
         except httpx.ConnectError:
             break
+        except httpx.TransportError:  # the front is going (a reset or an unanswered request): ask again
+            pass
         assert time.time() < deadline, "the HTTP front outlived its engine core"
         time.sleep(0.1)
     proc = start_serve(tmp_path, port)
@@ -538,3 +540,30 @@ def test_model_aliases_and_any_name(default_checkpoint, tmp_path):
         assert r.model == "anything-at-all"
     finally:
         s.stop()
+
+
+def test_a_request_never_runs_in_a_session_the_store_dropped_while_it_waited(default_checkpoint, tmp_path):
+    """Two requests name one new session on a full server: the first fails to start (503) and the
+    session is forgotten; the second, which waited for its lock, chooses again — a registered session,
+    never the dropped object (whose actor and KV slot nobody would ever free)."""
+    from floe.server.sessions import NoFreeSlot, SessionStore
+
+    engine = Engine(default_checkpoint, max_seq_len=64, n_slots=1)
+    store = SessionStore(engine, tmp_path)
+    hi = [{"role": "user", "content": "hi"}]
+    busy, _ = store.acquire("busy", hi, 0)
+    store.go_live(busy)  # the only slot, held by a running request
+    first, _ = store.acquire("twice", hi, 0)
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(store.acquire, "twice", hi, 0)  # waits for the first's lock
+        time.sleep(0.2)
+        try:
+            with pytest.raises(NoFreeSlot):
+                store.go_live(first)
+        finally:
+            store.release(first)
+        session, _ = second.result(timeout=30)
+    assert session is not first and store.sessions["twice"] is session
+    store.release(session)
+    store.release(busy)
+    store.close(freeze=False)

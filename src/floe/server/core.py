@@ -23,11 +23,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError, InvalidSamplingParams
+from floe.model.tokenizer import ChatTemplateError
 from floe.server.protocol import CALLS, HEADER, ROLES, ProtocolError, ServeError, frame_length, pack, unpack
 from floe.server.sessions import Session, SessionError, SessionStore
 from floe.wasm import GuestError
 
 log = logging.getLogger("floe.serve")
+INLINE_CALLS = ("hello", "health", "sessions", "metrics")  # answered in the reading thread (no waits)
 FLUSH_S = 0.002  # after a flush of streamed text, the next waits this long: its frame gathers more
 
 
@@ -120,9 +122,11 @@ class ServeCore:
             raise failure(e, sid) from None
         try:  # live before the reply starts: a busy server is a 503, not a 200 stream with an error
             self.store.go_live(session)
-        except SessionError as e:
+        except BaseException as e:  # whatever failed, the session's lock is not kept
             self.store.release(session)
-            raise failure(e, session.id) from None
+            if isinstance(e, (GuestError, FloeError)):
+                raise failure(e, session.id) from None
+            raise
         return Chat(session, history, messages[-1]["content"], max_tokens, params, seed)
 
     def run(self, chat: Chat, on_text=None, should_stop=lambda: False) -> dict:
@@ -170,11 +174,14 @@ class ServeCore:
         try:
             params = SamplingParams(float(request.get("temperature", 1.0)), _int(request.get("top_k", 0)),
                                     float(request.get("top_p", 1.0)), _int(seed))
-        except (InvalidSamplingParams, TypeError, ValueError) as e:
+        except (InvalidSamplingParams, TypeError, ValueError, OverflowError) as e:
             raise ServeError(400, str(e), param="temperature") from None
-        prompt = self._prompt_bound(messages)
-        if prompt + (max_tokens or 1024) > self.engine.max_seq_len:  # near the end: count exactly
-            prompt = len(self.engine.tokenizer.encode_chat(messages))
+        try:
+            prompt = self._prompt_bound(messages)
+            if prompt + (max_tokens or 1024) > self.engine.max_seq_len:  # near the end: count exactly
+                prompt = len(self.engine.tokenizer.encode_chat(messages))
+        except ChatTemplateError as e:  # e.g. a template that demands alternating roles
+            raise ServeError(400, f"messages: {e}", param="messages") from None
         room = self.engine.max_seq_len - prompt
         if room < 1:
             raise ServeError(400, f"the conversation is {prompt} tokens; this server's context holds "
@@ -368,7 +375,9 @@ class CoreServer:
             self.pool.submit(self._chat, conn, rid, message["request"])
         elif op == "cancel":
             conn.cancelled.add(rid)
-        elif op == "call":
+        elif op == "call" and message.get("name") in INLINE_CALLS:  # never behind the pool's waiters
+            self._call(conn, rid, message["name"], message.get("arg"))
+        elif op == "call":  # freeze, thaw, delete: may wait for a session's lock
             self.pool.submit(self._call, conn, rid, message.get("name"), message.get("arg"))
         else:
             raise ProtocolError(f"not a request: {str(message)[:200]}")

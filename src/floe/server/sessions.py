@@ -64,8 +64,9 @@ class Session:
         return self.actor is not None
 
     def describe(self) -> dict:
-        return {"id": self.id, "state": "live" if self.live else "frozen", "messages": len(self.messages),
-                "kv_tokens": self.actor.engine.kv_len(self.actor.slot) if self.actor else None,
+        actor = self.actor  # once: a freeze may close it meanwhile
+        return {"id": self.id, "state": "live" if actor else "frozen", "messages": len(self.messages),
+                "kv_tokens": actor.engine.kv_len(actor.slot) if actor else None,
                 "idle_seconds": round(time.monotonic() - self.last_used, 3),
                 "snapshot": str(self.path) if self.path.exists() else None}
 
@@ -130,6 +131,22 @@ class SessionStore:
         before the last (user) one. Without an id: the session whose conversation is the longest
         prefix of this one, or a new session."""
         history = messages[:-1]
+        while True:
+            session = self._choose(session_id, history, seed)
+            session.lock.acquire()
+            with self.lock:
+                if self.sessions.get(session.id) is session:
+                    break
+            # Dropped while this request waited for it (a failed start, a guest error, a delete):
+            # choose again rather than run in a session the store no longer holds.
+            session.lock.release()
+        if not is_prefix(session.messages, history):  # another request moved it on meanwhile
+            session.lock.release()
+            raise HistoryMismatch(f"session {session.id!r} changed while this request waited")
+        return session, history[len(session.messages):]
+
+    def _choose(self, session_id: str | None, history: list[dict], seed: int) -> Session:
+        """The session for a request (acquire's choice, not yet locked)."""
         with self.lock:
             if session_id is not None:
                 if not SESSION_ID.fullmatch(session_id):
@@ -150,11 +167,7 @@ class SessionStore:
                 session = max(candidates, key=lambda s: len(s.messages), default=None)
                 if session is None:
                     session = self._new(uuid.uuid4().hex[:16], seed)
-        session.lock.acquire()
-        if not is_prefix(session.messages, history):  # another request moved it on meanwhile
-            session.lock.release()
-            raise HistoryMismatch(f"session {session.id!r} changed while this request waited")
-        return session, history[len(session.messages):]
+            return session
 
     def _new(self, sid: str, seed: int) -> Session:
         session = Session(sid, self.folder / f"{sid}.safetensors", seed=seed)
@@ -198,11 +211,11 @@ class SessionStore:
 
     def go_live(self, session: Session) -> None:
         """Give the (locked) session a live actor now: thawed, or made, in a KV slot (freezing an idle
-        session for it if need be). Raises NoFreeSlot or ThawFailed; a session that never held
-        anything is then forgotten (not left listed as frozen without a file)."""
+        session for it if need be). Raises NoFreeSlot, ThawFailed, or what failed making the actor; a
+        session that never held anything is then forgotten (not left listed as frozen without a file)."""
         try:
             self._ensure_live(session)
-        except SessionError:
+        except BaseException:
             if not session.messages and not session.path.exists():
                 with self.lock:
                     self.sessions.pop(session.id, None)
