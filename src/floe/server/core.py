@@ -276,7 +276,8 @@ class _Connection:
         self.send_lock = threading.Lock()  # frames go out whole and in order
         self.out_lock = threading.Lock()  # guards outbox (appended by the engine loop's thread)
         self.outbox: list[list] = []  # [id, text] pieces not yet sent
-        self.cancelled: set[int] = set()  # chats whose client left
+        self.running: set[int] = set()  # chats taken and not yet ended (queued or running)
+        self.cancelled: set[int] = set()  # of those, the ones whose client left
         self.closed = False
 
     def text(self, rid: int, piece: str) -> None:
@@ -372,9 +373,11 @@ class CoreServer:
             raise ProtocolError(f"not a request: {str(message)[:200]}")
         op, rid = message.get("op"), message["id"]
         if op == "chat" and isinstance(message.get("request"), dict):
+            conn.running.add(rid)
             self.pool.submit(self._chat, conn, rid, message["request"])
         elif op == "cancel":
-            conn.cancelled.add(rid)
+            if rid in conn.running:  # a cancel after the chat's end is nothing to keep
+                conn.cancelled.add(rid)
         elif op == "call" and message.get("name") in INLINE_CALLS:  # never behind the pool's waiters
             self._call(conn, rid, message["name"], message.get("arg"))
         elif op == "call":  # freeze, thaw, delete: may wait for a session's lock
@@ -393,31 +396,28 @@ class CoreServer:
 
     def _chat(self, conn: _Connection, rid: int, request: dict) -> None:
         try:
-            chat = self.core.open(request)
+            if not (conn.closed or rid in conn.cancelled):  # else its client left while it was queued
+                self._run_chat(conn, rid, request)
         except ServeError as e:
             conn.send(["error", rid, e.payload()])
-            return
-        except Exception as e:  # noqa: BLE001
-            log.exception("opening a chat failed")
-            conn.send(["error", rid, _internal(e).payload()])
-            return
-        try:
-            conn.send(["started", rid, chat.session.id])
-            on_text = None
-            if request.get("stream"):
-                def on_text(piece: str) -> None:
-                    conn.text(rid, piece)
-                    if not self._wake.is_set():
-                        self._wake.set()
-            result = self.core.run(chat, on_text, lambda: conn.closed or rid in conn.cancelled)
-            conn.send(["done", rid, result])
-        except ServeError as e:
-            conn.send(["error", rid, e.payload()])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a bug answers 500, the core goes on
             log.exception("a chat failed")
             conn.send(["error", rid, _internal(e).payload()])
         finally:
+            conn.running.discard(rid)
             conn.cancelled.discard(rid)
+
+    def _run_chat(self, conn: _Connection, rid: int, request: dict) -> None:
+        chat = self.core.open(request)  # its session is locked from here until run() returns
+        conn.send(["started", rid, chat.session.id])
+        on_text = None
+        if request.get("stream"):
+            def on_text(piece: str) -> None:
+                conn.text(rid, piece)
+                if not self._wake.is_set():
+                    self._wake.set()
+        result = self.core.run(chat, on_text, lambda: conn.closed or rid in conn.cancelled)
+        conn.send(["done", rid, result])
 
     def _flush_loop(self) -> None:
         while not self._closed:
