@@ -273,11 +273,11 @@ def run_sessions(args, client: openai.OpenAI, model_id: str, indices: list[int],
     return rows, errors, time.perf_counter()
 
 
-def client_process(args, model_id: str, indices: list[int], deadline: float, decoding: list, ready,
-                   out) -> None:
+def client_process(args, base_url: str, model_id: str, indices: list[int], deadline: float, decoding: list,
+                   ready, out) -> None:
     """A client process's share of the sessions (--client-processes): its own client, warmed, then
     waits for the others so that all start together."""
-    client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=args.budget_s)
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=args.budget_s)
     warm_client(client, model_id, f"warm-client-{indices[0]}")
     ready.wait()
     out.put(run_sessions(args, client, model_id, indices, deadline, decoding))
@@ -310,10 +310,10 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
 
     groups = [list(range(args.sessions))[p::processes] for p in range(processes)]
     if processes > 1:
-        args.base_url = str(client.base_url)
         ready, out = context.Barrier(processes + 1), context.Queue()
-        children = [context.Process(target=client_process, args=(args, model_id, g, deadline, decoding,
-                                                                 ready, out)) for g in groups]
+        children = [context.Process(target=client_process, args=(args, str(client.base_url), model_id, g,
+                                                                 deadline, decoding, ready, out))
+                    for g in groups]
         for child in children:
             child.start()
         ready.wait()

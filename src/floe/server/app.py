@@ -21,8 +21,6 @@ import contextlib
 import itertools
 import json
 import logging
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -428,13 +426,11 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
 
     core = ServeCore(engine, snapshots=snapshots, model_id=model_id, idle_seconds=idle_seconds,
                      guest=guest, batching=batching, aliases=aliases)
-    folder = tempfile.mkdtemp(prefix="floe-serve-")  # 0700: only this user reaches the socket
-    server = CoreServer(core, Path(folder) / "core.sock")
+    server = CoreServer(core)  # its socket in a private temporary folder
 
     def shutdown() -> None:
         server.close()
         core.close()
-        shutil.rmtree(folder, ignore_errors=True)
 
     app = create_front(server.path, on_shutdown=shutdown)
     app.state.core = core

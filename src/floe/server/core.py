@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -329,12 +331,14 @@ class _Connection:
 
 
 class CoreServer:
-    """Serves a ServeCore on a Unix socket at `path` (its folder should be private: 0700): a thread
-    reads each connection's frames, chats and calls run in a pool of threads (a chat's thread waits
-    while the engine loop steps it), and a flusher thread sends each connection's streamed text."""
+    """Serves a ServeCore on a Unix socket at `path` (its folder should be private: 0700; default: a
+    private temporary folder of its own, removed at close): a thread reads each connection's frames,
+    chats and calls run in a pool of threads (a chat's thread waits while the engine loop steps it),
+    and a flusher thread sends each connection's streamed text."""
 
-    def __init__(self, core: ServeCore, path: str | Path) -> None:
-        self.core, self.path = core, str(path)
+    def __init__(self, core: ServeCore, path: str | Path | None = None) -> None:
+        self._folder = None if path is not None else tempfile.mkdtemp(prefix="floe-serve-")  # 0700
+        self.core, self.path = core, str(path if path is not None else Path(self._folder) / "core.sock")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(self.path)
         os.chmod(self.path, 0o600)
@@ -388,21 +392,15 @@ class CoreServer:
     def _call(self, conn: _Connection, rid: int, name, arg) -> None:
         try:
             conn.send(["ok", rid, self.core.call(name, arg)])
-        except ServeError as e:
-            conn.send(["error", rid, e.payload()])
-        except Exception as e:  # noqa: BLE001 - a bug answers 500, the core goes on
-            log.exception("call %s failed", name)
-            conn.send(["error", rid, _internal(e).payload()])
+        except Exception as e:  # noqa: BLE001 - answered; the core goes on
+            _answer_error(conn, rid, e, f"call {name!r}")
 
     def _chat(self, conn: _Connection, rid: int, request: dict) -> None:
         try:
             if not (conn.closed or rid in conn.cancelled):  # else its client left while it was queued
                 self._run_chat(conn, rid, request)
-        except ServeError as e:
-            conn.send(["error", rid, e.payload()])
-        except Exception as e:  # noqa: BLE001 - a bug answers 500, the core goes on
-            log.exception("a chat failed")
-            conn.send(["error", rid, _internal(e).payload()])
+        except Exception as e:  # noqa: BLE001 - answered; the core goes on
+            _answer_error(conn, rid, e, "a chat")
         finally:
             conn.running.discard(rid)
             conn.cancelled.discard(rid)
@@ -443,11 +441,17 @@ class CoreServer:
             pass
         self.sock.close()
         Path(self.path).unlink(missing_ok=True)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
         self.pool.shutdown(wait=True, cancel_futures=True)  # chats not yet started never start
 
 
-def _internal(e: Exception) -> ServeError:
-    return ServeError(500, f"internal error: {type(e).__name__}: {e}", "server_error", "internal_error")
+def _answer_error(conn: _Connection, rid: int, e: Exception, what: str) -> None:
+    """A request's failure as its answer: a ServeError as it is, anything else (a bug) a logged 500."""
+    if not isinstance(e, ServeError):
+        log.exception("%s failed", what)
+        e = ServeError(500, f"internal error: {type(e).__name__}: {e}", "server_error", "internal_error")
+    conn.send(["error", rid, e.payload()])
 
 
 def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
@@ -456,14 +460,11 @@ def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_lev
     child process, talking to the core's socket in a private temporary folder. Returns when the
     front exits or this process is told to stop (SIGINT, SIGTERM); every live session is frozen
     before it returns. The front's exit status: 0 after a stop."""
-    import shutil
     import signal
     import subprocess
     import sys
-    import tempfile
 
-    folder = tempfile.mkdtemp(prefix="floe-serve-")  # 0700: only this user reaches the socket
-    server = CoreServer(core, Path(folder) / "core.sock")
+    server = CoreServer(core)
 
     def stop(signum, frame):
         raise KeyboardInterrupt
@@ -489,5 +490,4 @@ def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_lev
                 front.kill()
         server.close()
         core.close()
-        shutil.rmtree(folder, ignore_errors=True)
     return code
