@@ -1,0 +1,85 @@
+"""The sampler: each row's draw follows softmax(logits / temperature) cut to top_k, then to the top_p
+nucleus, checked against a direct float64 reference with a grid of uniforms (deterministic: the share
+of a grid of N uniforms that lands on a token is its probability within 1/N)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from floe.engine.sampling import SamplingParams, draw_uniforms, sample_rows, sample_token
+
+GRID = 4000
+
+
+def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution the sampler must follow, written the obvious way (a full sort)."""
+    probs = torch.softmax(logits.double() / p.temperature, -1)
+    values, order = torch.sort(probs, descending=True)
+    if 0 < p.top_k < len(values):
+        values[p.top_k:] = 0
+    values = values / values.sum()
+    values = values * ((values.cumsum(-1) - values) < p.top_p)
+    out = torch.zeros_like(probs)
+    out[order] = values / values.sum()
+    return out
+
+
+def grid_shares(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    u = (torch.arange(GRID, dtype=torch.float64) + 0.5) / GRID
+    tokens = sample_rows(logits.expand(GRID, -1), [p] * GRID, u)
+    return torch.bincount(tokens, minlength=len(logits)).double() / GRID
+
+
+PARAMS = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(2.5), SamplingParams(1.0, top_k=3),
+          SamplingParams(1.0, top_p=0.8), SamplingParams(0.8, top_k=5, top_p=0.9),
+          SamplingParams(1.0, top_k=1), SamplingParams(3.0, top_p=1e-6)]
+
+
+@pytest.mark.parametrize("p", PARAMS, ids=str)
+def test_draws_follow_the_cut_distribution(p):
+    logits = torch.tensor([2.0, 1.5, 1.4, 0.3, -0.2, -1.0, -3.0, 0.9, 1.1, -0.5])
+    assert torch.allclose(grid_shares(logits, p), reference(logits, p), atol=1.5 / GRID)
+
+
+def test_a_flat_row_whose_nucleus_is_past_its_likely_tokens_is_still_exact():
+    """The nucleus search looks at the likely tokens first; a row where those fall short of top_p (a
+    few strong tokens over a long, nearly flat tail) is drawn over all of them."""
+    logits = torch.zeros(50_000)
+    logits[:3] = 14.0  # 3 tokens at ~e^14 each: ~0.98 of the mass at temperature 1; the tail holds ~0.02
+    p = SamplingParams(1.0, top_p=0.995)
+    shares, expected = grid_shares(logits, p), reference(logits, p)
+    assert expected[3:].sum() > 0.005  # part of the tail is in the nucleus
+    assert torch.allclose(shares[:3], expected[:3], atol=1.5 / GRID)
+    assert abs(shares[3:].sum() - expected[3:].sum()) < 1.5 / GRID
+
+
+def test_masked_tokens_are_never_drawn_and_extreme_temperatures_hold():
+    logits = torch.tensor([1.0, float("-inf"), 0.5, float("-inf"), 0.2])
+    for p in (SamplingParams(1.0), SamplingParams(1.0, top_p=0.9), SamplingParams(3.4e38),
+              SamplingParams(1e-30), SamplingParams(1e-30, top_k=2)):
+        shares = grid_shares(logits, p)
+        assert shares[1] == 0 and shares[3] == 0, p
+    assert grid_shares(logits, SamplingParams(1e-30))[0] == 1  # a tiny temperature is the argmax
+    assert torch.allclose(grid_shares(logits, SamplingParams(3.4e38))[[0, 2, 4]],
+                          torch.full((3,), 1 / 3, dtype=torch.float64), atol=1.5 / GRID)
+
+
+def test_a_batch_draws_each_row_as_it_would_alone():
+    torch.manual_seed(0)
+    logits = torch.randn(12, 3000) * 3
+    params = [PARAMS[i % len(PARAMS)] for i in range(12)]
+    u = torch.rand(12, dtype=torch.float64)
+    together = sample_rows(logits, params, u)
+    alone = [int(sample_rows(logits[i:i + 1], params[i:i + 1], u[i:i + 1])[0]) for i in range(12)]
+    assert together.tolist() == alone
+
+
+def test_a_draw_takes_one_uniform_from_the_generator():
+    """What a snapshot relies on: the generator's state after n draws depends on n only."""
+    a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for vocab in (10, 49152):
+        sample_token(torch.randn(vocab), SamplingParams(0.9, top_p=0.5), a)
+        torch.rand(1, generator=b, dtype=torch.float64)
+    assert torch.equal(a.get_state(), b.get_state())
+    assert draw_uniforms([a]).item() == draw_uniforms([b]).item()
