@@ -58,11 +58,12 @@ def engine_run(engine: Engine, prompts: list[list[int]], steps: int, batched: bo
     return time.perf_counter() - t
 
 
-def actors_run(engine: Engine, messages: list[str], max_tokens: int, batch: bool) -> dict:
+def actors_run(engine: Engine, messages: list[str], max_tokens: int, batch: bool,
+               params: SamplingParams = GREEDY) -> dict:
     """Every message sent by its own actor (chat guest) at once through one engine loop."""
     loop = EngineLoop(engine, batch=batch)
-    actors = [Actor(engine, loop=loop) for _ in messages]
-    replies, wall = together([lambda a=a, m=m: a.send(m, max_tokens=max_tokens, params=GREEDY).stats
+    actors = [Actor(engine, loop=loop, seed=i) for i in range(len(messages))]
+    replies, wall = together([lambda a=a, m=m: a.send(m, max_tokens=max_tokens, params=params).stats
                               for a, m in zip(actors, messages, strict=True)])
     for actor in actors:
         actor.close()

@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--client-processes", type=int, default=1,
                     help="spread the sessions' clients over this many processes (one process's GIL "
                          "is a bottleneck of its own past ~16 streams: 64 users are not one process)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="the load's sampling (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=600)
     ap.add_argument("--out", default=None)
     ap.add_argument("--url", default=None,
@@ -208,14 +210,14 @@ def first_message(i: int, prompt_tokens: int) -> str:
 
 
 def stream_turn(client: openai.OpenAI, model_id: str, messages: list[dict], max_tokens: int,
-                session_id: str, on_first=lambda: None) -> dict:
+                session_id: str, on_first=lambda: None, sampling: dict | None = None) -> dict:
     """One streamed request; its TTFT, decode rate, text and token counts. on_first(): called at its
     first token."""
     sent = time.perf_counter()
     first = last = None
     pieces, usage = [], None
     for chunk in client.chat.completions.create(
-            model=model_id, messages=messages, temperature=0, max_tokens=max_tokens,
+            model=model_id, messages=messages, max_tokens=max_tokens, **(sampling or {"temperature": 0}),
             stream=True, stream_options={"include_usage": True}, extra_body={"session_id": session_id}):
         delta = chunk.choices[0].delta if chunk.choices else None
         # A token's chunk, even of no text (random weights pick ids past the tokenizer's vocabulary,
@@ -258,7 +260,7 @@ def run_sessions(args, client: openai.OpenAI, model_id: str, indices: list[int],
                              else QUESTIONS[t % len(QUESTIONS)].format(TOPICS[i % len(TOPICS)])})
             try:
                 row = stream_turn(client, model_id, messages, args.max_tokens, f"load-{i}",
-                                  on_first=decoding[i].set)
+                                  on_first=decoding[i].set, sampling=sampling(args))
             except openai.APIError as e:
                 errors.append(f"session {i} turn {t}: {e}")
                 return
@@ -281,6 +283,11 @@ def client_process(args, base_url: str, model_id: str, indices: list[int], deadl
     warm_client(client, model_id, f"warm-client-{indices[0]}")
     ready.wait()
     out.put(run_sessions(args, client, model_id, indices, deadline, decoding))
+
+
+def sampling(args) -> dict:
+    """The load's sampling parameters (greedy unless --temperature)."""
+    return {"temperature": args.temperature, "top_p": args.top_p}
 
 
 def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
@@ -345,6 +352,7 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
     probe_ttft = [p["ttft_s"] for p in probes if p["ttft_s"] is not None]
     result = about | {
         "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens,
+        "temperature": args.temperature, "top_p": args.top_p,
         "requests": len(rows), "errors": errors, "wall_s": wall,
         "ttft_p50_ms": 1e3 * pct(ttft, 0.5), "ttft_p95_ms": 1e3 * pct(ttft, 0.95),
         "ttft_first_turn_p50_ms": 1e3 * pct([r["ttft_s"] for r in rows if r["turn"] == 0

@@ -4,7 +4,8 @@ loop, and `floe serve` (a child process, the official openai client) — issue 1
     python bench/sessions.py --device cuda --shape llama-3.2-1b --tokenizer DIR [--sessions 1 4 16 64]
     python bench/sessions.py --device cpu [--sessions 1 8] [--threads 2]
 
-Per session count S, each with --prompt-tokens-token prompts (64) and --tokens out (128), greedy:
+Per session count S, each with --prompt-tokens-token prompts (64) and --tokens out (128), greedy
+(actors and serve sample instead with --temperature T [--top-p P]):
 - engine: S slots prefilled, then --tokens steps of Engine.decode_batch, each row's greedy choice
   fed back (the argmax the step computed where it has one); TTFT = one prompt's prefill alone.
 - actors: S chat-guest actors send one message each at once through one EngineLoop (no HTTP).
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 from cpu_batch import actors_run, message
 
-from floe.engine import Engine
+from floe.engine import Engine, SamplingParams
 
 HERE = Path(__file__).parent
 CLIENT_STREAMS = 8  # serve: sessions a client process holds (64 sessions: 8 processes of 8 streams)
@@ -76,7 +77,7 @@ def serve(args, sessions: int) -> dict:
            "--sessions", str(sessions), "--turns", "1", "--max-tokens", str(args.tokens),
            "--prompt-tokens", str(args.prompt_tokens), "--probe", str(args.probe), "--threads",
            str(args.threads), "--client-processes", str(max(1, sessions // CLIENT_STREAMS)),
-           "--out", str(out)]
+           "--temperature", str(args.temperature), "--top-p", str(args.top_p), "--out", str(out)]
     if args.shape:
         cmd += ["--shape", args.shape, "--tokenizer", args.tokenizer]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.serve_timeout_s)
@@ -102,8 +103,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ways", nargs="+", default=["engine", "actors", "serve"])
     ap.add_argument("--serve-timeout-s", type=float, default=400)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="actors' and serve's sampling (0: greedy; the engine alone is always greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
+    params = SamplingParams(args.temperature, top_p=args.top_p)
     device = torch.device(args.device)
     sessions = args.sessions or ([1, 4, 16, 64] if device.type == "cuda" else [1, 8])
     torch.set_num_threads(args.threads)
@@ -131,7 +136,7 @@ def main() -> None:
                 engine_alone(engine, prompts[:1], 4)  # its first steps at this size: warm
                 rows[s, "engine"] = engine_alone(engine, prompts[:s], args.tokens)
             if "actors" in args.ways:
-                rows[s, "actors"] = actors_run(engine, texts[:s], args.tokens, batch=True)
+                rows[s, "actors"] = actors_run(engine, texts[:s], args.tokens, batch=True, params=params)
             print(s, {k: v for (n, k), v in rows.items() if n == s}, flush=True)
         del engine
     if "serve" in args.ways:
@@ -151,7 +156,8 @@ def main() -> None:
     out = HERE / "results" / f"sessions_{device.type}_{name}.json"
     out.parent.mkdir(exist_ok=True)
     about = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-             "shape": args.shape, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens}
+             "shape": args.shape, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
+             "temperature": args.temperature, "top_p": args.top_p}
     out.write_text(json.dumps(about | {"rows": [{"sessions": s, "way": w} | r for (s, w), r in rows.items()]},
                               indent=2))
     print(f"wrote {out}")

@@ -39,5 +39,5 @@ static int32_t argmax_allowed(void) {
 
 FLOE_EXPORT(on_message) int32_t on_message(const char *text, int32_t len) {
     if (!allowed && !build_mask()) return 9;
-    return conversation_turn(text, len, argmax_allowed);
+    return conversation_turn(text, len, argmax_allowed, 0);
 }

@@ -204,8 +204,9 @@ static int keep_token(int32_t tok) {
 }
 
 #ifdef FLOE_ABI_V1
-/* ABI v1: the guest drives the engine itself, one blocking call at a time. */
-static int32_t conversation_turn(const char *text, int32_t len, next_token_fn next_token) {
+/* ABI v1: the guest drives the engine itself, one blocking call at a time (no host choice). */
+static int32_t conversation_turn(const char *text, int32_t len, next_token_fn next_token, int32_t *choice) {
+    (void)choice;
     uint32_t p;
     int32_t status = start_turn(text, len, &p);
     if (status) return status;
@@ -222,16 +223,21 @@ static int32_t conversation_turn(const char *text, int32_t len, next_token_fn ne
 }
 #else
 /* ABI v2: on_message queues the prompt; the engine loop calls on_token after each step (the host
- * appends the token it returns, and counts max_tokens), then on_end. */
+ * appends the token it returns, counts max_tokens and streams the token's text), then on_end. */
 static next_token_fn turn_rule;
 static int32_t pending = -1; /* the token on_token returned last, appended by the host's next step */
+static ids_buf reply_ids;    /* the reply's tokens, detokenized once at its end */
 
-static int32_t conversation_turn(const char *text, int32_t len, next_token_fn next_token) {
+/* `choice`: where the host writes its choice before each on_token (the rule reads it), or NULL for a
+ * rule that chooses from the logits itself. */
+static int32_t conversation_turn(const char *text, int32_t len, next_token_fn next_token, int32_t *choice) {
     uint32_t p;
     int32_t status = start_turn(text, len, &p);
     if (status) return status;
+    if (floe_choice_at(choice) != FLOE_OK || floe_stream_tokens(1) != FLOE_OK) return 5;
     turn_rule = next_token;
     pending = -1;
+    reply_ids.len = 0;
     return took_prompt(p);
 }
 
@@ -241,16 +247,29 @@ FLOE_EXPORT(on_token) int32_t on_token(void) {
         pending = -1;
     }
     int32_t tok = turn_rule();
-    int32_t go = take_token(tok);
-    if (go < 0) return go;
-    if (!go) return FLOE_STOP;
+    if (tok < 0 || is_eos(tok)) return FLOE_STOP;
+    if (!reserve_ids(&reply_ids, reply_ids.len + 1)) return -7;
+    reply_ids.data[reply_ids.len++] = tok;
     pending = tok;
-    return tok;
+    return tok; /* the host streams its text */
 }
 
 FLOE_EXPORT(on_end) int32_t on_end(int32_t reason) {
     (void)reason; /* the last token returned was not appended: history holds what the cache holds */
     pending = -1;
+    /* The reply's text, for the conversation: its tokens' bytes, a chunk of ids at a time. */
+    for (uint32_t i = 0; i < reply_ids.len;) {
+        uint32_t n = reply_ids.len - i < 4096 ? reply_ids.len - i : 4096;
+        int32_t k = floe_detokenize(reply_ids.data + i, (int32_t)n, reply.data + reply.len,
+                                    (int32_t)(reply.cap - reply.len));
+        if (k < 0) return 6;
+        if ((uint32_t)k > reply.cap - reply.len) {
+            if (!reserve_bytes(&reply, reply.len + (uint32_t)k)) return 6;
+            continue; /* again, with room */
+        }
+        reply.len += (uint32_t)k;
+        i += n;
+    }
     return end_reply();
 }
 #endif

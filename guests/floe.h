@@ -84,6 +84,16 @@ FLOE_IMPORT(decode) int32_t floe_decode(int32_t token, float *logits);
 /* A token drawn from the latest logits (if they were written into guest memory: from those bytes as
  * they are now, so a guest may mask them first). NULL params: the request's. Uses the actor's RNG. */
 FLOE_IMPORT(sample) int32_t floe_sample(const floe_sampling *params);
+#ifndef FLOE_ABI_V1
+/* v2, only in on_message, for this turn: before each on_token the host writes its own choice at `out`:
+ * the forward's argmax for a greedy request, else a draw with the request's parameters (the actor's
+ * RNG, once a step, taken or not); -3 if the logits allow no draw. NULL: no more. Saves a sample call
+ * a token. */
+FLOE_IMPORT(choice_at) int32_t floe_choice_at(int32_t *out);
+/* v2, only in on_message, for this turn: 1: the host streams the text of every token on_token returns
+ * (no detokenize and emit a token); 0: the guest emits what it wants. */
+FLOE_IMPORT(stream_tokens) int32_t floe_stream_tokens(int32_t on);
+#endif
 FLOE_IMPORT(kv_len) int32_t floe_kv_len(void);
 FLOE_IMPORT(kv_truncate) int32_t floe_kv_truncate(int32_t n);
 

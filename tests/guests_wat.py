@@ -47,12 +47,12 @@ MISALIGNED_LOGITS = guest(
 )
 
 
-# Every import of ABI v1, named $name, for guests that call anything.
+# Every import, named $name, for guests that call anything (choice_at, stream_tokens: v2 only).
 ALL_IMPORTS = {
     "abi_version": (0, 1), "vocab_size": (0, 1), "context_length": (0, 1), "eos_ids": (2, 1),
     "tokenize": (4, 1), "detokenize": (4, 1), "chat_render": (5, 1), "prefill": (3, 1),
     "decode": (2, 1), "sample": (1, 1), "request": (1, 1), "system": (2, 1), "kv_len": (0, 1),
-    "kv_truncate": (1, 1), "emit": (2, 1), "log": (2, 1),
+    "kv_truncate": (1, 1), "emit": (2, 1), "log": (2, 1), "choice_at": (1, 1), "stream_tokens": (1, 1),
 }
 
 
@@ -93,3 +93,37 @@ def v2_guest(on_token_extra: str = "", *, after: int = 3) -> bytes:
     (global.set $n (i32.add (global.get $n) (i32.const 1)))
     (if (i32.ge_u (global.get $n) (i32.const {after})) (then {on_token_extra}))
     (call $sample (i32.const 0))))""")
+
+
+def v2_chooser(*, choice: bool, stream: bool, choice_ptr: int = 64, prompt: int = 17,
+               on_token_first: str = "") -> bytes:
+    """An ABI v2 guest that queues `prompt`, then each token takes the host's choice: written at
+    `choice_ptr` before on_token (choice=True, asked for with choice_at) or asked for with sample(0);
+    its text streamed by the host (stream=True, stream_tokens) or by detokenize + emit. Token 0 stops."""
+    asks = f"(call $choice_at (i32.const {choice_ptr}))"
+    setup = f"(if {asks} (then (return (i32.const 11))))" if choice else ""
+    setup += "(if (call $stream_tokens (i32.const 1)) (then (return (i32.const 12))))" if stream else ""
+    take = f"(i32.load (i32.const {choice_ptr}))" if choice else "(call $sample (i32.const 0))"
+    emit = "" if stream else ("(drop (call $emit (i32.const 256) (call $detokenize (i32.const 128) "
+                              "(i32.const 1) (i32.const 256) (i32.const 1024))))")
+    return wasmtime.wat2wasm(f"""
+(module
+  (import "floe" "prefill" (func $prefill (param i32 i32 i32) (result i32)))
+  (import "floe" "sample" (func $sample (param i32) (result i32)))
+  (import "floe" "detokenize" (func $detokenize (param i32 i32 i32 i32) (result i32)))
+  (import "floe" "emit" (func $emit (param i32 i32) (result i32)))
+  (import "floe" "choice_at" (func $choice_at (param i32) (result i32)))
+  (import "floe" "stream_tokens" (func $stream_tokens (param i32) (result i32)))
+  (memory (export "memory") 2)
+  (func (export "floe_abi_version") (result i32) (i32.const 2))
+  (func (export "alloc") (param i32) (result i32) (i32.const 2048))
+  (func (export "on_message") (param i32 i32) (result i32)
+    {setup}
+    (i32.store (i32.const 4096) (i32.const {prompt}))
+    (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))
+  (func (export "on_token") (result i32)
+    {on_token_first}
+    (i32.store (i32.const 128) {take})
+    (if (i32.eqz (i32.load (i32.const 128))) (then (return (i32.const -1))))
+    {emit}
+    (i32.load (i32.const 128))))""")

@@ -181,7 +181,8 @@ def test_actors_have_separate_slots_and_memories(engine):
         assert engine.kv_len(b.slot) == 0
 
 
-@pytest.mark.parametrize("heading", ["## A complete guest in WAT (ABI v2)", "The same in ABI v1"])
+@pytest.mark.parametrize("heading", ["## A complete guest in WAT (ABI v2)",
+                                     "The same without a host call a token", "The same in ABI v1"])
 def test_the_wat_guests_in_the_abi_docs_run_as_written(engine, heading):
     from pathlib import Path
 

@@ -4,11 +4,12 @@ inside the turn that caused them, and concurrent actors answer exactly as each w
 import threading
 
 import pytest
-from guests_wat import v2_guest
+import torch
+from guests_wat import v2_chooser, v2_guest
 
 from floe.actor import Actor, EngineLoop
 from floe.engine import SamplingParams
-from floe.wasm import GuestDeadlineExceeded, GuestTrap
+from floe.wasm import GuestDeadlineExceeded, GuestError, GuestPointerError, GuestTrap
 
 PROMPTS = ["Hello there.", "Name a colour.", "What is two plus two?", "Tell me about owls.",
            "Write a haiku.", "Say something kind."]
@@ -196,3 +197,65 @@ def test_a_guest_stuck_in_on_message_does_not_hold_up_others_arriving(tiny_engin
     ended["other"] = time.monotonic()
     thread.join()
     assert ended["other"] < ended["stuck"]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(0.9), SamplingParams(1.2, top_k=50),
+                                    SamplingParams(0.8, top_p=0.9)], ids=str)
+def test_the_hosts_choice_in_memory_and_streamed_tokens_equal_sample_and_emit(tiny_engine, params):
+    """choice_at + stream_tokens (no host call a token) answer exactly as sample + detokenize + emit:
+    the same tokens (one uniform of the actor's generator a step either way), the same text. Several
+    such turns at once take their draws in one batch: greedy ones answer as each alone, and each
+    sampled turn took exactly one uniform of its own actor's generator a step."""
+    def reply(guest):
+        with Actor(tiny_engine, guest, seed=3) as actor:
+            r = actor.send("x", max_tokens=20, params=params)
+            return r.text, r.stats.token_ids, actor.stats.emit_calls
+
+    text, tokens, _ = reply(v2_chooser(choice=False, stream=False))
+    assert reply(v2_chooser(choice=True, stream=True)) == (text, tokens, len(tokens))
+    assert reply(v2_chooser(choice=True, stream=False))[:2] == (text, tokens)
+    loop = EngineLoop(tiny_engine)
+    guests = [v2_chooser(choice=True, stream=True, prompt=17 + i) for i in range(4)]
+    out = [None] * 4
+
+    def work(i):
+        with Actor(tiny_engine, guests[i], seed=3 + i, loop=loop) as actor:
+            r = actor.send("x", max_tokens=20, params=params)
+            steps = len(r.stats.token_ids) + (r.stats.finish_reason == "stop")
+            expected = torch.Generator().manual_seed(3 + i)
+            for _ in range(steps if not params.greedy else 0):
+                torch.rand(1, generator=expected, dtype=torch.float64)
+            same = torch.equal(actor.generator.get_state(), expected.get_state())
+            out[i] = (r.text, r.stats.token_ids, same)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert all(generator_ok for _, _, generator_ok in out)
+    assert loop.steps < sum(len(tokens) for _, tokens, _ in out)  # together, in shared steps
+    if params.greedy:
+        assert [o[:2] for o in out] == [reply(g)[:2] for g in guests]
+
+
+def test_turn_options_are_for_on_message_and_a_bad_choice_pointer_traps(tiny_engine):
+    with Actor(tiny_engine, v2_chooser(choice=True, stream=True, choice_ptr=65_537)) as actor:
+        with pytest.raises(GuestPointerError, match="aligned"):
+            actor.send("x", max_tokens=4)
+    with Actor(tiny_engine, v2_chooser(choice=True, stream=True, choice_ptr=2 * 65_536)) as actor:
+        with pytest.raises(GuestPointerError, match="out of bounds|outside|past"):  # past the memory's end
+            actor.send("x", max_tokens=4)
+    # From on_token they answer -3, which this guest returns as its token: its turn fails, clearly.
+    late = v2_chooser(choice=False, stream=False,
+                      on_token_first="(return (call $stream_tokens (i32.const 1)))")
+    with Actor(tiny_engine, late) as actor:
+        with pytest.raises(GuestError, match="on_token returned -3"):
+            actor.send("x", max_tokens=4)
+
+
+def test_a_token_outside_the_vocabulary_fails_only_its_turn(tiny_engine):
+    huge = v2_chooser(choice=False, stream=True, on_token_first="(return (i32.const 1000000))")
+    expected = [alone(tiny_engine, p, 8) for p in PROMPTS[:2]]
+    *replies, failed = concurrently(tiny_engine, EngineLoop(tiny_engine),
+                                    [(None, p, 8) for p in PROMPTS[:2]] + [(huge, "x", 8)])
+    assert isinstance(failed, GuestError) and "outside the vocabulary" in str(failed), failed
+    assert [r.stats.token_ids for r in replies] == expected

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from floe.engine.sampling import SamplingParams, sample_token
+from floe.engine.sampling import SamplingParams, draw_uniforms, sample_rows, sample_token
 from floe.errors import ContextOverflow, InvalidSamplingParams
 from floe.memory import OutOfBounds
 from floe.wasm import (
@@ -134,6 +134,15 @@ class HostABI:
         self.queued = torch.empty(0, dtype=torch.long)
         self.logits_ptr = 0
         self.preparing = False  # inside on_message (v2): prefill queues, kv_truncate allowed
+        # v2 turn options on_message may set (choice_at, stream_tokens); reset at each message.
+        self.choice: np.ndarray | None = None  # int32 [1] in guest memory: the host's choice goes there
+        self.streams = False  # the tokens on_token returns are streamed by the host
+
+    def begin_turn(self) -> None:
+        """v2: a new message's turn: nothing queued, no logits target, no turn options."""
+        self.clear_queue()
+        self.logits_ptr = 0
+        self.choice, self.streams = None, False
 
     def begin(self, watchdog, memory_cap: int) -> HostBudget:
         """A fresh budget for the next guest call (a message, a history entry)."""
@@ -162,6 +171,8 @@ class HostABI:
             ("kv_truncate", 1, 1, self.kv_truncate),
             ("emit", 2, 1, self.emit),
             ("log", 2, 1, self.log),
+            ("choice_at", 1, 1, self.choice_at),
+            ("stream_tokens", 1, 1, self.stream_tokens),
         ]
         return [HostFunction(name, n, r, self._raw(fn, n, r)) for name, n, r, fn in table]
 
@@ -493,12 +504,91 @@ class HostABI:
             self.actor.on_text(text)
         return 1 if self.actor.stop_requested else 0
 
+    def choice_at(self, ptr: int) -> int:
+        """v2, in on_message: before each on_token of the turn, write the host's choice (give_choice)
+        at ptr (an int32); 0: no more."""
+        if self.version < 2 or not self.preparing:
+            return ERR_BAD_ARGUMENT
+        if not ptr:
+            self.choice = None
+            return OK
+        if ptr % 4:
+            raise GuestPointerError(f"choice: pointer {ptr} is not 4-byte aligned")
+        try:
+            self.actor.region.check(ptr, 4)
+        except OutOfBounds as e:
+            raise GuestPointerError(f"choice: guest pointer {e}") from None
+        self.choice = self.actor.region.numpy(ptr, 1, np.int32)  # the region never moves or shrinks
+        return OK
+
+    def give_choice(self, token: int) -> None:
+        """Write the host's choice for this step where choice_at asked (the loop calls it before
+        on_token)."""
+        self.budget.spend(4, "choice")
+        self.choice[0] = token
+        self.actor.ledger.copy("host→guest choice (the host's token for on_token)", 4)
+
+    def stream_tokens(self, on: int) -> int:
+        """v2, in on_message: the host streams the text of each token on_token returns (1) or not (0)."""
+        if self.version < 2 or not self.preparing or on not in (0, 1):
+            return ERR_BAD_ARGUMENT
+        self.streams = bool(on)
+        return OK
+
+    def stream(self, token: int) -> None:
+        """v2 with stream_tokens: the text of a token on_token returned, to the caller (as emit)."""
+        data = self.tokenizer.token_bytes(token)
+        self.budget.spend(len(data), "streamed text")
+        self.actor.stats.emit_calls += 1
+        text = self.utf8.decode(data)
+        if text:
+            self.actor.stats.on_emit()
+            self.actor.on_text(text)
+
     def log(self, ptr: int, length: int) -> int:
         if (length := self._length(length)) is None:
             return ERR_BAD_ARGUMENT
         line = self._bytes(ptr, length, "log")[:LOG_LINE_BYTES].decode("utf-8", "replace")
         self.actor.logs.append(line)  # a deque: the last LOG_LINES_KEPT lines
         return OK
+
+
+def give_choices(abis: list[HostABI]) -> list[BaseException | None]:
+    """v2: each turn's host choice for its fresh logits, written where its guest's choice_at asked:
+    the forward's own argmax for a greedy request, else a draw with the request's parameters from the
+    actor's generator (one uniform, whether on_token takes the draw or not) — every such row in one
+    batched draw and one readback. -3 for logits nothing can be drawn from (NaN, +inf, all -inf).
+    Per turn, what failed writing its choice (its budget), or None."""
+    tokens: list[int | None] = [None] * len(abis)
+    draws = []
+    for i, abi in enumerate(abis):
+        params = abi.actor.request.params
+        if not params.greedy:
+            draws.append(i)
+            continue
+        tokens[i] = abi.engine.greedy_token(abi.actor.slot)
+        if tokens[i] is None:
+            tokens[i] = int(sample_token(abi.last_logits, params, abi.actor.generator))
+    if draws:
+        t = time.perf_counter()
+        logits = torch.stack([abis[i].last_logits for i in draws])
+        drawn = sample_rows(logits, [abis[i].actor.request.params for i in draws],
+                            draw_uniforms([abis[i].actor.generator for i in draws]))
+        drawn = torch.where(torch.isfinite(logits.amax(-1)), drawn, ERR_BAD_ARGUMENT).tolist()
+        seconds = (time.perf_counter() - t) / len(draws)
+        for i, token in zip(draws, drawn, strict=True):
+            tokens[i] = token
+            if logits.device.type != "cpu":
+                abis[i].actor.ledger.copy(f"sampled token {logits.device.type}→host (readback, with the "
+                                          "step's other draws)", 8, seconds=seconds)
+    failures: list[BaseException | None] = []
+    for abi, token in zip(abis, tokens, strict=True):
+        try:
+            abi.give_choice(token)
+            failures.append(None)
+        except BaseException as e:  # noqa: BLE001 - fails that turn only (the loop says so)
+            failures.append(e)
+    return failures
 
 
 def _samplable(logits: torch.Tensor) -> bool:

@@ -328,8 +328,7 @@ class Actor:
         loop runs it with every other actor's; the guest's status."""
         deadline = time.monotonic() + self.deadline_s
         self.abi.begin(self.guest.watchdog, self.guest.memory_cap)
-        self.abi.clear_queue()
-        self.abi.logits_ptr = 0
+        self.abi.begin_turn()
         try:
             self.abi.preparing = True
             try:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from floe.actor.abi import OK
+from floe.actor.abi import OK, give_choices
 from floe.engine import Engine
 from floe.engine.engine import LaunchedStep
 from floe.errors import ContextOverflow
@@ -204,6 +204,7 @@ class EngineLoop:
                 self._prefill(turn)
         t1 = time.perf_counter()
         self._take_results()
+        self._give_choices()
         t2 = time.perf_counter()
         speculated = []
         for turn in self._live():
@@ -344,6 +345,15 @@ class EngineLoop:
                     continue
                 turn.fresh = True
 
+    def _give_choices(self) -> None:
+        """The host's choice for every fresh turn whose guest asked for it (choice_at), before any
+        guest is asked: every sampled row in one batched draw."""
+        choosing = [t for t in self._live() if t.fresh and t.actor.abi.choice is not None]
+        if choosing:
+            for turn, error in zip(choosing, give_choices([t.actor.abi for t in choosing]), strict=True):
+                if error is not None:
+                    self._finish(turn, END_CANCELLED, error)
+
     def _ask_guest(self, turn: Turn) -> None:
         """Its guest's on_token: the next token (appended by the next forward, or confirming the
         speculated one), a stop, or a failure of this turn."""
@@ -356,11 +366,22 @@ class EngineLoop:
             self._finish(turn, END_CANCELLED, e)
             return
         turn.takes_greedy = token == greedy
+        abi = turn.actor.abi
         if token == STOP:
             turn.end = END_STOP
         elif token < 0:
             self._finish(turn, END_CANCELLED, GuestError(f"on_token returned {token} (an error)"))
+        elif token >= abi.vocab:
+            self._finish(turn, END_CANCELLED, GuestError(f"on_token returned token {token}, outside the "
+                                                         f"vocabulary [0, {abi.vocab})"))
         else:
+            turn.actor.stats.on_decode(token)
+            if abi.streams:
+                try:
+                    abi.stream(token)
+                except BaseException as e:  # noqa: BLE001 - fails this turn only
+                    self._finish(turn, END_CANCELLED, e)
+                    return
             turn.generated += 1
             if turn.generated >= turn.max_tokens:
                 turn.end = END_LENGTH

@@ -113,7 +113,7 @@ def _sample_truncated(weights: Tensor, params: Sequence[SamplingParams], u: Tens
         k_max = vocab
     else:  # every row's top k, and the likely tokens of rows without top_k
         likely = (weights >= NUCLEUS_FLOOR).sum(-1)
-        k_max = int(torch.where(k[:, 0] < vocab, k[:, 0], likely).max())
+        k_max = max(1, int(torch.where(k[:, 0] < vocab, k[:, 0], likely).max()))
     values, order = torch.topk(weights, k_max, dim=-1)  # highest first
     values = values.masked_fill(torch.arange(k_max, device=device)[None, :] >= k, 0.0).double()
     # Each row's distribution over its allowed tokens: its top k, or (no top_k) its whole row.
