@@ -20,6 +20,7 @@ Writes bench/results/sessions_<device>_<name>.json and prints the table.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -131,6 +132,8 @@ def main() -> None:
         texts = [message(engine.tokenizer, i, args.prompt_tokens) for i in range(max(sessions))]
         prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
         actors_run(engine, texts[:1], 2, batch=True)  # compiles the guest module, starts the loop
+        gc.collect()  # as `floe serve` does at start: the start-up heap out of the cyclic GC's passes
+        gc.freeze()
         for s in sessions:
             if "engine" in args.ways:
                 engine_alone(engine, prompts[:1], 4)  # its first steps at this size: warm

@@ -567,3 +567,45 @@ def test_a_request_never_runs_in_a_session_the_store_dropped_while_it_waited(def
     store.release(session)
     store.release(busy)
     store.close(freeze=False)
+
+
+def test_new_sessions_take_spare_actors_made_while_idle(default_checkpoint, tmp_path):
+    """Spare actors fill free slots while the engine loop is idle; a new session takes one (seeded as its
+    own would be: the same sampled reply), a thaw that finds every slot spare closes one, and closing
+    the store frees every slot."""
+    from floe.actor import EngineLoop
+    from floe.engine import SamplingParams
+    from floe.server.sessions import SessionStore
+
+    engine = Engine(default_checkpoint, max_seq_len=128, n_slots=2)
+    loop = EngineLoop(engine)
+    hi = [{"role": "user", "content": "Tell me a story."}]
+    sampled = SamplingParams(1.0, top_p=0.9)
+
+    def wait_spares(store, n):
+        deadline = time.time() + 60
+        while store.counts()["spare_actors"] != n:
+            assert time.time() < deadline, store.counts()
+            time.sleep(0.02)
+
+    plain = SessionStore(engine, tmp_path / "plain", loop=loop)
+    session, _ = plain.acquire("s", hi, 7)
+    expected = plain.run(session, [], hi[0]["content"], max_tokens=12, params=sampled).text
+    plain.release(session)
+    plain.close(freeze=False)
+
+    store = SessionStore(engine, tmp_path / "spares", loop=loop)
+    store.keep_spares(2)
+    wait_spares(store, 2)
+    spares = list(store._spares)
+    session, _ = store.acquire("s", hi, 7)
+    store.go_live(session)
+    assert session.actor in spares and store.counts() == {"live": 1, "frozen": 0, "spare_actors": 1}
+    assert store.run(session, [], hi[0]["content"], max_tokens=12, params=sampled).text == expected
+    store.release(session)
+    store.freeze("s")
+    wait_spares(store, 2)  # its slot was freed and refilled
+    assert store.thaw("s")["state"] == "live"  # no free slot: a spare made room
+    assert store.counts() == {"live": 1, "frozen": 0, "spare_actors": 1}
+    store.close(freeze=False)
+    assert len(engine.slots.free) == 2

@@ -145,6 +145,11 @@ class EngineLoop:
             if held:
                 self._arrival.release()
 
+    @property
+    def busy(self) -> bool:
+        """Whether any turn is running or arriving (a racy read: for deciding when to do idle work)."""
+        return bool(self._active or self._arrived)
+
     def stats(self) -> dict:
         with self._cond:
             return {"active": len(self._active), "waiting": len(self._arrived), "steps": self.steps,

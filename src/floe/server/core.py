@@ -61,6 +61,8 @@ class Metrics:
         sessions = Gauge("floe_sessions", "Sessions by state", ["state"], registry=r)
         sessions.labels("live").set_function(lambda: store.counts()["live"])
         sessions.labels("frozen").set_function(lambda: store.counts()["frozen"])
+        Gauge("floe_spare_actors", "Actors made ahead for new sessions (in free KV slots)",
+              registry=r).set_function(lambda: store.counts()["spare_actors"])
 
 
 @dataclass
@@ -106,6 +108,7 @@ class ServeCore:
         self.store.on_thaw, self.store.on_freeze = self.metrics.thaw.observe, self.metrics.freeze.observe
         self.store.load_folder()
         self.store.warm_up()
+        self.store.keep_spares(engine.cache.n_slots)  # new sessions find their actor made
         self.started = time.time()
         self._closed = threading.Event()
         self._evictor = threading.Thread(target=self._evict_loop, name="floe-evict", daemon=True)
@@ -460,10 +463,16 @@ def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_lev
     child process, talking to the core's socket in a private temporary folder. Returns when the
     front exits or this process is told to stop (SIGINT, SIGTERM); every live session is frozen
     before it returns. The front's exit status: 0 after a stop."""
+    import gc
     import signal
     import subprocess
     import sys
 
+    # What exists now (the model's modules, the tokenizer, imported code: ~10^5 to 10^6 objects) lives
+    # as long as the server: out of the cyclic collector's reach, whose full passes over all of it
+    # stalled every session at once for ~0.1 s (docs/PERF.md, "A full GC pass").
+    gc.collect()
+    gc.freeze()
     server = CoreServer(core)
 
     def stop(signum, frame):

@@ -77,6 +77,9 @@ def is_prefix(prefix: list[dict], messages: list[dict]) -> bool:
         for a, b in zip(prefix, messages, strict=False))
 
 
+SPARE_CHECK_S = 0.05  # how often the spare-actor maker looks for free slots and an idle engine loop
+
+
 class SessionStore:
     """All sessions of one server: live ones hold a KV slot of `engine`, frozen ones a file."""
 
@@ -93,6 +96,10 @@ class SessionStore:
         self.lock = threading.Lock()  # guards `sessions` and slot accounting
         self._reserved = 0  # slots counted for sessions whose actor is being made
         self._creating = threading.Lock()  # actors are made one at a time (see _ensure_live)
+        self._spares: list[Actor] = []  # actors made ahead in free slots (keep_spares); guarded by lock
+        self._spares_wanted = 0
+        self._closing = threading.Event()
+        self._spare_maker: threading.Thread | None = None
         self.on_thaw, self.on_freeze = on_thaw, on_freeze
         self.skipped: list[str] = []  # files in the folder that are not loadable sessions
 
@@ -228,6 +235,10 @@ class SessionStore:
     def _ensure_live(self, session: Session) -> None:
         if session.live:
             return
+        if not session.path.exists() and (spare := self._take_spare()) is not None:
+            spare.generator.manual_seed(session.seed)  # as Actor(seed=...) would start it
+            session.actor = spare
+            return
         self._reserve_slot()
         try:
             if session.path.exists():
@@ -270,10 +281,14 @@ class SessionStore:
         while True:
             with self.lock:
                 live = [s for s in self.sessions.values() if s.live]
-                if len(live) + self._reserved < self.engine.cache.n_slots:
+                if len(live) + self._reserved + len(self._spares) < self.engine.cache.n_slots:
                     self._reserved += 1
                     return
+                spare = self._spares.pop() if self._spares else None
                 idle = sorted((s for s in live if not s.lock.locked()), key=lambda s: s.last_used)
+            if spare is not None:  # its slot is needed (a thaw): it goes, and is made again when idle
+                spare.close()
+                continue
             if not any(self._freeze_if_idle(victim) for victim in idle):
                 raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots are busy with running requests")
 
@@ -355,10 +370,54 @@ class SessionStore:
     def counts(self) -> dict[str, int]:
         with self.lock:
             live = sum(s.live for s in self.sessions.values())
-            return {"live": live, "frozen": len(self.sessions) - live}
+            return {"live": live, "frozen": len(self.sessions) - live, "spare_actors": len(self._spares)}
+
+    # ---- spare actors ------------------------------------------------------------------------------
+
+    def keep_spares(self, wanted: int) -> None:
+        """Keep up to `wanted` actors made ahead, in free KV slots, made while the engine loop has no
+        turn: a new session takes one instead of making its actor as it arrives (~1 ms of the core's
+        GIL time each, which a burst of arrivals pays one after another). A thaw that finds no free
+        slot closes a spare first."""
+        self._spares_wanted = wanted
+        if self._spare_maker is None and wanted > 0:
+            self._spare_maker = threading.Thread(target=self._make_spares, name="floe-spares", daemon=True)
+            self._spare_maker.start()
+
+    def _take_spare(self) -> Actor | None:
+        with self.lock:
+            return self._spares.pop() if self._spares else None
+
+    def _make_spares(self) -> None:
+        while not self._closing.wait(SPARE_CHECK_S):
+            while len(self._spares) < self._spares_wanted and not self._closing.is_set() and not (
+                    self.loop is not None and self.loop.busy):
+                with self.lock:
+                    live = sum(s.live for s in self.sessions.values())
+                    if live + self._reserved + len(self._spares) >= self.engine.cache.n_slots:
+                        break
+                    self._reserved += 1
+                try:
+                    with self._creating:
+                        actor = Actor(self.engine, self.guest, scheduler=self.scheduler, loop=self.loop)
+                except Exception:  # noqa: BLE001 - sessions then make their own, as without spares
+                    log.exception("could not make a spare actor")
+                    return
+                finally:
+                    with self.lock:
+                        self._reserved -= 1
+                with self.lock:
+                    self._spares.append(actor)
 
     def close(self, freeze: bool = True) -> None:
         """At shutdown: freeze every live session (so a restart serves them again)."""
+        self._closing.set()
+        if self._spare_maker is not None:
+            self._spare_maker.join(30)
+        with self.lock:
+            spares, self._spares = self._spares, []
+        for actor in spares:
+            actor.close()
         for session in list(self.sessions.values()):
             with session.lock:
                 if session.live:
