@@ -370,3 +370,48 @@ def test_prompts_riding_along_decode_rows_equal_their_own_prefill(batching):
         for s in slots:
             batching.kv_truncate(0, s)
             batching.release_slot(s)
+
+
+def test_draws_on_the_device_follow_the_distribution_without_a_sync_for_candidates():
+    """sample_rows on CUDA (a fixed number of nucleus candidates, no host sync until the readback)
+    follows the float64 reference as the CPU's does, flat rows drawn again over everything included."""
+    from test_sampling import GRID, PARAMS, reference
+
+    from floe.engine.sampling import SamplingParams, sample_rows
+
+    u = (torch.arange(GRID, dtype=torch.float64) + 0.5) / GRID
+    flat = torch.zeros(50_000)
+    flat[:3] = 14.0
+    cases = [(torch.tensor([2.0, 1.5, 1.4, 0.3, -0.2, -1.0, -3.0, 0.9, 1.1, -0.5]), p) for p in PARAMS]
+    cases.append((flat, SamplingParams(1.0, top_p=0.995)))
+    for logits, p in cases:
+        tokens = sample_rows(logits.cuda().expand(GRID, -1), [p] * GRID, u)
+        shares = torch.bincount(torch.tensor(tokens), minlength=len(logits)).double() / GRID
+        expected = reference(logits, p)
+        assert torch.allclose(shares[:10], expected[:10], atol=1.5 / GRID), p
+        assert abs(shares[10:].sum() - expected[10:].sum()) < 1.5 / GRID, p
+
+
+def test_sampled_turns_speculate_with_the_steps_own_draw_and_answer_as_plain_steps(batching):
+    """On CUDA the engine loop overlaps: a chat guest that takes the host's draw (made by the step on
+    the device) is speculated with it; tokens and caches equal the loop without overlap's (one actor
+    at a time: a row's logits may differ in the last bits with the batch's size, and a draw with them)."""
+    from floe.actor import Actor, EngineLoop
+    from floe.engine import SamplingParams
+
+    questions = ["Hello there.", "What is two plus two?", "Name a river.", "Tell me a story."]
+    params = SamplingParams(0.8, top_p=0.9)
+
+    def run(loop):
+        out = []
+        for i, question in enumerate(questions):
+            with Actor(batching, loop=loop, seed=i) as actor:
+                reply = actor.send(question, max_tokens=16, params=params)
+                out.append((reply.stats.token_ids, list(batching.cache.tokens[actor.slot])))
+        return out
+
+    overlapped = EngineLoop(batching)
+    assert overlapped.overlap
+    assert run(overlapped) == run(EngineLoop(batching, overlap=False))
+    # The chat guest took every draw it was speculated with: a row is undone only at a turn's end (EOS).
+    assert overlapped.undone <= len(questions)

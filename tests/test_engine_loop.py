@@ -21,17 +21,18 @@ def alone(engine, prompt: str, max_tokens: int) -> list[int]:
         return actor.send(prompt, max_tokens=max_tokens, params=GREEDY).stats.token_ids
 
 
-def concurrently(engine, loop, jobs: list[tuple[object, str, int]], take=lambda actor, reply: reply) -> list:
-    """Each (guest, prompt, max_tokens) as its own actor in its own thread, started together; for
-    each, take(actor, its Reply) or the exception it raised."""
+def concurrently(engine, loop, jobs: list[tuple[object, str, int]], take=lambda actor, reply: reply,
+                 params: SamplingParams = GREEDY) -> list:
+    """Each (guest, prompt, max_tokens) as its own actor (seeded by its place) in its own thread,
+    started together; for each, take(actor, its Reply) or the exception it raised."""
     out: list = [None] * len(jobs)
     start = threading.Barrier(len(jobs))
 
     def work(i, guest, prompt, max_tokens):
-        with Actor(engine, guest, loop=loop) as actor:
+        with Actor(engine, guest, loop=loop, seed=i) as actor:
             start.wait()
             try:
-                out[i] = take(actor, actor.send(prompt, max_tokens=max_tokens, params=GREEDY))
+                out[i] = take(actor, actor.send(prompt, max_tokens=max_tokens, params=params))
             except Exception as e:  # noqa: BLE001 - the test looks at it
                 out[i] = e
 
@@ -116,10 +117,10 @@ REFUSES = v2_guest("(if (i32.eqz (i32.rem_u (global.get $n) (i32.const 3))) (the
 STOPS = v2_guest("(return (i32.const -1))", after=6)  # stops at its sixth token, speculated or not
 
 
-def contexts(engine, loop, jobs):
+def contexts(engine, loop, jobs, params: SamplingParams = GREEDY):
     """concurrently(): each actor's tokens, end, and KV cache tokens once its turn ended."""
     return concurrently(engine, loop, jobs, lambda actor, reply: (
-        reply.stats.token_ids, reply.stats.finish_reason, list(engine.cache.tokens[actor.slot])))
+        reply.stats.token_ids, reply.stats.finish_reason, list(engine.cache.tokens[actor.slot])), params)
 
 
 def test_overlapped_steps_answer_and_cache_exactly_as_plain_steps(tiny_engine):
@@ -134,6 +135,18 @@ def test_overlapped_steps_answer_and_cache_exactly_as_plain_steps(tiny_engine):
     assert expected[2][1] == "stop" and len(expected[2][0]) == 5
     assert overlapped.undone > 0 and plain.undone == 0  # the refusals were speculated and undone
     assert overlapped.rows > plain.rows  # ...which cost rows, not answers
+
+
+def test_overlapped_sampled_steps_answer_and_cache_exactly_as_plain_steps(tiny_engine):
+    """Sampling with overlap (forced on): the chat guest takes the host's draw, which its step made
+    right after the forward, so its next row is speculated with it; a guest calling sample() is
+    speculated with the argmax and mostly refused. Tokens, ends and caches are plain steps' either way."""
+    sampled = SamplingParams(1.0, top_p=0.95)
+    jobs = [(None, PROMPTS[0], 24), (v2_chooser(choice=False, stream=False), "x", 16), (None, PROMPTS[1], 12)]
+    expected = contexts(tiny_engine, EngineLoop(tiny_engine, overlap=False), jobs, sampled)
+    overlapped = EngineLoop(tiny_engine, overlap=True)
+    assert contexts(tiny_engine, overlapped, jobs, sampled) == expected
+    assert overlapped.rows > overlapped.undone > 0  # the sample() guest's rows were refused
 
 
 def test_a_greedy_draw_is_from_the_logits_the_guest_left_in_its_memory(tiny_engine):

@@ -28,7 +28,7 @@ def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def grid_shares(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     u = (torch.arange(GRID, dtype=torch.float64) + 0.5) / GRID
     tokens = sample_rows(logits.expand(GRID, -1), [p] * GRID, u)
-    return torch.bincount(tokens, minlength=len(logits)).double() / GRID
+    return torch.bincount(torch.tensor(tokens), minlength=len(logits)).double() / GRID
 
 
 PARAMS = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(2.5), SamplingParams(1.0, top_k=3),
@@ -36,15 +36,24 @@ PARAMS = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(2.5), Samplin
           SamplingParams(1.0, top_k=1), SamplingParams(3.0, top_p=1e-6)]
 
 
+@pytest.mark.parametrize("counted", [True, False], ids=["likely-counted", "fixed-candidates"])
 @pytest.mark.parametrize("p", PARAMS, ids=str)
-def test_draws_follow_the_cut_distribution(p):
+def test_draws_follow_the_cut_distribution(p, counted, monkeypatch):
+    import floe.engine.sampling as sampling
+
+    monkeypatch.setattr(sampling, "COUNTED", ("cpu",) if counted else ())
     logits = torch.tensor([2.0, 1.5, 1.4, 0.3, -0.2, -1.0, -3.0, 0.9, 1.1, -0.5])
     assert torch.allclose(grid_shares(logits, p), reference(logits, p), atol=1.5 / GRID)
 
 
-def test_a_flat_row_whose_nucleus_is_past_its_likely_tokens_is_still_exact():
-    """The nucleus search looks at the likely tokens first; a row where those fall short of top_p (a
-    few strong tokens over a long, nearly flat tail) is drawn over all of them."""
+@pytest.mark.parametrize("counted", [True, False], ids=["likely-counted", "fixed-candidates"])
+def test_a_flat_row_whose_nucleus_is_past_its_likely_tokens_is_still_exact(counted, monkeypatch):
+    """The nucleus search looks at the likely tokens first (counted on the CPU; a fixed number of
+    candidates on CUDA, tried here too); a row where those fall short of top_p (a few strong tokens
+    over a long, nearly flat tail) is drawn again over all of them."""
+    import floe.engine.sampling as sampling
+
+    monkeypatch.setattr(sampling, "COUNTED", ("cpu",) if counted else ())
     logits = torch.zeros(50_000)
     logits[:3] = 14.0  # 3 tokens at ~e^14 each: ~0.98 of the mass at temperature 1; the tail holds ~0.02
     p = SamplingParams(1.0, top_p=0.995)
@@ -52,6 +61,14 @@ def test_a_flat_row_whose_nucleus_is_past_its_likely_tokens_is_still_exact():
     assert expected[3:].sum() > 0.005  # part of the tail is in the nucleus
     assert torch.allclose(shares[:3], expected[:3], atol=1.5 / GRID)
     assert abs(shares[3:].sum() - expected[3:].sum()) < 1.5 / GRID
+
+
+def test_a_row_nothing_can_be_drawn_from_gets_minus_3():
+    logits = torch.stack([torch.full((5,), float("-inf")), torch.tensor([0.0, float("nan"), 1, 2, 3]),
+                          torch.tensor([0.0, float("inf"), 1, 2, 3]), torch.tensor([0.0, 1, 2, 3, 4])])
+    for p in (SamplingParams(1.0), SamplingParams(1.0, top_p=0.5)):
+        tokens = sample_rows(logits, [p] * 4, torch.full((4,), 0.5, dtype=torch.float64))
+        assert tokens[:3] == [-3, -3, -3] and 0 <= tokens[3] < 5
 
 
 def test_masked_tokens_are_never_drawn_and_extreme_temperatures_hold():
@@ -71,8 +88,8 @@ def test_a_batch_draws_each_row_as_it_would_alone():
     params = [PARAMS[i % len(PARAMS)] for i in range(12)]
     u = torch.rand(12, dtype=torch.float64)
     together = sample_rows(logits, params, u)
-    alone = [int(sample_rows(logits[i:i + 1], params[i:i + 1], u[i:i + 1])[0]) for i in range(12)]
-    assert together.tolist() == alone
+    alone = [sample_rows(logits[i:i + 1], params[i:i + 1], u[i:i + 1])[0] for i in range(12)]
+    assert together == alone
 
 
 def test_a_draw_takes_one_uniform_from_the_generator():

@@ -462,7 +462,7 @@ class HostABI:
         else:
             if not _samplable(self.last_logits):
                 return ERR_BAD_ARGUMENT
-            token = int(sample_token(self.last_logits, params, self.actor.generator))
+            token = sample_token(self.last_logits, params, self.actor.generator)
             if self.last_logits.device.type != "cpu":  # the chosen id is read back to the host
                 self.actor.ledger.copy(f"sampled token {self.last_logits.device.type}→host (readback)", 8,
                                        seconds=time.perf_counter() - t)
@@ -553,42 +553,34 @@ class HostABI:
         return OK
 
 
-def give_choices(abis: list[HostABI]) -> list[BaseException | None]:
-    """v2: each turn's host choice for its fresh logits, written where its guest's choice_at asked:
-    the forward's own argmax for a greedy request, else a draw with the request's parameters from the
-    actor's generator (one uniform, whether on_token takes the draw or not) — every such row in one
-    batched draw and one readback. -3 for logits nothing can be drawn from (NaN, +inf, all -inf).
-    Per turn, what failed writing its choice (its budget), or None."""
-    tokens: list[int | None] = [None] * len(abis)
+def host_choices(abis: list[HostABI], known: list[int | None]) -> list[int]:
+    """v2: the host's choice for each turn's fresh logits, for guests that asked for it (choice_at):
+    `known` where the step that made the logits computed it (its argmax for a greedy request, or the
+    draw asked of it: Engine.launch_batch's draws), else the argmax, or a draw with the request's
+    parameters from the actor's generator (one uniform) — every such draw in one batch, one readback.
+    -3 for logits nothing can be drawn from (NaN, +inf, all -inf)."""
+    tokens = list(known)
     draws = []
     for i, abi in enumerate(abis):
         params = abi.actor.request.params
-        if not params.greedy:
-            draws.append(i)
+        if tokens[i] is not None:
             continue
-        tokens[i] = abi.engine.greedy_token(abi.actor.slot)
-        if tokens[i] is None:
-            tokens[i] = int(sample_token(abi.last_logits, params, abi.actor.generator))
+        if params.greedy:
+            tokens[i] = sample_token(abi.last_logits, params, abi.actor.generator)
+        else:
+            draws.append(i)
     if draws:
         t = time.perf_counter()
         logits = torch.stack([abis[i].last_logits for i in draws])
         drawn = sample_rows(logits, [abis[i].actor.request.params for i in draws],
                             draw_uniforms([abis[i].actor.generator for i in draws]))
-        drawn = torch.where(torch.isfinite(logits.amax(-1)), drawn, ERR_BAD_ARGUMENT).tolist()
         seconds = (time.perf_counter() - t) / len(draws)
         for i, token in zip(draws, drawn, strict=True):
             tokens[i] = token
             if logits.device.type != "cpu":
                 abis[i].actor.ledger.copy(f"sampled token {logits.device.type}→host (readback, with the "
                                           "step's other draws)", 8, seconds=seconds)
-    failures: list[BaseException | None] = []
-    for abi, token in zip(abis, tokens, strict=True):
-        try:
-            abi.give_choice(token)
-            failures.append(None)
-        except BaseException as e:  # noqa: BLE001 - fails that turn only (the loop says so)
-            failures.append(e)
-    return failures
+    return tokens
 
 
 def _samplable(logits: torch.Tensor) -> bool:

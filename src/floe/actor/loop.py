@@ -12,8 +12,9 @@ A guest that traps, overruns or passes a bad pointer fails its own turn; the oth
 waits at most one step for its next forward, whatever the others do (no turn starves).
 
 Overlap. Where the engine's forward runs on its own (a CUDA graph replay: Engine.overlaps), the loop
-does not leave the device idle while guests choose: a turn whose guest took the forward's greedy
-choice last time (the argmax the graph computed) is *speculated* to take it again. Its next forward
+does not leave the device idle while guests choose: a turn whose guest took the host's choice last
+time (the argmax the graph computed, or, for a guest that takes the host's sample, the draw the step
+made on the device right after its forward) is *speculated* to take it again. Its next forward
 is launched with that token before its guest is asked, and the guest is asked while the device
 computes; if it chooses otherwise (or stops), that row's forward is undone (its KV position
 truncated, its logits dropped) and the guest's token runs in the next step. What the guest sees and
@@ -32,9 +33,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from floe.actor.abi import OK, give_choices
+from floe.actor.abi import OK, host_choices
 from floe.engine import Engine
 from floe.engine.engine import LaunchedStep
+from floe.engine.sampling import draw_uniforms
 from floe.errors import ContextOverflow
 from floe.wasm import GuestError
 
@@ -66,7 +68,8 @@ class Turn:
     generated: int = 0
     next_token: int | None = None  # to append in the next step
     fresh: bool = False  # logits of a forward the guest has not seen yet
-    takes_greedy: bool = False  # its guest's last token was the forward's greedy choice
+    choice: int | None = None  # the host's choice for its fresh logits (argmax, or the draw asked of them)
+    takes_choice: bool = False  # its guest's last token was the host's choice
     speculated: int | None = None  # the token in flight before its guest chose it (see module doc)
     chosen: int | None = None  # what its guest chose for a speculated row (None: stop or failure)
     in_flight: bool = False  # a launched forward has a row of this turn
@@ -209,7 +212,7 @@ class EngineLoop:
                 self._prefill(turn)
         t1 = time.perf_counter()
         self._take_results()
-        self._give_choices()
+        self._choose()
         t2 = time.perf_counter()
         speculated = []
         for turn in self._live():
@@ -259,16 +262,15 @@ class EngineLoop:
             turn.fresh = True
 
     def _speculate(self, turn: Turn) -> bool:
-        """Whether to launch `turn`'s next forward with its forward's greedy choice before asking its
-        guest (module doc): its guest took the greedy choice last time, and the token would be
-        appended (not its last one, which max_tokens ends unappended)."""
-        if not (self.overlap and turn.takes_greedy and turn.generated + 1 < turn.max_tokens):
+        """Whether to launch `turn`'s next forward with the host's choice before asking its guest
+        (module doc): its guest took the host's choice last time, and the token would be appended
+        (not its last one, which max_tokens ends unappended)."""
+        if not (self.overlap and turn.takes_choice and turn.generated + 1 < turn.max_tokens):
             return False
-        greedy = self.engine.greedy_token(turn.actor.slot)
-        if greedy is None:
+        if turn.choice is None or not 0 <= turn.choice < turn.actor.abi.vocab:
             return False
         turn.fresh = False
-        turn.next_token = turn.speculated = greedy
+        turn.next_token = turn.speculated = turn.choice
         return True
 
     def _launch(self, turns: list[Turn], riding: list[Turn] = ()) -> None:
@@ -292,8 +294,13 @@ class EngineLoop:
                 turn.actor.abi.last_logits = logits
         tokens, slots = [t.next_token for t in turns], [t.actor.slot for t in turns]
         prompts = [(t.actor.abi.take_queued(), t.actor.slot) for t in riding]
+        # The next host choice of rows whose guest takes it with sampling parameters: drawn by the
+        # step itself (on CUDA right after the forward, on the device), one uniform of each actor's.
+        drawing = [t for t in turns if t.actor.abi.choice is not None and not t.actor.request.params.greedy]
+        uniforms = draw_uniforms([t.actor.generator for t in drawing]).tolist() if drawing else []
+        draws = [(t.actor.slot, t.actor.request.params, u) for t, u in zip(drawing, uniforms, strict=True)]
         t0 = time.perf_counter()
-        self._launched = Launched(self.engine.launch_batch(tokens, slots, prompts), turns, riding, t0)
+        self._launched = Launched(self.engine.launch_batch(tokens, slots, prompts, draws), turns, riding, t0)
         for turn in (*turns, *riding):
             turn.next_token, turn.in_flight = None, True
 
@@ -350,27 +357,41 @@ class EngineLoop:
                     continue
                 turn.fresh = True
 
-    def _give_choices(self) -> None:
-        """The host's choice for every fresh turn whose guest asked for it (choice_at), before any
-        guest is asked: every sampled row in one batched draw."""
-        choosing = [t for t in self._live() if t.fresh and t.actor.abi.choice is not None]
-        if choosing:
-            for turn, error in zip(choosing, give_choices([t.actor.abi for t in choosing]), strict=True):
-                if error is not None:
-                    self._finish(turn, END_CANCELLED, error)
+    def _choose(self) -> None:
+        """The host's choice for every fresh turn: what its step computed (the argmax, or the draw its
+        launch asked for: a guest that takes the host's choice with sampling parameters), and for
+        guests that asked for it in their memory (choice_at), written there — drawing now, in one batch,
+        what the step did not (a prompt's first token, the CPU's rows)."""
+        asking = []
+        for turn in self._live():
+            if not turn.fresh:
+                continue
+            slot, abi = turn.actor.slot, turn.actor.abi
+            sampled = abi.choice is not None and not turn.actor.request.params.greedy
+            turn.choice = self.engine.drawn_token(slot) if sampled else self.engine.greedy_token(slot)
+            if abi.choice is not None:
+                asking.append(turn)
+        if not asking:
+            return
+        tokens = host_choices([t.actor.abi for t in asking], [t.choice for t in asking])
+        for turn, token in zip(asking, tokens, strict=True):
+            turn.choice = token
+            try:
+                turn.actor.abi.give_choice(token)
+            except BaseException as e:  # noqa: BLE001 - fails this turn only (its budget)
+                self._finish(turn, END_CANCELLED, e)
 
     def _ask_guest(self, turn: Turn) -> None:
         """Its guest's on_token: the next token (appended by the next forward, or confirming the
         speculated one), a stop, or a failure of this turn."""
         turn.fresh = False
-        greedy = self.engine.greedy_token(turn.actor.slot)
         try:
             token = turn.actor.guest_call("on_token", deadline=min(turn.deadline, time.monotonic()
                                                                    + self.token_call_s))
         except BaseException as e:  # noqa: BLE001 - fails this turn only
             self._finish(turn, END_CANCELLED, e)
             return
-        turn.takes_greedy = token == greedy
+        turn.takes_choice = token == turn.choice
         abi = turn.actor.abi
         if token == STOP:
             turn.end = END_STOP

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from floe.engine.kvcache import KVCache
+from floe.engine.sampling import Draw, SamplingParams, finish_draw, start_draw
 from floe.engine.slots import SlotPool
 from floe.engine.transformer import (
     QuantizedEmbedding,
@@ -85,6 +86,7 @@ class LaunchedStep:
     prompts: list[tuple[list[int], int]] = field(default_factory=list)  # (ids, slot) appended too
     prompt_results: list = field(default_factory=list)  # per prompt: its last logits, or its error
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (prompt, first position) in the replay
+    draw: tuple[list[int], Draw] | None = None  # (slots, their draw) asked of this step (launch_batch)
 
 
 class LogitsHead(nn.Module):
@@ -154,6 +156,7 @@ class Engine:
         self._decoders: dict[int, object] = {}
         self._batch = None  # the batched decode step (CUDA graphs; the CPU's lean step), made on first use
         self._greedy: dict[int, int] = {}  # slot -> argmax of its latest logits, where computed
+        self._drawn: dict[int, int] = {}  # slot -> the draw asked of its latest decode step (launch_batch)
 
     def _build(self, checkpoint: Checkpoint) -> Transformer:
         """The model, its weights read from the checkpoint one at a time in the engine's dtype, on its
@@ -278,13 +281,13 @@ class Engine:
 
     def kv_truncate(self, n: int, slot: int = 0) -> None:
         self.cache.truncate(slot, n)
-        self._greedy.pop(slot, None)  # the logits it was the choice of are not the context's now
+        self._forget(slot)  # the logits it was the choice of are not the context's now
 
     def claim_slot(self) -> int:
         """A free KV cache slot, emptied, for a new conversation."""
         slot = self.slots.claim()
         self.cache.truncate(slot, 0)
-        self._greedy.pop(slot, None)
+        self._forget(slot)
         return slot
 
     def release_slot(self, slot: int) -> None:
@@ -335,7 +338,7 @@ class Engine:
         """Reserve len(ids) positions of `slot`, run(start) the step, record the ids; a failed step
         leaves the context as it was."""
         with self._step_lock:
-            self._greedy.pop(slot, None)  # this forward makes new logits
+            self._forget(slot)  # this forward makes new logits
             start = self.cache.reserve(slot, len(ids))
             try:
                 logits = run(start)
@@ -401,8 +404,8 @@ class Engine:
         return self.finish_batch(self.launch_batch(tokens, slots))
 
     @torch.inference_mode()
-    def launch_batch(self, tokens: list[int], slots: list[int],
-                     prompts: list[tuple[list[int], int]] = ()) -> LaunchedStep:
+    def launch_batch(self, tokens: list[int], slots: list[int], prompts: list[tuple[list[int], int]] = (),
+                     draws: list[tuple[int, SamplingParams, float]] = ()) -> LaunchedStep:
         """decode_batch in two halves: this one starts the step (on CUDA a graph replay it does not
         wait for: see `overlaps`; elsewhere the whole step runs now), finish_batch waits for it and
         gives the results. Until then the slots' greedy_token and logits are the previous step's.
@@ -410,13 +413,20 @@ class Engine:
         prompts: (ids, slot) chunks of prompts appended in the same step (each slot's rows at its
         next positions), their results in step.prompt_results (the last row's logits, or the error).
         On CUDA they ride in the decode rows' replay, up to MIXED_ROWS rows in all; elsewhere (and past
-        that) each runs as its own prefill first."""
+        that) each runs as its own prefill first.
+
+        draws: (slot, parameters, uniform) of decode rows to draw a token for from their new logits
+        (floe.engine.sampling.start_draw, right after the forward on its device: on CUDA the device
+        goes on to it without waiting for the host); drawn_token(slot) once finished."""
         if len(set(slots)) != len(slots) or len(tokens) != len(slots):
             raise ValueError(f"decode_batch needs one token per distinct slot, got {tokens} for {slots}")
         step = LaunchedStep(tokens, slots, [None] * len(slots), prompts=list(prompts))
+        for slot in slots:
+            self._drawn.pop(slot, None)
         mixed = self._ride_along(step, step.prompts)
         if not self._batch_graphs and (len(slots) == 1 or not self.batched_decode):
             step.results[:] = [self._step_or_error(t, s) for t, s in zip(tokens, slots, strict=True)]
+            self._start_draws(step, draws)
             return step
         for i, token in enumerate(tokens):
             try:
@@ -460,13 +470,33 @@ class Engine:
                 for k, _ in chunks:
                     self.cache.tokens[prompts[k][1]].extend(prompts[k][0])
                 step.chunks = chunks
+                self._start_draws(step, draws)
                 return step
             for i in step.rows:
                 self.cache.truncate(slots[i], starts[i])
         for i in step.rows:  # the others failed: the one left runs the batch-1 step, as decode_step does
             step.results[i] = self._step_or_error(tokens[i], slots[i])
         step.rows = []
+        self._start_draws(step, draws)
         return step
+
+    def _start_draws(self, step: LaunchedStep, draws: list[tuple[int, SamplingParams, float]]) -> None:
+        """launch_batch's draws, started on the new logits of the rows that ran (see launch_batch)."""
+        if not draws:
+            return
+        wanted = {slot: (params, u) for slot, params, u in draws}
+        if step.rows:  # the batched forward's rows: CUDA's slot buffers, or the CPU's rows
+            slots = [step.slots[i] for i in step.rows]
+            rows = [self._batch.slot_logits[s] for s in slots] if step.logits is None else list(step.logits)
+        else:
+            slots = [s for s, r in zip(step.slots, step.results, strict=True) if isinstance(r, Tensor)]
+            rows = [r for r in step.results if isinstance(r, Tensor)]
+        picked = [(slot, logits) for slot, logits in zip(slots, rows, strict=True) if slot in wanted]
+        if picked:
+            slots = [slot for slot, _ in picked]
+            uniforms = torch.tensor([wanted[slot][1] for slot in slots], dtype=torch.float64)
+            logits = torch.stack([t for _, t in picked])
+            step.draw = (slots, start_draw(logits, [wanted[slot][0] for slot in slots], uniforms))
 
     def _ride_along(self, step: LaunchedStep, prompts: list[tuple[list[int], int]]) -> list[int]:
         """The prompts (indices) that ride in the decode step's replay (CUDA, MIXED_ROWS rows in all);
@@ -495,7 +525,7 @@ class Engine:
             try:
                 self._check_ids(ids)
                 chunks.append((k, self.cache.reserve(slot, len(ids))))
-                self._greedy.pop(slot, None)
+                self._forget(slot)
             except FloeError as e:
                 step.prompt_results[k] = e
         return chunks
@@ -520,7 +550,21 @@ class Engine:
             for i, row in zip(step.rows, logits, strict=True):
                 step.results[i] = row
             step.rows, step.chunks = [], []
+        if step.draw is not None:
+            slots, draw = step.draw
+            step.draw = None
+            self._drawn.update(zip(slots, finish_draw(draw), strict=True))
         return step.results
+
+    def _forget(self, slot: int) -> None:
+        """The slot's latest logits are no longer its context's: forget what was chosen from them."""
+        self._greedy.pop(slot, None)
+        self._drawn.pop(slot, None)
+
+    def drawn_token(self, slot: int) -> int | None:
+        """The token drawn from `slot`'s latest logits where its decode step was asked to draw
+        (launch_batch's draws; -3 if its logits allowed none); else None."""
+        return self._drawn.get(slot)
 
     def greedy_token(self, slot: int) -> int | None:
         """The argmax of `slot`'s latest logits if the forward that made them computed it (a batched
@@ -589,7 +633,7 @@ class Engine:
         """Draw once greedily and once with temperature, top-k and top-p: on CUDA the first draw
         compiles the Triton argmax and loads the sampling kernels (~0.3 s), which the first request of
         a server would otherwise wait for."""
-        from floe.engine.sampling import SamplingParams, sample_token
+        from floe.engine.sampling import sample_token
 
         for params in (SamplingParams(), SamplingParams(temperature=1.0, top_k=40, top_p=0.9)):
             sample_token(logits, params, torch.Generator())
@@ -619,7 +663,7 @@ class Engine:
         finally:
             for s in free:
                 self.cache.truncate(s, 0)
-                self._greedy.pop(s, None)
+                self._forget(s)
                 self.release_slot(s)
 
     def room(self, slot: int = 0) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -58,10 +59,10 @@ class Sampler:
         return int(sample_token(logits, self.params, self.generator))
 
 
-def sample_token(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tensor:
+def sample_token(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> int:
     """One token id from float logits [vocab]: the argmax if greedy, else a draw (sample_rows)."""
     if p.greedy:
-        return _argmax(logits)
+        return int(_argmax(logits))
     return sample_rows(logits[None], [p], draw_uniforms([generator]))[0]
 
 
@@ -71,71 +72,127 @@ def draw_uniforms(generators: Sequence[torch.Generator]) -> Tensor:
     return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
 
 
-def sample_rows(logits: Tensor, params: Sequence[SamplingParams], uniforms: Tensor) -> Tensor:
+def sample_rows(logits: Tensor, params: Sequence[SamplingParams], uniforms: Tensor) -> list[int]:
     """One token for each row of logits [B, vocab], drawn with its row's (non-greedy) parameters by
     inverting the row's cumulative distribution at its uniform (uniforms: [B], from draw_uniforms).
     The distribution is softmax(logits / temperature), restricted to the top_k highest tokens, then to
     the nucleus (highest first, a token is kept while the mass before it is < top_p), renormalized.
-    One batched pass on the logits' device: a few kernels and one readback for every row."""
+    A row nothing can be drawn from (NaN, +inf, every logit -inf) gets -3 (ERR_BAD_ARGUMENT).
+    start_draw + finish_draw: a few batched kernels and one readback for every row."""
+    return finish_draw(start_draw(logits, params, uniforms))
+
+
+class Draw(NamedTuple):
+    """A draw start_draw launched: the rows' tokens on the device, and what a row needs to be drawn
+    again over its whole vocabulary (a nucleus wider than the candidates looked at first)."""
+
+    tokens: Tensor  # [B] long, on the logits' device
+    wider: Tensor | None  # [B] bool, or None: no row can need it
+    logits: Tensor
+    params: Sequence[SamplingParams]
+    uniforms: Tensor
+
+
+NO_DRAW = -3  # a row whose logits allow no draw (the ABI's ERR_BAD_ARGUMENT)
+
+
+def start_draw(logits: Tensor, params: Sequence[SamplingParams], uniforms: Tensor) -> Draw:
+    """sample_rows' kernels, launched on the logits' device without waiting for them (no host sync on
+    CUDA: the candidates a top_p row looks at first are a fixed number there)."""
     rows, vocab = logits.shape
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device)
-    # Scaled after subtracting each row's maximum: <= 0, so no temperature overflows it.
-    weights = torch.exp((logits.float() - logits.float().amax(-1, keepdim=True)) / temps[:, None])
-    u = uniforms.to(device)
+    top, weights = _weights(logits, params)
+    u = uniforms.to(device, non_blocking=True)
     cut = [p.top_p < 1.0 or 0 < p.top_k < vocab for p in params]
+    wider = None
     if not any(cut):
-        return _invert(weights, u)
-    if all(cut):
-        return _sample_truncated(weights, params, u)
-    tokens = torch.empty(rows, dtype=torch.long, device=device)
-    whole = [i for i in range(rows) if not cut[i]]
-    some = [i for i in range(rows) if cut[i]]
-    tokens[whole] = _invert(weights[whole], u[whole])
-    tokens[some] = _sample_truncated(weights[some], [params[i] for i in some], u[some])
+        tokens = _invert(weights, u)
+    elif all(cut):
+        tokens, wider = _sample_truncated(weights, params, u)
+    else:
+        tokens = torch.empty(rows, dtype=torch.long, device=device)
+        listed = [i for i in range(rows) if cut[i]]
+        # Index tensors moved without a sync (a Python list index would copy and wait on CUDA).
+        some = torch.tensor(listed).to(device, non_blocking=True)
+        whole = torch.tensor([i for i in range(rows) if not cut[i]]).to(device, non_blocking=True)
+        tokens[whole] = _invert(weights[whole], u[whole])
+        tokens[some], wider_some = _sample_truncated(weights[some], [params[i] for i in listed], u[some])
+        if wider_some is not None:
+            wider = torch.zeros(rows, dtype=torch.bool, device=device)
+            wider[some] = wider_some
+    tokens = torch.where(torch.isfinite(top[:, 0]), tokens, NO_DRAW)
+    return Draw(tokens, wider, logits, params, uniforms)
+
+
+def finish_draw(draw: Draw) -> list[int]:
+    """The tokens of a started draw (waits for it); rows whose nucleus reached past the candidates
+    looked at first are drawn again over all of their tokens (rare: a flat distribution). The draw's
+    logits must be unchanged since start_draw."""
+    tokens = draw.tokens.tolist()
+    if draw.wider is not None and bool(draw.wider.any()):
+        again = draw.wider.nonzero()[:, 0].tolist()
+        params = [draw.params[i] for i in again]
+        _, weights = _weights(draw.logits[again], params)
+        u = draw.uniforms[again].to(weights.device)
+        redrawn, _ = _sample_truncated(weights, params, u, everything=True)
+        for i, token in zip(again, redrawn.tolist(), strict=True):
+            tokens[i] = token
     return tokens
 
 
-# A top_p row first looks only at tokens at least this fraction as likely as its most likely one; if
-# their mass falls short of top_p (a flat distribution), at all of its tokens.
+def _weights(logits: Tensor, params: Sequence[SamplingParams]) -> tuple[Tensor, Tensor]:
+    """Each row's maximum logit, and exp((logits - maximum) / temperature): scaled after subtracting
+    the maximum, so <= 0 before exp and no temperature overflows it."""
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(logits.device,
+                                                                                    non_blocking=True)
+    top = logits.float().amax(-1, keepdim=True)
+    return top, torch.exp((logits.float() - top) / temps[:, None])
+
+
+# A top_p row first looks only at its tokens at least this fraction as likely as its most likely one
+# (the CPU: a count it knows at once), or at its CANDIDATES most likely ones (CUDA: no sync to count);
+# if their mass falls short of top_p, finish_draw draws it again over all of its tokens.
 NUCLEUS_FLOOR = 2.0**-16
+CANDIDATES = 1024
+COUNTED = ("cpu",)  # devices where the likely tokens are counted first
 
 
 def _sample_truncated(weights: Tensor, params: Sequence[SamplingParams], u: Tensor,
-                      everything: bool = False) -> Tensor:
-    """sample_rows for rows with top_k and/or top_p (weights: exp of the scaled logits, max 1), among
-    each row's K highest tokens, sorted."""
+                      everything: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Rows with top_k and/or top_p (weights: exp of the scaled logits, max 1), drawn among each row's
+    K highest tokens, sorted; and which rows' nuclei reach past them (None: none can)."""
     vocab = weights.shape[-1]
     device = weights.device
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    k = torch.tensor(ks, device=device)[:, None]
+    k = torch.tensor(ks).to(device, non_blocking=True)[:, None]
     if everything:
         k_max = vocab
-    else:  # every row's top k, and the likely tokens of rows without top_k
+    elif device.type in COUNTED:  # every row's top k, and the likely tokens of rows without top_k
         likely = (weights >= NUCLEUS_FLOOR).sum(-1)
         k_max = max(1, int(torch.where(k[:, 0] < vocab, k[:, 0], likely).max()))
+    else:
+        k_max = min(vocab, max(max(ks) if max(ks) < vocab else 0, CANDIDATES))
     values, order = torch.topk(weights, k_max, dim=-1)  # highest first
     values = values.masked_fill(torch.arange(k_max, device=device)[None, :] >= k, 0.0).double()
     # Each row's distribution over its allowed tokens: its top k, or (no top_k) its whole row.
-    total = torch.where(k[:, 0] < vocab, values.sum(-1), weights.sum(-1, dtype=torch.float64))
-    probs = values / total[:, None]
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device)[:, None]
+    whole = weights.sum(-1, dtype=torch.float64)
+    probs = values / torch.where(k[:, 0] < vocab, values.sum(-1), whole)[:, None]
+    top_p = torch.tensor([[p.top_p] for p in params], dtype=torch.float64).to(device, non_blocking=True)
     kept = probs * ((probs.cumsum(-1) - probs) < top_p)
     tokens = order.gather(-1, _invert(kept, u)[:, None])[:, 0]
-    if k_max < vocab:  # a row without top_k whose nucleus reaches past its likely tokens: all of them
-        wider = ((k[:, 0] >= vocab) & (probs.sum(-1) < top_p[:, 0])).nonzero()[:, 0].tolist()
-        if wider:
-            tokens[wider] = _sample_truncated(weights[wider], [params[i] for i in wider], u[wider], True)
-    return tokens
+    wider = None if k_max == vocab else (k[:, 0] >= vocab) & (probs.sum(-1) < top_p[:, 0])
+    return tokens, wider
 
 
 def _invert(weights: Tensor, u: Tensor) -> Tensor:
     """Per row, position j with probability weights[j] / the row's total: the first position whose
-    cumulative weight (float64) passes u x total (a zero weight never does; u < 1 keeps it below)."""
+    cumulative weight (float64) passes u x total (a zero weight never does; u < 1 keeps it below).
+    A row of NaN gets some position in range (its token is replaced by NO_DRAW): never an index past
+    the row, which on CUDA would fail the whole device."""
     cdf = weights.cumsum(-1, dtype=torch.float64)
     total = cdf[:, -1]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(0, weights.shape[-1] - 1)
 
 
 def _argmax(logits: Tensor) -> Tensor:
