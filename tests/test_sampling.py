@@ -54,8 +54,8 @@ def test_a_flat_row_whose_nucleus_is_past_its_likely_tokens_is_still_exact(count
     import floe.engine.sampling as sampling
 
     monkeypatch.setattr(sampling, "COUNTED", ("cpu",) if counted else ())
-    logits = torch.zeros(50_000)
-    logits[:3] = 14.0  # 3 tokens at ~e^14 each: ~0.98 of the mass at temperature 1; the tail holds ~0.02
+    logits = torch.zeros(8192)
+    logits[:3] = 12.0  # 3 tokens at ~e^12 each: ~0.983 of the mass at temperature 1; the tail holds ~0.017
     p = SamplingParams(1.0, top_p=0.995)
     shares, expected = grid_shares(logits, p), reference(logits, p)
     assert expected[3:].sum() > 0.005  # part of the tail is in the nucleus
@@ -100,3 +100,27 @@ def test_a_draw_takes_one_uniform_from_the_generator():
         torch.rand(1, generator=b, dtype=torch.float64)
     assert torch.equal(a.get_state(), b.get_state())
     assert draw_uniforms([a]).item() == draw_uniforms([b]).item()
+
+
+@pytest.mark.parametrize("p", [*PARAMS, SamplingParams(1.0, top_k=2000), SamplingParams(1.0, top_p=0.995)],
+                         ids=str)
+def test_the_fixed_shape_draw_a_cuda_graph_holds_follows_the_same_distribution(p):
+    """draw_rows (every shape fixed, no host sync: what the CUDA step's draw graph runs) plus
+    finish_draw's second draw of its flagged rows gives the distribution sample_rows gives: on short
+    rows, a flat row whose nucleus is past the candidates, and a top_k larger than them."""
+    from floe.engine.sampling import Draw, draw_rows, finish_draw
+
+    vocab = 8192
+    logits = torch.zeros(vocab)
+    logits[:3] = 12.0  # the flat tail of test_a_flat_row_whose_nucleus_...
+    logits[3:13] = torch.tensor([2.0, 1.5, 1.4, 0.3, -0.2, -1.0, -3.0, 0.9, 1.1, -0.5]) + 10
+    u = (torch.arange(GRID, dtype=torch.float64) + 0.5) / GRID
+    rows = logits.expand(GRID, -1)
+    k = p.top_k if 0 < p.top_k < vocab else vocab
+    tokens, wider = draw_rows(rows, torch.full((GRID,), p.temperature, dtype=torch.float64),
+                              torch.full((GRID,), p.top_p, dtype=torch.float64), torch.full((GRID,), k), u)
+    drawn = finish_draw(Draw(tokens, wider, rows, [p] * GRID, u))
+    shares = torch.bincount(torch.tensor(drawn), minlength=vocab).double() / GRID
+    expected = reference(logits, p)
+    assert torch.allclose(shares[:13], expected[:13], atol=1.5 / GRID)
+    assert abs(shares[13:].sum() - expected[13:].sum()) < 1.5 / GRID

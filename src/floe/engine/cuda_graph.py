@@ -177,6 +177,15 @@ class BatchGraphDecoder:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.done = torch.cuda.Event()
+        # Draws (floe.engine.sampling.draw_rows) for decode rows, a graph per padded row count, replayed
+        # after the step's: per row its logits row, temperature, top_p, top_k, uniform; out its token
+        # and whether to draw it again (pinned host memory, read once draw_done has completed).
+        self.draw_in = torch.zeros(5, self.sizes[-1], dtype=torch.float64, pin_memory=True)
+        self.dev_draw_in = torch.zeros(5, self.sizes[-1], dtype=torch.float64, device=dev)
+        self.host_drawn = torch.zeros(self.sizes[-1], dtype=torch.long, pin_memory=True)
+        self.host_wider = torch.zeros(self.sizes[-1], dtype=torch.bool, pin_memory=True)
+        self.draw_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.draw_done = torch.cuda.Event()
 
     @torch.inference_mode()
     def _forward(self, size: int, bucket: int, prefill: bool) -> None:
@@ -208,6 +217,36 @@ class BatchGraphDecoder:
             next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else m.norm
             h, x = tk.rmsnorm(d, next_norm.weight, c.norm_eps, residual=x)
         return h  # final-normed rows [B, dim]
+
+    @torch.inference_mode()
+    def _draw(self, size: int) -> None:
+        from floe.engine.sampling import draw_rows
+
+        self.dev_draw_in.copy_(self.draw_in, non_blocking=True)
+        rows, temps, top_p, k, u = self.dev_draw_in[:, :size]
+        tokens, wider = draw_rows(self.slot_logits.index_select(0, rows.long()), temps, top_p, k.long(), u)
+        self.host_drawn[:size].copy_(tokens, non_blocking=True)
+        self.host_wider[:size].copy_(wider, non_blocking=True)
+
+    def draw(self, rows: list[int], temps: list[float], top_p: list[float], ks: list[int],
+             uniforms: list[float]) -> None:
+        """Draw a token from each of slot_logits' `rows` (after the step that wrote them, in the same
+        stream: the host does not wait) with its row's parameters (ks: the vocabulary for no top_k);
+        host_drawn / host_wider [:len(rows)] once draw_done has completed."""
+        n = len(rows)
+        size = next(s for s in self.sizes if s >= n)
+        self.draw_done.synchronize()  # the previous draw has read draw_in
+        host = self.draw_in.numpy()
+        host[:, :n] = rows, temps, top_p, ks, uniforms
+        # Padding rows: the spare logits row, drawn plainly; nobody reads them.
+        host[:, n:size] = [[self.cache.n_slots], [1.0], [1.0], [self.slot_logits.shape[1]], [0.5]]
+        graph = self.draw_graphs.get(size)
+        if graph is None:
+            graph = capture(lambda: self._draw(size), self.device, self.pool)
+            self.pool = graph.pool()
+            self.draw_graphs[size] = graph
+        graph.replay()
+        self.draw_done.record()
 
     def step(self, tokens: list[int], positions: list[int], slots: list[int]) -> None:
         """Write tokens[b] at positions[b] of slots[b] (distinct) and compute each slot's next logits

@@ -487,16 +487,23 @@ class Engine:
         wanted = {slot: (params, u) for slot, params, u in draws}
         if step.rows:  # the batched forward's rows: CUDA's slot buffers, or the CPU's rows
             slots = [step.slots[i] for i in step.rows]
-            rows = [self._batch.slot_logits[s] for s in slots] if step.logits is None else list(step.logits)
+            rows = list(step.logits) if step.logits is not None else [None] * len(slots)
         else:
             slots = [s for s, r in zip(step.slots, step.results, strict=True) if isinstance(r, Tensor)]
             rows = [r for r in step.results if isinstance(r, Tensor)]
         picked = [(slot, logits) for slot, logits in zip(slots, rows, strict=True) if slot in wanted]
-        if picked:
-            slots = [slot for slot, _ in picked]
-            uniforms = torch.tensor([wanted[slot][1] for slot in slots], dtype=torch.float64)
-            logits = torch.stack([t for _, t in picked])
-            step.draw = (slots, start_draw(logits, [wanted[slot][0] for slot in slots], uniforms))
+        if not picked:
+            return
+        slots = [slot for slot, _ in picked]
+        params = [wanted[slot][0] for slot in slots]
+        uniforms = torch.tensor([wanted[slot][1] for slot in slots], dtype=torch.float64)
+        if step.rows and step.logits is None:  # CUDA graphs: the draw's own graph, after the step's
+            vocab = self.config.vocab_size
+            self._batch.draw(slots, [p.temperature for p in params], [p.top_p for p in params],
+                             [p.top_k if 0 < p.top_k < vocab else vocab for p in params], uniforms.tolist())
+            step.draw = (slots, Draw(None, None, None, params, uniforms))
+        else:
+            step.draw = (slots, start_draw(torch.stack([t for _, t in picked]), params, uniforms))
 
     def _ride_along(self, step: LaunchedStep, prompts: list[tuple[list[int], int]]) -> list[int]:
         """The prompts (indices) that ride in the decode step's replay (CUDA, MIXED_ROWS rows in all);
@@ -553,6 +560,12 @@ class Engine:
         if step.draw is not None:
             slots, draw = step.draw
             step.draw = None
+            if draw.tokens is None:  # the draw graph's: its results are in pinned host memory
+                self._batch.draw_done.synchronize()
+                n = len(slots)
+                wider = self._batch.host_wider[:n]
+                again = self._batch.slot_logits[slots] if bool(wider.any()) else None  # rows drawn again
+                draw = draw._replace(tokens=self._batch.host_drawn[:n], wider=wider, logits=again)
             self._drawn.update(zip(slots, finish_draw(draw), strict=True))
         return step.results
 
@@ -641,9 +654,9 @@ class Engine:
     @torch.inference_mode()
     def _warm_up_graphs(self, slots: list[int]) -> None:
         """Capture every graph of the batched step (prefill row counts and, with several slots,
-        decode batch sizes, each at every KV bucket) by running it on free slots at the bucket's last
-        positions; the slots are emptied after. Without this, a capture (tens of ms, under the step
-        lock) would stall every session the first time a new shape is met."""
+        decode batch sizes, each at every KV bucket; the draw of each batch size) by running it on
+        free slots at the bucket's last positions; the slots are emptied after. Without this, a capture
+        (tens of ms, under the step lock) would stall every session the first time a new shape is met."""
         free = self.slots.claim_free(slots)
         batch = self._batch_decoder()
         try:
@@ -659,7 +672,11 @@ class Engine:
                         if free and size <= bucket:
                             batch.mixed([0] * size, list(range(bucket - size, bucket)), [free[0]] * size,
                                         [self.cache.n_slots] * size)
-                batch.done.synchronize()
+                for size in batch.sizes:  # the draws of sampled rows (on the spare logits row)
+                    spare = [self.cache.n_slots] * size
+                    vocab = self.config.vocab_size
+                    batch.draw(spare, [1.0] * size, [0.9] * size, [vocab] * size, [0.5] * size)
+                batch.draw_done.synchronize()
         finally:
             for s in free:
                 self.cache.truncate(s, 0)

@@ -97,29 +97,33 @@ NO_DRAW = -3  # a row whose logits allow no draw (the ABI's ERR_BAD_ARGUMENT)
 
 
 def start_draw(logits: Tensor, params: Sequence[SamplingParams], uniforms: Tensor) -> Draw:
-    """sample_rows' kernels, launched on the logits' device without waiting for them (no host sync on
-    CUDA: the candidates a top_p row looks at first are a fixed number there)."""
+    """sample_rows' kernels, launched on the logits' device without waiting for them: no host sync on
+    CUDA (the candidates a top_p row looks at first are a fixed number there, and the rows' parameters
+    go over in one copy from pinned memory — a copy from pageable memory waits for the device's queue,
+    the forward just launched included)."""
     rows, vocab = logits.shape
-    device = logits.device
-    top, weights = _weights(logits, params)
-    u = uniforms.to(device, non_blocking=True)
-    cut = [p.top_p < 1.0 or 0 < p.top_k < vocab for p in params]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    cut = [p.top_p < 1.0 or k < vocab for p, k in zip(params, ks, strict=True)]
+    some = [i for i in range(rows) if cut[i]]
+    whole = [i for i in range(rows) if not cut[i]]
+    table = _to_device([[p.temperature for p in params], [p.top_p for p in params], ks, uniforms.tolist(),
+                        some + whole], logits.device)
+    temps, top_p, k, u, order = table[0], table[1], table[2].long(), table[3], table[4].long()
+    top, weights = _weights(logits, temps)
     wider = None
-    if not any(cut):
+    if not some:
         tokens = _invert(weights, u)
-    elif all(cut):
-        tokens, wider = _sample_truncated(weights, params, u)
+    elif not whole:
+        tokens, wider = _sample_truncated(weights, ks, k, top_p, u)
     else:
-        tokens = torch.empty(rows, dtype=torch.long, device=device)
-        listed = [i for i in range(rows) if cut[i]]
-        # Index tensors moved without a sync (a Python list index would copy and wait on CUDA).
-        some = torch.tensor(listed).to(device, non_blocking=True)
-        whole = torch.tensor([i for i in range(rows) if not cut[i]]).to(device, non_blocking=True)
-        tokens[whole] = _invert(weights[whole], u[whole])
-        tokens[some], wider_some = _sample_truncated(weights[some], [params[i] for i in listed], u[some])
+        tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+        cut_rows, whole_rows = order[:len(some)], order[len(some):]
+        tokens[whole_rows] = _invert(weights[whole_rows], u[whole_rows])
+        tokens[cut_rows], wider_some = _sample_truncated(weights[cut_rows], [ks[i] for i in some],
+                                                         k[cut_rows], top_p[cut_rows], u[cut_rows])
         if wider_some is not None:
-            wider = torch.zeros(rows, dtype=torch.bool, device=device)
-            wider[some] = wider_some
+            wider = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+            wider[cut_rows] = wider_some
     tokens = torch.where(torch.isfinite(top[:, 0]), tokens, NO_DRAW)
     return Draw(tokens, wider, logits, params, uniforms)
 
@@ -132,21 +136,32 @@ def finish_draw(draw: Draw) -> list[int]:
     if draw.wider is not None and bool(draw.wider.any()):
         again = draw.wider.nonzero()[:, 0].tolist()
         params = [draw.params[i] for i in again]
-        _, weights = _weights(draw.logits[again], params)
-        u = draw.uniforms[again].to(weights.device)
-        redrawn, _ = _sample_truncated(weights, params, u, everything=True)
+        vocab = draw.logits.shape[-1]
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        u = draw.uniforms[again].tolist()
+        table = [[p.temperature for p in params], [p.top_p for p in params], ks, u]
+        temps, top_p, k, u = _to_device(table, draw.logits.device)
+        _, weights = _weights(draw.logits[again], temps)
+        redrawn, _ = _sample_truncated(weights, ks, k.long(), top_p, u, everything=True)
         for i, token in zip(again, redrawn.tolist(), strict=True):
             tokens[i] = token
     return tokens
 
 
-def _weights(logits: Tensor, params: Sequence[SamplingParams]) -> tuple[Tensor, Tensor]:
+def _to_device(rows: list[list[float]], device: torch.device) -> Tensor:
+    """Per-row values as one float64 table [len(rows), B] on `device`, in one copy (from pinned memory
+    to CUDA, which does not wait for the device's queue)."""
+    table = torch.tensor(rows, dtype=torch.float64)
+    if device.type == "cuda":
+        table = table.pin_memory()
+    return table.to(device, non_blocking=True)
+
+
+def _weights(logits: Tensor, temps: Tensor) -> tuple[Tensor, Tensor]:
     """Each row's maximum logit, and exp((logits - maximum) / temperature): scaled after subtracting
     the maximum, so <= 0 before exp and no temperature overflows it."""
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(logits.device,
-                                                                                    non_blocking=True)
     top = logits.float().amax(-1, keepdim=True)
-    return top, torch.exp((logits.float() - top) / temps[:, None])
+    return top, torch.exp((logits.float() - top) / temps.float()[:, None])
 
 
 # A top_p row first looks only at its tokens at least this fraction as likely as its most likely one
@@ -157,31 +172,53 @@ CANDIDATES = 1024
 COUNTED = ("cpu",)  # devices where the likely tokens are counted first
 
 
-def _sample_truncated(weights: Tensor, params: Sequence[SamplingParams], u: Tensor,
+def _sample_truncated(weights: Tensor, ks: list[int], k: Tensor, top_p: Tensor, u: Tensor,
                       everything: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Rows with top_k and/or top_p (weights: exp of the scaled logits, max 1), drawn among each row's
-    K highest tokens, sorted; and which rows' nuclei reach past them (None: none can)."""
+    """Rows with top_k (ks: each row's, the vocabulary for none; k: the same on the device) and/or
+    top_p, drawn among each row's K highest tokens, sorted (weights: exp of the scaled logits, max 1);
+    and which rows' nuclei reach past those (None: none can)."""
     vocab = weights.shape[-1]
-    device = weights.device
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    k = torch.tensor(ks).to(device, non_blocking=True)[:, None]
     if everything:
         k_max = vocab
-    elif device.type in COUNTED:  # every row's top k, and the likely tokens of rows without top_k
+    elif weights.device.type in COUNTED:  # every row's top k, and the likely tokens of rows without top_k
         likely = (weights >= NUCLEUS_FLOOR).sum(-1)
-        k_max = max(1, int(torch.where(k[:, 0] < vocab, k[:, 0], likely).max()))
+        k_max = max(1, int(torch.where(k < vocab, k, likely).max()))
     else:
         k_max = min(vocab, max(max(ks) if max(ks) < vocab else 0, CANDIDATES))
+    tokens, mass = _draw_among(weights, k_max, k, top_p, u)
+    wider = None if k_max == vocab else (k >= vocab) & (mass < top_p)
+    return tokens, wider
+
+
+def _draw_among(weights: Tensor, k_max: int, k: Tensor, top_p: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's draw among its k_max highest tokens: cut to its top k (k: per row; the vocabulary
+    for none), then to its nucleus; and the mass of those candidates in the row's distribution (less
+    than top_p: the nucleus reaches past them)."""
+    vocab = weights.shape[-1]
     values, order = torch.topk(weights, k_max, dim=-1)  # highest first
-    values = values.masked_fill(torch.arange(k_max, device=device)[None, :] >= k, 0.0).double()
+    values = values.masked_fill(torch.arange(k_max, device=weights.device)[None, :] >= k[:, None], 0.0)
+    values = values.double()
     # Each row's distribution over its allowed tokens: its top k, or (no top_k) its whole row.
     whole = weights.sum(-1, dtype=torch.float64)
-    probs = values / torch.where(k[:, 0] < vocab, values.sum(-1), whole)[:, None]
-    top_p = torch.tensor([[p.top_p] for p in params], dtype=torch.float64).to(device, non_blocking=True)
-    kept = probs * ((probs.cumsum(-1) - probs) < top_p)
-    tokens = order.gather(-1, _invert(kept, u)[:, None])[:, 0]
-    wider = None if k_max == vocab else (k[:, 0] >= vocab) & (probs.sum(-1) < top_p[:, 0])
-    return tokens, wider
+    probs = values / torch.where(k < vocab, values.sum(-1), whole)[:, None]
+    kept = probs * ((probs.cumsum(-1) - probs) < top_p[:, None])
+    return order.gather(-1, _invert(kept, u)[:, None])[:, 0], probs.sum(-1)
+
+
+def draw_rows(logits: Tensor, temps: Tensor, top_p: Tensor, k: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """sample_rows with every shape fixed and no host sync (what a CUDA graph can hold): per row its
+    token, and whether it must be drawn again (finish_draw's wider rows: a nucleus past the CANDIDATES
+    looked at, or a top_k larger than them). Rows' parameters as device tensors (k: the vocabulary for
+    no top_k). Both draws are made for every row — over the whole vocabulary and among the candidates —
+    and each row keeps the one its parameters call for."""
+    vocab = logits.shape[-1]
+    top, weights = _weights(logits, temps)
+    k_max = min(vocab, CANDIDATES)
+    among, mass = _draw_among(weights, k_max, k, top_p, u)
+    cut = (top_p < 1.0) | (k < vocab)
+    tokens = torch.where(cut, among, _invert(weights, u))
+    wider = cut & (((k >= vocab) & (mass < top_p)) | ((k < vocab) & (k > k_max)))
+    return torch.where(torch.isfinite(top[:, 0]), tokens, NO_DRAW), wider
 
 
 def _invert(weights: Tensor, u: Tensor) -> Tensor:
