@@ -195,7 +195,9 @@ def _draw_among(weights: Tensor, k_max: int, k: Tensor, top_p: Tensor, u: Tensor
     for none), then to its nucleus; and the mass of those candidates in the row's distribution (less
     than top_p: the nucleus reaches past them)."""
     vocab = weights.shape[-1]
-    values, order = torch.topk(weights, k_max, dim=-1)  # highest first
+    # highest first (a whole row: a sort, which CUDA's top-k is many times slower than at k = vocab)
+    values, order = (torch.sort(weights, dim=-1, descending=True) if k_max == vocab
+                     else torch.topk(weights, k_max, dim=-1))
     values = values.masked_fill(torch.arange(k_max, device=weights.device)[None, :] >= k[:, None], 0.0)
     values = values.double()
     # Each row's distribution over its allowed tokens: its top k, or (no top_k) its whole row.
