@@ -231,10 +231,11 @@ static ids_buf reply_ids;    /* the reply's tokens, detokenized once at its end 
 /* `choice`: where the host writes its choice before each on_token (the rule reads it), or NULL for a
  * rule that chooses from the logits itself. */
 static int32_t conversation_turn(const char *text, int32_t len, next_token_fn next_token, int32_t *choice) {
+    /* The turn's options first: a failure then leaves the conversation as it was. */
+    if (floe_choice_at(choice) != FLOE_OK || floe_stream_tokens(1) != FLOE_OK) return 5;
     uint32_t p;
     int32_t status = start_turn(text, len, &p);
     if (status) return status;
-    if (floe_choice_at(choice) != FLOE_OK || floe_stream_tokens(1) != FLOE_OK) return 5;
     turn_rule = next_token;
     pending = -1;
     reply_ids.len = 0;

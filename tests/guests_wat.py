@@ -96,10 +96,11 @@ def v2_guest(on_token_extra: str = "", *, after: int = 3) -> bytes:
 
 
 def v2_chooser(*, choice: bool, stream: bool, choice_ptr: int = 64, prompt: int = 17,
-               on_token_first: str = "") -> bytes:
+               on_token_first: str = "", counter: bool = False) -> bytes:
     """An ABI v2 guest that queues `prompt`, then each token takes the host's choice: written at
     `choice_ptr` before on_token (choice=True, asked for with choice_at) or asked for with sample(0);
-    its text streamed by the host (stream=True, stream_tokens) or by detokenize + emit. Token 0 stops."""
+    its text streamed by the host (stream=True, stream_tokens) or by detokenize + emit. Token 0 stops.
+    counter: a global $n for on_token_first to count with."""
     asks = f"(call $choice_at (i32.const {choice_ptr}))"
     setup = f"(if {asks} (then (return (i32.const 11))))" if choice else ""
     setup += "(if (call $stream_tokens (i32.const 1)) (then (return (i32.const 12))))" if stream else ""
@@ -115,6 +116,7 @@ def v2_chooser(*, choice: bool, stream: bool, choice_ptr: int = 64, prompt: int 
   (import "floe" "choice_at" (func $choice_at (param i32) (result i32)))
   (import "floe" "stream_tokens" (func $stream_tokens (param i32) (result i32)))
   (memory (export "memory") 2)
+  {"(global $n (mut i32) (i32.const 0))" if counter else ""}
   (func (export "floe_abi_version") (result i32) (i32.const 2))
   (func (export "alloc") (param i32) (result i32) (i32.const 2048))
   (func (export "on_message") (param i32 i32) (result i32)

@@ -149,6 +149,32 @@ def test_overlapped_sampled_steps_answer_and_cache_exactly_as_plain_steps(tiny_e
     assert overlapped.rows > overlapped.undone > 0  # the sample() guest's rows were refused
 
 
+# Takes the host's choice from its memory, except every third token, where it takes the next id: a
+# speculated row (launched with the step's draw) it refuses, and whose draw must be given back.
+CHOOSY = v2_chooser(choice=True, stream=True, on_token_first=(
+    "(global.set $n (i32.add (global.get $n) (i32.const 1)))"
+    "(if (i32.eqz (i32.rem_u (global.get $n) (i32.const 3))) (then (return (i32.rem_u "
+    "(i32.add (i32.load (i32.const 64)) (i32.const 1)) (i32.const 1000)))))"), counter=True)
+
+
+def test_a_refused_speculated_draw_is_given_back_to_the_generator(tiny_engine):
+    """Overlap (forced on) with a guest that takes the host's draw but refuses it every third token:
+    those rows were speculated with the draw and are undone, and their uniforms given back — tokens,
+    caches and each actor's generator end as with plain steps."""
+    sampled = SamplingParams(1.0)
+    jobs = [(CHOOSY, "x", 20), (CHOOSY, "y", 14)]
+
+    def run(loop):
+        return concurrently(tiny_engine, loop, jobs, lambda actor, reply: (
+            reply.stats.token_ids, list(tiny_engine.cache.tokens[actor.slot]),
+            actor.generator.get_state().tolist()), sampled)
+
+    expected = run(EngineLoop(tiny_engine, overlap=False))
+    overlapped = EngineLoop(tiny_engine, overlap=True)
+    assert run(overlapped) == expected
+    assert overlapped.undone > 0
+
+
 def test_a_greedy_draw_is_from_the_logits_the_guest_left_in_its_memory(tiny_engine):
     """A guest that has the logits written into its memory and masks all but token 5 gets 5 from a
     greedy sample(), although the batched step computed its own (unmasked) greedy choice."""

@@ -63,12 +63,36 @@ def test_a_flat_row_whose_nucleus_is_past_its_likely_tokens_is_still_exact(count
     assert abs(shares[3:].sum() - expected[3:].sum()) < 1.5 / GRID
 
 
-def test_a_row_nothing_can_be_drawn_from_gets_minus_3():
-    logits = torch.stack([torch.full((5,), float("-inf")), torch.tensor([0.0, float("nan"), 1, 2, 3]),
-                          torch.tensor([0.0, float("inf"), 1, 2, 3]), torch.tensor([0.0, 1, 2, 3, 4])])
-    for p in (SamplingParams(1.0), SamplingParams(1.0, top_p=0.5)):
+@pytest.mark.parametrize("counted", [True, False], ids=["likely-counted", "fixed-candidates"])
+def test_a_row_nothing_can_be_drawn_from_gets_minus_3(counted, monkeypatch):
+    """Also where its top_k is past the candidates (a row flagged to be drawn again stays -3)."""
+    import floe.engine.sampling as sampling
+
+    monkeypatch.setattr(sampling, "COUNTED", ("cpu",) if counted else ())
+    good = torch.linspace(0, 4, 3000)
+    bad = [torch.full((3000,), float("-inf")), good.clone(), good.clone()]
+    bad[1][7], bad[2][7] = float("nan"), float("inf")
+    logits = torch.stack([*bad, good])
+    for p in (SamplingParams(1.0), SamplingParams(1.0, top_p=0.5), SamplingParams(1.0, top_k=2000)):
         tokens = sample_rows(logits, [p] * 4, torch.full((4,), 0.5, dtype=torch.float64))
-        assert tokens[:3] == [-3, -3, -3] and 0 <= tokens[3] < 5
+        assert tokens[:3] == [-3, -3, -3] and 0 <= tokens[3] < 3000, p
+
+
+def test_a_top_k_past_the_candidates_beside_a_top_p_row_keeps_all_its_k(monkeypatch):
+    """A batch of a top_p row (no top_k) and a top_k row larger than the candidates looked at first:
+    the top_k row still draws among its whole top k (the CUDA path's candidate count covers it)."""
+    import floe.engine.sampling as sampling
+
+    monkeypatch.setattr(sampling, "COUNTED", ())
+    logits = torch.linspace(0, 3, 8192)  # nearly flat: ranks past 1024 carry real mass
+    p_top, p_k = SamplingParams(1.0, top_p=0.9), SamplingParams(1.0, top_k=2000)
+    u = (torch.arange(GRID, dtype=torch.float64) + 0.5) / GRID
+    tokens = sample_rows(logits.expand(2 * GRID, -1), [p_top, p_k] * GRID, u.repeat_interleave(2))
+    shares = torch.bincount(torch.tensor(tokens[1::2]), minlength=8192).double() / GRID
+    expected = reference(logits, p_k)
+    ranked = torch.argsort(logits, descending=True)
+    assert expected[ranked[1024:]].sum() > 0.3
+    assert abs(shares[ranked[1024:]].sum() - expected[ranked[1024:]].sum()) < 1.5 / GRID
 
 
 def test_masked_tokens_are_never_drawn_and_extreme_temperatures_hold():

@@ -137,6 +137,7 @@ class HostABI:
         # v2 turn options on_message may set (choice_at, stream_tokens); reset at each message.
         self.choice: np.ndarray | None = None  # int32 [1] in guest memory: the host's choice goes there
         self.streams = False  # the tokens on_token returns are streamed by the host
+        self.sampled = False  # sample() was called (the engine loop resets it before each on_token)
 
     def begin_turn(self) -> None:
         """v2: a new message's turn: nothing queued, no logits target, no turn options."""
@@ -439,6 +440,7 @@ class HostABI:
         return self._run([token], logits_ptr)
 
     def sample(self, params_ptr: int) -> int:
+        self.sampled = True
         if self.last_logits is None:
             raise GuestHostCallError("sample() was called before any prefill or decode in this message "
                                      "(logits are forgotten at each new message)")
@@ -571,7 +573,9 @@ def host_choices(abis: list[HostABI], known: list[int | None]) -> list[int]:
             draws.append(i)
     if draws:
         t = time.perf_counter()
-        logits = torch.stack([abis[i].last_logits for i in draws])
+        # On one device: a guest's own buffer (logits in its memory) is on the CPU, the engine's are not.
+        device = abis[draws[0]].engine.device
+        logits = torch.stack([abis[i].last_logits.to(device) for i in draws])
         drawn = sample_rows(logits, [abis[i].actor.request.params for i in draws],
                             draw_uniforms([abis[i].actor.generator for i in draws]))
         seconds = (time.perf_counter() - t) / len(draws)

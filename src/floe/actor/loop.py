@@ -72,6 +72,7 @@ class Turn:
     takes_choice: bool = False  # its guest's last token was the host's choice
     speculated: int | None = None  # the token in flight before its guest chose it (see module doc)
     chosen: int | None = None  # what its guest chose for a speculated row (None: stop or failure)
+    rng_before: torch.Tensor | None = None  # its generator before a speculated row's draw (restored on undo)
     in_flight: bool = False  # a launched forward has a row of this turn
     end: int | None = None  # why it ended (END_*), once it has
     error: BaseException | None = None
@@ -269,6 +270,8 @@ class EngineLoop:
             return False
         if turn.choice is None or not 0 <= turn.choice < turn.actor.abi.vocab:
             return False
+        if turn.choice in turn.actor.abi.tokenizer.eos_ids:  # the chat guests stop there: no row to undo
+            return False
         turn.fresh = False
         turn.next_token = turn.speculated = turn.choice
         return True
@@ -296,7 +299,9 @@ class EngineLoop:
         prompts = [(t.actor.abi.take_queued(), t.actor.slot) for t in riding]
         # The next host choice of rows whose guest takes it with sampling parameters: drawn by the
         # step itself (on CUDA right after the forward, on the device), one uniform of each actor's.
-        drawing = [t for t in turns if t.actor.abi.choice is not None and not t.actor.request.params.greedy]
+        drawing = [t for t in turns if _draws(t)]
+        for turn in drawing:  # a speculated row may be undone: its draw is then given back too
+            turn.rng_before = turn.actor.generator.get_state() if turn.speculated is not None else None
         uniforms = draw_uniforms([t.actor.generator for t in drawing]).tolist() if drawing else []
         draws = [(t.actor.slot, t.actor.request.params, u) for t, u in zip(drawing, uniforms, strict=True)]
         t0 = time.perf_counter()
@@ -336,12 +341,16 @@ class EngineLoop:
         for turn, result in zip(turns, results, strict=True):
             turn.in_flight = False
             speculated, chosen, turn.speculated, turn.chosen = turn.speculated, turn.chosen, None, None
+            rng_before, turn.rng_before = turn.rng_before, None
             refused = speculated is not None and chosen != speculated
             if not isinstance(result, BaseException) and (turn.end is not None or refused):
                 # Ended while in flight (its guest keeps only the tokens the cache held before), or a
-                # speculated token its guest did not choose: the row's forward is undone.
+                # speculated token its guest did not choose: the row's forward is undone, and the
+                # uniform its draw took is given back (the generator as if it never ran).
                 self.undone += refused
                 self.engine.kv_truncate(self.engine.kv_len(turn.actor.slot) - 1, turn.actor.slot)
+                if rng_before is not None:
+                    turn.actor.generator.set_state(rng_before)
                 turn.next_token = chosen if turn.end is None else None
                 continue
             if isinstance(result, ContextOverflow):
@@ -361,19 +370,23 @@ class EngineLoop:
         """The host's choice for every fresh turn: what its step computed (the argmax, or the draw its
         launch asked for: a guest that takes the host's choice with sampling parameters), and for
         guests that asked for it in their memory (choice_at), written there — drawing now, in one batch,
-        what the step did not (a prompt's first token, the CPU's rows)."""
+        what the step did not (a prompt's first token)."""
         asking = []
         for turn in self._live():
             if not turn.fresh:
                 continue
-            slot, abi = turn.actor.slot, turn.actor.abi
-            sampled = abi.choice is not None and not turn.actor.request.params.greedy
-            turn.choice = self.engine.drawn_token(slot) if sampled else self.engine.greedy_token(slot)
-            if abi.choice is not None:
+            slot = turn.actor.slot
+            turn.choice = self.engine.drawn_token(slot) if _draws(turn) else self.engine.greedy_token(slot)
+            if turn.actor.abi.choice is not None:
                 asking.append(turn)
         if not asking:
             return
-        tokens = host_choices([t.actor.abi for t in asking], [t.choice for t in asking])
+        try:
+            tokens = host_choices([t.actor.abi for t in asking], [t.choice for t in asking])
+        except BaseException as e:  # noqa: BLE001 - fails the turns it was for, not the engine's others
+            for turn in asking:
+                self._finish(turn, END_CANCELLED, e)
+            return
         for turn, token in zip(asking, tokens, strict=True):
             turn.choice = token
             try:
@@ -385,14 +398,17 @@ class EngineLoop:
         """Its guest's on_token: the next token (appended by the next forward, or confirming the
         speculated one), a stop, or a failure of this turn."""
         turn.fresh = False
+        turn.actor.abi.sampled = False
         try:
             token = turn.actor.guest_call("on_token", deadline=min(turn.deadline, time.monotonic()
                                                                    + self.token_call_s))
         except BaseException as e:  # noqa: BLE001 - fails this turn only
             self._finish(turn, END_CANCELLED, e)
             return
-        turn.takes_choice = token == turn.choice
         abi = turn.actor.abi
+        # A guest that also drew with sample() is not speculated: the next step's draw, made at its
+        # launch, would come before that sample() call in the generator (not so without overlap).
+        turn.takes_choice = token == turn.choice and not (abi.sampled and _draws(turn))
         if token == STOP:
             turn.end = END_STOP
         elif token < 0:
@@ -443,6 +459,11 @@ class EngineLoop:
         turn.end, turn.error = end, error
         if not turn.in_flight:
             turn.done.set()
+
+
+def _draws(turn: Turn) -> bool:
+    """Whether the turn's steps draw its host choice (a guest that asked for it, sampling parameters)."""
+    return turn.actor.abi.choice is not None and not turn.actor.request.params.greedy
 
 
 def _wait_out(turn: Turn, patience_s: float = 30.0) -> None:

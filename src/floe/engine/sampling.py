@@ -133,8 +133,9 @@ def finish_draw(draw: Draw) -> list[int]:
     looked at first are drawn again over all of their tokens (rare: a flat distribution). The draw's
     logits must be unchanged since start_draw."""
     tokens = draw.tokens.tolist()
-    if draw.wider is not None and bool(draw.wider.any()):
-        again = draw.wider.nonzero()[:, 0].tolist()
+    flagged = [] if draw.wider is None else draw.wider.nonzero()[:, 0].tolist()
+    again = [i for i in flagged if tokens[i] != NO_DRAW]  # a row nothing can be drawn from stays -3
+    if again:
         params = [draw.params[i] for i in again]
         vocab = draw.logits.shape[-1]
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -161,7 +162,9 @@ def _weights(logits: Tensor, temps: Tensor) -> tuple[Tensor, Tensor]:
     """Each row's maximum logit, and exp((logits - maximum) / temperature): scaled after subtracting
     the maximum, so <= 0 before exp and no temperature overflows it."""
     top = logits.float().amax(-1, keepdim=True)
-    return top, torch.exp((logits.float() - top) / temps.float()[:, None])
+    # A temperature below float32's smallest normal (~1.2e-38) is that: still a greedy draw, not 0/0.
+    temps = temps.float().clamp_min(torch.finfo(torch.float32).tiny)
+    return top, torch.exp((logits.float() - top) / temps[:, None])
 
 
 # A top_p row first looks only at its tokens at least this fraction as likely as its most likely one
@@ -184,7 +187,7 @@ def _sample_truncated(weights: Tensor, ks: list[int], k: Tensor, top_p: Tensor, 
         likely = (weights >= NUCLEUS_FLOOR).sum(-1)
         k_max = max(1, int(torch.where(k < vocab, k, likely).max()))
     else:
-        k_max = min(vocab, max(max(ks) if max(ks) < vocab else 0, CANDIDATES))
+        k_max = min(vocab, max([CANDIDATES, *(k for k in ks if k < vocab)]))  # every top k fits
     tokens, mass = _draw_among(weights, k_max, k, top_p, u)
     wider = None if k_max == vocab else (k >= vocab) & (mass < top_p)
     return tokens, wider
@@ -219,8 +222,9 @@ def draw_rows(logits: Tensor, temps: Tensor, top_p: Tensor, k: Tensor, u: Tensor
     among, mass = _draw_among(weights, k_max, k, top_p, u)
     cut = (top_p < 1.0) | (k < vocab)
     tokens = torch.where(cut, among, _invert(weights, u))
-    wider = cut & (((k >= vocab) & (mass < top_p)) | ((k < vocab) & (k > k_max)))
-    return torch.where(torch.isfinite(top[:, 0]), tokens, NO_DRAW), wider
+    finite = torch.isfinite(top[:, 0])
+    wider = cut & finite & (((k >= vocab) & (mass < top_p)) | ((k < vocab) & (k > k_max)))
+    return torch.where(finite, tokens, NO_DRAW), wider
 
 
 def _invert(weights: Tensor, u: Tensor) -> Tensor:

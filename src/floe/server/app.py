@@ -426,6 +426,7 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
 
     core = ServeCore(engine, snapshots=snapshots, model_id=model_id, idle_seconds=idle_seconds,
                      guest=guest, batching=batching, aliases=aliases)
+    core.keep_spares()
     server = CoreServer(core)  # its socket in a private temporary folder
 
     def shutdown() -> None:

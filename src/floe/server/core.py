@@ -108,7 +108,6 @@ class ServeCore:
         self.store.on_thaw, self.store.on_freeze = self.metrics.thaw.observe, self.metrics.freeze.observe
         self.store.load_folder()
         self.store.warm_up()
-        self.store.keep_spares(engine.cache.n_slots)  # new sessions find their actor made
         self.started = time.time()
         self._closed = threading.Event()
         self._evictor = threading.Thread(target=self._evict_loop, name="floe-evict", daemon=True)
@@ -160,6 +159,10 @@ class ServeCore:
                  "prefilled_tokens": s.first_forward_tokens}
         return {"text": reply.text, "finish_reason": "length" if generated >= chat.max_tokens else "stop",
                 "usage": usage}
+
+    def keep_spares(self) -> None:
+        """Keep actors made ahead in free KV slots (SessionStore.keep_spares): new sessions find theirs."""
+        self.store.keep_spares(self.engine.cache.n_slots)
 
     def _validate(self, request: dict) -> tuple[list[dict], int, SamplingParams, str | None]:
         """The fields the front checked, checked again for type (the core trusts no peer), then
@@ -473,6 +476,7 @@ def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_lev
     # stalled every session at once for ~0.1 s (docs/PERF.md, "A full GC pass").
     gc.collect()
     gc.freeze()
+    core.keep_spares()  # after the freeze: spare actors are made and dropped while the server runs
     server = CoreServer(core)
 
     def stop(signum, frame):

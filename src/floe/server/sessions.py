@@ -78,6 +78,7 @@ def is_prefix(prefix: list[dict], messages: list[dict]) -> bool:
 
 
 SPARE_CHECK_S = 0.05  # how often the spare-actor maker looks for free slots and an idle engine loop
+SPARE_RETRY_S = 1.0  # after a spare actor could not be made
 
 
 class SessionStore:
@@ -235,9 +236,7 @@ class SessionStore:
     def _ensure_live(self, session: Session) -> None:
         if session.live:
             return
-        if not session.path.exists() and (spare := self._take_spare()) is not None:
-            spare.generator.manual_seed(session.seed)  # as Actor(seed=...) would start it
-            session.actor = spare
+        if not session.path.exists() and self._take_spare(session):
             return
         self._reserve_slot()
         try:
@@ -284,13 +283,14 @@ class SessionStore:
                 if len(live) + self._reserved + len(self._spares) < self.engine.cache.n_slots:
                     self._reserved += 1
                     return
-                spare = self._spares.pop() if self._spares else None
+                if self._spares:  # its slot is needed (a thaw): it goes, and is made again when idle
+                    spare = self._spares.pop()
+                    self._reserved += 1  # counted as ours in the same breath: nobody takes it between
+                    break
                 idle = sorted((s for s in live if not s.lock.locked()), key=lambda s: s.last_used)
-            if spare is not None:  # its slot is needed (a thaw): it goes, and is made again when idle
-                spare.close()
-                continue
             if not any(self._freeze_if_idle(victim) for victim in idle):
                 raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots are busy with running requests")
+        spare.close()  # frees the slot just counted as this caller's
 
     def _freeze_if_idle(self, victim: Session) -> bool:
         if not victim.lock.acquire(blocking=False):
@@ -384,9 +384,14 @@ class SessionStore:
             self._spare_maker = threading.Thread(target=self._make_spares, name="floe-spares", daemon=True)
             self._spare_maker.start()
 
-    def _take_spare(self) -> Actor | None:
+    def _take_spare(self, session: Session) -> bool:
+        """Give the session a spare actor, if there is one (counted as its live actor at once)."""
         with self.lock:
-            return self._spares.pop() if self._spares else None
+            if not self._spares:
+                return False
+            session.actor = self._spares.pop()
+        session.actor.generator.manual_seed(session.seed)  # as Actor(seed=...) would start it
+        return True
 
     def _make_spares(self) -> None:
         while not self._closing.wait(SPARE_CHECK_S):
@@ -397,17 +402,25 @@ class SessionStore:
                     if live + self._reserved + len(self._spares) >= self.engine.cache.n_slots:
                         break
                     self._reserved += 1
+                actor, failed = None, False
                 try:
                     with self._creating:
                         actor = Actor(self.engine, self.guest, scheduler=self.scheduler, loop=self.loop)
-                except Exception:  # noqa: BLE001 - sessions then make their own, as without spares
-                    log.exception("could not make a spare actor")
-                    return
+                except Exception:  # noqa: BLE001 - sessions make their own meanwhile, as without spares
+                    log.exception("could not make a spare actor (trying again in %g s)", SPARE_RETRY_S)
+                    failed = True
                 finally:
-                    with self.lock:
+                    with self.lock:  # one breath: the slot is counted throughout
                         self._reserved -= 1
-                with self.lock:
-                    self._spares.append(actor)
+                        if actor is not None and not self._closing.is_set():
+                            self._spares.append(actor)
+                            actor = None
+                if actor is not None:  # made as the store closed
+                    actor.close()
+                    return
+                if failed:
+                    self._closing.wait(SPARE_RETRY_S)
+                    break
 
     def close(self, freeze: bool = True) -> None:
         """At shutdown: freeze every live session (so a restart serves them again)."""
