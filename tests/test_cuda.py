@@ -416,3 +416,43 @@ def test_sampled_turns_speculate_with_the_steps_own_draw_and_answer_as_plain_ste
     assert run(overlapped) == run(EngineLoop(batching, overlap=False))
     # The chat guest took every draw it was speculated with: a row is undone only at a turn's end (EOS).
     assert overlapped.undone <= len(questions)
+
+
+def test_draws_for_guests_with_logits_in_their_memory_and_without_share_a_step(batching):
+    """Sampled turns taking the host's choice, one with its logits written into its own memory (on the
+    host) and one without (on the GPU), arriving together: their first draws are made in one batch."""
+    import threading
+
+    import wasmtime
+
+    from floe.actor import Actor, EngineLoop
+    from floe.engine import SamplingParams
+
+    in_memory = wasmtime.wat2wasm("""
+(module
+  (import "floe" "prefill" (func $prefill (param i32 i32 i32) (result i32)))
+  (import "floe" "choice_at" (func $choice_at (param i32) (result i32)))
+  (memory (export "memory") 16)
+  (func (export "floe_abi_version") (result i32) (i32.const 2))
+  (func (export "alloc") (param i32) (result i32) (i32.const 2048))
+  (func (export "on_message") (param i32 i32) (result i32)
+    (drop (call $choice_at (i32.const 64)))
+    (i32.store (i32.const 4096) (i32.const 17))
+    (call $prefill (i32.const 4096) (i32.const 1) (i32.const 65536)))
+  (func (export "on_token") (result i32) (i32.load (i32.const 64))))""")
+    loop = EngineLoop(batching)
+    out = {}
+    start = threading.Barrier(4)
+
+    def work(i, guest):
+        with Actor(batching, guest, loop=loop, seed=i) as actor:
+            start.wait()
+            out[i] = actor.send("Hello there.", max_tokens=6, params=SamplingParams(0.9)).stats
+
+    threads = [threading.Thread(target=work, args=(i, in_memory if i % 2 else None)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(out) == [0, 1, 2, 3] and all(s.generated_tokens == 6 or s.finish_reason == "stop"
+                                               for s in out.values())
