@@ -251,8 +251,8 @@ class HostABI:
         t = time.perf_counter()
         out = self._view(ptr, cap, torch.int32, what)
         n = min(cap, len(ids))
-        if n:
-            out[:n] = torch.tensor(ids[:n], dtype=torch.int32)
+        if n:  # numpy fills from the list in one C loop (a tensor of the list first costs ~3x more)
+            out.numpy()[:n] = ids[:n]
         self.actor.ledger.copy(f"host→guest {what}", 4 * n, seconds=time.perf_counter() - t)
         return len(ids)
 
