@@ -43,6 +43,7 @@ from floe.wasm.raw import trap_new
 
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
+    from floe.model.tokenizer import Rendered
 
 ABI_VERSION = 2  # the newest this host speaks
 SUPPORTED_ABI_VERSIONS = (1, 2)
@@ -138,6 +139,7 @@ class HostABI:
         self.choice: np.ndarray | None = None  # int32 [1] in guest memory: the host's choice goes there
         self.streams = False  # the tokens on_token returns are streamed by the host
         self.sampled = False  # sample() was called (the engine loop resets it before each on_token)
+        self.rendered: tuple[bytes, Rendered] | None = None  # the last chat_render, for tokenize()
 
     def begin_turn(self) -> None:
         """v2: a new message's turn: nothing queued, no logits target, no turn options."""
@@ -267,9 +269,14 @@ class HostABI:
         text_len, out_cap = self._length(text_len), self._length(out_cap)
         if text_len is None or out_cap is None or text_len > self.text_cap:
             return ERR_BAD_ARGUMENT
-        text = self._bytes(text_ptr, text_len, "text").decode("utf-8", "replace")
+        raw = self._bytes(text_ptr, text_len, "text")
+        text = raw.decode("utf-8", "replace")
         self._view(out_ptr, out_cap, torch.int32, "token ids")  # a bad buffer fails before the work
-        encode = lambda: self.tokenizer.encode_many([text])[0]  # noqa: E731
+        if self.rendered is not None and self.rendered[0] == raw:  # the conversation chat_render gave
+            rendered = self.rendered[1]  # its contents never make special tokens (encode_rendered)
+            encode = lambda: self.tokenizer.encode_rendered(rendered)  # noqa: E731
+        else:
+            encode = lambda: self.tokenizer.encode_many([text])[0]  # noqa: E731
         if text_len <= INLINE_TOKENIZE_BYTES:  # short: here (a thread hop costs more than it)
             ids = encode()
             self.budget.check_time("tokenize")
@@ -304,8 +311,10 @@ class HostABI:
         messages = [{"role": self._bytes(rp, rl, "message role").decode("utf-8", "replace"),
                      "content": self._bytes(cp, cl, "message").decode("utf-8", "replace")}
                     for rp, rl, cp, cl in records]
-        data = self.tokenizer.render_chat(messages, add_generation_prompt=bool(add_generation_prompt))
-        encoded = data.encode()
+        rendered = self.tokenizer.render_chat_spans(messages,
+                                                    add_generation_prompt=bool(add_generation_prompt))
+        encoded = rendered.text.encode()
+        self.rendered = (encoded, rendered)  # tokenize() of these bytes keeps the contents plain text
         self._write(out_ptr, out_cap, encoded, "prompt text")
         return len(encoded)
 

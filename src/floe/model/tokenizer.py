@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
+from typing import NamedTuple
 
 import jinja2
 import jinja2.ext
@@ -63,6 +66,13 @@ _PRE_TOKENIZERS = {
 
 class ChatTemplateError(FloeError):
     """The model's chat template raised an error, or the model has none."""
+
+
+class Rendered(NamedTuple):
+    """A rendered conversation: its text, and the (start, end) of each message's content in it."""
+
+    text: str
+    spans: tuple[tuple[int, int], ...]
 
 
 class Tokenizer:
@@ -150,11 +160,79 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
         # The template writes BOS itself where the model wants it (transformers does the same).
+        rendered = self.render_chat_spans(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode_rendered(rendered)
+
+    def render_chat_spans(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> Rendered:
+        """render_chat, and where each message's content lies in the text (for encode_rendered): the
+        template is rendered again with every content between two markers of a random nonce, and the
+        spans are kept only if removing the markers gives the same text (a template that changes the
+        content, e.g. trims it, leaves none: then a content with special-token text is refused)."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
-        return self.encode(text, add_bos=False)
+        nonce = secrets.token_hex(8)
+        start, end = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
+        wrapped = [{**m, "content": f"{start}{m['content']}{end}"} if _text(m) else m for m in messages]
+        marked = self.render_chat(wrapped, add_generation_prompt=add_generation_prompt)
+        spans, at = [], 0
+        for chunk in marked.split(start):
+            content, sep, rest = chunk.partition(end)
+            if sep:
+                spans.append((at, at + len(content)))
+                at += len(content)
+                chunk = rest
+            at += len(chunk)
+        if marked.replace(start, "").replace(end, "") == text and len(spans) == sum(map(_text, messages)):
+            return Rendered(text, tuple(spans))
+        if any(self._special_in(m["content"]) for m in messages if _text(m)):
+            raise ChatTemplateError("a message holds the text of a special token, and this model's chat "
+                                    "template changes message contents, so it cannot be kept from being "
+                                    "read as that token")
+        return Rendered(text, ())
+
+    def encode_rendered(self, rendered: Rendered) -> list[int]:
+        """The ids of a rendered conversation, where no message's content can make a special token: if a
+        content holds special-token text (a user typing "<|im_end|>" to fake a turn), the text is
+        tokenized in pieces — the template's with special tokens, each content's as plain text (as
+        llama.cpp's server keeps user text from being parsed as special tokens). Otherwise it is the
+        whole text's tokenization, exactly as before."""
+        text, spans = rendered
+        if not any(self._special_in(text[a:b]) for a, b in spans):
+            return self.encode_many([text])[0]
+        ids, at = [], 0
+        for a, b in spans:
+            if at < a:
+                ids += self.encode(text[at:a], add_bos=False)
+            if a < b:
+                ids += self._plain.encode(text[a:b], add_special_tokens=False).ids
+            at = b
+        if at < len(text):
+            ids += self.encode(text[at:], add_bos=False)
+        return ids
+
+    def _special_in(self, text: str) -> bool:
+        return self._specials is not None and self._specials.search(text) is not None
+
+    @cached_property
+    def _specials(self) -> re.Pattern | None:
+        """The text of every special token, as one pattern (None: the tokenizer has none)."""
+        added = self.backend.get_added_tokens_decoder().values()
+        words = [t.content for t in added if t.special and t.content]
+        return re.compile("|".join(map(re.escape, sorted(words, key=len, reverse=True)))) if words else None
+
+    @cached_property
+    def _plain(self) -> HFTokenizer:
+        """A copy of the backend that reads special-token text as plain text."""
+        plain = HFTokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     def _special_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+def _text(message: dict) -> bool:
+    """Whether a chat message's content is text (a template may be given other shapes)."""
+    return isinstance(message.get("content"), str)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
