@@ -298,3 +298,18 @@ def test_a_token_outside_the_vocabulary_fails_only_its_turn(tiny_engine):
                                     [(None, p, 8) for p in PROMPTS[:2]] + [(huge, "x", 8)])
     assert isinstance(failed, GuestError) and "outside the vocabulary" in str(failed), failed
     assert [r.stats.token_ids for r in replies] == expected
+
+
+def test_streamed_special_tokens_carry_no_text(tiny_engine):
+    """A guest that returns a special token (here <|im_start|>, then an ordinary one) through
+    stream_tokens: the caller sees the ordinary token's text only; the cache holds both."""
+    start = tiny_engine.tokenizer.backend.token_to_id("<|im_start|>")
+    word = tiny_engine.tokenizer.encode(" hello", add_bos=False)[0]
+    guest = v2_chooser(choice=False, stream=True, counter=True, on_token_first=(
+        "(global.set $n (i32.add (global.get $n) (i32.const 1)))"
+        f"(if (i32.eq (global.get $n) (i32.const 1)) (then (return (i32.const {start}))))"
+        f"(return (i32.const {word}))"))
+    with Actor(tiny_engine, guest) as actor:
+        reply = actor.send("x", max_tokens=3)
+        held = list(tiny_engine.cache.tokens[actor.slot])
+    assert reply.text == " hello hello" and start in held[1:]

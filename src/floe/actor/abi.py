@@ -547,8 +547,9 @@ class HostABI:
         return OK
 
     def stream(self, token: int) -> None:
-        """v2 with stream_tokens: the text of a token on_token returned, to the caller (as emit)."""
-        data = self.tokenizer.token_bytes(token)
+        """v2 with stream_tokens: the text of a token on_token returned, to the caller (as emit) —
+        none for a special token (a control token's text, e.g. "<|im_start|>", is not reply text)."""
+        data = b"" if token in self.tokenizer.special_ids else self.tokenizer.token_bytes(token)
         self.budget.spend(len(data), "streamed text")
         self.actor.stats.emit_calls += 1
         text = self.utf8.decode(data)

@@ -209,6 +209,11 @@ class Tokenizer:
             ids += self.encode(text[at:], add_bos=False)
         return ids
 
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the special (control) tokens."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
     def _special_in(self, text: str) -> bool:
         return self._specials is not None and self._specials.search(text) is not None
 
