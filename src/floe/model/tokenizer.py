@@ -69,7 +69,8 @@ class ChatTemplateError(FloeError):
 
 
 class Rendered(NamedTuple):
-    """A rendered conversation: its text, and the (start, end) of each message's content in it."""
+    """A rendered conversation: its text, and the (start, end) of each message's content in it (none
+    when no content holds special-token text: the whole text is then tokenized as one)."""
 
     text: str
     spans: tuple[tuple[int, int], ...]
@@ -164,11 +165,14 @@ class Tokenizer:
         return self.encode_rendered(rendered)
 
     def render_chat_spans(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> Rendered:
-        """render_chat, and where each message's content lies in the text (for encode_rendered): the
-        template is rendered again with every content between two markers of a random nonce, and the
-        spans are kept only if removing the markers gives the same text (a template that changes the
-        content, e.g. trims it, leaves none: then a content with special-token text is refused)."""
+        """render_chat, and where each message's content lies in the text (for encode_rendered) if any
+        content holds special-token text (else no spans are needed: none is looked for). The template
+        is rendered again with every content between two markers of a random nonce, and the spans are
+        kept only if removing the markers gives the same text (a template that changes the content,
+        e.g. trims it, leaves none: then the content with special-token text is refused)."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        if not any(self._special_in(m["content"]) for m in messages if _text(m)):
+            return Rendered(text, ())
         nonce = secrets.token_hex(8)
         start, end = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
         wrapped = [{**m, "content": f"{start}{m['content']}{end}"} if _text(m) else m for m in messages]
@@ -183,11 +187,9 @@ class Tokenizer:
             at += len(chunk)
         if marked.replace(start, "").replace(end, "") == text and len(spans) == sum(map(_text, messages)):
             return Rendered(text, tuple(spans))
-        if any(self._special_in(m["content"]) for m in messages if _text(m)):
-            raise ChatTemplateError("a message holds the text of a special token, and this model's chat "
-                                    "template changes message contents, so it cannot be kept from being "
-                                    "read as that token")
-        return Rendered(text, ())
+        raise ChatTemplateError("a message holds the text of a special token, and this model's chat "
+                                "template changes message contents, so it cannot be kept from being read "
+                                "as that token")
 
     def encode_rendered(self, rendered: Rendered) -> list[int]:
         """The ids of a rendered conversation, where no message's content can make a special token: if a
