@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from guests_wat import v2_chooser  # noqa: E402
 from models import tiny_engine  # noqa: E402
 
 from floe.actor import Actor, EngineLoop  # noqa: E402
+from floe.bench import together  # noqa: E402
 from floe.engine import SamplingParams  # noqa: E402
 
 
@@ -42,13 +42,8 @@ def per_row_us(engine, guest, n: int, tokens: int, params: SamplingParams) -> fl
     rounds = []
     for _ in range(4):
         spent[:] = [0.0, 0]
-        threads = [threading.Thread(target=a.send, args=(f"Tell me about number {i}",),
-                                    kwargs={"max_tokens": tokens, "params": params})
-                   for i, a in enumerate(actors)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        together([lambda a=a, i=i: a.send(f"Tell me about number {i}", max_tokens=tokens, params=params)
+                  for i, a in enumerate(actors)])
         rounds.append(1e6 * spent[0] / spent[1])
     for a in actors:
         a.close()

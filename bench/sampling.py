@@ -10,11 +10,10 @@ Prints ms per batch of rows (median of 10, after 3 to warm up) for temperature o
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from floe.bench import wall_time
 from floe.engine.sampling import SamplingParams, draw_uniforms, sample_rows
 
 
@@ -31,17 +30,6 @@ def replaced_sample_token(logits, p: SamplingParams, generator) -> torch.Tensor:
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     return (probs / race).argmax()
-
-
-def median_ms(run, repeats: int = 10) -> float:
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -65,7 +53,7 @@ def main() -> None:
             def floe(p=p, x=logits, n=rows):
                 return sample_rows(x, [p] * n, draw_uniforms([g] * n))
 
-            old, new = median_ms(replaced), median_ms(floe)
+            old, new = 1e3 * wall_time(replaced, repeats=10), 1e3 * wall_time(floe, repeats=10)
             print(f"{args.device} vocab {args.vocab} rows {rows:>3} T={p.temperature} top_p={p.top_p} "
                   f"top_k={p.top_k}: replaced {old:8.2f} ms, floe {new:6.2f} ms ({old / new:.0f}x)",
                   flush=True)

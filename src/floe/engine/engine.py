@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from floe.engine.kvcache import KVCache
-from floe.engine.sampling import Draw, SamplingParams, finish_draw, start_draw
+from floe.engine.sampling import Draw, SamplingParams, finish_draw, start_draw, top_ks
 from floe.engine.slots import SlotPool
 from floe.engine.transformer import (
     QuantizedEmbedding,
@@ -498,9 +498,8 @@ class Engine:
         params = [wanted[slot][0] for slot in slots]
         uniforms = torch.tensor([wanted[slot][1] for slot in slots], dtype=torch.float64)
         if step.rows and step.logits is None:  # CUDA graphs: the draw's own graph, after the step's
-            vocab = self.config.vocab_size
             self._batch.draw(slots, [p.temperature for p in params], [p.top_p for p in params],
-                             [p.top_k if 0 < p.top_k < vocab else vocab for p in params], uniforms.tolist())
+                             top_ks(params, self.config.vocab_size), uniforms.tolist())
             step.draw = (slots, Draw(None, None, None, params, uniforms))
         else:
             step.draw = (slots, start_draw(torch.stack([t for _, t in picked]), params, uniforms))

@@ -96,13 +96,18 @@ class Draw(NamedTuple):
 NO_DRAW = -3  # a row whose logits allow no draw (the ABI's ERR_BAD_ARGUMENT)
 
 
+def top_ks(params: Sequence[SamplingParams], vocab: int) -> list[int]:
+    """Each row's top_k as the draws take it: the vocabulary for none (0) or one at least as large."""
+    return [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+
+
 def start_draw(logits: Tensor, params: Sequence[SamplingParams], uniforms: Tensor) -> Draw:
     """sample_rows' kernels, launched on the logits' device without waiting for them: no host sync on
     CUDA (the candidates a top_p row looks at first are a fixed number there, and the rows' parameters
     go over in one copy from pinned memory — a copy from pageable memory waits for the device's queue,
     the forward just launched included)."""
     rows, vocab = logits.shape
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    ks = top_ks(params, vocab)
     cut = [p.top_p < 1.0 or k < vocab for p, k in zip(params, ks, strict=True)]
     some = [i for i in range(rows) if cut[i]]
     whole = [i for i in range(rows) if not cut[i]]
@@ -138,7 +143,7 @@ def finish_draw(draw: Draw) -> list[int]:
     if again:
         params = [draw.params[i] for i in again]
         vocab = draw.logits.shape[-1]
-        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        ks = top_ks(params, vocab)
         u = draw.uniforms[again].tolist()
         table = [[p.temperature for p in params], [p.top_p for p in params], ks, u]
         temps, top_p, k, u = _to_device(table, draw.logits.device)
