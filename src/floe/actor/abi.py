@@ -379,10 +379,18 @@ class HostABI:
         """Record a forward that appended n_tokens to this actor's slot (stats, ledger) and keep its
         logits for sample(). `out`: the guest buffer the logits were asked into (written here if the
         forward did not compute them there); rows: the batched step's rows."""
-        self.actor.stats.on_forward(n_tokens, seconds, self.engine.kv_len(self.actor.slot))
+        self.record_forward(n_tokens, seconds, rows, self.engine.kv_len(self.actor.slot))
+        self.keep_logits(logits, out)
+
+    def record_forward(self, n_tokens: int, seconds: float, rows: int, kv_len: int) -> None:
+        """took_step's stats and ledger (the engine loop records a decode row's after its next launch)."""
+        self.actor.stats.on_forward(n_tokens, seconds, kv_len)
         transfer = self.engine.input_transfer(n_tokens, rows)
         if transfer is not None:
             self.actor.ledger.copy(*transfer)
+
+    def keep_logits(self, logits: torch.Tensor, out: torch.Tensor | None) -> None:
+        """took_step's logits: kept for sample(), and written to the guest's buffer `out` if asked."""
         if out is None:
             self.last_logits = logits
             return

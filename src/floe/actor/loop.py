@@ -74,6 +74,7 @@ class Turn:
     chosen: int | None = None  # what its guest chose for a speculated row (None: stop or failure)
     rng_before: torch.Tensor | None = None  # its generator before a speculated row's draw (restored on undo)
     in_flight: bool = False  # a launched forward has a row of this turn
+    forward: tuple[float, int, int] | None = None  # its last decode row (seconds, rows, kv_len), unrecorded
     end: int | None = None  # why it ended (END_*), once it has
     error: BaseException | None = None
     abandoned: bool = False  # its caller stopped waiting (Ctrl-C): end it at the next step
@@ -213,16 +214,22 @@ class EngineLoop:
                 self._prefill(turn)
         t1 = time.perf_counter()
         self._take_results()
-        self._choose()
-        t2 = time.perf_counter()
-        speculated = []
-        for turn in self._live():
-            if turn.fresh and self._speculate(turn):
-                speculated.append(turn)
-            elif turn.fresh:
+        fresh = [t for t in self._live() if t.fresh]
+        for turn in fresh:  # what the step computed: the argmax, or the draw its launch asked for
+            slot = turn.actor.slot
+            turn.choice = self.engine.drawn_token(slot) if _draws(turn) else self.engine.greedy_token(slot)
+        speculated = [t for t in fresh if self._speculate(t)]
+        asked = [t for t in fresh if t.speculated is None]
+        self._give_choices(asked)
+        for turn in asked:
+            if turn.end is None:
                 self._ask_guest(turn)
+        t2 = time.perf_counter()
+        # The device idles from the end of the last forward to this launch: only what the launch
+        # needs comes before it; speculated turns' bookkeeping and guests come after.
         self._launch([t for t in self._live() if t.next_token is not None], riding)
         t3 = time.perf_counter()
+        self._give_choices(speculated)
         for turn in speculated:  # while the device computes their next logits
             if turn.end is None:
                 self._ask_guest(turn)
@@ -236,8 +243,8 @@ class EngineLoop:
                 self._end(turn)
         phase = self.phase_s
         phase["prefill"] += t1 - t0
-        phase["results"] += t2 - t1  # with waiting for the forward (wait_s)
-        phase["launch"] += t3 - t2  # with the guests asked before it (not speculated)
+        phase["results"] += t2 - t1  # waiting for the forward (wait_s), and guests asked before the launch
+        phase["launch"] += t3 - t2
         phase["guests"] += t4 - t3  # speculated rows' guests, while the device computes
         phase["end"] += time.perf_counter() - t4
 
@@ -279,7 +286,8 @@ class EngineLoop:
     def _launch(self, turns: list[Turn], riding: list[Turn] = ()) -> None:
         """Launch one forward for every turn with a next token and the whole queued prompt of each
         `riding` turn (the rows' steps one by one if not batching). Speculated turns' guests read their
-        logits during it: those are held in a copy first (the forward overwrites the engine's buffer)."""
+        logits during it: held in a copy first where the forward would overwrite them (see
+        Engine.logits_outlive_next_step)."""
         if not turns and not riding:
             return
         if not self.batch and len(turns) + len(riding) > 1:
@@ -291,7 +299,7 @@ class EngineLoop:
                 self._take_results()
             return
         held = [t for t in turns if t.speculated is not None and not t.actor.abi.logits_ptr]
-        if held:  # one copy of every speculated row's logits (on CUDA: ordered before the forward)
+        if held and not self.engine.logits_outlive_next_step:  # one copy of each (ordered before it)
             copies = torch.stack([t.actor.abi.last_logits for t in held])
             for turn, logits in zip(held, copies, strict=True):
                 turn.actor.abi.last_logits = logits
@@ -359,26 +367,19 @@ class EngineLoop:
                 self._finish(turn, END_CANCELLED, result)
             else:
                 abi = turn.actor.abi
-                try:
-                    abi.took_step(1, result, abi.step_target(), seconds, len(turns))
+                try:  # the logits now (the next forward overwrites the engine's buffer); the stats
+                    abi.keep_logits(result, abi.step_target())  # when its guest is asked
                 except BaseException as e:  # noqa: BLE001 - a bad logits buffer fails this turn only
                     self._finish(turn, END_CANCELLED, e)
                     continue
+                turn.forward = (seconds, len(turns), self.engine.kv_len(turn.actor.slot))
                 turn.fresh = True
 
-    def _choose(self) -> None:
-        """The host's choice for every fresh turn: what its step computed (the argmax, or the draw its
-        launch asked for: a guest that takes the host's choice with sampling parameters), and for
-        guests that asked for it in their memory (choice_at), written there — drawing now, in one batch,
-        what the step did not (a prompt's first token)."""
-        asking = []
-        for turn in self._live():
-            if not turn.fresh:
-                continue
-            slot = turn.actor.slot
-            turn.choice = self.engine.drawn_token(slot) if _draws(turn) else self.engine.greedy_token(slot)
-            if turn.actor.abi.choice is not None:
-                asking.append(turn)
+    def _give_choices(self, turns: list[Turn]) -> None:
+        """Write the host's choice into the memory of each of `turns`' guests that asked for it
+        (choice_at): what its step computed (turn.choice), else drawn now, all in one batch (a
+        prompt's first token)."""
+        asking = [t for t in turns if t.end is None and t.actor.abi.choice is not None]
         if not asking:
             return
         try:
@@ -399,6 +400,9 @@ class EngineLoop:
         speculated one), a stop, or a failure of this turn."""
         turn.fresh = False
         turn.actor.abi.sampled = False
+        if turn.forward is not None:
+            turn.actor.abi.record_forward(1, *turn.forward)
+            turn.forward = None
         try:
             token = turn.actor.guest_call("on_token", deadline=min(turn.deadline, time.monotonic()
                                                                    + self.token_call_s))
@@ -457,6 +461,9 @@ class EngineLoop:
         """End the turn now and wake its caller, unless a launched forward still has its row: then
         it ends (on_end is skipped for a failure) once that forward is taken."""
         turn.end, turn.error = end, error
+        if turn.forward is not None:  # its guest was not asked: its last forward is recorded here
+            turn.actor.abi.record_forward(1, *turn.forward)
+            turn.forward = None
         if not turn.in_flight:
             turn.done.set()
 

@@ -147,6 +147,9 @@ class BatchGraphDecoder:
 
     Graphs are captured per (padded row count, KV bucket, prefill or decode). Padding rows carry slot
     -1: the kernels write no cache for them, and their logits land in a spare row of `slot_logits`.
+
+    Each slot has two logits rows, written in turn (`row(slot)`: the latest): a step's logits stay
+    valid while the slot's next step runs, so a caller reads them then without copying them first.
     """
 
     PREFILL_ROWS = 256  # longer prompts run eagerly: per-row attention re-reads the prefix per row
@@ -168,11 +171,14 @@ class BatchGraphDecoder:
         self.host_in = torch.zeros(4, top, dtype=torch.long, pin_memory=True)
         self.host_rows = self.host_in.numpy()  # the same pinned memory, written without a tensor op
         self.dev_in = torch.zeros(4, top, dtype=torch.long, device=dev)
-        self.slot_logits = torch.zeros(n_slots + 1, model.config.vocab_size, dtype=torch.float32, device=dev)
+        # Two rows a slot (slot s: s and n_slots + 1 + s; see row()), and the spare row n_slots.
+        self.slot_logits = torch.zeros(2 * (n_slots + 1), model.config.vocab_size, dtype=torch.float32,
+                                       device=dev)
+        self._half = [0] * n_slots  # per slot, which of its two rows holds its latest logits
         # Each row's greedy choice, computed in the graph and copied to pinned host memory, so an actor
         # that samples greedily needs no kernel launch or sync of its own.
-        self.slot_argmax = torch.zeros(n_slots + 1, dtype=torch.long, device=dev)
-        self.host_argmax = torch.zeros(n_slots + 1, dtype=torch.long, pin_memory=True)
+        self.slot_argmax = torch.zeros(2 * (n_slots + 1), dtype=torch.long, device=dev)
+        self.host_argmax = torch.zeros(2 * (n_slots + 1), dtype=torch.long, pin_memory=True)
         self.buckets = kv_buckets(cache.max_seq_len, min_bucket)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -230,8 +236,9 @@ class BatchGraphDecoder:
 
     def draw(self, rows: list[int], temps: list[float], top_p: list[float], ks: list[int],
              uniforms: list[float]) -> None:
-        """Draw a token from each of slot_logits' `rows` (after the step that wrote them, in the same
-        stream: the host does not wait) with its row's parameters (ks: the vocabulary for no top_k);
+        """Draw a token from each of slot_logits' `rows` (row(slot)s, after the step that wrote them,
+        in the same stream: the host does not wait) with its row's parameters (ks: the vocabulary for
+        no top_k);
         host_drawn / host_wider [:len(rows)] once draw_done has completed."""
         n = len(rows)
         size = next(s for s in self.sizes if s >= n)
@@ -248,31 +255,45 @@ class BatchGraphDecoder:
         graph.replay()
         self.draw_done.record()
 
-    def step(self, tokens: list[int], positions: list[int], slots: list[int]) -> None:
-        """Write tokens[b] at positions[b] of slots[b] (distinct) and compute each slot's next logits
-        into slot_logits[slot] (valid until that slot's next step) and their argmax into
-        host_argmax[slot] (valid once `done` has completed)."""
-        size = next(s for s in self.sizes if s >= len(slots))
-        self._replay(size, False, tokens, positions, slots, slots)
+    def row(self, slot: int) -> int:
+        """The row of slot_logits / host_argmax holding `slot`'s latest logits (n_slots: the spare)."""
+        return slot if slot == self.cache.n_slots else slot + self._half[slot] * (self.cache.n_slots + 1)
 
-    def mixed(self, tokens: list[int], positions: list[int], slots: list[int], dests: list[int]) -> None:
+    def _next_rows(self, dests: list[int]) -> list[int]:
+        """The rows a step writes for these slots' logits: each slot's other row (which becomes its
+        latest); the spare row stays."""
+        for slot in dests:
+            if slot != self.cache.n_slots:
+                self._half[slot] ^= 1
+        return [self.row(slot) for slot in dests]
+
+    def step(self, tokens: list[int], positions: list[int], slots: list[int]) -> list[int]:
+        """Write tokens[b] at positions[b] of slots[b] (distinct) and compute each slot's next logits
+        and their argmax; the rows of slot_logits / host_argmax they go to (each slot's row(): valid
+        until the step after that slot's next one; host_argmax once `done` has completed)."""
+        size = next(s for s in self.sizes if s >= len(slots))
+        return self._replay(size, False, tokens, positions, slots, self._next_rows(slots))
+
+    def mixed(self, tokens: list[int], positions: list[int], slots: list[int], dests: list[int]) -> list[int]:
         """A step of any rows: tokens[b] written at positions[b] of slots[b] (a slot's rows at
         consecutive positions: a prompt's chunk, which attends to itself as prefill does), row b's
-        logits and argmax to slot_logits / host_argmax row dests[b] (the spare row, n_slots, for
-        rows whose logits nobody reads)."""
+        logits and argmax for slot dests[b] (the spare, n_slots, for rows whose logits nobody reads);
+        the rows they go to, as step()."""
         size = next(s for s in (*self.sizes, *self.mixed_sizes) if s >= len(tokens))
-        self._replay(size, False, tokens, positions, slots, dests)
+        return self._replay(size, False, tokens, positions, slots, self._next_rows(dests))
 
-    def prefill(self, tokens: list[int], start: int, slot: int) -> None:
+    def prefill(self, tokens: list[int], start: int, slot: int) -> int:
         """Append tokens (at most PREFILL_ROWS) at positions start.. of `slot`; the last one's logits
-        into slot_logits[slot] and its argmax into host_argmax[slot], as step() does."""
+        and argmax to the row returned, as step() does."""
         n = len(tokens)
         size = next(s for s in self.prefill_sizes if s >= n)
-        self._replay(size, True, tokens, list(range(start, start + n)), [slot] * n, [n - 1, slot])
+        row = self._next_rows([slot])[0]
+        self._replay(size, True, tokens, list(range(start, start + n)), [slot] * n, [n - 1, row])
+        return row
 
     @torch.inference_mode()  # its buffers may have been made in inference mode
     def _replay(self, size: int, prefill: bool, tokens: list[int], positions: list[int],
-                slots: list[int], rows: list[int]) -> None:
+                slots: list[int], rows: list[int]) -> list[int]:
         bucket = next(b for b in self.buckets if b > max(positions))
         self.done.synchronize()  # the previous replay has read host_in
         fill_rows(self.host_rows, size, tokens, positions, slots, rows, spare=self.cache.n_slots)
@@ -283,3 +304,4 @@ class BatchGraphDecoder:
             self.graphs[size, bucket, prefill] = graph
         graph.replay()
         self.done.record()
+        return rows

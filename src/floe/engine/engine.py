@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +88,10 @@ class LaunchedStep:
     prompt_results: list = field(default_factory=list)  # per prompt: its last logits, or its error
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (prompt, first position) in the replay
     draw: tuple[list[int], Draw] | None = None  # (slots, their draw) asked of this step (launch_batch)
+    # CUDA graphs: the rows of the graph's logits buffers (BatchGraphDecoder.row) its decode rows and
+    # then its riding prompts wrote, and those its draws read
+    logit_rows: list[int] = field(default_factory=list)
+    draw_rows: list[int] = field(default_factory=list)
 
 
 class LogitsHead(nn.Module):
@@ -328,10 +333,10 @@ class Engine:
 
     def _replay_prefill(self, ids: list[int], start: int, slot: int, logits_out: Tensor | None) -> Tensor:
         batch = self._batch_decoder()
-        batch.prefill(ids, start, slot)
+        row = batch.prefill(ids, start, slot)
         batch.done.synchronize()  # its greedy choice is on the host now (the caller samples next)
-        self._greedy[slot] = int(batch.host_argmax[slot])
-        logits = batch.slot_logits[slot]
+        self._greedy[slot] = int(batch.host_argmax[row])
+        logits = batch.slot_logits[row]
         return logits if logits_out is None else logits_out.copy_(logits)
 
     def _append(self, slot: int, ids: list[int], run) -> Tensor:
@@ -385,6 +390,13 @@ class Engine:
         Triton step; on the CPU the lean step over several rows); otherwise one after another."""
         fused = self._batch_graphs or (self.device.type == "cpu" and self.fused_kernels)
         return fused and self.cache.n_slots > 1
+
+    @property
+    def logits_outlive_next_step(self) -> bool:
+        """Whether a decode row's logits stay valid while its slot's next step runs (the batched graph
+        writes a slot's two logits rows in turn; the CPU's are new tensors), so that a caller can read
+        them then without a copy."""
+        return self._batch_graphs or self.device.type == "cpu"
 
     @property
     def overlaps(self) -> bool:
@@ -456,7 +468,12 @@ class Engine:
                             rows[1].extend(range(start, start + len(ids)))
                             rows[2].extend([slot] * len(ids))
                             rows[3].extend([*[spare] * (len(ids) - 1), slot])
-                        self._batch_decoder().mixed(*rows)
+                        dests = self._batch_decoder().mixed(*rows)
+                        n = len(step.rows)  # then each prompt's last row: its logits
+                        ends = accumulate(len(prompts[k][0]) for k, _ in chunks)
+                        step.logit_rows = dests[:n] + [dests[n + end - 1] for end in ends]
+                    elif self._batch_graphs:
+                        step.logit_rows = self._batch_decoder().step(*rows[:3])
                     else:
                         step.logits = self._batch_decoder().step(*rows[:3])
                 except BaseException:
@@ -498,9 +515,10 @@ class Engine:
         params = [wanted[slot][0] for slot in slots]
         uniforms = torch.tensor([wanted[slot][1] for slot in slots], dtype=torch.float64)
         if step.rows and step.logits is None:  # CUDA graphs: the draw's own graph, after the step's
-            self._batch.draw(slots, [p.temperature for p in params], [p.top_p for p in params],
+            latest = [self._batch.row(slot) for slot in slots]
+            self._batch.draw(latest, [p.temperature for p in params], [p.top_p for p in params],
                              top_ks(params, self.config.vocab_size), uniforms.tolist())
-            step.draw = (slots, Draw(None, None, None, params, uniforms))
+            step.draw, step.draw_rows = (slots, Draw(None, None, None, params, uniforms)), latest
         else:
             step.draw = (slots, start_draw(torch.stack([t for _, t in picked]), params, uniforms))
 
@@ -549,10 +567,11 @@ class Engine:
                 chunk_slots = [step.prompts[k][1] for k, _ in step.chunks]
                 with self._step_lock:
                     self._batch.done.synchronize()  # every row's greedy choice is on the host now
-                    self._greedy.update((s, int(self._batch.host_argmax[s])) for s in row_slots + chunk_slots)
-                logits = [self._batch.slot_logits[s] for s in row_slots]
-                for (k, _), slot in zip(step.chunks, chunk_slots, strict=True):
-                    step.prompt_results[k] = self._batch.slot_logits[slot]
+                argmax = self._batch.host_argmax.numpy()[step.logit_rows].tolist()
+                self._greedy.update(zip(row_slots + chunk_slots, argmax, strict=True))
+                logits = [self._batch.slot_logits[r] for r in step.logit_rows[:len(row_slots)]]
+                for (k, _), r in zip(step.chunks, step.logit_rows[len(row_slots):], strict=True):
+                    step.prompt_results[k] = self._batch.slot_logits[r]
             for i, row in zip(step.rows, logits, strict=True):
                 step.results[i] = row
             step.rows, step.chunks = [], []
@@ -563,7 +582,7 @@ class Engine:
                 self._batch.draw_done.synchronize()
                 n = len(slots)
                 wider = self._batch.host_wider[:n]
-                again = self._batch.slot_logits[slots] if bool(wider.any()) else None  # rows drawn again
+                again = self._batch.slot_logits[step.draw_rows] if bool(wider.any()) else None  # drawn again
                 draw = draw._replace(tokens=self._batch.host_drawn[:n], wider=wider, logits=again)
             self._drawn.update(zip(slots, finish_draw(draw), strict=True))
         return step.results
