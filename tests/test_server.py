@@ -56,9 +56,9 @@ class ThreadServer:
 @pytest.fixture(scope="module")
 def server(default_checkpoint, tmp_path_factory):
     engine = Engine(default_checkpoint, max_seq_len=CONTEXT, n_slots=16, weights="native")
-    app = create_app(engine, snapshots=tmp_path_factory.mktemp("sessions"), model_id=MODEL_ID,
-                     idle_seconds=3600)
-    s = ThreadServer(app)
+    folder = tmp_path_factory.mktemp("sessions")
+    s = ThreadServer(create_app(engine, snapshots=folder, model_id=MODEL_ID, idle_seconds=3600))
+    s.folder = folder
     yield s
     s.stop()
 
@@ -149,15 +149,19 @@ def test_session_freeze_thaw_and_delete_endpoints(server):
     c = client(server.url)
     conversation(c, "lifecycle", TURNS[:1])
     frozen = httpx.post(f"{server.url}/v1/sessions/lifecycle/freeze").json()
-    assert frozen["state"] == "frozen" and Path(frozen["path"]).is_file()
-    listed = {s["id"]: s for s in httpx.get(f"{server.url}/v1/sessions").json()["data"]}
-    assert listed["lifecycle"]["state"] == "frozen"
+    path = server.folder / "lifecycle.safetensors"
+    assert frozen["state"] == "frozen" and frozen["bytes"] == path.stat().st_size > 0
+    listing = httpx.get(f"{server.url}/v1/sessions")
+    assert str(server.folder) not in listing.text  # no paths for clients
+    listed = {s["id"]: s for s in listing.json()["data"]}["lifecycle"]
+    assert listed["state"] == "frozen" and listed["snapshot_bytes"] == frozen["bytes"]
+    assert httpx.get(f"{server.url}/v1/sessions/lifecycle").json()["state"] == "frozen"
     assert httpx.post(f"{server.url}/v1/sessions/lifecycle/thaw").json()["state"] == "live"
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "floe_thaw_seconds_count 1.0" in metrics and 'floe_sessions{state="live"}' in metrics
     assert 'floe_engine_loop_turns{state="active"} 0.0' in metrics  # the loop's queue, between requests
     assert httpx.delete(f"{server.url}/v1/sessions/lifecycle").status_code == 200
-    assert not Path(frozen["path"]).exists()
+    assert not path.exists()
     gone = httpx.post(f"{server.url}/v1/sessions/lifecycle/freeze")
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
 
@@ -210,11 +214,11 @@ def test_malformed_json_and_a_diverged_history(server):
         c.chat.completions.create(model="not-this-one", messages=[{"role": "user", "content": "hi"}])
 
 
-def start_serve(folder: Path, port: int) -> subprocess.Popen:
+def start_serve(folder: Path, port: int, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "floe.cli", "serve", "--port", str(port), "--snapshots", str(folder),
-         "--idle-seconds", "0.5", "--context", str(CONTEXT), "--max-sessions", "4"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+         "--idle-seconds", "0.5", "--context", str(CONTEXT), "--max-sessions", "4", *flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + 300  # a 2-core CI box loading the native engine under load: minutes
     while True:
         try:
@@ -325,7 +329,7 @@ def test_a_client_that_leaves_a_stream_stops_the_generation(server):
         time.sleep(0.1)
     from floe.snapshot import header
 
-    kv_len = int(header(frozen.json()["path"])["kv_len"])
+    kv_len = int(header(server.folder / "left-early.safetensors")["kv_len"])
     tokens = generated() - before
     assert 1 <= tokens < 100 and kv_len < 150, (tokens, kv_len)  # stopped long before 400 tokens
 
@@ -426,8 +430,8 @@ def test_requests_without_a_seed_are_random_and_with_one_repeat(server):
     assert len(seeded) == 1, seeded
 
 
-def requests_counted(url: str, status: str) -> float:
-    line = next((x for x in httpx.get(f"{url}/metrics").text.splitlines()
+def requests_counted(url: str, status: str, headers: dict[str, str] | None = None) -> float:
+    line = next((x for x in httpx.get(f"{url}/metrics", headers=headers).text.splitlines()
                  if x.startswith(f'floe_requests_total{{status="{status}"}}')), None)
     return float(line.split()[-1]) if line else 0.0
 

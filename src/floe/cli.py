@@ -256,6 +256,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import fastapi  # noqa: F401 - the HTTP front's, checked before the model loads
         import uvicorn  # noqa: F401
 
+        from floe.server.auth import BadApiKey, api_keys
         from floe.server.core import ServeCore, serve
     except ImportError as e:
         raise FloeError(f"floe serve needs fastapi and uvicorn ({e.name} is missing): "
@@ -263,8 +264,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from floe.engine import Engine, parse_device
 
     device = parse_device(args.device)
-    if args.max_sessions < 1 or args.idle_seconds <= 0:
-        raise FloeError("--max-sessions must be >= 1 and --idle-seconds > 0")
+    if args.max_sessions < 1 or args.idle_seconds <= 0 or args.max_anonymous < 1:
+        raise FloeError("--max-sessions and --max-anonymous must be >= 1 and --idle-seconds > 0")
+    try:
+        keys = api_keys(args.api_key)  # and FLOE_API_KEYS
+    except BadApiKey as e:
+        raise FloeError(f"--api-key / FLOE_API_KEYS: {e}") from None
     # The HTTP front (its own process) streams every token: leave it a core, or the model's parallel
     # GEMVs wait on their slowest thread (2 cores: 40 -> 73 tok/s per stream, docs/PERF.md).
     _threads(args, args.device, reserve=1)
@@ -277,15 +282,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine.warm_up()
     model_id, *aliases = args.model_id or [checkpoint.source.stem]
     core = ServeCore(engine, snapshots=Path(args.snapshots).expanduser(), model_id=model_id, aliases=aliases,
-                     idle_seconds=args.idle_seconds, guest=args.guest,
+                     idle_seconds=args.idle_seconds, guest=args.guest, max_anonymous=args.max_anonymous,
                      batching={"auto": None, "on": True, "off": False}[args.batching])
     batching = "batched decode" if core.scheduler is not None else "decode in turns"
+    access = (f"{len(keys)} API key{'s' * (len(keys) > 1)}, each seeing its own sessions" if keys else
+              "open: no API keys, anyone who reaches the port uses and manages every session")
     print(f"floe serve: {model_id} on {device} ({weights} weights, {batching}), {args.max_sessions} live "
           "sessions × "
           f"{engine.max_seq_len} tokens, snapshots in {args.snapshots} "
-          f"({len(core.store.sessions)} sessions found); http://{args.host}:{args.port}/v1",
+          f"({len(core.store.sessions)} sessions found); {access}; http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
-    return serve(core, host=args.host, port=args.port, log_level=args.log_level)
+    return serve(core, host=args.host, port=args.port, log_level=args.log_level, keys=keys,
+                 cors_origins=tuple(args.cors_origin))
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
@@ -482,6 +490,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "stack)")
     serve.add_argument("--batching", choices=["auto", "on", "off"], default="auto",
                        help="run concurrent sessions' decode steps as one batched forward (auto: on CUDA)")
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                       help="clients must send `Authorization: Bearer KEY`; again for more keys (also "
+                            "FLOE_API_KEYS=K1,K2); each key sees only its own sessions (default: open)")
+    serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                       help="a web origin whose pages may call the server (e.g. https://app.example); "
+                            "again for more, '*' for any (default: CORS off)")
+    serve.add_argument("--max-anonymous", type=int, default=64, metavar="N",
+                       help="sessions made without an id kept per API key (64); beyond, the least "
+                            "recently used idle one is deleted")
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(handler=cmd_serve)
 

@@ -1,11 +1,12 @@
 """`floe serve`'s HTTP front: an OpenAI-compatible API whose conversations are stateful Wasm actors.
 
 Routes: POST /v1/chat/completions (plain and SSE streaming), GET /v1/models, GET /health,
-GET /metrics (Prometheus), GET /v1/sessions, POST /v1/sessions/{id}/freeze, POST
-/v1/sessions/{id}/thaw, DELETE /v1/sessions/{id}. A request names its session with the
+GET /metrics (Prometheus), GET /v1/sessions, GET /v1/sessions/{id}, POST /v1/sessions/{id}/freeze,
+POST /v1/sessions/{id}/thaw, DELETE /v1/sessions/{id}. A request names its session with the
 `X-Floe-Session` header or a `session_id` field in the body; every response says which session it
 used (the same header, and `session_id` in the body). Errors are OpenAI-shaped JSON:
-{"error": {"message", "type", "param", "code"}}, 4xx for bad requests.
+{"error": {"message", "type", "param", "code"}}, 4xx for bad requests. With API keys
+(floe.server.auth) every route but /health needs one, and a request sees only its key's sessions.
 
 The front holds no engine: it checks requests, and talks to the engine core (floe.server.core) over
 a Unix socket (floe.server.protocol). `floe serve` runs it in a process of its own
@@ -29,11 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from floe.server.auth import ApiKeys, api_keys
 from floe.server.protocol import HEADER, ROLES, ProtocolError, ServeError, frame_length, pack, unpack
 
 if TYPE_CHECKING:
@@ -75,6 +78,8 @@ def _error(status: int, message: str, type_: str, code: str | None = None, param
     headers = {"Retry-After": "1"} if status == 503 else None
     if 400 <= status < 500 and status not in (408, 429):
         headers = {"x-should-retry": "false"}
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status, headers=headers)
 
@@ -123,10 +128,11 @@ class CoreClient:
             raise self.GONE
         self._writer.write(pack(value))
 
-    async def call(self, name: str, arg=None):
+    async def call(self, name: str, arg=None, owner: str | None = None):
+        """A call's answer; `owner`: whose sessions a session call sees (protocol.OWNER)."""
         rid = next(self._ids)
         self._calls[rid] = future = asyncio.get_running_loop().create_future()
-        self._send({"op": "call", "id": rid, "name": name, "arg": arg})
+        self._send({"op": "call", "id": rid, "name": name, "arg": arg, "owner": owner})
         return await future
 
     def chat(self, request: dict) -> tuple[int, asyncio.Queue, asyncio.Event]:
@@ -205,15 +211,19 @@ BUSY_STREAMS = 8  # more streams than this: a stream's text is handed over in in
 STREAM_INTERVAL_S = 0.02  # at BUSY_STREAMS streams, growing with their number up to 0.1 s
 
 
-def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: None,
+def create_front(socket_path: str, *, keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
+                 on_shutdown: Callable[[], None] = lambda: None,
                  on_lost: Callable[[], None] = lambda: None) -> FastAPI:
     """The ASGI app of the HTTP front, talking to the engine core at `socket_path`.
 
-    on_shutdown: run (in a thread) when the app stops. on_lost: called when the core's connection ends.
+    keys: API keys (floe.server.auth; none: open). cors_origins: web origins whose pages may call it
+    (none: CORS off). on_shutdown: run (in a thread) when the app stops. on_lost: called when the
+    core's connection ends.
     """
     client = CoreClient(socket_path, on_lost)
     registry = CollectorRegistry()
-    requests = Counter("floe_requests", "HTTP requests to the chat API", ["status"], registry=registry)
+    requests = Counter("floe_requests", "HTTP requests to the chat API (and those refused for their API "
+                       "key, 401)", ["status"], registry=registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -229,6 +239,15 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
 
     app = FastAPI(title="floe", lifespan=lifespan)
     app.state.client = client
+
+    def unauthorized(message: str) -> Response:
+        requests.labels("401").inc()
+        return _error(401, message, "invalid_request_error", "invalid_api_key")
+
+    app.add_middleware(ApiKeys, keys=keys, reject=unauthorized)
+    if cors_origins:  # outside the keys: a browser's preflight carries none, and a 401 needs CORS too
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Floe-Session"])
 
     @app.exception_handler(ServeError)
     async def api_error(request: Request, e: ServeError):
@@ -255,7 +274,9 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
         return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error", "internal_error")
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        if request.state.owner is None:  # no key on a server with keys: up, and nothing more
+            return {"status": "ok"}
         return await client.call("health")
 
     def _model(name: str) -> dict:
@@ -280,20 +301,24 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
         return Response(generate_latest(registry) + core.encode(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/sessions")
-    async def sessions():
-        return {"object": "list", "data": await client.call("sessions")}
+    async def sessions(request: Request):
+        return {"object": "list", "data": await client.call("sessions", None, request.state.owner)}
+
+    @app.get("/v1/sessions/{sid}")
+    async def session(sid: str, request: Request):
+        return await client.call("session", sid, request.state.owner)
 
     @app.post("/v1/sessions/{sid}/freeze")
-    async def freeze(sid: str):
-        return await client.call("freeze", sid)
+    async def freeze(sid: str, request: Request):
+        return await client.call("freeze", sid, request.state.owner)
 
     @app.post("/v1/sessions/{sid}/thaw")
-    async def thaw(sid: str):
-        return await client.call("thaw", sid)
+    async def thaw(sid: str, request: Request):
+        return await client.call("thaw", sid, request.state.owner)
 
     @app.delete("/v1/sessions/{sid}")
-    async def delete(sid: str):
-        return await client.call("delete", sid)
+    async def delete(sid: str, request: Request):
+        return await client.call("delete", sid, request.state.owner)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -338,7 +363,7 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
             "messages": _messages(body), "max_tokens": body.max_completion_tokens or body.max_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
             "session_id": request.headers.get("x-floe-session") or body.session_id,
-            "stream": body.stream})
+            "stream": body.stream, "owner": request.state.owner})
         try:
             kind, value = await queue.get()  # its session, or why it has none
         except asyncio.CancelledError:
@@ -417,15 +442,16 @@ def create_front(socket_path: str, *, on_shutdown: Callable[[], None] = lambda: 
 
 
 def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: float = 300.0,
-               guest: str | None = None, batching: bool | None = None,
-               aliases: tuple[str, ...] = ()) -> FastAPI:
+               guest: str | None = None, batching: bool | None = None, aliases: tuple[str, ...] = (),
+               keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
+               max_anonymous: int = 64) -> FastAPI:
     """The front and the engine core of `engine` in this process (the core's socket in a private
     temporary folder): what `floe serve` runs in two, for tests and embedding. Sessions freeze into
     `snapshots`, which a restart reads back; the app's shutdown freezes the live ones."""
     from floe.server.core import CoreServer, ServeCore
 
     core = ServeCore(engine, snapshots=snapshots, model_id=model_id, idle_seconds=idle_seconds,
-                     guest=guest, batching=batching, aliases=aliases)
+                     guest=guest, batching=batching, aliases=aliases, max_anonymous=max_anonymous)
     core.keep_spares()
     server = CoreServer(core)  # its socket in a private temporary folder
 
@@ -433,7 +459,7 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
         server.close()
         core.close()
 
-    app = create_front(server.path, on_shutdown=shutdown)
+    app = create_front(server.path, keys=api_keys(keys, {}), cors_origins=cors_origins, on_shutdown=shutdown)
     app.state.core = core
     return app
 
@@ -447,14 +473,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    args = ap.parse_args(argv)
+    ap.add_argument("--cors-origin", action="append", default=[], help="a web origin that may call it")
+    args = ap.parse_args(argv)  # its API keys: FLOE_API_KEYS (never in argv, which `ps` shows)
     logging.basicConfig(level=args.log_level.upper(), format="floe serve (http): %(message)s")
     server: uvicorn.Server | None = None
 
     def lost() -> None:
         server.should_exit = True
 
-    app = create_front(args.socket, on_lost=lost)
+    app = create_front(args.socket, keys=api_keys(), cors_origins=tuple(args.cors_origin), on_lost=lost)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     server.run()
 

@@ -26,12 +26,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError, InvalidSamplingParams
 from floe.model.tokenizer import ChatTemplateError
+from floe.server import protocol
 from floe.server.protocol import CALLS, HEADER, ROLES, ProtocolError, ServeError, frame_length, pack, unpack
 from floe.server.sessions import Session, SessionError, SessionStore
 from floe.wasm import GuestError
 
 log = logging.getLogger("floe.serve")
-INLINE_CALLS = ("hello", "health", "sessions", "metrics")  # answered in the reading thread (no waits)
+INLINE_CALLS = ("hello", "health", "sessions", "session", "metrics")  # answered in the reading thread
 FLUSH_S = 0.002  # after a flush of streamed text, the next waits this long: its frame gathers more
 
 
@@ -82,12 +83,13 @@ class ServeCore:
 
     batching: concurrent sessions' decode steps run as one batched forward (default: where the engine
     has one, i.e. CUDA graphs of the fused step); off, they take turns. aliases: other model names
-    requests may use (many tools hard-code one), "*" for any.
+    requests may use (many tools hard-code one), "*" for any. max_anonymous: sessions made without an
+    id kept per owner (SessionStore).
     """
 
     def __init__(self, engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: float = 300.0,
                  guest: str | None = None, batching: bool | None = None,
-                 aliases: tuple[str, ...] = ()) -> None:
+                 aliases: tuple[str, ...] = (), max_anonymous: int = 64) -> None:
         if batching and not engine.batched_decode:
             raise FloeError("decode batching needs the CUDA engine with graphs and fused kernels and "
                             "more than one slot; on the CPU, sessions take turns")
@@ -100,7 +102,7 @@ class ServeCore:
         self.scheduler = DecodeScheduler(engine) if batched else None
         self.loop = EngineLoop(engine, batch=batched)
         self.store = SessionStore(engine, snapshots, idle_seconds=idle_seconds, guest=guest,
-                                  scheduler=self.scheduler, loop=self.loop)
+                                  scheduler=self.scheduler, loop=self.loop, max_anonymous=max_anonymous)
         self.metrics = Metrics(self.store)
         self.loop.on_step = self.metrics.batch_rows.observe
         if self.scheduler is not None:
@@ -118,10 +120,11 @@ class ServeCore:
     def open(self, request: dict) -> Chat:
         """Check a chat request against the engine and take its session (locked for it)."""
         messages, max_tokens, params, sid = self._validate(request)
+        owner = _owner(request.get("owner"))
         seed = None if request.get("seed") in (None, -1) else params.seed  # -1: random, as llama.cpp
         try:  # a new session's generator starts from the request's seed, or a random one (as OpenAI)
             session, history = self.store.acquire(sid, messages, secrets.randbits(63) if seed is None
-                                                  else seed)
+                                                  else seed, owner=owner)
         except SessionError as e:
             raise failure(e, sid) from None
         try:  # live before the reply starts: a busy server is a 503, not a 200 stream with an error
@@ -209,7 +212,8 @@ class ServeCore:
 
     # ---- calls (floe.server.protocol.CALLS) ----------------------------------------------------------
 
-    def call(self, name: str, arg=None):
+    def call(self, name: str, arg=None, owner=None):
+        """A call's answer; the session calls see only `owner`'s sessions (protocol.OWNER)."""
         if name not in CALLS:
             raise ServeError(400, f"no call {name!r}")
         if name == "hello":
@@ -219,20 +223,23 @@ class ServeCore:
                     "decode_batching": self.scheduler is not None, "uptime_s": time.time() - self.started,
                     "sessions": self.store.counts(), "skipped_snapshots": self.store.skipped,
                     "engine_loop": self.loop.stats()}
-        if name == "sessions":
-            with self.store.lock:
-                items = list(self.store.sessions.values())
-            return [s.describe() for s in items]
         if name == "metrics":
             return generate_latest(self.metrics.registry).decode()
+        owner = _owner(owner)
+        if name == "sessions":
+            with self.store.lock:
+                items = [s for s in self.store.sessions.values() if s.owner == owner]
+            return [s.describe() for s in items]
         if not isinstance(arg, str):
             raise ServeError(400, f"{name} needs a session id")
         try:
+            if name == "session":
+                return self.store.get(arg, owner).describe()
             if name == "freeze":
-                return self.store.freeze(arg)
+                return self.store.freeze(arg, owner)
             if name == "thaw":
-                return self.store.thaw(arg)
-            self.store.delete(arg)
+                return self.store.thaw(arg, owner)
+            self.store.delete(arg, owner)
             return {"id": arg, "object": "session", "deleted": True}
         except SessionError as e:
             raise failure(e, arg) from None
@@ -265,6 +272,12 @@ def failure(e: BaseException, sid: str | None) -> ServeError:
                                f"{e}); the session was returned to its last snapshot", "server_error",
                           "guest_error")
     return ServeError(500, f"session {sid!r}: {e}", "server_error", "engine_error")
+
+
+def _owner(value) -> str:
+    if not (isinstance(value, str) and protocol.OWNER.fullmatch(value)):
+        raise ServeError(400, f"owner {str(value)[:40]!r} is not an owner id (protocol.OWNER)")
+    return value
 
 
 def _int(value) -> int:
@@ -389,15 +402,16 @@ class CoreServer:
             if rid in conn.running:  # a cancel after the chat's end is nothing to keep
                 conn.cancelled.add(rid)
         elif op == "call" and message.get("name") in INLINE_CALLS:  # never behind the pool's waiters
-            self._call(conn, rid, message["name"], message.get("arg"))
+            self._call(conn, rid, message["name"], message.get("arg"), message.get("owner"))
         elif op == "call":  # freeze, thaw, delete: may wait for a session's lock
-            self.pool.submit(self._call, conn, rid, message.get("name"), message.get("arg"))
+            self.pool.submit(self._call, conn, rid, message.get("name"), message.get("arg"),
+                             message.get("owner"))
         else:
             raise ProtocolError(f"not a request: {str(message)[:200]}")
 
-    def _call(self, conn: _Connection, rid: int, name, arg) -> None:
+    def _call(self, conn: _Connection, rid: int, name, arg, owner) -> None:
         try:
-            conn.send(["ok", rid, self.core.call(name, arg)])
+            conn.send(["ok", rid, self.core.call(name, arg, owner)])
         except Exception as e:  # noqa: BLE001 - answered; the core goes on
             _answer_error(conn, rid, e, f"call {name!r}")
 
@@ -461,11 +475,13 @@ def _answer_error(conn: _Connection, rid: int, e: Exception, what: str) -> None:
 
 
 def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+          keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
           on_ready: Callable[[CoreServer], None] = lambda server: None) -> int:
     """`floe serve` with its engine core in this process: the HTTP front (floe.server.app) runs in a
     child process, talking to the core's socket in a private temporary folder. Returns when the
     front exits or this process is told to stop (SIGINT, SIGTERM); every live session is frozen
-    before it returns. The front's exit status: 0 after a stop."""
+    before it returns. The front's exit status: 0 after a stop. keys: its API keys (handed to the
+    front in its environment, never its command line); cors_origins: web origins that may call it."""
     import gc
     import signal
     import subprocess
@@ -483,8 +499,12 @@ def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_lev
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, stop)
+    from floe.server.auth import KEYS_ENV
+
+    cors = [arg for origin in cors_origins for arg in ("--cors-origin", origin)]
     front = subprocess.Popen([sys.executable, "-m", "floe.server.app", "--socket", server.path, "--host",
-                              host, "--port", str(port), "--log-level", log_level])
+                              host, "--port", str(port), "--log-level", log_level, *cors],
+                             env=os.environ | {KEYS_ENV: ",".join(keys)})
     code = 0
     try:
         on_ready(server)

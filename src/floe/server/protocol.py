@@ -7,9 +7,12 @@ talk over a Unix socket in a private folder: frames of a 4-byte big-endian lengt
 core). This module imports nothing heavy: the front process never imports torch.
 
 Front to core, objects:
-  {"op": "chat", "id": N, "request": {...}}     a chat completion (core.ServeCore.open's fields)
+  {"op": "chat", "id": N, "request": {...}}     a chat completion (core.ServeCore.open's fields, with
+                                                 "owner": the caller's OWNER id)
   {"op": "cancel", "id": N}                      the client left: its row stops at the next token
-  {"op": "call", "id": N, "name": NAME, "arg": A} health, sessions, freeze, thaw, delete, metrics
+  {"op": "call", "id": N, "name": NAME, "arg": A, "owner": O}
+                                                 health, sessions, session, freeze, thaw, delete,
+                                                 metrics (the session calls see O's sessions only)
 Core to front, lists:
   ["ok", N, value]             a call's answer
   ["error", N, error]          a call's or a chat's failure: ServeError.payload()
@@ -21,12 +24,16 @@ Core to front, lists:
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 HEADER = struct.Struct("!I")
 MAX_FRAME = 64 << 20  # a frame longer than this is a broken peer, not a message
 ROLES = ("system", "user", "assistant")
-CALLS = ("hello", "health", "sessions", "freeze", "thaw", "delete", "metrics")
+CALLS = ("hello", "health", "sessions", "session", "freeze", "thaw", "delete", "metrics")
+# Who a request is for (floe.server.auth): "" on a server without API keys (one owner, everyone), else
+# a hash of the caller's key. Sessions belong to one owner; a request sees only its owner's.
+OWNER = re.compile(r"|[0-9a-f]{32}")  # fullmatch
 
 
 class ServeError(Exception):

@@ -5,6 +5,11 @@ Invariants: a session runs one request at a time (its lock); it is frozen only b
 the snapshot file is written (atomically, fsynced) before a freeze is acknowledged and before the
 actor is closed; a thaw that fails leaves the file where it was. The conversation the actor holds
 (`messages`) is stored inside the snapshot (its `app` record), so a file is a whole session.
+
+Every session belongs to an owner (protocol.OWNER: "" on a server without API keys, else a hash of
+the key that made it), stored in its record; each owner has its own session ids, and a request sees
+only its owner's sessions. The open owner's sessions are files `{id}.safetensors` in the folder, an
+owner's in the folder's subfolder named by it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 from floe.actor import Actor, DecodeScheduler, EngineLoop
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError
+from floe.server.protocol import OWNER
 
 log = logging.getLogger("floe.serve")
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # fullmatch: "$" would let a final "\n" in
@@ -58,17 +64,33 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
     seed: int = 0
+    owner: str = ""  # whose it is (protocol.OWNER; "": a server without API keys)
+    anonymous: bool = False  # made for a request that named no session (kept per owner up to a bound)
 
     @property
     def live(self) -> bool:
         return self.actor is not None
 
+    @property
+    def key(self) -> str:
+        return session_key(self.owner, self.id)
+
     def describe(self) -> dict:
+        """What a client may know of it (not where its file lies)."""
         actor = self.actor  # once: a freeze may close it meanwhile
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            size = None
         return {"id": self.id, "state": "live" if actor else "frozen", "messages": len(self.messages),
                 "kv_tokens": actor.engine.kv_len(actor.slot) if actor else None,
-                "idle_seconds": round(time.monotonic() - self.last_used, 3),
-                "snapshot": str(self.path) if self.path.exists() else None}
+                "idle_seconds": round(time.monotonic() - self.last_used, 3), "snapshot_bytes": size,
+                "anonymous": self.anonymous}
+
+
+def session_key(owner: str, sid: str) -> str:
+    """A session's name in SessionStore.sessions: its id, under its owner's (ids are per owner)."""
+    return f"{owner}/{sid}" if owner else sid
 
 
 def is_prefix(prefix: list[dict], messages: list[dict]) -> bool:
@@ -82,18 +104,27 @@ SPARE_RETRY_S = 1.0  # after a spare actor could not be made
 
 
 class SessionStore:
-    """All sessions of one server: live ones hold a KV slot of `engine`, frozen ones a file."""
+    """All sessions of one server: live ones hold a KV slot of `engine`, frozen ones a file.
+
+    max_anonymous: sessions made for requests that named none, kept per owner; beyond it, making one
+    forgets the owner's least recently used idle one (and deletes its file). They are a cache of the
+    conversations that clients resend whole: a forgotten one is found by no prefix, and its
+    conversation's next request starts a new session."""
 
     def __init__(self, engine: Engine, folder: Path, *, idle_seconds: float = 300.0,
                  guest: str | None = None, on_thaw: Callable[[float], None] = lambda s: None,
                  on_freeze: Callable[[float], None] = lambda s: None,
-                 scheduler: DecodeScheduler | None = None, loop: EngineLoop | None = None) -> None:
+                 scheduler: DecodeScheduler | None = None, loop: EngineLoop | None = None,
+                 max_anonymous: int = 64) -> None:
+        if max_anonymous < 1:
+            raise FloeError(f"max_anonymous must be at least 1, not {max_anonymous}")
         self.engine, self.folder, self.idle_seconds, self.guest = engine, Path(folder), idle_seconds, guest
+        self.max_anonymous = max_anonymous
         self.scheduler = scheduler  # batches v1 guests' decode steps (None: they take turns)
         self.loop = loop  # steps v2 guests' turns (None: the engine's own loop)
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, Session] = {}  # by session_key(owner, id)
         self.lock = threading.Lock()  # guards `sessions` and slot accounting
         self._reserved = 0  # slots counted for sessions whose actor is being made
         self._creating = threading.Lock()  # actors are made one at a time (see _ensure_live)
@@ -114,36 +145,49 @@ class SessionStore:
             actor.send("Hello.", max_tokens=2)
 
     def load_folder(self) -> int:
-        """Register every session frozen in the folder (headers only, each checked as a thaw checks
-        it; the tensors are verified on thaw), skipping with a log line whatever is not one (a FIFO
-        or a folder is refused at once, never waited on); remove what killed writers left."""
+        """Register every session frozen in the folder and its owners' subfolders (headers only, each
+        checked as a thaw checks it; the tensors are verified on thaw), skipping with a log line
+        whatever is not one (a FIFO or a folder is refused at once, never waited on), or is not its
+        folder's owner's; remove what killed writers left."""
         from floe.snapshot import SnapshotError, clean_stale, header
 
-        for path in clean_stale(self.folder):
-            log.info("removed %s, left by a snapshot writer that was killed", path.name)
-        for path in sorted(self.folder.glob("*.safetensors")):
-            try:
-                record = _app_record(header(path))
-            except (SnapshotError, NotASession) as e:
-                self.skipped.append(f"{path.name}: {e}")
-                log.warning("skipping %s: %s", path.name, e)
-                continue
-            sid = path.stem
-            self.sessions[sid] = Session(sid, path, messages=record["messages"], seed=record["seed"])
+        owners = [("", self.folder), *((d.name, d) for d in sorted(self.folder.iterdir())
+                                       if OWNER.fullmatch(d.name) and d.is_dir() and not d.is_symlink())]
+        for owner, folder in owners:
+            for path in clean_stale(folder):
+                log.info("removed %s, left by a snapshot writer that was killed", path.name)
+            for path in sorted(folder.glob("*.safetensors")):
+                name = str(path.relative_to(self.folder))
+                try:
+                    record = _app_record(header(path))
+                    if record["owner"] != owner:  # moved: it stays its owner's, never another's
+                        raise NotASession("its record names another owner than its folder's")
+                    if not SESSION_ID.fullmatch(path.stem):
+                        raise NotASession("its name is not a session id (letters, digits, _ . -)")
+                except (SnapshotError, NotASession) as e:
+                    self.skipped.append(f"{name}: {e}")
+                    log.warning("skipping %s: %s", name, e)
+                    continue
+                # Least recently used first, also across a restart: its last use was its last freeze.
+                used = time.monotonic() - max(0.0, time.time() - path.stat().st_mtime)
+                session = Session(path.stem, path, messages=record["messages"], seed=record["seed"],
+                                  owner=owner, anonymous=record["anonymous"], last_used=used)
+                self.sessions[session.key] = session
         return len(self.sessions)
 
     # ---- choosing the session for a request --------------------------------------------------------
 
-    def acquire(self, session_id: str | None, messages: list[dict], seed: int) -> tuple[Session, list[dict]]:
-        """The session this request continues, locked for it, and the earlier messages it must load
-        before the last (user) one. Without an id: the session whose conversation is the longest
-        prefix of this one, or a new session."""
+    def acquire(self, session_id: str | None, messages: list[dict], seed: int,
+                owner: str = "") -> tuple[Session, list[dict]]:
+        """The session of `owner`'s this request continues, locked for it, and the earlier messages
+        it must load before the last (user) one. Without an id: the owner's session whose
+        conversation is the longest prefix of this one, or a new (anonymous) session."""
         history = messages[:-1]
         while True:
-            session = self._choose(session_id, history, seed)
+            session = self._choose(session_id, history, seed, owner)
             session.lock.acquire()
             with self.lock:
-                if self.sessions.get(session.id) is session:
+                if self.sessions.get(session.key) is session:
                     break
             # Dropped while this request waited for it (a failed start, a guest error, a delete):
             # choose again rather than run in a session the store no longer holds.
@@ -151,36 +195,56 @@ class SessionStore:
         if not is_prefix(session.messages, history):  # another request moved it on meanwhile
             session.lock.release()
             raise HistoryMismatch(f"session {session.id!r} changed while this request waited")
+        if session.anonymous and not session.messages:  # a new one: room for it
+            self._bound_anonymous(session)
         return session, history[len(session.messages):]
 
-    def _choose(self, session_id: str | None, history: list[dict], seed: int) -> Session:
+    def _choose(self, session_id: str | None, history: list[dict], seed: int, owner: str) -> Session:
         """The session for a request (acquire's choice, not yet locked)."""
         with self.lock:
             if session_id is not None:
-                if not SESSION_ID.fullmatch(session_id):
-                    raise SessionError(f"session id {session_id!r} is not valid (letters, digits, _ . -)")
-                session = self.sessions.get(session_id)
+                session = self.sessions.get(session_key(owner, _checked(session_id)))
                 if session is None:
                     if any(m["role"] == "assistant" for m in history):
                         raise UnknownSession(f"no session {session_id!r} (a new session starts with "
                                              "no assistant messages)")
-                    session = self._new(session_id, seed)
+                    session = self._new(session_id, seed, owner)
                 elif not is_prefix(session.messages, history):
                     raise HistoryMismatch(
                         f"session {session_id!r} holds {len(session.messages)} messages that are not "
                         "the start of this request's conversation")
             else:
-                candidates = [s for s in self.sessions.values() if s.messages and not s.lock.locked()
-                              and is_prefix(s.messages, history)]
+                candidates = [s for s in self.sessions.values() if s.owner == owner and s.messages
+                              and not s.lock.locked() and is_prefix(s.messages, history)]
                 session = max(candidates, key=lambda s: len(s.messages), default=None)
                 if session is None:
-                    session = self._new(uuid.uuid4().hex[:16], seed)
+                    session = self._new(uuid.uuid4().hex[:16], seed, owner, anonymous=True)
             return session
 
-    def _new(self, sid: str, seed: int) -> Session:
-        session = Session(sid, self.folder / f"{sid}.safetensors", seed=seed)
-        self.sessions[sid] = session
+    def _new(self, sid: str, seed: int, owner: str, anonymous: bool = False) -> Session:
+        session = Session(sid, self.folder / owner / f"{sid}.safetensors", seed=seed, owner=owner,
+                          anonymous=anonymous)  # folder / "" / name is folder / name
+        self.sessions[session.key] = session
         return session
+
+    def _bound_anonymous(self, new: Session) -> None:
+        """Forget the least recently used idle anonymous sessions of `new`'s owner beyond
+        max_anonymous (running ones are kept: at most a KV slot's worth more)."""
+        with self.lock:
+            others = sorted((s for s in self.sessions.values() if s.anonymous and s.owner == new.owner
+                             and s is not new), key=lambda s: s.last_used)
+        excess = len(others) + 1 - self.max_anonymous
+        for victim in others:
+            if excess <= 0:
+                return
+            if victim.lock.acquire(blocking=False):
+                try:
+                    if self._forget_locked(victim):
+                        excess -= 1
+                        log.info("forgot anonymous session %s (over %d of its owner's)", victim.id,
+                                 self.max_anonymous)
+                finally:
+                    victim.lock.release()
 
     # ---- running a message -------------------------------------------------------------------------
 
@@ -226,7 +290,7 @@ class SessionStore:
         except BaseException:
             if not session.messages and not session.path.exists():
                 with self.lock:
-                    self.sessions.pop(session.id, None)
+                    self.sessions.pop(session.key, None)
             raise
 
     def release(self, session: Session) -> None:
@@ -271,7 +335,7 @@ class SessionStore:
             session.messages = _app_record(header(session.path))["messages"]
         else:
             with self.lock:
-                self.sessions.pop(session.id, None)
+                self.sessions.pop(session.key, None)
 
     def _reserve_slot(self) -> None:
         """Count a KV slot for a session about to go live (its actor claims it next), freezing the
@@ -308,26 +372,29 @@ class SessionStore:
     def _freeze_locked(self, session: Session) -> dict:
         """Write the session's snapshot, then close its actor (caller holds session.lock)."""
         t = time.perf_counter()
+        session.path.parent.mkdir(mode=0o700, exist_ok=True)  # an owner's folder
         info = session.actor.freeze(session.path, app={"floe_server": {
-            "id": session.id, "messages": session.messages, "seed": session.seed}})
+            "id": session.id, "owner": session.owner, "anonymous": session.anonymous,
+            "messages": session.messages, "seed": session.seed}})
         session.actor.close()
         session.actor = None
         self.on_freeze(time.perf_counter() - t)
         return info
 
-    def freeze(self, sid: str) -> dict:
-        session = self.get(sid)
+    def freeze(self, sid: str, owner: str = "") -> dict:
+        """Freeze `owner`'s session `sid` now: its id, state, snapshot bytes and the seconds it took."""
+        session = self.get(sid, owner)
         with session.lock:
             if session.live:
                 info = self._freeze_locked(session)
             elif session.path.exists():
-                info = {"path": str(session.path), "bytes": session.path.stat().st_size, "seconds": 0.0}
+                info = {"bytes": session.path.stat().st_size, "seconds": 0.0}
             else:
                 raise SessionError(f"session {sid!r} has no state to freeze yet")
-        return info | {"id": sid, "state": "frozen"}
+        return {"id": sid, "state": "frozen", "bytes": info["bytes"], "seconds": info["seconds"]}
 
-    def thaw(self, sid: str) -> dict:
-        session = self.get(sid)
+    def thaw(self, sid: str, owner: str = "") -> dict:
+        session = self.get(sid, owner)
         with session.lock:
             self._ensure_live(session)
         return session.describe()
@@ -350,22 +417,34 @@ class SessionStore:
 
     # ---- bookkeeping -------------------------------------------------------------------------------
 
-    def get(self, sid: str) -> Session:
+    def get(self, sid: str, owner: str = "") -> Session:
+        """`owner`'s session `sid` (another owner's is as unknown as one that does not exist)."""
         with self.lock:
-            session = self.sessions.get(sid)
+            session = self.sessions.get(session_key(owner, _checked(sid)))
         if session is None:
             raise UnknownSession(f"no session {sid!r}")
         return session
 
-    def delete(self, sid: str) -> None:
-        session = self.get(sid)
+    def delete(self, sid: str, owner: str = "") -> None:
+        session = self.get(sid, owner)
         with session.lock:
-            if session.actor is not None:
-                session.actor.close()
-                session.actor = None
-            session.path.unlink(missing_ok=True)
-            with self.lock:
-                self.sessions.pop(sid, None)
+            if not self._forget_locked(session):
+                raise UnknownSession(f"no session {sid!r}")
+
+    def _forget_locked(self, session: Session) -> bool:
+        """Close the (locked) session's actor, delete its snapshot and drop it; False if the store had
+        dropped it already. It stays registered until its file is gone: a new session of its id
+        cannot be made (and frozen to that file) meanwhile."""
+        with self.lock:
+            if self.sessions.get(session.key) is not session:
+                return False
+        if session.actor is not None:
+            session.actor.close()
+            session.actor = None
+        session.path.unlink(missing_ok=True)
+        with self.lock:
+            del self.sessions[session.key]
+        return True
 
     def counts(self) -> dict[str, int]:
         with self.lock:
@@ -441,6 +520,14 @@ class SessionStore:
                         session.actor = None
 
 
+def _checked(sid: str) -> str:
+    """A session id as given, if it is one: never a path (no / or \\, no leading dot, no control
+    characters), so its file lies in the snapshot folder."""
+    if not SESSION_ID.fullmatch(sid):
+        raise SessionError(f"session id {sid[:200]!r} is not valid (letters, digits, _ . -; at most 128)")
+    return sid
+
+
 class NotASession(ValueError):
     """A snapshot without a well-formed conversation record of floe serve's."""
 
@@ -455,7 +542,10 @@ def _app_record(metadata: dict[str, str]) -> dict:
             isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
             for m in messages):
         raise NotASession("not a floe serve session (no conversation record of role and content messages)")
-    seed = record.get("seed", 0)
+    seed, owner, anonymous = record.get("seed", 0), record.get("owner", ""), record.get("anonymous", False)
     if type(seed) is not int:
         raise NotASession(f"not a floe serve session (its seed {str(seed)[:20]!r} is not an integer)")
-    return {"messages": messages, "seed": seed}
+    if not (isinstance(owner, str) and OWNER.fullmatch(owner)) or type(anonymous) is not bool:
+        raise NotASession("not a floe serve session (its owner is not an owner id or 'anonymous' not a "
+                          "boolean)")
+    return {"messages": messages, "seed": seed, "owner": owner, "anonymous": anonymous}
