@@ -6,7 +6,7 @@ All the linears of one decode token (30 layers' qkv, o, gate+up, down, and the t
 fp32, bf16, int8 weight-only (`torch._weight_int8pack_mm`, per-row scales, bf16 activations), int4
 weight-only (`torch._weight_int4pack_mm_for_cpu`, groups of 32 with a scale and a zero: the layout
 Q4_1 maps onto exactly), and floe's int8-activation kernel in each variant this CPU runs (4-bit
-codes for the layers, 8-bit for the head, fp16 scales: the SmolLM2 Q4_1 file's mix).
+blocks for the layers (Q4_1), 8-bit for the head (Q8_0), read in place: the SmolLM2 Q4_1 file's mix).
 Shows what a faster CPU decode needs: fewer weight bytes through a kernel that streams them well.
 Prints a table; writes bench/results/cpu_gemv.json.
 """
@@ -45,21 +45,24 @@ def time_all(fn, weights, xs, repeats: int = 10) -> float:
 
 
 def floe_rows(shapes: list[tuple[int, int]], x32: dict) -> dict[str, tuple[float, int]]:
-    """(seconds, bytes) a token for each variant of floe's kernel this CPU runs."""
+    """(seconds, bytes) a token for each variant of floe's kernel this CPU runs, on GGUF blocks."""
     from floe.engine import qgemv
 
     weights = []
     for i, (o, k) in enumerate(shapes):
-        bits = 8 if i == len(shapes) - 1 else 4  # the head as Q8_0, the layers as Q4_1
-        codes = torch.randint(0, 256, (o, k * bits // 8), dtype=torch.uint8)
-        weights.append((codes, torch.randn(2, o, k // 32).half(), k))
-    nbytes = sum(c.nbytes + so.nbytes for c, so, _ in weights)
+        head = i == len(shapes) - 1  # the head as Q8_0 (34-byte blocks), the layers as Q4_1 (20)
+        blocks = torch.randint(0, 256, (o, k // 32, 34 if head else 20), dtype=torch.uint8)
+        blocks[..., 0:2] = torch.rand(o, k // 32, 1).mul(0.01).half().view(torch.uint8)  # fp16 d
+        if not head:
+            blocks[..., 2:4] = torch.rand(o, k // 32, 1).mul(-0.1).half().view(torch.uint8)  # fp16 m
+        weights.append((blocks.view(o, -1), k))
+    nbytes = sum(b.nbytes for b, _ in weights)
     rows = {}
     for name in qgemv.runnable():
         number = qgemv.load(name)
 
         def gemv(x, w, number=number):
-            return torch.ops.floe.gemv_q(x, w[0], w[1][0], w[1][1], number)
+            return torch.ops.floe.gemv_q(x, w[0], number)
 
         rows[f"floe {name} (int8 x 4/8-bit)"] = (time_all(gemv, weights, x32), nbytes)
     return rows

@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 from models import _add_field, save_hf_folder, tokenizer_fields, write_gguf
+from toolchain import has_compiler
 
 from floe.engine import Engine
 from floe.engine.transformer import QuantizedEmbedding
@@ -49,11 +50,12 @@ def runtime_bytes() -> int:
 
 def test_floe_run_on_the_default_model_peaks_under_500_mb():
     """Measured before: 1.26-2.0 GB (a float32 checkpoint, bf16 prefill copies, the whole KV cache
-    written by torch.zeros); after: ~420 MB, of which ~230 MB is torch and floe's modules."""
+    written by torch.zeros); after: ~425 MB, of which ~250 MB is torch and floe's modules and 98 MB
+    the file, whose blocks the kernel reads in place."""
     r = peak_rss(RUN, "run", "What is the capital of France?", "--max-tokens", "8", "--threads", "2",
                  "--json")
     assert "Paris" in json.loads(r["stdout"])["text"]
-    assert r["vmhwm"] <= 500e6, f"peak RSS {r['vmhwm'] / 1e6:.0f} MB"
+    assert r["vmhwm"] <= 460e6, f"peak RSS {r['vmhwm'] / 1e6:.0f} MB"
 
 
 def write_q4_0_gguf(path: Path, dim: int, n_layers: int, n_heads: int, n_kv: int, ffn: int, vocab: int,
@@ -106,10 +108,12 @@ def q4_0_1b(tmp_path_factory) -> Path:
     return write_q4_0_gguf(tmp_path_factory.mktemp("q4_0_1b") / "llama-1b-q4_0.gguf", **SHAPE_1B)
 
 
-def test_floe_run_on_a_1b_q4_0_file_peaks_under_1_3x_the_file_plus_kv_and_runtime(q4_0_1b, runtime_bytes):
-    """llama.cpp maps the file (RSS ~ file size). floe copies what its kernel reads in another layout
-    (codes apart from scales: 20 bytes per 18 of the file) and leaves the file's pages once read;
-    the 4-bit prefill dequantizes one band at a time. Before: a float32 checkpoint alone, ~5 GB."""
+def test_floe_run_on_a_1b_q4_0_file_peaks_at_the_file_plus_kv_and_runtime(q4_0_1b, runtime_bytes):
+    """llama.cpp maps the file (RSS ~ file size), and so does floe: its kernel reads the file's Q4_0
+    blocks in place (stacked and re-ordered matrices: one copy of the file's blocks, the file's pages
+    left), and the 4-bit prefill dequantizes one band at a time. Measured: file + KV + runtime + 74 MB
+    (tokenizer, guest, TorchScript); with the kernel's own layout (20 bytes per 18): + 190 MB; with a
+    float32 checkpoint: ~12 GB."""
     context, layers = 256, SHAPE_1B["n_layers"]
     head_dim = SHAPE_1B["dim"] // SHAPE_1B["n_heads"]
     kv_bytes = 2 * layers * SHAPE_1B["n_kv"] * head_dim * context * 4  # float32 K and V, every position
@@ -118,7 +122,7 @@ def test_floe_run_on_a_1b_q4_0_file_peaks_under_1_3x_the_file_plus_kv_and_runtim
     record = json.loads(r["stdout"])
     assert record["weights"]["quantized"] == {"Q4_0": 1 + 4 * layers}  # every matrix as the file has it
     file_bytes = q4_0_1b.stat().st_size
-    bound = 1.3 * file_bytes + kv_bytes + runtime_bytes
+    bound = file_bytes + kv_bytes + runtime_bytes + 100e6
     assert r["vmhwm"] <= bound, (f"peak RSS {r['vmhwm'] / 1e6:.0f} MB > {bound / 1e6:.0f} MB (file "
                                  f"{file_bytes / 1e6:.0f} MB, runtime {runtime_bytes / 1e6:.0f} MB)")
 
@@ -156,6 +160,23 @@ def test_quantized_weights_are_views_of_the_file(tiny_q8):
     quantized = load_checkpoint(tiny_q8).quantized
     assert mapped_file(quantized["layers.0.attention.wo.weight"].blocks) == os.path.realpath(tiny_q8)
     assert mapped_file(quantized["layers.0.attention.wq.weight"].blocks) is None  # rows un-permuted: a copy
+
+
+def test_native_layers_read_the_files_blocks_in_place(tiny_q8):
+    """The kernel's weight is the file's memory map; a stacked matrix (gate and up) is one copy of the
+    file's blocks, byte for byte, not another layout."""
+    from floe.engine.qgemv import QLinear
+
+    if not has_compiler():
+        pytest.skip("no C++ compiler: native weights run PyTorch's packed int4 here")
+    checkpoint = load_checkpoint(tiny_q8)
+    layer = Engine(checkpoint, max_seq_len=32, weights="native").model.layers[0]
+    for module in (layer.attention.wo, layer.feed_forward.w2):
+        assert isinstance(module, QLinear) and mapped_file(module.blocks) == os.path.realpath(tiny_q8)
+    gate_up = [checkpoint.quantized[f"layers.0.feed_forward.{n}.weight"].blocks for n in ("w1", "w3")]
+    stacked = np.concatenate(gate_up)
+    assert mapped_file(layer.feed_forward.w13.blocks) is None
+    assert np.array_equal(layer.feed_forward.w13.blocks.numpy(), stacked)
 
 
 def test_native_embeddings_are_looked_up_in_the_file(tiny_q8):

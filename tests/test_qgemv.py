@@ -70,7 +70,8 @@ def test_every_variant_is_the_exact_linear_of_int8_rounded_inputs(tiny, variant)
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 def test_every_variant_on_wide_rows_with_a_tail(qtype, variant):
-    """19 groups a row: two blocks of 8 (the unrolled loop) and a tail of 3; fp16 and fp32 scales."""
+    """19 groups a row: two blocks of 8 (the unrolled loop) and a tail of 3; the file's blocks read in
+    place, and (4-bit) the same weight as Q4_F blocks (Q4_K's float32 layout) gives the same outputs."""
     rng = np.random.default_rng(3)
     w = rng.standard_normal((37, 19 * GROUP)).astype(np.float32)
     q = QuantizedWeight(qtype.name, w.shape, quantize(w, qtype))
@@ -78,25 +79,11 @@ def test_every_variant_on_wide_rows_with_a_tail(qtype, variant):
     x = torch.from_numpy(rng.standard_normal((2, w.shape[1])).astype(np.float32))
     y = layer(x)
     assert_exact(y, x, q.dequantize())
-    assert layer.scale_offset.dtype == torch.float16  # the file's fp16 scales, kept as they are
-    layer.scale_offset = layer.scale_offset.float()  # the float32 variant (Q4_K's) computes the same
-    torch.testing.assert_close(layer(x), y, rtol=1e-6, atol=1e-6 * float(y.abs().max()))
-
-
-def rows_in_torch(layer: qgemv.QLinear, index, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `index` of the layer's weight as the prompt path computed them before the kernel did:
-    scale·code + offset in float32 per group (PyTorch's addcmul), then rounded to `dtype`."""
-    codes = layer.codes[index]
-    scale, offset = (t[index, :, None].float() for t in layer.scale_offset)
-    n, groups = codes.shape[0], layer.in_features // GROUP
-    w = torch.empty(n, groups, GROUP)
-    if layer.bits == 8:
-        torch.addcmul(offset, codes.view(n, groups, GROUP).float(), scale, out=w)
-    else:
-        codes = codes.view(n, groups, GROUP // 2)
-        torch.addcmul(offset, (codes & 15).float(), scale, out=w[..., : GROUP // 2])
-        torch.addcmul(offset, (codes >> 4).float(), scale, out=w[..., GROUP // 2 :])
-    return w.view(n, layer.in_features).to(dtype)
+    assert layer.blocks.data_ptr() == q.blocks.__array_interface__["data"][0]  # the file's bytes, no copy
+    if qtype != Q.Q8_0:
+        layer.blocks = qgemv.q4_f_blocks(q)
+        assert layer.blocks.shape == (37, 19 * 24)
+        torch.testing.assert_close(layer(x), y, rtol=1e-6, atol=1e-6 * float(y.abs().max()))
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -104,21 +91,22 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(bits), b.view(bits))
 
 
-def test_every_variant_dequantizes_rows_bitwise_as_pytorch_did(tiny, variant):
-    """A prompt's bands of weight values come from the kernel in one pass: the same bits, in float32
-    and in bfloat16, as PyTorch's float passes gave (a code times a file's scale is exact in float32,
-    so the one rounding is the sum's), for the file's fp16 scales and as float32, for a band of rows
-    and for scattered rows (exact_top's)."""
+def test_every_variant_dequantizes_rows_as_the_file_holds_them(tiny, variant):
+    """A prompt's bands of weight values come from the kernel in one pass: the file's values in
+    float32 (a code times a file's scale is exact in float32, so the one rounding is the sum's) and
+    those rounded to bfloat16 as PyTorch rounds, for a band of rows and for scattered rows
+    (exact_top's); 4-bit weights also from their Q4_F blocks."""
     for name in ("layers.0.feed_forward.w2.weight", "layers.1.attention.wq.weight"):
         q = tiny.quantized[name]
         layer = qgemv.QLinear(q, dense=False, kernel=variant)
-        assert torch.equal(layer.rows(slice(0, q.shape[0])).double(), q.dequantize().double())
-        for scale_offset in (layer.scale_offset, layer.scale_offset.float()):
-            layer.scale_offset = scale_offset
-            for dtype in (torch.float32, torch.bfloat16):
-                for index in (slice(0, q.shape[0]), slice(3, 17), torch.tensor([9, 0, 5, 9])):
-                    expect = rows_in_torch(layer, index, dtype)
-                    assert same_bits(layer.rows(index, dtype), expect), (name, dtype)
+        exact = q.dequantize()
+        layouts = [layer.blocks] + ([qgemv.q4_f_blocks(q)] if q.qtype != "Q8_0" else [])
+        for blocks in layouts:
+            layer.blocks = blocks
+            for index in (slice(0, q.shape[0]), slice(3, 17), torch.tensor([9, 0, 5, 9])):
+                values = layer.rows(index)
+                assert torch.equal(values, exact[index]), name  # (as values: ±0 alike)
+                assert same_bits(layer.rows(index, torch.bfloat16), values.bfloat16()), name
 
 
 def test_bfloat16_rows_round_ties_to_even_as_pytorch(variant):
@@ -132,7 +120,6 @@ def test_bfloat16_rows_round_ties_to_even_as_pytorch(variant):
         exact = layer.rows(slice(0, 4))
         rounded = layer.rows(slice(0, 4), torch.bfloat16)
         assert same_bits(rounded, exact.bfloat16())
-        assert same_bits(rounded, rows_in_torch(layer, slice(0, 4), torch.bfloat16))
         ties = (exact.view(torch.int32) & 0xFFFF) == 0x8000
         directions |= set((rounded.float().abs() > exact.abs())[ties].tolist())
     assert directions == {True, False}

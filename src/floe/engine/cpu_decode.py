@@ -37,12 +37,12 @@ from floe.engine.transformer import Transformer
 
 def project(x: Tensor, weight: Tensor, scales: Tensor, repeat: int) -> Tensor:
     """x Wᵀ for the rows of x. repeat > 0: W packed int4 (x bf16, repeated `repeat` times along its
-    rows); 0: dense (x already in W's dtype); < 0: W as 4- or 8-bit codes for floe's kernel number
-    -repeat (x float32, scales the [2, rows, groups] scale and offset)."""
+    rows); 0: dense (x already in W's dtype); < 0: W the file's quantized blocks for floe's kernel
+    number -repeat (x float32, scales unused)."""
     if repeat == 0:
         return F.linear(x, weight)
     if repeat < 0:
-        return torch.ops.floe.gemv_q(x, weight, scales[0], scales[1], -repeat)
+        return torch.ops.floe.gemv_q(x, weight, -repeat)
     if repeat > 1:
         x = x.repeat(1, repeat)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, 32, scales)
@@ -154,7 +154,7 @@ def _weights(module) -> tuple[Tensor, Tensor, int]:
     from floe.engine.qgemv import QLinear
 
     if isinstance(module, QLinear):
-        return module.codes, module.scale_offset, -module.number
+        return module.blocks, torch.empty(0), -module.number
     if isinstance(module, Int4Linear):
         return module.packed, module.scales_zeros, module.k_repeat
     return module.weight, torch.empty(0), 0

@@ -16,8 +16,14 @@ The variant is chosen from the CPU's feature flags *before* anything is compiled
 library of its own built with that variant's flags (a second or two), opened by one PyTorch operator,
 `torch.ops.floe.gemv_q` (csrc/qdot/op.cpp, built once per machine, ~35 s).
 
-    Q4_0, Q4_1, Q4_K  →  4-bit codes, w = scale·code + offset per group of 32 (from int4_groups)
-    Q8_0              →  8-bit codes = q + 128, scale d, offset −128·d
+The kernel reads the weight in place, in its file's blocks of 32 (`csrc/qdot/abi.h`): a layer's
+weight is the file's memory map (or, for stacked and re-ordered matrices, one copy of the file's
+blocks), each row one stream of [scale, (offset,) codes] blocks.
+
+    Q4_0  fp16 d, 16 nibble bytes           w = d·(q − 8)    the file's blocks, 18 bytes
+    Q4_1  fp16 d, fp16 m, 16 nibble bytes   w = d·q + m      the file's blocks, 20 bytes
+    Q8_0  fp16 d, 32 int8                   w = d·q          the file's blocks, 34 bytes
+    Q4_K  → Q4_F: fp32 s, fp32 o, 16 nibble bytes, w = s·q + o (its exact groups of 32, repacked; 24 bytes)
 """
 
 from __future__ import annotations
@@ -73,8 +79,8 @@ VARIANTS = {v.name: v for v in (
 # The operator's schema, declared here so that TorchScript compiles code naming it even where the
 # operator cannot be built (then no layer calls it); op.cpp adds the CPU implementation.
 _schema = torch.library.Library("floe", "FRAGMENT")
-_schema.define("gemv_q(Tensor x, Tensor codes, Tensor scale, Tensor offset, int kernel) -> Tensor")
-_schema.define("dequant_q(Tensor codes, Tensor scale, Tensor offset, ScalarType dtype, int kernel) -> Tensor")
+_schema.define("gemv_q(Tensor x, Tensor blocks, int kernel) -> Tensor")
+_schema.define("dequant_q(Tensor blocks, int k, ScalarType dtype, int kernel) -> Tensor")
 
 _lock = threading.Lock()
 _numbers: dict[str, int] = {}  # variant -> its number for torch.ops.floe.gemv_q
@@ -155,34 +161,35 @@ def supports(weight: QuantizedWeight) -> bool:
     return weight.qtype in ("Q4_0", "Q4_1", "Q4_K", "Q8_0") and weight.has_int4_form
 
 
-def _codes(weight: QuantizedWeight) -> tuple[Tensor, Tensor, int]:
-    """(codes, [scale, offset], bits) for the kernel, from the file's blocks without changing a value.
-    Q4_0 and Q4_1 keep the file's nibble bytes as they are. Scales and offsets are stored in float16
-    where that is exact (the file's own fp16 scales: Q4_0, Q4_1, Q8_0), else float32 (Q4_K's products
-    of two scales)."""
+IN_PLACE = ("Q4_0", "Q4_1", "Q8_0")  # the kernel reads these types' blocks as the file has them
+
+
+def kernel_blocks(weight: QuantizedWeight) -> Tensor:
+    """The weight as the kernel reads it, uint8 [rows, bytes a row]: Q4_0, Q4_1 and Q8_0 the file's
+    own blocks (the same memory: no copy), Q4_K its exact groups of 32 repacked as Q4_F."""
     import numpy as np
 
+    if weight.qtype not in IN_PLACE:
+        return q4_f_blocks(weight)
+    blocks = weight.blocks if weight.blocks.flags.c_contiguous else np.ascontiguousarray(weight.blocks)
+    return torch.from_numpy(blocks.reshape(weight.shape[0], -1))
+
+
+def q4_f_blocks(weight: QuantizedWeight) -> Tensor:
+    """A 4-bit weight's exact groups of 32 as Q4_F blocks: float32 scale s, float32 offset o and the 16
+    nibble bytes (byte j: weight j low, j + 16 high), w = s·q + o."""
+    import numpy as np
+
+    g = weight.int4_groups()
+    if g is None or g.k_repeat != 1:
+        raise ValueError(f"{weight.qtype} {weight.shape} has no 4-bit groups")
     rows, cols = weight.shape
-    b = weight.blocks.reshape(rows, cols // GROUP, -1)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if weight.qtype == "Q8_0":  # w = d * q8 = d * (q8 + 128) - 128 d
-        codes, bits = (b[..., 2:34].copy().view(np.int8).astype(np.int16) + 128).astype(np.uint8), 8
-        scale, offset = d, -128 * d
-    elif weight.qtype == "Q4_0":  # w = d * (q - 8); byte j holds values j (low) and j + 16 (high)
-        codes, bits, scale, offset = b[..., 2:18], 4, d, -8 * d
-    elif weight.qtype == "Q4_1":  # w = d * q + m
-        codes, bits, scale = b[..., 4:20], 4, d
-        offset = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    else:  # Q4_K via its exact groups: w = (q - 8) * scale + zero = scale * q + (zero - 8 * scale)
-        g = weight.int4_groups()
-        q = g.codes.reshape(rows, cols // GROUP, GROUP)
-        codes, bits, scale, offset = q[..., :16] | (q[..., 16:] << 4), 4, g.scale, g.zero - 8 * g.scale
-    scale_offset = np.stack([scale, offset]).astype(np.float32)
-    half = scale_offset.astype(np.float16)
-    if np.array_equal(half.astype(np.float32), scale_offset):
-        scale_offset = half  # exact in half the bytes
-    return (torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
-            torch.from_numpy(np.ascontiguousarray(scale_offset)), bits)
+    q = g.codes.reshape(rows, cols // GROUP, GROUP)
+    nibbles = q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)
+    scale = g.scale.astype(np.float32).reshape(rows, -1, 1)
+    offset = (g.zero - 8 * g.scale).astype(np.float32).reshape(rows, -1, 1)  # (q − 8)·s + z = s·q + o
+    blocks = np.concatenate([scale.view(np.uint8), offset.view(np.uint8), nibbles.astype(np.uint8)], -1)
+    return torch.from_numpy(blocks.reshape(rows, -1))
 
 
 class QLinear(nn.Module):
@@ -199,9 +206,7 @@ class QLinear(nn.Module):
         self.kernel = torch.ops.floe.qdot_name(self.number)
         self.qtype = weight.qtype
         self.out_features, self.in_features = weight.shape
-        codes, scale_offset, self.bits = _codes(weight)
-        self.codes = codes.contiguous()
-        self.scale_offset = scale_offset.contiguous()  # [2, rows, groups], float16 or float32
+        self.blocks = kernel_blocks(weight)  # uint8 [rows, bytes a row]: the file's blocks, in place
         self.bias = None if bias is None else bias.float()
         self.dense = weight.dequantize(gemm_dtype()) if dense else None
         # exact_top (the vocabulary head): per row, how far the int8 rounding of one input group of
@@ -211,13 +216,13 @@ class QLinear(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes one pass over the weight reads."""
-        return self.codes.nbytes + self.scale_offset.nbytes
+        return self.blocks.nbytes
 
     def forward(self, x: Tensor) -> Tensor:
         if self.dense is not None and x.shape[0] >= DENSE_FROM_ROWS:
             return F.linear(x.to(self.dense.dtype), self.dense, None if self.bias is None
                             else self.bias.to(self.dense.dtype)).float()
-        y = torch.ops.floe.gemv_q(x, self.codes, self.scale_offset[0], self.scale_offset[1], self.number)
+        y = torch.ops.floe.gemv_q(x, self.blocks, self.number)
         if self.bias is not None:
             y.add_(self.bias)
         if self.rounding_bound is not None:
@@ -227,8 +232,7 @@ class QLinear(nn.Module):
     def rows(self, index: slice | Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """Rows `index` of the weight in `dtype` (float32 or bfloat16): w = scale·code + offset,
         rounded once to float32 (then to bfloat16, to nearest even), in one pass of the kernel."""
-        return torch.ops.floe.dequant_q(self.codes[index], self.scale_offset[0, index],
-                                        self.scale_offset[1, index], dtype, self.number)
+        return torch.ops.floe.dequant_q(self.blocks[index], self.in_features, dtype, self.number)
 
     def _abs_sums(self, band: int = 1 << 20) -> Tensor:
         """float32 [rows, groups]: the sum of |w| over each group of 32 of each row."""

@@ -6,33 +6,43 @@
 
 #include <stdint.h>
 
-#define FLOE_QDOT_ABI 4
+#define FLOE_QDOT_ABI 5
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-// Outputs [begin, end) of y = x Wt for m input rows quantized by `quantize` (qx [m, K], xs and u
-// [m, K/32]), row r's written to y[r * ldy + begin .. end). codes: uint8 [N, K/2] (4-bit) or [N, K]
-// (8-bit); scale, offset: [N, K/32], float32 or IEEE half (uint16 bits).
-typedef void (*floe_qdot_rows_fn)(const uint8_t* codes, const void* scale, const void* offset,
-                                  const int8_t* qx, const float* xs, const float* u, int64_t m,
+// The weight's block formats: each row is K/32 blocks of 32 weights, one after another, as a GGUF file
+// stores them (the kernel reads the file's bytes in place). A format is named by its block's size, so
+// the operator tells them apart by the bytes a row has per 32 inputs.
+enum FloeQdotFormat {
+  FLOE_Q4_0 = 0,  // 18 bytes: fp16 d, 16 bytes of nibbles; w = d (q - 8)
+  FLOE_Q4_1 = 1,  // 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; w = d q + m
+  FLOE_Q8_0 = 2,  // 34 bytes: fp16 d, 32 int8 q; w = d q
+  FLOE_Q4_F = 3,  // 24 bytes: float32 s, float32 o, 16 bytes of nibbles; w = s q + o (floe's Q4_K groups)
+  FLOE_QDOT_FORMATS = 4
+};
+// (in the nibble formats, byte j of a block holds weight j in its low nibble and weight j + 16 in its high)
+
+// Outputs [begin, end) of y = x Wt for m input rows quantized by `quantize` (qx [m, K], xsu [m, K/16]),
+// row r's written to y[r * ldy + begin .. end); blocks: the weight, [N, K/32] blocks.
+typedef void (*floe_qdot_rows_fn)(const uint8_t* blocks, const int8_t* qx, const float* xsu, int64_t m,
                                   int64_t groups, int64_t begin, int64_t end, float* y, int64_t ldy);
 
-// Weight rows [begin, end) as values, w = scale * code + offset (codes, scale, offset as above),
-// written as float32 or bfloat16 (bits) to out, row n at out + (n - begin) * K.
-typedef void (*floe_qdot_dequant_fn)(const uint8_t* codes, const void* scale, const void* offset,
-                                     int64_t groups, int64_t begin, int64_t end, void* out);
+// Weight rows [begin, end) as values (blocks as above), written as float32 or bfloat16 (bits) to out,
+// row n at out + (n - begin) * K.
+typedef void (*floe_qdot_dequant_fn)(const uint8_t* blocks, int64_t groups, int64_t begin, int64_t end,
+                                     void* out);
 
 typedef struct FloeQdotKernel {
   int abi;           // FLOE_QDOT_ABI
   const char* name;  // "portable", "avx2", "vnni", "neon"
   int (*runs_here)(void);  // whether this CPU has every instruction the variant uses
-  // x [K] -> qx int8 [K], xs [K/32] (each group's step), u [K/32] (step * sum of the group's qx);
+  // x [K] -> qx int8 [K], xsu [K/16] (per group of 32: its step, and step * the sum of its qx);
   // qx is laid out as this variant's rows for codes of that width (four_bit) read it
-  void (*quantize)(const float* x, int64_t k, int four_bit, int8_t* qx, float* xs, float* u);
-  floe_qdot_rows_fn rows[2][2];  // [four_bit][half_scales]
-  floe_qdot_dequant_fn dequant[2][2][2];  // [four_bit][half_scales][bfloat16 out]
+  void (*quantize)(const float* x, int64_t k, int four_bit, int8_t* qx, float* xsu);
+  floe_qdot_rows_fn rows[FLOE_QDOT_FORMATS];
+  floe_qdot_dequant_fn dequant[FLOE_QDOT_FORMATS][2];  // [format][bfloat16 out]
 } FloeQdotKernel;
 
 const FloeQdotKernel* floe_qdot_kernel(void);

@@ -1,6 +1,6 @@
 // AArch64 group dot products with the dot-product extension (ARMv8.2-A +dotprod): vdotq_s32 sums
-// four s8 x s8 products per 32-bit lane. 4-bit codes (0..15) are valid s8 as they are; byte codes
-// become code - 128 (code_bias 128). Compiled in floe's tests by cross-compiling, not run there.
+// four s8 x s8 products per 32-bit lane. 4-bit codes (0..15) and Q8_0's signed bytes are valid s8 as
+// they are. Compiled in floe's tests by cross-compiling, not run there.
 #ifndef FLOE_QDOT_ISA_NEON_H
 #define FLOE_QDOT_ISA_NEON_H
 
@@ -29,7 +29,15 @@ struct Neon : ScalarBlocks {
     return 0;
 #endif
   }
-  static constexpr float code_bias(bool four_bit) { return four_bit ? 0.f : 128.f; }
+  static float half(uint16_t h) {
+    return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
+  }
+  template <class Fmt>
+  static Scales scales8(const uint8_t* b) {  // as ScalarBlocks', with the hardware's fp16 conversion
+    Scales s;
+    for (int j = 0; j < 8; ++j) Fmt::template scale<Neon>(b + j * Fmt::kBytes, s.v[2 * j], s.v[2 * j + 1]);
+    return s;
+  }
   static float32x4_t zero() { return vdupq_n_f32(0.f); }
   static float32x4_t add(float32x4_t a, float32x4_t b) { return vaddq_f32(a, b); }
   static float32x4_t fma(float32x4_t d, float s, float32x4_t acc) { return vfmaq_n_f32(acc, d, s); }
@@ -46,8 +54,7 @@ struct Neon : ScalarBlocks {
       const uint8x16_t b = vld1q_u8(c);
       return {vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), vreinterpretq_s8_u8(vshrq_n_u8(b, 4))};
     }
-    const uint8x16_t m = vdupq_n_u8(0x80);
-    return {vreinterpretq_s8_u8(veorq_u8(vld1q_u8(c), m)), vreinterpretq_s8_u8(veorq_u8(vld1q_u8(c + 16), m))};
+    return {vreinterpretq_s8_u8(vld1q_u8(c)), vreinterpretq_s8_u8(vld1q_u8(c + 16))};
   }
   template <bool FourBit>
   static float32x4_t dot(const Codes& w, const int8_t* q) {

@@ -11,7 +11,6 @@ namespace {
 struct Portable : ScalarBlocks {
   using Acc = float;
   static int runs_here() { return 1; }
-  static constexpr float code_bias(bool) { return 0.f; }
   static float zero() { return 0.f; }
   static float add(float a, float b) { return a + b; }
   static float hsum(float a) { return a; }
@@ -33,7 +32,7 @@ struct Portable : ScalarBlocks {
         w.w[j + 16] = c[j] >> 4;
       }
     } else {
-      for (int j = 0; j < 32; ++j) w.w[j] = c[j];
+      for (int j = 0; j < 32; ++j) w.w[j] = static_cast<int8_t>(c[j]);
     }
     return w;
   }
@@ -41,7 +40,7 @@ struct Portable : ScalarBlocks {
   static float dot(const Codes& w, const int8_t* q) {
     int16_t x[32];
     for (int j = 0; j < 32; ++j) x[j] = q[j];
-    int32_t sum = 0;  // at most 32 x 255 x 127: exact in int32, and in float
+    int32_t sum = 0;  // at most 32 x 128 x 127: exact in int32, and in float
     for (int j = 0; j < 32; ++j) sum += w.w[j] * x[j];
     return static_cast<float>(sum);
   }

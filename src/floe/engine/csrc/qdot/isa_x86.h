@@ -1,13 +1,16 @@
-// x86-64 group dot products on 256-bit vectors. Vnni: one vpdpbusd (u8 x s8, four products summed
-// per 32-bit lane, no saturation; AVX-512 VNNI + VL). Without it, AVX2 as llama.cpp does:
-// vpmaddubsw (u8 x s8 pairs summed to int16, SATURATING) then vpmaddwd to int32. 4-bit codes are
-// safe (|pair| <= 2 x 15 x 127 = 3810); byte codes are not (2 x 255 x 127 > 32767), so for those
-// the codes become signed (code - 128, code_bias 128) and the sign moves to the input:
-// |code - 128| x sign(qx, code - 128), whose pairs are at most 2 x 128 x 127 = 32512.
+// x86-64 group dot products on 256-bit vectors. Vnni: vpdpbusd (u8 x s8, four products summed per
+// 32-bit lane, no saturation; AVX-512 VNNI + VL). Without it, AVX2 as llama.cpp does: vpmaddubsw
+// (u8 x s8 pairs summed to int16, SATURATING) then vpmaddwd to int32. 4-bit codes (0..15) are the
+// unsigned operand as they are (|pair| <= 2 x 15 x 127 = 3810). Q8_0's signed bytes are not
+// unsigned, so, as llama.cpp does, the sign moves to the input: |q| x sign(qx, q), whose pairs are at
+// most 2 x 128 x 127 = 32512 (q = -128: |q| is 0x80, read unsigned as 128).
 #ifndef FLOE_QDOT_ISA_X86_H
 #define FLOE_QDOT_ISA_X86_H
 
 #include <immintrin.h>
+
+#include <cstring>
+#include <type_traits>
 
 #include "qdot.h"
 
@@ -30,7 +33,6 @@ struct X86 {
     }
     return avx2;
   }
-  static constexpr float code_bias(bool four_bit) { return Vnni || four_bit ? 0.f : 128.f; }
   static __m256 zero() { return _mm256_setzero_ps(); }
   static __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
   static __m256 fma(__m256 d, float s, __m256 acc) { return _mm256_fmadd_ps(d, _mm256_set1_ps(s), acc); }
@@ -41,44 +43,111 @@ struct X86 {
     return _mm_cvtss_f32(s);
   }
 
-  // A group's codes as one register of 32 bytes (byte codes without VNNI: made signed, code - 128).
+  static float half(uint16_t h) { return _cvtsh_ss(h); }
+
+  // Eight blocks' [scale, offset] pairs, groups 0-3 in lo and 4-7 in hi. The first four bytes of
+  // each block (Q4_1: d and m; Q4_0, Q8_0: d and two code bytes) are gathered by broadcasts (load
+  // ports only) and blends, four to a register, whose eight fp16 halves one vcvtph2ps converts: no
+  // shuffle, where inserting each (vpinsrw) would queue them all on the port the dot products use.
+  struct Scales {
+    __m256 lo, hi;
+  };
+  using Cs = Scales;  // [scale * step, offset * step * sum] per group
+  template <class Fmt>
+  static Scales scales8(const uint8_t* b) {
+    constexpr int64_t S = Fmt::kBytes;
+    if constexpr (std::is_same_v<Fmt, Q4_F>) {  // float32 s and o: 8 bytes a block
+      return {pairs4<S>(b), pairs4<S>(b + 4 * S)};
+    } else {
+      __m256 lo = _mm256_cvtph_ps(dwords4<S>(b)), hi = _mm256_cvtph_ps(dwords4<S>(b + 4 * S));
+      if constexpr (std::is_same_v<Fmt, Q4_0>) {  // [d, -8 d]
+        const __m256 k = _mm256_setr_ps(1.f, -8.f, 1.f, -8.f, 1.f, -8.f, 1.f, -8.f);
+        lo = _mm256_mul_ps(_mm256_moveldup_ps(lo), k);
+        hi = _mm256_mul_ps(_mm256_moveldup_ps(hi), k);
+      } else if constexpr (std::is_same_v<Fmt, Q8_0>) {  // [d, 0]
+        lo = _mm256_blend_ps(lo, _mm256_setzero_ps(), 0xAA);
+        hi = _mm256_blend_ps(hi, _mm256_setzero_ps(), 0xAA);
+      }
+      return {lo, hi};
+    }
+  }
+  template <int64_t S>
+  static __m128i dwords4(const uint8_t* p) {  // the 32 bits at p, p + S, p + 2 S, p + 3 S
+    const auto at = [p](int j) { return _mm_set1_epi32(static_cast<int>(load_u32(p + j * S))); };
+    return _mm_blend_epi32(_mm_blend_epi32(at(0), at(1), 0xA), _mm_blend_epi32(at(2), at(3), 0xA), 0xC);
+  }
+  template <int64_t S>
+  static __m256 pairs4(const uint8_t* p) {  // the 64 bits at p, p + S, p + 2 S, p + 3 S
+    const auto at = [p](int j) {
+      uint64_t v;
+      std::memcpy(&v, p + j * S, sizeof v);
+      return _mm256_set1_epi64x(static_cast<long long>(v));
+    };
+    const __m256i a = _mm256_blend_epi32(at(0), at(1), 0x0C), c = _mm256_blend_epi32(at(2), at(3), 0xC0);
+    return _mm256_castsi256_ps(_mm256_blend_epi32(a, c, 0xF0));
+  }
+  // per input row: the pairs times its [step, step * sum]; off gathers the offset lanes (summed in
+  // off_sum), the scale lanes are cs_of's and pair_fma's
+  template <bool FourBit>
+  static Cs block8(const Scales& s, const float* xsu, __m256& off) {
+    const Cs c{_mm256_mul_ps(s.lo, _mm256_loadu_ps(xsu)), _mm256_mul_ps(s.hi, _mm256_loadu_ps(xsu + 8))};
+    if constexpr (FourBit) off = _mm256_add_ps(off, _mm256_add_ps(c.lo, c.hi));
+    return c;
+  }
+  static __m256 cs_of(const Cs& c, int j) {  // group j's scale * step, in every lane
+    return _mm256_permutevar8x32_ps(j < 4 ? c.lo : c.hi, _mm256_set1_epi32(2 * (j % 4)));
+  }
+  static __m256 off_zero() { return _mm256_setzero_ps(); }
+  static float off_sum(__m256 off) {  // the odd lanes'
+    return hsum(_mm256_blend_ps(off, _mm256_setzero_ps(), 0x55));
+  }
+  static __m256 fma(__m256 d, __m256 s, __m256 acc) { return _mm256_fmadd_ps(d, s, acc); }
+
+  // A group's codes as one register of 32 bytes (4-bit: low nibbles, then high).
   template <bool FourBit>
   static __m256i codes(const uint8_t* c) {
     if constexpr (FourBit) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
       return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
     }
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
-    return Vnni ? w : _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
   }
   template <bool FourBit>
   static __m256 dot(__m256i w, const int8_t* q) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
     __m256i d;
-    if constexpr (Vnni) {
-      d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-    } else if constexpr (FourBit) {
-      d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-    } else {  // w = code - 128
-      const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-      d = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    if constexpr (FourBit) {
+      if constexpr (Vnni) {
+        d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+      } else {
+        d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+      }
+    } else {  // signed bytes: |q| x sign(qx, q)
+      const __m256i uw = _mm256_abs_epi8(w), sx = _mm256_sign_epi8(x, w);
+      if constexpr (Vnni) {
+        d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), uw, sx);
+      } else {
+        d = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, sx), _mm256_set1_epi16(1));
+      }
     }
     return _mm256_cvtepi32_ps(d);
   }
 
-  // Two four-bit groups at once (pair_layout): one load, one shift and two masks give a register of
-  // low nibbles and one of high nibbles; per input row two dot products fill one register, lanes 0-3
-  // group g's, lanes 4-7 group g+1's, and the pair's two scales are spread to match. 1.6x the groups a
-  // second of taking them one at a time.
+  // Two four-bit groups at once (pair_layout): two 16-byte loads (the groups' blocks are apart), one
+  // shift and two masks give a register of low nibbles and one of high nibbles; per input row two dot
+  // products fill one register, lanes 0-3 group g's, lanes 4-7 group g+1's, and the pair's two scales
+  // are spread to match. 1.6x the groups a second of taking them one at a time.
   struct PairCodes {
     __m256i lo, hi;
   };
-  static PairCodes pair_codes(const uint8_t* c) {
-    const __m256i m = _mm256_set1_epi8(0x0F), b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+  static PairCodes pair_codes(const uint8_t* c0, const uint8_t* c1) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    const __m256i b = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(c1),
+                                          reinterpret_cast<const __m128i*>(c0));
     return {_mm256_and_si256(b, m), _mm256_and_si256(_mm256_srli_epi16(b, 4), m)};
   }
   // acc + the pair's dots with q, times pair p's scales of cs (a block's 8)
-  static __m256 pair_fma(const PairCodes& w, const int8_t* q, const float* cs, int p, __m256 acc) {
+  static __m256 pair_fma(const PairCodes& w, const int8_t* q, const Cs& cs, int p, __m256 acc) {
     const __m256i qlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
     const __m256i qhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
     __m256i d;
@@ -88,21 +157,16 @@ struct X86 {
       const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w.lo, qlo), _mm256_maddubs_epi16(w.hi, qhi));
       d = _mm256_madd_epi16(s, _mm256_set1_epi16(1));
     }
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), spread(_mm256_load_ps(cs), p), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), spread(cs, p), acc);
   }
-  static __m256 spread(__m256 scales, int p) {  // [scales[2p] x 4, scales[2p + 1] x 4]
-    const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    return _mm256_permutevar8x32_ps(scales, _mm256_add_epi32(lanes, _mm256_set1_epi32(2 * p)));
+  static __m256 spread(const Cs& cs, int p) {  // [group 2p's scale x 4, group 2p + 1's x 4]
+    const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m256i at = _mm256_add_epi32(lanes, _mm256_set1_epi32(4 * (p % 2)));
+    return _mm256_permutevar8x32_ps(p < 2 ? cs.lo : cs.hi, at);
   }
 
-  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-  static __m256 load8(const Half* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  static float to_float(float v) { return v; }
-  static float to_float(Half h) { return _cvtsh_ss(h.bits); }
-
-  // A group's 32 weights s * code + z (a product, then a sum, as ScalarBlocks), 16 codes at a time.
+  // A group's 32 weights s * q + z (a product, then a sum, as ScalarBlocks), or s * q for signed
+  // bytes, 16 codes at a time.
   template <bool FourBit, typename Out>
   static void dequant_group(const uint8_t* c, float s, float z, Out* out) {
     const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
@@ -115,11 +179,15 @@ struct X86 {
       lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
       hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
     }
-    store16(weights8(lo, sv, zv), weights8(_mm_srli_si128(lo, 8), sv, zv), out);
-    store16(weights8(hi, sv, zv), weights8(_mm_srli_si128(hi, 8), sv, zv), out + 16);
+    store16(weights8<FourBit>(lo, sv, zv), weights8<FourBit>(_mm_srli_si128(lo, 8), sv, zv), out);
+    store16(weights8<FourBit>(hi, sv, zv), weights8<FourBit>(_mm_srli_si128(hi, 8), sv, zv), out + 16);
   }
+  template <bool FourBit>
   static __m256 weights8(__m128i codes, __m256 s, __m256 z) {  // the low 8 bytes' weights
-    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), s), z);
+    if constexpr (FourBit) {
+      return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), s), z);
+    }
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), s);
   }
   static void store16(__m256 a, __m256 b, float* out) {
     _mm256_storeu_ps(out, a);
@@ -137,17 +205,6 @@ struct X86 {
                                         16);
     const __m256 nan = _mm256_cmp_ps(w, w, _CMP_UNORD_Q);
     return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
-  }
-  static __m256 off_zero() { return _mm256_setzero_ps(); }
-  static float off_sum(__m256 off) { return hsum(off); }
-  template <typename S>
-  static __m256 block8(const S* s, const S* o, const float* xs, const float* u, float bias, float* cs,
-                       __m256 off) {
-    const __m256 sv = load8(s);
-    _mm256_store_ps(cs, _mm256_mul_ps(sv, _mm256_loadu_ps(xs)));
-    __m256 ov = load8(o);
-    if (bias != 0.f) ov = _mm256_fmadd_ps(_mm256_set1_ps(bias), sv, ov);
-    return _mm256_fmadd_ps(ov, _mm256_loadu_ps(u), off);
   }
 };
 

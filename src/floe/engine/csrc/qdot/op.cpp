@@ -1,6 +1,7 @@
-// floe's quantized GEMV as a PyTorch operator. torch.ops.floe.gemv_q(x, codes, scale, offset, kernel)
-// (and dequant_q(codes, scale, offset, dtype, kernel), the weight's values for a prompt's GEMM)
-// runs instruction-set variant number `kernel`, as returned by torch.ops.floe.qdot_load(path): each
+// floe's quantized GEMV as a PyTorch operator. torch.ops.floe.gemv_q(x, blocks, kernel) (and
+// dequant_q(blocks, k, dtype, kernel), the weight's values for a prompt's GEMM) runs instruction-set
+// variant number `kernel`, as returned by torch.ops.floe.qdot_load(path), on a weight in its file's
+// blocks (abi.h's formats): each
 // variant (portable.cpp, avx2.cpp, vnni.cpp, neon.cpp) is a shared library of its own, built with its
 // own compiler flags and opened here. This file is built once, with no instruction-set flags; it
 // owns the tensors and the threads, the variants own the arithmetic (qdot.h).
@@ -22,7 +23,7 @@ namespace {
 
 constexpr int64_t G = 32;
 constexpr int kMaxKernels = 16;
-constexpr int64_t kBlockBytes = 16 * 1024;  // codes of one block of output rows: in a core's L1
+constexpr int64_t kBlockBytes = 16 * 1024;  // weights of one block of output rows: in a core's L1
 const FloeQdotKernel* g_kernels[kMaxKernels];
 std::atomic<int> g_count{0};
 std::mutex g_load;
@@ -57,40 +58,41 @@ const FloeQdotKernel* kernel_of(int64_t number) {
 
 std::string qdot_name(int64_t number) { return kernel_of(number)->name; }
 
-// codes uint8 [N, K/2] (4-bit) or [N, K] (8-bit), scale and offset float32 or float16 [N, K/32].
-void check_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
-              "codes: uint8 [N, *], contiguous");
-  TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf) && scale.dim() == 2 &&
-                  offset.scalar_type() == scale.scalar_type() && scale.is_contiguous() &&
-                  offset.is_contiguous() && scale.size(0) == codes.size(0) && offset.sizes() == scale.sizes(),
-              "scale/offset: float32 or float16 [N, K/32], both alike, contiguous");
-  const int64_t groups = scale.size(1);
-  TORCH_CHECK(codes.size(1) * 2 == groups * G || codes.size(1) == groups * G, "codes width ", codes.size(1),
-              " is neither K/2 (4-bit) nor K (8-bit) for K = 32 x ", groups, " groups");
+// A block format's size in bytes, in abi.h's order.
+constexpr int64_t kFormatBytes[FLOE_QDOT_FORMATS] = {18, 20, 34, 24};
+
+// blocks uint8 [N, K/32 blocks], contiguous: which format (named by its block's size).
+int format_of(const at::Tensor& blocks, int64_t k) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks: uint8 [N, bytes a row], contiguous");
+  TORCH_CHECK(k > 0 && k % G == 0, "K = ", k, " is not a positive multiple of ", G);
+  for (int f = 0; f < FLOE_QDOT_FORMATS; ++f) {
+    if (blocks.size(1) == k / G * kFormatBytes[f]) return f;
+  }
+  TORCH_CHECK(false, "a row of ", blocks.size(1), " bytes is no block format's for K = ", k,
+              " (blocks of 18, 20, 34 or 24 bytes: Q4_0, Q4_1, Q8_0, floe's Q4 with float32 scales)");
+  return -1;
 }
 
-// y [..., N] = x [..., K] times the coded weight: codes uint8 [N, K/2] (4-bit) or [N, K] (8-bit),
-// scale and offset float32 or float16 [N, K/32].
-at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scale,
-                  const at::Tensor& offset, int64_t number) {
+// y [..., N] = x [..., K] times the weight: blocks uint8 [N, K/32 blocks of one format].
+at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& blocks, int64_t number) {
   const FloeQdotKernel* kernel = kernel_of(number);
-  check_weight(codes, scale, offset);
-  const int64_t n = codes.size(0), groups = scale.size(1), k = groups * G;
-  const bool four_bit = codes.size(1) * 2 == k;
+  TORCH_CHECK(x_in.dim() >= 1, "x: [..., K]");
+  const int64_t n = blocks.size(0), k = x_in.size(-1), groups = k / G;
+  const int format = format_of(blocks, k);
+  const bool four_bit = format != FLOE_Q8_0;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "input width must be K = ", k);
   auto sizes = x_in.sizes().vec();
   sizes.back() = n;
   at::Tensor y = at::empty(sizes, x.options());
-  const floe_qdot_rows_fn rows = kernel->rows[four_bit][scale.scalar_type() == at::kHalf];
+  const floe_qdot_rows_fn rows = kernel->rows[format];
   const int64_t m = x.numel() / k;
   std::vector<int8_t> qx(m * k);
-  std::vector<float> xs(m * groups), u(m * groups);
+  std::vector<float> xsu(2 * m * groups);
   const float* xp = x.data_ptr<float>();
   const auto quantize = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      kernel->quantize(xp + r * k, k, four_bit, &qx[r * k], &xs[r * groups], &u[r * groups]);
+      kernel->quantize(xp + r * k, k, four_bit, &qx[r * k], &xsu[2 * r * groups]);
     }
   };
   if (m == 1) {
@@ -99,41 +101,34 @@ at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
     at::parallel_for(0, m, 1, quantize);
   }
   // Several input rows (a batched decode step, a prompt): each block of output rows meets every input
-  // row while its codes are in the core's cache (the variant unpacks them once for a few input rows
+  // row while its weights are in the core's cache (the variant unpacks them once for a few input rows
   // at a time), so the weights are read from memory once, not once per input row.
-  const int64_t block = std::max<int64_t>(1, kBlockBytes / codes.size(1));
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const void* s = scale.data_ptr();
-  const void* o = offset.data_ptr();
+  const int64_t block = std::max<int64_t>(1, kBlockBytes / blocks.size(1));
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b += block) {
-      rows(c, s, o, qx.data(), xs.data(), u.data(), m, groups, b, std::min(end, b + block), out, n);
+      rows(w, qx.data(), xsu.data(), m, groups, b, std::min(end, b + block), out, n);
     }
   });
   return y;
 }
 
-// The weight's rows as values: codes uint8 [N, K/2] or [N, K], scale and offset [N, K/32] as gemv_q
-// takes them -> [N, K] float32 or bfloat16 (what a prompt's matrix product reads), split over threads.
-at::Tensor dequant_q(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
-                     at::ScalarType dtype, int64_t number) {
+// The weight's rows as values: blocks uint8 [N, K/32 blocks] as gemv_q takes them -> [N, K] float32
+// or bfloat16 (what a prompt's matrix product reads), split over threads.
+at::Tensor dequant_q(const at::Tensor& blocks, int64_t k, at::ScalarType dtype, int64_t number) {
   const FloeQdotKernel* kernel = kernel_of(number);
-  check_weight(codes, scale, offset);
+  const int format = format_of(blocks, k);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequant_q writes float32 or bfloat16, not ",
               dtype);
-  const int64_t n = codes.size(0), groups = scale.size(1);
-  const bool four_bit = codes.size(1) * 2 == groups * G;
-  at::Tensor w = at::empty({n, groups * G}, codes.options().dtype(dtype));
-  const floe_qdot_dequant_fn dequant =
-      kernel->dequant[four_bit][scale.scalar_type() == at::kHalf][dtype == at::kBFloat16];
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const void* s = scale.data_ptr();
-  const void* o = offset.data_ptr();
+  const int64_t n = blocks.size(0), groups = k / G;
+  at::Tensor w = at::empty({n, k}, blocks.options().dtype(dtype));
+  const floe_qdot_dequant_fn dequant = kernel->dequant[format][dtype == at::kBFloat16];
+  const uint8_t* b = blocks.data_ptr<uint8_t>();
   char* out = static_cast<char*>(w.data_ptr());
-  const int64_t row_bytes = groups * G * w.element_size();
+  const int64_t row_bytes = k * w.element_size();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    dequant(c, s, o, groups, begin, end, out + begin * row_bytes);
+    dequant(b, groups, begin, end, out + begin * row_bytes);
   });
   return w;
 }

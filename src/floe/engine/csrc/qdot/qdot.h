@@ -1,22 +1,24 @@
 // The quantized GEMV's mathematics, shared by every instruction-set variant (header-only, no ATen):
 // the input row is quantized to int8 per group of 32 (step = absmax / 127, as llama.cpp does), each
-// group's integer dot product with the weight codes is exact, and groups combine in float:
-//   y[n] = sum_g xs[g] * (scale[n,g] * dot(codes[n,g], qx[g]) + offset[n,g] * sum(qx[g]))
-// q4: 4-bit codes (0..15), 16 bytes a group, byte j = element j (low nibble) and j + 16 (high);
-// q8: byte codes (0..255), 32 a group; w = scale * code + offset (int8 weights: code = w8 + 128).
+// group's integer dot product with the weight's codes is exact, and groups combine in float:
+//   y[n] = sum_g xs[g] * (scale[n,g] * dot(q[n,g], qx[g]) + offset[n,g] * sum(qx[g]))
+// The weight is read in place in its file's block layout (abi.h's formats: a block of 32 weights is
+// its scale, [offset,] and codes, one stream per row): 4-bit codes q in 0..15 with an offset (Q4_0's
+// is -8 d), or Q8_0's signed bytes q in -128..127 with none.
 //
 // A variant supplies an `Isa` (isa_portable.h, isa_x86.h, isa_neon.h):
 //   Acc, zero(), add(a, b), fma(d, s, acc) = acc + d * s, hsum(acc): float lanes of group dots
 //   codes<FourBit>(codes) -> a group's codes unpacked, dot<FourBit>(those, qx) -> Acc whose lanes sum
-//   to dot(codes - code_bias(FourBit), qx)
-//   Off, off_zero(), block8(scale, offset, xs, u, bias, cs, off), off_sum(off), to_float(S)
-//   kPairs, pair_codes(codes), pair_fma(...): whether it takes 4-bit groups two at a time (see
-//   pair_layout)
+//   to dot(q, qx)
+//   half(bits): fp16 -> float32
+//   Scales, scales8<Fmt>(blocks): eight blocks' [scale, offset] pairs (read once for every input row)
+//   Cs, Off, off_zero(), block8<FourBit>(scales, xsu, off) -> Cs: per input row, the pairs times the
+//   row's [step, step * sum] (off accumulates the offset products), cs_of(cs, j): group j's scale x step
+//   kPairs, pair_codes(codes of g, codes of g + 1), pair_fma(...): whether it takes 4-bit groups two
+//   at a time (see pair_layout)
 //   kRows: how many input rows share one unpacking of the codes (as many as its registers hold)
-//   dequant_group<FourBit>(codes, s, z, out): a group's 32 weights s * code + z, float32 or bf16
-// A variant whose instructions cannot multiply the unsigned 8-bit codes directly works on
-// code - 128 (a signed byte) and reports code_bias = 128; the loop below adds 128 * scale back as
-// part of the offset, so every variant computes the same sum.
+//   dequant_group<FourBit>(codes, s, z, out): a group's 32 weights s * q + z (s * q for bytes),
+//   float32 or bf16
 #ifndef FLOE_QDOT_H
 #define FLOE_QDOT_H
 
@@ -37,9 +39,21 @@ namespace {  // each variant's library has its own copy: nothing here is shared 
 
 constexpr int64_t G = 32;
 
-struct Half {  // IEEE binary16, as stored (PyTorch's float16)
-  uint16_t bits;
-};
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline float load_f32(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
 
 inline float half_to_float(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -63,8 +77,9 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// qx int8 [K], xs [K/32] each group's step, u [K/32] = step * sum(qx of the group)
-inline void quantize_row(const float* x, int64_t k, int8_t* qx, float* xs, float* u) {
+// qx int8 [K]; xsu [K/16]: per group its step xs = absmax / 127 and xs * sum(qx of the group),
+// side by side as a block's scale and offset are
+inline void quantize_row(const float* x, int64_t k, int8_t* qx, float* xsu) {
   for (int64_t g = 0; g < k / G; ++g) {
     const float* xg = x + g * G;
     float amax = 0.f;
@@ -76,14 +91,14 @@ inline void quantize_row(const float* x, int64_t k, int8_t* qx, float* xs, float
       qx[g * G + j] = static_cast<int8_t>(q);
       sum += q;
     }
-    xs[g] = d;
-    u[g] = d * static_cast<float>(sum);
+    xsu[2 * g] = d;
+    xsu[2 * g + 1] = d * static_cast<float>(sum);
   }
 }
 
-// For variants with kPairs: each pair of 4-bit groups (g, g+1) of a block of 8 is read as one
-// register of 32 code bytes, whose low nibbles are elements 0..15 of g and of g+1 and whose high
-// nibbles are their elements 16..31; the input is laid out to match, once per input row:
+// For variants with kPairs: each pair of 4-bit groups (g, g+1) of a block of 8 is read into one
+// register of 32 code bytes (g's 16, then g+1's), whose low nibbles are elements 0..15 of g and of g+1
+// and whose high nibbles are their elements 16..31; the input is laid out to match, once per input row:
 // [g 0..15 | g 16..31 | g+1 0..15 | g+1 16..31] -> [g 0..15 | g+1 0..15 | g 16..31 | g+1 16..31].
 // Groups after the last full block of 8 stay as they are (the tail reads them one at a time).
 inline void pair_layout(int8_t* qx, int64_t groups) {
@@ -98,10 +113,48 @@ inline void pair_layout(int8_t* qx, int64_t groups) {
 }
 
 template <class Isa>
-void quantize(const float* x, int64_t k, int four_bit, int8_t* qx, float* xs, float* u) {
-  quantize_row(x, k, qx, xs, u);
+void quantize(const float* x, int64_t k, int four_bit, int8_t* qx, float* xsu) {
+  quantize_row(x, k, qx, xsu);
   if (four_bit && Isa::kPairs) pair_layout(qx, k / G);
 }
+
+// The block formats (abi.h): a block's size, where its codes start, and its scale and offset.
+struct Q4_0 {  // fp16 d, 16 nibble bytes: w = d q - 8 d
+  static constexpr int64_t kBytes = 18, kCodes = 2;
+  static constexpr bool kFourBit = true;
+  template <class Isa>
+  static void scale(const uint8_t* b, float& s, float& o) {
+    s = Isa::half(load_u16(b));
+    o = -8.f * s;
+  }
+};
+struct Q4_1 {  // fp16 d, fp16 m, 16 nibble bytes: w = d q + m
+  static constexpr int64_t kBytes = 20, kCodes = 4;
+  static constexpr bool kFourBit = true;
+  template <class Isa>
+  static void scale(const uint8_t* b, float& s, float& o) {
+    s = Isa::half(load_u16(b));
+    o = Isa::half(load_u16(b + 2));
+  }
+};
+struct Q8_0 {  // fp16 d, 32 signed bytes: w = d q
+  static constexpr int64_t kBytes = 34, kCodes = 2;
+  static constexpr bool kFourBit = false;
+  template <class Isa>
+  static void scale(const uint8_t* b, float& s, float& o) {
+    s = Isa::half(load_u16(b));
+    o = 0.f;
+  }
+};
+struct Q4_F {  // float32 s, float32 o, 16 nibble bytes: w = s q + o (floe's own, for Q4_K's groups)
+  static constexpr int64_t kBytes = 24, kCodes = 8;
+  static constexpr bool kFourBit = true;
+  template <class Isa>
+  static void scale(const uint8_t* b, float& s, float& o) {
+    s = load_f32(b);
+    o = load_f32(b + 4);
+  }
+};
 
 // float32 -> bfloat16 bits, rounded to nearest even (NaN -> a quiet NaN), as PyTorch rounds.
 inline uint16_t to_bf16(float f) {
@@ -116,22 +169,33 @@ inline void store(float w, uint16_t* out) { *out = to_bf16(w); }
 struct ScalarBlocks {
   static constexpr bool kPairs = false;
   using Off = float;
+  struct Scales {
+    float v[16];  // [scale, offset] of groups 0..7
+  };
+  using Cs = Scales;  // [scale * step, offset * step * sum] of groups 0..7
+  static float half(uint16_t h) { return half_to_float(h); }
   static float off_zero() { return 0.f; }
   static float off_sum(float off) { return off; }
-  static float to_float(float v) { return v; }
-  static float to_float(Half h) { return half_to_float(h.bits); }
-  // cs[j] = scale[j] * xs[j]; off += (offset[j] + bias * scale[j]) * u[j], for 8 groups
-  template <typename S>
-  static float block8(const S* s, const S* o, const float* xs, const float* u, float bias, float* cs,
-                      float off) {
+  template <class Fmt>
+  static Scales scales8(const uint8_t* b) {
+    Scales s;
     for (int j = 0; j < 8; ++j) {
-      const float sj = to_float(s[j]);
-      cs[j] = sj * xs[j];
-      off += (to_float(o[j]) + bias * sj) * u[j];
+      Fmt::template scale<ScalarBlocks>(b + j * Fmt::kBytes, s.v[2 * j], s.v[2 * j + 1]);
     }
-    return off;
+    return s;
   }
-  // A group's 32 weights, s * code + z (a product, then a sum: as PyTorch's addcmul), to out.
+  template <bool FourBit>
+  static Cs block8(const Scales& s, const float* xsu, float& off) {
+    Cs c;
+    for (int i = 0; i < 16; ++i) c.v[i] = s.v[i] * xsu[i];
+    if constexpr (FourBit) {
+      for (int j = 0; j < 8; ++j) off += c.v[2 * j + 1];
+    }
+    return c;
+  }
+  static float cs_of(const Cs& c, int j) { return c.v[2 * j]; }
+  // A group's 32 weights, s * q + z (a product, then a sum: as PyTorch's addcmul) or, for signed
+  // bytes, s * q, to out.
   template <bool FourBit, typename Out>
   static void dequant_group(const uint8_t* c, float s, float z, Out* out) {
     float w[G];
@@ -141,59 +205,64 @@ struct ScalarBlocks {
         w[j + G / 2] = s * static_cast<float>(c[j] >> 4) + z;
       }
     } else {
-      for (int j = 0; j < G; ++j) w[j] = s * static_cast<float>(c[j]) + z;
+      for (int j = 0; j < G; ++j) w[j] = s * static_cast<float>(static_cast<int8_t>(c[j]));
     }
     for (int j = 0; j < G; ++j) store(w[j], out + j);
   }
 };
 
-// The outputs of one weight row for R input rows (q, xs, u: the first row's; each next row `k`, and
-// `groups`, further on), written to y[0], y[ldy], ... Each group's codes are read and unpacked once
-// for all R rows. Per row, groups go in blocks of 8, spread over four independent accumulators (an
-// FMA's latency is about four of its issue slots), the offset term accumulated apart, in the same
-// order whatever R is: every output is the same number for R = 1 as for R = 4.
-template <class Isa, bool FourBit, typename S, int R>
-inline void row_dots(const uint8_t* cr, const S* sr, const S* orow, const int8_t* q, const float* xs,
-                     const float* u, int64_t groups, float* y, int64_t ldy) {
-  constexpr int64_t width = FourBit ? G / 2 : G;  // code bytes a group
-  constexpr float bias = Isa::code_bias(FourBit);
+// The outputs of one weight row (its blocks) for R input rows (q, xsu: the first row's; each next
+// row `k`, and 2 `groups`, further on), written to y[0], y[ldy], ... Each group's codes and scales are
+// read and unpacked once for all R rows. Per row, groups go in blocks of 8, spread over four
+// independent accumulators (an FMA's latency is about four of its issue slots), the offset term
+// accumulated apart, in the same order whatever R is: every output is the same number for R = 1 as
+// for R = 4.
+template <class Isa, class Fmt, int R>
+inline void row_dots(const uint8_t* row, const int8_t* q, const float* xsu, int64_t groups, float* y,
+                     int64_t ldy) {
+  constexpr bool four = Fmt::kFourBit;
+  constexpr int64_t B = Fmt::kBytes, C = Fmt::kCodes;
   const int64_t k = groups * G;
   using Acc = typename Isa::Acc;
   Acc a[R][4];
   typename Isa::Off off[R];
-  alignas(32) float cs[R][8];
   for (int r = 0; r < R; ++r) {
     a[r][0] = a[r][1] = a[r][2] = a[r][3] = Isa::zero();
     off[r] = Isa::off_zero();
   }
   int64_t g = 0;
   for (; g + 8 <= groups; g += 8) {
+    const uint8_t* b = row + g * B;
+    const auto scales = Isa::template scales8<Fmt>(b);
+    typename Isa::Cs cs[R];
     for (int r = 0; r < R; ++r) {
-      off[r] = Isa::block8(sr + g, orow + g, xs + r * groups + g, u + r * groups + g, bias, cs[r], off[r]);
+      cs[r] = Isa::template block8<four>(scales, xsu + 2 * (r * groups + g), off[r]);
     }
-    const uint8_t* c = cr + g * width;
     const int8_t* qg = q + g * G;
-    if constexpr (FourBit && Isa::kPairs) {
+    if constexpr (four && Isa::kPairs) {
       for (int p = 0; p < 4; ++p) {
-        const auto w = Isa::pair_codes(c + 32 * p);
+        const auto w = Isa::pair_codes(b + 2 * p * B + C, b + (2 * p + 1) * B + C);
         for (int r = 0; r < R; ++r) a[r][p] = Isa::pair_fma(w, qg + r * k + 64 * p, cs[r], p, a[r][p]);
       }
     } else {
       for (int j = 0; j < 8; ++j) {
-        const auto w = Isa::template codes<FourBit>(c + j * width);
+        const auto w = Isa::template codes<four>(b + j * B + C);
         for (int r = 0; r < R; ++r) {
-          a[r][j % 4] = Isa::fma(Isa::template dot<FourBit>(w, qg + r * k + j * G), cs[r][j], a[r][j % 4]);
+          a[r][j % 4] = Isa::fma(Isa::template dot<four>(w, qg + r * k + j * G), Isa::cs_of(cs[r], j),
+                                 a[r][j % 4]);
         }
       }
     }
   }
   float rest[R] = {};
   for (; g < groups; ++g) {
-    const float s = Isa::to_float(sr[g]);
-    const auto w = Isa::template codes<FourBit>(cr + g * width);
+    float s, o;
+    Fmt::template scale<Isa>(row + g * B, s, o);
+    const auto w = Isa::template codes<four>(row + g * B + C);
     for (int r = 0; r < R; ++r) {
-      a[r][0] = Isa::fma(Isa::template dot<FourBit>(w, q + r * k + g * G), s * xs[r * groups + g], a[r][0]);
-      rest[r] += (Isa::to_float(orow[g]) + bias * s) * u[r * groups + g];
+      const float* xu = xsu + 2 * (r * groups + g);
+      a[r][0] = Isa::fma(Isa::template dot<four>(w, q + r * k + g * G), s * xu[0], a[r][0]);
+      if constexpr (four) rest[r] += o * xu[1];
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -203,71 +272,61 @@ inline void row_dots(const uint8_t* cr, const S* sr, const S* orow, const int8_t
 }
 
 // Outputs [begin, end) for R input rows.
-template <class Isa, bool FourBit, typename S, int R>
-void rows_of(const uint8_t* codes, const S* sc, const S* of, const int8_t* q, const float* xs, const float* u,
-             int64_t groups, int64_t begin, int64_t end, float* y, int64_t ldy) {
-  const int64_t width = groups * (FourBit ? G / 2 : G);
-  for (int64_t n = begin; n < end; ++n) {
-    row_dots<Isa, FourBit, S, R>(codes + n * width, sc + n * groups, of + n * groups, q, xs, u, groups, y + n,
-                                 ldy);
-  }
+template <class Isa, class Fmt, int R>
+void rows_of(const uint8_t* blocks, const int8_t* q, const float* xsu, int64_t groups, int64_t begin,
+             int64_t end, float* y, int64_t ldy) {
+  const int64_t width = groups * Fmt::kBytes;
+  for (int64_t n = begin; n < end; ++n) row_dots<Isa, Fmt, R>(blocks + n * width, q, xsu, groups, y + n, ldy);
 }
 
 // rows_of for `count` <= R input rows.
-template <class Isa, bool FourBit, typename S, int R>
-void rows_upto(int64_t count, const uint8_t* codes, const S* sc, const S* of, const int8_t* q,
-               const float* xs, const float* u, int64_t groups, int64_t begin, int64_t end, float* y,
-               int64_t ldy) {
+template <class Isa, class Fmt, int R>
+void rows_upto(int64_t count, const uint8_t* blocks, const int8_t* q, const float* xsu, int64_t groups,
+               int64_t begin, int64_t end, float* y, int64_t ldy) {
   if constexpr (R > 1) {
-    if (count < R) {
-      return rows_upto<Isa, FourBit, S, R - 1>(count, codes, sc, of, q, xs, u, groups, begin, end, y, ldy);
-    }
+    if (count < R) return rows_upto<Isa, Fmt, R - 1>(count, blocks, q, xsu, groups, begin, end, y, ldy);
   }
-  rows_of<Isa, FourBit, S, R>(codes, sc, of, q, xs, u, groups, begin, end, y, ldy);
+  rows_of<Isa, Fmt, R>(blocks, q, xsu, groups, begin, end, y, ldy);
 }
 
-// Outputs [begin, end) (a block whose codes stay in the core's cache) for m input rows, kRows at a
+// Outputs [begin, end) (a block whose weights stay in the core's cache) for m input rows, kRows at a
 // time: the weights are read from memory once, and unpacked once for every kRows input rows.
-template <class Isa, bool FourBit, typename S>
-void rows(const uint8_t* codes, const void* scale, const void* offset, const int8_t* qx, const float* xs,
-          const float* u, int64_t m, int64_t groups, int64_t begin, int64_t end, float* y, int64_t ldy) {
+template <class Isa, class Fmt>
+void rows(const uint8_t* blocks, const int8_t* qx, const float* xsu, int64_t m, int64_t groups,
+          int64_t begin, int64_t end, float* y, int64_t ldy) {
   constexpr int R = Isa::kRows;
-  const S* sc = static_cast<const S*>(scale);
-  const S* of = static_cast<const S*>(offset);
   const int64_t k = groups * G;
   for (int64_t r = 0; r < m; r += R) {
-    rows_upto<Isa, FourBit, S, R>(m - r < R ? m - r : R, codes, sc, of, qx + r * k, xs + r * groups,
-                                  u + r * groups, groups, begin, end, y + r * ldy, ldy);
+    rows_upto<Isa, Fmt, R>(m - r < R ? m - r : R, blocks, qx + r * k, xsu + 2 * r * groups, groups, begin,
+                           end, y + r * ldy, ldy);
   }
 }
 
-// Weight rows [begin, end) themselves, w = scale * code + offset in float32 (a code times a file's
-// scale is exact in float32: the one rounding is the sum's), written to out as float32 or bfloat16
+// Weight rows [begin, end) themselves, w = s * q + o in float32 (a code times a file's scale is
+// exact in float32: the one rounding is the sum's), written to out as float32 or bfloat16
 // (Out = uint16_t), row n at out + (n - begin) * K: the values a prompt's matrix product reads, in
-// one pass from the codes.
-template <class Isa, bool FourBit, typename S, typename Out>
-void dequant(const uint8_t* codes, const void* scale, const void* offset, int64_t groups, int64_t begin,
-             int64_t end, void* out) {
-  constexpr int64_t width = FourBit ? G / 2 : G;  // code bytes a group
-  const S* sc = static_cast<const S*>(scale);
-  const S* of = static_cast<const S*>(offset);
+// one pass from the blocks.
+template <class Isa, class Fmt, typename Out>
+void dequant(const uint8_t* blocks, int64_t groups, int64_t begin, int64_t end, void* out) {
   Out* o = static_cast<Out*>(out);
   for (int64_t i = begin * groups; i < end * groups; ++i, o += G) {
-    Isa::template dequant_group<FourBit>(codes + i * width, Isa::to_float(sc[i]), Isa::to_float(of[i]), o);
+    const uint8_t* b = blocks + i * Fmt::kBytes;
+    float s, z;
+    Fmt::template scale<Isa>(b, s, z);
+    Isa::template dequant_group<Fmt::kFourBit>(b + Fmt::kCodes, s, z, o);
   }
 }
 
-// The table a variant's library hands to floe's operator.
+// The table a variant's library hands to floe's operator (formats in abi.h's order).
 template <class Isa>
 const FloeQdotKernel* kernel(const char* name) {
   static const FloeQdotKernel table = {
       FLOE_QDOT_ABI, name, &Isa::runs_here, &quantize<Isa>,
-      {{&rows<Isa, false, float>, &rows<Isa, false, Half>},
-       {&rows<Isa, true, float>, &rows<Isa, true, Half>}},
-      {{{&dequant<Isa, false, float, float>, &dequant<Isa, false, float, uint16_t>},
-        {&dequant<Isa, false, Half, float>, &dequant<Isa, false, Half, uint16_t>}},
-       {{&dequant<Isa, true, float, float>, &dequant<Isa, true, float, uint16_t>},
-        {&dequant<Isa, true, Half, float>, &dequant<Isa, true, Half, uint16_t>}}}};
+      {&rows<Isa, Q4_0>, &rows<Isa, Q4_1>, &rows<Isa, Q8_0>, &rows<Isa, Q4_F>},
+      {{&dequant<Isa, Q4_0, float>, &dequant<Isa, Q4_0, uint16_t>},
+       {&dequant<Isa, Q4_1, float>, &dequant<Isa, Q4_1, uint16_t>},
+       {&dequant<Isa, Q8_0, float>, &dequant<Isa, Q8_0, uint16_t>},
+       {&dequant<Isa, Q4_F, float>, &dequant<Isa, Q4_F, uint16_t>}}};
   return &table;
 }
 
