@@ -271,12 +271,23 @@ inline void row_dots(const uint8_t* row, const int8_t* q, const float* xsu, int6
   }
 }
 
+// Rows of blocks are asked for from memory this many rows ahead of the one being read, a cache line
+// at a time: a decode token streams every weight once, and on the machines measured (docs/PERF.md)
+// the hardware's prefetchers alone left a core waiting for its rows.
+constexpr int64_t kAheadRows = 4;
+
 // Outputs [begin, end) for R input rows.
 template <class Isa, class Fmt, int R>
 void rows_of(const uint8_t* blocks, const int8_t* q, const float* xsu, int64_t groups, int64_t begin,
              int64_t end, float* y, int64_t ldy) {
   const int64_t width = groups * Fmt::kBytes;
-  for (int64_t n = begin; n < end; ++n) row_dots<Isa, Fmt, R>(blocks + n * width, q, xsu, groups, y + n, ldy);
+  for (int64_t n = begin; n < end; ++n) {
+    if (n + kAheadRows < end) {
+      const uint8_t* ahead = blocks + (n + kAheadRows) * width;
+      for (int64_t i = 0; i < width; i += 64) __builtin_prefetch(ahead + i);
+    }
+    row_dots<Isa, Fmt, R>(blocks + n * width, q, xsu, groups, y + n, ldy);
+  }
 }
 
 // rows_of for `count` <= R input rows.
