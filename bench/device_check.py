@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from floe import snapshot
 from floe.actor import Actor
 from floe.bench import timed as events_time
 from floe.engine import Engine
@@ -112,11 +113,11 @@ def migration(tok):
     for src, dst in (("cpu", "cuda"), ("cuda", "cpu")):
         with Actor(engines[src]) as a:
             a.send("Tell me about the sea.", max_tokens=8)
-            a.freeze(folder / f"{src}.safetensors")
+            snapshot.freeze(a, folder / f"{src}.safetensors")
             straight = a.send("And the sky?", max_tokens=16).stats.token_ids
-        with Actor.thaw(engines[dst], folder / f"{src}.safetensors") as b:
+        with snapshot.thaw(engines[dst], folder / f"{src}.safetensors") as b:
             moved = b.send("And the sky?", max_tokens=16).stats.token_ids
-        with Actor.thaw(engines[src], folder / f"{src}.safetensors") as c:
+        with snapshot.thaw(engines[src], folder / f"{src}.safetensors") as c:
             same = c.send("And the sky?", max_tokens=16).stats.token_ids
         out[f"{src}->{dst}"] = {
             "greedy_agreement": sum(x == y for x, y in zip(straight, moved, strict=False)),
@@ -145,11 +146,11 @@ def snapshot_1b(tok, h2d_gb_s):
             a.send(text, max_tokens=1)
             kv_len, tokens = engine.kv_len(a.slot), list(engine.cache.tokens[a.slot])
             t = time.perf_counter()
-            info = a.freeze(folder / f"{n}.safetensors")
+            info = snapshot.freeze(a, folder / f"{n}.safetensors")
             freeze_s = time.perf_counter() - t
 
         def thaw(p=folder / f"{n}.safetensors"):
-            Actor.thaw(engine, p).close()
+            snapshot.thaw(engine, p).close()
             torch.cuda.synchronize()
 
         thaw()

@@ -2,8 +2,8 @@
 
     python bench/snapshot.py [--lengths 128 512 1024 2048 4096] [--dtype float32] [--threads 2]
 
-The actor is the default chat guest on the default model (CPU). "Thaw" is Actor.thaw end to end:
-read, verify the checksum and every field, new guest instance, restore memory, globals, KV and RNG.
+The actor is the default chat guest on the default model (CPU). "Thaw" is floe.snapshot.thaw end to
+end: read, verify the checksum and every field, new guest instance, restore memory, globals, KV and RNG.
 "Re-prefill" is what a server without snapshots pays: prefilling the same tokens again. The int8
 rows add greedy agreement (32 tokens) and the max logit error after thawing against the fp32 file.
 Prints a table; writes bench/results/snapshot.json.
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from floe import snapshot
 from floe.actor import Actor
 from floe.engine import Engine
 from floe.model import load_checkpoint
@@ -75,11 +76,11 @@ def main() -> None:
             kv_len = engine.kv_len(actor.slot)
             tokens = list(engine.cache.tokens[actor.slot])
             path, path8 = folder / f"{n}.safetensors", folder / f"{n}.int8.safetensors"
-            freeze_s, info = timed(lambda a=actor, p=path: a.freeze(p), 3)
-            freeze8_s, info8 = timed(lambda a=actor, p=path8: a.freeze(p, kv_dtype="int8"), 3)
+            freeze_s, info = timed(lambda a=actor, p=path: snapshot.freeze(a, p), 3)
+            freeze8_s, info8 = timed(lambda a=actor, p=path8: snapshot.freeze(a, p, kv_dtype="int8"), 3)
 
         def thaw(p=path):
-            a = Actor.thaw(engine, p)
+            a = snapshot.thaw(engine, p)
             a.close()
 
         thaw(), thaw(path8)  # warm the page cache and the module cache alike for every row
@@ -97,7 +98,7 @@ def main() -> None:
         finally:
             engine.release_slot(slot)
 
-        with Actor.thaw(engine, path) as a, Actor.thaw(engine, path8) as b:
+        with snapshot.thaw(engine, path) as a, snapshot.thaw(engine, path8) as b:
             ref_tokens, ref_logits = continuation(a)
             q_tokens, q_logits = continuation(b)
         agree = sum(x == y for x, y in zip(ref_tokens, q_tokens, strict=True)) / len(ref_tokens)

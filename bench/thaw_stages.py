@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from floe import snapshot
 from floe.actor import Actor
 from floe.engine import Engine
 from floe.model.hf_folder import tokenizer_from_folder
@@ -50,7 +51,7 @@ def main() -> None:
     path = Path(folder) / "a.safetensors"
     with Actor(engine) as actor:
         actor.send(text, max_tokens=1)
-        actor.freeze(path)
+        snapshot.freeze(actor, path)
     res = {}
     res["map_only_ms"], (meta, tensors, _) = timed(lambda: _map_safetensors(path))
     res["checksum_v1_ms"], _ = timed(lambda: checksum_v1(tensors, meta))  # one pass, format 1
@@ -77,7 +78,7 @@ def main() -> None:
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     res["h2d_floor_ms"], _ = timed(lambda: dst.copy_(pinned, non_blocking=True), 9)
     res["kv_bytes"] = nbytes
-    res["thaw_total_ms"], _ = timed(lambda: Actor.thaw(engine, path).close(), 9)
+    res["thaw_total_ms"], _ = timed(lambda: snapshot.thaw(engine, path).close(), 9)
     res["thaw_over_floor"] = res["thaw_total_ms"] / res["h2d_floor_ms"]
     print(json.dumps(res, indent=1))
     Path(os.environ.get("OUT", "."), "thaw_stages.json").write_text(json.dumps(res, indent=1))

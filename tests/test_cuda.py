@@ -86,13 +86,14 @@ def test_probe_zero_copy_on_cuda_has_pointer_identity():
 
 
 def test_snapshot_migrates_between_cpu_and_cuda(engines, tmp_path):
+    from floe import snapshot
     from floe.actor import Actor
 
     with Actor(engines["cpu"]) as a:
         a.send("Tell me about the sea.", max_tokens=6)
-        a.freeze(tmp_path / "cpu.safetensors")
+        snapshot.freeze(a, tmp_path / "cpu.safetensors")
         expected = a.send("And the sky?", max_tokens=8).stats.token_ids
-    with Actor.thaw(engines["graph"], tmp_path / "cpu.safetensors") as b:
+    with snapshot.thaw(engines["graph"], tmp_path / "cpu.safetensors") as b:
         assert b.send("And the sky?", max_tokens=8).stats.token_ids[:4] == expected[:4]
 
 
@@ -102,15 +103,16 @@ def test_a_cuda_thaw_continues_identically_and_refuses_a_damaged_kv_byte(engines
     import json
     import struct
 
+    from floe import snapshot
     from floe.actor import Actor
     from floe.snapshot import SnapshotCorrupt
 
     engine = engines["graph"]
     with Actor(engine) as a:
         a.send("Tell me about the sea.", max_tokens=6)
-        a.freeze(tmp_path / "a.safetensors")
+        snapshot.freeze(a, tmp_path / "a.safetensors")
         expected = a.send("And the sky?", max_tokens=8).stats.token_ids
-    with Actor.thaw(engine, tmp_path / "a.safetensors") as b:
+    with snapshot.thaw(engine, tmp_path / "a.safetensors") as b:
         assert {"KV host→pinned (hashed in the same pass)", "KV pinned→cuda (DMA)",
                 "KV cuda staging→cache slot"} <= set(b.ledger.boundaries)  # every copy of the load shown
         assert b.send("And the sky?", max_tokens=8).stats.token_ids == expected
@@ -121,7 +123,7 @@ def test_a_cuda_thaw_continues_identically_and_refuses_a_damaged_kv_byte(engines
     (tmp_path / "bad.safetensors").write_bytes(bytes(data))
     free = engine.slots.free
     with pytest.raises(SnapshotCorrupt, match="kv.2.k"):
-        Actor.thaw(engine, tmp_path / "bad.safetensors")
+        snapshot.thaw(engine, tmp_path / "bad.safetensors")
     assert engine.slots.free == free
 
 

@@ -11,6 +11,7 @@ from models import save_hf_folder, write_gguf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from floe import snapshot
 from floe.engine import Engine
 from floe.errors import ModelNotFound, NotAModel, UnsupportedModel
 from floe.model import load_checkpoint
@@ -143,17 +144,17 @@ def test_a_snapshot_made_under_fingerprint_scheme_v1_still_thaws(tmp_path):
     engine = Engine(load_checkpoint(write_gguf(tmp_path / "m.gguf", [Q.Q8_0])), max_seq_len=64)
     with Actor(engine) as actor:
         actor.send("Hi", max_tokens=3)
-        actor.freeze(tmp_path / "new.safetensors")
+        snapshot.freeze(actor, tmp_path / "new.safetensors")
     for name, fingerprint in (("old", engine.checkpoint.legacy_fingerprint()), ("other", "0" * 64)):
         with safe_open(str(tmp_path / "new.safetensors"), framework="pt") as f:
             tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, {**f.metadata()}
         meta["model_fingerprint"] = fingerprint
         seal(tensors, meta)
         save_file(tensors, str(tmp_path / f"{name}.safetensors"), metadata=meta)
-    with Actor.thaw(engine, tmp_path / "old.safetensors") as actor:
+    with snapshot.thaw(engine, tmp_path / "old.safetensors") as actor:
         assert actor.send("And?", max_tokens=2).stats.generated_tokens >= 1
     with pytest.raises(SnapshotModelMismatch, match="load the same model file"):
-        Actor.thaw(engine, tmp_path / "other.safetensors")
+        snapshot.thaw(engine, tmp_path / "other.safetensors")
 
 
 def test_unsupported_architecture_is_named(tmp_path):

@@ -11,6 +11,7 @@ import wasmtime
 from guests_wat import calls_host, guest
 from isolated import run_isolated
 
+from floe import snapshot
 from floe.actor import Actor, ActorReentrantCall
 from floe.actor.abi import BUDGET_PER_CAP, HOST_MEMORY_PER_CAP, LOG_LINES_KEPT
 from floe.wasm import (
@@ -316,7 +317,7 @@ def test_freeze_from_inside_on_text_is_refused_and_writes_nothing(tiny_engine, t
     with Actor(tiny_engine) as actor:
         def freeze(text):
             try:
-                actor.freeze(tmp_path / "mid-message.safetensors")
+                snapshot.freeze(actor, tmp_path / "mid-message.safetensors")
             except ActorReentrantCall as e:
                 refused.append(e)
 

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from test_snapshot_fuzz import FUZZ_GUEST, join, reseal, same_state, split, tiny_engine, tiny_snapshot
 
+from floe import snapshot
 from floe.actor import Actor, ActorState, builtin_guest
 from floe.cli import main
 from floe.engine import Engine, SamplingParams
@@ -87,7 +88,7 @@ def test_snapshot_is_plain_safetensors_with_documented_contents(engine, tmp_path
     with Actor(engine) as actor:
         actor.send(TURNS[0], max_tokens=8)
         kv_len = engine.kv_len(actor.slot)
-        actor.freeze(tmp_path / "a.safetensors")  # written straight from the cache's strided views
+        snapshot.freeze(actor, tmp_path / "a.safetensors")  # written straight from the cache's strided views
         k3, v4 = engine.cache.export(actor.slot)[0][3].clone(), engine.cache.export(actor.slot)[1][4].clone()
     plain = load_file(str(tmp_path / "a.safetensors"))  # the library reads every tensor back exactly
     assert torch.equal(plain["kv.3.k"], k3) and torch.equal(plain["kv.4.v"], v4)
@@ -112,7 +113,7 @@ def frozen(engine, tmp_path_factory):
     path = tmp_path_factory.mktemp("snap") / "good.safetensors"
     with Actor(engine) as actor:
         actor.send(TURNS[0], max_tokens=8)
-        actor.freeze(path)
+        snapshot.freeze(actor, path)
     return path
 
 
@@ -131,7 +132,7 @@ def rewrite(src: Path, dst: Path, *, meta=None, tensors=None) -> Path:
 def thaw_fails(engine, path, error, match, **kwargs):
     free = engine.slots.free
     with pytest.raises(error, match=match):
-        Actor.thaw(engine, path, **kwargs)
+        snapshot.thaw(engine, path, **kwargs)
     assert engine.slots.free == free  # nothing was created or loaded half-way
 
 
@@ -187,7 +188,7 @@ def test_a_checked_load_hashes_each_kv_tensor_as_landed_and_a_mismatch_leaves_th
 
 
 def test_a_thawed_actor_shows_the_kv_copy_it_made(engine, frozen):
-    with Actor.thaw(engine, frozen) as actor:
+    with snapshot.thaw(engine, frozen) as actor:
         snap = Snapshot(frozen)
         kv_bytes = sum(snap.tensors[n].numel() * snap.tensors[n].element_size() for n in snap.kv_names())
         row = actor.ledger.boundaries["KV host→cache slot (hashed in the same pass)"]
@@ -203,7 +204,7 @@ def test_format_1_snapshots_are_still_read(engine, frozen, tmp_path):
     m["checksum"] = checksum_v1(t, m)
     old = tmp_path / "v1.safetensors"
     save_file(t, str(old), metadata=m)
-    with Actor.thaw(engine, frozen) as a, Actor.thaw(engine, old) as b:
+    with snapshot.thaw(engine, frozen) as a, snapshot.thaw(engine, old) as b:
         assert (b.send(TURNS[1], max_tokens=8).stats.token_ids
                 == a.send(TURNS[1], max_tokens=8).stats.token_ids)
     data = bytearray(old.read_bytes())
@@ -252,8 +253,8 @@ def test_inconsistent_shapes(engine, frozen, tmp_path):
 def test_int8_kv_is_small_and_close(engine, tmp_path):
     with Actor(engine) as actor:
         actor.send("Tell me a long story about a lighthouse keeper.", max_tokens=64)
-        full = actor.freeze(tmp_path / "f32.safetensors")
-        actor.freeze(tmp_path / "i8.safetensors", kv_dtype="int8")
+        full = snapshot.freeze(actor, tmp_path / "f32.safetensors")
+        snapshot.freeze(actor, tmp_path / "i8.safetensors", kv_dtype="int8")
     i8 = Snapshot(tmp_path / "i8.safetensors")
     kv_bytes = sum(t.numel() * t.element_size() for n, t in i8.tensors.items() if n.startswith("kv."))
     bf16_bytes = sum(t.numel() * 2 for n, t in i8.tensors.items() if n.startswith("kv.") and "scale" not in n)
@@ -263,7 +264,7 @@ def test_int8_kv_is_small_and_close(engine, tmp_path):
     k8, _ = i8.kv(torch.float32)
     rel = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(k32, k8, strict=True))
     assert rel < 0.01  # half a quantisation step of absmax/127
-    a, b = (Actor.thaw(engine, tmp_path / f) for f in ("f32.safetensors", "i8.safetensors"))
+    a, b = (snapshot.thaw(engine, tmp_path / f) for f in ("f32.safetensors", "i8.safetensors"))
     with a, b:
         assert a.send("Go on.", max_tokens=6).text == b.send("Go on.", max_tokens=6).text
 
@@ -292,9 +293,9 @@ STATEFUL = wasmtime.wat2wasm("""
 def test_guest_state_in_globals_and_memory_round_trips(engine, tmp_path):
     with Actor(engine, STATEFUL) as actor:
         assert [actor.send("x").text for _ in range(2)] == ["12", "24"]
-        actor.freeze(tmp_path / "g.safetensors")
+        snapshot.freeze(actor, tmp_path / "g.safetensors")
         globals_before = actor.guest.capture_globals()
-    with Actor.thaw(engine, tmp_path / "g.safetensors", guest=STATEFUL) as thawed:
+    with snapshot.thaw(engine, tmp_path / "g.safetensors", guest=STATEFUL) as thawed:
         assert thawed.guest.capture_globals() == globals_before
         assert thawed.send("x").text == "36"
 
@@ -573,7 +574,7 @@ def test_guest_memory_past_the_modules_maximum_is_refused_as_a_snapshot_error(ti
     module = default_runtime().compile(BOUNDED)
     with Actor(engine, module) as actor:
         actor.send("x")
-        actor.freeze(tmp_path / "b.safetensors")
+        snapshot.freeze(actor, tmp_path / "b.safetensors")
     grown = forge(tmp_path / "b.safetensors", tmp_path / "grown.safetensors",
                   lambda h, d: h["__metadata__"].update(guest_memory_bytes=str(8 * 65536)))
     with pytest.raises(SnapshotRestoreFailed, match="grow memory") as caught:

@@ -63,12 +63,13 @@ def tiny_engine(max_seq_len: int = 64):
 
 def tiny_snapshot(engine, module, path: Path):
     """Freeze an actor of `module` after two messages to `path`; returns its state (copied)."""
+    from floe import snapshot
     from floe.actor import Actor
 
     with Actor(engine, module, seed=7) as actor:
         actor.send("one")
         actor.send("two")
-        actor.freeze(path)
+        snapshot.freeze(actor, path)
         return own_copy(actor.capture_state())
 
 

@@ -47,6 +47,7 @@ def _stderr_console():
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from floe import snapshot
     from floe.actor import Actor
     from floe.engine import Engine, SamplingParams
 
@@ -66,13 +67,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.thaw:
         if args.system:
             raise FloeError("--system applies to a new conversation; a thawed one keeps its own")
-        actor = Actor.thaw(engine, args.thaw, args.guest, seed=args.seed)
+        actor = snapshot.thaw(engine, args.thaw, args.guest, seed=args.seed)
     else:
         actor = Actor(engine, args.guest, seed=args.seed, system_prompt=args.system or "")
     setup_s = time.perf_counter() - started  # the model read, the engine built, the actor made
     with actor:
         reply = actor.send(args.prompt, max_tokens=args.max_tokens, params=params, on_text=stream)
-        frozen = actor.freeze(args.freeze, args.kv_dtype) if args.freeze else None
+        frozen = snapshot.freeze(actor, args.freeze, args.kv_dtype) if args.freeze else None
     stats = reply.stats
     finish = "length" if stats.generated_tokens >= args.max_tokens else "stop"
     if args.json:

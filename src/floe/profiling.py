@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from floe import snapshot
 from floe.actor import Actor
 from floe.bench import copy_bandwidth, decode_bytes, matmul_rate, timed
 from floe.engine import Engine
@@ -43,18 +44,16 @@ def _turn(engine: Engine, prompt: str, max_tokens: int, repeats: int) -> tuple[o
 
 def _snapshot_io(engine: Engine, prompt: str, ledger: Ledger) -> None:
     """Freeze an actor after one short message and thaw it into a fresh one; record both."""
-    from floe.snapshot import thaw
-
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "profile.safetensors"
         with Actor(engine) as actor:
             actor.send(prompt, max_tokens=2)
             t = time.perf_counter()
-            actor.freeze(path)
+            snapshot.freeze(actor, path)
             seconds = time.perf_counter() - t
         ledger.copy("snapshot write (actor → file)", path.stat().st_size, seconds=seconds)
         t = time.perf_counter()
-        with thaw(engine, path) as thawed:
+        with snapshot.thaw(engine, path) as thawed:
             seconds = time.perf_counter() - t
             kv = [b for b in thawed.ledger.boundaries.values() if b.name.startswith("KV ")]
         size = path.stat().st_size

@@ -23,10 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from floe import snapshot
 from floe.actor import Actor, DecodeScheduler, EngineLoop
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError
 from floe.server.protocol import OWNER
+from floe.snapshot import SnapshotError, clean_stale, header
 
 log = logging.getLogger("floe.serve")
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # fullmatch: "$" would let a final "\n" in
@@ -149,8 +151,6 @@ class SessionStore:
         checked as a thaw checks it; the tensors are verified on thaw), skipping with a log line
         whatever is not one (a FIFO or a folder is refused at once, never waited on), or is not its
         folder's owner's; remove what killed writers left."""
-        from floe.snapshot import SnapshotError, clean_stale, header
-
         owners = [("", self.folder), *((d.name, d) for d in sorted(self.folder.iterdir())
                                        if OWNER.fullmatch(d.name) and d.is_dir() and not d.is_symlink())]
         for owner, folder in owners:
@@ -307,7 +307,7 @@ class SessionStore:
             if session.path.exists():
                 t = time.perf_counter()
                 try:
-                    session.actor = Actor.thaw(self.engine, session.path, self.guest, seed=session.seed,
+                    session.actor = snapshot.thaw(self.engine, session.path, self.guest, seed=session.seed,
                                                scheduler=self.scheduler, loop=self.loop)
                 except FloeError as e:
                     raise ThawFailed(f"session {session.id!r} could not be thawed from {session.path.name} "
@@ -330,8 +330,6 @@ class SessionStore:
             session.actor.close()
             session.actor = None
         if session.path.exists():
-            from floe.snapshot import header
-
             session.messages = _app_record(header(session.path))["messages"]
         else:
             with self.lock:
@@ -373,7 +371,7 @@ class SessionStore:
         """Write the session's snapshot, then close its actor (caller holds session.lock)."""
         t = time.perf_counter()
         session.path.parent.mkdir(mode=0o700, exist_ok=True)  # an owner's folder
-        info = session.actor.freeze(session.path, app={"floe_server": {
+        info = snapshot.freeze(session.actor, session.path, app={"floe_server": {
             "id": session.id, "owner": session.owner, "anonymous": session.anonymous,
             "messages": session.messages, "seed": session.seed}})
         session.actor.close()
