@@ -136,9 +136,10 @@ def test_an_hf_folders_fingerprint_keeps_its_v1_value_for_old_snapshots(tmp_path
     assert checkpoint.legacy_fingerprint() == legacy.hexdigest() != checkpoint.fingerprint
 
 
-def test_a_snapshot_made_under_fingerprint_scheme_v1_still_thaws(tmp_path):
+def test_a_snapshot_made_under_fingerprint_scheme_v1_still_thaws_and_verifies(tmp_path, capsys):
     """Snapshots record the model's fingerprint; those written before scheme v2 hold the v1 value."""
     from floe.actor import Actor
+    from floe.cli import main
     from floe.snapshot import SnapshotModelMismatch, seal
 
     engine = Engine(load_checkpoint(write_gguf(tmp_path / "m.gguf", [Q.Q8_0])), max_seq_len=64)
@@ -155,6 +156,10 @@ def test_a_snapshot_made_under_fingerprint_scheme_v1_still_thaws(tmp_path):
         assert actor.send("And?", max_tokens=2).stats.generated_tokens >= 1
     with pytest.raises(SnapshotModelMismatch, match="load the same model file"):
         snapshot.thaw(engine, tmp_path / "other.safetensors")
+    model = str(tmp_path / "m.gguf")
+    assert main(["snapshot", "verify", str(tmp_path / "old.safetensors"), "--model", model]) == 0
+    assert "ok (" in capsys.readouterr().out
+    assert main(["snapshot", "verify", str(tmp_path / "other.safetensors"), "--model", model]) == 1
 
 
 def test_unsupported_architecture_is_named(tmp_path):

@@ -170,7 +170,7 @@ def cmd_snapshot_inspect(args: argparse.Namespace) -> int:
 
 def cmd_snapshot_verify(args: argparse.Namespace) -> int:
     from floe.actor import SUPPORTED_ABI_VERSIONS
-    from floe.snapshot import Snapshot
+    from floe.snapshot import Snapshot, model_fingerprint
 
     snap = Snapshot(args.file)  # integrity, format version and checksum
     checks = ["integrity and checksum"]
@@ -179,8 +179,8 @@ def cmd_snapshot_verify(args: argparse.Namespace) -> int:
     if args.model is not None or args.default_model:
         checkpoint = _load_with_progress(args.model, "float32", quiet=True)
         c = checkpoint.config
-        snap.verify(fingerprint=checkpoint.fingerprint, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads,
-                    head_dim=c.head_dim, max_seq_len=c.context_length)
+        snap.verify(fingerprint=model_fingerprint(checkpoint, snap), n_layers=c.n_layers,
+                    n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_seq_len=c.context_length)
         checks.append(f"model {checkpoint.name}")
     print(f"{args.file}: ok ({', '.join(checks)})")
     return 0

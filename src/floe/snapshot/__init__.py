@@ -389,15 +389,15 @@ def header(path: str | Path) -> dict[str, str]:
         os.close(fd)
 
 
-def _model_fingerprint(engine: Engine, snap: Snapshot) -> str:
-    """The engine's model fingerprint as the snapshot would name it: a snapshot of a model of the same
-    name written before floe's model fingerprint scheme v2 names it by scheme v1, checked then (a
-    SHA-256 pass over the weights, once per engine)."""
+def model_fingerprint(checkpoint, snap: Snapshot) -> str:
+    """The checkpoint's model fingerprint as the snapshot would name it: a snapshot of a model of the
+    same name written before floe's model fingerprint scheme v2 names it by scheme v1, checked then (a
+    SHA-256 pass over the weights, once per checkpoint). Thaw and `floe snapshot verify` both check this."""
     theirs = snap.metadata["model_fingerprint"]
-    if theirs != engine.fingerprint and snap.metadata["model_name"] == engine.checkpoint.name:
-        if engine.checkpoint.legacy_fingerprint() == theirs:
+    if theirs != checkpoint.fingerprint and snap.metadata["model_name"] == checkpoint.name:
+        if checkpoint.legacy_fingerprint() == theirs:
             return theirs
-    return engine.fingerprint
+    return checkpoint.fingerprint
 
 
 def thaw(engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModule | None = None,
@@ -412,7 +412,7 @@ def thaw(engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModu
     snap = Snapshot(path, contents=False)  # the bytes are checked below, nothing is used before
     module = _guest_module(snap, guest)
     c = engine.config
-    snap.verify(fingerprint=_model_fingerprint(engine, snap), guest_sha256=module.sha256,
+    snap.verify(fingerprint=model_fingerprint(engine.checkpoint, snap), guest_sha256=module.sha256,
                 abi_version=SUPPORTED_ABI_VERSIONS,
                 n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                 max_seq_len=engine.max_seq_len)
