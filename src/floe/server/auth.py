@@ -68,7 +68,7 @@ class ApiKeys:
         return found
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
             return await self.app(scope, receive, send)
         authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
         owner = self.owner(authorization)

@@ -221,7 +221,9 @@ class ServeCore:
         if name == "health":
             return {"status": "ok", "model": self.model_id, "device": str(self.engine.device),
                     "decode_batching": self.scheduler is not None, "uptime_s": time.time() - self.started,
-                    "sessions": self.store.counts(), "skipped_snapshots": self.store.skipped,
+                    "sessions": self.store.counts(),
+                    # how many files were skipped (named in the server's log: they name owners)
+                    "skipped_snapshots": len(self.store.skipped),
                     "engine_loop": self.loop.stats()}
         if name == "metrics":
             return generate_latest(self.metrics.registry).decode()

@@ -309,9 +309,10 @@ class SessionStore:
                 try:
                     session.actor = snapshot.thaw(self.engine, session.path, self.guest, seed=session.seed,
                                                scheduler=self.scheduler, loop=self.loop)
-                except FloeError as e:
-                    raise ThawFailed(f"session {session.id!r} could not be thawed from {session.path.name} "
-                                     f"(the file is left in place): {e}") from e
+                except FloeError as e:  # the client is told what failed, not where the file lies
+                    log.warning("session %r could not be thawed from %s: %s", session.id, session.path, e)
+                    raise ThawFailed(f"session {session.id!r} could not be thawed (the file is left in "
+                                     f"place): {type(e).__name__}") from e
                 self.on_thaw(time.perf_counter() - t)
             else:
                 # One at a time: creating an actor is ~1 ms of short calls into Wasmtime, each a GIL
