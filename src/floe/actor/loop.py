@@ -18,8 +18,9 @@ made on the device right after its forward) is *speculated* to take it again. It
 is launched with that token before its guest is asked, and the guest is asked while the device
 computes; if it chooses otherwise (or stops), that row's forward is undone (its KV position
 truncated, its logits dropped) and the guest's token runs in the next step. What the guest sees and
-decides is the same either way (its logits are a copy held for the call); only when the device works
-changes. The KV cache holds exactly the tokens the guest returned, as without overlap.
+decides is the same either way (its logits stay valid while the next forward runs:
+Engine.logits_outlive_next_step); only when the device works changes. The KV cache holds exactly
+the tokens the guest returned, as without overlap.
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ class EngineLoop:
         self.token_call_s = token_call_s
         # Speculate greedy rows (module doc) where the engine's forward runs while Python goes on.
         self.overlap = (engine.overlaps and batch) if overlap is None else overlap
+        if self.overlap and not engine.logits_outlive_next_step:  # guests read them during the next one
+            raise ValueError("overlap needs an engine whose step logits outlive the next step")
         self._launched: Launched | None = None  # the forward in flight, finished at the next step
         self._cond = threading.Condition()
         self._arrived: list[Turn] = []
@@ -286,8 +289,7 @@ class EngineLoop:
     def _launch(self, turns: list[Turn], riding: list[Turn] = ()) -> None:
         """Launch one forward for every turn with a next token and the whole queued prompt of each
         `riding` turn (the rows' steps one by one if not batching). Speculated turns' guests read their
-        logits during it: held in a copy first where the forward would overwrite them (see
-        Engine.logits_outlive_next_step)."""
+        logits during it (they outlive it: see __init__)."""
         if not turns and not riding:
             return
         if not self.batch and len(turns) + len(riding) > 1:
@@ -298,11 +300,6 @@ class EngineLoop:
                 self._launch([], [turn])
                 self._take_results()
             return
-        held = [t for t in turns if t.speculated is not None and not t.actor.abi.logits_ptr]
-        if held and not self.engine.logits_outlive_next_step:  # one copy of each (ordered before it)
-            copies = torch.stack([t.actor.abi.last_logits for t in held])
-            for turn, logits in zip(held, copies, strict=True):
-                turn.actor.abi.last_logits = logits
         tokens, slots = [t.next_token for t in turns], [t.actor.slot for t in turns]
         prompts = [(t.actor.abi.take_queued(), t.actor.slot) for t in riding]
         # The next host choice of rows whose guest takes it with sampling parameters: drawn by the

@@ -238,8 +238,7 @@ class BatchGraphDecoder:
              uniforms: list[float]) -> None:
         """Draw a token from each of slot_logits' `rows` (row(slot)s, after the step that wrote them,
         in the same stream: the host does not wait) with its row's parameters (ks: the vocabulary for
-        no top_k);
-        host_drawn / host_wider [:len(rows)] once draw_done has completed."""
+        no top_k); host_drawn / host_wider [:len(rows)] once draw_done has completed."""
         n = len(rows)
         size = next(s for s in self.sizes if s >= n)
         self.draw_done.synchronize()  # the previous draw has read draw_in
