@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from floe.server.auth import ApiKeys, api_keys
 from floe.server.protocol import HEADER, ROLES, ProtocolError, ServeError, frame_length, pack, unpack
+from floe.server.stops import checked_stops
 
 if TYPE_CHECKING:
     from floe.engine import Engine
@@ -339,8 +340,6 @@ def create_front(socket_path: str, *, keys: tuple[str, ...] = (), cors_origins: 
                                  code="unsupported_parameter", param=name)
         if body.n != 1:
             raise ServeError(400, "only n=1 is supported", param="n")
-        if body.stop:
-            raise ServeError(400, "stop sequences are not supported", param="stop")
         messages = []
         for i, m in enumerate(body.messages):
             role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for it
@@ -363,7 +362,7 @@ def create_front(socket_path: str, *, keys: tuple[str, ...] = (), cors_origins: 
             "messages": _messages(body), "max_tokens": body.max_completion_tokens or body.max_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
             "session_id": request.headers.get("x-floe-session") or body.session_id,
-            "stream": body.stream, "owner": request.state.owner})
+            "stream": body.stream, "owner": request.state.owner, "stop": list(checked_stops(body.stop))})
         try:
             kind, value = await queue.get()  # its session, or why it has none
         except asyncio.CancelledError:

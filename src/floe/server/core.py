@@ -29,6 +29,7 @@ from floe.model.tokenizer import ChatTemplateError
 from floe.server import protocol
 from floe.server.protocol import CALLS, HEADER, ROLES, ProtocolError, ServeError, frame_length, pack, unpack
 from floe.server.sessions import Session, SessionError, SessionStore
+from floe.server.stops import checked_stops
 from floe.wasm import GuestError
 
 log = logging.getLogger("floe.serve")
@@ -76,6 +77,7 @@ class Chat:
     max_tokens: int
     params: SamplingParams
     seed: int | None  # the request's own seed (its session's generator restarts from it), or None
+    stops: tuple[str, ...]  # the reply ends before the first of these
 
 
 class ServeCore:
@@ -120,6 +122,7 @@ class ServeCore:
     def open(self, request: dict) -> Chat:
         """Check a chat request against the engine and take its session (locked for it)."""
         messages, max_tokens, params, sid = self._validate(request)
+        stops = checked_stops(request.get("stop"))
         owner = _owner(request.get("owner"))
         seed = None if request.get("seed") in (None, -1) else params.seed  # -1: random, as llama.cpp
         try:  # a new session's generator starts from the request's seed, or a random one (as OpenAI)
@@ -134,15 +137,16 @@ class ServeCore:
             if isinstance(e, (GuestError, FloeError)):
                 raise failure(e, session.id) from None
             raise
-        return Chat(session, history, messages[-1]["content"], max_tokens, params, seed)
+        return Chat(session, history, messages[-1]["content"], max_tokens, params, seed, stops)
 
     def run(self, chat: Chat, on_text=None, should_stop=lambda: False) -> dict:
         """Run an opened chat to its end (the session is released whatever happens): its text, why it
-        ended and its usage. on_text(piece): each piece of streamed text (in the engine loop's thread)."""
+        ended and its usage. on_text(piece): each piece of streamed text (in the engine loop's thread);
+        should_stop(): the client left (the session keeps nothing of the turn)."""
         try:
             reply = self.store.run(chat.session, chat.history, chat.text, max_tokens=chat.max_tokens,
                                    params=chat.params, on_text=on_text, should_stop=should_stop,
-                                   reseed=chat.seed)
+                                   reseed=chat.seed, stops=chat.stops)
         except (GuestError, FloeError) as e:
             raise failure(e, chat.session.id) from None
         finally:
@@ -160,8 +164,8 @@ class ServeCore:
                  "total_tokens": s.context_tokens + generated,
                  "prompt_tokens_details": {"cached_tokens": s.context_tokens - s.first_forward_tokens},
                  "prefilled_tokens": s.first_forward_tokens}
-        return {"text": reply.text, "finish_reason": "length" if generated >= chat.max_tokens else "stop",
-                "usage": usage}
+        length = generated >= chat.max_tokens and not reply.stopped
+        return {"text": reply.text, "finish_reason": "length" if length else "stop", "usage": usage}
 
     def keep_spares(self) -> None:
         """Keep actors made ahead in free KV slots (SessionStore.keep_spares): new sessions find theirs."""

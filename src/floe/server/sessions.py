@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from floe import snapshot
-from floe.actor import Actor, DecodeScheduler, EngineLoop
+from floe.actor import Actor, DecodeScheduler, EngineLoop, MessageStats
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError
 from floe.server.protocol import OWNER
+from floe.server.stops import StopText
 from floe.snapshot import SnapshotError, clean_stale, header
 
 log = logging.getLogger("floe.serve")
@@ -55,6 +56,16 @@ class NoFreeSlot(SessionError):
 
 class ThawFailed(SessionError):
     status, code = 500, "thaw_failed"
+
+
+@dataclass
+class Answer:
+    """A message's outcome as its client received it (SessionStore.run)."""
+
+    text: str  # the reply, cut before a stop string
+    stats: MessageStats
+    stopped: bool  # a stop string ended it
+    left: bool  # its client left before its end: the session did not keep the turn
 
 
 @dataclass
@@ -250,36 +261,78 @@ class SessionStore:
 
     def run(self, session: Session, history: list[dict], text: str, *, max_tokens: int,
             params: SamplingParams, on_text: Callable[[str], None] | None = None,
-            should_stop: Callable[[], bool] = lambda: False, reseed: int | None = None):
-        """Deliver `text` to the (locked) session's actor, loading `history` first. Returns the reply.
+            should_stop: Callable[[], bool] = lambda: False, reseed: int | None = None,
+            stops: tuple[str, ...] = ()) -> Answer:
+        """Deliver `text` to the (locked) session's actor, loading `history` first; the answer.
         reseed: restart the actor's generator from this seed first (a request's own seed: the same
         request with the same seed draws the same tokens); None: it goes on from where it was.
+        stops: the reply ends before the first of these (floe.server.stops); on_text never sees any
+        part of one. should_stop(): the client left; its row stops at its next token.
 
-        A guest failure ends this request only: the actor is dropped and the session returns to its
-        last snapshot (or is forgotten if it never had one).
+        The session keeps the turn as its client received it: the reply cut at a stop string, and
+        nothing of a turn whose client left (its guest, which took more, is restarted with the
+        session's conversation). A guest failure ends this request only: the actor is dropped and the
+        session returns to its last snapshot (or is forgotten if it never had one).
         """
         self._ensure_live(session)
         actor = session.actor
         if reseed is not None:
             actor.generator.manual_seed(reseed)
+        cut = StopText(stops)
         try:
             for m in history:
                 actor.add_history(m["role"], m["content"])
 
             def emit(piece: str) -> None:
-                if should_stop():
+                piece = cut.take(piece)
+                if cut.matched or should_stop():
                     actor.stop_requested = True
-                if on_text is not None:
+                if piece and on_text is not None:
                     on_text(piece)
 
             reply = actor.send(text, max_tokens=max_tokens, params=params, on_text=emit)
+            if (tail := cut.rest()) and on_text is not None:  # held back for a stop string that never came
+                on_text(tail)
         except BaseException:
             self._drop_live(session)
             raise
-        session.messages += [*history, {"role": "user", "content": text},
-                             {"role": "assistant", "content": reply.text}]
+        left = should_stop()
+        if not left:
+            session.messages += [*history, {"role": "user", "content": text},
+                                 {"role": "assistant", "content": cut.text}]
+        if left or cut.matched:  # its guest holds more than the session keeps
+            self._restart_guest(session)
         session.last_used = time.monotonic()
-        return reply
+        return Answer(cut.text, reply.stats, cut.matched, left)
+
+    def _restart_guest(self, session: Session) -> None:
+        """Give the (locked) session a new actor in a KV slot that holds exactly its conversation
+        (none if it has none and no snapshot: it is forgotten). Its next message prefills the whole
+        conversation: a guest cannot be told to forget part of its own (see docs/SERVER.md, "stop")."""
+        old, actor = session.actor, None
+        with self.lock:  # its slot stays counted while its actor is replaced: no spare takes it
+            self._reserved += 1
+        try:
+            old.close()
+            session.actor = None
+            if not session.messages and not session.path.exists():
+                with self.lock:
+                    self.sessions.pop(session.key, None)
+                return
+            with self._creating:
+                actor = Actor(self.engine, self.guest, scheduler=self.scheduler, loop=self.loop)
+            actor.generator.set_state(old.generator.get_state())
+            for m in session.messages:
+                actor.add_history(m["role"], m["content"])
+            session.actor, actor = actor, None
+        except Exception:  # noqa: BLE001 - the reply was delivered; the session falls back as on a failure
+            log.exception("session %r: its guest could not be restarted with its conversation", session.id)
+            self._drop_live(session)
+        finally:
+            if actor is not None:
+                actor.close()
+            with self.lock:
+                self._reserved -= 1
 
     def go_live(self, session: Session) -> None:
         """Give the (locked) session a live actor now: thawed, or made, in a KV slot (freezing an idle
