@@ -15,7 +15,7 @@ from models import write_gguf
 from test_qgemv import runnable
 
 from floe.engine import Engine, SamplingParams, qgemv
-from floe.engine.cpu_decode import CpuDecoder
+from floe.engine.cpu_decode import CpuDecoder, attend_ops
 from floe.errors import ContextOverflow, FloeError
 from floe.model import load_checkpoint
 from floe.model.quant import GROUP, QuantizedWeight
@@ -145,11 +145,41 @@ def test_a_failure_inside_the_step_takes_every_row_back(tiny_engine, monkeypatch
     assert [len(tiny_engine.cache.tokens[s]) for s in slots] == lengths
 
 
+@pytest.mark.parametrize(("n_heads", "n_kv"), [(9, 3), (4, 4)])
+def test_the_attention_operator_is_the_step_in_pytorchs_ops(n_heads, n_kv):
+    """torch.ops.floe.attend (rotary, the K/V write, attention, for rows of distinct slots at their own
+    positions, the first at position 0) writes the cache and the output PyTorch's ops do."""
+    runnable("portable")
+    qgemv.load("portable")  # loads the operator
+    gen = torch.Generator().manual_seed(0)
+    head_dim, seq, slots, positions = 64, 40, [2, 0, 1], [0, 17, 39]
+    cos, sin = torch.randn(seq, head_dim, generator=gen), torch.randn(seq, head_dim, generator=gen)
+    k, v = (torch.randn(3, n_kv, seq, head_dim, generator=gen) for _ in range(2))
+    qkv = torch.randn(3, (n_heads + 2 * n_kv) * head_dim, generator=gen)
+    out = torch.full((3, n_heads * head_dim), float("nan"))
+    k_ops, v_ops, out_ops = k.clone(), v.clone(), torch.empty_like(out)
+    torch.ops.floe.attend(qkv, cos, sin, k, v, slots, positions, n_heads, out)
+
+    sin_signed = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]], 1)
+    roll = torch.roll(torch.eye(head_dim), head_dim // 2, dims=1)
+    at = torch.tensor(positions)
+    rotary = torch.diag_embed(cos[at]) + roll * sin_signed[at].unsqueeze(1)
+    row_scale = torch.ones(n_heads + n_kv, 1)
+    row_scale[:n_heads] = head_dim**-0.5
+    att_rows = [row.view(n_kv, n_heads // n_kv, head_dim) for row in out_ops.unbind()]
+    attend_ops(qkv, rotary, row_scale, att_rows, slots, positions, k_ops, v_ops, n_heads, n_kv, head_dim)
+    assert torch.equal(v, v_ops)
+    torch.testing.assert_close(k, k_ops, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out, out_ops, rtol=0, atol=1e-5)
+
+
 def test_the_scripted_step_over_rows_equals_the_eager_one(tiny_q):
     engine = Engine(tiny_q, max_seq_len=64, n_slots=4, weights="native")
     slots = prefilled(engine)
     positions = [engine.kv_len(s) for s in slots]
-    scripted = CpuDecoder(engine.model, engine.cache).step([7, 8, 9, 10], positions, slots).clone()
+    decoder = CpuDecoder(engine.model, engine.cache)
+    assert decoder.native_attention  # floe's attention operator, with floe's kernels and a float32 cache
+    scripted = decoder.step([7, 8, 9, 10], positions, slots).clone()
     eager = CpuDecoder(engine.model, engine.cache, script=False).step([7, 8, 9, 10], positions, slots)
     assert torch.equal(scripted, eager)
 

@@ -83,11 +83,27 @@ def attend(rot: Tensor, v: Tensor, out: list[Tensor], slots: list[int], position
         torch.bmm(torch.softmax(scores, dim=-1), v_slot.narrow(1, 0, length), out=out[b])
 
 
+def attend_ops(y: Tensor, rotary: Tensor, row_scale: Tensor, att_rows: list[Tensor], slots: list[int],
+               positions: list[int], k_cache: Tensor, v_cache: Tensor, n_heads: int, n_kv: int,
+               head_dim: int) -> None:
+    """`attend` after rotary, in PyTorch's ops, from a layer's qkv rows y [B, (n_heads + 2 n_kv)
+    head_dim]: rotary for all Q and K heads of a row in one product (Q's rows also carry the
+    attention scale), then the cache write and attention per row."""
+    rows, qk_size = y.shape[0], (n_heads + n_kv) * head_dim
+    qk = y.narrow(1, 0, qk_size).view(rows, n_heads + n_kv, head_dim)
+    rot = torch.bmm(torch.mul(qk, row_scale), rotary)
+    if rot.dtype != k_cache.dtype:
+        rot = rot.to(k_cache.dtype)
+    v = y.narrow(1, qk_size, n_kv * head_dim).view(rows, n_kv, head_dim)
+    attend(rot, v, att_rows, slots, positions, k_cache, v_cache, n_heads, n_heads // n_kv)
+
+
 def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Tensor, slots: list[int],
                   positions: list[int], eps: float, norms: list[Tensor], inputs: list[Tensor],
                   weights: list[Tensor], scales: list[Tensor], repeats: list[int], qkv_bias: list[Tensor],
                   k_caches: list[Tensor], v_caches: list[Tensor], att: Tensor, att_rows: list[Tensor],
-                  n_heads: int, n_kv: int, head_dim: int, ffn_dim: int, zero: Tensor) -> None:
+                  n_heads: int, n_kv: int, head_dim: int, ffn_dim: int, zero: Tensor,
+                  native_attention: bool, cos: Tensor, sin: Tensor) -> None:
     """Every layer of one decode step of B rows, updating the fp32 residual rows x [B, dim] (x_rows:
     its rows, views) in place.
 
@@ -97,22 +113,21 @@ def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Te
     gate+up and down projections (see `project`); qkv_bias[i] (empty if none); k_caches[i],
     v_caches[i] the layer's cache [n_slots, n_kv, seq, head_dim]; att [B, n_heads * head_dim] in the
     cache's dtype, attention's output buffer, att_rows its rows as [n_kv, n_heads / n_kv, head_dim]
-    views; zero: a float32 [1] of 0 (addcmul's base).
+    views; zero: a float32 [1] of 0 (addcmul's base). native_attention: rotary, the cache write and
+    attention by floe's operator (`torch.ops.floe.attend`, float32 cache), from the tables cos, sin
+    [seq, head_dim]; rotary and row_scale then go unused.
     """
-    rows, qk_size, group = x.shape[0], (n_heads + n_kv) * head_dim, n_heads // n_kv
     for i in range(len(k_caches)):
         k_cache, v_cache, j = k_caches[i], v_caches[i], 4 * i
         h = rms_norm(x, x_rows, norms[2 * i], eps, zero, inputs[2 * i])
         y = project(h, weights[j], scales[j], repeats[j])
         if qkv_bias[i].numel() > 0:
             y = y + qkv_bias[i]
-        # Rotary for all Q and K heads of a row in one product; Q's rows also carry the attention scale.
-        qk = y.narrow(1, 0, qk_size).view(rows, n_heads + n_kv, head_dim)
-        rot = torch.bmm(torch.mul(qk, row_scale), rotary)
-        if rot.dtype != k_cache.dtype:
-            rot = rot.to(k_cache.dtype)
-        v = y.narrow(1, qk_size, n_kv * head_dim).view(rows, n_kv, head_dim)
-        attend(rot, v, att_rows, slots, positions, k_cache, v_cache, n_heads, group)
+        if native_attention:
+            torch.ops.floe.attend(y, cos, sin, k_cache, v_cache, slots, positions, n_heads, att)
+        else:
+            attend_ops(y, rotary, row_scale, att_rows, slots, positions, k_cache, v_cache, n_heads, n_kv,
+                       head_dim)
         o_dtype = input_dtype(weights[j + 1], repeats[j + 1])
         x.add_(project(att.to(o_dtype), weights[j + 1], scales[j + 1], repeats[j + 1]))
         gate_up = project(rms_norm(x, x_rows, norms[2 * i + 1], eps, zero, inputs[2 * i + 1]), weights[j + 2],
@@ -164,7 +179,8 @@ class CpuDecoder:
     """Decode steps of up to `cache.n_slots` rows at once, each row a slot of `cache`, on the CPU (its
     buffers serve one thread at a time)."""
 
-    def __init__(self, model: Transformer, cache: KVCache, script: bool = True) -> None:
+    def __init__(self, model: Transformer, cache: KVCache, script: bool = True,
+                 native_attention: bool | None = None) -> None:
         c = model.config
         self.model, self.cache, self.config = model, cache, c
         hd, half, rows = c.head_dim, c.head_dim // 2, cache.n_slots
@@ -192,6 +208,11 @@ class CpuDecoder:
             self.inputs += [self._input(a.wqkv), self._input(f.w13)]
             bias = a.wqkv.bias
             self.qkv_bias.append(torch.empty(0) if bias is None else bias)
+        # floe's attention operator where floe's kernels are loaded (a native projection) and the cache
+        # is float32; else PyTorch's ops (`native_attention` chooses, for tests)
+        if native_attention is None:
+            native_attention = cache.k.dtype == torch.float32 and any(r < 0 for r in self.repeats)
+        self.native_attention = native_attention
         self.k_caches = [cache.k[i] for i in range(c.n_layers)]
         self.v_caches = [cache.v[i] for i in range(c.n_layers)]
         # The head as `project` takes it; a quantized head's exact_top pass (QLinear) runs after it,
@@ -231,10 +252,12 @@ class CpuDecoder:
         x, x_rows, inputs, att, att_rows, head_input = self._views(len(tokens))
         x.copy_(m.tok_embeddings(torch.tensor(tokens)))
         at = torch.tensor(positions)
-        rotary = torch.diag_embed(m.cos[at]) + self.roll * self.sin_signed[at].unsqueeze(1)
+        rotary = self.roll if self.native_attention else (  # unused then
+            torch.diag_embed(m.cos[at]) + self.roll * self.sin_signed[at].unsqueeze(1))
         self.run_layers(x, x_rows, rotary, self.row_scale, slots, positions, c.norm_eps, self.norms, inputs,
                         self.weights, self.scales, self.repeats, self.qkv_bias, self.k_caches, self.v_caches,
-                        att, att_rows, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, self.zero)
+                        att, att_rows, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, self.zero,
+                        self.native_attention, m.cos, m.sin)
         h = self.rms_norm(x, x_rows, m.norm.weight, c.norm_eps, self.zero, head_input)
         weight, scales, repeat = self.head
         if out is not None and repeat == 0 and weight.dtype == torch.float32:

@@ -1,0 +1,119 @@
+// A decode step's attention for B rows on the CPU, as one operator a layer:
+// torch.ops.floe.attend(qkv, cos, sin, k_cache, v_cache, slots, positions, n_heads, out).
+// Per row b: its K and V heads (rotary on K) are written at positions[b] of slot slots[b]'s cache, and
+// each of its Q heads (scaled by 1/sqrt(head_dim), rotated) attends over that slot's first
+// positions[b] + 1 positions into out[b]. PyTorch's ops for the same thing (a rotary product, two
+// small bmm and a softmax a row and layer, views and copies into the cache) cost ~25 us each of
+// dispatch and small-matrix set-up; here a step's attention is one call a layer, its heads split over
+// the threads. Every row is computed alone, in the same order whatever B is.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// Built without instruction-set flags (the operator runs on any CPU); on x86-64 Linux the loops below
+// are compiled three times, for AVX-512, AVX2 and baseline, and the loader picks the one this CPU runs.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#define FLOE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FLOE_CLONES
+#endif
+
+// out[j] = scale * (x[j] cos[j] - x[j + h] sin[j]) for j < h, scale * (x[j] cos[j] + x[j - h] sin[j])
+// after (h = hd / 2): the half-split rotary of Transformer's apply_rotary.
+inline void rotate(const float* x, const float* cos, const float* sin, int64_t hd, float scale, float* out) {
+  const int64_t h = hd / 2;
+  for (int64_t j = 0; j < h; ++j) out[j] = scale * (x[j] * cos[j] - x[j + h] * sin[j]);
+  for (int64_t j = h; j < hd; ++j) out[j] = scale * (x[j] * cos[j] + x[j - h] * sin[j]);
+}
+
+// One query head over `len` positions of its K and V [len, hd]: softmax(K q) V into out [hd];
+// scores: scratch of len floats.
+FLOE_CLONES void attend_head(const float* q, const float* k, const float* v, int64_t len, int64_t hd,
+                             float* scores, float* out) {
+  float top = -INFINITY;
+  for (int64_t t = 0; t < len; ++t) {
+    const float* kt = k + t * hd;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < hd; ++j) s += q[j] * kt[j];
+    scores[t] = s;
+    top = std::max(top, s);
+  }
+  float sum = 0.f;
+  for (int64_t t = 0; t < len; ++t) {
+    scores[t] = std::exp(scores[t] - top);
+    sum += scores[t];
+  }
+  for (int64_t j = 0; j < hd; ++j) out[j] = 0.f;
+  for (int64_t t = 0; t < len; ++t) {
+    const float p = scores[t], *vt = v + t * hd;
+#pragma omp simd
+    for (int64_t j = 0; j < hd; ++j) out[j] += p * vt[j];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t j = 0; j < hd; ++j) out[j] *= inv;
+}
+
+void check_f32(const at::Tensor& t, int64_t dim, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == dim && t.is_contiguous(), what,
+              ": float32, contiguous, ", dim, " dimensions");
+}
+
+// qkv float32 [B, (n_heads + 2 n_kv) hd]: each row's Q heads, K heads, V heads; cos, sin [seq, hd];
+// k_cache, v_cache [n_slots, n_kv, seq, hd]; out [B, n_heads hd].
+void attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+            const at::Tensor& v_cache, at::IntArrayRef slots, at::IntArrayRef positions, int64_t n_heads,
+            const at::Tensor& out) {
+  check_f32(qkv, 2, "qkv");
+  check_f32(cos, 2, "cos");
+  check_f32(sin, 2, "sin");
+  check_f32(k_cache, 4, "k_cache");
+  check_f32(v_cache, 4, "v_cache");
+  check_f32(out, 2, "out");
+  const int64_t rows = qkv.size(0), n_kv = k_cache.size(1), seq = k_cache.size(2), hd = k_cache.size(3);
+  TORCH_CHECK(n_heads > 0 && n_kv > 0 && n_heads % n_kv == 0, "n_heads is not a multiple of the KV heads");
+  TORCH_CHECK(qkv.size(1) == (n_heads + 2 * n_kv) * hd && out.size(0) == rows && out.size(1) == n_heads * hd,
+              "qkv [B, (n_heads + 2 n_kv) head_dim] and out [B, n_heads head_dim] do not match the cache");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && cos.sizes() == sin.sizes() && cos.size(1) == hd &&
+                  hd % 2 == 0, "k_cache, v_cache, cos and sin do not match");
+  TORCH_CHECK(static_cast<int64_t>(slots.size()) == rows && static_cast<int64_t>(positions.size()) == rows,
+              "one slot and one position a row");
+  for (int64_t b = 0; b < rows; ++b) {
+    TORCH_CHECK(slots[b] >= 0 && slots[b] < k_cache.size(0), "slot ", slots[b], " is not in the cache");
+    TORCH_CHECK(positions[b] >= 0 && positions[b] < std::min(seq, cos.size(0)), "position ", positions[b],
+                " is past the cache");
+  }
+  const int64_t width = qkv.size(1), group = n_heads / n_kv, slot_size = n_kv * seq * hd;
+  const float *x = qkv.data_ptr<float>(), *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>(), *o = out.data_ptr<float>();
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  // Queries rotated and scaled; this row's K and V into the cache (before any head reads them).
+  std::vector<float> q(rows * n_heads * hd);
+  for (int64_t b = 0; b < rows; ++b) {
+    const float *row = x + b * width, *c = cs + positions[b] * hd, *s = sn + positions[b] * hd;
+    for (int64_t h = 0; h < n_heads; ++h) rotate(row + h * hd, c, s, hd, scale, &q[(b * n_heads + h) * hd]);
+    for (int64_t h = 0; h < n_kv; ++h) {
+      const int64_t at = slots[b] * slot_size + (h * seq + positions[b]) * hd;
+      rotate(row + (n_heads + h) * hd, c, s, hd, 1.f, kc + at);
+      std::copy_n(row + (n_heads + n_kv + h) * hd, hd, vc + at);
+    }
+  }
+  at::parallel_for(0, rows * n_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(seq);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / n_heads, h = i % n_heads;
+      const int64_t at = slots[b] * slot_size + (h / group) * seq * hd;
+      attend_head(&q[i * hd], kc + at, vc + at, positions[b] + 1, hd, scores.data(), o + i * hd);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(floe, CPU, m) { m.impl("attend", attend); }
