@@ -15,7 +15,7 @@ from models import write_gguf
 from test_qgemv import runnable
 
 from floe.engine import Engine, SamplingParams, qgemv
-from floe.engine.cpu_decode import CpuDecoder, attend_ops
+from floe.engine.cpu_decode import CpuDecoder, attend_ops, rms_norm
 from floe.errors import ContextOverflow, FloeError
 from floe.model import load_checkpoint
 from floe.model.quant import GROUP, QuantizedWeight
@@ -173,12 +173,23 @@ def test_the_attention_operator_is_the_step_in_pytorchs_ops(n_heads, n_kv):
     torch.testing.assert_close(out, out_ops, rtol=0, atol=1e-5)
 
 
+def test_the_rms_norm_operator_is_the_steps_rms_norm():
+    runnable("portable")
+    qgemv.load("portable")  # loads the operator
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(3, 576, generator=gen) * 10, torch.randn(576, generator=gen)
+    out, ops = torch.full_like(x, float("nan")), torch.empty_like(x)
+    torch.ops.floe.rms_norm_rows(x, weight, 1e-5, out)
+    rms_norm(x, list(x.unbind()), weight, 1e-5, torch.zeros(1), ops)
+    torch.testing.assert_close(out, ops, rtol=1e-6, atol=0)
+
+
 def test_the_scripted_step_over_rows_equals_the_eager_one(tiny_q):
     engine = Engine(tiny_q, max_seq_len=64, n_slots=4, weights="native")
     slots = prefilled(engine)
     positions = [engine.kv_len(s) for s in slots]
     decoder = CpuDecoder(engine.model, engine.cache)
-    assert decoder.native_attention  # floe's attention operator, with floe's kernels and a float32 cache
+    assert decoder.native_ops  # floe's attention and RMSNorm operators, with floe's kernels and float32
     scripted = decoder.step([7, 8, 9, 10], positions, slots).clone()
     eager = CpuDecoder(engine.model, engine.cache, script=False).step([7, 8, 9, 10], positions, slots)
     assert torch.equal(scripted, eager)

@@ -66,6 +66,15 @@ def rms_norm(x: Tensor, rows: list[Tensor], weight: Tensor, eps: float, zero: Te
     return torch.mul(torch.mul(x, torch.tensor(scale).unsqueeze(1)), weight, out=out)
 
 
+def norm(x: Tensor, rows: list[Tensor], weight: Tensor, eps: float, zero: Tensor, out: Tensor,
+         native: bool) -> Tensor:
+    """`rms_norm`, or with `native` floe's operator for it (float32 throughout)."""
+    if native:
+        torch.ops.floe.rms_norm_rows(x, weight, eps, out)
+        return out
+    return rms_norm(x, rows, weight, eps, zero, out)
+
+
 def attend(rot: Tensor, v: Tensor, out: list[Tensor], slots: list[int], positions: list[int],
            k_cache: Tensor, v_cache: Tensor, n_heads: int, group: int) -> None:
     """Per row b: write its k (rot[b]'s last heads, rotated) and v [B, n_kv, head_dim] at positions[b]
@@ -103,7 +112,7 @@ def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Te
                   weights: list[Tensor], scales: list[Tensor], repeats: list[int], qkv_bias: list[Tensor],
                   k_caches: list[Tensor], v_caches: list[Tensor], att: Tensor, att_rows: list[Tensor],
                   n_heads: int, n_kv: int, head_dim: int, ffn_dim: int, zero: Tensor,
-                  native_attention: bool, cos: Tensor, sin: Tensor) -> None:
+                  native_ops: bool, cos: Tensor, sin: Tensor) -> None:
     """Every layer of one decode step of B rows, updating the fp32 residual rows x [B, dim] (x_rows:
     its rows, views) in place.
 
@@ -113,25 +122,25 @@ def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Te
     gate+up and down projections (see `project`); qkv_bias[i] (empty if none); k_caches[i],
     v_caches[i] the layer's cache [n_slots, n_kv, seq, head_dim]; att [B, n_heads * head_dim] in the
     cache's dtype, attention's output buffer, att_rows its rows as [n_kv, n_heads / n_kv, head_dim]
-    views; zero: a float32 [1] of 0 (addcmul's base). native_attention: rotary, the cache write and
-    attention by floe's operator (`torch.ops.floe.attend`, float32 cache), from the tables cos, sin
-    [seq, head_dim]; rotary and row_scale then go unused.
+    views; zero: a float32 [1] of 0 (addcmul's base). native_ops: RMSNorm, and rotary, the cache
+    write and attention, by floe's operators (`torch.ops.floe.rms_norm_rows`, `torch.ops.floe.attend`;
+    float32 throughout) from the tables cos, sin [seq, head_dim]; rotary and row_scale then go unused.
     """
     for i in range(len(k_caches)):
         k_cache, v_cache, j = k_caches[i], v_caches[i], 4 * i
-        h = rms_norm(x, x_rows, norms[2 * i], eps, zero, inputs[2 * i])
+        h = norm(x, x_rows, norms[2 * i], eps, zero, inputs[2 * i], native_ops)
         y = project(h, weights[j], scales[j], repeats[j])
         if qkv_bias[i].numel() > 0:
             y = y + qkv_bias[i]
-        if native_attention:
+        if native_ops:
             torch.ops.floe.attend(y, cos, sin, k_cache, v_cache, slots, positions, n_heads, att)
         else:
             attend_ops(y, rotary, row_scale, att_rows, slots, positions, k_cache, v_cache, n_heads, n_kv,
                        head_dim)
         o_dtype = input_dtype(weights[j + 1], repeats[j + 1])
         x.add_(project(att.to(o_dtype), weights[j + 1], scales[j + 1], repeats[j + 1]))
-        gate_up = project(rms_norm(x, x_rows, norms[2 * i + 1], eps, zero, inputs[2 * i + 1]), weights[j + 2],
-                          scales[j + 2], repeats[j + 2])
+        gate_up = project(norm(x, x_rows, norms[2 * i + 1], eps, zero, inputs[2 * i + 1], native_ops),
+                          weights[j + 2], scales[j + 2], repeats[j + 2])
         gate = F.silu(gate_up.narrow(1, 0, ffn_dim)).mul_(gate_up.narrow(1, ffn_dim, ffn_dim))
         down_dtype = input_dtype(weights[j + 3], repeats[j + 3])
         if gate.dtype != down_dtype:
@@ -159,8 +168,7 @@ def _compiled() -> dict[str, object]:
     if not _scripted:
         import floe.engine.qgemv  # noqa: F401 - declares torch.ops.floe.gemv_q
 
-        _scripted.update(decode_layers=_script(decode_layers), project=_script(project),
-                         rms_norm=_script(rms_norm))
+        _scripted.update(decode_layers=_script(decode_layers), project=_script(project), norm=_script(norm))
     return _scripted
 
 
@@ -180,7 +188,7 @@ class CpuDecoder:
     buffers serve one thread at a time)."""
 
     def __init__(self, model: Transformer, cache: KVCache, script: bool = True,
-                 native_attention: bool | None = None) -> None:
+                 native_ops: bool | None = None) -> None:
         c = model.config
         self.model, self.cache, self.config = model, cache, c
         hd, half, rows = c.head_dim, c.head_dim // 2, cache.n_slots
@@ -208,11 +216,13 @@ class CpuDecoder:
             self.inputs += [self._input(a.wqkv), self._input(f.w13)]
             bias = a.wqkv.bias
             self.qkv_bias.append(torch.empty(0) if bias is None else bias)
-        # floe's attention operator where floe's kernels are loaded (a native projection) and the cache
-        # is float32; else PyTorch's ops (`native_attention` chooses, for tests)
-        if native_attention is None:
-            native_attention = cache.k.dtype == torch.float32 and any(r < 0 for r in self.repeats)
-        self.native_attention = native_attention
+        # floe's operators for RMSNorm and attention where floe's kernels are loaded (a native
+        # projection) and the norms, their outputs and the cache are float32; else PyTorch's ops
+        # (`native_ops` chooses, for tests)
+        if native_ops is None:
+            native_ops = any(r < 0 for r in self.repeats) and all(
+                t.dtype == torch.float32 for t in (cache.k, *self.norms, *self.inputs, model.norm.weight))
+        self.native_ops = native_ops
         self.k_caches = [cache.k[i] for i in range(c.n_layers)]
         self.v_caches = [cache.v[i] for i in range(c.n_layers)]
         # The head as `project` takes it; a quantized head's exact_top pass (QLinear) runs after it,
@@ -222,9 +232,8 @@ class CpuDecoder:
         self.exact_head = head if getattr(head, "rounding_bound", None) is not None else None
         self.head_input = torch.empty(rows, c.dim, dtype=input_dtype(self.head[0], self.head[2]))
         self._rows_views: dict[int, tuple] = {}
-        fns = _compiled() if script else {"decode_layers": decode_layers, "project": project,
-                                          "rms_norm": rms_norm}
-        self.run_layers, self.project, self.rms_norm = fns["decode_layers"], fns["project"], fns["rms_norm"]
+        fns = _compiled() if script else {"decode_layers": decode_layers, "project": project, "norm": norm}
+        self.run_layers, self.project, self.norm = fns["decode_layers"], fns["project"], fns["norm"]
 
     def _input(self, module) -> Tensor:
         """The buffer a norm writes a projection's input rows into, in the dtype `project` takes."""
@@ -252,13 +261,14 @@ class CpuDecoder:
         x, x_rows, inputs, att, att_rows, head_input = self._views(len(tokens))
         x.copy_(m.tok_embeddings(torch.tensor(tokens)))
         at = torch.tensor(positions)
-        rotary = self.roll if self.native_attention else (  # unused then
+        rotary = self.roll if self.native_ops else (  # unused then
             torch.diag_embed(m.cos[at]) + self.roll * self.sin_signed[at].unsqueeze(1))
         self.run_layers(x, x_rows, rotary, self.row_scale, slots, positions, c.norm_eps, self.norms, inputs,
                         self.weights, self.scales, self.repeats, self.qkv_bias, self.k_caches, self.v_caches,
                         att, att_rows, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, self.zero,
-                        self.native_attention, m.cos, m.sin)
-        h = self.rms_norm(x, x_rows, m.norm.weight, c.norm_eps, self.zero, head_input)
+                        self.native_ops, m.cos, m.sin)
+        h = self.norm(x, x_rows, m.norm.weight, c.norm_eps, self.zero, head_input,
+                      self.native_ops and head_input.dtype == torch.float32)
         weight, scales, repeat = self.head
         if out is not None and repeat == 0 and weight.dtype == torch.float32:
             return torch.mm(h, weight.t(), out=out)  # straight into the caller's buffer

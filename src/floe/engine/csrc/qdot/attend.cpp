@@ -1,5 +1,6 @@
 // A decode step's attention for B rows on the CPU, as one operator a layer:
-// torch.ops.floe.attend(qkv, cos, sin, k_cache, v_cache, slots, positions, n_heads, out).
+// torch.ops.floe.attend(qkv, cos, sin, k_cache, v_cache, slots, positions, n_heads, out); and the
+// step's RMSNorm over its rows, torch.ops.floe.rms_norm_rows(x, weight, eps, out).
 // Per row b: its K and V heads (rotary on K) are written at positions[b] of slot slots[b]'s cache, and
 // each of its Q heads (scaled by 1/sqrt(head_dim), rotated) attends over that slot's first
 // positions[b] + 1 positions into out[b]. PyTorch's ops for the same thing (a rotary product, two
@@ -114,6 +115,30 @@ void attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
   });
 }
 
+FLOE_CLONES void norm_row(const float* x, const float* w, int64_t dim, double eps, float* out) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t j = 0; j < dim; ++j) squares += x[j] * x[j];
+  const float r = static_cast<float>(1.0 / std::sqrt(static_cast<double>(squares) / dim + eps));
+  for (int64_t j = 0; j < dim; ++j) out[j] = x[j] * r * w[j];
+}
+
+// RMSNorm of each row of x [B, dim] times weight [dim], into out [B, dim] (all float32): one call for
+// a step's rows where PyTorch's ops take a dot product, a scalar read and two products a row.
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& out) {
+  check_f32(x, 2, "x");
+  check_f32(weight, 1, "weight");
+  check_f32(out, 2, "out");
+  const int64_t rows = x.size(0), dim = x.size(1);
+  TORCH_CHECK(weight.size(0) == dim && out.size(0) == rows && out.size(1) == dim, "x, weight, out do not match");
+  for (int64_t b = 0; b < rows; ++b) {
+    norm_row(x.data_ptr<float>() + b * dim, weight.data_ptr<float>(), dim, eps, out.data_ptr<float>() + b * dim);
+  }
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(floe, CPU, m) { m.impl("attend", attend); }
+TORCH_LIBRARY_IMPL(floe, CPU, m) {
+  m.impl("attend", attend);
+  m.impl("rms_norm_rows", rms_norm_rows);
+}
