@@ -112,7 +112,7 @@ def test_many_streams_at_once_each_get_the_plain_reply(server, monkeypatch):
     every stream still carries exactly its plain reply, in order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import floe.server.app as app_module
+    import floe.server.chat as app_module
 
     monkeypatch.setattr(app_module, "BUSY_STREAMS", 2)
     c = client(server.url)

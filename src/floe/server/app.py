@@ -1,6 +1,7 @@
 """`floe serve`'s HTTP front: an OpenAI-compatible API whose conversations are stateful Wasm actors.
 
-Routes: POST /v1/chat/completions (plain and SSE streaming), GET /v1/models, GET /health,
+Routes: POST /v1/chat/completions and POST /v1/completions (plain and SSE streaming; the chat service,
+floe.server.chat), GET /v1/models, GET /v1/models/{id}, GET /health,
 GET /metrics (Prometheus), GET /v1/sessions, GET /v1/sessions/{id}, POST /v1/sessions/{id}/freeze,
 POST /v1/sessions/{id}/thaw, DELETE /v1/sessions/{id}. A request names its session with the
 `X-Floe-Session` header or a `session_id` field in the body; every response says which session it
@@ -19,58 +20,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
-import json
 import logging
-import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from floe.server.auth import ApiKeys, api_keys
-from floe.server.protocol import HEADER, ROLES, ProtocolError, ServeError, frame_length, pack, unpack
-from floe.server.stops import checked_stops
+from floe.server.chat import ChatRequest, ChatService, ClientGone, CompletionRequest
+from floe.server.client import CoreClient
+from floe.server.protocol import ServeError
 
 if TYPE_CHECKING:
     from floe.engine import Engine
 
 log = logging.getLogger("floe.serve")
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send more than floe uses
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    session_id: str | None = None
 
 
 def _error(status: int, message: str, type_: str, code: str | None = None, param: str | None = None):
@@ -83,133 +53,6 @@ def _error(status: int, message: str, type_: str, code: str | None = None, param
         headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status, headers=headers)
-
-
-def _text(m: ChatMessage) -> str:
-    if m.content is None:
-        return ""
-    if isinstance(m.content, str):
-        return m.content
-    parts = []
-    for part in m.content:
-        if part.get("type") != "text":
-            raise ServeError(400, f"content part of type {part.get('type')!r} is not supported (text only)",
-                             param="messages")
-        parts.append(str(part.get("text", "")))
-    return "".join(parts)
-
-
-class CoreClient:
-    """The front's end of the socket to the engine core. Its methods run on the event loop; one task
-    reads the core's frames and hands each to the call or chat it answers."""
-
-    GONE = ServeError(503, "the engine core is not running", "server_error", "engine_gone")
-
-    def __init__(self, path: str, on_lost: Callable[[], None] = lambda: None) -> None:
-        self.path, self.on_lost = path, on_lost
-        self._ids = itertools.count(1)
-        self._calls: dict[int, asyncio.Future] = {}
-        self._chats: dict[int, asyncio.Queue] = {}
-        self._ended: dict[int, asyncio.Event] = {}  # set when a chat's last event is queued
-        self.streams = 0  # streamed replies being sent
-        self.gone = False
-        self._task: asyncio.Task | None = None
-
-    async def connect(self) -> None:
-        self._reader, self._writer = await asyncio.open_unix_connection(self.path)
-        self._task = asyncio.create_task(self._read_loop())
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._writer.close()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    def _send(self, value) -> None:
-        if self.gone:
-            raise self.GONE
-        self._writer.write(pack(value))
-
-    async def call(self, name: str, arg=None, owner: str | None = None):
-        """A call's answer; `owner`: whose sessions a session call sees (protocol.OWNER)."""
-        rid = next(self._ids)
-        self._calls[rid] = future = asyncio.get_running_loop().create_future()
-        self._send({"op": "call", "id": rid, "name": name, "arg": arg, "owner": owner})
-        return await future
-
-    def chat(self, request: dict) -> tuple[int, asyncio.Queue, asyncio.Event]:
-        """Start a chat: its id, the queue of its events (("started", session id), then ("text",
-        piece)s when streamed, then ("done", result) or ("error", payload) at any point) and an
-        event set once its last one is queued."""
-        rid = next(self._ids)
-        self._chats[rid], self._ended[rid] = queue, ended = asyncio.Queue(), asyncio.Event()
-        self._send({"op": "chat", "id": rid, "request": request})
-        return rid, queue, ended
-
-    def cancel(self, rid: int) -> None:
-        """The chat's client left: its row stops at its next token (nothing if it has ended)."""
-        self._ended.pop(rid, None)
-        if self._chats.pop(rid, None) is not None and not self.gone:
-            self._send({"op": "cancel", "id": rid})
-
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                header = await self._reader.readexactly(HEADER.size)
-                self._dispatch(unpack(await self._reader.readexactly(frame_length(header))))
-        except (asyncio.IncompleteReadError, ConnectionError, ProtocolError) as e:
-            if not isinstance(e, asyncio.IncompleteReadError):
-                log.error("the engine core's connection broke: %s", e)
-        finally:
-            self.gone = True
-            for future in self._calls.values():
-                if not future.done():
-                    future.set_exception(self.GONE)
-            for queue in self._chats.values():
-                queue.put_nowait(("error", self.GONE.payload()))
-            for ended in self._ended.values():
-                ended.set()
-            self._calls.clear()
-            self._chats.clear()
-            self._ended.clear()
-            self.on_lost()
-
-    def _dispatch(self, message: list) -> None:
-        kind = message[0]
-        if kind == "text":
-            for rid, piece in message[1]:
-                queue = self._chats.get(rid)
-                if queue is not None:
-                    queue.put_nowait(("text", piece))
-            return
-        rid, value = message[1], message[2]
-        future = self._calls.pop(rid, None)
-        if future is not None:
-            if not future.done():
-                if kind == "ok":
-                    future.set_result(value)
-                else:
-                    future.set_exception(ServeError.from_payload(value))
-            return
-        queue = self._chats.get(rid)
-        if queue is not None:
-            queue.put_nowait((kind, value))
-            if kind in ("done", "error"):
-                del self._chats[rid]
-                self._ended.pop(rid).set()
-
-
-# OpenAI fields floe does not implement: a request that sets one to anything but these values gets a
-# 400 naming it rather than a reply that silently ignored it (tools and response_format: the grammar
-# guest's issue; logprobs and penalties: not yet).
-UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-               "function_call": (None, "none"), "parallel_tool_calls": (None,),
-               "response_format": (None, {"type": "text"}), "logprobs": (None, False),
-               "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
-               "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "prediction": (None,),
-               "audio": (None,), "modalities": (None, ["text"])}
-
-BUSY_STREAMS = 8  # more streams than this: a stream's text is handed over in intervals, STREAM_INTERVAL_S
-STREAM_INTERVAL_S = 0.02  # at BUSY_STREAMS streams, growing with their number up to 0.1 s
 
 
 def create_front(socket_path: str, *, keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
@@ -321,121 +164,28 @@ def create_front(socket_path: str, *, keys: tuple[str, ...] = (), cors_origins: 
     async def delete(sid: str, request: Request):
         return await client.call("delete", sid, request.state.owner)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
+    service = ChatService(client, _model)
+
+    async def counted(answer) -> Response:
+        """A chat service call's response, counted by its status (a client that left: 499)."""
         try:
-            response = await _chat(body, request)
+            response = await answer
         except ServeError as e:
             requests.labels(str(e.status)).inc()
             raise
-        requests.labels("200").inc()
+        except ClientGone:
+            requests.labels("499").inc()
+            return Response(status_code=499)  # nobody reads it
+        requests.labels(str(response.status_code)).inc()
         return response
 
-    def _messages(body: ChatRequest) -> list[dict]:
-        """What the front checks without the engine (the core checks sampling and the context)."""
-        _model(body.model)
-        for name, value in (body.model_extra or {}).items():
-            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
-                raise ServeError(400, f"{name} is not supported by this server (it would be ignored)",
-                                 code="unsupported_parameter", param=name)
-        if body.n != 1:
-            raise ServeError(400, "only n=1 is supported", param="n")
-        messages = []
-        for i, m in enumerate(body.messages):
-            role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for it
-            if role not in ROLES:
-                raise ServeError(400, f"message role {m.role!r} is not supported ({', '.join(ROLES)}, "
-                                      "developer)", param="messages")
-            text = _text(m)
-            try:
-                text.encode()
-            except UnicodeEncodeError as e:
-                raise ServeError(400, f"messages[{i}].content is not valid Unicode text ({e.reason} at "
-                                      f"{e.start})", param="messages") from None
-            messages.append({"role": role, "content": text})
-        if messages[-1]["role"] != "user":
-            raise ServeError(400, "the last message must be from the user", param="messages")
-        return messages
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await counted(service.chat(body, request))
 
-    async def _chat(body: ChatRequest, request: Request):
-        rid, queue, ended = client.chat({
-            "messages": _messages(body), "max_tokens": body.max_completion_tokens or body.max_tokens,
-            "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
-            "session_id": request.headers.get("x-floe-session") or body.session_id,
-            "stream": body.stream, "owner": request.state.owner, "stop": list(checked_stops(body.stop))})
-        try:
-            kind, value = await queue.get()  # its session, or why it has none
-        except asyncio.CancelledError:
-            client.cancel(rid)
-            raise
-        if kind == "error":
-            raise ServeError.from_payload(value)
-        sid = value
-        headers = {"X-Floe-Session": sid}
-        base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
-                "model": body.model, "session_id": sid}  # the name it was asked by (an alias too)
-
-        if not body.stream:
-            kind, value = await queue.get()
-            if kind == "error":
-                raise ServeError.from_payload(value)
-            return JSONResponse(base | {
-                "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": value["text"]},
-                             "finish_reason": value["finish_reason"], "logprobs": None}],
-                "usage": value["usage"]}, headers=headers)
-
-        def chunk(delta: dict, reason: str | None = None, usage: dict | None = None) -> str:
-            payload = base | {"object": "chat.completion.chunk",
-                              "choices": [{"index": 0, "delta": delta, "finish_reason": reason,
-                                           "logprobs": None}] if usage is None else []}
-            if usage is not None:
-                payload["usage"] = usage
-            return f"data: {json.dumps(payload)}\n\n"
-
-        async def events():
-            # The core sends a stream's text as it comes (one frame carries every stream's pieces);
-            # each piece waiting in the queue goes in one chunk. With more than BUSY_STREAMS streams,
-            # a stream's chunks after its first wait an interval (as vLLM's stream interval; 20 ms at
-            # 8 streams, 0.1 s from 40; cut short by the stream's end, which never waits): every chunk
-            # costs JSON, a write and the client's parsing.
-            client.streams += 1
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                handed = False  # the first text never waits: time to first token
-                while True:
-                    kind, value = await queue.get()
-                    if kind == "text":
-                        if handed and client.streams > BUSY_STREAMS and not ended.is_set():
-                            interval = min(0.1, STREAM_INTERVAL_S * client.streams / BUSY_STREAMS)
-                            with contextlib.suppress(TimeoutError):
-                                await asyncio.wait_for(ended.wait(), interval)
-                        handed, texts, end = True, [value], None
-                        while end is None and not queue.empty():
-                            k, v = queue.get_nowait()
-                            if k == "text":
-                                texts.append(v)
-                            else:
-                                end = (k, v)
-                        yield chunk({"content": "".join(texts)})
-                        if end is None:
-                            continue
-                        kind, value = end
-                    if kind == "error":
-                        e = ServeError.from_payload(value)
-                        error = {"message": e.message, "type": e.type, "code": e.code}
-                        yield f"data: {json.dumps({'error': error})}\n\n"
-                        break
-                    yield chunk({}, value["finish_reason"])
-                    if body.stream_options and body.stream_options.include_usage:
-                        yield chunk({}, usage=value["usage"])
-                    break
-                yield "data: [DONE]\n\n"
-            finally:
-                client.streams -= 1
-                client.cancel(rid)  # a client that hung up: the guest stops at its next token
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await counted(service.complete(body, request))
 
     return app
 

@@ -1,0 +1,297 @@
+"""The chat service of `floe serve`'s HTTP front: OpenAI chat completions and text completions checked,
+handed to the engine core as chats (floe.server.client), and answered as one JSON body or as one
+stream of server-sent events (the one streaming bridge: `ChatService.stream`).
+
+/v1/completions is a chat of one user message, the prompt: floe's actors are conversations (the chat
+guest renders the model's chat template), so a prompt is answered as the model answers a user, not
+continued as raw text (docs/SERVER.md, "Text completions").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from floe.server.client import CoreClient
+from floe.server.protocol import ROLES, ServeError
+from floe.server.stops import checked_stops
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """What both kinds of request share."""
+
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send more than floe uses
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    session_id: str | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str]
+
+
+# OpenAI fields floe does not implement: a request that sets one to anything but these values gets a
+# 400 naming it rather than a reply that silently ignored it (tools and response_format: the grammar
+# guest's issue; logprobs and penalties: not yet).
+UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none"), "parallel_tool_calls": (None,),
+               "response_format": (None, {"type": "text"}), "logprobs": (None, False),
+               "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
+               "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "prediction": (None,),
+               "audio": (None,), "modalities": (None, ["text"])}
+COMPLETION_UNSUPPORTED = UNSUPPORTED | {"logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+                                        "best_of": (None, 1)}
+
+BUSY_STREAMS = 8  # more streams than this: a stream's text is handed over in intervals, STREAM_INTERVAL_S
+STREAM_INTERVAL_S = 0.02  # at BUSY_STREAMS streams, growing with their number up to 0.1 s
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its reply: nobody to answer."""
+
+
+def _text(i: int, m: ChatMessage) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return _unicode(m.content, f"messages[{i}].content")
+    parts = []
+    for part in m.content:
+        if part.get("type") != "text" or not isinstance(part.get("text", ""), str):
+            raise ServeError(400, f"content part of type {str(part.get('type'))[:40]!r} is not supported "
+                             "(text only)", param="messages")
+        parts.append(part.get("text", ""))
+    return _unicode("".join(parts), f"messages[{i}].content")
+
+
+def _unicode(text: str, where: str) -> str:
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ServeError(400, f"{where} is not valid Unicode text ({e.reason} at {e.start})",
+                         param=where.split("[")[0]) from None
+    return text
+
+
+def _refuse_unsupported(body: Sampling, unsupported: dict) -> None:
+    for name, value in (body.model_extra or {}).items():
+        if name in unsupported and value not in unsupported[name]:
+            raise ServeError(400, f"{name} is not supported by this server (it would be ignored)",
+                             code="unsupported_parameter", param=name)
+    if body.n != 1:
+        raise ServeError(400, "only n=1 is supported", param="n")
+
+
+class Shape:
+    """How a chat completion is written: a whole body, and a stream's chunks."""
+
+    object, chunk_object, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def choice(self, text: str, reason: str) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                "logprobs": None}
+
+    def opening(self) -> dict | None:
+        return self.delta({"role": "assistant", "content": ""})
+
+    def piece(self, text: str) -> dict:
+        return self.delta({"content": text})
+
+    def end(self, reason: str) -> dict:
+        return self.delta({}, reason)
+
+    @staticmethod
+    def delta(delta: dict, reason: str | None = None) -> dict:
+        return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+
+
+class CompletionShape(Shape):
+    """How a text completion is written (/v1/completions)."""
+
+    object, chunk_object, prefix = "text_completion", "text_completion", "cmpl"
+
+    def choice(self, text: str, reason: str) -> dict:
+        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+
+    def opening(self) -> dict | None:
+        return None
+
+    def piece(self, text: str) -> dict:
+        return {"index": 0, "text": text, "finish_reason": None, "logprobs": None}
+
+    def end(self, reason: str) -> dict:
+        return {"index": 0, "text": "", "finish_reason": reason, "logprobs": None}
+
+
+class ChatService:
+    """Answers chat and text completion requests through the engine core.
+
+    check_model(name): raises the 404 for a model name this server does not serve.
+    """
+
+    def __init__(self, client: CoreClient, check_model: Callable[[str], Any]) -> None:
+        self.client, self.check_model = client, check_model
+
+    async def chat(self, body: ChatRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        _refuse_unsupported(body, UNSUPPORTED)
+        messages = []
+        for i, m in enumerate(body.messages):
+            role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for it
+            if role not in ROLES:
+                raise ServeError(400, f"message role {m.role[:40]!r} is not supported ({', '.join(ROLES)}, "
+                                      "developer)", param="messages")
+            messages.append({"role": role, "content": _text(i, m)})
+        if messages[-1]["role"] != "user":
+            raise ServeError(400, "the last message must be from the user", param="messages")
+        return await self._answer(body, messages, body.max_completion_tokens or body.max_tokens, Shape(),
+                                  request)
+
+    async def complete(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        _refuse_unsupported(body, COMPLETION_UNSUPPORTED)
+        prompt = body.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ServeError(400, "prompt: one string (a batch of prompts is not supported)",
+                                 param="prompt")
+            prompt = prompt[0]
+        messages = [{"role": "user", "content": _unicode(prompt, "prompt")}]
+        return await self._answer(body, messages, body.max_tokens or 16, CompletionShape(), request)
+
+    async def _answer(self, body: Sampling, messages: list[dict], max_tokens: int | None, shape: Shape,
+                      request: Request) -> Response:
+        core_request = {
+            "messages": messages, "max_tokens": max_tokens, "temperature": body.temperature,
+            "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stream": body.stream,
+            "session_id": request.headers.get("x-floe-session") or body.session_id,
+            "owner": request.state.owner, "stop": list(checked_stops(body.stop))}
+        rid, queue, ended = self.client.chat(core_request)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            kind, value = await _next(queue, gone)  # its session, or why it has none
+            if kind == "error":
+                raise ServeError.from_payload(value)
+            sid = value
+            base = {"id": f"{shape.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+                    "model": body.model, "session_id": sid}  # the name it was asked by (an alias too)
+            headers = {"X-Floe-Session": sid}
+            if body.stream:  # the stream notices its client's departure itself (a failed send)
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return StreamingResponse(self.stream(rid, queue, ended, base, shape, include_usage),
+                                         media_type="text/event-stream", headers=headers)
+            kind, value = await _next(queue, gone)
+            if kind == "error":
+                raise ServeError.from_payload(value)
+            return JSONResponse(base | {"object": shape.object,
+                                        "choices": [shape.choice(value["text"], value["finish_reason"])],
+                                        "usage": value["usage"]}, headers=headers)
+        except (ClientGone, asyncio.CancelledError):
+            self.client.cancel(rid)  # its row stops at its next token; the session keeps nothing of it
+            raise
+        finally:
+            gone.cancel()
+
+    async def stream(self, rid: int, queue: asyncio.Queue, ended: asyncio.Event, base: dict, shape: Shape,
+                     include_usage: bool) -> AsyncIterator[str]:
+        """A chat's events as server-sent events, ending with [DONE].
+
+        The core sends a stream's text as it comes (one frame carries every stream's pieces); each piece
+        waiting in the queue goes in one chunk. With more than BUSY_STREAMS streams, a stream's chunks
+        after its first wait an interval (as vLLM's stream interval; 20 ms at 8 streams, 0.1 s from 40;
+        cut short by the stream's end, which never waits): every chunk costs JSON, a write and the
+        client's parsing."""
+        client = self.client
+
+        def chunk(choice: dict | None, usage: dict | None = None) -> str:
+            payload = base | {"object": shape.chunk_object, "choices": [] if choice is None else [choice]}
+            if usage is not None:
+                payload["usage"] = usage
+            return f"data: {json.dumps(payload)}\n\n"
+
+        client.streams += 1
+        try:
+            if (opening := shape.opening()) is not None:
+                yield chunk(opening)
+            handed = False  # the first text never waits: time to first token
+            while True:
+                kind, value = await queue.get()
+                if kind == "text":
+                    if handed and client.streams > BUSY_STREAMS and not ended.is_set():
+                        interval = min(0.1, STREAM_INTERVAL_S * client.streams / BUSY_STREAMS)
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(ended.wait(), interval)
+                    handed, texts, end = True, [value], None
+                    while end is None and not queue.empty():
+                        k, v = queue.get_nowait()
+                        if k == "text":
+                            texts.append(v)
+                        else:
+                            end = (k, v)
+                    yield chunk(shape.piece("".join(texts)))
+                    if end is None:
+                        continue
+                    kind, value = end
+                if kind == "error":  # after the stream began: the status is sent already
+                    e = ServeError.from_payload(value)
+                    error = {"message": e.message, "type": e.type, "code": e.code}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    break
+                yield chunk(shape.end(value["finish_reason"]))
+                if include_usage:
+                    yield chunk(None, value["usage"])
+                break
+            yield "data: [DONE]\n\n"
+        finally:
+            client.streams -= 1
+            client.cancel(rid)  # a client that hung up: the guest stops at its next token
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed its connection (the request's body was read already: the
+    server's next message is the disconnect)."""
+    with contextlib.suppress(Exception):  # a receive that fails: the connection is as good as gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+
+async def _next(queue: asyncio.Queue, gone: asyncio.Future):
+    """The chat's next event; ClientGone if its client leaves first."""
+    get = asyncio.ensure_future(queue.get())
+    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+        return get.result()
+    get.cancel()
+    raise ClientGone

@@ -1,0 +1,112 @@
+"""The HTTP front's end of the socket to `floe serve`'s engine core (floe.server.protocol): calls and
+chats, each answered by the frames the core sends back. Imports nothing heavy (no torch)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+
+from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length, pack, unpack
+
+log = logging.getLogger("floe.serve")
+
+
+class CoreClient:
+    """The front's end of the socket to the engine core. Its methods run on the event loop; one task
+    reads the core's frames and hands each to the call or chat it answers."""
+
+    GONE = ServeError(503, "the engine core is not running", "server_error", "engine_gone")
+
+    def __init__(self, path: str, on_lost: Callable[[], None] = lambda: None) -> None:
+        self.path, self.on_lost = path, on_lost
+        self._ids = itertools.count(1)
+        self._calls: dict[int, asyncio.Future] = {}
+        self._chats: dict[int, asyncio.Queue] = {}
+        self._ended: dict[int, asyncio.Event] = {}  # set when a chat's last event is queued
+        self.streams = 0  # streamed replies being sent
+        self.gone = False
+        self._task: asyncio.Task | None = None
+
+    async def connect(self) -> None:
+        self._reader, self._writer = await asyncio.open_unix_connection(self.path)
+        self._task = asyncio.create_task(self._read_loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._writer.close()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def _send(self, value) -> None:
+        if self.gone:
+            raise self.GONE
+        self._writer.write(pack(value))
+
+    async def call(self, name: str, arg=None, owner: str | None = None):
+        """A call's answer; `owner`: whose sessions a session call sees (protocol.OWNER)."""
+        rid = next(self._ids)
+        self._calls[rid] = future = asyncio.get_running_loop().create_future()
+        self._send({"op": "call", "id": rid, "name": name, "arg": arg, "owner": owner})
+        return await future
+
+    def chat(self, request: dict) -> tuple[int, asyncio.Queue, asyncio.Event]:
+        """Start a chat: its id, the queue of its events (("started", session id), then ("text",
+        piece)s when streamed, then ("done", result) or ("error", payload) at any point) and an
+        event set once its last one is queued."""
+        rid = next(self._ids)
+        self._chats[rid], self._ended[rid] = queue, ended = asyncio.Queue(), asyncio.Event()
+        self._send({"op": "chat", "id": rid, "request": request})
+        return rid, queue, ended
+
+    def cancel(self, rid: int) -> None:
+        """The chat's client left: its row stops at its next token (nothing if it has ended)."""
+        self._ended.pop(rid, None)
+        if self._chats.pop(rid, None) is not None and not self.gone:
+            self._send({"op": "cancel", "id": rid})
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                header = await self._reader.readexactly(HEADER.size)
+                self._dispatch(unpack(await self._reader.readexactly(frame_length(header))))
+        except (asyncio.IncompleteReadError, ConnectionError, ProtocolError) as e:
+            if not isinstance(e, asyncio.IncompleteReadError):
+                log.error("the engine core's connection broke: %s", e)
+        finally:
+            self.gone = True
+            for future in self._calls.values():
+                if not future.done():
+                    future.set_exception(self.GONE)
+            for queue in self._chats.values():
+                queue.put_nowait(("error", self.GONE.payload()))
+            for ended in self._ended.values():
+                ended.set()
+            self._calls.clear()
+            self._chats.clear()
+            self._ended.clear()
+            self.on_lost()
+
+    def _dispatch(self, message: list) -> None:
+        kind = message[0]
+        if kind == "text":
+            for rid, piece in message[1]:
+                queue = self._chats.get(rid)
+                if queue is not None:
+                    queue.put_nowait(("text", piece))
+            return
+        rid, value = message[1], message[2]
+        future = self._calls.pop(rid, None)
+        if future is not None:
+            if not future.done():
+                if kind == "ok":
+                    future.set_result(value)
+                else:
+                    future.set_exception(ServeError.from_payload(value))
+            return
+        queue = self._chats.get(rid)
+        if queue is not None:
+            queue.put_nowait((kind, value))
+            if kind in ("done", "error"):
+                del self._chats[rid]
+                self._ended.pop(rid).set()
