@@ -6,7 +6,8 @@
 // positions[b] + 1 positions into out[b]. PyTorch's ops for the same thing (a rotary product, two
 // small bmm and a softmax a row and layer, views and copies into the cache) cost ~25 us each of
 // dispatch and small-matrix set-up; here a step's attention is one call a layer, its heads split over
-// the threads. Every row is computed alone, in the same order whatever B is.
+// the threads (a row's KV head and the query heads that share it). Every row is computed alone, in the
+// same order whatever B is.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -33,32 +34,47 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t h
   for (int64_t j = h; j < hd; ++j) out[j] = scale * (x[j] * cos[j] + x[j - h] * sin[j]);
 }
 
-// One query head over `len` positions of its K and V [len, hd]: softmax(K q) V into out [hd];
-// scores: scratch of len floats.
-FLOE_CLONES void attend_head(const float* q, const float* k, const float* v, int64_t len, int64_t hd,
-                             float* scores, float* out) {
-  float top = -INFINITY;
+// The `group` query heads q [group, HD] that share one KV head, over `len` positions of its K and V
+// [len, HD]: softmax(K q) V into out [group, HD]; scores: scratch of group * len floats. K and V are
+// read once for the group; with HD known when compiled, a head's output stays in registers.
+template <int64_t HD>
+inline void heads(const float* q, int64_t group, const float* k, const float* v, int64_t len, int64_t hd,
+                  float* scores, float* out) {
+  const int64_t d = HD > 0 ? HD : hd;
   for (int64_t t = 0; t < len; ++t) {
-    const float* kt = k + t * hd;
-    float s = 0.f;
+    const float* kt = k + t * d;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * d;
+      float s = 0.f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < hd; ++j) s += q[j] * kt[j];
-    scores[t] = s;
-    top = std::max(top, s);
+      for (int64_t j = 0; j < d; ++j) s += qg[j] * kt[j];
+      scores[g * len + t] = s;
+    }
   }
-  float sum = 0.f;
-  for (int64_t t = 0; t < len; ++t) {
-    scores[t] = std::exp(scores[t] - top);
-    sum += scores[t];
-  }
-  for (int64_t j = 0; j < hd; ++j) out[j] = 0.f;
-  for (int64_t t = 0; t < len; ++t) {
-    const float p = scores[t], *vt = v + t * hd;
+  for (int64_t g = 0; g < group; ++g) {
+    float* p = scores + g * len;
+    float top = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) top = std::max(top, p[t]);
+    for (int64_t t = 0; t < len; ++t) {
+      p[t] = std::exp(p[t] - top);
+      sum += p[t];
+    }
+    float acc[HD > 0 ? HD : 1024] = {};
+    for (int64_t t = 0; t < len; ++t) {
+      const float pt = p[t], *vt = v + t * d;
 #pragma omp simd
-    for (int64_t j = 0; j < hd; ++j) out[j] += p * vt[j];
+      for (int64_t j = 0; j < d; ++j) acc[j] += pt * vt[j];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < d; ++j) out[g * d + j] = acc[j] * inv;
   }
-  const float inv = 1.f / sum;
-  for (int64_t j = 0; j < hd; ++j) out[j] *= inv;
+}
+
+FLOE_CLONES void attend_group(const float* q, int64_t group, const float* k, const float* v, int64_t len,
+                              int64_t hd, float* scores, float* out) {
+  if (hd == 64) return heads<64>(q, group, k, v, len, hd, scores, out);
+  if (hd == 128) return heads<128>(q, group, k, v, len, hd, scores, out);
+  heads<0>(q, group, k, v, len, hd, scores, out);  // head_dim <= 1024 (checked)
 }
 
 void check_f32(const at::Tensor& t, int64_t dim, const char* what) {
@@ -82,7 +98,8 @@ void attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
   TORCH_CHECK(qkv.size(1) == (n_heads + 2 * n_kv) * hd && out.size(0) == rows && out.size(1) == n_heads * hd,
               "qkv [B, (n_heads + 2 n_kv) head_dim] and out [B, n_heads head_dim] do not match the cache");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && cos.sizes() == sin.sizes() && cos.size(1) == hd &&
-                  hd % 2 == 0, "k_cache, v_cache, cos and sin do not match");
+                  hd % 2 == 0 && hd <= 1024,
+              "k_cache, v_cache, cos and sin do not match (head_dim: even, at most 1024)");
   TORCH_CHECK(static_cast<int64_t>(slots.size()) == rows && static_cast<int64_t>(positions.size()) == rows,
               "one slot and one position a row");
   for (int64_t b = 0; b < rows; ++b) {
@@ -105,12 +122,13 @@ void attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
       std::copy_n(row + (n_heads + n_kv + h) * hd, hd, vc + at);
     }
   }
-  at::parallel_for(0, rows * n_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(seq);
+  // One item a row and KV head: its group of query heads (consecutive in q and out).
+  at::parallel_for(0, rows * n_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * seq);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / n_heads, h = i % n_heads;
-      const int64_t at = slots[b] * slot_size + (h / group) * seq * hd;
-      attend_head(&q[i * hd], kc + at, vc + at, positions[b] + 1, hd, scores.data(), o + i * hd);
+      const int64_t b = i / n_kv, h = i % n_kv, at = slots[b] * slot_size + h * seq * hd;
+      const int64_t first = (b * n_heads + h * group) * hd;
+      attend_group(&q[first], group, kc + at, vc + at, positions[b] + 1, hd, scores.data(), o + first);
     }
   });
 }
@@ -130,10 +148,11 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, co
   check_f32(weight, 1, "weight");
   check_f32(out, 2, "out");
   const int64_t rows = x.size(0), dim = x.size(1);
-  TORCH_CHECK(weight.size(0) == dim && out.size(0) == rows && out.size(1) == dim, "x, weight, out do not match");
-  for (int64_t b = 0; b < rows; ++b) {
-    norm_row(x.data_ptr<float>() + b * dim, weight.data_ptr<float>(), dim, eps, out.data_ptr<float>() + b * dim);
-  }
+  TORCH_CHECK(weight.size(0) == dim && out.size(0) == rows && out.size(1) == dim,
+              "x, weight, out do not match");
+  const float *xp = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t b = 0; b < rows; ++b) norm_row(xp + b * dim, w, dim, eps, o + b * dim);
 }
 
 }  // namespace
