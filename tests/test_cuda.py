@@ -276,6 +276,51 @@ def test_batched_decode_matches_each_slot_decoded_alone(batching):
             engine.release_slot(s)
 
 
+def test_fed_rows_launched_before_their_token_is_known_equal_steps_fed_from_the_host(batching):
+    """Device-fed rows (launch_batch's None tokens): each step is launched before the one computing its
+    tokens is finished (two in flight), reading each slot's argmax on the device — or its draw, for
+    a row whose step drew. Tokens, logits, the cache's ids and fed_token equal steps fed from the host."""
+    from floe.engine import SamplingParams
+
+    engine = batching
+    slots = [engine.claim_slot() for _ in range(3)]
+    prompts = [list(range(100, 105)), list(range(7, 47)), list(range(300, 420))]
+    drawn = SamplingParams(0.9, top_k=20)  # never drawn again on the host (a top_k within the candidates)
+    try:
+        host_tokens, host_logits = greedy_steps(engine, slots, prompts, 8, batched=True)
+        firsts = [int(engine.prefill(p, s).argmax()) for p, s in zip(prompts, slots, strict=True)]
+        tokens, logits = [[t] for t in firsts], [[] for _ in slots]
+        launched = engine.launch_batch(firsts, slots)
+        for _ in range(8):
+            ahead = engine.launch_batch([None] * len(slots), slots)  # before `launched` is finished
+            for i, row in enumerate(engine.finish_batch(launched)):
+                logits[i].append(row.float().cpu().clone())
+                tokens[i].append(engine.greedy_token(slots[i]))
+                assert engine.fed_token(slots[i]) == tokens[i][-1]
+            launched = ahead
+        engine.finish_batch(launched)
+        assert tokens == host_tokens
+        for a, b in zip(host_logits, logits, strict=True):
+            torch.testing.assert_close(torch.stack(b), torch.stack(a))
+        for s, p, t in zip(slots, prompts, tokens, strict=True):
+            assert engine.cache.tokens[s] == p + t  # each fed row's id filled in once it was known
+        # a row fed from a step that drew for its slot takes the draw, as the device made it
+        for s in slots:
+            engine.kv_truncate(len(engine.cache.tokens[s]) - 1, s)
+        params = [(s, drawn, u) for s, u in zip(slots, (0.1, 0.5, 0.9), strict=True)]
+        first = engine.launch_batch([t[-1] for t in tokens], slots, draws=params)
+        second = engine.launch_batch([None] * len(slots), slots)
+        engine.finish_batch(first)
+        draws = [engine.drawn_token(s) for s in slots]
+        engine.finish_batch(second)
+        assert [engine.fed_token(s) for s in slots] == draws
+        assert [engine.cache.tokens[s][-1] for s in slots] == draws
+    finally:
+        for s in slots:
+            engine.kv_truncate(0, s)
+            engine.release_slot(s)
+
+
 def test_warm_up_captures_every_graph_and_leaves_slots_empty(batching):
     batching.warm_up()
     graphs = batching._batch.graphs
@@ -343,10 +388,11 @@ def test_scheduled_actors_on_cuda_batch_and_answer_as_alone(batching):
     # The ledger shows what a batched step copied host→device: each row's share of the input block.
     shared = [b for (was_batched, _), ledger in ledgers.items() if was_batched
               for name, b in ledger.boundaries.items() if name.startswith("batched step inputs")]
-    assert shared and all(0 < b.bytes_copied / b.calls <= batching._batch.host_in.nbytes / 2 for b in shared)
+    block = batching._batch.host_in[0].nbytes  # one of the two pinned input buffers
+    assert shared and all(0 < b.bytes_copied / b.calls <= block / 2 for b in shared)
     alone_rows = [b for (was_batched, _), ledger in ledgers.items() if not was_batched
                   for name, b in ledger.boundaries.items() if name.startswith("batched step inputs")]
-    assert alone_rows and all(b.bytes_copied == b.calls * batching._batch.host_in.nbytes for b in alone_rows)
+    assert alone_rows and all(b.bytes_copied == b.calls * block for b in alone_rows)
 
 
 def test_prompts_riding_along_decode_rows_equal_their_own_prefill(batching):
@@ -397,8 +443,9 @@ def test_draws_on_the_device_follow_the_distribution_without_a_sync_for_candidat
 
 def test_sampled_turns_speculate_with_the_steps_own_draw_and_answer_as_plain_steps(batching):
     """On CUDA the engine loop overlaps: a chat guest that takes the host's draw (made by the step on
-    the device) is speculated with it; tokens and caches equal the loop without overlap's (one actor
-    at a time: a row's logits may differ in the last bits with the batch's size, and a draw with them)."""
+    the device) is speculated with it, or fed it; tokens and caches equal the loop without overlap's
+    (one actor at a time: a row's logits may differ in the last bits with the batch's size, and a draw
+    with them)."""
     from floe.actor import Actor, EngineLoop
     from floe.engine import SamplingParams
 
@@ -413,11 +460,19 @@ def test_sampled_turns_speculate_with_the_steps_own_draw_and_answer_as_plain_ste
                 out.append((reply.stats.token_ids, list(batching.cache.tokens[actor.slot])))
         return out
 
-    overlapped = EngineLoop(batching)
+    plain = run(EngineLoop(batching, overlap=False))
+    overlapped = EngineLoop(batching, feed=False)
     assert overlapped.overlap
-    assert run(overlapped) == run(EngineLoop(batching, overlap=False))
+    assert run(overlapped) == plain
     # The chat guest took every draw it was speculated with: a row is undone only at a turn's end (EOS).
     assert overlapped.undone <= len(questions)
+    # Fed (asked for): the next step launched before the draw is finished reads the draw on the
+    # device; where the host draws a row again (a nucleus past the candidates: frequent with this
+    # flat random model) the guest refuses the fed row and it is undone. Answers and caches are the same.
+    fed = EngineLoop(batching, feed=True)
+    assert fed.feed
+    assert run(fed) == plain
+    assert fed.fed > 0
 
 
 def test_draws_for_guests_with_logits_in_their_memory_and_without_share_a_step(batching):

@@ -123,28 +123,51 @@ def contexts(engine, loop, jobs, params: SamplingParams = GREEDY):
         reply.stats.token_ids, reply.stats.finish_reason, list(engine.cache.tokens[actor.slot])), params)
 
 
-def test_overlapped_steps_answer_and_cache_exactly_as_plain_steps(tiny_engine):
+@pytest.mark.parametrize("feed", [False, True], ids=["speculated", "fed"])
+def test_overlapped_steps_answer_and_cache_exactly_as_plain_steps(tiny_engine, feed):
     """With overlap (speculated greedy rows; forced on here, where the CPU's step is not async) the
     tokens, the ends and every KV cache are those of plain steps, for guests that always take the
-    greedy choice, refuse it now and then, or stop while a speculated row is in flight."""
+    greedy choice, refuse it now and then, or stop while a speculated row is in flight. Fed: the next
+    forward is launched before the one in flight is finished whenever every turn in it takes the
+    host's choice (two forwards in flight)."""
     jobs = [(None, PROMPTS[0], 24), (REFUSES, "x", 20), (STOPS, "x", 20), (None, PROMPTS[1], 9)]
     plain = EngineLoop(tiny_engine, overlap=False)
     expected = contexts(tiny_engine, plain, jobs)
-    overlapped = EngineLoop(tiny_engine, overlap=True)
+    overlapped = EngineLoop(tiny_engine, overlap=True, feed=feed)
     assert contexts(tiny_engine, overlapped, jobs) == expected
     assert expected[2][1] == "stop" and len(expected[2][0]) == 5
     assert overlapped.undone > 0 and plain.undone == 0  # the refusals were speculated and undone
     assert overlapped.rows > plain.rows  # ...which cost rows, not answers
+    assert (overlapped.fed > 0) == feed
 
 
-def test_overlapped_sampled_steps_answer_and_cache_exactly_as_plain_steps(tiny_engine):
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(1.0, top_p=0.95)], ids=["greedy", "sampled"])
+def test_fed_rows_answer_and_cache_exactly_as_plain_steps(tiny_engine, params):
+    """Chat guests that take the host's choice, all at once with feeding forced on: after their first
+    tokens every forward is launched fed, before the one in flight is finished; tokens, ends, caches
+    and generators are plain steps'."""
+    jobs = [(None, PROMPTS[0], 24), (None, PROMPTS[1], 17), (None, PROMPTS[2], 30)]
+
+    def run(loop):
+        return concurrently(tiny_engine, loop, jobs, lambda actor, reply: (
+            reply.stats.token_ids, reply.stats.finish_reason, list(tiny_engine.cache.tokens[actor.slot]),
+            actor.generator.get_state().tolist()), params)
+
+    expected = run(EngineLoop(tiny_engine, overlap=False))
+    fed = EngineLoop(tiny_engine, overlap=True, feed=True)
+    assert run(fed) == expected
+    assert fed.fed > 20
+
+
+@pytest.mark.parametrize("feed", [False, True], ids=["speculated", "fed"])
+def test_overlapped_sampled_steps_answer_and_cache_exactly_as_plain_steps(tiny_engine, feed):
     """Sampling with overlap (forced on): the chat guest takes the host's draw, which its step made
     right after the forward, so its next row is speculated with it; a guest calling sample() is
     speculated with the argmax and mostly refused. Tokens, ends and caches are plain steps' either way."""
     sampled = SamplingParams(1.0, top_p=0.95)
     jobs = [(None, PROMPTS[0], 24), (v2_chooser(choice=False, stream=False), "x", 16), (None, PROMPTS[1], 12)]
     expected = contexts(tiny_engine, EngineLoop(tiny_engine, overlap=False), jobs, sampled)
-    overlapped = EngineLoop(tiny_engine, overlap=True)
+    overlapped = EngineLoop(tiny_engine, overlap=True, feed=feed)
     assert contexts(tiny_engine, overlapped, jobs, sampled) == expected
     assert overlapped.rows > overlapped.undone > 0  # the sample() guest's rows were refused
 
@@ -157,7 +180,8 @@ CHOOSY = v2_chooser(choice=True, stream=True, on_token_first=(
     "(i32.add (i32.load (i32.const 64)) (i32.const 1)) (i32.const 1000)))))"), counter=True)
 
 
-def test_a_refused_speculated_draw_is_given_back_to_the_generator(tiny_engine):
+@pytest.mark.parametrize("feed", [False, True], ids=["speculated", "fed"])
+def test_a_refused_speculated_draw_is_given_back_to_the_generator(tiny_engine, feed):
     """Overlap (forced on) with a guest that takes the host's draw but refuses it every third token:
     those rows were speculated with the draw and are undone, and their uniforms given back — tokens,
     caches and each actor's generator end as with plain steps."""
@@ -170,7 +194,7 @@ def test_a_refused_speculated_draw_is_given_back_to_the_generator(tiny_engine):
             actor.generator.get_state().tolist()), sampled)
 
     expected = run(EngineLoop(tiny_engine, overlap=False))
-    overlapped = EngineLoop(tiny_engine, overlap=True)
+    overlapped = EngineLoop(tiny_engine, overlap=True, feed=feed)
     assert run(overlapped) == expected
     assert overlapped.undone > 0
 

@@ -117,9 +117,14 @@ def test_batched_step_inputs_pad_with_rows_that_write_nothing():
 
     from floe.engine.cuda_graph import fill_rows
 
-    host = np.full((4, 8), 99, dtype=np.int64)
+    host = np.full((5, 8), 99, dtype=np.int64)
     fill_rows(host, 4, [11, 12, 13], [5, 9, 2], [0, 3, 1], [0, 3, 1], spare=6)  # decode, 3 of 4 rows
-    assert host[:, :4].tolist() == [[11, 12, 13, 0], [5, 9, 2, 0], [0, 3, 1, -1], [0, 3, 1, 6]]
+    assert host[:, :4].tolist() == [[11, 12, 13, 0], [5, 9, 2, 0], [0, 3, 1, -1], [0, 3, 1, 6],
+                                    [-1, -1, -1, -1]]
     fill_rows(host, 4, [7, 8], [10, 11], [2, 2], [1, 2], spare=6)  # prefill: last row's index, slot
-    assert host[:, :4].tolist() == [[7, 8, 0, 0], [10, 11, 0, 0], [2, 2, -1, -1], [1, 2, 6, 6]]
+    assert host[:, :4].tolist() == [[7, 8, 0, 0], [10, 11, 0, 0], [2, 2, -1, -1], [1, 2, 6, 6],
+                                    [-1, -1, -1, -1]]
+    # a device-fed row: its token column is not read; its feed names the logits row holding its token
+    fill_rows(host, 2, [0, 5], [3, 4], [1, 0], [1, 0], spare=6, feeds=[8, -1])
+    assert host[:, :2].tolist() == [[0, 5], [3, 4], [1, 0], [1, 0], [8, -1]]
     assert (host[:, 4:] == 99).all()  # columns beyond the padded size are not touched

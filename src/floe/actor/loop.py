@@ -21,6 +21,13 @@ truncated, its logits dropped) and the guest's token runs in the next step. What
 decides is the same either way (its logits stay valid while the next forward runs:
 Engine.logits_outlive_next_step); only when the device works changes. The KV cache holds exactly
 the tokens the guest returned, as without overlap.
+
+Feeding (Engine.feeds, with overlap). Speculating one step ahead still leaves the device idle while
+the host finishes a forward and launches the next. When every turn in the forward in flight would be
+speculated again, the loop launches the next forward *before* finishing that one: each row's token is
+fed from its slot's own choice (the forward in flight computes it; on CUDA it is read on the device),
+and two forwards are in flight. The fed token is known once the earlier one is finished
+(Engine.fed_token); the guest then confirms or refuses it exactly as a speculated one.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ if TYPE_CHECKING:
     from floe.actor.actor import Actor
 
 STOP = -1  # what on_token returns to end the turn
+FED = -2  # Turn.speculated of a fed row whose token is not known yet (see the module doc)
 END_STOP, END_LENGTH, END_CONTEXT_FULL, END_CANCELLED = 0, 1, 2, 3
 END_REASONS = {END_STOP: "stop", END_LENGTH: "length", END_CONTEXT_FULL: "context_full",
                END_CANCELLED: "cancelled"}
@@ -59,7 +67,7 @@ ARRIVAL_WAIT_S = 0.05  # the most an arriving turn waits for the one before it (
 IDLE_EXIT_S = 5.0  # the loop's thread ends after this long without turns (the next turn starts one)
 
 
-@dataclass
+@dataclass(eq=False)
 class Turn:
     """One message of one actor, as the loop runs it."""
 
@@ -71,10 +79,11 @@ class Turn:
     fresh: bool = False  # logits of a forward the guest has not seen yet
     choice: int | None = None  # the host's choice for its fresh logits (argmax, or the draw asked of them)
     takes_choice: bool = False  # its guest's last token was the host's choice
-    speculated: int | None = None  # the token in flight before its guest chose it (see module doc)
-    chosen: int | None = None  # what its guest chose for a speculated row (None: stop or failure)
+    refused: bool = False  # its guest refused the last token its row was speculated with
+    speculated: int | None = None  # the token in flight before its guest chose it (see module doc), or FED
+    speculated_at: int = 0  # that row's position in its KV slot
     rng_before: torch.Tensor | None = None  # its generator before a speculated row's draw (restored on undo)
-    in_flight: bool = False  # a launched forward has a row of this turn
+    flying: int = 0  # rows of this turn in launched forwards not yet finished (two when fed)
     forward: tuple[float, int, int] | None = None  # its last decode row (seconds, rows, kv_len), unrecorded
     end: int | None = None  # why it ended (END_*), once it has
     error: BaseException | None = None
@@ -89,6 +98,8 @@ class Launched(NamedTuple):
     turns: list[Turn]
     riding: list[Turn]
     started: float  # time.perf_counter()
+    positions: list[int]  # each decode row's position in its turn's slot
+    void: set[Turn]  # turns whose row here was undone while it ran (its results are not theirs)
 
 
 class EngineLoop:
@@ -100,14 +111,20 @@ class EngineLoop:
     """
 
     def __init__(self, engine: Engine, prefill_chunk: int = PREFILL_CHUNK, on_step=lambda rows: None,
-                 batch: bool = True, token_call_s: float = TOKEN_CALL_S, overlap: bool | None = None) -> None:
+                 batch: bool = True, token_call_s: float = TOKEN_CALL_S, overlap: bool | None = None,
+                 feed: bool = False) -> None:
         self.engine, self.prefill_chunk, self.on_step, self.batch = engine, prefill_chunk, on_step, batch
         self.token_call_s = token_call_s
         # Speculate greedy rows (module doc) where the engine's forward runs while Python goes on.
         self.overlap = (engine.overlaps and batch) if overlap is None else overlap
         if self.overlap and not engine.logits_outlive_next_step:  # guests read them during the next one
             raise ValueError("overlap needs an engine whose step logits outlive the next step")
-        self._launched: Launched | None = None  # the forward in flight, finished at the next step
+        # And launch a forward before finishing the one in flight (fed rows), when asked: off by default
+        # until tests/test_cuda.py has run the CUDA graph's fed rows on a GPU (docs/PERF.md, issue 16).
+        self.feed = bool(feed)
+        if self.feed and not (self.overlap and engine.feeds):
+            raise ValueError("feeding needs overlap and an engine that takes fed tokens (Engine.feeds)")
+        self._launched: list[Launched] = []  # forwards in flight, oldest first (two when fed)
         self._cond = threading.Condition()
         self._arrived: list[Turn] = []
         self._active: list[Turn] = []
@@ -115,6 +132,7 @@ class EngineLoop:
         self.steps = 0  # decode forwards run
         self.rows = 0  # decode rows run in them
         self.undone = 0  # speculated rows whose guest chose otherwise (their forward undone)
+        self.fed = 0  # rows launched with a fed token (before the forward computing it was finished)
         self.step_s = 0.0  # time in steps (the loop's thread busy or waiting for the device)
         self.wait_s = 0.0  # of which waiting for launched forwards (the rest: the host's work)
         self.phase_s = dict.fromkeys(("prefill", "results", "launch", "guests", "end"), 0.0)  # of step_s
@@ -161,7 +179,8 @@ class EngineLoop:
     def stats(self) -> dict:
         with self._cond:
             return {"active": len(self._active), "waiting": len(self._arrived), "steps": self.steps,
-                    "rows": self.rows, "undone": self.undone, "step_s": self.step_s, "wait_s": self.wait_s,
+                    "rows": self.rows, "undone": self.undone, "fed": self.fed, "step_s": self.step_s,
+                    "wait_s": self.wait_s,
                     "phase_s": dict(self.phase_s)}
 
     def _start(self) -> None:
@@ -192,14 +211,14 @@ class EngineLoop:
     def _abort(self, error: BaseException) -> None:
         """Fail every turn (a bug in the loop, or the engine failed): the forward in flight is waited
         for first, so that no turn ends while the device still writes its rows."""
-        launched, self._launched = self._launched, None
-        if launched is not None:
+        launched, self._launched = self._launched, []
+        for flight in launched:
             try:
-                self.engine.finish_batch(launched.step)
+                self.engine.finish_batch(flight.step)
             except BaseException:  # noqa: BLE001 - already failing
                 pass
-            for turn in (*launched.turns, *launched.riding):
-                turn.in_flight = False
+            for turn in (*flight.turns, *flight.riding):
+                turn.flying = 0
         for turn in self._active:
             self._finish(turn, END_CANCELLED, error)
 
@@ -210,18 +229,25 @@ class EngineLoop:
         riding, room = [], RIDE_ROWS if self.overlap else 0
         for turn in self._live():
             queued = turn.actor.abi.queued_tokens
-            if queued and not turn.in_flight and queued <= room:  # rides in the next decode step
+            if queued and not turn.flying and queued <= room:  # rides in the next decode step
                 riding.append(turn)
                 room -= queued
-            elif queued and not turn.in_flight:
-                self._prefill(turn)
+            elif queued and not turn.flying and (not self.overlap or queued > RIDE_ROWS):
+                self._prefill(turn)  # (a prompt that could ride waits for room in a later step instead
+                # of a forward of its own that every other turn would wait for)
         t1 = time.perf_counter()
+        fed = self._feedable()
+        if fed is not None:  # the next forward now, before the one in flight is finished
+            self._launch([*fed, *(t for t in self._live() if t.next_token is not None)], riding)
         self._take_results()
         fresh = [t for t in self._live() if t.fresh]
         for turn in fresh:  # what the step computed: the argmax, or the draw its launch asked for
             slot = turn.actor.slot
             turn.choice = self.engine.drawn_token(slot) if _draws(turn) else self.engine.greedy_token(slot)
-        speculated = [t for t in fresh if self._speculate(t)]
+            if turn.speculated == FED:  # its next row was fed the choice as the device made it
+                turn.fresh = False
+                turn.speculated = self.engine.fed_token(slot)
+        speculated = [t for t in fresh if t.speculated is not None or self._speculate(t)]
         asked = [t for t in fresh if t.speculated is None]
         self._give_choices(asked)
         for turn in asked:
@@ -230,7 +256,8 @@ class EngineLoop:
         t2 = time.perf_counter()
         # The device idles from the end of the last forward to this launch: only what the launch
         # needs comes before it; speculated turns' bookkeeping and guests come after.
-        self._launch([t for t in self._live() if t.next_token is not None], riding)
+        if fed is None:
+            self._launch([t for t in self._live() if t.next_token is not None], riding)
         t3 = time.perf_counter()
         self._give_choices(speculated)
         for turn in speculated:  # while the device computes their next logits
@@ -238,7 +265,7 @@ class EngineLoop:
                 self._ask_guest(turn)
         t4 = time.perf_counter()
         for turn in self._active:
-            if turn.end is None or turn.done.is_set() or turn.in_flight:
+            if turn.end is None or turn.done.is_set() or turn.flying:
                 continue
             if turn.error is not None:  # failed while a forward had its row: wake its caller now
                 turn.done.set()
@@ -250,6 +277,27 @@ class EngineLoop:
         phase["launch"] += t3 - t2
         phase["guests"] += t4 - t3  # speculated rows' guests, while the device computes
         phase["end"] += time.perf_counter() - t4
+
+    def _feedable(self) -> list[Turn] | None:
+        """The turns to launch fed before the forward in flight is finished (module doc), or None
+        where that would not do: not feeding, not exactly one forward in flight, a prompt riding in
+        it or one prefilled now (its guest chooses first), or a live turn in it its guest must see
+        before its next row (a guest that chose otherwise than the host last time, or refused the
+        last row it was speculated with — e.g. a draw the host made again; its last token)."""
+        if not (self.feed and len(self._launched) == 1):
+            return None
+        flight = self._launched[0]
+        if flight.riding or any(t.fresh for t in self._live()):
+            return None
+        fed = [t for t in flight.turns if t.end is None]
+        if not fed or not all(
+                t.takes_choice and not t.refused and t.flying == 1 and t.speculated is None
+                and t.next_token is None
+                and t not in flight.void and t.generated + 1 < t.max_tokens for t in fed):
+            return None
+        for turn in fed:
+            turn.speculated = FED
+        return fed
 
     def _live(self) -> list[Turn]:
         return [t for t in self._active if t.end is None]
@@ -276,7 +324,8 @@ class EngineLoop:
         """Whether to launch `turn`'s next forward with the host's choice before asking its guest
         (module doc): its guest took the host's choice last time, and the token would be appended
         (not its last one, which max_tokens ends unappended)."""
-        if not (self.overlap and turn.takes_choice and turn.generated + 1 < turn.max_tokens):
+        if turn.speculated is not None or not (self.overlap and turn.takes_choice
+                                               and turn.generated + 1 < turn.max_tokens):
             return False
         if turn.choice is None or not 0 <= turn.choice < turn.actor.abi.vocab:
             return False
@@ -300,7 +349,10 @@ class EngineLoop:
                 self._launch([], [turn])
                 self._take_results()
             return
-        tokens, slots = [t.next_token for t in turns], [t.actor.slot for t in turns]
+        # A fed turn's token is its slot's own choice from the forward in flight (None: Engine.feeds).
+        tokens = [None if t.speculated == FED else t.next_token for t in turns]
+        slots = [t.actor.slot for t in turns]
+        positions = [self.engine.kv_len(slot) for slot in slots]
         prompts = [(t.actor.abi.take_queued(), t.actor.slot) for t in riding]
         # The next host choice of rows whose guest takes it with sampling parameters: drawn by the
         # step itself (on CUDA right after the forward, on the device), one uniform of each actor's.
@@ -310,18 +362,24 @@ class EngineLoop:
         uniforms = draw_uniforms([t.actor.generator for t in drawing]).tolist() if drawing else []
         draws = [(t.actor.slot, t.actor.request.params, u) for t, u in zip(drawing, uniforms, strict=True)]
         t0 = time.perf_counter()
-        self._launched = Launched(self.engine.launch_batch(tokens, slots, prompts, draws), turns, riding, t0)
+        step = self.engine.launch_batch(tokens, slots, prompts, draws)
+        self._launched.append(Launched(step, turns, riding, t0, positions, set()))
+        self.fed += tokens.count(None)
+        for turn, position in zip(turns, positions, strict=True):
+            if turn.speculated is not None:
+                turn.speculated_at = position
         for turn in (*turns, *riding):
-            turn.next_token, turn.in_flight = None, True
+            turn.next_token = None
+            turn.flying += 1
 
     def _take_results(self) -> None:
-        """Wait for the launched forward; each row's turn has fresh logits, or its error. A speculated
-        row its guest did not confirm is undone: its KV position truncated, its logits dropped, and
-        the guest's own token (if it goes on) runs next."""
-        if self._launched is None:
+        """Wait for the oldest launched forward; each row's turn has fresh logits, or its error. A row
+        undone while it ran (its guest refused the token it was speculated with: _undo) is skipped;
+        one of a turn that ended meanwhile is undone now (its guest keeps only the tokens the cache
+        held before)."""
+        if not self._launched:
             return
-        launched, turns, riding, t0 = self._launched
-        self._launched = None
+        launched, turns, riding, t0, positions, void = self._launched.pop(0)
         t1 = time.perf_counter()
         results = self.engine.finish_batch(launched)
         self.wait_s += time.perf_counter() - t1
@@ -331,7 +389,7 @@ class EngineLoop:
             self.rows += len(turns)
             self.on_step(len(turns))
         for turn, (ids, _), result in zip(riding, launched.prompts, launched.prompt_results, strict=True):
-            turn.in_flight = False
+            turn.flying -= 1
             if turn.end is not None:
                 continue  # its prompt stays in the cache, as a prefill before a cancellation leaves it
             try:
@@ -343,20 +401,12 @@ class EngineLoop:
                 turn.end = END_CONTEXT_FULL
             else:
                 turn.fresh = True
-        for turn, result in zip(turns, results, strict=True):
-            turn.in_flight = False
-            speculated, chosen, turn.speculated, turn.chosen = turn.speculated, turn.chosen, None, None
-            rng_before, turn.rng_before = turn.rng_before, None
-            refused = speculated is not None and chosen != speculated
-            if not isinstance(result, BaseException) and (turn.end is not None or refused):
-                # Ended while in flight (its guest keeps only the tokens the cache held before), or a
-                # speculated token its guest did not choose: the row's forward is undone, and the
-                # uniform its draw took is given back (the generator as if it never ran).
-                self.undone += refused
-                self.engine.kv_truncate(self.engine.kv_len(turn.actor.slot) - 1, turn.actor.slot)
-                if rng_before is not None:
-                    turn.actor.generator.set_state(rng_before)
-                turn.next_token = chosen if turn.end is None else None
+        for turn, position, result in zip(turns, positions, results, strict=True):
+            turn.flying -= 1
+            if turn in void:
+                continue
+            if not isinstance(result, BaseException) and turn.end is not None:
+                self._truncate(turn, position)
                 continue
             if isinstance(result, ContextOverflow):
                 turn.end = END_CONTEXT_FULL
@@ -371,6 +421,22 @@ class EngineLoop:
                     continue
                 turn.forward = (seconds, len(turns), self.engine.kv_len(turn.actor.slot))
                 turn.fresh = True
+
+    def _truncate(self, turn: Turn, position: int) -> None:
+        """Undo `turn`'s rows from `position` on (a row in flight writes past the cache's end: the
+        next row there overwrites it)."""
+        slot = turn.actor.slot
+        self.engine.kv_truncate(min(position, self.engine.kv_len(slot)), slot)
+
+    def _undo(self, turn: Turn) -> None:
+        """The row `turn` was speculated with (in the newest forward) is not its guest's: undone now
+        (so the guest's own token goes at its position in the next forward), its results skipped, and
+        the uniform its draw took given back (the generator as if it never ran)."""
+        self._truncate(turn, turn.speculated_at)
+        self._launched[-1].void.add(turn)
+        if turn.rng_before is not None:
+            turn.actor.generator.set_state(turn.rng_before)
+        turn.speculated = turn.rng_before = None
 
     def _give_choices(self, turns: list[Turn]) -> None:
         """Write the host's choice into the memory of each of `turns`' guests that asked for it
@@ -410,6 +476,16 @@ class EngineLoop:
         # A guest that also drew with sample() is not speculated: the next step's draw, made at its
         # launch, would come before that sample() call in the generator (not so without overlap).
         turn.takes_choice = token == turn.choice and not (abi.sampled and _draws(turn))
+        confirmed = False
+        if turn.speculated is not None:  # its next row is in flight with the speculated token
+            confirmed = token == turn.speculated and 0 <= token < abi.vocab and (
+                turn.generated + 1 < turn.max_tokens)
+            turn.refused = not confirmed
+            if confirmed:  # the row is the guest's
+                turn.speculated = turn.rng_before = None
+            else:
+                self.undone += 1
+                self._undo(turn)
         if token == STOP:
             turn.end = END_STOP
         elif token < 0:
@@ -428,9 +504,7 @@ class EngineLoop:
             turn.generated += 1
             if turn.generated >= turn.max_tokens:
                 turn.end = END_LENGTH
-            elif turn.speculated is not None:
-                turn.chosen = token  # the launched forward has it if it is the speculated one
-            else:
+            elif not confirmed:  # else the forward in flight has it
                 turn.next_token = token
 
     def _end(self, turn: Turn) -> None:
@@ -461,7 +535,7 @@ class EngineLoop:
         if turn.forward is not None:  # its guest was not asked: its last forward is recorded here
             turn.actor.abi.record_forward(1, *turn.forward)
             turn.forward = None
-        if not turn.in_flight:
+        if not turn.flying:
             turn.done.set()
 
 

@@ -125,16 +125,22 @@ class GraphDecoder:
 
 
 def fill_rows(host, size: int, tokens: list[int], positions: list[int], slots: list[int],
-              rows: list[int], spare: int) -> None:
-    """Write a batched step's inputs into the first `size` columns of host [4, top] (int64): token,
-    position, KV slot and logits row per row; padding rows get token 0, position 0, slot -1 (no
-    cache write) and the spare logits row."""
+              rows: list[int], spare: int, feeds: list[int] | None = None) -> None:
+    """Write a batched step's inputs into the first `size` columns of host [5, top] (int64): token,
+    position, KV slot, logits row and feed per row (feeds: -1 for the token column, else the logits
+    row whose choice is the token; None: every row -1); padding rows get token 0, position 0, slot -1
+    (no cache write), the spare logits row and no feed."""
     n = len(tokens)
     host[0, :n], host[1, :n], host[2, :n] = tokens, positions, slots
     host[:2, n:size] = 0
     host[2, n:size] = -1
     host[3, :len(rows)] = rows
     host[3, len(rows):size] = spare
+    if feeds is None:
+        host[4, :size] = -1
+    else:
+        host[4, :n] = feeds
+        host[4, n:size] = -1
 
 
 class BatchGraphDecoder:
@@ -150,6 +156,12 @@ class BatchGraphDecoder:
 
     Each slot has two logits rows, written in turn (`row(slot)`: the latest): a step's logits stay
     valid while the slot's next step runs, so a caller reads them then without copying them first.
+
+    A row can be *device-fed*: its token is the choice made from one of the slot's earlier logits rows
+    (`slot_fed`: the row's argmax, or its draw where one ran) instead of a token from the host, so a
+    caller launches a slot's next step before the step computing its token has ended. Inputs go over
+    from two pinned buffers taken in turn, and each replay has its own done event, so two launched
+    steps can be in flight at once.
     """
 
     PREFILL_ROWS = 256  # longer prompts run eagerly: per-row attention re-reads the prefix per row
@@ -167,42 +179,56 @@ class BatchGraphDecoder:
         self.mixed_sizes = [2**i for i in range(1, most.bit_length() + 1) if self.sizes[-1] < 2**i < 2 * most]
         self.prefill_sizes = [2**i for i in range(1, self.PREFILL_ROWS.bit_length())]
         top = max(self.mixed_sizes[-1] if self.mixed_sizes else self.sizes[-1], self.PREFILL_ROWS)
-        # Rows: token, position, KV slot (-1: padding), logits row (n_slots: the spare one).
-        self.host_in = torch.zeros(4, top, dtype=torch.long, pin_memory=True)
+        # Rows: token, position, KV slot (-1: padding), logits row (n_slots: the spare one), feed (-1:
+        # the token column; else a logits row whose choice is the token). Two pinned buffers taken in
+        # turn (a step is filled while the one before may still be copying from the other), each with
+        # the event of its last copy to the device; the copy is outside the graphs.
+        self.host_in = torch.zeros(2, 5, top, dtype=torch.long, pin_memory=True)
         self.host_rows = self.host_in.numpy()  # the same pinned memory, written without a tensor op
-        self.dev_in = torch.zeros(4, top, dtype=torch.long, device=dev)
+        self.dev_in = torch.zeros(5, top, dtype=torch.long, device=dev)
+        self._in_copied, self._in_turn = [torch.cuda.Event(), torch.cuda.Event()], 0
         # Two rows a slot (slot s: s and n_slots + 1 + s; see row()), and the spare row n_slots.
-        self.slot_logits = torch.zeros(2 * (n_slots + 1), model.config.vocab_size, dtype=torch.float32,
-                                       device=dev)
+        n_rows = 2 * (n_slots + 1)
+        self.slot_logits = torch.zeros(n_rows, model.config.vocab_size, dtype=torch.float32, device=dev)
         self._half = [0] * n_slots  # per slot, which of its two rows holds its latest logits
         # Each row's greedy choice, computed in the graph and copied to pinned host memory, so an actor
         # that samples greedily needs no kernel launch or sync of its own.
-        self.slot_argmax = torch.zeros(2 * (n_slots + 1), dtype=torch.long, device=dev)
-        self.host_argmax = torch.zeros(2 * (n_slots + 1), dtype=torch.long, pin_memory=True)
+        self.slot_argmax = torch.zeros(n_rows, dtype=torch.long, device=dev)
+        self.host_argmax = torch.zeros(n_rows, dtype=torch.long, pin_memory=True)
+        # Each row's choice as a later step is fed it: its argmax, or its draw (within the vocabulary).
+        self.slot_fed = torch.zeros(n_rows, dtype=torch.long, device=dev)
         self.buckets = kv_buckets(cache.max_seq_len, min_bucket)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.done = torch.cuda.Event()
+        self.done = torch.cuda.Event()  # the latest replay's (each replay records a new one)
         # Draws (floe.engine.sampling.draw_rows) for decode rows, a graph per padded row count, replayed
-        # after the step's: per row its logits row, temperature, top_p, top_k, uniform; out its token
-        # and whether to draw it again (pinned host memory, read once draw_done has completed).
-        self.draw_in = torch.zeros(5, self.sizes[-1], dtype=torch.float64, pin_memory=True)
+        # after the step's: per row its logits row, temperature, top_p, top_k, uniform (two pinned
+        # buffers taken in turn, as host_in); out, per logits row, its token and whether to draw it
+        # again (pinned host memory, read once the draw's event has completed: a row's stay valid
+        # while its slot's next step runs, as its logits do).
+        self.draw_in = torch.zeros(2, 5, self.sizes[-1], dtype=torch.float64, pin_memory=True)
         self.dev_draw_in = torch.zeros(5, self.sizes[-1], dtype=torch.float64, device=dev)
-        self.host_drawn = torch.zeros(self.sizes[-1], dtype=torch.long, pin_memory=True)
-        self.host_wider = torch.zeros(self.sizes[-1], dtype=torch.bool, pin_memory=True)
+        self._draw_copied, self._draw_turn = [torch.cuda.Event(), torch.cuda.Event()], 0
+        self.slot_drawn = torch.zeros(n_rows, dtype=torch.long, device=dev)
+        self.slot_wider = torch.zeros(n_rows, dtype=torch.bool, device=dev)
+        self.host_drawn = torch.zeros(n_rows, dtype=torch.long, pin_memory=True)
+        self.host_wider = torch.zeros(n_rows, dtype=torch.bool, pin_memory=True)
         self.draw_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.draw_done = torch.cuda.Event()
+        self.draw_done = torch.cuda.Event()  # the latest draw's (each draw records a new one)
 
     @torch.inference_mode()
     def _forward(self, size: int, bucket: int, prefill: bool) -> None:
-        self.dev_in.copy_(self.host_in, non_blocking=True)
-        tokens, pos, slots, rows = self.dev_in[:, :size]
+        tokens, pos, slots, rows, feed = self.dev_in[:, :size]
+        # A device-fed row's token: the choice its feed row holds (written by an earlier step or draw).
+        tokens = torch.where(feed < 0, tokens, self.slot_fed.index_select(0, feed.clamp(min=0)))
         h = self._core(tokens, pos, slots, bucket)
         if prefill:  # only the last row's logits: rows[0] is its index, rows[1] its slot
             h, rows = h.index_select(0, rows[:1]), rows[1:2]
         out = logits(self.model, h)
         self.slot_logits.index_copy_(0, rows, out)
-        self.slot_argmax.index_copy_(0, rows, out.argmax(-1))  # the first maximum, as torch.argmax
+        argmax = out.argmax(-1)  # the first maximum, as torch.argmax
+        self.slot_argmax.index_copy_(0, rows, argmax)
+        self.slot_fed.index_copy_(0, rows, argmax)
         self.host_argmax.copy_(self.slot_argmax, non_blocking=True)
 
     def _core(self, tokens: Tensor, pos: Tensor, slots: Tensor, bucket: int) -> Tensor:
@@ -228,31 +254,39 @@ class BatchGraphDecoder:
     def _draw(self, size: int) -> None:
         from floe.engine.sampling import draw_rows
 
-        self.dev_draw_in.copy_(self.draw_in, non_blocking=True)
         rows, temps, top_p, k, u = self.dev_draw_in[:, :size]
-        tokens, wider = draw_rows(self.slot_logits.index_select(0, rows.long()), temps, top_p, k.long(), u)
-        self.host_drawn[:size].copy_(tokens, non_blocking=True)
-        self.host_wider[:size].copy_(wider, non_blocking=True)
+        rows = rows.long()
+        tokens, wider = draw_rows(self.slot_logits.index_select(0, rows), temps, top_p, k.long(), u)
+        self.slot_drawn.index_copy_(0, rows, tokens)
+        self.slot_wider.index_copy_(0, rows, wider)
+        self.slot_fed.index_copy_(0, rows, tokens.clamp(0, self.slot_logits.shape[1] - 1))
+        self.host_drawn.copy_(self.slot_drawn, non_blocking=True)
+        self.host_wider.copy_(self.slot_wider, non_blocking=True)
 
     def draw(self, rows: list[int], temps: list[float], top_p: list[float], ks: list[int],
-             uniforms: list[float]) -> None:
+             uniforms: list[float]) -> torch.cuda.Event:
         """Draw a token from each of slot_logits' `rows` (row(slot)s, after the step that wrote them,
         in the same stream: the host does not wait) with its row's parameters (ks: the vocabulary for
-        no top_k); host_drawn / host_wider [:len(rows)] once draw_done has completed."""
+        no top_k); host_drawn / host_wider [row] once the event returned has completed."""
         n = len(rows)
         size = next(s for s in self.sizes if s >= n)
-        self.draw_done.synchronize()  # the previous draw has read draw_in
-        host = self.draw_in.numpy()
+        turn, self._draw_turn = self._draw_turn, self._draw_turn ^ 1
+        self._draw_copied[turn].synchronize()  # the copy out of this buffer, two draws ago, is done
+        host = self.draw_in[turn].numpy()
         host[:, :n] = rows, temps, top_p, ks, uniforms
         # Padding rows: the spare logits row, drawn plainly; nobody reads them.
         host[:, n:size] = [[self.cache.n_slots], [1.0], [1.0], [self.slot_logits.shape[1]], [0.5]]
+        self.dev_draw_in.copy_(self.draw_in[turn], non_blocking=True)
+        self._draw_copied[turn].record()
         graph = self.draw_graphs.get(size)
         if graph is None:
             graph = capture(lambda: self._draw(size), self.device, self.pool)
             self.pool = graph.pool()
             self.draw_graphs[size] = graph
         graph.replay()
+        self.draw_done = torch.cuda.Event()
         self.draw_done.record()
+        return self.draw_done
 
     def row(self, slot: int) -> int:
         """The row of slot_logits / host_argmax holding `slot`'s latest logits (n_slots: the spare)."""
@@ -266,20 +300,25 @@ class BatchGraphDecoder:
                 self._half[slot] ^= 1
         return [self.row(slot) for slot in dests]
 
-    def step(self, tokens: list[int], positions: list[int], slots: list[int]) -> list[int]:
+    def step(self, tokens: list[int], positions: list[int], slots: list[int],
+             feeds: list[int] | None = None) -> list[int]:
         """Write tokens[b] at positions[b] of slots[b] (distinct) and compute each slot's next logits
         and their argmax; the rows of slot_logits / host_argmax they go to (each slot's row(): valid
-        until the step after that slot's next one; host_argmax once `done` has completed)."""
+        until the step after that slot's next one; host_argmax once `done` has completed).
+        feeds[b] >= 0: row b's token is instead the choice of logits row feeds[b] (see the class doc)."""
         size = next(s for s in self.sizes if s >= len(slots))
-        return self._replay(size, False, tokens, positions, slots, self._next_rows(slots))
+        return self._replay(size, False, tokens, positions, slots, self._next_rows(slots), feeds)
 
-    def mixed(self, tokens: list[int], positions: list[int], slots: list[int], dests: list[int]) -> list[int]:
+    def mixed(self, tokens: list[int], positions: list[int], slots: list[int], dests: list[int],
+              feeds: list[int] | None = None) -> list[int]:
         """A step of any rows: tokens[b] written at positions[b] of slots[b] (a slot's rows at
         consecutive positions: a prompt's chunk, which attends to itself as prefill does), row b's
         logits and argmax for slot dests[b] (the spare, n_slots, for rows whose logits nobody reads);
-        the rows they go to, as step()."""
+        the rows they go to, as step(); feeds as step()'s (for the first len(feeds) rows)."""
         size = next(s for s in (*self.sizes, *self.mixed_sizes) if s >= len(tokens))
-        return self._replay(size, False, tokens, positions, slots, self._next_rows(dests))
+        if feeds is not None:
+            feeds = [*feeds, *[-1] * (len(tokens) - len(feeds))]
+        return self._replay(size, False, tokens, positions, slots, self._next_rows(dests), feeds)
 
     def prefill(self, tokens: list[int], start: int, slot: int) -> int:
         """Append tokens (at most PREFILL_ROWS) at positions start.. of `slot`; the last one's logits
@@ -292,15 +331,20 @@ class BatchGraphDecoder:
 
     @torch.inference_mode()  # its buffers may have been made in inference mode
     def _replay(self, size: int, prefill: bool, tokens: list[int], positions: list[int],
-                slots: list[int], rows: list[int]) -> list[int]:
+                slots: list[int], rows: list[int], feeds: list[int] | None = None) -> list[int]:
         bucket = next(b for b in self.buckets if b > max(positions))
-        self.done.synchronize()  # the previous replay has read host_in
-        fill_rows(self.host_rows, size, tokens, positions, slots, rows, spare=self.cache.n_slots)
+        turn, self._in_turn = self._in_turn, self._in_turn ^ 1
+        self._in_copied[turn].synchronize()  # the copy out of this buffer, two replays ago, is done
+        fill_rows(self.host_rows[turn], size, tokens, positions, slots, rows, self.cache.n_slots, feeds)
+        self.dev_in.copy_(self.host_in[turn], non_blocking=True)
+        self._in_copied[turn].record()
         graph = self.graphs.get((size, bucket, prefill))
-        if graph is None:
+        if graph is None:  # capturing runs the step for real, twice first: a fed row reads a row it
+            # does not write (a slot's earlier row), so each run computes the same thing
             graph = capture(lambda: self._forward(size, bucket, prefill), self.device, self.pool)
             self.pool = graph.pool()
             self.graphs[size, bucket, prefill] = graph
         graph.replay()
+        self.done = torch.cuda.Event()
         self.done.record()
         return rows

@@ -75,7 +75,7 @@ class FairLock:
             self._cond.notify_all()
 
 
-@dataclass
+@dataclass(eq=False)
 class LaunchedStep:
     """A decode step launch_batch started; finish_batch completes it."""
 
@@ -92,6 +92,9 @@ class LaunchedStep:
     # then its riding prompts wrote, and those its draws read
     logit_rows: list[int] = field(default_factory=list)
     draw_rows: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # of the decode rows (step.rows), in their slots
+    done: object = None  # CUDA: the replay's event; and its draw's
+    draw_done: object = None
 
 
 class LogitsHead(nn.Module):
@@ -162,6 +165,9 @@ class Engine:
         self._batch = None  # the batched decode step (CUDA graphs; the CPU's lean step), made on first use
         self._greedy: dict[int, int] = {}  # slot -> argmax of its latest logits, where computed
         self._drawn: dict[int, int] = {}  # slot -> the draw asked of its latest decode step (launch_batch)
+        self._unfinished: list[LaunchedStep] = []  # launched steps not yet finished, oldest first
+        # slot -> its latest device-fed row: (position, token once known, source logits row, drawn there)
+        self._fed: dict[int, tuple[int, int | None, int, bool]] = {}
 
     def _build(self, checkpoint: Checkpoint) -> Transformer:
         """The model, its weights read from the checkpoint one at a time in the engine's dtype, on its
@@ -262,7 +268,7 @@ class Engine:
         if self.device.type == "cpu":
             return None
         if n_tokens == 1 and self._batch_graphs:
-            share = -(-self._batch_decoder().host_in.nbytes // batch_rows)
+            share = -(-self._batch_decoder().host_in[0].nbytes // batch_rows)
             return f"batched step inputs host→{self.device.type} (pinned, in the graph; a row's share)", share
         if n_tokens == 1 and self.cuda_graphs:
             return f"token + position host→{self.device.type} (pinned, in the graph)", 16
@@ -399,6 +405,13 @@ class Engine:
         return self._batch_graphs or self.device.type == "cpu"
 
     @property
+    def feeds(self) -> bool:
+        """Whether launch_batch takes fed tokens (None: the slot's own choice from its latest step, on
+        CUDA read on the device), so a slot's next step can be launched before that one is finished:
+        the batched CUDA graph, and the CPU (whose launch runs the step: the choice is known)."""
+        return self._batch_graphs or self.device.type == "cpu"
+
+    @property
     def overlaps(self) -> bool:
         """Whether launch_batch returns while its forward still runs on the device (a replay of the
         batched graph, for one row or many), so the caller can work before finish_batch waits."""
@@ -429,12 +442,34 @@ class Engine:
 
         draws: (slot, parameters, uniform) of decode rows to draw a token for from their new logits
         (floe.engine.sampling.start_draw, right after the forward on its device: on CUDA the device
-        goes on to it without waiting for the host); drawn_token(slot) once finished."""
+        goes on to it without waiting for the host); drawn_token(slot) once finished.
+
+        A token None is *fed* (where `feeds`): the slot's choice from its latest logits — their argmax,
+        or the draw asked of them (as first drawn) — so a slot's next step can be launched before the
+        step computing its token is finished: on CUDA the token is read on the device; on the CPU
+        (whose launch runs the step) it is taken from the step's results now. fed_token(slot) tells
+        which token it was, once the step it came from is finished."""
         if len(set(slots)) != len(slots) or len(tokens) != len(slots):
             raise ValueError(f"decode_batch needs one token per distinct slot, got {tokens} for {slots}")
+        if None in tokens and not self.feeds:
+            raise ValueError("fed tokens (None) need the batched step (Engine.feeds)")
+        sources = self._feed_sources(tokens, slots) if None in tokens else {}
+        if self.device.type == "cpu" and sources:  # the CPU's choices are known: the rows take them
+            tokens = [sources[s][2] if t is None else t for t, s in zip(tokens, slots, strict=True)]
+        step = self._launch(tokens, slots, prompts, draws, sources)
+        self._unfinished.append(step)
+        return step
+
+    def _launch(self, tokens: list[int | None], slots: list[int], prompts: list[tuple[list[int], int]],
+                draws: list[tuple[int, SamplingParams, float]],
+                sources: dict[int, tuple[int | None, bool, int | None]]) -> LaunchedStep:
         step = LaunchedStep(tokens, slots, [None] * len(slots), prompts=list(prompts))
         for slot in slots:
             self._drawn.pop(slot, None)
+            self._fed.pop(slot, None)
+        if self.device.type == "cpu":
+            for slot, (_, drew, token) in sources.items():
+                self._fed[slot] = (self.cache.lengths[slot], token, None, drew)
         mixed = self._ride_along(step, step.prompts)
         if not self._batch_graphs and (len(slots) == 1 or not self.batched_decode):
             step.results[:] = [self._step_or_error(t, s) for t, s in zip(tokens, slots, strict=True)]
@@ -442,7 +477,8 @@ class Engine:
             return step
         for i, token in enumerate(tokens):
             try:
-                self._check_ids([token])
+                if token is not None:
+                    self._check_ids([token])
                 step.rows.append(i)
             except FloeError as e:
                 step.results[i] = e
@@ -457,8 +493,11 @@ class Engine:
             chunks = self._reserve_prompts(step, mixed)
             if len(step.rows) > 1 or ((step.rows or chunks) and self._batch_graphs):  # CUDA: one row too
                 row_slots = [slots[i] for i in step.rows]
-                rows = ([tokens[i] for i in step.rows], [starts[i] for i in step.rows], list(row_slots),
-                        list(row_slots))  # tokens, positions, slots, logits rows
+                row_tokens = [tokens[i] for i in step.rows]
+                feeds = (self._feeds(row_tokens, row_slots, [starts[i] for i in step.rows], sources)
+                         if self._batch_graphs else None)
+                rows = ([0 if t is None else t for t in row_tokens], [starts[i] for i in step.rows],
+                        list(row_slots), list(row_slots))  # tokens, positions, slots, logits rows
                 try:
                     if chunks:
                         spare = self.cache.n_slots
@@ -468,31 +507,36 @@ class Engine:
                             rows[1].extend(range(start, start + len(ids)))
                             rows[2].extend([slot] * len(ids))
                             rows[3].extend([*[spare] * (len(ids) - 1), slot])
-                        dests = self._batch_decoder().mixed(*rows)
+                        dests = self._batch_decoder().mixed(*rows, feeds)
                         n = len(step.rows)  # then each prompt's last row: its logits
                         ends = accumulate(len(prompts[k][0]) for k, _ in chunks)
                         step.logit_rows = dests[:n] + [dests[n + end - 1] for end in ends]
                     elif self._batch_graphs:
-                        step.logit_rows = self._batch_decoder().step(*rows[:3])
+                        step.logit_rows = self._batch_decoder().step(*rows[:3], feeds)
                     else:
                         step.logits = self._batch_decoder().step(*rows[:3])
                 except BaseException:
                     for i in step.rows:
                         self.cache.truncate(slots[i], starts[i])
+                        self._fed.pop(slots[i], None)
                     for k, start in chunks:
                         self.cache.truncate(prompts[k][1], start)
                     raise
                 for i in step.rows:  # reserved and written (or being written): the cache holds them
-                    self.cache.tokens[slots[i]].append(tokens[i])
+                    # (a fed row's token is known once the step it is fed from has finished)
+                    self.cache.tokens[slots[i]].append(-1 if tokens[i] is None else tokens[i])
                 for k, _ in chunks:
                     self.cache.tokens[prompts[k][1]].extend(prompts[k][0])
                 step.chunks = chunks
+                step.positions = [starts[i] for i in step.rows]
+                if self._batch_graphs:
+                    step.done = self._batch.done
                 self._start_draws(step, draws)
                 return step
             for i in step.rows:
                 self.cache.truncate(slots[i], starts[i])
         for i in step.rows:  # the others failed: the one left runs the batch-1 step, as decode_step does
-            step.results[i] = self._step_or_error(tokens[i], slots[i])
+            step.results[i] = self._step_or_error(tokens[i], slots[i])  # (never fed: not on CUDA)
         step.rows = []
         self._start_draws(step, draws)
         return step
@@ -516,11 +560,86 @@ class Engine:
         uniforms = torch.tensor([wanted[slot][1] for slot in slots], dtype=torch.float64)
         if step.rows and step.logits is None:  # CUDA graphs: the draw's own graph, after the step's
             latest = [self._batch.row(slot) for slot in slots]
-            self._batch.draw(latest, [p.temperature for p in params], [p.top_p for p in params],
-                             top_ks(params, self.config.vocab_size), uniforms.tolist())
+            temps, top_p = [p.temperature for p in params], [p.top_p for p in params]
+            step.draw_done = self._batch.draw(latest, temps, top_p, top_ks(params, self.config.vocab_size),
+                                              uniforms.tolist())
             step.draw, step.draw_rows = (slots, Draw(None, None, None, params, uniforms)), latest
         else:
             step.draw = (slots, start_draw(torch.stack([t for _, t in picked]), params, uniforms))
+
+    def _feed_sources(self, tokens: list[int | None], slots: list[int]) -> dict[int, tuple]:
+        """Per fed slot: the logits row of its latest step its token is read from on CUDA
+        (BatchGraphDecoder.row; None on the CPU), whether that step drew for it (else the token is
+        the argmax), and on the CPU the token itself (taken from that step's results)."""
+        sources = {}
+        for token, slot in zip(tokens, slots, strict=True):
+            if token is not None:
+                continue
+            source = next((st for st in reversed(self._unfinished)
+                           if slot in st.slots or any(p[1] == slot for p in st.prompts)), None)
+            drew = slot in self._drawn if source is None else (
+                source.draw is not None and slot in source.draw[0])
+            if self.device.type == "cpu":
+                sources[slot] = (None, drew, self._cpu_choice(slot, source, drew))
+            else:
+                sources[slot] = (self._batch.row(slot), drew, None)
+        return sources
+
+    def _cpu_choice(self, slot: int, source: LaunchedStep | None, drew: bool) -> int:
+        """The CPU's fed token of `slot`: the choice from its latest logits (those of `source`, the
+        unfinished step that made them, if any; the draw as first drawn)."""
+        if source is None:
+            token = self._drawn.get(slot) if drew else self._greedy.get(slot)
+        elif drew:
+            slots, draw = source.draw
+            token = int(draw.tokens[slots.index(slot)])
+        elif slot in source.slots:
+            i = source.slots.index(slot)
+            result = (source.logits[source.rows.index(i)] if source.logits is not None and i in source.rows
+                      else source.results[i])
+            token = int(result.argmax()) if isinstance(result, Tensor) else None
+        else:
+            results = zip(source.prompts, source.prompt_results, strict=True)
+            result = next(r for (_, s), r in results if s == slot)
+            token = int(result.argmax()) if isinstance(result, Tensor) else None
+        if token is None:
+            raise FloeError(f"slot {slot} has no choice to feed (its latest step made no logits)")
+        return min(max(token, 0), self.config.vocab_size - 1)
+
+    def _feeds(self, tokens: list[int | None], slots: list[int], positions: list[int],
+               sources: dict[int, tuple[int, bool]]) -> list[int] | None:
+        """Per decode row, -1 or the logits row its device-fed token is read from (None: no row is
+        fed). A fed row's token goes in the cache's ids once the step it is read from has finished
+        (now, if it has)."""
+        if not sources:
+            return None
+        waiting = {s for step in self._unfinished for s in (*step.slots, *(p[1] for p in step.prompts))}
+        for slot, position in zip(slots, positions, strict=True):
+            if slot in sources:
+                self._fed[slot] = (position, None, *sources[slot][:2])
+                if slot not in waiting:
+                    self._resolve_fed(slot)
+        return [sources[slot][0] if token is None else -1 for token, slot in zip(tokens, slots, strict=True)]
+
+    def _resolve_fed(self, slot: int) -> None:
+        """`slot`'s fed row, its source step finished: its token, as the device read it (the draw's
+        own, not one finish_batch drew again), into the cache's ids and fed_token."""
+        position, token, row, drew = self._fed[slot]
+        if token is not None:
+            return
+        batch = self._batch
+        token = (min(max(int(batch.host_drawn[row]), 0), self.config.vocab_size - 1) if drew
+                 else int(batch.host_argmax[row]))
+        self._fed[slot] = (position, token, row, drew)
+        ids = self.cache.tokens[slot]
+        if position < len(ids) and ids[position] == -1:
+            ids[position] = token
+
+    def fed_token(self, slot: int) -> int | None:
+        """The token `slot`'s latest device-fed row took (launch_batch), once the step it was read
+        from has finished; else None."""
+        fed = self._fed.get(slot)
+        return None if fed is None else fed[1]
 
     def _ride_along(self, step: LaunchedStep, prompts: list[tuple[list[int], int]]) -> list[int]:
         """The prompts (indices) that ride in the decode step's replay (CUDA, MIXED_ROWS rows in all);
@@ -557,7 +676,12 @@ class Engine:
     @torch.inference_mode()
     def finish_batch(self, step: LaunchedStep) -> list[Tensor | FloeError]:
         """Wait for a launched step; per slot its logits or the FloeError that stopped it (see
-        decode_batch). On CUDA each row's greedy choice is on the host now (greedy_token)."""
+        decode_batch). On CUDA each row's greedy choice is on the host now (greedy_token). Steps are
+        finished in launch order. A row whose position was truncated away while it ran (kv_truncate:
+        its caller undid it) leaves no greedy or drawn choice."""
+        if step in self._unfinished:
+            self._unfinished.remove(step)
+        void = set()
         if step.rows or step.chunks:
             row_slots = [step.slots[i] for i in step.rows]
             logits = step.logits
@@ -566,9 +690,12 @@ class Engine:
             else:
                 chunk_slots = [step.prompts[k][1] for k, _ in step.chunks]
                 with self._step_lock:
-                    self._batch.done.synchronize()  # every row's greedy choice is on the host now
+                    step.done.synchronize()  # every row's greedy choice is on the host now
                 argmax = self._batch.host_argmax.numpy()[step.logit_rows].tolist()
-                self._greedy.update(zip(row_slots + chunk_slots, argmax, strict=True))
+                lengths = self.cache.lengths
+                void = {s for s, p in zip(row_slots, step.positions, strict=True) if lengths[s] <= p}
+                self._greedy.update((s, a) for s, a in zip(row_slots, argmax, strict=False) if s not in void)
+                self._greedy.update(zip(chunk_slots, argmax[len(row_slots):], strict=True))
                 logits = [self._batch.slot_logits[r] for r in step.logit_rows[:len(row_slots)]]
                 for (k, _), r in zip(step.chunks, step.logit_rows[len(row_slots):], strict=True):
                     step.prompt_results[k] = self._batch.slot_logits[r]
@@ -579,18 +706,22 @@ class Engine:
             slots, draw = step.draw
             step.draw = None
             if draw.tokens is None:  # the draw graph's: its results are in pinned host memory
-                self._batch.draw_done.synchronize()
-                n = len(slots)
-                wider = self._batch.host_wider[:n]
+                step.draw_done.synchronize()
+                wider = self._batch.host_wider[step.draw_rows]
                 again = self._batch.slot_logits[step.draw_rows] if bool(wider.any()) else None  # drawn again
-                draw = draw._replace(tokens=self._batch.host_drawn[:n], wider=wider, logits=again)
-            self._drawn.update(zip(slots, finish_draw(draw), strict=True))
+                draw = draw._replace(tokens=self._batch.host_drawn[step.draw_rows], wider=wider, logits=again)
+            tokens = finish_draw(draw)
+            self._drawn.update((s, t) for s, t in zip(slots, tokens, strict=True) if s not in void)
+        for slot in (*step.slots, *(p[1] for p in step.prompts)):
+            if slot in self._fed:  # a row launched since reads this step's choice: it is known now
+                self._resolve_fed(slot)
         return step.results
 
     def _forget(self, slot: int) -> None:
         """The slot's latest logits are no longer its context's: forget what was chosen from them."""
         self._greedy.pop(slot, None)
         self._drawn.pop(slot, None)
+        self._fed.pop(slot, None)
 
     def drawn_token(self, slot: int) -> int | None:
         """The token drawn from `slot`'s latest logits where its decode step was asked to draw
