@@ -30,6 +30,7 @@ from floe.wasm import (
     GuestModule,
     GuestPointerError,
     default_runtime,
+    start_guest_thread,
 )
 
 DEFAULT_MEMORY_CAP = 256 << 20
@@ -392,7 +393,7 @@ class Actor:
                 pieces.put(done)
 
         worker = threading.Thread(target=work, name="floe-actor", daemon=True)
-        worker.start()
+        start_guest_thread(worker)
         try:
             while (item := pieces.get()) is not done:
                 yield item

@@ -46,7 +46,7 @@ from floe.engine import Engine
 from floe.engine.engine import LaunchedStep
 from floe.engine.sampling import draw_uniforms
 from floe.errors import ContextOverflow
-from floe.wasm import GuestError
+from floe.wasm import GuestError, start_guest_thread
 
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
@@ -187,7 +187,7 @@ class EngineLoop:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="floe-engine-loop", daemon=True)
             self._thread.floe_engine_loop = True  # actors refuse blocking calls from this thread
-            self._thread.start()
+            start_guest_thread(self._thread)  # guests run on its stack: sized for them, not inherited
 
     # ---- the loop -----------------------------------------------------------------------------------
 

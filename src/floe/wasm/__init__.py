@@ -13,8 +13,11 @@ from floe.wasm.runtime import (
     GuestPointerError,
     GuestTrap,
     HostFunction,
+    ThreadStackTooSmall,
     WasmRuntime,
+    check_thread_stack,
     default_runtime,
+    start_guest_thread,
 )
 
 __all__ = [
@@ -30,6 +33,9 @@ __all__ = [
     "GuestPointerError",
     "GuestTrap",
     "HostFunction",
+    "ThreadStackTooSmall",
     "WasmRuntime",
+    "check_thread_stack",
     "default_runtime",
+    "start_guest_thread",
 ]

@@ -9,6 +9,8 @@
   `v128` ("support for v128 is not implemented"), so a guest could kill the host with one signature.
 - An epoch-deadline callback per store: the deadline is checked against the wall clock (epoch ticks
   only wake it), and a call can be cancelled from another thread.
+- The calling thread's native stack size (pthread_getattr_np): guest code runs on it, and Wasmtime
+  cannot tell how big it is.
 
 A Python exception escaping a ctypes callback would abort the process, so every callback here
 catches everything and answers Wasmtime with an error or a trap.
@@ -17,6 +19,7 @@ catches everything and answers Wasmtime with an error or a trap.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -326,3 +329,30 @@ class Watchdog:
         except BaseException as e:  # noqa: BLE001 - must not escape into Wasmtime
             self.reason = "watchdog"
             return error_new(f"floe's guest watchdog failed: {e}")
+
+
+# ---- the calling thread's native stack -------------------------------------------------------------
+
+_pthread = ctypes.CDLL(ctypes.util.find_library("c") or None)
+_pthread.pthread_self.restype = ctypes.c_void_p
+_ATTR_BYTES = 256  # > sizeof(pthread_attr_t) on every Linux ABI (56 on x86-64 glibc, 64 on aarch64)
+
+
+def thread_stack_bytes() -> int | None:
+    """The size of the calling thread's native stack in bytes, or None where the platform does not
+    say (Linux: pthread_getattr_np; macOS: pthread_get_stacksize_np)."""
+    if hasattr(_pthread, "pthread_getattr_np"):
+        attr = ctypes.create_string_buffer(_ATTR_BYTES)
+        if _pthread.pthread_getattr_np(ctypes.c_void_p(_pthread.pthread_self()), attr) != 0:
+            return None
+        try:
+            addr, size = ctypes.c_void_p(), ctypes.c_size_t()
+            if _pthread.pthread_attr_getstack(attr, ctypes.byref(addr), ctypes.byref(size)) != 0:
+                return None
+            return size.value
+        finally:
+            _pthread.pthread_attr_destroy(attr)
+    if hasattr(_pthread, "pthread_get_stacksize_np"):
+        _pthread.pthread_get_stacksize_np.restype = ctypes.c_size_t
+        return int(_pthread.pthread_get_stacksize_np(ctypes.c_void_p(_pthread.pthread_self())))
+    return None

@@ -29,9 +29,17 @@ from floe.wasm.raw import (
     global_bits,
     global_kind,
     set_global_bits,
+    thread_stack_bytes,
 )
 
 EPOCH_TICK_S = 0.01  # deadline granularity
+# Guest code runs on the calling thread's native stack, and Wasmtime traps a guest that uses more than
+# WASM_STACK_BYTES of it; the host functions it calls run below that. A thread whose stack is smaller
+# than both would overflow its guard page in guest code: a segfault, not a trap (Wasmtime cannot see
+# the thread's stack size). Every guest call checks its thread; floe's own threads get GUEST_THREAD_STACK.
+WASM_STACK_BYTES = 512 << 10
+HOST_STACK_BYTES = 1 << 20  # host functions under the deepest guest frame (~150 KiB measured), and callers
+GUEST_THREAD_STACK = 8 << 20
 
 
 class GuestError(FloeError):
@@ -70,6 +78,43 @@ class GuestHostCallError(GuestError):
     """A host function the guest called failed for a reason that is not a bad pointer or budget."""
 
 
+class ThreadStackTooSmall(FloeError):
+    """A guest was to run on a thread whose native stack cannot hold it (and the host calls it makes)."""
+
+
+_stack_checked = threading.local()
+
+
+def check_thread_stack() -> None:
+    """Raise ThreadStackTooSmall unless the calling thread's stack holds WASM_STACK_BYTES of guest
+    frames and HOST_STACK_BYTES below them (checked once per thread)."""
+    if getattr(_stack_checked, "ok", False):
+        return
+    size = thread_stack_bytes()
+    need = WASM_STACK_BYTES + HOST_STACK_BYTES
+    if size is not None and size < need:
+        raise ThreadStackTooSmall(
+            f"thread {threading.current_thread().name!r} has a {size >> 10} KiB native stack; running a "
+            f"guest needs {need >> 10} KiB ({WASM_STACK_BYTES >> 10} KiB of guest frames and the host calls "
+            "below them): create the thread after threading.stack_size(8 << 20), or with "
+            "floe.wasm.start_guest_thread")
+    _stack_checked.ok = True
+
+
+_thread_start_lock = threading.Lock()
+
+
+def start_guest_thread(thread: threading.Thread) -> None:
+    """Start `thread` (not started yet) with a GUEST_THREAD_STACK native stack, whatever
+    threading.stack_size() the process set for others."""
+    with _thread_start_lock:  # stack_size() is process-wide: set for this start only
+        previous = threading.stack_size(GUEST_THREAD_STACK)
+        try:
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+
+
 @dataclass(frozen=True)
 class HostFunction:
     """An import the host provides: all parameters and results are i32."""
@@ -92,6 +137,7 @@ class WasmRuntime:
         # The ABI is wasm32 with one memory: a memory64 or multi-memory module is refused at compile.
         config.wasm_memory64 = False
         config.wasm_multi_memory = False
+        config.max_wasm_stack = WASM_STACK_BYTES  # explicit: check_thread_stack() relies on it
         self.memory_creator = MemoryCreator()
         self.memory_creator.install(config)
         self.engine = wasmtime.Engine(config)
@@ -217,6 +263,7 @@ class GuestInstance:
         for f in functions:
             runtime.host_functions.define(linker, import_module, f.name, runtime.func_type(f.n_params,
                                                                                          f.n_results), f.fn)
+        check_thread_stack()  # the start function runs here
         self.watchdog.arm(deadline_s)
         with runtime.memory_creator.creating(memory_cap) as created:
             try:
@@ -273,6 +320,7 @@ class GuestInstance:
         """Call an export (i32s in, one i32 out); traps become GuestError subclasses, a host-side error
         found by `pending` (raised inside a host function during the call) is re-raised as itself."""
         func = self.function(name)
+        check_thread_stack()
         self.region.denied_size = 0
         self.watchdog.arm(deadline_s)
         try:

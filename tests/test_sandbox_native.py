@@ -1,0 +1,69 @@
+"""The sandbox holds below Python too: a guest cannot overflow a native stack, and no signal or exception
+escapes into Wasmtime through floe's ctypes callbacks (where it would abort or corrupt the process).
+
+Every case runs in a fresh interpreter (isolated.py): its failure mode is a crash."""
+
+from isolated import run_isolated
+
+RECURSES = '(func $r (param i32) (result i32) (i32.add (call $r (local.get 0)) (call $vocab_size)))'
+
+
+def test_a_guest_recursing_in_on_token_traps_even_when_the_process_set_small_thread_stacks():
+    # threading.stack_size() is process-wide: the engine loop's thread must not inherit 256 KiB, where
+    # Wasmtime's 512 KiB of guest frames would run off the stack's end (a segfault, not a trap).
+    out = run_isolated(f"""
+        import threading
+        import wasmtime
+        from models import tiny_engine
+        from floe.actor import Actor, EngineLoop
+        from floe.wasm import GuestTrap
+        engine = tiny_engine(n_slots=2)
+        threading.stack_size(256 << 10)
+        deep = wasmtime.wat2wasm('''(module
+          (import "floe" "prefill" (func $prefill (param i32 i32 i32) (result i32)))
+          (import "floe" "vocab_size" (func $vocab_size (result i32)))
+          (memory (export "memory") 2)
+          {RECURSES}
+          (func (export "floe_abi_version") (result i32) (i32.const 2))
+          (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+          (func (export "on_message") (param i32 i32) (result i32)
+            (i32.store (i32.const 4096) (i32.const 17))
+            (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))
+          (func (export "on_token") (result i32) (call $r (i32.const 0))))''')
+        loop = EngineLoop(engine)
+        with Actor(engine, deep, loop=loop) as actor:
+            try:
+                actor.send("x", max_tokens=4)
+            except GuestTrap as e:
+                print("trapped:", e)
+        with Actor(engine, loop=loop) as actor:
+            print("next", actor.send("Hi", max_tokens=3).stats.generated_tokens)
+    """)
+    assert "trapped:" in out and "call stack exhausted" in out and "next 3" in out, out
+
+
+def test_a_guest_call_on_a_thread_too_small_for_it_is_refused_with_a_clear_error():
+    out = run_isolated(f"""
+        import threading
+        from guests_wat import guest
+        from models import tiny_engine
+        from floe.actor import Actor
+        from floe.wasm import ThreadStackTooSmall
+        engine = tiny_engine(n_slots=2)
+        deep = guest("(call $r (i32.const 0))", extra='{RECURSES}')
+        actor = Actor(engine, deep)
+        def small():
+            for make in (lambda: actor.send("x"), lambda: Actor(engine, deep)):
+                try:
+                    make()
+                    print("ran")
+                except ThreadStackTooSmall as e:
+                    print("refused:", e)
+        threading.stack_size(256 << 10)
+        thread = threading.Thread(target=small)
+        thread.start()
+        thread.join()
+        threading.stack_size(0)
+        actor.close()
+    """)
+    assert out.count("refused:") == 2 and "256 KiB native stack" in out and "ran" not in out, out
