@@ -1,0 +1,173 @@
+/* Structured output: a chat guest whose every reply is one JSON value, valid against the JSON Schema
+ * the caller sent (or any JSON value, in plain JSON mode). See docs/GUESTS.md.
+ *
+ * A message may begin with a header that sets the grammar for it and for the messages after it:
+ *     "\0json-schema <N>\n" then N bytes of JSON Schema, then the user's text
+ *     "\0json\n" then the user's text (plain JSON mode; also the mode before any header)
+ * A schema the guest cannot compile fails the message: status 21 and a log line naming the keyword.
+ *
+ * Each step (on_token): the state's mask (cached, see vocab_index.h) is applied to the logits the
+ * engine wrote into this memory (disallowed tokens set to -inf), then the token is the argmax
+ * (temperature 0) or the host's draw from the masked logits (the request's sampling), and the
+ * automaton takes its bytes. A token is allowed only if the value can still be completed within
+ * max_tokens; once the value is complete and nothing can extend it, the turn ends.
+ */
+#include "conversation.h"
+#include "vocab_index.h"
+
+enum { STATUS_VOCAB = 9, STATUS_HEADER = 20, STATUS_SCHEMA = 21 };
+
+static vocab_index vocab;
+static mask_cache cache;
+static int ready;
+static grammar active, candidate;
+static int active_ok;
+static char *active_spec;          /* the schema text `active` was compiled from (NULL: plain JSON) */
+static uint32_t active_spec_len;
+static cset state, next_state;
+static token_mask exact;           /* near max_tokens: the mask that also counts the tokens left */
+static uint32_t chosen, exact_steps;
+
+/* This guest reads the grammar header (the host checks for this export before sending one). */
+FLOE_EXPORT(floe_grammar_version) int32_t floe_grammar_version(void) { return 1; }
+
+static void log_parts(const char *a, const char *b) {
+    char line[600];
+    uint32_t n = 0;
+    for (const char *p = a; *p && n < sizeof line; p++) line[n++] = *p;
+    for (const char *p = b; p && *p && n < sizeof line; p++) line[n++] = *p;
+    floe_log(line, (int32_t)n);
+}
+
+static int set_up(void) {
+    if (!vocab_build(&vocab) || !cache_init(&cache, &vocab)) return 0;
+    exact.bits = floe_alloc((size_t)vocab.words * 4);
+    logits_target = floe_alloc((size_t)vocab.vocab * sizeof(float));
+    cache_clear(&cache);
+    return exact.bits && logits_target;
+}
+
+/* The header, if any: 0 none (text unchanged), 1 plain JSON, 2 a schema at *spec, -1 malformed. */
+static int read_header(const char **text, int32_t *len, const char **spec, uint32_t *spec_len) {
+    const char *t = *text, *end = t + *len;
+    if (*len < 1 || t[0] != 0) return 0;
+    static const char plain[] = "json\n", schema[] = "json-schema ";
+    if (end - t >= 6 && !mem_cmp(t + 1, plain, 5)) { *text += 6, *len -= 6; return 1; }
+    if (end - t < 13 || mem_cmp(t + 1, schema, 12)) return -1;
+    uint32_t n = 0;
+    const char *p = t + 13;
+    for (; p < end && *p >= '0' && *p <= '9' && n < 100000000; p++) n = n * 10 + (uint32_t)(*p - '0');
+    if (p == t + 13 || p >= end || *p != '\n' || (uint32_t)(end - p - 1) < n) return -1;
+    *spec = p + 1, *spec_len = n;
+    *text = p + 1 + n, *len = (int32_t)(end - *text);
+    return 2;
+}
+
+static int same_spec(const char *spec, uint32_t len) {
+    return active_ok && active_spec && active_spec_len == len && !mem_cmp(active_spec, spec, len);
+}
+
+/* Compiles the grammar a header asks for, unless it is the one in force; 0 or the message's status. */
+static int32_t use_grammar(int kind, const char *spec, uint32_t len) {
+    static char *spec_buffer;
+    static uint32_t spec_cap;
+    if (kind == 0 && active_ok) return 0;
+    if (kind == 2 && same_spec(spec, len)) return 0;
+    if (kind != 2 && active_ok && !active_spec) return 0;
+    if (!grammar_compile(&candidate, kind == 2 ? spec : 0, kind == 2 ? len : 0)) {
+        log_parts("grammar: ", candidate.error);
+        return STATUS_SCHEMA;
+    }
+    if (kind == 2 && len > spec_cap) {
+        spec_buffer = floe_alloc(len);
+        if (!spec_buffer) return 2;
+        spec_cap = len;
+    }
+    active = candidate;
+    active_ok = 1;
+    active_spec = kind == 2 ? spec_buffer : 0;
+    active_spec_len = kind == 2 ? len : 0;
+    if (kind == 2) __builtin_memcpy(spec_buffer, spec, len);
+    cache_clear(&cache); /* masks of another grammar's states */
+    return 0;
+}
+
+static void advance(int32_t tok) {
+    const char *t = vocab.text + vocab.off[tok];
+    for (uint32_t i = 0; i < vocab.len[tok]; i++) {
+        cset_step(&active, &state, (unsigned char)t[i], &next_state);
+        state = next_state; /* a struct copy of CSET_CAP bytes: a few per token */
+    }
+}
+
+static void apply_mask(const token_mask *m) {
+    const float minus_inf = -__builtin_inff();
+    for (int32_t w = 0; w < vocab.words; w++) {
+        uint32_t bits = m->bits[w];
+        if (bits == 0xFFFFFFFFu) continue;
+        int32_t base = w * 32, end = base + 32 < vocab.vocab ? base + 32 : vocab.vocab;
+        for (int32_t id = base; id < end; id++)
+            if (!(bits >> (id - base) & 1)) logits_target[id] = minus_inf;
+    }
+}
+
+static int32_t argmax_allowed(const token_mask *m) {
+    int32_t best = -1;
+    float best_score = 0;
+    for (int32_t w = 0; w < vocab.words; w++)
+        for (uint32_t bits = m->bits[w]; bits; bits &= bits - 1) {
+            int32_t id = w * 32 + __builtin_ctz(bits);
+            float x = logits_target[id];
+            if (x == x && (best < 0 || x > best_score)) best = id, best_score = x;
+        }
+    return best;
+}
+
+static void log_turn(const char *what) {
+    char line[160];
+    int n = 0;
+    const char *parts[] = {"grammar: ", what, "; tokens ", 0, ", mask walks ", 0, ", cache hits ", 0,
+                           ", exact steps ", 0};
+    uint32_t values[] = {chosen, cache.walks, cache.hits, exact_steps};
+    for (int i = 0, v = 0; i < 10; i++) {
+        if (!parts[i]) { n += floe_itoa((int32_t)values[v++], line + n); continue; }
+        for (const char *p = parts[i]; *p; p++) line[n++] = *p;
+    }
+    floe_log(line, n);
+}
+
+/* The turn's rule (conversation.h's on_token calls it after every step). */
+static int32_t grammar_next(void) {
+    uint32_t left = req.max_tokens > chosen ? req.max_tokens - chosen : 1;
+    const token_mask *m = cache_mask(&cache, &active, &vocab, &state);
+    if (m->complete && !m->allowed) { log_turn("the value is complete"); return FLOE_STOP; }
+    if (m->max_need > left - 1) { /* near max_tokens: only tokens after which the value still fits */
+        mask_compute(&active, &vocab, &state, left - 1, &exact);
+        exact_steps++;
+        m = &exact;
+    }
+    if (!m->allowed && !m->complete) { log_turn("no token can continue the value"); return -10; }
+    apply_mask(m);
+    int32_t tok = req.temperature == 0.0f ? argmax_allowed(m) : floe_sample(0);
+    if (tok < 0) { log_turn("no token could be drawn from the masked logits"); return -11; }
+    if (is_eos(tok)) { log_turn("the value is complete (end of sequence)"); return tok; }
+    advance(tok);
+    chosen++;
+    return tok;
+}
+
+FLOE_EXPORT(on_message) int32_t on_message(const char *text, int32_t len) {
+    if (!ready && !(ready = set_up())) { floe_log_str("grammar: out of memory for the vocabulary"); return STATUS_VOCAB; }
+    const char *spec = 0;
+    uint32_t spec_len = 0;
+    int kind = read_header(&text, &len, &spec, &spec_len);
+    if (kind < 0) {
+        floe_log_str("grammar: a message starting with NUL must be \\0json\\n or \\0json-schema <bytes>\\n<schema>");
+        return STATUS_HEADER;
+    }
+    int32_t status = use_grammar(kind, spec, spec_len);
+    if (status) return status;
+    cset_start(&active, &state);
+    chosen = exact_steps = cache.walks = cache.hits = 0;
+    return conversation_turn(text, len, grammar_next, 0);
+}

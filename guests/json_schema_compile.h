@@ -1,0 +1,242 @@
+/* The JSON Schema compiler proper (included by json_schema.h): one schema object into nodes. */
+#ifndef JSON_SCHEMA_COMPILE_H
+#define JSON_SCHEMA_COMPILE_H
+
+/* Keywords that change nothing the grammar must enforce (annotations and containers of definitions),
+ * then those it implements. Anything else is refused by name. */
+static const char *const KEYWORDS_KNOWN[] = {
+    "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+    "readOnly", "writeOnly", "$defs", "definitions", "additionalProperties",
+    "type", "properties", "required", "items", "minItems", "maxItems", "enum", "const", "anyOf", "$ref",
+    "minLength", "maxLength", 0,
+};
+
+static int g_schema(grammar *g, const json_value *v, char *path, uint32_t plen, int depth);
+
+static int key_is(const json_value *key, const char *word) {
+    size_t n = floe_strlen(word);
+    return key->n == n && !mem_cmp(key->text, word, n);
+}
+
+static uint32_t g_path(char *path, uint32_t plen, const char *a, const char *b, uint32_t blen) {
+    while (*a && plen < 250) path[plen++] = *a++;
+    for (uint32_t i = 0; i < blen && plen < 250; i++) path[plen++] = b[i];
+    path[plen] = 0;
+    return plen;
+}
+
+static int g_refuse(grammar *g, const char *what, const json_value *key, const char *path) {
+    char name[64];
+    uint32_t n = key ? (key->n < 60 ? key->n : 60) : 0;
+    if (key) __builtin_memcpy(name, key->text, n);
+    name[n] = 0;
+    g_error(g, what, name, "' at ");
+    uint32_t len = (uint32_t)floe_strlen(g->error);
+    for (const char *p = path; *p && len + 1 < sizeof g->error; p++) g->error[len++] = *p;
+    g->error[len] = 0;
+    return -1;
+}
+
+static int g_check_keywords(grammar *g, const json_value *v, const char *path) {
+    for (uint32_t i = 0; i < v->n; i++) {
+        const char *const *k = KEYWORDS_KNOWN;
+        while (*k && !key_is(&v->keys[i], *k)) k++;
+        if (!*k) return g_refuse(g, "unsupported JSON Schema keyword '", &v->keys[i], path);
+    }
+    return 0;
+}
+
+static uint32_t g_count(const json_value *v, uint32_t otherwise) {
+    if (!v || v->type != JV_NUMBER) return otherwise;
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < v->n && v->text[i] >= '0' && v->text[i] <= '9'; i++)
+        n = n * 10 + (uint32_t)(v->text[i] - '0') > 0xFFFE ? 0xFFFE : n * 10 + (uint32_t)(v->text[i] - '0');
+    return n;
+}
+
+static void g_memo(grammar *g, const json_value *v, int node) {
+    if (g->n_memo % 64 == 0) {
+        const json_value **of = floe_alloc((g->n_memo + 64) * sizeof *of);
+        uint32_t *nodes = floe_alloc((g->n_memo + 64) * sizeof *nodes);
+        if (!of || !nodes) return; /* no memo: a recursive schema then fails on depth, not silently */
+        __builtin_memcpy(of, g->memo_of, g->n_memo * sizeof *of);
+        __builtin_memcpy(nodes, g->memo_node, g->n_memo * sizeof *nodes);
+        g->memo_of = of, g->memo_node = nodes;
+    }
+    g->memo_of[g->n_memo] = v;
+    g->memo_node[g->n_memo++] = (uint32_t)node;
+}
+
+/* "#", "#/$defs/Name", any JSON pointer into the schema document. */
+static const json_value *g_resolve(grammar *g, const json_value *ref) {
+    if (ref->type != JV_STRING || !ref->n || ref->text[0] != '#') return 0;
+    const json_value *at = g->doc;
+    uint32_t i = 1;
+    while (at && i < ref->n) {
+        if (ref->text[i++] != '/') return 0;
+        char seg[128];
+        uint32_t n = 0;
+        for (; i < ref->n && ref->text[i] != '/' && n < sizeof seg - 1; i++) {
+            char c = ref->text[i];
+            if (c == '~' && i + 1 < ref->n) c = ref->text[++i] == '1' ? '/' : '~';
+            seg[n++] = c;
+        }
+        seg[n] = 0;
+        at = json_get(at, seg);
+    }
+    return at;
+}
+
+static int type_matches(const json_value *value, const json_value *type) {
+    if (!type || type->type != JV_STRING) return 1;
+    static const char *const names[] = {"null", "boolean", "boolean", "number", "string", "array", "object"};
+    if (key_is(type, "integer")) {
+        if (value->type != JV_NUMBER) return 0;
+        for (uint32_t i = 0; i < value->n; i++) if (value->text[i] == '.' || value->text[i] == 'e' || value->text[i] == 'E') return 0;
+        return 1;
+    }
+    return key_is(type, names[value->type]);
+}
+
+static int g_enum(grammar *g, const json_value *v, const json_value *type) {
+    const json_value *e = json_get(v, "enum"), *c = json_get(v, "const");
+    if (c) return g_literals(g, c, type_matches(c, type));
+    if (e->type != JV_ARRAY) { g_error(g, "'enum' must be an array", 0, 0); return -1; }
+    json_value *kept = floe_alloc((e->n ? e->n : 1) * sizeof *kept);
+    uint32_t n = 0;
+    for (uint32_t i = 0; kept && i < e->n; i++) if (type_matches(&e->items[i], type)) kept[n++] = e->items[i];
+    return kept ? g_literals(g, kept, n) : -1;
+}
+
+static int g_object(grammar *g, const json_value *v, char *path, uint32_t plen, int depth) {
+    const json_value *props = json_get(v, "properties"), *req = json_get(v, "required");
+    const json_value *extra = json_get(v, "additionalProperties");
+    if (!props && !req && !(extra && extra->type == JV_FALSE)) return NODE_ANY_OBJECT;
+    if ((props && props->type != JV_OBJECT) || (req && req->type != JV_ARRAY)) {
+        g_error(g, "'properties' must be an object and 'required' an array at ", path, 0);
+        return -1;
+    }
+    uint32_t np = props ? props->n : 0, nr = req ? req->n : 0, n = np;
+    const json_value **names = floe_alloc((np + nr + 1) * sizeof *names);
+    if (!names) return -1;
+    for (uint32_t i = 0; i < np; i++) names[i] = &props->keys[i];
+    for (uint32_t r = 0; r < nr; r++) { /* a required name without a schema: any value */
+        uint32_t i = 0;
+        while (i < n && (names[i]->n != req->items[r].n || mem_cmp(names[i]->text, req->items[r].text, names[i]->n))) i++;
+        if (req->items[r].type != JV_STRING) { g_error(g, "'required' lists a non-string at ", path, 0); return -1; }
+        if (i == n) names[n++] = &req->items[r];
+    }
+    int node = g_node(g, SN_OBJECT);
+    if (node < 0 || !g_alloc_kids(g, node, n, 1)) return -1;
+    g_memo(g, v, node);
+    for (uint32_t i = 0; i < n; i++) {
+        schema_node *s = &g->nodes[node];
+        s->texts[i] = g_text(names[i], &s->lens[i]);
+        for (uint32_t r = 0; r < nr; r++)
+            if (req->items[r].n == names[i]->n && !mem_cmp(req->items[r].text, names[i]->text, names[i]->n))
+                s->required[i] = 1;
+        int kid = NODE_ANY;
+        if (i < np) {
+            uint32_t at = g_path(path, plen, "/properties/", names[i]->text, names[i]->n);
+            kid = g_schema(g, &props->items[i], path, at, depth + 1);
+            path[plen] = 0;
+        }
+        if (kid < 0) return -1;
+        g->nodes[node].kids[i] = (uint16_t)kid;
+    }
+    return node;
+}
+
+static int g_array(grammar *g, const json_value *v, char *path, uint32_t plen, int depth) {
+    const json_value *items = json_get(v, "items");
+    if (items && items->type == JV_ARRAY) {
+        json_value key = {JV_STRING, 14, "items (a list)", 0, 0};
+        return g_refuse(g, "unsupported JSON Schema keyword '", &key, path);
+    }
+    int node = g_node(g, SN_ARRAY);
+    if (node < 0 || !g_alloc_kids(g, node, 1, 0)) return -1;
+    g_memo(g, v, node);
+    g->nodes[node].min = g_count(json_get(v, "minItems"), 0);
+    g->nodes[node].max = g_count(json_get(v, "maxItems"), SN_UNBOUNDED);
+    int kid = NODE_ANY;
+    if (items) {
+        kid = g_schema(g, items, path, g_path(path, plen, "/items", 0, 0), depth + 1);
+        path[plen] = 0;
+    }
+    if (kid < 0) return -1;
+    g->nodes[node].kids[0] = (uint16_t)kid;
+    g->nodes[node].n = 1;
+    if (g->nodes[node].min > g->nodes[node].max) { g_error(g, "minItems > maxItems at ", path, 0); return -1; }
+    return node;
+}
+
+/* One schema object under one type name. */
+static int g_typed(grammar *g, const json_value *v, const json_value *type, char *path, uint32_t plen, int depth) {
+    if (json_get(v, "enum") || json_get(v, "const")) return g_enum(g, v, type);
+    if (!type) {
+        if (json_get(v, "properties") || json_get(v, "required")) return g_object(g, v, path, plen, depth);
+        if (json_get(v, "items") || json_get(v, "minItems") || json_get(v, "maxItems")) return g_array(g, v, path, plen, depth);
+        if (!json_get(v, "minLength") && !json_get(v, "maxLength")) return NODE_ANY;
+    }
+    if (!type || key_is(type, "string")) {
+        if (!json_get(v, "minLength") && !json_get(v, "maxLength")) return NODE_ANY_STRING;
+        int node = g_node(g, SN_STRING);
+        if (node < 0) return -1;
+        g->nodes[node].min = g_count(json_get(v, "minLength"), 0);
+        g->nodes[node].max = g_count(json_get(v, "maxLength"), SN_UNBOUNDED);
+        if (g->nodes[node].min > g->nodes[node].max) { g_error(g, "minLength > maxLength at ", path, 0); return -1; }
+        return node;
+    }
+    if (key_is(type, "object")) return g_object(g, v, path, plen, depth);
+    if (key_is(type, "array")) return g_array(g, v, path, plen, depth);
+    if (key_is(type, "number")) return NODE_ANY_NUMBER;
+    if (key_is(type, "integer")) return g_node(g, SN_INTEGER);
+    if (key_is(type, "boolean") || key_is(type, "null")) {
+        static const char *const words[] = {"false", "true"}, *const null_word[] = {"null"};
+        return key_is(type, "null") ? g_words(g, null_word, 1) : g_words(g, words, 2);
+    }
+    return g_refuse(g, "unsupported JSON Schema type '", type, path);
+}
+
+/* A choice: anyOf's schemas, or one schema under each name of a type list. */
+static int g_choice(grammar *g, const json_value *v, const json_value *list, int is_types, char *path,
+                    uint32_t plen, int depth) {
+    if (list->type != JV_ARRAY || !list->n) { g_error(g, "'anyOf' and a type list must be non-empty arrays at ", path, 0); return -1; }
+    int node = g_node(g, SN_ANYOF);
+    if (node < 0 || !g_alloc_kids(g, node, list->n, 0)) return -1;
+    g_memo(g, v, node);
+    for (uint32_t i = 0; i < list->n; i++) {
+        char digit[12];
+        uint32_t at = g_path(path, plen, "/anyOf/", digit, (uint32_t)floe_itoa((int32_t)i, digit));
+        if (is_types && list->items[i].type != JV_STRING) { g_error(g, "a type list of non-strings at ", path, 0); return -1; }
+        int kid = is_types ? g_typed(g, v, &list->items[i], path, plen, depth)
+                           : g_schema(g, &list->items[i], path, at, depth + 1);
+        path[plen] = 0;
+        if (kid < 0) return -1;
+        g->nodes[node].kids[i] = (uint16_t)kid;
+    }
+    return node;
+}
+
+static int g_schema(grammar *g, const json_value *v, char *path, uint32_t plen, int depth) {
+    if (depth > 64) { g_error(g, "the schema nests (or refers) deeper than 64 at ", path, 0); return -1; }
+    if (v->type == JV_TRUE) return NODE_ANY;
+    if (v->type != JV_OBJECT) { g_error(g, "a schema must be an object or true at ", path, 0); return -1; }
+    for (uint32_t i = 0; i < g->n_memo; i++) if (g->memo_of[i] == v) return (int)g->memo_node[i];
+    if (g_check_keywords(g, v, path)) return -1;
+    const json_value *ref = json_get(v, "$ref"), *any = json_get(v, "anyOf"), *type = json_get(v, "type");
+    if (ref) {
+        const json_value *target = g_resolve(g, ref);
+        if (!target) { g_error(g, "a $ref this guest cannot resolve (only '#...' pointers) at ", path, 0); return -1; }
+        uint32_t at = g_path(path, plen, " -> ", ref->text, ref->n);
+        int node = g_schema(g, target, path, at, depth + 1);
+        path[plen] = 0;
+        return node;
+    }
+    if (any) return g_choice(g, v, any, 0, path, plen, depth);
+    if (type && type->type == JV_ARRAY) return g_choice(g, v, type, 1, path, plen, depth);
+    if (type && type->type != JV_STRING) { g_error(g, "'type' must be a string or a list at ", path, 0); return -1; }
+    return g_typed(g, v, type, path, plen, depth);
+}
+
+#endif
