@@ -3,6 +3,7 @@ escapes into Wasmtime through floe's ctypes callbacks (where it would abort or c
 
 Every case runs in a fresh interpreter (isolated.py): its failure mode is a crash."""
 
+import pytest
 from isolated import run_isolated
 
 RECURSES = '(func $r (param i32) (result i32) (i32.add (call $r (local.get 0)) (call $vocab_size)))'
@@ -67,3 +68,69 @@ def test_a_guest_call_on_a_thread_too_small_for_it_is_refused_with_a_clear_error
         actor.close()
     """)
     assert out.count("refused:") == 2 and "256 KiB native stack" in out and "ran" not in out, out
+
+
+def test_ctrl_c_while_a_guest_runs_on_the_main_thread_raises_keyboard_interrupt_promptly():
+    # Python runs a signal handler at the next bytecode boundary: the first line of a ctypes callback (an
+    # epoch tick, a host function, the memory creator's get_memory), before its try. There the
+    # KeyboardInterrupt escaped into Wasmtime: printed as unraisable, the callback's answer garbage,
+    # and the guest ran on to its deadline.
+    out = run_isolated("""
+        import os, signal, sys, threading
+        import wasmtime
+        from guests_wat import INFINITE_LOOP, calls_host, guest
+        from models import tiny_engine
+        from floe.actor import Actor
+        from floe.wasm import GuestError
+        sys.unraisablehook = lambda u: print("UNRAISABLE", u.exc_type.__name__, u.object)
+        engine = tiny_engine(n_slots=2)
+        spins_v2 = wasmtime.wat2wasm('''(module (memory (export "memory") 2)
+          (func (export "floe_abi_version") (result i32) (i32.const 2))
+          (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+          (func (export "on_message") (param i32 i32) (result i32) (loop $l (br $l)) (i32.const 0))
+          (func (export "on_token") (result i32) (i32.const -1)))''')
+        guests = {
+            "guest code": INFINITE_LOOP,
+            "host calls": calls_host("(loop $l (drop (call $kv_len)) (br $l)) (i32.const 0)"),
+            "memory.grow": guest("(loop $l (drop (memory.grow (i32.const 0))) (br $l)) (i32.const 0)"),
+            "v2 on_message": spins_v2,
+        }
+        for name, wasm in guests.items():
+            with Actor(engine, wasm, deadline_s=3) as actor:
+                threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+                try:
+                    actor.send("x")
+                    print(name, "finished")
+                except KeyboardInterrupt:
+                    print(name, "KeyboardInterrupt")
+                except GuestError as e:
+                    print(name, type(e).__name__)
+        spins_at_start = guest("(i32.const 0)", extra="(func $s (loop $f (br $f))) (start $s)")
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        try:
+            Actor(engine, spins_at_start, deadline_s=3)
+        except KeyboardInterrupt:
+            print("start function KeyboardInterrupt")
+        with Actor(engine) as actor:
+            print("next", actor.send("Hi", max_tokens=3).stats.generated_tokens)
+    """)
+    assert out.count("KeyboardInterrupt") == 5 and "UNRAISABLE" not in out and "next 3" in out, out
+
+
+def test_a_host_callback_error_that_cannot_be_described_is_still_a_host_call_error(tiny_engine):
+    from guests_wat import EMITS_OK
+
+    from floe.actor import Actor
+    from floe.wasm import GuestHostCallError
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no message")
+
+    def on_text(text):
+        raise Unprintable
+
+    with Actor(tiny_engine, EMITS_OK) as actor:
+        with pytest.raises(GuestHostCallError, match="Unprintable"):
+            actor.send("x", on_text=on_text)
+        assert actor.send("x").text == "ok"

@@ -39,7 +39,7 @@ from floe.wasm import (
     GuestPointerError,
     HostFunction,
 )
-from floe.wasm.raw import trap_new
+from floe.wasm.raw import describe, signals, trap_new
 
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
@@ -84,6 +84,7 @@ class HostBudget:
         self.spent = 0
 
     def check_time(self, call: str) -> None:
+        signals.deliver()  # a Ctrl-C that came during guest code: raised here, in the host call's try
         reason = self.watchdog.expired()
         if reason == "deadline":
             raise GuestDeadlineExceeded(f"the message ran past its deadline (in host call {call})")
@@ -201,10 +202,9 @@ class HostABI:
                 if isinstance(e, (GuestError, KeyboardInterrupt, SystemExit)):
                     actor.pending_error = e
                 else:
-                    actor.pending_error = GuestHostCallError(
-                        f"host function {name} failed: {type(e).__name__}: {e}")
+                    actor.pending_error = GuestHostCallError(f"host function {name} failed: {describe(e)}")
                     actor.pending_error.__cause__ = e
-                return trap_new(str(actor.pending_error))
+                return trap_new(describe(actor.pending_error))
 
         return call
 

@@ -12,12 +12,16 @@
 - The calling thread's native stack size (pthread_getattr_np): guest code runs on it, and Wasmtime
   cannot tell how big it is.
 
-A Python exception escaping a ctypes callback would abort the process, so every callback here
-catches everything and answers Wasmtime with an error or a trap.
+A Python exception escaping a ctypes callback is printed and the callback returns garbage (a bad
+pointer, a lost error), so every callback here catches everything and answers Wasmtime with an error or
+a trap — and, since a callback's first line comes before its `try`, Python's signal handlers (Ctrl-C's
+KeyboardInterrupt) are deferred while floe calls into Wasmtime on the main thread (`SignalDeferral`).
 """
 
 from __future__ import annotations
 
+import _signal  # signal's own functions wrap these in enums: 70x slower, and this runs per guest call
+import collections
 import ctypes
 import ctypes.util
 import threading
@@ -58,6 +62,75 @@ def trap_new(message: str) -> int:
 
 def error_new(message: str) -> int:
     return _dll.wasmtime_error_new(message.encode())
+
+
+def describe(e: BaseException) -> str:
+    """`Type: message` of an exception, even one whose __str__ raises (inside a callback's except)."""
+    try:
+        return f"{type(e).__name__}: {e}"
+    except BaseException:  # noqa: BLE001 - whatever its __str__ does, the callback must answer
+        return type(e).__name__
+
+
+# ---- signals while floe is inside Wasmtime on the main thread ------------------------------------
+
+class SignalDeferral:
+    """Python runs signal handlers in the main thread at the next bytecode boundary: while a guest runs
+    there, the first line of one of the callbacks below, before its `try`. An exception a handler
+    raises there (KeyboardInterrupt) escapes into Wasmtime: printed, lost, and the callback's answer is
+    garbage. So while floe is inside Wasmtime on the main thread, each Python handler is replaced by
+    one that only records the signal; the real handlers run at the guest's next epoch tick or host
+    call (inside the callback's `try`: what they raise stops the guest and is re-raised by the call),
+    else when floe leaves Wasmtime."""
+
+    def __init__(self) -> None:
+        self.main = threading.main_thread().ident
+        self._depth = 0
+        self._handlers: dict[int, object] = {}
+        self._pending: collections.deque[tuple[int, object]] = collections.deque()
+        self._record = self._recorder  # one bound method, installed and recognised as ours
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Within the block (on the main thread; elsewhere a no-op), Python signal handlers are deferred."""
+        if threading.get_ident() != self.main:
+            yield
+            return
+        if self._depth == 0:
+            for signum in range(1, _signal.NSIG):
+                handler = _signal.getsignal(signum)
+                if callable(handler) and handler is not self._record:
+                    self._handlers[signum] = handler
+                    _signal.signal(signum, self._record)
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                handlers, self._handlers = self._handlers, {}
+                for signum, handler in handlers.items():
+                    _signal.signal(signum, handler)
+                self._deliver(handlers)
+
+    def deliver(self) -> None:
+        """Run the handlers of the signals recorded so far (what they raise propagates); call it where an
+        exception is caught: inside a callback's `try`. A no-op off the main thread."""
+        if self._pending and threading.get_ident() == self.main:
+            self._deliver(self._handlers)
+
+    def _deliver(self, handlers: dict) -> None:
+        while self._pending:
+            signum, frame = self._pending.popleft()
+            handler = handlers.get(signum)
+            if callable(handler):
+                handler(signum, frame)
+
+    def _recorder(self, signum: int, frame) -> None:
+        self._pending.append((signum, frame))
+
+
+signals = SignalDeferral()
 
 
 # ---- host memory creator -------------------------------------------------------------------------
@@ -120,7 +193,7 @@ class MemoryCreator:
             created.append(region)
             return 0
         except BaseException as e:  # noqa: BLE001 - must not escape into Wasmtime
-            return error_new(f"floe could not create guest memory: {e}")
+            return error_new(f"floe could not create guest memory: {describe(e)}")
 
     def _on_get_memory(self, env, byte_size, max_byte_size) -> int:
         try:
@@ -138,7 +211,7 @@ class MemoryCreator:
             self._regions[env].grow(new_size)
             return 0
         except BaseException as e:  # noqa: BLE001
-            return error_new(f"guest memory cannot grow to {new_size} bytes: {e}")
+            return error_new(f"guest memory cannot grow to {new_size} bytes: {describe(e)}")
 
     def _on_finalize_memory(self, env) -> None:
         try:
@@ -159,6 +232,7 @@ class HostFunctions:
         self._table: dict[int, Callable[[RawArgs], int]] = {}
         self._next = 1
         self._lock = threading.Lock()
+        self._failed = threading.local()
         self._trampoline = _UNCHECKED(self._call)
         self._finalize = _FINALIZER(self._forget)
         self._finalize_ptr = ctypes.cast(self._finalize, ctypes.c_void_p)
@@ -183,7 +257,13 @@ class HostFunctions:
         try:
             return self._table[env](raw)
         except BaseException as e:  # noqa: BLE001 - must not escape into Wasmtime
-            return trap_new(f"host function failed: {type(e).__name__}: {e}")
+            self._failed.error = e
+            return trap_new(f"host function failed: {describe(e)}")
+
+    def take_failure(self) -> BaseException | None:
+        """What escaped a host function (not kept by it for its caller) in this thread's last call."""
+        error, self._failed.error = getattr(self._failed, "error", None), None
+        return error
 
     def _forget(self, env) -> None:
         with self._lock:
@@ -316,6 +396,7 @@ class Watchdog:
 
     def _on_tick(self, context, data, delta, kind) -> int:
         try:
+            signals.deliver()  # Ctrl-C arrives here while guest code runs on the main thread
             reason = self.expired()
             if reason is None:
                 delta[0] = 1
@@ -323,12 +404,9 @@ class Watchdog:
                 return 0
             self.reason = reason
             return error_new(f"floe stopped the guest: {reason}")
-        except (KeyboardInterrupt, SystemExit) as e:  # Python delivers Ctrl-C here while wasm runs
+        except BaseException as e:  # noqa: BLE001 - a signal handler's (Ctrl-C): re-raised by the call
             self.interrupt, self.reason = e, "interrupted"
-            return error_new("floe stopped the guest: interrupted")
-        except BaseException as e:  # noqa: BLE001 - must not escape into Wasmtime
-            self.reason = "watchdog"
-            return error_new(f"floe's guest watchdog failed: {e}")
+            return error_new(f"floe stopped the guest: interrupted ({describe(e)})")
 
 
 # ---- the calling thread's native stack -------------------------------------------------------------

@@ -26,9 +26,11 @@ from floe.wasm.raw import (
     RawCallError,
     Watchdog,
     call_i32,
+    describe,
     global_bits,
     global_kind,
     set_global_bits,
+    signals,
     thread_stack_bytes,
 )
 
@@ -265,18 +267,18 @@ class GuestInstance:
                                                                                          f.n_results), f.fn)
         check_thread_stack()  # the start function runs here
         self.watchdog.arm(deadline_s)
-        with runtime.memory_creator.creating(memory_cap) as created:
+        with runtime.memory_creator.creating(memory_cap) as created, signals.held():
             try:
                 self.instance: Instance = linker.instantiate(self.store, module.module)
             except (Trap, WasmtimeError) as e:
                 if self.watchdog.interrupt is not None:
                     raise self.watchdog.interrupt from None
                 raise self._instantiate_error(e, created, deadline_s) from None
-        self.exports = self.instance.exports(self.store)
-        memory = self.exports.get("memory")
-        # Wasmtime may make other memories through the creator too (a GC heap for reference types):
-        # the guest's is the one at the exported memory's address.
-        base = _address(memory, self.store) if isinstance(memory, wasmtime.Memory) else None
+            self.exports = self.instance.exports(self.store)
+            memory = self.exports.get("memory")
+            # Wasmtime may make other memories through the creator too (a GC heap for reference types):
+            # the guest's is the one at the exported memory's address.
+            base = _address(memory, self.store) if isinstance(memory, wasmtime.Memory) else None
         regions = [r for r in created if r.base == base]
         if len(regions) != 1:
             raise GuestLoadError(f"{module.name} must define and export exactly one memory, named 'memory'")
@@ -324,11 +326,18 @@ class GuestInstance:
         self.region.denied_size = 0
         self.watchdog.arm(deadline_s)
         try:
-            return call_i32(self.store, func, args)
+            if threading.get_ident() != signals.main:
+                return call_i32(self.store, func, args)
+            with signals.held():
+                return call_i32(self.store, func, args)
         except RawCallError as e:
             host_error = pending() or self.watchdog.interrupt
             if host_error is not None:
                 raise host_error from None
+            escaped = self.module.runtime.host_functions.take_failure()
+            if escaped is not None:  # a host function failed without saying how (its own error handling did)
+                raise GuestHostCallError(f"guest {self.module.name}: a host function it called failed: "
+                                         f"{describe(escaped)}") from escaped
             raise self._call_error(name, e, deadline_s) from None
 
     def _call_error(self, name: str, e: RawCallError, deadline_s: float) -> GuestError:
@@ -393,7 +402,8 @@ class GuestInstance:
             raise GuestLoadError(f"saved memory holds {np.asarray(data).nbytes} bytes for {len(index)} pages")
         grow_pages = (size - self.region.size) // 65536
         if grow_pages:
-            self.memory.grow(self.store, grow_pages)
+            with signals.held():  # Wasmtime calls the memory creator back
+                self.memory.grow(self.store, grow_pages)
         self.region.zero()
         words = self.region.numpy(0, size // 8, np.uint64).reshape(-1, page // 8)
         words[index] = np.asarray(data).view(np.uint64).reshape(len(index), page // 8)
@@ -401,13 +411,15 @@ class GuestInstance:
     @property
     def memory_base(self) -> int:
         """The guest memory's base address as Wasmtime reports it."""
-        return _address(self.memory, self.store)
+        with signals.held():  # Wasmtime asks the memory creator
+            return _address(self.memory, self.store)
 
     def close(self) -> None:
         self.region.close()
-        self.exports = None  # type: ignore[assignment]
-        self.instance = None  # type: ignore[assignment]
-        self.store = None  # type: ignore[assignment]
+        with signals.held():  # dropping the store calls the memory and host-function finalizers
+            self.exports = None  # type: ignore[assignment]
+            self.instance = None  # type: ignore[assignment]
+            self.store = None  # type: ignore[assignment]
 
 
 def _address(memory: wasmtime.Memory, store: Store) -> int:
