@@ -4,6 +4,7 @@
  * A message may begin with a header that sets the grammar for it and for the messages after it:
  *     "\0json-schema <N>\n" then N bytes of JSON Schema, then the user's text
  *     "\0json\n" then the user's text (plain JSON mode; also the mode before any header)
+ * either with " new" before its "\n": the conversation starts again with this message.
  * A schema the guest cannot compile fails the message: status 21 and a log line naming the keyword.
  *
  * Each step (on_token): the state's mask (cached, see vocab_index.h) is applied to the logits the
@@ -47,20 +48,26 @@ static int set_up(void) {
     return exact.bits && logits_target;
 }
 
-/* The header, if any: 0 none (text unchanged), 1 plain JSON, 2 a schema at *spec, -1 malformed. */
-static int read_header(const char **text, int32_t *len, const char **spec, uint32_t *spec_len) {
-    const char *t = *text, *end = t + *len;
+/* The header, if any: 0 none (text unchanged), 1 plain JSON, 2 a schema at *spec, -1 malformed;
+ * *fresh: the header ends with " new" (the conversation starts again with this message). */
+static int read_header(const char **text, int32_t *len, const char **spec, uint32_t *spec_len, int *fresh) {
+    const char *t = *text, *end = t + *len, *p = t + 5;
+    *fresh = 0;
     if (*len < 1 || t[0] != 0) return 0;
-    static const char plain[] = "json\n", schema[] = "json-schema ";
-    if (end - t >= 6 && !mem_cmp(t + 1, plain, 5)) { *text += 6, *len -= 6; return 1; }
-    if (end - t < 13 || mem_cmp(t + 1, schema, 12)) return -1;
+    if (end - t < 6 || mem_cmp(t + 1, "json", 4)) return -1;
+    int kind = 1;
     uint32_t n = 0;
-    const char *p = t + 13;
-    for (; p < end && *p >= '0' && *p <= '9' && n < 100000000; p++) n = n * 10 + (uint32_t)(*p - '0');
-    if (p == t + 13 || p >= end || *p != '\n' || (uint32_t)(end - p - 1) < n) return -1;
+    if (end - p >= 8 && !mem_cmp(p, "-schema ", 8)) {
+        const char *digits = p += 8;
+        for (; p < end && *p >= '0' && *p <= '9' && n < 100000000; p++) n = n * 10 + (uint32_t)(*p - '0');
+        if (p == digits) return -1;
+        kind = 2;
+    }
+    if (end - p >= 4 && !mem_cmp(p, " new", 4)) *fresh = 1, p += 4;
+    if (p >= end || *p != '\n' || (uint32_t)(end - p - 1) < n) return -1;
     *spec = p + 1, *spec_len = n;
     *text = p + 1 + n, *len = (int32_t)(end - *text);
-    return 2;
+    return kind;
 }
 
 static int same_spec(const char *spec, uint32_t len) {
@@ -160,13 +167,16 @@ FLOE_EXPORT(on_message) int32_t on_message(const char *text, int32_t len) {
     if (!ready && !(ready = set_up())) { floe_log_str("grammar: out of memory for the vocabulary"); return STATUS_VOCAB; }
     const char *spec = 0;
     uint32_t spec_len = 0;
-    int kind = read_header(&text, &len, &spec, &spec_len);
+    int fresh;
+    int kind = read_header(&text, &len, &spec, &spec_len, &fresh);
     if (kind < 0) {
-        floe_log_str("grammar: a message starting with NUL must be \\0json\\n or \\0json-schema <bytes>\\n<schema>");
+        floe_log_str("grammar: a message starting with NUL must be \\0json[ new]\\n or "
+                     "\\0json-schema <bytes>[ new]\\n<schema>");
         return STATUS_HEADER;
     }
     int32_t status = use_grammar(kind, spec, spec_len);
     if (status) return status;
+    if (fresh) n_messages = 0; /* the KV cache keeps what it holds: a shared prefix is not prefilled again */
     cset_start(&active, &state);
     chosen = exact_steps = cache.walks = cache.hits = 0;
     return conversation_turn(text, len, grammar_next, 0);

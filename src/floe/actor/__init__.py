@@ -11,8 +11,10 @@ from floe.actor.actor import (
     Request,
     builtin_guest,
 )
+from floe.actor.grammar import IncompleteJSON, SchemaUnsupported, StructuredReply, grammar_actor, send_json
 from floe.actor.loop import EngineLoop
 from floe.actor.scheduler import DecodeScheduler
 
 __all__ = ["ABI_VERSION", "Actor", "ActorClosed", "ActorReentrantCall", "ActorState", "DecodeScheduler",
-           "EngineLoop", "MessageStats", "Reply", "Request", "SUPPORTED_ABI_VERSIONS", "builtin_guest"]
+           "EngineLoop", "IncompleteJSON", "MessageStats", "Reply", "Request", "SUPPORTED_ABI_VERSIONS",
+           "SchemaUnsupported", "StructuredReply", "builtin_guest", "grammar_actor", "send_json"]

@@ -1,0 +1,92 @@
+"""Structured output: one message answered by the grammar guest as a JSON value its schema accepts.
+
+The schema travels in the message itself (docs/GUESTS.md): a header `\\0json-schema <N>\\n` and N bytes of
+JSON Schema before the user's text (`\\0json\\n`: any JSON value). The guest compiles it, masks every
+step's logits in place and ends the turn when the value is whole; nothing of the grammar runs here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from floe.actor.actor import Actor, Reply, builtin_guest
+from floe.engine import Engine, SamplingParams
+from floe.errors import FloeError
+from floe.wasm import GuestError
+
+GRAMMAR_EXPORT = "floe_grammar_version"
+STATUS_SCHEMA = 21  # the guest could not compile the schema (its log line says why)
+
+
+class SchemaUnsupported(FloeError, ValueError):
+    """The grammar guest cannot compile this schema; the message names the keyword or the problem."""
+
+
+class IncompleteJSON(FloeError):
+    """A reply ended before its JSON value was whole (max_tokens below what the schema needs)."""
+
+
+@dataclass
+class StructuredReply:
+    value: Any  # the reply parsed with json.loads
+    reply: Reply
+
+    @property
+    def text(self) -> str:
+        return self.reply.text
+
+
+def schema_text(schema: dict | str | None) -> str | None:
+    """The schema as compact JSON text (None: plain JSON mode)."""
+    if schema is None or isinstance(schema, str):
+        return schema
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def grammar_message(message: str, schema: dict | str | None, *, instruct: bool = True,
+                    fresh: bool = False) -> str:
+    """The message the grammar guest reads: the header with the schema, then the user's text (with,
+    if `instruct`, a sentence showing the model the schema: the mask enforces it either way); `fresh`:
+    the guest forgets the conversation before this message."""
+    text = schema_text(schema)
+    if instruct:
+        message += ("\n\nAnswer in JSON." if text is None else
+                    f"\n\nAnswer with JSON that matches this JSON Schema:\n{text}")
+    new = " new" if fresh else ""
+    if text is None:
+        return f"\0json{new}\n{message}"
+    return f"\0json-schema {len(text.encode())}{new}\n{text}{message}"
+
+
+def grammar_actor(engine: Engine, **kwargs) -> Actor:
+    """An actor running the built-in grammar guest (Actor's keyword arguments)."""
+    return Actor(engine, builtin_guest("grammar"), **kwargs)
+
+
+def send_json(actor: Actor, message: str, schema: dict | str | None = None, *, instruct: bool = True,
+              fresh: bool = False, max_tokens: int = 512, params: SamplingParams | None = None,
+              on_text: Callable[[str], None] | None = None) -> StructuredReply:
+    """Send one message whose reply is a JSON value valid against `schema` (None: any JSON), after the
+    conversation so far (`fresh`: as its first message); the grammar stays in force for the actor's
+    plain send() calls until another is given."""
+    if not actor.guest.has_function(GRAMMAR_EXPORT):
+        raise FloeError(f"guest {actor.module.name} does not take a grammar: run the built-in one "
+                        "(floe.actor.grammar_actor(engine), or builtin_guest('grammar'))")
+    try:
+        text = grammar_message(message, schema, instruct=instruct, fresh=fresh)
+        reply = actor.send(text, max_tokens=max_tokens, params=params, on_text=on_text)
+    except GuestError as e:
+        status = re.search(r"reported error (-?\d+)", str(e))
+        if status and int(status.group(1)) == STATUS_SCHEMA and actor.logs:
+            raise SchemaUnsupported(actor.logs[-1].removeprefix("grammar: ")) from None
+        raise
+    try:
+        return StructuredReply(json.loads(reply.text), reply)
+    except json.JSONDecodeError as e:
+        raise IncompleteJSON(f"the reply is not a whole JSON value ({e.msg} at byte {e.pos}; finish "
+                             f"reason {reply.stats.finish_reason!r}): raise max_tokens above "
+                             f"{max_tokens}") from None

@@ -1,0 +1,193 @@
+"""Structured output: the grammar guest's replies parse and validate against their JSON Schema, with the
+default model (greedy and sampled) and with a random tiny model whose logits favour nothing."""
+
+import json
+
+import pytest
+
+from floe.actor import IncompleteJSON, SchemaUnsupported, grammar_actor, send_json
+from floe.engine import Engine, SamplingParams
+
+PERSON = {  # nested objects
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "integer"}},
+                    "required": ["city", "zip"]},
+    },
+    "required": ["name", "address"],
+}
+SHOPPING = {  # arrays
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 4},
+                   "prices": {"type": "array", "items": {"type": "number"}, "maxItems": 4}},
+    "required": ["items", "prices"],
+}
+ORDER = {  # enums, const, booleans, null
+    "type": "object",
+    "properties": {"size": {"enum": ["small", "medium", "large"]},
+                   "drink": {"type": "string", "enum": ["tea", "coffee"]}, "version": {"const": 2},
+                   "hot": {"type": "boolean"}, "note": {"type": "null"}},
+    "required": ["size", "drink", "version", "hot", "note"],
+}
+PROFILE = {  # optional fields, anyOf, type lists
+    "type": "object",
+    "properties": {"user": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                   "email": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                   "score": {"type": ["number", "null"]}},
+    "required": ["user"],
+    "additionalProperties": False,
+}
+TREE = {  # $defs and a recursive $ref
+    "$defs": {"node": {"type": "object",
+                       "properties": {"label": {"type": "string"},
+                                      "children": {"type": "array", "items": {"$ref": "#/$defs/node"},
+                                                   "maxItems": 2}},
+                       "required": ["label"]}},
+    "$ref": "#/$defs/node",
+}
+SCHEMAS = {"nested objects": PERSON, "arrays": SHOPPING, "enums": ORDER, "optional fields": PROFILE,
+           "$ref": TREE}
+PROMPTS = {"nested objects": "Describe a person and where they live.", "arrays": "Write a shopping list.",
+           "enums": "Order a drink.", "optional fields": "Make a user profile.", "$ref": "Draw a small tree."}
+
+
+def valid(value, schema, root=None) -> bool:
+    """Whether value satisfies schema, for the keywords the grammar guest implements (written out here:
+    the jsonschema package is not a dependency)."""
+    root = root or schema
+    if "$ref" in schema:
+        target = root
+        for part in schema["$ref"].removeprefix("#").strip("/").split("/"):
+            target = target[part] if part else target
+        return valid(value, target, root)
+    if "anyOf" in schema:
+        return any(valid(value, s, root) for s in schema["anyOf"])
+    if "const" in schema and value != schema["const"]:
+        return False
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    types = schema.get("type")
+    if isinstance(types, list):
+        return any(valid(value, {**schema, "type": t}, root) for t in types)
+    checks = {"object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
+              "string": lambda v: isinstance(v, str), "null": lambda v: v is None,
+              "boolean": lambda v: isinstance(v, bool),
+              "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if types and not checks[types](value):
+        return False
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        if any(k not in value for k in schema.get("required", [])):
+            return False
+        if schema.get("additionalProperties") is False and any(k not in props for k in value):
+            return False
+        return all(valid(v, props[k], root) for k, v in value.items() if k in props)
+    if isinstance(value, list):
+        if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)):
+            return False
+        return all(valid(v, schema.get("items", {}), root) for v in value)
+    if isinstance(value, str):
+        return schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value))
+    return True
+
+
+def test_the_validator_used_here_rejects_what_it_should():
+    assert valid({"name": "a", "address": {"city": "b", "zip": 1}}, PERSON)
+    assert not valid({"name": "a", "address": {"city": "b", "zip": "1"}}, PERSON)
+    assert not valid({"size": "huge", "drink": "tea", "version": 2, "hot": True, "note": None}, ORDER)
+    assert not valid({"user": "u", "extra": 1}, PROFILE)
+    assert not valid({"label": "a", "children": [{"children": []}]}, TREE)
+    assert valid({"label": "a", "children": [{"label": "b"}]}, TREE)
+
+
+@pytest.fixture(scope="module")
+def engine(default_checkpoint):
+    return Engine(default_checkpoint, max_seq_len=2048, n_slots=2)
+
+
+def replies(engine, name, n, params=None, seed=0):
+    """n replies to the schema's prompt, each in a fresh conversation of one actor (the guest keeps its
+    vocabulary and its masks across them)."""
+    values = []
+    with grammar_actor(engine, seed=seed) as actor:
+        for _ in range(n):
+            values.append(send_json(actor, PROMPTS[name], SCHEMAS[name], fresh=True, max_tokens=160,
+                                    params=params).value)
+    return values
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_greedy_and_sampled_replies_validate_against_their_schema(engine, name):
+    values = replies(engine, name, 1) + replies(engine, name, 2, SamplingParams(temperature=1.0), seed=3)
+    for value in values:
+        assert valid(value, SCHEMAS[name]), (name, value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_a_hundred_sampled_replies_of_a_hundred_validate(engine, name):
+    values = replies(engine, name, 100, SamplingParams(temperature=1.0, top_p=0.95), seed=100)
+    invalid = [v for v in values if not valid(v, SCHEMAS[name])]
+    assert len(values) == 100 and not invalid, invalid
+
+
+def test_plain_json_mode_answers_one_json_value(engine):
+    with grammar_actor(engine) as actor:
+        reply = send_json(actor, "List three colours.", None, max_tokens=64)
+    assert reply.value is not None or reply.text == "null"
+    assert json.loads(reply.text) == reply.value
+
+
+@pytest.mark.parametrize("keyword, schema", [
+    ("pattern", {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$"}}}),
+    ("minimum", {"type": "integer", "minimum": 3}),
+    ("oneOf", {"oneOf": [{"type": "string"}, {"type": "integer"}]}),
+])
+def test_a_schema_with_an_unsupported_keyword_is_refused_by_name(tiny_engine, keyword, schema):
+    with grammar_actor(tiny_engine) as actor:
+        with pytest.raises(SchemaUnsupported, match=f"unsupported JSON Schema keyword '{keyword}'"):
+            send_json(actor, "hi", schema, max_tokens=8)
+        assert valid(send_json(actor, "hi", {"type": "boolean"}, max_tokens=8).value, {"type": "boolean"})
+
+
+def test_a_schema_that_is_not_json_is_refused(tiny_engine):
+    with grammar_actor(tiny_engine) as actor:
+        with pytest.raises(SchemaUnsupported, match="not JSON"):
+            send_json(actor, "hi", '{"type": ', max_tokens=8)
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_masking_lets_no_invalid_token_through_whatever_the_logits(tiny_engine, name):
+    """A random model's logits favour no structure: only the mask makes these replies valid."""
+    with grammar_actor(tiny_engine, seed=5) as actor:
+        for _ in range(6):
+            reply = send_json(actor, "x", SCHEMAS[name], instruct=False, fresh=True, max_tokens=200,
+                              params=SamplingParams(temperature=1.5))
+            tokens = b"".join(tiny_engine.tokenizer.token_bytes(t) for t in reply.reply.stats.token_ids)
+            assert tokens.decode() == reply.text
+            assert valid(reply.value, SCHEMAS[name]), reply.text
+
+
+def test_a_reply_completes_within_a_tight_max_tokens(tiny_engine):
+    """Near max_tokens the guest allows only tokens after which the value can still be closed."""
+    with grammar_actor(tiny_engine, seed=9) as actor:
+        for max_tokens in (40, 48, 60):
+            reply = send_json(actor, "x", PERSON, instruct=False, fresh=True, max_tokens=max_tokens,
+                              params=SamplingParams(temperature=1.5))
+            assert valid(reply.value, PERSON) and reply.reply.stats.generated_tokens <= max_tokens
+
+
+def test_a_max_tokens_below_the_schema_minimum_is_reported(tiny_engine):
+    with grammar_actor(tiny_engine) as actor:
+        with pytest.raises(IncompleteJSON, match="max_tokens"):
+            send_json(actor, "x", PERSON, instruct=False, max_tokens=3)
+
+
+def test_the_vocabulary_is_read_once_per_actor(tiny_engine):
+    with grammar_actor(tiny_engine) as actor:
+        first = send_json(actor, "x", {"type": "boolean"}, instruct=False, max_tokens=8).reply
+        second = send_json(actor, "x", {"type": "boolean"}, instruct=False, max_tokens=8).reply
+    reads = [r.ledger.boundaries["guest→host token ids"].calls for r in (first, second)]
+    assert reads[0] > tiny_engine.config.vocab_size > 100 > reads[1]
