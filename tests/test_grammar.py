@@ -2,6 +2,8 @@
 default model (greedy and sampled) and with a random tiny model whose logits favour nothing."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -191,3 +193,21 @@ def test_the_vocabulary_is_read_once_per_actor(tiny_engine):
         second = send_json(actor, "x", {"type": "boolean"}, instruct=False, max_tokens=8).reply
     reads = [r.ledger.boundaries["guest→host token ids"].calls for r in (first, second)]
     assert reads[0] > tiny_engine.config.vocab_size > 100 > reads[1]
+
+
+def floe_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "floe.cli", "run", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_floe_run_json_schema_prints_a_valid_value(tmp_path):
+    (tmp_path / "order.json").write_text(json.dumps(ORDER))
+    proc = floe_run("Order a drink.", "--json-schema", str(tmp_path / "order.json"), "--max-tokens", "96")
+    assert proc.returncode == 0, proc.stderr
+    assert valid(json.loads(proc.stdout), ORDER)
+
+
+def test_floe_run_json_schema_names_the_unsupported_keyword(tmp_path):
+    (tmp_path / "date.json").write_text('{"type": "string", "format": "date"}')
+    proc = floe_run("When?", "--json-schema", str(tmp_path / "date.json"), "--max-tokens", "8")
+    assert proc.returncode != 0 and "unsupported JSON Schema keyword 'format'" in proc.stderr

@@ -64,20 +64,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     checkpoint = _load_with_progress(args.model, "float32", quiet=args.json)
     engine = Engine(checkpoint, device=args.device, dtype=dtype, max_seq_len=args.context, weights=kind)
     stream = None if args.json else _write_stdout
+    guest, prompt = args.guest, args.prompt
+    if args.json_schema:  # the grammar guest reads the schema from the message (docs/GUESTS.md)
+        from floe.actor import builtin_guest
+        from floe.actor.grammar import grammar_message
+
+        guest = guest or builtin_guest("grammar")
+        prompt = grammar_message(prompt, Path(args.json_schema).read_text())
     if args.thaw:
         if args.system:
             raise FloeError("--system applies to a new conversation; a thawed one keeps its own")
-        actor = snapshot.thaw(engine, args.thaw, args.guest, seed=args.seed)
+        actor = snapshot.thaw(engine, args.thaw, guest, seed=args.seed)
     else:
-        actor = Actor(engine, args.guest, seed=args.seed, system_prompt=args.system or "")
+        actor = Actor(engine, guest, seed=args.seed, system_prompt=args.system or "")
     setup_s = time.perf_counter() - started  # the model read, the engine built, the actor made
     with actor:
-        reply = actor.send(args.prompt, max_tokens=args.max_tokens, params=params, on_text=stream)
+        reply = actor.send(prompt, max_tokens=args.max_tokens, params=params, on_text=stream)
         frozen = snapshot.freeze(actor, args.freeze, args.kv_dtype) if args.freeze else None
     stats = reply.stats
     finish = "length" if stats.generated_tokens >= args.max_tokens else "stop"
     if args.json:
-        record = _run_record(engine, reply, finish, args.guest)
+        record = _run_record(engine, reply, finish, str(guest) if guest else None)
         record["kv_len"] = engine.kv_len(actor.slot)
         record["setup_ms"] = round(setup_s * 1e3, 1)
         if frozen:
@@ -413,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV cache length in tokens (default: the model's context length)")
     run.add_argument("--guest", help="guest module (.wasm) that drives the model (default: built-in chat)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    run.add_argument("--json-schema", metavar="FILE",
+                     help="reply with JSON valid against this JSON Schema (the built-in grammar guest)")
     run.add_argument("--thaw", metavar="FILE", help="continue the conversation frozen in FILE")
     run.add_argument("--freeze", metavar="FILE", help="after the reply, freeze the conversation into FILE")
     run.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8"], default=None,
