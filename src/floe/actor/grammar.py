@@ -47,6 +47,13 @@ def schema_text(schema: dict | str | None) -> str | None:
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
+def instructed(message: str, schema: dict | str | None) -> str:
+    """The user's text with a sentence that shows the model the schema (the mask enforces it anyway)."""
+    text = schema_text(schema)
+    return message + ("\n\nAnswer in JSON." if text is None else
+                      f"\n\nAnswer with JSON that matches this JSON Schema:\n{text}")
+
+
 def grammar_message(message: str, schema: dict | str | None, *, instruct: bool = True,
                     fresh: bool = False) -> str:
     """The message the grammar guest reads: the header with the schema, then the user's text (with,
@@ -54,8 +61,7 @@ def grammar_message(message: str, schema: dict | str | None, *, instruct: bool =
     the guest forgets the conversation before this message."""
     text = schema_text(schema)
     if instruct:
-        message += ("\n\nAnswer in JSON." if text is None else
-                    f"\n\nAnswer with JSON that matches this JSON Schema:\n{text}")
+        message = instructed(message, schema)
     new = " new" if fresh else ""
     if text is None:
         return f"\0json{new}\n{message}"

@@ -1,0 +1,116 @@
+"""What structured output costs: decode tokens/s with the grammar guest against the chat guest (its peer:
+the same engine, prompt and reply length, no grammar), and the one-time costs (the vocabulary read
+once per actor, each schema's compile and first masks).
+
+    python bench/grammar.py [--repeats 3] [--threads 2]
+
+Prints a table; writes bench/results/grammar_cpu.json. Figures are medians over repeats, the two guests
+run alternately so that a change in the machine's load hits both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from floe.actor import Actor, grammar_actor, send_json
+from floe.actor.grammar import instructed
+from floe.engine import Engine
+from floe.model import load_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from test_grammar import PROMPTS, SCHEMAS  # noqa: E402  (the tests' five schemas)
+
+OUT = Path(__file__).parent / "results" / "grammar_cpu.json"
+
+
+def ms_per_token(stats) -> float:
+    """Decode time per token (first streamed token to last), ms."""
+    return 1e3 / stats.decode_tokens_per_s if stats.decode_tokens_per_s else float("nan")
+
+
+def guest_ms_per_token(stats) -> float:
+    """Time outside the engine (guest and host ABI) per generated token, ms."""
+    return 1e3 * stats.outside_engine_s / max(1, stats.generated_tokens)
+
+
+def walks(reply) -> int:
+    line = next((line for line in reversed(reply.logs) if "mask walks" in line), "")
+    return int(line.split("mask walks ")[1].split(",")[0]) if line else -1
+
+
+def one_schema(engine: Engine, actor: Actor, name: str, schema: dict | None, repeats: int) -> dict:
+    prompt = PROMPTS.get(name, "Describe your day.")
+    started = time.perf_counter()
+    cold = send_json(actor, prompt, schema, fresh=True, max_tokens=160).reply
+    cold_s = time.perf_counter() - started
+    grammar, chat, guest_grammar, guest_chat, tokens = [], [], [], [], []
+    for _ in range(repeats):
+        warm = send_json(actor, prompt, schema, fresh=True, max_tokens=160).reply
+        n = warm.stats.generated_tokens
+        with Actor(engine) as peer:  # the same user text, as many tokens, no grammar
+            plain = peer.send(instructed(prompt, schema), max_tokens=n)
+        grammar.append(ms_per_token(warm.stats))
+        chat.append(ms_per_token(plain.stats))
+        guest_grammar.append(guest_ms_per_token(warm.stats))
+        guest_chat.append(guest_ms_per_token(plain.stats))
+        tokens.append((n, plain.stats.generated_tokens))
+        warm_s = warm.stats.wall_s
+    g, c = statistics.median(grammar), statistics.median(chat)
+    return {"schema": name, "tokens": tokens, "grammar_ms_per_token": round(g, 2),
+            "chat_ms_per_token": round(c, 2),
+            "slowdown_pct": round(100 * (g / c - 1), 1),
+            "guest_ms_per_token": {"grammar": round(statistics.median(guest_grammar), 3),
+                                   "chat": round(statistics.median(guest_chat), 3)},
+            "first_reply_s": round(cold_s, 3), "warm_reply_s": round(warm_s, 3),
+            "first_reply_mask_walks": walks(cold), "warm_reply_mask_walks": walks(warm)}
+
+
+def vocabulary_read_s(engine: Engine) -> dict:
+    """A fresh actor's first message (reads the vocabulary) against its second (does not), ms."""
+    times = []
+    with grammar_actor(engine) as actor:
+        for _ in range(2):
+            started = time.perf_counter()
+            send_json(actor, "Yes or no?", {"type": "boolean"}, fresh=True, max_tokens=4)
+            times.append(time.perf_counter() - started)
+    return {"first_message_s": round(times[0], 3), "second_message_s": round(times[1], 3),
+            "vocabulary_read_s": round(times[0] - times[1], 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = Engine(load_checkpoint(), max_seq_len=2048, weights="native", n_slots=2)
+    result = {"model": engine.checkpoint.name, "weights": engine.weights, "kernel": engine.native_kernel,
+              "threads": args.threads, "vocabulary": vocabulary_read_s(engine), "schemas": []}
+    with grammar_actor(engine) as actor:
+        for name, schema in [*SCHEMAS.items(), ("plain JSON", None)]:
+            result["schemas"].append(one_schema(engine, actor, name, schema, args.repeats))
+    print(f"{engine.checkpoint.name}, {engine.weights} weights ({engine.native_kernel}), "
+          f"{args.threads} threads; vocabulary read once per actor: "
+          f"{result['vocabulary']['vocabulary_read_s'] * 1e3:.0f} ms")
+    print(f"{'schema':16} {'tokens':>7} {'chat ms/tok':>12} {'grammar ms/tok':>15} {'slower':>7} "
+          f"{'guest ms/tok':>13} {'1st reply s':>12} {'warm s':>7} {'walks 1st/warm':>15}")
+    for r in result["schemas"]:
+        print(f"{r['schema']:16} {r['tokens'][0][0]:>7} {r['chat_ms_per_token']:>12.2f} "
+              f"{r['grammar_ms_per_token']:>15.2f} {r['slowdown_pct']:>6.1f}% "
+              f"{r['guest_ms_per_token']['grammar']:>6.3f}/{r['guest_ms_per_token']['chat']:<6.3f} "
+              f"{r['first_reply_s']:>12.3f} {r['warm_reply_s']:>7.3f} "
+              f"{r['first_reply_mask_walks']:>7}/{r['warm_reply_mask_walks']:<7}")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
