@@ -337,3 +337,31 @@ def test_streamed_special_tokens_carry_no_text(tiny_engine):
         reply = actor.send("x", max_tokens=3)
         held = list(tiny_engine.cache.tokens[actor.slot])
     assert reply.text == " hello hello" and start in held[1:]
+
+
+def test_a_guest_looping_in_on_end_fails_only_its_own_message_within_the_loops_call_bound(tiny_engine):
+    """on_end runs in the engine loop, like on_token: every other turn waits for it, so it has
+    on_token's bound (token_call_s), not its message's deadline. Here the message could run 10 s."""
+    import wasmtime
+
+    loops_at_end = wasmtime.wat2wasm("""
+(module
+  (import "floe" "prefill" (func $prefill (param i32 i32 i32) (result i32)))
+  (import "floe" "sample" (func $sample (param i32) (result i32)))
+  (memory (export "memory") 2)
+  (func (export "floe_abi_version") (result i32) (i32.const 2))
+  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "on_message") (param i32 i32) (result i32)
+    (i32.store (i32.const 4096) (i32.const 17))
+    (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))
+  (func (export "on_token") (result i32) (call $sample (i32.const 0)))
+  (func (export "on_end") (param i32) (result i32) (loop $l (br $l)) (i32.const 0)))""")
+    expected = [alone(tiny_engine, p, 8) for p in PROMPTS[:2]]
+    loop = EngineLoop(tiny_engine, token_call_s=0.5)
+    with Actor(tiny_engine, loops_at_end, loop=loop, deadline_s=10) as actor:
+        with pytest.raises(GuestDeadlineExceeded, match="on_end ran past 0.5 s"):
+            actor.send("x", max_tokens=2)
+    *replies, failed = concurrently(tiny_engine, loop, [(None, p, 8) for p in PROMPTS[:2]]
+                                    + [(loops_at_end, "x", 2)])
+    assert isinstance(failed, GuestDeadlineExceeded) and "on_end ran past" in str(failed), failed
+    assert [r.stats.token_ids for r in replies] == expected

@@ -46,7 +46,7 @@ from floe.engine import Engine
 from floe.engine.engine import LaunchedStep
 from floe.engine.sampling import draw_uniforms
 from floe.errors import ContextOverflow
-from floe.wasm import GuestError, start_guest_thread
+from floe.wasm import GuestDeadlineExceeded, GuestError, start_guest_thread
 
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
@@ -467,8 +467,7 @@ class EngineLoop:
             turn.actor.abi.record_forward(1, *turn.forward)
             turn.forward = None
         try:
-            token = turn.actor.guest_call("on_token", deadline=min(turn.deadline, time.monotonic()
-                                                                   + self.token_call_s))
+            token = self._guest_call(turn, "on_token")
         except BaseException as e:  # noqa: BLE001 - fails this turn only
             self._finish(turn, END_CANCELLED, e)
             return
@@ -515,17 +514,30 @@ class EngineLoop:
 
             error = GuestCancelled("the actor was closed during its message")
         elif turn.end == END_CANCELLED and time.monotonic() > turn.deadline and not actor.stop_requested:
-            from floe.wasm import GuestDeadlineExceeded
-
             error = GuestDeadlineExceeded(f"the message ran past its {actor.deadline_s:g} s deadline")
         elif actor.guest.has_function("on_end"):
             try:
-                status = actor.guest_call("on_end", turn.end, deadline=turn.deadline)
+                status = self._guest_call(turn, "on_end", turn.end)
                 if status != 0:
                     error = GuestError(f"guest reported error {status} at the end of its turn")
             except BaseException as e:  # noqa: BLE001
                 error = e
         self._finish(turn, turn.end, error)
+
+    def _guest_call(self, turn: Turn, name: str, *args: int) -> int:
+        """A guest export called from the loop: every other turn waits for it, so it may take at most
+        token_call_s (and no longer than its message's deadline)."""
+        try:
+            return turn.actor.guest_call(name, *args, deadline=min(turn.deadline, time.monotonic()
+                                                                   + self.token_call_s))
+        except GuestDeadlineExceeded:
+            if time.monotonic() >= turn.deadline:
+                raise
+            logs = turn.actor.logs  # its own bound, not the message's deadline
+            raise GuestDeadlineExceeded(
+                f"guest {turn.actor.module.name}'s {name} ran past {self.token_call_s:g} s, the most one "
+                "call from the engine loop may take (every other turn waits for it)"
+                + (f" (the guest's last log line: {logs[-1]!r})" if logs else "")) from None
 
     @staticmethod
     def _finish(turn: Turn, end: int, error: BaseException | None) -> None:
