@@ -28,7 +28,7 @@ def kv_buckets(max_seq_len: int, smallest: int = 256) -> list[int]:
 
 def logits(model: Transformer, h: Tensor) -> Tensor:
     """Float32 logits of h [B, dim]: through the model's head where it has one (bf16 weights: the
-    engine's LogitsHead, fp32 out of cuBLAS), else the fp32 projection."""
+    LogitsHead (floe.engine.weights), fp32 out of cuBLAS), else the fp32 projection."""
     return model.head(h) if model.head is not None else F.linear(h, model.output_weight()).float()
 
 

@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from floe.engine.kvcache import KVCache
 from floe.engine.sampling import Draw, SamplingParams, finish_draw, start_draw, top_ks
 from floe.engine.slots import SlotPool
-from floe.engine.transformer import (
-    QuantizedEmbedding,
-    Transformer,
-    fused_quantized,
-    fused_state_dict,
-    module_weight,
-    quantized_paths,
-    stacked,
-)
-from floe.errors import ContextOverflow, FloeError, NotAModel
+from floe.engine.weights import load_model
+from floe.errors import ContextOverflow, FloeError
 from floe.model.checkpoint import Checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -97,22 +87,6 @@ class LaunchedStep:
     draw_done: object = None
 
 
-class LogitsHead(nn.Module):
-    """The projection to the vocabulary with float32 logits from bf16 activations. A bf16 matmul
-    rounds its output to bf16 (steps of 0.125 at 25), which ties logits that fp32 tells apart. On
-    CUDA the bf16 weight is read as it is (cuBLAS writes fp32); PyTorch's CPU has no such matmul, so
-    there the weight is kept in float32 (twice the head's bytes)."""
-
-    def __init__(self, weight: Tensor) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight if weight.is_cuda else weight.float(), requires_grad=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.weight.dtype == torch.float32:
-            return F.linear(x.float(), self.weight)
-        return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
-
-
 class Engine:
     """Owns the model weights and the KV cache on `device`; prefill and decode per slot."""
 
@@ -137,19 +111,10 @@ class Engine:
         self.device = parse_device(device)
         self.dtype = parse_dtype(dtype)
         self.max_seq_len = min(max_seq_len or self.config.context_length, self.config.context_length)
-        if weights not in ("dense", "native"):
-            raise FloeError(f"weights {weights!r}: choose 'dense' or 'native'")
-        self.weights = weights
-        self.native_kernel = None
-        if weights == "native":
-            if self.device.type != "cpu":
-                raise FloeError("native quantized weights run on the CPU; on CUDA choose dense weights")
-            self.native_kernel = self._native_kernel(native_kernel)
-        self.prefill_copy = prefill_copy
-        model = self._build(checkpoint)
-        if self.dtype != torch.float32 and model.head is None:
-            model.head = LogitsHead(model.output_weight())  # the sampler sees float32 logits
-        self.model = model.eval()
+        self.weights, self.prefill_copy = weights, prefill_copy
+        loaded = load_model(checkpoint, self.max_seq_len, self.device, self.dtype, weights, native_kernel,
+                            prefill_copy)
+        self.model, self.native_kernel, self.packed = loaded.model, loaded.native_kernel, loaded.packed
         self.cache = KVCache(self.config, self.max_seq_len, n_slots, self.dtype, self.device)
         self.slots = SlotPool(n_slots)
         self._step_lock = FairLock()  # one forward at a time, in arrival order, across threads
@@ -168,98 +133,6 @@ class Engine:
         self._unfinished: list[LaunchedStep] = []  # launched steps not yet finished, oldest first
         # slot -> its latest device-fed row: (position, token once known, source logits row, drawn there)
         self._fed: dict[int, tuple[int, int | None, int, bool]] = {}
-
-    def _build(self, checkpoint: Checkpoint) -> Transformer:
-        """The model, its weights read from the checkpoint one at a time in the engine's dtype, on its
-        device. Native weights: the file's quantized projections run as they are (_pack_native) and
-        a quantized embedding table is looked up in the file (QuantizedEmbedding); only what they
-        cannot run is dequantized."""
-        c = self.config
-        with torch.device("meta"):
-            model = Transformer(c, self.max_seq_len)
-
-        def take(name: str) -> Tensor:
-            return checkpoint.weight(name, self.dtype).to(self.device)
-
-        native = quantized_paths(checkpoint.quantized, c) if self.weights == "native" else []
-        table = "tok_embeddings.weight"
-        lookup = self.weights == "native" and table in checkpoint.quantized
-        skip = {module_weight(path, c) for path in native} | ({table} if lookup else set())
-        for name, tensor in fused_state_dict(take, c, skip):
-            model.load_state_dict({name: tensor}, strict=False, assign=True)
-        self.packed = self._pack_native(model, checkpoint, native, take) if native else {}
-        if lookup and (not c.tie_embeddings or model.head is not None):
-            model.tok_embeddings = QuantizedEmbedding(checkpoint.quantized[table], self.dtype)
-        elif lookup:  # tied, and the head runs dense: the table is that head's weight
-            model.load_state_dict({table: take(table)}, strict=False, assign=True)
-        model.cos, model.sin = model.cos.to(self.device), model.sin.to(self.device)
-        unread = [name for name, p in model.named_parameters() if p.is_meta]
-        if unread:
-            raise NotAModel(f"{checkpoint.source}: no weight was read for {unread[0]}")
-        return model
-
-    def _pack_native(self, model: Transformer, checkpoint: Checkpoint, paths: list[str],
-                     take: Callable[[str], Tensor]) -> dict[str, int]:
-        """Swap in quantized layers for the file's quantized projections (`paths`, see
-        quantized_paths) that a kernel runs exactly: floe's int8-activation kernel (QLinear), else
-        PyTorch's packed int4 (Int4Linear) for the layers only: that kernel rounds its output to
-        bf16, which ties near-equal logits, so the head stays float32. A projection no kernel runs
-        is dequantized instead (the tied head: see _build). One projection at a time, so one layer's
-        stacked blocks at most exist beside the packed ones. Returns how many matrices of each type
-        were swapped."""
-        from floe.engine import qgemv
-        from floe.engine.int4 import Int4Linear
-
-        kernel, packed = self.native_kernel, {}
-        for path in paths:
-            weight, head = fused_quantized(checkpoint.quantized, path, self.config), path == "output"
-            bias = None if head else model.get_submodule(path).bias
-            layer = None
-            if weight is not None and kernel != "int4pack" and qgemv.supports(weight):
-                layer = qgemv.QLinear(weight, bias, dense=self.prefill_copy and not head, kernel=kernel,
-                                      exact_top=head)
-            elif weight is not None and weight.has_int4_form and not head:
-                layer = Int4Linear(weight, bias, dense=self.prefill_copy)
-            if layer is None:
-                name = module_weight(path, self.config)
-                if name != "tok_embeddings.weight":
-                    model.load_state_dict({name: stacked(take, name)}, strict=False, assign=True)
-                continue
-            if head:
-                model.head, model.output = layer, None  # untied: its dense weight is never read
-            else:
-                parent, name = path.rsplit(".", 1)
-                setattr(model.get_submodule(parent), name, layer)
-            packed[weight.qtype] = packed.get(weight.qtype, 0) + 1
-        return packed
-
-    @staticmethod
-    def _native_kernel(kernel: str) -> str:
-        """The kernel `kernel` names, built and loaded now: auto is floe's best variant for this CPU
-        (chosen from its flags before anything compiles), or PyTorch's packed int4 where floe's
-        kernels cannot be built (said on stderr)."""
-        import sys
-
-        from floe.engine import qgemv
-        from floe.engine.int4 import int4_available
-
-        choices = ("auto", *qgemv.VARIANTS, "int4pack")
-        if kernel not in choices:
-            raise FloeError(f"native kernel {kernel!r}: choose one of {', '.join(choices)}")
-        if kernel == "int4pack":
-            if not int4_available():
-                raise FloeError("this PyTorch build has no CPU int4 kernel; choose another native kernel "
-                                "or dense weights")
-            return kernel
-        name = qgemv.runnable()[0] if kernel == "auto" else kernel
-        try:
-            qgemv.load(name)
-        except qgemv.KernelUnavailable as e:
-            if kernel != "auto" or not int4_available():
-                raise
-            print(f"floe: {e}; running PyTorch's packed int4 kernel instead", file=sys.stderr, flush=True)
-            return "int4pack"
-        return name
 
     def input_transfer(self, n_tokens: int, batch_rows: int = 1) -> tuple[str, int] | None:
         """(boundary name, bytes) of what a forward of n_tokens copies host→device, None on the CPU:
