@@ -62,3 +62,27 @@ def chat_v1(tmp_path_factory):
     from build import HERE, build
 
     return build(HERE / "chat.c", tmp_path_factory.mktemp("guests"), ("FLOE_ABI_V1",), name="chat_v1")
+
+
+def pytest_configure(config):
+    """PyTorch's CPU threads for this run: the cores idle now. A thread on a core another process keeps
+    busy makes every parallel op wait for it (decode ~50x slower on a busy 2-core machine), as
+    `floe run` avoids the same way (floe.cli.idle_cpus)."""
+    import torch
+
+    from floe.cli import idle_cpus
+
+    torch.set_num_threads(idle_cpus())
+
+
+def pytest_report_header(config):
+    """What this run's kernels and timings depend on: the CPU, the variants it runs, the threads."""
+    import platform
+
+    import torch
+
+    from floe.engine import qgemv
+
+    flags = sorted(f for f in qgemv.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c", "asimd")))
+    return [f"floe: {platform.machine()}, kernels {', '.join(qgemv.runnable())}; "
+            f"torch {torch.__version__} on {torch.get_num_threads()} threads; flags {' '.join(flags)}"]
