@@ -9,7 +9,14 @@ from guests_wat import v2_chooser, v2_guest
 
 from floe.actor import Actor, EngineLoop
 from floe.engine import SamplingParams
-from floe.wasm import GuestDeadlineExceeded, GuestError, GuestPointerError, GuestTrap
+from floe.wasm import (
+    GuestDeadlineExceeded,
+    GuestError,
+    GuestPointerError,
+    GuestReportedError,
+    GuestResultError,
+    GuestTrap,
+)
 
 PROMPTS = ["Hello there.", "Name a colour.", "What is two plus two?", "Tell me about owls.",
            "Write a haiku.", "Say something kind."]
@@ -365,3 +372,34 @@ def test_a_guest_looping_in_on_end_fails_only_its_own_message_within_the_loops_c
                                     + [(loops_at_end, "x", 2)])
     assert isinstance(failed, GuestDeadlineExceeded) and "on_end ran past" in str(failed), failed
     assert [r.stats.token_ids for r in replies] == expected
+
+
+@pytest.mark.parametrize("on_token, on_end, status, error", [
+    ("(i32.const -2)", "(i32.const 0)", 0, GuestResultError),
+    ("(i32.const 0x80000000)", "(i32.const 0)", 0, GuestResultError),
+    ("(i32.const 1000000)", "(i32.const 0)", 0, GuestResultError),
+    ("(i32.const -1)", "(i32.const 7)", 0, GuestReportedError),
+    ("(i32.const -1)", "(i32.const 0)", 5, GuestReportedError),
+], ids=["negative", "int-min", "past-vocab", "on_end-status", "on_message-status"])
+def test_a_guest_whose_results_break_the_abi_fails_only_its_own_message_with_a_specific_error(
+        tiny_engine, on_token, on_end, status, error):
+    import wasmtime
+
+    wasm = wasmtime.wat2wasm(f"""
+(module
+  (import "floe" "prefill" (func $prefill (param i32 i32 i32) (result i32)))
+  (memory (export "memory") 2)
+  (func (export "floe_abi_version") (result i32) (i32.const 2))
+  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "on_message") (param i32 i32) (result i32)
+    (i32.store (i32.const 4096) (i32.const 17))
+    (drop (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0))) (i32.const {status}))
+  (func (export "on_token") (result i32) {on_token})
+  (func (export "on_end") (param i32) (result i32) {on_end}))""")
+    expected = alone(tiny_engine, PROMPTS[0], 6)
+    jobs = [(None, PROMPTS[0], 6), (wasm, "x", 4)]
+    *replies, failed = concurrently(tiny_engine, EngineLoop(tiny_engine), jobs)
+    assert type(failed) is error, failed
+    if error is GuestReportedError:
+        assert failed.status in (5, 7)
+    assert replies[0].stats.token_ids == expected

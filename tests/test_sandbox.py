@@ -21,6 +21,7 @@ from floe.wasm import (
     GuestLoadError,
     GuestMemoryLimit,
     GuestPointerError,
+    GuestResultError,
     GuestTrap,
 )
 
@@ -294,6 +295,24 @@ def test_a_4_mib_guest_cannot_make_the_host_hold_more_than_a_fixed_multiple_of_i
     assert growth <= HOST_MEMORY_PER_CAP * (4 << 20), out
 
 
+
+def test_gc_objects_are_refused_at_load_and_a_full_exception_heap_is_a_memory_limit(tiny_engine):
+    # struct/array objects would be state outside memory and globals (a snapshot holds neither them
+    # nor their heap); exception objects live on a GC heap capped like memory, and filling it is the
+    # guest's memory limit, not a load error.
+    with pytest.raises(GuestLoadError, match="gc"):
+        Actor(tiny_engine, guest("(drop (struct.new $s (i32.const 1))) (i32.const 0)",
+                                 extra="(type $s (struct (field i32)))"))
+    hoards = guest("""(local $i i32) (loop $l
+        (table.set $t (local.get $i)
+          (block $h (result i32 exnref) (try_table (catch_ref $e $h) (throw $e (local.get $i))) unreachable))
+        (drop) (local.set $i (i32.add (local.get $i) (i32.const 1)))
+        (br_if $l (i32.lt_u (local.get $i) (i32.const 1000000)))) (i32.const 0)""",
+                   extra="(tag $e (param i32)) (table $t 1000000 exnref)")
+    with Actor(tiny_engine, hoards, memory_cap=1 << 20) as actor:
+        with pytest.raises(GuestMemoryLimit, match="GC heap"):
+            actor.send("x")
+
 # ---- re-entrant calls ------------------------------------------------------------------------------------
 
 def test_send_from_inside_on_text_is_refused_and_the_outer_reply_is_whole(tiny_engine):
@@ -333,6 +352,15 @@ def test_alloc_returning_a_pointer_outside_memory_is_a_guest_pointer_error(tiny_
       (func (export "alloc") (param i32) (result i32) (i32.const 0x7fff0000))
       (func (export "on_message") (param i32 i32) (result i32) (i32.const 0)))""")
     with Actor(tiny_engine, bad_alloc) as actor, pytest.raises(GuestPointerError, match="alloc"):
+        actor.send("Hi")
+
+
+def test_alloc_returning_zero_for_a_message_is_a_guest_result_error(tiny_engine):
+    no_room = wasmtime.wat2wasm("""(module (memory (export "memory") 1)
+      (func (export "floe_abi_version") (result i32) (i32.const 1))
+      (func (export "alloc") (param i32) (result i32) (i32.const 0))
+      (func (export "on_message") (param i32 i32) (result i32) (i32.const 0)))""")
+    with Actor(tiny_engine, no_room) as actor, pytest.raises(GuestResultError, match="alloc returned 0"):
         actor.send("Hi")
 
 

@@ -29,6 +29,8 @@ from floe.wasm import (
     GuestLoadError,
     GuestModule,
     GuestPointerError,
+    GuestReportedError,
+    GuestResultError,
     default_runtime,
     start_guest_thread,
 )
@@ -320,8 +322,8 @@ class Actor:
             if tail:
                 collect(tail)
             if status != 0:
-                raise GuestError(f"guest reported error {status} for this message"
-                                 + (f": {self.logs[-1]}" if self.logs else ""))
+                raise GuestReportedError(f"guest reported error {status} for this message"
+                                         + (f": {self.logs[-1]}" if self.logs else ""), status)
             return Reply("".join(parts), self.stats, self.ledger, list(self.logs))
 
     def _turn(self, ptr: int, length: int, max_tokens: int) -> int:
@@ -349,7 +351,8 @@ class Actor:
         """Copy `data` into the buffer the guest's alloc() hands out; its guest address."""
         ptr = self._call("alloc", len(data))
         if ptr == 0 and data:
-            raise GuestError(f"guest could not allocate {len(data)} bytes for the {what}")
+            raise GuestResultError(f"guest could not allocate {len(data)} bytes for the {what} "
+                                   "(its alloc returned 0)")
         try:
             self.region.write(ptr, data)
         except OutOfBounds as e:
@@ -376,7 +379,8 @@ class Actor:
             ptr = self._deliver(data, "history message")
             status = self._call("on_history", self.HISTORY_ROLES.index(role), ptr, len(data))
             if status != 0:
-                raise GuestError(f"guest refused a {role} history message (status {status})")
+                raise GuestReportedError(f"guest refused a {role} history message (status {status})",
+                                         status)
 
     def stream(self, message: str, **kwargs) -> Iterator[str]:
         """send() as a generator of text pieces; the guest runs in a worker thread."""

@@ -46,7 +46,7 @@ from floe.engine import Engine
 from floe.engine.engine import LaunchedStep
 from floe.engine.sampling import draw_uniforms
 from floe.errors import ContextOverflow
-from floe.wasm import GuestDeadlineExceeded, GuestError, start_guest_thread
+from floe.wasm import GuestDeadlineExceeded, GuestReportedError, GuestResultError, start_guest_thread
 
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
@@ -488,10 +488,11 @@ class EngineLoop:
         if token == STOP:
             turn.end = END_STOP
         elif token < 0:
-            self._finish(turn, END_CANCELLED, GuestError(f"on_token returned {token} (an error)"))
+            self._finish(turn, END_CANCELLED, GuestResultError(
+                f"on_token returned {token} (an error: a token is >= 0, and -1 stops)"))
         elif token >= abi.vocab:
-            self._finish(turn, END_CANCELLED, GuestError(f"on_token returned token {token}, outside the "
-                                                         f"vocabulary [0, {abi.vocab})"))
+            self._finish(turn, END_CANCELLED, GuestResultError(
+                f"on_token returned token {token}, outside the vocabulary [0, {abi.vocab})"))
         else:
             turn.actor.stats.on_decode(token)
             if abi.streams:
@@ -519,7 +520,8 @@ class EngineLoop:
             try:
                 status = self._guest_call(turn, "on_end", turn.end)
                 if status != 0:
-                    error = GuestError(f"guest reported error {status} at the end of its turn")
+                    error = GuestReportedError(f"guest reported error {status} at the end of its turn",
+                                               status)
             except BaseException as e:  # noqa: BLE001
                 error = e
         self._finish(turn, turn.end, error)

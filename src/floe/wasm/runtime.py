@@ -80,6 +80,20 @@ class GuestHostCallError(GuestError):
     """A host function the guest called failed for a reason that is not a bad pointer or budget."""
 
 
+class GuestResultError(GuestError):
+    """A guest export returned what the ABI does not allow (on_token: a token outside the vocabulary or
+    a negative value other than stop; alloc: 0 for a message that needs bytes)."""
+
+
+class GuestReportedError(GuestError):
+    """A guest export returned a non-zero status (on_message, on_end, on_history): the guest's own report
+    that it failed, kept as `status`."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class ThreadStackTooSmall(FloeError):
     """A guest was to run on a thread whose native stack cannot hold it (and the host calls it makes)."""
 
@@ -140,6 +154,9 @@ class WasmRuntime:
         config.wasm_memory64 = False
         config.wasm_multi_memory = False
         config.max_wasm_stack = WASM_STACK_BYTES  # explicit: check_thread_stack() relies on it
+        # GC objects (struct, array) would be guest state outside memory and globals, which a snapshot
+        # does not hold, in a second heap: refused at compile. Exceptions still work (a small GC heap).
+        config.wasm_gc = False
         self.memory_creator = MemoryCreator()
         self.memory_creator.install(config)
         self.engine = wasmtime.Engine(config)
@@ -283,6 +300,7 @@ class GuestInstance:
         if len(regions) != 1:
             raise GuestLoadError(f"{module.name} must define and export exactly one memory, named 'memory'")
         self.region: Region = regions[0]
+        self.regions = list(created)  # its memory, and the GC heap of exception objects if it has one
         self.memory: wasmtime.Memory = memory
         for name, g in self.mutable_globals():
             kind = global_kind(self.store, g)
@@ -323,7 +341,8 @@ class GuestInstance:
         found by `pending` (raised inside a host function during the call) is re-raised as itself."""
         func = self.function(name)
         check_thread_stack()
-        self.region.denied_size = 0
+        for region in self.regions:
+            region.denied_size = 0
         self.watchdog.arm(deadline_s)
         try:
             if threading.get_ident() != signals.main:
@@ -347,10 +366,12 @@ class GuestInstance:
                                          "stopped")
         if self.watchdog.reason is not None:
             return GuestCancelled(f"guest {guest} was stopped: {self.watchdog.reason}")
-        if self.region.denied_size:
+        denied = max(self.regions, key=lambda r: r.denied_size)
+        if denied.denied_size:  # a GC heap that cannot grow fails the call with an error, not a trap
+            what = "memory" if denied is self.region else "GC heap (exception objects)"
             return GuestMemoryLimit(
-                f"guest {guest} trapped after asking for {_mib(self.region.denied_size)} of memory, over "
-                f"its cap of {_mib(self.memory_cap)} ({_trap_reason(e)})")
+                f"guest {guest} failed after asking for {_mib(denied.denied_size)} of {what}, over its cap "
+                f"of {_mib(self.memory_cap)} ({_trap_reason(e)})")
         if not e.trap:
             return GuestLoadError(f"guest {guest} cannot be called as the ABI says ({name}: "
                                   f"{_trap_reason(e)})")
