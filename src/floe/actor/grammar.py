@@ -68,6 +68,14 @@ def grammar_message(message: str, schema: dict | str | None, *, instruct: bool =
     return f"\0json-schema {len(text.encode())}{new}\n{text}{message}"
 
 
+def schema_refusal(actor: Actor, error: GuestError) -> SchemaUnsupported | None:
+    """The grammar guest's refusal of a message's schema, naming the keyword (None: another failure)."""
+    status = re.search(r"reported error (-?\d+)", str(error))
+    if status and int(status.group(1)) == STATUS_SCHEMA and actor.logs:
+        return SchemaUnsupported(actor.logs[-1].removeprefix("grammar: "))
+    return None
+
+
 def grammar_actor(engine: Engine, **kwargs) -> Actor:
     """An actor running the built-in grammar guest (Actor's keyword arguments)."""
     return Actor(engine, builtin_guest("grammar"), **kwargs)
@@ -86,9 +94,8 @@ def send_json(actor: Actor, message: str, schema: dict | str | None = None, *, i
         text = grammar_message(message, schema, instruct=instruct, fresh=fresh)
         reply = actor.send(text, max_tokens=max_tokens, params=params, on_text=on_text)
     except GuestError as e:
-        status = re.search(r"reported error (-?\d+)", str(e))
-        if status and int(status.group(1)) == STATUS_SCHEMA and actor.logs:
-            raise SchemaUnsupported(actor.logs[-1].removeprefix("grammar: ")) from None
+        if (refusal := schema_refusal(actor, e)) is not None:
+            raise refusal from None
         raise
     try:
         return StructuredReply(json.loads(reply.text), reply)

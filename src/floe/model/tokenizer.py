@@ -5,18 +5,25 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import datetime
 from functools import cached_property
 from typing import NamedTuple
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from floe.errors import FloeError, UnsupportedModel
+
+# The tools a chat template is offered in this thread's renders (Tokenizer.offering_tools): the host ABI's
+# chat_render carries a guest's messages only, and a server that offers tools sets them around the turn.
+_OFFERED_TOOLS: ContextVar[list[dict] | None] = ContextVar("floe_offered_tools", default=None)
 
 # GGUF token types (llama.cpp's llama_token_type).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -145,13 +152,32 @@ class Tokenizer:
             raise ChatTemplateError("this model has no chat template; pass a raw prompt instead")
         return _compile_template(self.chat_template)
 
+    @cached_property
+    def uses_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (as transformers passes it)."""
+        if not self.chat_template:
+            return False
+        return "tools" in jinja2.meta.find_undeclared_variables(self._template.environment.parse(
+            self.chat_template))
+
+    @contextmanager
+    def offering_tools(self, tools: list[dict] | None) -> Iterator[None]:
+        """Within the block, this thread's renders pass `tools` (OpenAI's [{"type": "function",
+        "function": {...}}]) into the chat template, as transformers' apply_chat_template(tools=...)."""
+        token = _OFFERED_TOOLS.set(tools)
+        try:
+            yield
+        finally:
+            _OFFERED_TOOLS.reset(token)
+
     def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` ([{"role", "content"}, ...]) under the model's template."""
+        """The prompt text for `messages` ([{"role", "content"}, ...]) under the model's template (with
+        the tools offered in this thread, if any: offering_tools)."""
         try:
             return self._template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=_OFFERED_TOOLS.get(),
                 documents=None,
                 bos_token=self._special_text(self.bos_id),
                 eos_token=self._special_text(self.eos_ids[0] if self.eos_ids else None),

@@ -21,9 +21,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from floe.server import structured
 from floe.server.client import CoreClient
 from floe.server.protocol import ROLES, ServeError
 from floe.server.stops import checked_stops
+from floe.server.structured import Constraint, ToolStream
 
 
 class ChatMessage(BaseModel):
@@ -56,6 +58,10 @@ class Sampling(BaseModel):
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    response_format: dict[str, Any] | None = None  # these four: floe.server.structured
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # either way a reply makes at most one call
 
 
 class CompletionRequest(Sampling):
@@ -63,16 +69,16 @@ class CompletionRequest(Sampling):
 
 
 # OpenAI fields floe does not implement: a request that sets one to anything but these values gets a
-# 400 naming it rather than a reply that silently ignored it (tools and response_format: the grammar
-# guest's issue; logprobs and penalties: not yet).
-UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-               "function_call": (None, "none"), "parallel_tool_calls": (None,),
-               "response_format": (None, {"type": "text"}), "logprobs": (None, False),
+# 400 naming it rather than a reply that silently ignored it (logprobs and penalties: not yet). A
+# completion takes no tools or response_format; a chat's are the grammar guest's (floe.server.structured).
+UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "logprobs": (None, False),
                "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
                "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "prediction": (None,),
                "audio": (None,), "modalities": (None, ["text"])}
-COMPLETION_UNSUPPORTED = UNSUPPORTED | {"logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
-                                        "best_of": (None, 1)}
+STRUCTURED = {"tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+              "response_format": (None, {"type": "text"})}
+COMPLETION_UNSUPPORTED = UNSUPPORTED | STRUCTURED | {"logprobs": (None, 0), "echo": (None, False),
+                                                     "suffix": (None, ""), "best_of": (None, 1)}
 
 BUSY_STREAMS = 8  # more streams than this: a stream's text is handed over in intervals, STREAM_INTERVAL_S
 STREAM_INTERVAL_S = 0.02  # at BUSY_STREAMS streams, growing with their number up to 0.1 s
@@ -94,6 +100,33 @@ def _text(i: int, m: ChatMessage) -> str:
                              "(text only)", param="messages")
         parts.append(part.get("text", ""))
     return _unicode("".join(parts), f"messages[{i}].content")
+
+
+def _conversation(given: list[ChatMessage]) -> list[dict]:
+    """The request's messages as the text messages the guests hold: developer as system, an assistant's
+    tool calls as their text (structured.call_text), a tool's result as a user message naming the
+    function whose call it answers."""
+    messages, called = [], {}  # called: function names by call id, from earlier assistant messages
+    for i, m in enumerate(given):
+        role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for it
+        extra = m.model_extra or {}
+        if role == "tool":
+            name = called.get(extra.get("tool_call_id"))
+            if name is None:
+                raise ServeError(400, f"messages[{i}]: a tool message answers a tool call of an earlier "
+                                      "assistant message (its tool_call_id)", param="messages")
+            messages.append({"role": "user", "content": structured.tool_result_text(name, _text(i, m))})
+            continue
+        if role not in ROLES:
+            raise ServeError(400, f"message role {m.role[:40]!r} is not supported ({', '.join(ROLES)}, "
+                                  "developer, tool)", param="messages")
+        content = _text(i, m)
+        if role == "assistant" and extra.get("tool_calls"):
+            calls, names = structured.assistant_calls_text(i, extra["tool_calls"])
+            called |= names
+            content = "\n".join(filter(None, (content, calls)))
+        messages.append({"role": role, "content": content})
+    return messages
 
 
 def _unicode(text: str, where: str) -> str:
@@ -126,11 +159,11 @@ class Shape:
     def opening(self) -> dict | None:
         return self.delta({"role": "assistant", "content": ""})
 
-    def piece(self, text: str) -> dict:
-        return self.delta({"content": text})
+    def pieces(self, text: str) -> list[dict]:
+        return [self.delta({"content": text})]
 
-    def end(self, reason: str) -> dict:
-        return self.delta({}, reason)
+    def ending(self, reason: str) -> list[dict]:
+        return [self.delta({}, reason)]
 
     @staticmethod
     def delta(delta: dict, reason: str | None = None) -> dict:
@@ -148,11 +181,32 @@ class CompletionShape(Shape):
     def opening(self) -> dict | None:
         return None
 
-    def piece(self, text: str) -> dict:
-        return {"index": 0, "text": text, "finish_reason": None, "logprobs": None}
+    def pieces(self, text: str) -> list[dict]:
+        return [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}]
 
-    def end(self, reason: str) -> dict:
-        return {"index": 0, "text": "", "finish_reason": reason, "logprobs": None}
+    def ending(self, reason: str) -> list[dict]:
+        return [{"index": 0, "text": "", "finish_reason": reason, "logprobs": None}]
+
+
+class ToolShape(Shape):
+    """How a reply to a request with tools is written: a call as `tool_calls` (streamed as OpenAI's
+    deltas: the call's id and name, then its arguments in pieces), a text answer as content."""
+
+    def __init__(self) -> None:
+        self.stream = ToolStream()
+
+    def choice(self, text: str, reason: str) -> dict:
+        read = structured.outcome(Constraint("tools"), text)
+        message = {"role": "assistant", "content": read.content}
+        if read.calls:
+            message["tool_calls"] = structured.tool_calls(read.calls)
+        return {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
+
+    def pieces(self, text: str) -> list[dict]:
+        return [self.delta(d) for d in self.stream.feed(text)]
+
+    def ending(self, reason: str) -> list[dict]:
+        return [*(self.delta(d) for d in self.stream.end()), self.delta({}, reason)]
 
 
 class ChatService:
@@ -167,17 +221,16 @@ class ChatService:
     async def chat(self, body: ChatRequest, request: Request) -> Response:
         self.check_model(body.model)
         _refuse_unsupported(body, UNSUPPORTED)
-        messages = []
-        for i, m in enumerate(body.messages):
-            role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for it
-            if role not in ROLES:
-                raise ServeError(400, f"message role {m.role[:40]!r} is not supported ({', '.join(ROLES)}, "
-                                      "developer)", param="messages")
-            messages.append({"role": role, "content": _text(i, m)})
+        constraint = structured.constraint(body.response_format, body.tools, body.tool_choice)
+        if constraint is not None and body.stop:
+            raise ServeError(400, "stop cannot end a structured reply (it would cut the JSON value)",
+                             code="unsupported_parameter", param="stop")
+        messages = _conversation(body.messages)
         if messages[-1]["role"] != "user":
-            raise ServeError(400, "the last message must be from the user", param="messages")
-        return await self._answer(body, messages, body.max_completion_tokens or body.max_tokens, Shape(),
-                                  request)
+            raise ServeError(400, "the last message must be from the user (or a tool)", param="messages")
+        shape = Shape() if constraint is None or constraint.mode == "json" else ToolShape()
+        return await self._answer(body, messages, body.max_completion_tokens or body.max_tokens, shape,
+                                  request, constraint)
 
     async def complete(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
@@ -192,12 +245,14 @@ class ChatService:
         return await self._answer(body, messages, body.max_tokens or 16, CompletionShape(), request)
 
     async def _answer(self, body: Sampling, messages: list[dict], max_tokens: int | None, shape: Shape,
-                      request: Request) -> Response:
+                      request: Request, constraint: Constraint | None = None) -> Response:
         core_request = {
             "messages": messages, "max_tokens": max_tokens, "temperature": body.temperature,
             "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stream": body.stream,
             "session_id": request.headers.get("x-floe-session") or body.session_id,
             "owner": request.state.owner, "stop": list(checked_stops(body.stop))}
+        if constraint is not None:
+            core_request["structured"] = constraint.wire()
         rid, queue, ended = self.client.chat(core_request)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -260,7 +315,8 @@ class ChatService:
                             texts.append(v)
                         else:
                             end = (k, v)
-                    yield chunk(shape.piece("".join(texts)))
+                    for piece in shape.pieces("".join(texts)):
+                        yield chunk(piece)
                     if end is None:
                         continue
                     kind, value = end
@@ -269,7 +325,8 @@ class ChatService:
                     error = {"message": e.message, "type": e.type, "code": e.code}
                     yield f"data: {json.dumps({'error': error})}\n\n"
                     break
-                yield chunk(shape.end(value["finish_reason"]))
+                for piece in shape.ending(value["finish_reason"]):
+                    yield chunk(piece)
                 if include_usage:
                     yield chunk(None, value["usage"])
                 break

@@ -30,6 +30,8 @@ from floe.server import protocol
 from floe.server.protocol import CALLS, HEADER, ROLES, ProtocolError, ServeError, frame_length, pack, unpack
 from floe.server.sessions import Session, SessionError, SessionStore
 from floe.server.stops import checked_stops
+from floe.server.structured import Constraint, outcome
+from floe.server.structured_turns import StructuredTurns
 from floe.wasm import GuestError
 
 log = logging.getLogger("floe.serve")
@@ -78,6 +80,7 @@ class Chat:
     params: SamplingParams
     seed: int | None  # the request's own seed (its session's generator restarts from it), or None
     stops: tuple[str, ...]  # the reply ends before the first of these
+    constraint: Constraint | None = None  # a structured reply (response_format, tools): StructuredTurns
 
 
 class ServeCore:
@@ -105,6 +108,7 @@ class ServeCore:
         self.loop = EngineLoop(engine, batch=batched)
         self.store = SessionStore(engine, snapshots, idle_seconds=idle_seconds, guest=guest,
                                   scheduler=self.scheduler, loop=self.loop, max_anonymous=max_anonymous)
+        self.turns = StructuredTurns(self.store)
         self.metrics = Metrics(self.store)
         self.loop.on_step = self.metrics.batch_rows.observe
         if self.scheduler is not None:
@@ -121,8 +125,12 @@ class ServeCore:
 
     def open(self, request: dict) -> Chat:
         """Check a chat request against the engine and take its session (locked for it)."""
-        messages, max_tokens, params, sid = self._validate(request)
+        structured = request.get("structured")
+        constraint = None if structured is None else Constraint.from_wire(structured)
+        messages, max_tokens, params, sid = self._validate(request, constraint)
         stops = checked_stops(request.get("stop"))
+        if constraint is not None and stops:
+            raise ServeError(400, "stop cannot end a structured reply", param="stop")
         owner = _owner(request.get("owner"))
         seed = None if request.get("seed") in (None, -1) else params.seed  # -1: random, as llama.cpp
         try:  # a new session's generator starts from the request's seed, or a random one (as OpenAI)
@@ -137,16 +145,21 @@ class ServeCore:
             if isinstance(e, (GuestError, FloeError)):
                 raise failure(e, session.id) from None
             raise
-        return Chat(session, history, messages[-1]["content"], max_tokens, params, seed, stops)
+        return Chat(session, history, messages[-1]["content"], max_tokens, params, seed, stops, constraint)
 
     def run(self, chat: Chat, on_text=None, should_stop=lambda: False) -> dict:
         """Run an opened chat to its end (the session is released whatever happens): its text, why it
         ended and its usage. on_text(piece): each piece of streamed text (in the engine loop's thread);
         should_stop(): the client left (the session keeps nothing of the turn)."""
         try:
-            reply = self.store.run(chat.session, chat.history, chat.text, max_tokens=chat.max_tokens,
-                                   params=chat.params, on_text=on_text, should_stop=should_stop,
-                                   reseed=chat.seed, stops=chat.stops)
+            if chat.constraint is not None:
+                reply = self.turns.run(chat.session, chat.history, chat.text, chat.constraint,
+                                       max_tokens=chat.max_tokens, params=chat.params, seed=chat.seed,
+                                       on_text=on_text, should_stop=should_stop)
+            else:
+                reply = self.store.run(chat.session, chat.history, chat.text, max_tokens=chat.max_tokens,
+                                       params=chat.params, on_text=on_text, should_stop=should_stop,
+                                       reseed=chat.seed, stops=chat.stops)
         except (GuestError, FloeError) as e:
             raise failure(e, chat.session.id) from None
         finally:
@@ -165,15 +178,20 @@ class ServeCore:
                  "prompt_tokens_details": {"cached_tokens": s.context_tokens - s.first_forward_tokens},
                  "prefilled_tokens": s.first_forward_tokens}
         length = generated >= chat.max_tokens and not reply.stopped
-        return {"text": reply.text, "finish_reason": "length" if length else "stop", "usage": usage}
+        reason = "length" if length else "stop"
+        if chat.constraint is not None:  # a value the guest completed ended it; a call: tool_calls
+            reason = outcome(chat.constraint, reply.text).finish_reason
+        return {"text": reply.text, "finish_reason": reason, "usage": usage}
 
     def keep_spares(self) -> None:
         """Keep actors made ahead in free KV slots (SessionStore.keep_spares): new sessions find theirs."""
         self.store.keep_spares(self.engine.cache.n_slots)
 
-    def _validate(self, request: dict) -> tuple[list[dict], int, SamplingParams, str | None]:
+    def _validate(self, request: dict, constraint: Constraint | None = None
+                  ) -> tuple[list[dict], int, SamplingParams, str | None]:
         """The fields the front checked, checked again for type (the core trusts no peer), then
-        against the engine: sampling parameters and the context."""
+        against the engine: sampling parameters and the context (a structured turn's with what it
+        adds: the schema shown, the tools)."""
         messages = request.get("messages")
         if not (isinstance(messages, list) and messages and all(
                 isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
@@ -191,10 +209,11 @@ class ServeCore:
                                     float(request.get("top_p", 1.0)), _int(seed))
         except (InvalidSamplingParams, TypeError, ValueError, OverflowError) as e:
             raise ServeError(400, str(e), param="temperature") from None
+        shown = messages if constraint is None else self.turns.prompt(messages, constraint)
         try:
-            prompt = self._prompt_bound(messages)
+            prompt = self._prompt_bound(shown)
             if prompt + (max_tokens or 1024) > self.engine.max_seq_len:  # near the end: count exactly
-                prompt = len(self.engine.tokenizer.encode_chat(messages))
+                prompt = len(self.engine.tokenizer.encode_chat(shown))
         except ChatTemplateError as e:  # e.g. a template that demands alternating roles
             raise ServeError(400, f"messages: {e}", param="messages") from None
         room = self.engine.max_seq_len - prompt
@@ -433,14 +452,26 @@ class CoreServer:
 
     def _run_chat(self, conn: _Connection, rid: int, request: dict) -> None:
         chat = self.core.open(request)  # its session is locked from here until run() returns
-        conn.send(["started", rid, chat.session.id])
+        # A structured chat starts at its first text: a schema the guest refuses is then a 400, not a
+        # 200 stream with an error in it.
+        started = [False]
+
+        def start() -> None:
+            if not started[0]:
+                started[0] = True
+                conn.send(["started", rid, chat.session.id])
+
+        if chat.constraint is None:
+            start()
         on_text = None
         if request.get("stream"):
             def on_text(piece: str) -> None:
+                start()
                 conn.text(rid, piece)
                 if not self._wake.is_set():
                     self._wake.set()
         result = self.core.run(chat, on_text, lambda: conn.closed or rid in conn.cancelled)
+        start()
         conn.send(["done", rid, result])
 
     def _flush_loop(self) -> None:

@@ -19,7 +19,8 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -304,6 +305,36 @@ class SessionStore:
             self._restart_guest(session)
         session.last_used = time.monotonic()
         return Answer(cut.text, reply.stats, cut.matched, left)
+
+    def append(self, session: Session, messages: list[dict]) -> None:
+        """The (locked, live) session's conversation goes on with `messages` that another actor answered
+        (a structured turn): loaded into its actor as history, so the actor holds what the session keeps
+        and its next message prefills only them (restarted with the conversation if that fails)."""
+        session.messages += messages
+        try:
+            for m in messages:
+                session.actor.add_history(m["role"], m["content"])
+        except Exception:  # noqa: BLE001 - the reply was delivered; the actor is remade from the record
+            log.exception("session %r: its guest could not take the turn as history", session.id)
+            self._restart_guest(session)
+        session.last_used = time.monotonic()
+
+    def abandon(self, session: Session) -> None:
+        """After a turn that failed on another actor (the session's own is untouched): a session that
+        holds nothing yet, and no snapshot, is forgotten rather than kept empty in a slot."""
+        if not session.messages and not session.path.exists():
+            self._drop_live(session)
+
+    @contextmanager
+    def extra_slot(self) -> Iterator[None]:
+        """A KV slot counted, for the block, for an actor of no session's (a structured turn's): freezes
+        the least recently used idle session if every slot is taken; NoFreeSlot if all are running."""
+        self._reserve_slot()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._reserved -= 1
 
     def _restart_guest(self, session: Session) -> None:
         """Give the (locked) session a new actor in a KV slot that holds exactly its conversation

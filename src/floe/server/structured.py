@@ -1,0 +1,291 @@
+"""Structured output and tool calls of `floe serve` (docs/SERVER.md, "Structured output and tools"): what
+a request's `response_format`, `tools` and `tool_choice` ask of the grammar guest, tool conversations
+as the text messages the guests hold, and the guest's JSON replies as OpenAI content or `tool_calls`
+(whole, or streamed as deltas). Used by the HTTP front and the engine core; imports nothing heavy.
+
+A tool turn's reply is one JSON value the grammar guest writes compactly, in its schema's order:
+`{"name":"<function>","arguments":{...}}` for a call, and (tool_choice auto) a JSON string for a text
+answer: the guest decides between them by its grammar (an anyOf), not the host.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from floe.server.protocol import ServeError
+
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name (fullmatch)
+CALL_HEAD = re.compile(r'\{"name":("(?:[^"\\]|\\.)*"),"arguments":')  # a call's text up to its arguments
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the grammar guest enforces on a reply: `json` (schema None: any JSON value) or `tools`."""
+
+    mode: str  # "json" or "tools"
+    schema: dict | None = None  # json: the response's JSON Schema
+    tools: tuple[dict, ...] = ()  # tools: the functions offered, {"name", "description", "parameters"}
+    choice: str = "auto"  # tools: "auto", "required", or the one function's name
+
+    def wire(self) -> dict:
+        return {"mode": self.mode, "schema": self.schema, "tools": list(self.tools), "choice": self.choice}
+
+    @classmethod
+    def from_wire(cls, value) -> Constraint:
+        """The core's reading of the front's constraint, checked again (the core trusts no peer)."""
+        if not isinstance(value, dict) or value.get("mode") not in ("json", "tools"):
+            raise ServeError(400, "structured: not a constraint", param="response_format")
+        if value["mode"] == "json":
+            schema = value.get("schema")
+            if not (schema is None or isinstance(schema, dict)):
+                raise ServeError(400, "response_format: the schema must be an object",
+                                 param="response_format")
+            return cls("json", schema)
+        return cls("tools", tools=checked_tools(value.get("tools")), choice=_choice_name(
+            value.get("choice"), value.get("tools")))
+
+    def guest_schema(self) -> dict | None:
+        """The JSON Schema the grammar guest compiles for this reply (None: any JSON value)."""
+        if self.mode == "json":
+            return self.schema
+        offered = self.tools if self.choice in ("auto", "required") else [
+            t for t in self.tools if t["name"] == self.choice]
+        calls = [call_schema(t) for t in offered]
+        if self.choice == "auto":
+            return {"anyOf": [{"type": "string"}, *calls]}
+        return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def call_schema(tool: dict) -> dict:
+    """A call of `tool`: its name, then arguments valid against its parameters."""
+    return {"type": "object", "properties": {"name": {"const": tool["name"]},
+                                             "arguments": tool.get("parameters") or NO_PARAMETERS},
+            "required": ["name", "arguments"]}
+
+
+# ---- the request's fields ---------------------------------------------------------------------------
+
+def constraint(response_format, tools, tool_choice) -> Constraint | None:
+    """The constraint a chat request asks for (None: a plain reply), or a 400 saying what is wrong."""
+    fmt = _response_format(response_format)
+    offered = checked_tools(tools) if tools else ()
+    choice = "auto" if tool_choice is None else tool_choice
+    if offered:
+        name = _choice_name(choice, tools)
+        if name != "none":
+            if fmt is not None:
+                raise ServeError(400, "response_format with tools is not supported: send one of them",
+                                 code="unsupported_parameter", param="response_format")
+            return Constraint("tools", tools=offered, choice=name)
+    elif choice not in ("none", "auto"):
+        raise ServeError(400, "tool_choice needs tools", param="tool_choice")
+    return fmt
+
+
+def _response_format(value) -> Constraint | None:
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+            raise ServeError(400, "response_format.json_schema: an object with a name and a schema",
+                             param="response_format")
+        schema = spec.get("schema")
+        if not (schema is None or isinstance(schema, dict)) or spec.get("strict") not in (None, True, False):
+            raise ServeError(400, "response_format.json_schema: schema must be an object and strict a "
+                                  "boolean", param="response_format")
+        return Constraint("json", schema or None)
+    raise ServeError(400, "response_format.type: one of text, json_object, json_schema",
+                     param="response_format")
+
+
+def checked_tools(tools) -> tuple[dict, ...]:
+    """The functions of an OpenAI `tools` list, as {"name", "description", "parameters"}."""
+    if not isinstance(tools, list) or not tools:
+        raise ServeError(400, "tools: a list of functions", param="tools")
+    out, names = [], set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None  # the core's own form: bare
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function":
+            raise ServeError(400, f"tools[{i}]: a tool of type function with a function object",
+                             param="tools")
+        name, params, about = fn.get("name"), fn.get("parameters"), fn.get("description", "")
+        if not (isinstance(name, str) and FUNCTION_NAME.fullmatch(name)) or name in names:
+            raise ServeError(400, f"tools[{i}].function.name: letters, digits, _ and -, at most 64, "
+                                  "each name once", param="tools")
+        if not (params is None or isinstance(params, dict)) or not isinstance(about, str):
+            raise ServeError(400, f"tools[{i}].function: parameters must be an object and description "
+                                  "a string", param="tools")
+        names.add(name)
+        out.append({"name": name, "description": about, "parameters": params or NO_PARAMETERS})
+    return tuple(out)
+
+
+def _choice_name(choice, tools) -> str:
+    """tool_choice as "none", "auto", "required" or the named function (which must be offered)."""
+    if choice in ("none", "auto", "required"):
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else choice
+    offered = {t.get("function", t).get("name") for t in tools or () if isinstance(t, dict)}
+    if not isinstance(name, str) or name not in offered:
+        raise ServeError(400, "tool_choice: none, auto, required or {\"type\": \"function\", \"function\": "
+                              "{\"name\": <one of the tools>}}", param="tool_choice")
+    return name
+
+
+# ---- tool conversations as text messages ------------------------------------------------------------
+
+def call_text(name: str, arguments) -> str:
+    """A tool call as the text a session keeps: the grammar's form, its arguments in canonical compact
+    JSON (clients send arguments back re-serialized: LangChain with spaces, so both sides canonicalize)."""
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    return ('{"name":' + json.dumps(name) + ',"arguments":'
+            + json.dumps(arguments, separators=(",", ":"), ensure_ascii=False) + "}")
+
+
+def assistant_calls_text(i: int, calls) -> tuple[str, dict[str, str]]:
+    """An assistant message's `tool_calls` as text (one call a line), and their names by call id."""
+    lines, names = [], {}
+    if not isinstance(calls, list):
+        raise ServeError(400, f"messages[{i}].tool_calls: a list", param="messages")
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        try:
+            if not isinstance(name, str):
+                raise ValueError
+            lines.append(call_text(name, fn.get("arguments") or "{}"))
+        except (ValueError, TypeError):
+            raise ServeError(400, f"messages[{i}].tool_calls: each a function with a name and JSON "
+                                  "arguments", param="messages") from None
+        if isinstance(call.get("id"), str):
+            names[call["id"]] = name
+    return "\n".join(lines), names
+
+
+def tool_result_text(name: str, content: str) -> str:
+    """A role tool message as the user message the guests hold (they take three roles)."""
+    return f"The function {name} returned:\n{content}"
+
+
+def tools_system_text(tools: tuple[dict, ...], choice: str) -> str:
+    """The tools, shown to a model whose chat template does not take them, in a system message."""
+    listed = "\n".join(json.dumps({"name": t["name"], "description": t["description"],
+                                   "parameters": t["parameters"]}, ensure_ascii=False) for t in tools)
+    how = 'reply with only {"name": <the function\'s name>, "arguments": <its arguments as a JSON object>}'
+    if choice == "auto":
+        rule = f"To call one, {how}; to answer in text instead, reply with the text as one JSON string."
+    elif choice == "required":
+        rule = f"Call one of them: {how}."
+    else:
+        rule = f"Call the function {choice}: {how}."
+    return f"You can call these functions:\n{listed}\n{rule}"
+
+
+# ---- the reply ------------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    """A structured reply read: its content (None for a call), its calls, the text the session keeps."""
+
+    content: str | None
+    calls: list[tuple[str, str]] = field(default_factory=list)  # (name, arguments as written)
+    kept: str = ""
+    whole: bool = True  # the value was complete (else max_tokens cut it: finish_reason length)
+
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.calls else "stop" if self.whole else "length"
+
+
+def outcome(c: Constraint, text: str) -> Outcome:
+    """What the grammar guest's reply `text` says under `c`."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return Outcome(text, kept=text, whole=False)
+    if c.mode == "tools" and isinstance(value, dict) and (head := CALL_HEAD.match(text)):
+        name, arguments = json.loads(head.group(1)), text[head.end():-1]
+        return Outcome(None, [(name, arguments)], call_text(name, value["arguments"]))
+    if c.mode == "tools" and isinstance(value, str):
+        return Outcome(value, kept=value)
+    return Outcome(text, kept=text)
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_calls(calls: list[tuple[str, str]]) -> list[dict]:
+    return [{"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+            for name, arguments in calls]
+
+
+class ToolStream:
+    """A tool turn's streamed text as OpenAI deltas: a text answer (a JSON string) as content pieces, a
+    call as its id and name once the name is whole, then its arguments in pieces, as OpenAI sends them."""
+
+    def __init__(self) -> None:
+        self.raw = ""
+        self.kind: str | None = None  # "text" or "call", from the first byte
+        self.sent = 0  # text: characters of content sent; call: characters of arguments sent
+        self.head = 0  # call: where its arguments begin in raw (0: the name is not whole yet)
+        self.calls = 0
+
+    def feed(self, piece: str) -> list[dict]:
+        self.raw += piece
+        if self.kind is None and self.raw:
+            self.kind = "text" if self.raw[0] == '"' else "call"
+        return self._text() if self.kind == "text" else self._call(final=False)
+
+    def end(self) -> list[dict]:
+        return self._call(final=True) if self.kind == "call" else []
+
+    def _text(self) -> list[dict]:
+        decoded = _string_prefix(self.raw[1:])
+        new, self.sent = decoded[self.sent:], len(decoded)
+        return [{"content": new}] if new else []
+
+    def _call(self, final: bool) -> list[dict]:
+        out = []
+        if not self.head and (m := CALL_HEAD.match(self.raw)):
+            self.head, self.sent, self.calls = m.end(), m.end(), 1
+            out.append({"tool_calls": [{"index": 0, "id": call_id(), "type": "function",
+                                        "function": {"name": json.loads(m.group(1)), "arguments": ""}}]})
+        if self.head:  # the last character may be the call's closing brace: held back until the end
+            upto = len(self.raw) - 1 if final and self.raw.endswith("}") else len(self.raw) - (not final)
+            if upto > self.sent:
+                piece = self.raw[self.sent:upto]
+                out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+                self.sent = upto
+        return out
+
+
+def _string_prefix(raw: str) -> str:
+    """The decoded text of the longest prefix of a JSON string's body (after its opening quote) that
+    ends between characters: never inside an escape, never after half of a surrogate pair."""
+    escaped = False
+    for i, ch in enumerate(raw):  # up to its closing quote, if it has come
+        if ch == '"' and not escaped:
+            raw = raw[:i]
+            break
+        escaped = ch == "\\" and not escaped
+    for cut in range(len(raw), max(-1, len(raw) - 13), -1):
+        try:
+            text = json.loads('"' + raw[:cut] + '"')
+        except json.JSONDecodeError:
+            continue
+        if text and "\ud800" <= text[-1] <= "\udbff":
+            continue
+        return text
+    return ""
