@@ -1,0 +1,241 @@
+"""Structured output and tool calls of `floe serve`, driven by the official `openai` client on loopback:
+response_format (json_object, json_schema, chat.completions.parse with a Pydantic model), tools with each
+tool_choice, streamed tool-call deltas, role tool messages, the 400s; sessions keep what their client
+received across plain and structured turns."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+from test_grammar import valid
+from test_server import MODEL_ID, ThreadServer, client
+from test_server_openai import stored
+
+from floe.engine import Engine
+from floe.server.app import create_app
+from floe.server.structured import ToolStream, call_text
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                         "country": {"type": "string", "maxLength": 20}},
+        "required": ["city", "country"]}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 24}},
+                   "required": ["zone"]}}}
+TOOLS = [WEATHER, TIME]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Capital(BaseModel):
+    city: str
+    country: str
+    population: int
+
+
+@pytest.fixture(scope="module")
+def server(default_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sessions")
+    engine = Engine(default_checkpoint, max_seq_len=1024, n_slots=4, weights="native")
+    s = ThreadServer(create_app(engine, snapshots=folder, model_id=MODEL_ID, idle_seconds=3600))
+    s.folder = folder
+    yield s
+    s.stop()
+
+
+def ask(c: openai.OpenAI, messages: list[dict], **kwargs):
+    kwargs = {"model": MODEL_ID, "temperature": 0, "max_tokens": 64} | kwargs
+    return c.chat.completions.create(messages=messages, **kwargs)
+
+
+def schema_of(tool: dict) -> dict:
+    return tool["function"]["parameters"]
+
+
+def the_call(r) -> tuple[str, dict]:
+    """The one tool call of a reply, checked against the tool it names."""
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    tool = {t["function"]["name"]: t for t in TOOLS}[call.function.name]
+    arguments = json.loads(call.function.arguments)
+    assert valid(arguments, schema_of(tool))
+    return call.function.name, arguments
+
+
+# ---- response_format ---------------------------------------------------------------------------------
+
+def test_json_object_replies_are_json(server):
+    r = ask(client(server.url), CAPITAL, response_format={"type": "json_object"})
+    json.loads(r.choices[0].message.content)
+    assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_json_schema_replies_validate_against_their_schema(server, temperature):
+    for seed in range(3):
+        r = ask(client(server.url), CAPITAL, temperature=temperature, seed=seed, response_format={
+            "type": "json_schema", "json_schema": {"name": "capital", "schema": CITY, "strict": True}})
+        assert valid(json.loads(r.choices[0].message.content), CITY)
+        assert r.choices[0].finish_reason == "stop"
+
+
+def test_parse_with_a_pydantic_model(server):
+    r = client(server.url).chat.completions.parse(model=MODEL_ID, messages=CAPITAL, temperature=0,
+                                                  max_tokens=64, response_format=Capital)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Capital) and isinstance(parsed.population, int)
+
+
+def test_a_streamed_structured_reply_is_the_same_json(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": CITY}}
+    whole = ask(client(server.url), CAPITAL, response_format=fmt).choices[0].message.content
+    chunks = ask(client(server.url), CAPITAL, response_format=fmt, stream=True)
+    pieces = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
+    assert "".join(pieces) == whole
+
+
+# ---- the 400s ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_the_guest_cannot_compile_is_a_400_naming_the_keyword(server, stream):
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}
+    body = {"model": MODEL_ID, "messages": CAPITAL, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 400 and r.headers["x-should-retry"] == "false"
+    error = r.json()["error"]
+    assert "'pattern'" in error["message"] and error["param"] == "response_format"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 3}}, "required": ["n"]}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client(server.url), CAPITAL, tools=[tool], tool_choice="required")
+    assert "'minimum'" in e.value.message
+
+
+@pytest.mark.parametrize("fields", [
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "not_offered"}}},
+    {"tool_choice": "required"},
+    {"tools": [{"type": "function", "function": {"name": "has space"}}]},
+    {"tools": TOOLS, "response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_object"}, "stop": "}"},
+    {"response_format": {"type": "yaml"}},
+])
+def test_a_malformed_structured_request_is_a_400(server, fields):
+    r = httpx.post(f"{server.url}/v1/chat/completions",
+                   json={"model": MODEL_ID, "messages": CAPITAL} | fields, timeout=60)
+    assert r.status_code == 400 and r.headers["x-should-retry"] == "false", r.text
+
+
+def test_a_tool_message_must_answer_an_earlier_call(server):
+    messages = [*ASK_WEATHER, {"role": "tool", "tool_call_id": "call_nobody", "content": "sunny"}]
+    with pytest.raises(openai.BadRequestError):
+        ask(client(server.url), messages, tools=TOOLS)
+
+
+# ---- tools -------------------------------------------------------------------------------------------
+
+def test_tool_choice_required_calls_one_of_the_tools(server):
+    name, _ = the_call(ask(client(server.url), ASK_WEATHER, tools=TOOLS, tool_choice="required"))
+    assert name in ("get_weather", "get_time")
+
+
+def test_a_named_tool_choice_calls_that_function(server):
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    assert the_call(ask(client(server.url), ASK_WEATHER, tools=TOOLS, tool_choice=choice))[0] == "get_time"
+
+
+def test_tool_choice_auto_answers_in_text_or_with_a_call(server):
+    for messages in (ASK_WEATHER, [{"role": "user", "content": "Say hello."}]):
+        r = ask(client(server.url), messages, tools=TOOLS)  # auto, the default with tools
+        if r.choices[0].message.tool_calls:
+            the_call(r)
+        else:
+            assert isinstance(r.choices[0].message.content, str) and r.choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_none_is_a_plain_reply(server):
+    r = ask(client(server.url), ASK_WEATHER, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    plain = ask(client(server.url), ASK_WEATHER)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_streamed_tool_calls_arrive_as_openai_deltas(server):
+    whole = ask(client(server.url), ASK_WEATHER, tools=TOOLS, tool_choice="required")
+    (call,) = whole.choices[0].message.tool_calls
+    heads, arguments, reason = [], "", None
+    for chunk in ask(client(server.url), ASK_WEATHER, tools=TOOLS, tool_choice="required", stream=True):
+        choice = chunk.choices[0]
+        reason = choice.finish_reason or reason
+        for delta in choice.delta.tool_calls or ():
+            assert delta.index == 0
+            if delta.id is not None:
+                heads.append((delta.id, delta.function.name))
+            arguments += delta.function.arguments or ""
+    assert len(heads) == 1 and heads[0][1] == call.function.name and heads[0][0].startswith("call_")
+    assert arguments == call.function.arguments and reason == "tool_calls"
+
+
+def test_a_tool_result_is_answered_and_the_session_keeps_what_its_client_received(server):
+    c = client(server.url)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = ask(c, ASK_WEATHER, tools=TOOLS, tool_choice=named, extra_body={"session_id": "weather"})
+    (call,) = first.choices[0].message.tool_calls
+    conversation = [*ASK_WEATHER, first.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny", "degrees": 21}'}]
+    second = ask(c, conversation, tools=TOOLS, tool_choice="none", extra_body={"session_id": "weather"})
+    answer = second.choices[0].message.content
+    assert second.model_extra["session_id"] == "weather" and answer
+    assert stored(server, "weather") == [
+        *ASK_WEATHER, {"role": "assistant", "content": call_text("get_weather", call.function.arguments)},
+        {"role": "user", "content": 'The function get_weather returned:\n{"sky": "sunny", "degrees": 21}'},
+        {"role": "assistant", "content": answer}]
+
+
+def test_a_session_takes_plain_and_structured_turns_and_keeps_its_cache(server):
+    c, extra = client(server.url), {"extra_body": {"session_id": "mixed"}}
+    messages = [{"role": "user", "content": "Name a big city."}]
+    plain = ask(c, messages, max_tokens=16, **extra)
+    messages += [{"role": "assistant", "content": plain.choices[0].message.content},
+                 {"role": "user", "content": "Now as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": CITY}}
+    shaped = ask(c, messages, response_format=fmt, **extra)
+    assert valid(json.loads(shaped.choices[0].message.content), CITY)
+    messages += [{"role": "assistant", "content": shaped.choices[0].message.content},
+                 {"role": "user", "content": "Thanks!"}]
+    after = ask(c, messages, max_tokens=8, **extra)
+    assert after.model_extra["session_id"] == "mixed"
+    # The chat actor took the structured turn as history: only it and the new message are prefilled.
+    assert after.usage.prompt_tokens_details.cached_tokens >= plain.usage.prompt_tokens
+    assert stored(server, "mixed") == [*messages, {"role": "assistant",
+                                                   "content": after.choices[0].message.content}]
+
+
+# ---- streaming deltas, piece by piece ----------------------------------------------------------------
+
+@pytest.mark.parametrize("raw, content, arguments", [
+    ('{"name":"get_weather","arguments":{"city":"Par\\"is"}}', None, '{"city":"Par\\"is"}'),
+    ('"Caf\\u00e9 \\ud83d\\ude00 \\\\ done"', "Café 😀 \\ done", None),
+])
+def test_tool_stream_gives_the_same_reply_however_the_text_is_split(raw, content, arguments):
+    for cuts in itertools.combinations(range(1, len(raw)), 2):
+        stream, bounds = ToolStream(), (0, *cuts, len(raw))
+        deltas = [d for a, b in itertools.pairwise(bounds) for d in stream.feed(raw[a:b])] + stream.end()
+        text = "".join(d.get("content", "") for d in deltas)
+        calls = [c for d in deltas for c in d.get("tool_calls", ())]
+        assert (text or None) == content, cuts
+        if arguments is not None:
+            assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+            assert "".join(c["function"]["arguments"] for c in calls) == arguments, cuts
