@@ -1,11 +1,13 @@
 """Random guests against the host: random sequences of host calls with random pointers, lengths,
-token ids, globals and memory shapes. Every failure must be a GuestError subclass, the process must
+token ids, globals and memory shapes, from every export the host calls (ABI v1's on_message; v2's
+on_message, on_token at each token and on_end; on_history), with mostly valid and sometimes hostile
+results. Every failure must be a GuestError subclass, the process must
 not crash or hang, and the host must go on serving a well-behaved actor afterwards.
 
     python tests/guest_fuzz.py --min-calls 200000 --seed 7   # a longer campaign than CI's
 
-Prints one JSON line: guests, messages, host calls made, outcomes by error type, and any failure
-that was not a GuestError (with its traceback) under "unexpected".
+Prints one JSON line: guests, messages, host calls made, outcomes by ABI version and error type, and
+any failure that was not a GuestError (with its traceback) under "unexpected".
 """
 
 from __future__ import annotations
@@ -78,8 +80,11 @@ class GuestGenerator:
             return self.rng.choice([0, 1, 2, -1])
         return self.length()
 
-    def call(self, memory: int) -> str:
-        name = self.rng.choice(list(ALL_IMPORTS))
+    def call(self, memory: int, avoid: tuple[str, ...] = ()) -> str:
+        """One random host call; those in `avoid` (calls that always fail where this one is made) only
+        one time in fifty."""
+        names = [n for n in ALL_IMPORTS if n not in avoid] if self.rng.random() < 0.98 else list(ALL_IMPORTS)
+        name = self.rng.choice(names)
         n, _ = ALL_IMPORTS[name]
         args = " ".join(f"(i32.const {self.argument(name, i, memory) & 0xFFFFFFFF})" for i in range(n))
         count = "(global.set $calls (i32.add (global.get $calls) (i32.const 1)))"
@@ -88,7 +93,25 @@ class GuestGenerator:
             return f"{count} (i32.store (i32.const {self.pointer(memory) & ~3}) {call})"
         return f"{count} (drop {call})"
 
+    def calls(self, n: int, memory: int, avoid: tuple[str, ...] = ()) -> list[str]:
+        """`n` random host calls (and now and then a memory.grow), as WAT statements."""
+        body = []
+        for _ in range(n):
+            if self.rng.random() < 0.03:
+                body.append(f"(drop (memory.grow (i32.const {self.rng.choice([0, 1, 4, 64, 40000])})))")
+            body.append(self.call(memory, avoid))
+        return body
+
+    def ending(self, valid: str) -> str:
+        """A function's last expression: mostly `valid`, sometimes a hostile result, a trap or a loop."""
+        odd = f"(i32.const {self.rng.choice([-2, 3, self.vocab, 0x7FFFFFFF, 0x80000000 - (1 << 32)])})"
+        return self.rng.choices([valid, odd, "(unreachable)", "(loop $f (br $f)) (i32.const 0)"],
+                                weights=[84, 8, 5, 3])[0]
+
     def module(self, n_calls: int) -> tuple[str, int]:
+        """A v1 guest (on_message makes the calls) or, one time in three, a v2 guest: on_message makes
+        some and queues a prompt; on_token (each token) and on_end make a few each and return mostly
+        valid results. Either may export on_history, which makes a few too."""
         rng = self.rng
         pages = rng.randint(1, 8)
         maximum = f" {pages + rng.randint(0, 8)}" if rng.random() < 0.5 else ""
@@ -99,16 +122,33 @@ class GuestGenerator:
             value = rng.choice(["0", "-1", "7", "nan:0x1" if kind[0] == "f" else "123"])
             globals_.append(f'(global (export "g{g}") (mut {kind}) ({kind}.const {value}))')
         junk = "".join(f"\\{rng.randrange(256):02x}" for _ in range(rng.randint(0, 256)))
-        # First a valid prefill, so that sample() and decode() have logits to work on.
-        body = ["(global.set $calls (i32.add (global.get $calls) (i32.const 1)))"
-                "(i32.store (i32.const 4096) (i32.const 17))"
-                "(drop (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))"]
-        for _ in range(n_calls):
-            if rng.random() < 0.03:
-                body.append(f"(drop (memory.grow (i32.const {rng.choice([0, 1, 4, 64, 40000])})))")
-            body.append(self.call(memory))
-        endings = ["(i32.const 0)", "(i32.const 3)", "(unreachable)", "(loop $f (br $f)) (i32.const 0)"]
-        ending = rng.choices(endings, weights=[80, 8, 8, 4])[0]
+        count = "(global.set $calls (i32.add (global.get $calls) (i32.const 1)))"
+        prompt = "(i32.store (i32.const 4096) (i32.const 17))"
+        v2 = rng.random() < 1 / 3
+        if v2:  # a prompt queued last (and the host's choice asked for at 64, maybe), so a turn runs
+            choice = f"{count} (drop (call $choice_at (i32.const 64)))" if rng.random() < 0.5 else ""
+            stream = f"{count} (drop (call $stream_tokens (i32.const 1)))" if rng.random() < 0.5 else ""
+            logits = 0 if rng.random() < 0.7 else self.argument("prefill", 2, memory)
+            # (v2: decode traps everywhere, sample before the turn's first forward, prefill after on_message)
+            body = [choice, stream, *self.calls(n_calls // 3, memory, ("decode", "sample")), count, prompt]
+            on_message = " ".join(body) + self.ending(
+                f"(call $prefill (i32.const 4096) (i32.const 1) (i32.const {logits}))")
+            take = "(i32.load (i32.const 64))" if choice else "(call $sample (i32.const 0))"
+            per_token = self.calls(rng.randint(0, 3), memory, ("decode", "prefill"))
+            exports = f"""(func (export "on_token") (result i32)
+    {" ".join(per_token)} {self.ending(take)})"""
+            if rng.random() < 0.7:
+                at_end = self.calls(rng.randint(0, 4), memory, ("decode", "prefill"))
+                exports += f"""(func (export "on_end") (param i32) (result i32)
+    {" ".join(at_end)} {self.ending("(i32.const 0)")})"""
+        else:  # first a valid prefill, so that sample() and decode() have logits to work on
+            body = [f"{count} {prompt} (drop (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))",
+                    *self.calls(n_calls, memory)]
+            on_message = " ".join(body) + self.ending("(i32.const 0)")
+            exports = ""
+        if rng.random() < 0.3:
+            exports += f"""(func (export "on_history") (param i32 i32 i32) (result i32)
+    {" ".join(self.calls(rng.randint(0, 4), memory))} {self.ending("(i32.const 0)")})"""
         alloc = rng.choices([1024, memory - 8, 0, 0x7FFF0000], weights=[90, 4, 3, 3])[0]
         wat = f"""(module
   {import_decls(skip=())}
@@ -117,11 +157,11 @@ class GuestGenerator:
   {" ".join(globals_)}
   (data (i32.const 16) "ok")
   (data (i32.const 2048) "{junk}")
-  (func (export "floe_abi_version") (result i32) (i32.const 1))
+  (func (export "floe_abi_version") (result i32) (i32.const {2 if v2 else 1}))
   (func (export "alloc") (param i32) (result i32) (i32.const {alloc}))
   (func (export "on_message") (param i32 i32) (result i32)
-    {" ".join(body)}
-    {ending}))"""
+    {on_message})
+  {exports})"""
         return wat, len(body)
 
 
@@ -156,14 +196,18 @@ def run(min_calls: int, seed: int, calls_per_message: int = 60, deadline_s: floa
             unexpected.append(traceback.format_exc())
             continue
         with actor:
+            version = f"v{actor.abi_version}"
             for _ in range(2):
                 messages += 1
                 params = SamplingParams(temperature=rng.choice([0.0, 0.7, 1.5]), top_k=rng.choice([0, 5]))
+                history = actor.guest.has_function("on_history") and rng.random() < 0.5
                 try:
+                    if history:
+                        actor.add_history(rng.choice(actor.HISTORY_ROLES), "Hi " * rng.randint(0, 9))
                     actor.send("Hi " * rng.randint(0, 30), max_tokens=rng.randint(1, 32), params=params)
-                    outcomes["ok"] += 1
+                    outcomes[f"{version}:ok"] += 1
                 except GuestError as e:
-                    outcomes[type(e).__name__] += 1
+                    outcomes[f"{version}:{type(e).__name__}"] += 1
                 except Exception:  # noqa: BLE001
                     unexpected.append(traceback.format_exc())
             calls += dict((n, b) for n, _, b in actor.capture_state().globals)["calls"]
