@@ -239,3 +239,26 @@ def test_tool_stream_gives_the_same_reply_however_the_text_is_split(raw, content
         if arguments is not None:
             assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
             assert "".join(c["function"]["arguments"] for c in calls) == arguments, cuts
+
+
+# ---- a chat template that takes tools ---------------------------------------------------------------
+
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+                  "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "<|im_start|>assistant\n")
+
+
+def test_tools_are_offered_to_a_chat_template_that_takes_them(default_checkpoint):
+    import copy
+
+    plain = default_checkpoint.tokenizer
+    taking = copy.copy(plain)
+    taking.__dict__.pop("_template", None)
+    taking.__dict__.pop("uses_tools", None)
+    taking.chat_template = TOOLS_TEMPLATE
+    assert taking.uses_tools and not plain.uses_tools
+    offered = [WEATHER]
+    with taking.offering_tools(offered):
+        shown = taking.render_chat(ASK_WEATHER)
+    assert f"Tools: {json.dumps(offered, ensure_ascii=False)}" in shown
+    assert "Tools:" not in taking.render_chat(ASK_WEATHER)  # outside the block: none
