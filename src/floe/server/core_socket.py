@@ -1,0 +1,274 @@
+"""The engine core's Unix socket (floe.server.protocol): `CoreServer` serves a `ServeCore` to the HTTP
+front, and `serve` runs `floe serve` with the front in a child process (docs/SERVER.md, "Concurrency")."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length, pack, unpack
+
+if TYPE_CHECKING:
+    from floe.server.core import ServeCore
+
+log = logging.getLogger("floe.serve")
+INLINE_CALLS = ("hello", "health", "sessions", "session", "metrics")  # answered in the reading thread
+FLUSH_S = 0.002  # after a flush of streamed text, the next waits this long: its frame gathers more
+
+
+class _Connection:
+    """One front's connection: frames out under one lock, streamed text gathered in an outbox."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.send_lock = threading.Lock()  # frames go out whole and in order
+        self.out_lock = threading.Lock()  # guards outbox (appended by the engine loop's thread)
+        self.outbox: list[list] = []  # [id, text] pieces not yet sent
+        self.running: set[int] = set()  # chats taken and not yet ended (queued or running)
+        self.cancelled: set[int] = set()  # of those, the ones whose client left
+        self.closed = False
+
+    def text(self, rid: int, piece: str) -> None:
+        with self.out_lock:
+            self.outbox.append([rid, piece])
+
+    def send(self, value) -> None:
+        """Send a frame after every piece of text gathered before it (a chat's text precedes its end)."""
+        with self.send_lock:
+            self._flush_locked()
+            self._write(pack(value))
+
+    def flush(self) -> None:
+        with self.send_lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        with self.out_lock:
+            pieces, self.outbox = self.outbox, []
+        if pieces:
+            self._write(pack(["text", pieces]))
+
+    def _write(self, frame: bytes) -> None:
+        if self.closed:
+            return
+        try:
+            self.sock.sendall(frame)
+        except OSError:  # the front is gone: its chats stop at their next token
+            self.closed = True
+
+    def read(self):
+        """The next frame's value, or None at the end of the connection."""
+        header = self._read_exactly(HEADER.size)
+        if header is None:
+            return None
+        data = self._read_exactly(frame_length(header))
+        if data is None:
+            raise ProtocolError("the connection ended inside a frame")
+        return unpack(data)
+
+    def _read_exactly(self, n: int) -> bytes | None:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return bytes(buf)
+
+
+class CoreServer:
+    """Serves a ServeCore on a Unix socket at `path` (its folder should be private: 0700; default: a
+    private temporary folder of its own, removed at close): a thread reads each connection's frames,
+    chats and calls run in a pool of threads (a chat's thread waits while the engine loop steps it),
+    and a flusher thread sends each connection's streamed text."""
+
+    def __init__(self, core: ServeCore, path: str | Path | None = None) -> None:
+        self._folder = None if path is not None else tempfile.mkdtemp(prefix="floe-serve-")  # 0700
+        self.core, self.path = core, str(path if path is not None else Path(self._folder) / "core.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.path)
+        os.chmod(self.path, 0o600)
+        self.sock.listen()
+        # Every running chat holds a thread for its whole reply; calls (freeze, thaw) need some too.
+        self.pool = ThreadPoolExecutor(core.engine.cache.n_slots + 8, "floe-chat")
+        self.connections: list[_Connection] = []
+        self._wake = threading.Event()  # text is waiting in an outbox
+        self._closed = False
+        for target, name in ((self._accept, "floe-accept"), (self._flush_loop, "floe-flush")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            conn = _Connection(sock)
+            self.connections.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="floe-conn", daemon=True).start()
+
+    def _serve(self, conn: _Connection) -> None:
+        try:
+            while (message := conn.read()) is not None:
+                self._dispatch(conn, message)
+        except (ProtocolError, OSError) as e:
+            log.error("the HTTP front's connection broke: %s", e)
+        finally:
+            conn.closed = True  # its running chats stop at their next token
+            self.connections.remove(conn)
+            conn.sock.close()
+
+    def _dispatch(self, conn: _Connection, message) -> None:
+        if not isinstance(message, dict) or type(message.get("id")) is not int:
+            raise ProtocolError(f"not a request: {str(message)[:200]}")
+        op, rid = message.get("op"), message["id"]
+        if op == "chat" and isinstance(message.get("request"), dict):
+            conn.running.add(rid)
+            self.pool.submit(self._chat, conn, rid, message["request"])
+        elif op == "cancel":
+            if rid in conn.running:  # a cancel after the chat's end is nothing to keep
+                conn.cancelled.add(rid)
+        elif op == "call" and message.get("name") in INLINE_CALLS:  # never behind the pool's waiters
+            self._call(conn, rid, message["name"], message.get("arg"), message.get("owner"))
+        elif op == "call":  # freeze, thaw, delete: may wait for a session's lock
+            self.pool.submit(self._call, conn, rid, message.get("name"), message.get("arg"),
+                             message.get("owner"))
+        else:
+            raise ProtocolError(f"not a request: {str(message)[:200]}")
+
+    def _call(self, conn: _Connection, rid: int, name, arg, owner) -> None:
+        try:
+            conn.send(["ok", rid, self.core.call(name, arg, owner)])
+        except Exception as e:  # noqa: BLE001 - answered; the core goes on
+            _answer_error(conn, rid, e, f"call {name!r}")
+
+    def _chat(self, conn: _Connection, rid: int, request: dict) -> None:
+        try:
+            if not (conn.closed or rid in conn.cancelled):  # else its client left while it was queued
+                self._run_chat(conn, rid, request)
+        except Exception as e:  # noqa: BLE001 - answered; the core goes on
+            _answer_error(conn, rid, e, "a chat")
+        finally:
+            conn.running.discard(rid)
+            conn.cancelled.discard(rid)
+
+    def _run_chat(self, conn: _Connection, rid: int, request: dict) -> None:
+        chat = self.core.open(request)  # its session is locked from here until run() returns
+        # A structured chat starts at its first text: a schema the guest refuses is then a 400, not a
+        # 200 stream with an error in it.
+        started = [False]
+
+        def start() -> None:
+            if not started[0]:
+                started[0] = True
+                conn.send(["started", rid, chat.session.id])
+
+        if chat.constraint is None:
+            start()
+        on_text = None
+        if request.get("stream"):
+            def on_text(piece: str) -> None:
+                start()
+                conn.text(rid, piece)
+                if not self._wake.is_set():
+                    self._wake.set()
+        result = self.core.run(chat, on_text, lambda: conn.closed or rid in conn.cancelled)
+        start()
+        conn.send(["done", rid, result])
+
+    def _flush_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            for conn in list(self.connections):
+                conn.flush()
+            time.sleep(FLUSH_S)
+
+    def close(self) -> None:
+        """Stop serving: no new connections or requests; running chats stop at their next token."""
+        self._closed = True
+        self._wake.set()
+        for conn in list(self.connections):
+            conn.closed = True
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        except OSError:
+            pass
+        self.sock.close()
+        Path(self.path).unlink(missing_ok=True)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+        self.pool.shutdown(wait=True, cancel_futures=True)  # chats not yet started never start
+
+
+def _answer_error(conn: _Connection, rid: int, e: Exception, what: str) -> None:
+    """A request's failure as its answer: a ServeError as it is, anything else (a bug) a logged 500."""
+    if not isinstance(e, ServeError):
+        log.exception("%s failed", what)
+        e = ServeError(500, f"internal error: {type(e).__name__}: {e}", "server_error", "internal_error")
+    conn.send(["error", rid, e.payload()])
+
+
+def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+          keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
+          on_ready: Callable[[CoreServer], None] = lambda server: None) -> int:
+    """`floe serve` with its engine core in this process: the HTTP front (floe.server.app) runs in a
+    child process, talking to the core's socket in a private temporary folder. Returns when the
+    front exits or this process is told to stop (SIGINT, SIGTERM); every live session is frozen
+    before it returns. The front's exit status: 0 after a stop. keys: its API keys (handed to the
+    front in its environment, never its command line); cors_origins: web origins that may call it."""
+    import gc
+    import signal
+    import subprocess
+    import sys
+
+    # What exists now (the model's modules, the tokenizer, imported code: ~10^5 to 10^6 objects) lives
+    # as long as the server: out of the cyclic collector's reach, whose full passes over all of it
+    # stalled every session at once for ~0.1 s (docs/PERF.md, "A full GC pass").
+    gc.collect()
+    gc.freeze()
+    core.keep_spares()  # after the freeze: spare actors are made and dropped while the server runs
+    server = CoreServer(core)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    from floe.server.auth import KEYS_ENV
+
+    cors = [arg for origin in cors_origins for arg in ("--cors-origin", origin)]
+    front = subprocess.Popen([sys.executable, "-m", "floe.server.app", "--socket", server.path, "--host",
+                              host, "--port", str(port), "--log-level", log_level, *cors],
+                             env=os.environ | {KEYS_ENV: ",".join(keys)})
+    code = 0
+    try:
+        on_ready(server)
+        code = front.wait()
+        if code:
+            log.error("the HTTP front exited with status %s", code)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if front.poll() is None:
+            front.terminate()
+            try:
+                front.wait(30)
+            except subprocess.TimeoutExpired:
+                front.kill()
+        server.close()
+        core.close()
+    return code
