@@ -8,7 +8,9 @@ core). This module imports nothing heavy: the front process never imports torch.
 
 Front to core, objects:
   {"op": "chat", "id": N, "request": {...}}     a chat completion (core.ServeCore.open's fields, with
-                                                 "owner": the caller's OWNER id)
+                                                 "owner": the caller's OWNER id, and "structured": a
+                                                 structured.Constraint's wire() for response_format
+                                                 or tools)
   {"op": "cancel", "id": N}                      the client left: its row stops at the next token
   {"op": "call", "id": N, "name": NAME, "arg": A, "owner": O}
                                                  health, sessions, session, freeze, thaw, delete,
@@ -16,7 +18,8 @@ Front to core, objects:
 Core to front, lists:
   ["ok", N, value]             a call's answer
   ["error", N, error]          a call's or a chat's failure: ServeError.payload()
-  ["started", N, session_id]   a chat holds its session; its text follows
+  ["started", N, session_id]   a chat holds its session; its text follows (a structured chat's is
+                               sent with its first text: a refused schema is an error before it)
   ["text", [[N, text], ...]]   streamed text of every chat since the last frame (one frame a flush)
   ["done", N, result]          a chat's end: {"text", "finish_reason", "usage"}
 """
