@@ -252,6 +252,38 @@ def test_host_functions_are_refused_to_a_start_function(tiny_engine):
         Actor(tiny_engine, wasm)
 
 
+
+def _declaring(n: int, item: str) -> bytes:
+    head = """(memory (export "memory") 1)
+      (func $v (export "floe_abi_version") (result i32) (i32.const 1))
+      (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+      (func (export "on_message") (param i32 i32) (result i32) (i32.const 0))"""
+    items = {"imports": '(import "floe" "emit" (func (param i32 i32) (result i32)))',
+             "functions": "(func)", "globals": "(global i32 (i32.const 0))",
+             "exports": '(export "e{i}" (func $v))', "data segments": '(data (i32.const 0) "x")'}[item]
+    body = "".join(items.format(i=i) for i in range(n))
+    return wasmtime.wat2wasm(f"(module {body} {head})" if item == "imports" else f"(module {head} {body})")
+
+
+@pytest.mark.parametrize("item, most", [("imports", 1024), ("functions", 65_536), ("globals", 65_536),
+                                        ("exports", 1024), ("data segments", 8192)])
+def test_a_module_declaring_more_than_floe_loads_is_refused_before_it_is_compiled(tiny_engine, item, most):
+    # Compile and instantiation time grow with these, some faster than linearly (100,000 exports took
+    # minutes to list, 100,000 data segments 45 s and 2 GB to compile), outside any deadline or cap.
+    with pytest.raises(GuestLoadError, match=rf"declares \d+ {item}; floe loads at most {most} "):
+        Actor(tiny_engine, _declaring(most + 1, item))
+    with Actor(tiny_engine, _declaring(min(most // 2, 2000), item)) as actor:  # under the bound it loads
+        actor.send("Hi")
+
+
+def test_a_module_over_16_mib_is_refused_before_it_is_compiled(tiny_engine):
+    payload = b"\x01x" + bytes(17 << 20)  # a custom section named "x"
+    size = len(payload)
+    leb = bytes([0x80 | size & 0x7F, 0x80 | size >> 7 & 0x7F, 0x80 | size >> 14 & 0x7F, size >> 21])
+    with pytest.raises(GuestLoadError, match="17.0 MiB; floe loads modules of at most 16 MiB"):
+        Actor(tiny_engine, _declaring(1, "functions") + b"\x00" + leb + payload)
+
+
 # ---- the memory cap from the first instruction -------------------------------------------------------
 
 def test_a_start_function_cannot_grow_past_the_cap(tiny_engine):

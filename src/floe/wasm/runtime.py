@@ -18,6 +18,7 @@ from wasmtime import FuncType, Instance, Linker, Module, Store, Trap, ValType, W
 
 from floe.errors import FloeError
 from floe.memory import Region
+from floe.wasm import shape
 from floe.wasm.raw import (
     NUMERIC,
     HostCallback,
@@ -237,6 +238,9 @@ class GuestModule:
         self.runtime = runtime
         self.sha256 = hashlib.sha256(wasm).hexdigest()
         self.size = len(wasm)
+        too_big = shape.refusal(wasm)
+        if too_big is not None:
+            raise GuestLoadError(f"{self.name} {too_big}")
         try:
             self.module = Module(runtime.engine, wasm)
         except WasmtimeError as e:
@@ -386,7 +390,7 @@ class GuestInstance:
     def mutable_globals(self) -> list[tuple[str, wasmtime.Global]]:
         """Exported mutable globals, by name. (Unexported ones, like clang's __stack_pointer, are
         back at their initial values between calls in a well-formed guest.)"""
-        return [(name, ext) for name, ext in self.instance.exports(self.store).items()
+        return [(name, ext) for name, ext in self.exports.items()  # listed once: each listing walks them
                 if isinstance(ext, wasmtime.Global) and ext.type(self.store).mutable]
 
     def capture_globals(self) -> list[tuple[str, str, int]]:
