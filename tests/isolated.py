@@ -23,6 +23,12 @@ def run_isolated(code: str, timeout: float = 180) -> str:
         raise AssertionError(f"the child hung past {timeout} s; its output: {e.stdout!r} {e.stderr!r}") \
             from None
     assert done.returncode == 0, (f"the child exited with {done.returncode} (negative: killed by signal "
-                                  f"{-done.returncode})\nstdout: {done.stdout}\n"
-                                  f"stderr: {done.stderr[-3000:]}")
+                                  f"{-done.returncode})\nstdout: {done.stdout}\nstderr: {_ends(done.stderr)}")
     return done.stdout
+
+
+def _ends(text: str, keep: int = 3000) -> str:
+    """The start (a panic's or abort's own message) and the end of a long output."""
+    if len(text) <= 2 * keep:
+        return text
+    return f"{text[:keep]}\n[… {len(text) - 2 * keep} characters …]\n{text[-keep:]}"
