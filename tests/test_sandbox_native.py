@@ -70,6 +70,45 @@ def test_a_guest_call_on_a_thread_too_small_for_it_is_refused_with_a_clear_error
     assert out.count("refused:") == 2 and "256 KiB native stack" in out and "ran" not in out, out
 
 
+NESTS = '''
+        from guests_wat import guest
+        from models import tiny_engine
+        from floe.actor import Actor
+        engine = tiny_engine(n_slots=21)
+        deep = guest("(drop (call $r (i32.const 16000))) (i32.const 0)", extra="""
+          (func $r (param $d i32) (result i32)
+            (if (result i32) (i32.eqz (local.get $d)) (then (call $emit (i32.const 16) (i32.const 2)))
+              (else (i32.add (i32.const 1) (call $r (i32.sub (local.get $d) (i32.const 1)))))))""")
+        actors = [Actor(engine, deep) for _ in range(20)]
+        def passes_on(i):
+            def on_text(text):
+                if i + 1 < len(actors):
+                    actors[i + 1].send("x", on_text=passes_on(i + 1))
+                print("level", i, "done")
+            return on_text
+        try:
+            actors[0].send("x", on_text=passes_on(0))
+        except Exception as e:
+            chain = [type(e).__name__]
+            while e.__cause__ is not None:
+                e = e.__cause__
+                chain.append(type(e).__name__)
+            print("refused:", " <- ".join(chain))
+        for actor in actors:
+            actor.close()
+        with Actor(engine) as actor:
+            print("next", actor.send("Hi", max_tokens=3).stats.generated_tokens)
+'''
+
+
+def test_guest_calls_nested_through_on_text_callbacks_stop_before_the_thread_stack_runs_out():
+    # Each actor's on_text sends to the next actor: guest calls nest on one thread, each with its own
+    # 512 KiB of guest frames (these guests use most of it before they emit). Twenty of them overflowed
+    # the main thread's 8 MiB stack: a segfault.
+    out = run_isolated(NESTS)
+    assert "refused:" in out and "ThreadStackTooSmall" in out and "level 0 done" not in out, out
+    assert "next 3" in out
+
 def test_ctrl_c_while_a_guest_runs_on_the_main_thread_raises_keyboard_interrupt_promptly():
     # Python runs a signal handler at the next bytecode boundary: the first line of a ctypes callback (an
     # epoch tick, a host function, the memory creator's get_memory), before its try. There the

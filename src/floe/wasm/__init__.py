@@ -17,7 +17,6 @@ from floe.wasm.runtime import (
     HostFunction,
     ThreadStackTooSmall,
     WasmRuntime,
-    check_thread_stack,
     default_runtime,
     start_guest_thread,
 )
@@ -39,7 +38,6 @@ __all__ = [
     "HostFunction",
     "ThreadStackTooSmall",
     "WasmRuntime",
-    "check_thread_stack",
     "default_runtime",
     "start_guest_thread",
 ]

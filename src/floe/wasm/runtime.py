@@ -37,9 +37,11 @@ from floe.wasm.raw import (
 
 EPOCH_TICK_S = 0.01  # deadline granularity
 # Guest code runs on the calling thread's native stack, and Wasmtime traps a guest that uses more than
-# WASM_STACK_BYTES of it; the host functions it calls run below that. A thread whose stack is smaller
-# than both would overflow its guard page in guest code: a segfault, not a trap (Wasmtime cannot see
-# the thread's stack size). Every guest call checks its thread; floe's own threads get GUEST_THREAD_STACK.
+# WASM_STACK_BYTES of it; the host functions it calls run below that, and a host function may call
+# another guest (an on_text callback sending to another actor), which gets WASM_STACK_BYTES of its own.
+# A thread whose stack is smaller than all of that overflows its guard page in guest code: a segfault,
+# not a trap (Wasmtime cannot see the thread's stack). So each guest call checks its thread's stack
+# against the guest calls it is nested in; floe's own threads get GUEST_THREAD_STACK.
 WASM_STACK_BYTES = 512 << 10
 HOST_STACK_BYTES = 1 << 20  # host functions under the deepest guest frame (~150 KiB measured), and callers
 GUEST_THREAD_STACK = 8 << 20
@@ -99,23 +101,32 @@ class ThreadStackTooSmall(FloeError):
     """A guest was to run on a thread whose native stack cannot hold it (and the host calls it makes)."""
 
 
-_stack_checked = threading.local()
+class _GuestStack(threading.local):
+    """This thread's native stack and the guest calls running on it, nested: `with` around each one
+    (raises ThreadStackTooSmall where the stack cannot hold one more)."""
+
+    def __init__(self) -> None:
+        size = thread_stack_bytes()
+        self.size = (1 << 62) if size is None else size
+        self.depth = 0
+
+    def __enter__(self) -> None:
+        per_call = WASM_STACK_BYTES + HOST_STACK_BYTES
+        if (self.depth + 1) * per_call > self.size:
+            nested = f", inside {self.depth} other guest calls" if self.depth else ""
+            raise ThreadStackTooSmall(
+                f"thread {threading.current_thread().name!r} has a {self.size >> 10} KiB native stack: too "
+                f"small for another guest call{nested} ({WASM_STACK_BYTES >> 10} KiB of guest frames and "
+                f"{HOST_STACK_BYTES >> 10} KiB for the host calls below them each): run it on a thread "
+                "started by floe.wasm.start_guest_thread (or after threading.stack_size(8 << 20)), and "
+                "not from inside other actors' messages")
+        self.depth += 1
+
+    def __exit__(self, *exc) -> None:
+        self.depth -= 1
 
 
-def check_thread_stack() -> None:
-    """Raise ThreadStackTooSmall unless the calling thread's stack holds WASM_STACK_BYTES of guest
-    frames and HOST_STACK_BYTES below them (checked once per thread)."""
-    if getattr(_stack_checked, "ok", False):
-        return
-    size = thread_stack_bytes()
-    need = WASM_STACK_BYTES + HOST_STACK_BYTES
-    if size is not None and size < need:
-        raise ThreadStackTooSmall(
-            f"thread {threading.current_thread().name!r} has a {size >> 10} KiB native stack; running a "
-            f"guest needs {need >> 10} KiB ({WASM_STACK_BYTES >> 10} KiB of guest frames and the host calls "
-            "below them): create the thread after threading.stack_size(8 << 20), or with "
-            "floe.wasm.start_guest_thread")
-    _stack_checked.ok = True
+guest_stack = _GuestStack()
 
 
 _thread_start_lock = threading.Lock()
@@ -154,7 +165,7 @@ class WasmRuntime:
         # The ABI is wasm32 with one memory: a memory64 or multi-memory module is refused at compile.
         config.wasm_memory64 = False
         config.wasm_multi_memory = False
-        config.max_wasm_stack = WASM_STACK_BYTES  # explicit: check_thread_stack() relies on it
+        config.max_wasm_stack = WASM_STACK_BYTES  # explicit: guest_stack relies on it
         # GC objects (struct, array) would be guest state outside memory and globals, which a snapshot
         # does not hold, in a second heap: refused at compile. Exceptions still work (a small GC heap).
         config.wasm_gc = False
@@ -286,9 +297,9 @@ class GuestInstance:
         for f in functions:
             runtime.host_functions.define(linker, import_module, f.name, runtime.func_type(f.n_params,
                                                                                          f.n_results), f.fn)
-        check_thread_stack()  # the start function runs here
         self.watchdog.arm(deadline_s)
-        with runtime.memory_creator.creating(memory_cap) as created, signals.held():
+        # (the start function runs in instantiate)
+        with runtime.memory_creator.creating(memory_cap) as created, signals.held(), guest_stack:
             try:
                 self.instance: Instance = linker.instantiate(self.store, module.module)
             except (Trap, WasmtimeError) as e:
@@ -344,19 +355,19 @@ class GuestInstance:
         """Call an export (i32s in, one i32 out); traps become GuestError subclasses, a host-side error
         found by `pending` (raised inside a host function during the call) is re-raised as itself."""
         func = self.function(name)
-        check_thread_stack()
         for region in self.regions:
             region.denied_size = 0
         self.watchdog.arm(deadline_s)
         try:
-            if threading.get_ident() != signals.main:
-                return call_i32(self.store, func, args)
-            with signals.held():
-                return call_i32(self.store, func, args)
+            with guest_stack:
+                if threading.get_ident() != signals.main:
+                    return call_i32(self.store, func, args)
+                with signals.held():
+                    return call_i32(self.store, func, args)
         except RawCallError as e:
             host_error = pending() or self.watchdog.interrupt
-            if host_error is not None:
-                raise host_error from None
+            if host_error is not None:  # (its own cause kept: a wrapped host-side error)
+                raise host_error from host_error.__cause__
             escaped = self.module.runtime.host_functions.take_failure()
             if escaped is not None:  # a host function failed without saying how (its own error handling did)
                 raise GuestHostCallError(f"guest {self.module.name}: a host function it called failed: "
