@@ -173,3 +173,35 @@ def test_a_host_callback_error_that_cannot_be_described_is_still_a_host_call_err
         with pytest.raises(GuestHostCallError, match="Unprintable"):
             actor.send("x", on_text=on_text)
         assert actor.send("x").text == "ok"
+
+
+@pytest.mark.slow
+def test_an_interrupted_caller_gets_control_back_only_once_the_loop_has_let_go_of_its_turn():
+    # Ctrl-C in a v2 actor's caller while the engine loop is stalled (here its on_step callback waits,
+    # as a step waits for other guests' on_token, up to token_call_s each): the caller used to give up
+    # after 30 s and could then free the actor's memory and KV slot — which the loop still stepped,
+    # and another actor could have been given.
+    out = run_isolated("""
+        import os, signal, threading, time
+        from models import tiny_engine
+        from floe.actor import Actor, EngineLoop
+        engine = tiny_engine(n_slots=2)
+        stalled, release = threading.Event(), threading.Event()
+        def on_step(rows):
+            if not release.is_set():
+                stalled.set()
+                release.wait()
+        loop = EngineLoop(engine, on_step=on_step)
+        threading.Thread(target=lambda: (stalled.wait(), os.kill(os.getpid(), signal.SIGINT)),
+                         daemon=True).start()
+        released = []
+        threading.Timer(35.0, lambda: (released.append(time.monotonic()), release.set())).start()
+        with Actor(engine, loop=loop) as actor:
+            try:
+                actor.send("Hi", max_tokens=200)
+            except KeyboardInterrupt:
+                print("interrupted after the loop let go:", bool(released))
+        with Actor(engine, loop=loop) as actor:
+            print("next", actor.send("Hi", max_tokens=3).stats.generated_tokens)
+    """)
+    assert "interrupted after the loop let go: True" in out and "next 3" in out, out

@@ -558,11 +558,12 @@ def _draws(turn: Turn) -> bool:
     return turn.actor.abi.choice is not None and not turn.actor.request.params.greedy
 
 
-def _wait_out(turn: Turn, patience_s: float = 30.0) -> None:
-    """Wait for an abandoned turn to end (the loop ends it at its next step), through further
-    interrupts, so that the caller never frees an actor the loop is still stepping."""
-    end = time.monotonic() + patience_s
-    while not turn.done.is_set() and time.monotonic() < end:
+def _wait_out(turn: Turn) -> None:
+    """Wait for an abandoned turn to end, through further interrupts: until it has, the loop may still
+    step it (call its guest, write its memory, run or undo its row in its KV slot), so its actor must
+    not be freed, nor its slot given to another. The loop ends it at its next step, and a step is
+    bounded (each guest call in it by token_call_s)."""
+    while not turn.done.is_set():
         try:
             turn.done.wait(0.05)
         except KeyboardInterrupt:
