@@ -97,6 +97,7 @@ def test_unknown_weights_is_a_usage_error():
     assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_decode_reports_roofline_and_kernels_on_cpu():
     proc = floe("bench", "decode", "--device", "cpu", "--shape", "smollm2-135m", "--no-peers", "--no-guest",
                 "--json", timeout=600)

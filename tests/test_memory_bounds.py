@@ -108,6 +108,7 @@ def q4_0_1b(tmp_path_factory) -> Path:
     return write_q4_0_gguf(tmp_path_factory.mktemp("q4_0_1b") / "llama-1b-q4_0.gguf", **SHAPE_1B)
 
 
+@pytest.mark.slow
 def test_floe_run_on_a_1b_q4_0_file_peaks_at_the_file_plus_kv_and_runtime(q4_0_1b, runtime_bytes):
     """llama.cpp maps the file (RSS ~ file size), and so does floe: its kernel reads the file's Q4_0
     blocks in place (stacked and re-ordered matrices: one copy of the file's blocks, the file's pages

@@ -179,6 +179,7 @@ def default_native(default_checkpoint):
     return engine
 
 
+@pytest.mark.slow
 def test_native_greedy_agrees_with_fp32_on_the_default_model(default_native, fp32_greedy, kernel):
     """Teacher-forced on the fp32 path's greedy tokens (3 prompts x 48), the native path picks the same
     token wherever fp32's top two logits are apart by more than quantization noise. Measured when
@@ -197,6 +198,7 @@ def bf16_engine() -> Engine:
     return Engine(load_checkpoint(None, torch.bfloat16), dtype="bfloat16", max_seq_len=256)
 
 
+@pytest.mark.slow
 def test_bf16_greedy_agrees_with_fp32_on_the_default_model(bf16_engine, fp32_greedy):
     """Dense bf16 weights with the float32 head: 1 of 144 when written (margin 0.11)."""
     differ = flips(bf16_engine, fp32_greedy)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from floe.actor import Actor, builtin_guest
@@ -82,6 +83,7 @@ def test_prefill_flops_count_the_head_once(default_engine):
     assert prefill_flops(c, n) == 2 * layers * n + 2 * head + 2 * c.n_layers * c.n_heads * c.head_dim * n * n
 
 
+@pytest.mark.slow
 def test_floe_profile_json_plot_and_html(tmp_path):
     png, html = tmp_path / "roof.png", tmp_path / "report.html"
     proc = subprocess.run(

@@ -37,6 +37,7 @@ def engine_greedy(engine: Engine, ids: list[int], n: int) -> list[int]:
     return tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_first_logits_and_64_greedy_tokens_match_transformers(prompt, default_engine, reference_model):
     ids = default_engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
@@ -51,6 +52,7 @@ def test_first_logits_and_64_greedy_tokens_match_transformers(prompt, default_en
     assert engine_greedy(default_engine, ids, 64) == reference_greedy(reference_model, ids, 64)
 
 
+@pytest.mark.slow
 def test_raw_gguf_qk_order_with_half_split_rotary_gives_different_output(
     default_checkpoint, default_engine, reference_model
 ):
@@ -71,6 +73,7 @@ def test_raw_gguf_qk_order_with_half_split_rotary_gives_different_output(
     assert engine_greedy(wrong, ids, 24) != reference_greedy(reference_model, ids, 24)
 
 
+@pytest.mark.slow
 def test_bfloat16_engine_tracks_float32(default_checkpoint, default_engine):
     from floe.model import load_checkpoint
 

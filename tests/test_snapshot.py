@@ -65,6 +65,7 @@ def floe_run(*args: str) -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--top-p", "0.95", "--seed", "42"]],
                          ids=["greedy", "seeded"])
 def test_three_turns_thawed_in_fresh_processes_equal_straight_through(engine, tmp_path, sampling):
