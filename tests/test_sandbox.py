@@ -339,11 +339,23 @@ def test_gc_objects_are_refused_at_load_and_a_full_exception_heap_is_a_memory_li
         (table.set $t (local.get $i)
           (block $h (result i32 exnref) (try_table (catch_ref $e $h) (throw $e (local.get $i))) unreachable))
         (drop) (local.set $i (i32.add (local.get $i) (i32.const 1)))
-        (br_if $l (i32.lt_u (local.get $i) (i32.const 1000000)))) (i32.const 0)""",
-                   extra="(tag $e (param i32)) (table $t 1000000 exnref)")
+        (br_if $l (i32.lt_u (local.get $i) (i32.const 32768)))) (i32.const 0)""",
+                   extra="(tag $e (param i32)) (table $t 32768 exnref)")
     with Actor(tiny_engine, hoards, memory_cap=1 << 20) as actor:
         with pytest.raises(GuestMemoryLimit, match="GC heap"):
             actor.send("x")
+
+
+def test_a_guests_tables_grow_only_within_its_memory_cap(tiny_engine):
+    # Table elements are host memory outside the guest's linear memory: four tables of 2**20 held
+    # ~32 MiB for a guest capped at 1 MiB. Now each holds at most cap / 32 elements (all four: the cap).
+    grows = guest("""(if (i32.ne (table.grow $t (ref.null func) (i32.const 32768)) (i32.const -1))
+                       (then (return (i32.const 1))))
+                     (if (i32.eq (table.grow $t (ref.null func) (i32.const 32767)) (i32.const -1))
+                       (then (return (i32.const 2))))
+                     (i32.const 0)""", extra="(table $t 1 funcref)")
+    with Actor(tiny_engine, grows, memory_cap=1 << 20) as actor:
+        actor.send("x")  # status 0: the grow to 32,769 refused, to 32,768 allowed
 
 # ---- re-entrant calls ------------------------------------------------------------------------------------
 

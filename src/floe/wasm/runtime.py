@@ -101,6 +101,15 @@ class ThreadStackTooSmall(FloeError):
     """A guest was to run on a thread whose native stack cannot hold it (and the host calls it makes)."""
 
 
+TABLES = 4  # per instance
+
+
+def table_elements(memory_cap: int) -> int:
+    """The most elements one of a guest's tables may hold: its tables' 8-byte elements within its memory
+    cap, between 4,096 and 2**20 each."""
+    return max(1 << 12, min(1 << 20, memory_cap // (8 * TABLES)))
+
+
 class _GuestStack(threading.local):
     """This thread's native stack and the guest calls running on it, nested: `with` around each one
     (raises ThreadStackTooSmall where the stack cannot hold one more)."""
@@ -285,8 +294,10 @@ class GuestInstance:
         self.memory_cap = memory_cap
         self.store = Store(runtime.engine)
         # The memory cap is enforced by the Region (a refused grow is recorded there, so a trap that
-        # follows it can be reported as GuestMemoryLimit); the store still bounds everything else.
-        self.store.set_limits(table_elements=1 << 20, instances=1, tables=4, memories=1)
+        # follows it can be reported as GuestMemoryLimit); the store still bounds everything else, and
+        # its tables (host memory, 8 bytes an element) to the cap too: all 4 together within it.
+        self.store.set_limits(table_elements=table_elements(memory_cap), instances=1, tables=TABLES,
+                              memories=1)
         runtime.deadline_ticks(deadline_s)  # starts the epoch ticker
         self.watchdog = Watchdog(self.store)
         provided = {f.name: f for f in functions}
