@@ -166,6 +166,20 @@ def test_auto_takes_the_best_variant_the_cpu_flags_name(monkeypatch):
     assert "aarch64" in qgemv.missing("neon")
 
 
+@pytest.mark.skipif(qgemv.platform.machine() not in qgemv.X86, reason="x86 flags")
+def test_flags_the_process_cannot_execute_are_not_taken_from_proc_cpuinfo(monkeypatch):
+    """Under an emulator (qemu-user -cpu EPYC-Rome) /proc/cpuinfo is the host's: CPUID, as PyTorch
+    reads it, decides the x86 vector extensions, so no variant is chosen that would fault."""
+    import torch.cpu
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    assert not any(f.startswith("avx512") for f in qgemv.cpu_flags())
+    assert "vnni" not in qgemv.runnable()
+    monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: False)
+    assert qgemv.runnable() == ["portable"]
+
+
 def test_a_variant_the_cpu_cannot_run_is_refused_before_anything_is_built(monkeypatch):
     monkeypatch.setattr(qgemv.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(qgemv, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma"}))

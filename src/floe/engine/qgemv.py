@@ -91,19 +91,35 @@ _operator: dict[str, object] = {}  # "error": why the operator did not build, on
 
 
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux names them (/proc/cpuinfo `flags`, or `Features` on ARM);
-    elsewhere, what PyTorch's CPU capability implies."""
+    """The CPU's feature flags as Linux names them (/proc/cpuinfo `flags`, or `Features` on ARM), less
+    the x86 vector extensions this process cannot execute (cpu_executes: /proc/cpuinfo is the host's
+    under an emulator such as qemu-user, whose CPU may have fewer); elsewhere, what PyTorch's CPU
+    capability implies."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    return flags if platform.machine() not in X86 else frozenset(
+                        f for f in flags if cpu_executes(f))
     except OSError:
         pass
     if platform.machine() == "arm64" and platform.system() == "Darwin":
         return frozenset({"asimddp"})  # every Apple silicon core
     capability = torch.backends.cpu.get_cpu_capability()
     return frozenset(_AVX2 if capability in ("AVX2", "AVX512") else ())
+
+
+def cpu_executes(flag: str) -> bool:
+    """Whether this process can run x86 instructions of extension `flag`, as the CPUID instruction
+    says (PyTorch's cpuinfo, which also checks the OS saves the registers): AVX2 and AVX-512 (VNNI)
+    only; any other flag is taken as /proc/cpuinfo names it."""
+    import torch.cpu
+
+    probes = {"avx2": "_is_avx2_supported", "avx512_vnni": "_is_vnni_supported"}
+    probe = probes.get(flag, "_is_avx512_supported" if flag.startswith("avx512") else None)
+    check = getattr(torch.cpu, probe, None) if probe else None
+    return check is None or bool(check())
 
 
 def missing(name: str) -> str | None:
