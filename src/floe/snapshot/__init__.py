@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import wasmtime
 import xxhash
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 from floe.actor import SUPPORTED_ABI_VERSIONS, Actor, ActorState, builtin_guest
 from floe.engine import Engine, copyhash
@@ -63,6 +63,7 @@ from floe.snapshot.layout import (
     header_checksum,
     open_regular,
     read_header,
+    read_header_buffer,
 )
 from floe.wasm import GuestModule, default_runtime
 
@@ -70,7 +71,8 @@ __all__ = [
     "FORMAT", "FORMAT_VERSION", "KV_DTYPES", "PAGE", "READABLE_VERSIONS", "ActorState", "Snapshot",
     "SnapshotCorrupt", "SnapshotError", "SnapshotGuestMismatch", "SnapshotModelMismatch",
     "SnapshotRestoreFailed", "SnapshotShapeMismatch", "SnapshotUnreadable", "SnapshotVersionMismatch",
-    "checksum", "checksum_v1", "clean_stale", "freeze", "header", "path_lock", "seal", "thaw", "write",
+    "checksum", "checksum_v1", "clean_stale", "encode", "freeze", "header", "path_lock", "seal", "thaw",
+    "write",
 ]
 
 
@@ -181,6 +183,14 @@ def _contents(state: ActorState, kv_dtype: str | None, app: dict | None) -> tupl
     return tensors, metadata
 
 
+def encode(actor: Actor, kv_dtype: str | None = None, app: dict | None = None) -> bytes:
+    """`freeze` into memory: the bytes of the file `freeze` would write (floe.snapshot.store's entries)."""
+    with actor.between_messages():
+        tensors, metadata = _contents(actor.capture_state(), kv_dtype, app)
+    seal(tensors, metadata)
+    return save(tensors, metadata=metadata)
+
+
 def _write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path, t0: float) -> dict:
     seal(tensors, metadata)
     replace_file(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
@@ -190,14 +200,19 @@ def _write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Pat
 class Snapshot:
     """A snapshot file, read and checked. `verify` compares it with an engine and guest."""
 
-    def __init__(self, path: str | Path, *, contents: bool = True) -> None:
+    def __init__(self, path: str | Path, *, contents: bool = True, buffer=None) -> None:
         """Open and check `path`: its header against the format (layout.read_header), the checksum
         over metadata and digests, and (`contents`) every tensor's bytes against its digest and the
         small tensors' values. Without `contents` (format 2) the bytes are checked later: by
         `check_contents`, the KV cache against `kv_digests()` while a thaw loads it, and the values
-        by `state()`."""
+        by `state()`. `buffer`: the file's bytes already in memory (bytes, a numpy array, an mmap;
+        floe.snapshot.store's RAM tier), read in place; `path` then only names it in errors."""
         self.path = Path(path)
-        self.header, self.tensors, self._map = _open(self.path)
+        if buffer is None:
+            self.header, self.tensors, self._map = _open(self.path)
+        else:
+            self.header = read_header_buffer(buffer, self.path)
+            self.tensors, self._map = _views(self.header, buffer), buffer
         m = self.metadata = self.header.metadata
         self._expected: dict[str, str] = {}
         if m["format_version"] == "1":  # its checksum covers the tensors' bytes
@@ -235,6 +250,11 @@ class Snapshot:
     def kv_digests(self) -> list[str]:
         """The digests the KV tensors must hash to, in `kv_names()` order (for KVCache.load)."""
         return [self._expected[name] for name in self.kv_names()]
+
+    @property
+    def buffer(self):
+        """The file's bytes (the read-only mapping, or the buffer it was opened over)."""
+        return self._map
 
     @property
     def kv_len(self) -> int:
@@ -349,6 +369,11 @@ def _open(path: Path) -> tuple[Header, dict[str, torch.Tensor], mmap.mmap]:
             raise SnapshotUnreadable(f"cannot map snapshot {path}: {e}") from None
     finally:
         os.close(fd)
+    return header, _views(header, data), data
+
+
+def _views(header: Header, data) -> dict[str, torch.Tensor]:
+    """Each tensor as a read-only view of `data`, the whole file's bytes (checked by read_header)."""
     tensors: dict[str, torch.Tensor] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "buffer is not writable": these views are only read
@@ -357,7 +382,7 @@ def _open(path: Path) -> tuple[Header, dict[str, torch.Tensor], mmap.mmap]:
             t = (torch.frombuffer(data, dtype=info.dtype, count=count, offset=header.data_offset + info.start)
                  if count else torch.empty(0, dtype=info.dtype))
             tensors[name] = t.view(info.shape)
-    return header, tensors, data
+    return tensors
 
 
 def _map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor], mmap.mmap]:
@@ -400,7 +425,7 @@ def model_fingerprint(checkpoint, snap: Snapshot) -> str:
     return checkpoint.fingerprint
 
 
-def thaw(engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModule | None = None,
+def thaw(engine: Engine, path: str | Path | Snapshot, guest: str | Path | bytes | GuestModule | None = None,
          **actor_options) -> Actor:
     """A new actor continuing exactly where the frozen one stopped.
 
@@ -408,8 +433,10 @@ def thaw(engine: Engine, path: str | Path, guest: str | Path | bytes | GuestModu
     on any mismatch a specific SnapshotError is raised and nothing is created. `guest` defaults to
     the built-in guest the snapshot names. A state the guest or engine refuses while it is restored
     (e.g. guest memory over the actor's cap) raises SnapshotRestoreFailed; the actor is closed.
+    `path` may be a Snapshot opened without `contents` (e.g. over a buffer).
     """
-    snap = Snapshot(path, contents=False)  # the bytes are checked below, nothing is used before
+    # The bytes are checked below, nothing is used before.
+    snap = path if isinstance(path, Snapshot) else Snapshot(path, contents=False)
     module = _guest_module(snap, guest)
     c = engine.config
     snap.verify(fingerprint=model_fingerprint(engine.checkpoint, snap), guest_sha256=module.sha256,

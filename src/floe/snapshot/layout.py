@@ -95,34 +95,51 @@ def read_header(fd: int, path: Path) -> Header:
     """The header of the open file `fd`, checked: safetensors' structure, then floe's format,
     version, header checksum (format 2) and schema. Reads the header only, never the tensors."""
     try:
-        size, raw = _header_bytes(fd, path)
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise corrupt(path, f"{size} bytes, shorter than a safetensors header length")
+        n = header_length(os.pread(fd, 8, 0), size, path)
+        raw = _read_exactly(fd, 8, n, path)
     except OSError as e:
         raise SnapshotUnreadable(f"cannot read snapshot {path}: {e.strerror}") from None
+    return parse_header(raw, size, path)
+
+
+def read_header_buffer(data, path: Path) -> Header:
+    """`read_header` over a snapshot's bytes held in memory (bytes, an mmap, a numpy array)."""
+    view = memoryview(data).cast("B")
+    if len(view) < 8:
+        raise corrupt(path, f"{len(view)} bytes, shorter than a safetensors header length")
+    n = header_length(bytes(view[:8]), len(view), path)
+    return parse_header(bytes(view[8:8 + n]), len(view), path)
+
+
+def header_length(prefix: bytes, size: int | None, path: Path) -> int:
+    """The header length in a file's first 8 bytes, checked against the cap and (if known) the size."""
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER_BYTES:
+        raise corrupt(path, f"header length {n} is over the limit of {MAX_HEADER_BYTES} bytes")
+    if size is not None and 8 + n > size:
+        raise corrupt(path, f"header length {n} does not fit a file of {size} bytes")
+    if (8 + n) % 8:
+        raise corrupt(path, f"header length {n} leaves the data section unaligned (safetensors pads it)")
+    return n
+
+
+def parse_header(raw: bytes, size: int | None, path: Path) -> Header:
+    """The header's bytes checked, for a file of `size` bytes (None: a stream, whose length the
+    header decides: the end of its last tensor)."""
     n = len(raw)
     document = parse_json(raw, path, "the header")
     if not isinstance(document, dict):
         raise corrupt(path, "the header is not a JSON object")
     metadata = _string_metadata(document.pop("__metadata__", None), path)
     tensors = {name: _tensor_info(name, entry, path) for name, entry in document.items()}
-    _check_tiling(tensors, size - 8 - n, path)
-    header = Header(metadata, tensors, 8 + n, size)
+    data_bytes = max((t.end for t in tensors.values()), default=0) if size is None else size - 8 - n
+    _check_tiling(tensors, data_bytes, path)
+    header = Header(metadata, tensors, 8 + n, 8 + n + data_bytes)
     check_format(header, path)
     return header
-
-
-def _header_bytes(fd: int, path: Path) -> tuple[int, bytes]:
-    """(file size, the header's bytes), its length checked against the cap and the file first."""
-    size = os.fstat(fd).st_size
-    if size < 8:
-        raise corrupt(path, f"{size} bytes, shorter than a safetensors header length")
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-    if n > MAX_HEADER_BYTES:
-        raise corrupt(path, f"header length {n} is over the limit of {MAX_HEADER_BYTES} bytes")
-    if 8 + n > size:
-        raise corrupt(path, f"header length {n} does not fit a file of {size} bytes")
-    if (8 + n) % 8:
-        raise corrupt(path, f"header length {n} leaves the data section unaligned (safetensors pads it)")
-    return size, _read_exactly(fd, 8, n, path)
 
 
 def _read_exactly(fd: int, offset: int, n: int, path: Path) -> bytes:
