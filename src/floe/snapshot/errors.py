@@ -37,3 +37,37 @@ class SnapshotShapeMismatch(SnapshotError):
 class SnapshotRestoreFailed(SnapshotError):
     """The guest or the engine refused the snapshot's state while a thaw restored it (e.g. its guest
     memory is over the actor's cap); the new actor was closed."""
+
+
+# ---- the store (floe.snapshot.store) -----------------------------------------------------------------
+
+class SnapshotNotFound(SnapshotError):
+    """No tier of the store holds a snapshot under this key."""
+
+
+class SnapshotKeyInvalid(SnapshotError):
+    """A store key is not one: segments of letters, digits, _ . - (at most 128 each), joined by /."""
+
+
+class SnapshotTooLarge(SnapshotError):
+    """A snapshot is larger than the store accepts (an import's max_bytes, or a tier's whole budget)."""
+
+
+class StoreUnavailable(SnapshotError):
+    """A tier's backend (the disk, the object store) failed an operation; the store changed nothing."""
+
+
+class LeaseHeld(SnapshotError):
+    """Another owner holds the session's lease; it may be taken over once the lease expires."""
+
+    def __init__(self, key: str, owner: str, expires_at: float) -> None:
+        from datetime import UTC, datetime
+
+        until = datetime.fromtimestamp(expires_at, UTC).isoformat(timespec="seconds")
+        super().__init__(f"session {key!r} is held by {owner!r} until {until} (its lease); another server "
+                         "may take it over only after that, if its owner has not renewed it")
+        self.key, self.owner, self.expires_at = key, owner, expires_at
+
+
+class LeaseLost(SnapshotError):
+    """This store's lease was taken over (it had expired) or removed: it no longer owns the session."""

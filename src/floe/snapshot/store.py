@@ -1,0 +1,317 @@
+"""The tiered snapshot store: sessions' snapshots in pinned host RAM, on local disk and in an object
+store, under leases, with a TTL and a byte budget per tier.
+
+    store = SnapshotStore([PinnedTier(2 << 30), DiskTier("/var/floe/cache", 20 << 30, ttl_s=86400),
+                           RemoteTier("s3://bucket/floe", cache="/var/floe/s3", ttl_s=30 * 86400)])
+    store.freeze("alice/chat-1", actor, app=record)       # RAM, and written through to the last tier
+    actor = store.thaw("alice/chat-1", engine)            # from the highest tier that holds it
+    for chunk in store.export("alice/chat-1"): ...        # verified bytes; store.import_ takes them back
+
+Tiers, top to bottom; the last is the *home* (durable: a folder, or an object store that other
+servers share). A persisted snapshot is written through to the home before `freeze`/`put` returns, so
+a server killed at any moment loses no acknowledged freeze; the tiers above are caches of it that the
+store trusts only while its lease on the key has been continuous (a lease taken anew, or over,
+drops them: another server may have written the session meanwhile). A session moves down as it
+idles (`sweep`: past a tier's TTL, or beyond its byte budget, oldest use first) and up on its next
+use (a thaw makes it live; its next freeze lands in RAM). One-shot entries (`persist=False`) live in
+RAM only and are dropped, never moved down. Every byte read from the disk or the object store, and
+every import, is checked (floe.snapshot.stream, Snapshot) before it is used or passed on; a damaged
+object is refused with SnapshotCorrupt.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from floe.snapshot import Snapshot, encode, thaw
+from floe.snapshot.errors import LeaseHeld, LeaseLost, SnapshotTooLarge, SnapshotUnreadable
+from floe.snapshot.lease import Lease, default_owner
+from floe.snapshot.remote import RemoteTier
+from floe.snapshot.stream import StreamCheck, check_bytes
+from floe.snapshot.tiers import DiskTier, Entry, PinnedTier, check_key, not_found
+
+MAX_BYTES = 1 << 34  # the largest snapshot an import accepts, unless told (16 GiB)
+EXPORT_CHUNK = 1 << 20
+
+
+class SnapshotStore:
+    """One store over `tiers` (top to bottom; the last is the durable home holding the leases)."""
+
+    def __init__(self, tiers: list, *, owner: str | None = None, lease_s: float = 30.0,
+                 max_bytes: int = MAX_BYTES) -> None:
+        if not tiers or not tiers[-1].durable:
+            raise ValueError("a store's last tier must be durable (a DiskTier or a RemoteTier)")
+        self.tiers, self.home = list(tiers), tiers[-1]
+        self.pinned = tiers[0] if isinstance(tiers[0], PinnedTier) else None
+        if any(isinstance(t, PinnedTier) for t in tiers[1:]):
+            raise ValueError("the pinned RAM tier, if any, is a store's first")
+        self.owner, self.lease_s, self.max_bytes = owner or default_owner(), lease_s, max_bytes
+        self._leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
+
+    # ---- leases ------------------------------------------------------------------------------------
+
+    def acquire(self, key: str) -> Lease:
+        """This store's lease on `key` for lease_s (taken, taken over if expired, or extended).
+        Raises LeaseHeld (who holds it, until when) while another owner's lease runs."""
+        check_key(key)
+        with self._lock:
+            held = self._leases.get(key)
+        lease, continues = self.home.leases.acquire(key, self.owner, self.lease_s, held)
+        if not continues:
+            self._drop_copies(key)  # another store may have written it since these were made
+        with self._lock:
+            self._leases[key] = lease
+        return lease
+
+    def _hold(self, key: str) -> Lease:
+        """The lease, renewed once half of it has run (acquired if this store has none)."""
+        with self._lock:
+            lease = self._leases.get(key)
+        now = time.time()
+        if lease is not None and lease.expires_at - now > self.lease_s / 2:
+            return lease
+        if lease is not None and lease.expires_at > now:
+            return self.renew(key)
+        return self.acquire(key)
+
+    def renew(self, key: str) -> Lease:
+        """Extend this store's lease on `key` by lease_s from now. Raises LeaseLost if it was taken over."""
+        with self._lock:
+            lease = self._leases.get(key)
+        if lease is None:
+            raise LeaseLost(f"this store ({self.owner!r}) holds no lease on session {key!r}")
+        try:
+            lease = self.home.leases.renew(lease, self.lease_s)
+        except LeaseLost:
+            with self._lock:
+                self._leases.pop(key, None)
+            self._drop_copies(key)
+            raise
+        with self._lock:
+            self._leases[key] = lease
+        return lease
+
+    def renew_all(self) -> list[str]:
+        """Renew every lease this store holds (a server runs this every lease_s / 3); the keys lost."""
+        lost = []
+        with self._lock:
+            keys = list(self._leases)
+        for key in keys:
+            try:
+                self.renew(key)
+            except LeaseLost:
+                lost.append(key)
+        return lost
+
+    def release(self, key: str) -> None:
+        """Give up this store's lease on `key` (another server may take the session at once)."""
+        with self._lock:
+            lease = self._leases.pop(key, None)
+        if lease is not None:
+            self.home.leases.release(lease)
+
+    def holder(self, key: str) -> tuple[str, float] | None:
+        """(owner, expires_at) of the lease on `key`, if a record exists (it may have expired)."""
+        return self.home.leases.holder(check_key(key))
+
+    def _drop_copies(self, key: str) -> None:
+        for tier in self.tiers[:-1]:
+            tier.remove(key)
+
+    # ---- writing -----------------------------------------------------------------------------------
+
+    def put(self, key: str, data, *, persist: bool = True) -> dict:
+        """Store a snapshot file's bytes, checked first: in RAM (if the store has a pinned tier) and,
+        if `persist`, written through to the home under this store's lease (LeaseHeld if another
+        owner's). A one-shot entry (`persist=False`) goes to RAM only. Returns bytes and checksum."""
+        header = check_bytes(data, check_key(key), self.max_bytes)
+        if persist:
+            self._hold(key)
+            self.home.put(key, data)
+        if self.pinned is not None:
+            try:
+                self._settle(self.pinned.put(key, data, persist))
+            except SnapshotTooLarge:
+                self.pinned.remove(key)  # the home has it (or, one-shot, nothing does)
+        return {"key": key, "bytes": header.file_bytes, "checksum": header.metadata["checksum"],
+                "persisted": persist}
+
+    def freeze(self, key: str, actor, *, kv_dtype: str | None = None, app: dict | None = None,
+               persist: bool = True) -> dict:
+        """`floe.snapshot.freeze` into the store (see `put`); bytes, checksum and seconds it took."""
+        t = time.perf_counter()
+        info = self.put(key, encode(actor, kv_dtype, app), persist=persist)
+        return {**info, "seconds": time.perf_counter() - t}
+
+    def import_(self, key: str, chunks: Iterable, *, max_bytes: int | None = None) -> dict:
+        """Take a snapshot file as a stream of byte chunks (a PUT body) into the home, each checked as
+        it passes; the entry is replaced only if the whole stream is one intact snapshot (else a
+        SnapshotError, the entry as it was). Needs the lease. Returns bytes and checksum."""
+        check = StreamCheck(check_key(key), max_bytes or self.max_bytes)
+        self._hold(key)
+        self.home.write(key, chunks, check)
+        self._drop_copies(key)
+        return {"key": key, "bytes": check.received, "checksum": check.header.metadata["checksum"]}
+
+    def delete(self, key: str) -> None:
+        """Remove `key` from every tier and give its lease up (LeaseHeld if another owner holds it)."""
+        self._hold(key)
+        for tier in self.tiers:
+            tier.remove(key)
+        self.release(key)
+
+    # ---- reading -----------------------------------------------------------------------------------
+
+    def _trusted(self, key: str) -> list:
+        """The tiers whose copy of `key` may be read: all while this store's lease runs (or for a
+        one-shot entry in RAM), else the home only."""
+        with self._lock:
+            lease = self._leases.get(key)
+        if lease is not None and lease.expires_at > time.time():
+            return self.tiers
+        held = self.pinned.get(key) if self.pinned is not None else None
+        return self.tiers if held is not None and not held[1].persist else [self.home]
+
+    def get(self, key: str) -> Snapshot:
+        """The snapshot under `key`, checked in full (every tensor's bytes) if it came from the disk or
+        the object store; in RAM it was checked on its way in. Raises SnapshotNotFound, SnapshotCorrupt."""
+        for tier in self._trusted(check_key(key)):
+            if isinstance(tier, PinnedTier):
+                held = tier.get(key)
+                if held is not None:
+                    return Snapshot(f"pinned:{key}", buffer=held[0], contents=False)
+                continue
+            path = tier.source(key)
+            if path is None:
+                continue
+            try:
+                return Snapshot(path)
+            except SnapshotUnreadable as e:  # removed meanwhile by another store
+                raise not_found(key) from e
+        raise not_found(key)
+
+    def thaw(self, key: str, engine, guest=None, **actor_options):
+        """A new actor from the snapshot under `key` (floe.snapshot.thaw, which checks every byte as
+        it loads), read from the highest tier that holds it. Takes the lease first (LeaseHeld if
+        another owner holds it), except for a one-shot entry."""
+        check_key(key)
+        held = self.pinned.get(key) if self.pinned is not None else None
+        if held is None or held[1].persist:
+            self._hold(key)
+        source = self.source(key)
+        return thaw(engine, source, guest, **actor_options)
+
+    def source(self, key: str) -> Snapshot | Path:
+        """What `thaw` reads `key` from: a Snapshot over its RAM copy, or a local file (the disk tier's,
+        or the object store's copy in the local cache, fetched and checked as it streamed)."""
+        for tier in self._trusted(check_key(key)):
+            if isinstance(tier, PinnedTier):
+                held = tier.get(key)
+                if held is not None:
+                    return Snapshot(f"pinned:{key}", buffer=held[0], contents=False)
+                continue
+            path = tier.source(key)
+            if path is not None:
+                return path
+        raise not_found(key)
+
+    def export(self, key: str, chunk_bytes: int = EXPORT_CHUNK) -> Iterator[memoryview]:
+        """The snapshot file under `key` as a stream of chunks, every byte checked before the first is
+        given (a GET body). Raises before yielding: SnapshotNotFound, SnapshotCorrupt."""
+        snap = self.get(key)
+        if not isinstance(snap.buffer, mmap.mmap):  # a RAM copy (a file's was checked by get): it
+            check_bytes(snap.buffer, snap.path)    # leaves this process, so it is checked again
+        view = memoryview(snap.buffer).cast("B")
+
+        def chunks() -> Iterator[memoryview]:
+            for i in range(0, len(view), chunk_bytes):
+                yield view[i:i + chunk_bytes]
+
+        return chunks()
+
+    def keys(self) -> list[str]:
+        """Every key any tier holds."""
+        return sorted({e.key for tier in self.tiers for e in tier.entries()})
+
+    def has(self, key: str) -> bool:
+        """Whether the store holds `key` (in RAM, or in the home: where every persisted entry is)."""
+        held = self.pinned is not None and self.pinned.has(check_key(key))
+        return held or self.home.has(key)
+
+    def where(self, key: str) -> list[str]:
+        """The names of the tiers that hold `key`, top to bottom."""
+        return [tier.name for tier in self.tiers if tier.has(check_key(key))]
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def sweep(self, now: float | None = None) -> dict[str, list[str]]:
+        """Apply every tier's TTL (seconds since an entry's last use) and byte budget (oldest use out
+        first): out of RAM or the disk cache an entry moves down (a one-shot one is dropped); out of
+        the home it is deleted, unless another owner holds its lease. Returns what moved, was
+        dropped, deleted, or kept for its lease."""
+        now = time.time() if now is None else now
+        report: dict[str, list[str]] = {"moved": [], "dropped": [], "deleted": [], "leased": []}
+        for i, tier in enumerate(self.tiers):
+            entries = sorted(tier.entries(), key=lambda e: e.used_at)
+            total = sum(e.nbytes for e in entries)
+            for entry in entries:
+                expired = tier.ttl_s is not None and now - entry.used_at > tier.ttl_s
+                over = tier.budget_bytes is not None and total > tier.budget_bytes
+                if (expired or over) and self._leave(i, entry, report):
+                    total -= entry.nbytes
+        return report
+
+    def _leave(self, i: int, entry: Entry, report: dict[str, list[str]]) -> bool:
+        """Take `entry` out of tier i; False if it stays (the home's, leased by another owner)."""
+        tier = self.tiers[i]
+        if tier is self.home:
+            try:
+                self.delete(entry.key)
+            except LeaseHeld:
+                report["leased"].append(entry.key)
+                return False
+            report["deleted"].append(entry.key)
+            return True
+        if isinstance(tier, PinnedTier):
+            held = tier.take(entry.key)
+            if held is not None:
+                self._settle([(held[1], held[0])], start=i)
+            report["moved" if entry.persist else "dropped"].append(entry.key)
+            return True
+        tier.remove(entry.key)  # a disk cache above the object store: the home has it
+        report["moved"].append(entry.key)
+        return True
+
+    def _settle(self, leaving: list[tuple[Entry, object]], start: int = 0) -> None:
+        """RAM entries pushed out: persisted ones into the next tier below RAM unless that is the home
+        (which has them already); one-shot ones dropped."""
+        below = next((t for t in self.tiers[start + 1:] if not isinstance(t, PinnedTier)), None)
+        for entry, data in leaving:
+            if entry.persist and below is not None and below is not self.home:
+                below.put(entry.key, data)
+
+
+def open_store(snapshots: str | Path, *, pinned_bytes: int = 1 << 30, cache: str | Path | None = None,
+               disk: str | Path | None = None, disk_bytes: int | None = None,
+               disk_ttl_s: float | None = None, home_bytes: int | None = None,
+               home_ttl_s: float | None = None, pinned_ttl_s: float | None = None,
+               **store_options) -> SnapshotStore:
+    """The store a server's `--snapshots` names (a folder, file://, or s3://bucket/prefix): pinned RAM,
+    an optional local disk tier, and that home (an object store is read through `cache`)."""
+    from floe.snapshot.remote import tier_for_url
+
+    snapshots = str(snapshots)
+    cache = cache if cache is not None else Path(disk or ".") / ".floe-remote-cache"
+    tiers: list = [PinnedTier(pinned_bytes, pinned_ttl_s)] if pinned_bytes else []
+    if disk is not None:
+        tiers.append(DiskTier(disk, disk_bytes, disk_ttl_s))
+    tiers.append(tier_for_url(snapshots, cache, home_bytes, home_ttl_s))
+    return SnapshotStore(tiers, **store_options)
+
+
+__all__ = ["DiskTier", "PinnedTier", "RemoteTier", "SnapshotStore", "open_store"]
