@@ -1,0 +1,364 @@
+"""The tiered snapshot store (floe.snapshot.store) against a real S3 API on loopback (moto's threaded
+server, s3fs): bytes through every tier are the bytes frozen; sessions move down as they idle and up
+on use, within each tier's budget and TTL; a writer killed mid-write leaves the previous object; a
+second process is refused while a lease runs and takes over once it expires; damaged objects are
+refused; export and import round-trip; a thaw through the store continues an actor bit-identically."""
+
+import json
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import s3fs
+import torch
+from models import VOCAB
+from moto.server import ThreadedMotoServer
+
+from floe import snapshot
+from floe.actor import Actor
+from floe.engine import SamplingParams
+from floe.snapshot import SnapshotCorrupt
+from floe.snapshot.errors import LeaseHeld, LeaseLost, SnapshotKeyInvalid, SnapshotNotFound
+from floe.snapshot.store import DiskTier, PinnedTier, RemoteTier, SnapshotStore
+
+SAMPLED = SamplingParams(0.8, 0, 0.95, 11)
+PART = 5 << 20  # the smallest multipart part S3 takes
+
+
+# ---- a real S3 API on loopback ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def s3():
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield {"key": "test", "secret": "test",
+           "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3, request):
+    words = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()[5:45]).strip("-")
+    name = f"floe-{secrets.token_hex(4)}-{words}"
+    fs = s3fs.S3FileSystem(**s3)
+    fs.call_s3("create_bucket", Bucket=name)
+    return name
+
+
+def spec(kind: str, tmp: Path, s3: dict, bucket: str, **kw) -> dict:
+    """A store's description, as JSON (a subprocess builds the same store from it)."""
+    return {"kind": kind, "tmp": str(tmp), "s3": s3, "bucket": bucket, **kw}
+
+
+def make_store(s: dict) -> SnapshotStore:
+    """pinned RAM + disk + S3 ("s3"), or pinned RAM + a disk home ("disk")."""
+    tmp = Path(s["tmp"])
+    tiers: list = [PinnedTier(s.get("pinned_bytes", 64 << 20), s.get("pinned_ttl_s"))]
+    if s["kind"] == "s3":
+        tiers.append(DiskTier(tmp / "disk", s.get("disk_bytes"), s.get("disk_ttl_s")))
+        tiers.append(RemoteTier(f"s3://{s['bucket']}/sessions", tmp / "s3-cache", s.get("home_bytes"),
+                                s.get("home_ttl_s"), part_bytes=PART, **s["s3"]))
+    else:
+        tiers.append(DiskTier(tmp / "home", s.get("home_bytes"), s.get("home_ttl_s")))
+    return SnapshotStore(tiers, owner=s.get("owner"), lease_s=s.get("lease_s", 30.0))
+
+
+# ---- actors --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine():
+    from models import tiny_engine
+
+    return tiny_engine(n_slots=4, max_seq_len=512)
+
+
+@pytest.fixture(scope="module")
+def frozen(engine) -> bytes:
+    with Actor(engine, seed=5) as actor:
+        actor.send("The lighthouse keeper wrote", max_tokens=8)
+        return snapshot.encode(actor)
+
+
+def second_turn(actor: Actor) -> list[int]:
+    return actor.send("And then?", max_tokens=12, params=SAMPLED).stats.token_ids
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory) -> Path:
+    """A snapshot file over two multipart parts (~7 MB): ~900 tokens of a 4-layer model, 4 KV heads of 64."""
+    from floe.engine import Engine
+    from floe.model import default_model_path
+    from floe.model.config import ModelConfig
+    from floe.model.gguf_file import GGUFFile
+    from floe.model.synthetic import random_checkpoint
+    from floe.model.tokenizer import tokenizer_from_gguf
+
+    config = ModelConfig("llama", 256, 4, 4, 4, 512, VOCAB, 1024, name="store-test")
+    checkpoint = random_checkpoint(config, tokenizer_from_gguf(GGUFFile(default_model_path()).fields),
+                                   dtype=torch.float32, scale=0.5)
+    engine = Engine(checkpoint, max_seq_len=1024, n_slots=1)
+    path = tmp_path_factory.mktemp("big") / "big.safetensors"
+    with Actor(engine) as actor:
+        actor.send("the sea " * 430, max_tokens=1)
+        snapshot.freeze(actor, path)
+    assert path.stat().st_size > PART + (1 << 20)
+    return path
+
+
+# ---- bytes through every tier --------------------------------------------------------------------
+
+def test_bytes_through_each_tier_are_the_bytes_frozen(tmp_path, s3, bucket, frozen):
+    store = make_store(spec("s3", tmp_path, s3, bucket, pinned_ttl_s=10, disk_ttl_s=100))
+    store.put("alice/chat", frozen)
+    assert store.where("alice/chat") == ["pinned", "remote"]  # RAM, and written through to the home
+    seen = {"pinned": bytes(store.get("alice/chat").buffer)}
+    moved = store.sweep(time.time() + 50)  # idle past RAM's TTL: down to the disk
+    assert moved["moved"] == ["alice/chat"] and store.where("alice/chat") == ["disk", "remote"]
+    seen["disk"] = bytes(store.get("alice/chat").buffer)
+    store.sweep(time.time() + 500)  # past the disk's TTL too: the object store only
+    assert store.where("alice/chat") == ["remote"]
+    seen["remote"] = bytes(store.get("alice/chat").buffer)
+    seen["export"] = b"".join(store.export("alice/chat"))
+    assert all(b == frozen for b in seen.values()), [k for k, b in seen.items() if b != frozen]
+    raw = s3fs.S3FileSystem(**s3).cat_file(f"{bucket}/sessions/alice/chat.safetensors")
+    assert raw == frozen
+
+
+def test_pinned_tier_keeps_its_budget_least_recently_used_out(tmp_path, s3, bucket, frozen):
+    n = len(frozen)
+    store = make_store(spec("s3", tmp_path, s3, bucket, pinned_bytes=n * 5 // 2))
+    assert store.pinned.pinned == torch.cuda.is_available()  # page-locked only where CUDA exists
+    store.put("a", frozen)
+    store.put("b", frozen)
+    store.get("a")  # a is used after b
+    store.put("c", frozen)
+    assert {e.key for e in store.pinned.entries()} == {"a", "c"}
+    assert store.pinned.nbytes <= n * 5 // 2
+    assert store.where("b") == ["disk", "remote"]  # pushed out of RAM: down a tier, not lost
+    assert all(bytes(store.get(k).buffer) == frozen for k in "abc")
+
+
+def test_a_session_moves_down_as_it_idles_and_up_on_its_next_use(tmp_path, s3, bucket, engine):
+    store = make_store(spec("s3", tmp_path, s3, bucket, pinned_ttl_s=10, disk_ttl_s=10))
+    with Actor(engine, seed=3) as actor:
+        actor.send("One", max_tokens=6)
+        store.freeze("s", actor)
+        expected = second_turn(actor)
+    store.sweep(time.time() + 100)
+    assert store.where("s") == ["remote"]
+    with store.thaw("s", engine) as thawed:  # from the object store, through its local cache
+        assert second_turn(thawed) == expected
+        store.freeze("s", thawed)
+    assert store.where("s") == ["pinned", "remote"]  # its next freeze lands in RAM again
+
+
+@pytest.mark.parametrize("tier", ["pinned", "disk", "remote"])
+def test_thaw_through_the_store_continues_bit_identically(tmp_path, s3, bucket, engine, tier):
+    store = make_store(spec("s3", tmp_path, s3, bucket))
+    with Actor(engine, seed=9) as actor:
+        actor.send("Tell me about the sea.", max_tokens=10, params=SAMPLED)
+        store.freeze("t", actor)
+        reference = actor.capture_state()
+        ref_k = [k.clone() for k in reference.k]
+        expected = second_turn(actor)
+    if tier != "pinned":
+        data = bytes(store.get("t").buffer)
+        store.pinned.remove("t")
+        if tier == "disk":
+            store.tiers[1].put("t", data)
+    assert store.where("t")[0] == tier
+    with store.thaw("t", engine) as thawed:
+        state = thawed.capture_state()
+        assert all(torch.equal(a, b) for a, b in zip(state.k, ref_k, strict=True))
+        assert second_turn(thawed) == expected
+
+
+# ---- crashes, leases ------------------------------------------------------------------------------
+
+WRITER = """
+import json, sys
+sys.path.insert(0, "tests")
+from test_store import make_store
+s = json.loads(sys.argv[1])
+store = make_store(s)
+data = open(s["file"], "rb").read()
+if s["mode"] == "hold":
+    store.put(s["key"], data)
+    print(json.dumps({"expires_at": store.acquire(s["key"]).expires_at}), flush=True)
+    sys.stdin.read()
+else:
+    def chunks():
+        yield data[: 6 << 20]
+        print("mid-write", flush=True)
+        sys.stdin.read()  # never returns: the test kills this process here
+        yield data[6 << 20:]
+    store.import_(s["key"], chunks())
+"""
+
+
+def start_writer(s: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WRITER, json.dumps(s)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+
+
+@pytest.mark.parametrize("kind", ["disk", "s3"])
+def test_a_writer_killed_mid_write_leaves_the_previous_object(tmp_path, s3, bucket, frozen, big, kind):
+    s = spec(kind, tmp_path, s3, bucket, owner="parent")
+    store = make_store(s)
+    store.put("k", frozen)
+    store.release("k")  # the writer below takes the session over
+    writer = start_writer({**s, "owner": "writer", "mode": "import", "key": "k", "file": str(big)})
+    try:
+        assert writer.stdout.readline().strip() == "mid-write"
+        if kind == "s3":  # the upload is under way: one part of the new object is in the bucket
+            fs = s3fs.S3FileSystem(**s3)
+            uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+            assert [u["Key"] for u in uploads] == ["sessions/k.safetensors"]
+        else:  # the new file is half written into its temporary folder
+            assert any(p.name.endswith(".floe-tmp") for p in (tmp_path / "home").iterdir())
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(60)
+    finally:
+        writer.kill()
+    fresh = make_store({**s, "owner": "after"})
+    assert bytes(fresh.get("k").buffer) == frozen  # checked in full on the way up
+    assert fresh.home.entries()[0].nbytes == len(frozen)
+
+
+@pytest.mark.parametrize("kind", ["disk", "s3"])
+def test_a_second_process_is_refused_while_the_lease_runs_then_takes_over(tmp_path, s3, bucket, engine,
+                                                                           kind):
+    path = tmp_path / "a.safetensors"
+    with Actor(engine, seed=4) as actor:
+        actor.send("Where were we?", max_tokens=6)
+        snapshot.freeze(actor, path)
+        expected = second_turn(actor)
+    s = spec(kind, tmp_path, s3, bucket, lease_s=3.0)
+    holder = start_writer({**s, "owner": "server-a", "mode": "hold", "key": "k", "file": str(path)})
+    try:
+        until = json.loads(holder.stdout.readline())["expires_at"]
+        b = make_store({**s, "owner": "server-b"})
+        with pytest.raises(LeaseHeld) as refused:
+            b.thaw("k", engine)
+        assert (refused.value.owner, refused.value.expires_at) == ("server-a", until)
+        assert "server-a" in str(refused.value)
+        with pytest.raises(LeaseHeld):
+            b.put("k", path.read_bytes())
+        holder.send_signal(signal.SIGKILL)  # a crashed owner's lease runs on until it expires
+        holder.wait(60)
+    finally:
+        holder.kill()
+    if time.time() < until:
+        with pytest.raises(LeaseHeld):
+            b.acquire("k")
+    while time.time() <= until:
+        time.sleep(0.1)
+    with b.thaw("k", engine) as thawed:  # taken over: A's last freeze continues
+        assert second_turn(thawed) == expected
+    assert b.holder("k")[0] == "server-b"
+
+
+def test_a_lease_is_renewed_released_and_lost_once_taken_over(tmp_path, s3, bucket, frozen):
+    s = spec("s3", tmp_path, s3, bucket, lease_s=1.0)
+    a, b = make_store({**s, "owner": "a"}), make_store({**s, "owner": "b"})
+    first = a.acquire("k")
+    assert a.renew("k").expires_at > first.expires_at
+    a.release("k")
+    assert b.holder("k") is None
+    b.put("k", frozen)  # free at once after a release
+    until = b.acquire("k").expires_at
+    while time.time() <= until:
+        time.sleep(0.1)
+    a.acquire("k")  # b's lease expired: taken over
+    with pytest.raises(LeaseLost):
+        b.renew("k")
+    assert b.where("k") == ["remote"]  # b's own RAM copy is no longer trusted: dropped
+
+
+# ---- refusing damage -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["disk", "s3"])
+def test_a_corrupted_object_is_refused(tmp_path, s3, bucket, engine, frozen, kind):
+    s = spec(kind, tmp_path, s3, bucket, owner="w")
+    writer = make_store(s)
+    writer.put("k", frozen)
+    writer.release("k")
+    damaged = bytearray(frozen)
+    damaged[len(damaged) - 200] ^= 0x10  # one bit in the last tensor
+    if kind == "s3":
+        s3fs.S3FileSystem(**s3).pipe_file(f"{bucket}/sessions/k.safetensors", bytes(damaged))
+    else:
+        (tmp_path / "home" / "k.safetensors").write_bytes(damaged)
+    store = make_store({**s, "owner": "r"})
+    for read in (lambda: store.get("k"), lambda: store.export("k"), lambda: store.thaw("k", engine)):
+        with pytest.raises(SnapshotCorrupt, match="checksum mismatch in tensor"):
+            read()
+    with pytest.raises(SnapshotCorrupt):  # nor is a damaged one taken in
+        store.put("other", bytes(damaged))
+    with pytest.raises(SnapshotCorrupt):
+        store.import_("other", [bytes(damaged)])
+    with pytest.raises(SnapshotCorrupt, match="cut short"):
+        store.import_("other", [frozen[: len(frozen) // 2]])
+    with pytest.raises(SnapshotNotFound):
+        store.get("other")
+
+
+def test_keys_are_refused_unless_they_name_an_entry(tmp_path, s3, bucket, frozen):
+    store = make_store(spec("disk", tmp_path, s3, bucket))
+    for key in ("../x", "/x", "a//b", ".hidden", "a/b/c/d/e", "x.lease", ""):
+        with pytest.raises(SnapshotKeyInvalid):
+            store.put(key, frozen)
+
+
+# ---- lifecycle ------------------------------------------------------------------------------------
+
+def test_ttl_and_budgets_hold_after_200_entries(tmp_path, s3, bucket, frozen):
+    n = len(frozen)
+    store = make_store(spec("s3", tmp_path, s3, bucket, pinned_bytes=8 * n, pinned_ttl_s=60,
+                            disk_bytes=20 * n, disk_ttl_s=100, home_bytes=50 * n, home_ttl_s=1000))
+    for i in range(200):
+        one_shot = i % 2 == 0
+        store.put(f"{'once' if one_shot else 'named'}-{i:03d}", frozen, persist=not one_shot)
+        assert store.pinned.nbytes <= 8 * n
+    durable = {e.key for tier in store.tiers[1:] for e in tier.entries()}
+    assert len(durable) == 100 and all(k.startswith("named") for k in durable)  # one-shots: RAM only
+    report = store.sweep()
+    home = [e.key for e in store.home.entries()]
+    assert store.pinned.nbytes <= 8 * n and store.tiers[1].nbytes <= 20 * n and len(home) == 50
+    assert all(k.startswith("named") for k in home) and "named-199" in home
+    assert len(report["deleted"]) == 50 and store.holder(report["deleted"][0]) is None
+    store.sweep(time.time() + 2000)  # past every TTL
+    assert store.keys() == [] and store.holder("named-199") is None
+
+
+def test_one_shot_entries_are_not_persisted(tmp_path, s3, bucket, frozen):
+    store = make_store(spec("s3", tmp_path, s3, bucket, pinned_ttl_s=10))
+    store.put("once", frozen, persist=False)
+    assert store.where("once") == ["pinned"] and store.holder("once") is None and store.has("once")
+    assert store.sweep(time.time() + 60)["dropped"] == ["once"]
+    assert store.keys() == [] and not store.has("once")
+    with pytest.raises(SnapshotNotFound):
+        store.get("once")
+
+
+# ---- export, import -------------------------------------------------------------------------------
+
+def test_export_then_import_into_a_fresh_store_continues_identically(tmp_path, s3, bucket, engine):
+    source = make_store(spec("s3", tmp_path / "a", s3, bucket))
+    with Actor(engine, seed=8) as actor:
+        actor.send("Carry this conversation.", max_tokens=8, params=SAMPLED)
+        source.freeze("c", actor)
+        expected = second_turn(actor)
+    exported = b"".join(source.export("c"))
+    target = make_store(spec("disk", tmp_path / "b", s3, bucket))
+    info = target.import_("c", source.export("c", chunk_bytes=4096))
+    assert info["bytes"] == len(exported)
+    assert bytes(target.get("c").buffer) == exported == bytes(source.get("c").buffer)
+    with target.thaw("c", engine) as thawed:
+        assert second_turn(thawed) == expected
