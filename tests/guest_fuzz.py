@@ -171,16 +171,23 @@ def run(min_calls: int, seed: int, calls_per_message: int = 60, deadline_s: floa
     import wasmtime
     from models import tiny_engine
 
-    from floe.actor import Actor
+    from floe.actor import Actor, EngineLoop
     from floe.engine import SamplingParams
     from floe.wasm import GuestError
 
     engine = tiny_engine(n_slots=4)
+    # v2 turns in the engine's own loop, or in one that speculates and feeds rows (forced on here, where
+    # the CPU's step does not run on its own): a guest's hostile token must undo a speculated row.
+    loops = [None, EngineLoop(engine, overlap=True, feed=True)]
     rng = random.Random(seed)
     gen = GuestGenerator(rng, engine.config.vocab_size)
     outcomes: collections.Counter = collections.Counter()
     unexpected: list[str] = []
     calls = messages = guests = 0
+    # A bystander: a well-behaved actor that holds a conversation all along; nothing may change it.
+    bystander = Actor(engine)
+    bystander.send("Hi", max_tokens=4)
+    before = _fingerprint(bystander)
     start = time.monotonic()
     while calls < min_calls and guests < max_guests:
         guests += 1
@@ -188,7 +195,8 @@ def run(min_calls: int, seed: int, calls_per_message: int = 60, deadline_s: floa
         wasm = wasmtime.wat2wasm(wat)
         cap = rng.choice([1, 4, 16]) << 20
         try:
-            actor = Actor(engine, wasm, memory_cap=cap, deadline_s=deadline_s, seed=rng.randrange(1 << 30))
+            actor = Actor(engine, wasm, memory_cap=cap, deadline_s=deadline_s, seed=rng.randrange(1 << 30),
+                          loop=rng.choice(loops))
         except GuestError as e:
             outcomes[f"load:{type(e).__name__}"] += 1
             continue
@@ -211,10 +219,21 @@ def run(min_calls: int, seed: int, calls_per_message: int = 60, deadline_s: floa
                 except Exception:  # noqa: BLE001
                     unexpected.append(traceback.format_exc())
             calls += dict((n, b) for n, _, b in actor.capture_state().globals)["calls"]
+    intact = _fingerprint(bystander) == before
+    bystander.close()
     with Actor(engine) as actor:  # the host still serves a well-behaved guest
         healthy = actor.send("Hi", max_tokens=3).stats.generated_tokens == 3
     return {"guests": guests, "messages": messages, "host_calls": calls, "outcomes": dict(outcomes),
-            "unexpected": unexpected, "healthy_after": healthy, "seconds": round(time.monotonic() - start, 1)}
+            "unexpected": unexpected, "healthy_after": healthy, "bystander_intact": intact,
+            "seconds": round(time.monotonic() - start, 1)}
+
+
+def _fingerprint(actor) -> tuple:
+    """An actor's whole state, comparably: KV cache tokens and bytes, guest memory and globals, RNG."""
+    state = actor.capture_state()
+    kv = b"".join(t.cpu().numpy().tobytes() for t in (*state.k, *state.v))
+    return (state.tokens, kv, state.memory_size, state.memory_pages.tobytes(), state.memory_data.tobytes(),
+            state.globals, state.rng.numpy().tobytes())
 
 
 def main() -> None:

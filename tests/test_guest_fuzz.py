@@ -15,7 +15,7 @@ def test_ten_thousand_random_host_calls_from_v1_and_v2_guests_fail_only_as_guest
     report = json.loads(out.strip().splitlines()[-1])
     assert report["unexpected"] == [], "\n".join(report["unexpected"])
     assert report["host_calls"] >= 10_000, report
-    assert report["healthy_after"], report
+    assert report["healthy_after"] and report["bystander_intact"], report
     outcomes = report["outcomes"]
     for version in ("v1", "v2"):  # both ABIs' guests got through messages, and failed at the edges
         assert outcomes.get(f"{version}:ok", 0) > 0, report
