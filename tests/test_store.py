@@ -309,6 +309,21 @@ def test_a_corrupted_object_is_refused(tmp_path, s3, bucket, engine, frozen, kin
         store.get("other")
 
 
+def test_a_damaged_local_cache_copy_is_fetched_again(tmp_path, s3, bucket, engine, frozen):
+    s = spec("s3", tmp_path, s3, bucket)
+    store = make_store(s)
+    store.put("k", frozen)
+    store.release("k")
+    reader = make_store({**s, "tmp": str(tmp_path / "reader")})
+    cached = reader.source("k")  # no lease: read from the object store, through the local cache
+    assert cached.read_bytes() == frozen
+    damaged = bytearray(frozen)
+    damaged[len(damaged) - 200] ^= 0x10
+    cached.write_bytes(damaged)  # the object is unchanged: the same ETag
+    assert bytes(reader.get("k").buffer) == frozen
+    assert cached.read_bytes() == frozen
+
+
 def test_keys_are_refused_unless_they_name_an_entry(tmp_path, s3, bucket, frozen):
     store = make_store(spec("disk", tmp_path, s3, bucket))
     for key in ("../x", "/x", "a//b", ".hidden", "a/b/c/d/e", "x.lease", ""):

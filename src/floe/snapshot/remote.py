@@ -3,9 +3,9 @@
 Objects are `{prefix}/{key}.safetensors`, leases `{prefix}/{key}.lease` (S3Leases: conditional
 writes). A write streams as a multipart upload that is completed only once every byte passed the
 check (floe.snapshot.stream), and aborted otherwise — on S3 an object appears whole or not at all, so
-a writer killed mid-upload leaves the previous object as it was. A read is one GET with `If-Match`
-the object's ETag, checked as it streams into the local cache (`{cache}/{key}.safetensors` beside
-`{key}.etag`); a cached copy is used again only while its ETag is the object's (one HEAD).
+a writer killed mid-upload leaves the previous object as it was. A read is one GET, checked as it
+streams into the local cache (`{cache}/{key}.safetensors` beside `{key}.etag`); with a cached copy it
+carries `If-None-Match` its ETag, and a 304 (not modified) uses the cached copy again.
 `file://` URLs are local folders: `tier_for_url` makes them a DiskTier.
 """
 
@@ -25,7 +25,7 @@ from floe.snapshot.stream import StreamCheck
 from floe.snapshot.tiers import SUFFIX, DiskTier, Entry
 
 PART_BYTES = 8 << 20  # multipart part size (S3 wants >= 5 MiB for every part but the last)
-READ_BYTES = 4 << 20
+READ_BYTES = 8 << 20
 
 
 class RemoteTier:
@@ -106,47 +106,51 @@ class RemoteTier:
         return self.etag(key) is not None
 
     def source(self, key: str) -> Path | None:
-        """The entry in the local cache (fetched and checked on its way, unless the cached copy is the
-        object's current version), or None if there is no object."""
-        etag = self.etag(key)
-        if etag is None:
-            return None
+        """The entry in the local cache — fetched and checked as it streamed, unless the cached copy is
+        the object's current version — or None if there is no object. One request either way."""
         path, tag = self._cached(key)
-        if path.is_file() and tag.is_file() and tag.read_text() == etag:
-            os.utime(path)
-            return path
-        return self._fetch(key, etag)
+        cached = tag.read_text() if path.is_file() and tag.is_file() else None
+        try:
+            return self._fetch(key, cached)
+        except SnapshotNotFound:
+            self.drop_cached(key)
+            return None
 
     def _cached(self, key: str) -> tuple[Path, Path]:
         path = self.cache / f"{key}{SUFFIX}"
         return path, path.with_name(path.name + ".etag")
 
-    def _fetch(self, key: str, etag: str) -> Path:
-        """One GET (If-Match `etag`), checked as it streams into the cache. No fsync: a cache file a
-        crash damaged fails its check on the next read and is fetched again."""
+    def _fetch(self, key: str, cached: str | None) -> Path:
+        """One GET (If-None-Match the cached copy's ETag), checked as it streams into the cache. No
+        fsync: a cache file a crash damaged fails its check on the next read and is fetched again."""
         path, tag = self._cached(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.part")
         check = StreamCheck(f"{self.url}/{key}{SUFFIX}")
         bucket, name = self._split(key)
+        condition = {"IfNoneMatch": cached} if cached else {}
 
-        async def download() -> None:
-            reply = await self.fs._call_s3("get_object", Bucket=bucket, Key=name, IfMatch=etag)
+        async def download() -> str:
+            reply = await self.fs._call_s3("get_object", Bucket=bucket, Key=name, **condition)
             with open(tmp, "wb") as f:
                 async with reply["Body"] as body:
                     while chunk := await body.read(READ_BYTES):
                         check.update(chunk)
                         f.write(chunk)
+            return reply["ETag"]
 
         try:
-            sync(self.fs.loop, download)
+            etag = sync(self.fs.loop, download)
             check.finish()
             tag.unlink(missing_ok=True)
             os.replace(tmp, path)
             tag.write_text(etag)
         except FileNotFoundError as e:
-            raise SnapshotNotFound(f"no snapshot under {key!r} (it went while it was read)") from e
+            raise SnapshotNotFound(f"no snapshot under {key!r} in {self.url}") from e
         except OSError as e:
+            if _status(e) == 304:  # the cached copy is the object's current version
+                os.utime(path)
+                return path
             raise self._failed(f"read {key!r}", e) from e
         finally:
             tmp.unlink(missing_ok=True)
@@ -204,6 +208,11 @@ class RemoteTier:
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries())
+
+
+def _status(e: OSError) -> int | None:
+    """The HTTP status behind an s3fs error (its cause is botocore's ClientError)."""
+    return getattr(e.__cause__, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
 
 
 def tier_for_url(url: str, cache: str | Path, budget_bytes: int | None = None, ttl_s: float | None = None,

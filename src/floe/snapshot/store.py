@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from floe.snapshot import Snapshot, encode, thaw
-from floe.snapshot.errors import LeaseHeld, LeaseLost, SnapshotTooLarge, SnapshotUnreadable
+from floe.snapshot.errors import LeaseHeld, LeaseLost, SnapshotCorrupt, SnapshotTooLarge, SnapshotUnreadable
 from floe.snapshot.lease import Lease, default_owner
 from floe.snapshot.remote import RemoteTier
 from floe.snapshot.stream import StreamCheck, check_bytes
@@ -180,20 +180,7 @@ class SnapshotStore:
     def get(self, key: str) -> Snapshot:
         """The snapshot under `key`, checked in full (every tensor's bytes) if it came from the disk or
         the object store; in RAM it was checked on its way in. Raises SnapshotNotFound, SnapshotCorrupt."""
-        for tier in self._trusted(check_key(key)):
-            if isinstance(tier, PinnedTier):
-                held = tier.get(key)
-                if held is not None:
-                    return Snapshot(f"pinned:{key}", buffer=held[0], contents=False)
-                continue
-            path = tier.source(key)
-            if path is None:
-                continue
-            try:
-                return Snapshot(path)
-            except SnapshotUnreadable as e:  # removed meanwhile by another store
-                raise not_found(key) from e
-        raise not_found(key)
+        return self._read(key, lambda source: source if isinstance(source, Snapshot) else Snapshot(source))
 
     def thaw(self, key: str, engine, guest=None, **actor_options):
         """A new actor from the snapshot under `key` (floe.snapshot.thaw, which checks every byte as
@@ -203,21 +190,37 @@ class SnapshotStore:
         held = self.pinned.get(key) if self.pinned is not None else None
         if held is None or held[1].persist:
             self._hold(key)
-        source = self.source(key)
-        return thaw(engine, source, guest, **actor_options)
+        return self._read(key, lambda source: thaw(engine, source, guest, **actor_options))
+
+    def _read(self, key: str, use):
+        """use(what `key` is read from). A damaged copy in the object store's local cache is fetched
+        again, once (the object itself is checked as it streams: a damaged object is refused)."""
+        tier, source = self._source(key)
+        try:
+            return use(source)
+        except SnapshotUnreadable as e:  # removed meanwhile by another store
+            raise not_found(key) from e
+        except SnapshotCorrupt:
+            if not isinstance(tier, RemoteTier):
+                raise
+            tier.drop_cached(key)
+            return use(self._source(key)[1])
 
     def source(self, key: str) -> Snapshot | Path:
         """What `thaw` reads `key` from: a Snapshot over its RAM copy, or a local file (the disk tier's,
         or the object store's copy in the local cache, fetched and checked as it streamed)."""
+        return self._source(check_key(key))[1]
+
+    def _source(self, key: str) -> tuple[object, Snapshot | Path]:
         for tier in self._trusted(check_key(key)):
             if isinstance(tier, PinnedTier):
                 held = tier.get(key)
                 if held is not None:
-                    return Snapshot(f"pinned:{key}", buffer=held[0], contents=False)
+                    return tier, Snapshot(f"pinned:{key}", buffer=held[0], contents=False)
                 continue
             path = tier.source(key)
             if path is not None:
-                return path
+                return tier, path
         raise not_found(key)
 
     def export(self, key: str, chunk_bytes: int = EXPORT_CHUNK) -> Iterator[memoryview]:
