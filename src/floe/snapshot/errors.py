@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from floe.errors import FloeError
 
 
@@ -61,8 +63,6 @@ class LeaseHeld(SnapshotError):
     """Another owner holds the session's lease; it may be taken over once the lease expires."""
 
     def __init__(self, key: str, owner: str, expires_at: float) -> None:
-        from datetime import UTC, datetime
-
         until = datetime.fromtimestamp(expires_at, UTC).isoformat(timespec="seconds")
         super().__init__(f"session {key!r} is held by {owner!r} until {until} (its lease); another server "
                          "may take it over only after that, if its owner has not renewed it")

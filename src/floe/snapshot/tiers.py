@@ -21,7 +21,12 @@ import numpy as np
 import torch
 
 from floe.snapshot.atomic import replace_file
-from floe.snapshot.errors import SnapshotKeyInvalid, SnapshotNotFound, SnapshotTooLarge, SnapshotUnreadable
+from floe.snapshot.errors import (
+    SnapshotKeyInvalid,
+    SnapshotNotFound,
+    SnapshotTooLarge,
+    StoreUnavailable,
+)
 from floe.snapshot.lease import FileLeases
 from floe.snapshot.stream import StreamCheck
 
@@ -161,8 +166,6 @@ class DiskTier:
         try:
             replace_file(path, save)
         except OSError as e:
-            from floe.snapshot.errors import StoreUnavailable
-
             raise StoreUnavailable(f"cannot write {path}: {e}") from e
 
     def source(self, key: str) -> Path | None:
@@ -201,7 +204,3 @@ class DiskTier:
 def not_found(key: str) -> SnapshotNotFound:
     return SnapshotNotFound(f"no snapshot under {key!r} in any tier of the store")
 
-
-def unreadable_is_missing(key: str, e: SnapshotUnreadable) -> SnapshotNotFound:
-    """A file that vanished between listing and opening (another store removed it) is not there."""
-    return SnapshotNotFound(f"no snapshot under {key!r} (it went while it was read: {e})")
