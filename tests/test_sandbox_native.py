@@ -205,3 +205,29 @@ def test_an_interrupted_caller_gets_control_back_only_once_the_loop_has_let_go_o
             print("next", actor.send("Hi", max_tokens=3).stats.generated_tokens)
     """)
     assert "interrupted after the loop let go: True" in out and "next 3" in out, out
+
+
+def test_the_interpreter_exits_cleanly_while_guests_run_in_daemon_threads():
+    # The engine loop's thread is a daemon, and so may be a caller's: Python stops them at exit when
+    # they next want the GIL, and one stopped in a callback below guest code, or in a host call's C++
+    # (sample), unwinds frames that cannot be unwound: "terminate called without an active exception".
+    out = run_isolated("""
+        import threading, time
+        from guests_wat import calls_host, v2_guest
+        from models import tiny_engine
+        from floe.actor import Actor
+        from floe.wasm import guest_calls_running
+        engine = tiny_engine(n_slots=2)
+        v1 = calls_host("(i32.store (i32.const 4096) (i32.const 17))"
+                        "(drop (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))"
+                        "(loop $l (drop (call $sample (i32.const 0))) (br $l)) (i32.const 0)")
+        v2 = v2_guest("(loop $l (drop (call $sample (i32.const 0))) (br $l))", after=2)
+        for wasm in (v1, v2):
+            actor = Actor(engine, wasm, deadline_s=60)
+            threading.Thread(target=actor.send, args=("x",), daemon=True).start()
+        while guest_calls_running() < 2:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        print("exiting with", guest_calls_running(), "guest calls running")
+    """)
+    assert "exiting with 2 guest calls running" in out, out  # (and the child exited with 0)

@@ -18,7 +18,9 @@ from floe.wasm.runtime import (
     ThreadStackTooSmall,
     WasmRuntime,
     default_runtime,
+    guest_calls_running,
     start_guest_thread,
+    stop_all_guests,
 )
 
 __all__ = [
@@ -39,5 +41,7 @@ __all__ = [
     "ThreadStackTooSmall",
     "WasmRuntime",
     "default_runtime",
+    "guest_calls_running",
     "start_guest_thread",
+    "stop_all_guests",
 ]

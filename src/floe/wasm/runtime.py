@@ -138,6 +138,45 @@ class _GuestStack(threading.local):
 guest_stack = _GuestStack()
 
 
+# Guest calls in flight (by their watchdog's id), and why every new one is refused (stop_all_guests).
+_running: dict[int, Watchdog] = {}
+_stopped: str | None = None
+
+
+def stop_all_guests(reason: str) -> None:
+    """From any thread: every guest call in flight stops at its next epoch tick or host call, and every
+    later one is refused (GuestCancelled with `reason`). For the interpreter's exit: Python stops a
+    daemon thread when it next wants the GIL, and one stopped in a callback below guest code, or in a
+    host call's C++, unwinds through frames that cannot be unwound: the process aborts."""
+    global _stopped
+    _stopped = reason  # first: a call registered after the cancellations below sees it
+    for watchdog in list(_running.values()):
+        watchdog.cancel(reason)
+
+
+def guest_calls_running() -> int:
+    """How many guest calls are in flight in the process, in every thread."""
+    return len(_running)
+
+
+class _Running:
+    """`with` around a guest call: registered in flight, refused after stop_all_guests()."""
+
+    __slots__ = ("watchdog",)
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self.watchdog = watchdog
+
+    def __enter__(self) -> None:
+        _running[id(self.watchdog)] = self.watchdog
+        if _stopped is not None:
+            del _running[id(self.watchdog)]
+            raise GuestCancelled(f"the guest was not run: {_stopped}")
+
+    def __exit__(self, *exc) -> None:
+        _running.pop(id(self.watchdog), None)
+
+
 _thread_start_lock = threading.Lock()
 
 
@@ -310,7 +349,8 @@ class GuestInstance:
                                                                                          f.n_results), f.fn)
         self.watchdog.arm(deadline_s)
         # (the start function runs in instantiate)
-        with runtime.memory_creator.creating(memory_cap) as created, signals.held(), guest_stack:
+        with (runtime.memory_creator.creating(memory_cap) as created, signals.held(), guest_stack,
+              _Running(self.watchdog)):
             try:
                 self.instance: Instance = linker.instantiate(self.store, module.module)
             except (Trap, WasmtimeError) as e:
@@ -370,7 +410,7 @@ class GuestInstance:
             region.denied_size = 0
         self.watchdog.arm(deadline_s)
         try:
-            with guest_stack:
+            with guest_stack, _Running(self.watchdog):
                 if threading.get_ident() != signals.main:
                     return call_i32(self.store, func, args)
                 with signals.held():
