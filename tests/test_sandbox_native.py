@@ -231,3 +231,24 @@ def test_the_interpreter_exits_cleanly_while_guests_run_in_daemon_threads():
         print("exiting with", guest_calls_running(), "guest calls running")
     """)
     assert "exiting with 2 guest calls running" in out, out  # (and the child exited with 0)
+
+
+def test_a_signal_handler_installed_during_a_guest_call_is_kept_after_it(tiny_engine):
+    # While a guest runs on the main thread floe holds Python's handlers back (see the Ctrl-C test); an
+    # on_text callback that installs its own must find it installed once the call returns.
+    import signal
+
+    from guests_wat import EMITS_OK
+
+    from floe.actor import Actor
+
+    def mine(signum, frame):
+        pass
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with Actor(tiny_engine, EMITS_OK) as actor:
+            actor.send("x", on_text=lambda text: signal.signal(signal.SIGINT, mine))
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, previous)

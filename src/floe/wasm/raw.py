@@ -110,7 +110,8 @@ class SignalDeferral:
             if self._depth == 0:
                 handlers, self._handlers = self._handlers, {}
                 for signum, handler in handlers.items():
-                    _signal.signal(signum, handler)
+                    if _signal.getsignal(signum) is self._record:  # (not one a callback installed since)
+                        _signal.signal(signum, handler)
                 self._deliver(handlers)
 
     def deliver(self) -> None:
