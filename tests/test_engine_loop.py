@@ -403,3 +403,28 @@ def test_a_guest_whose_results_break_the_abi_fails_only_its_own_message_with_a_s
     if error is GuestReportedError:
         assert failed.status in (5, 7)
     assert replies[0].stats.token_ids == expected
+
+
+def test_a_loop_whose_own_failure_handling_fails_still_ends_every_turn_and_goes_on(tiny_engine, monkeypatch):
+    """A bug in a step and then in its clean-up (_abort) ends the waiting turn with the step's error
+    instead of leaving its caller waiting for ever, and the loop's thread lives on for the next."""
+    loop = EngineLoop(tiny_engine)
+
+    def broken_step():
+        raise RuntimeError("a bug in the step")
+
+    def broken_abort(error):
+        raise RuntimeError("a bug in its clean-up")
+
+    with Actor(tiny_engine, loop=loop) as actor:
+        monkeypatch.setattr(loop, "_step", broken_step)
+        monkeypatch.setattr(loop, "_abort", broken_abort)
+        outcome = {}
+        caller = threading.Thread(target=lambda: outcome.update(
+            error=pytest.raises(RuntimeError, actor.send, PROMPTS[0], max_tokens=3, params=GREEDY)))
+        caller.start()
+        caller.join(60)
+        assert not caller.is_alive(), "the caller still waits on a turn nothing will end"
+        assert "a bug in the step" in str(outcome["error"].value)
+        monkeypatch.undo()  # the same loop thread, alive, steps the next message
+        assert actor.send(PROMPTS[4], max_tokens=3, params=GREEDY).stats.generated_tokens == 3

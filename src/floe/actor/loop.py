@@ -32,8 +32,8 @@ and two forwards are in flight. The fed token is known once the earlier one is f
 
 from __future__ import annotations
 
-import atexit
 import contextlib
+import logging
 import threading
 import time
 import weakref
@@ -47,17 +47,12 @@ from floe.engine import Engine
 from floe.engine.engine import LaunchedStep
 from floe.engine.sampling import draw_uniforms
 from floe.errors import ContextOverflow
-from floe.wasm import (
-    GuestDeadlineExceeded,
-    GuestReportedError,
-    GuestResultError,
-    guest_calls_running,
-    start_guest_thread,
-    stop_all_guests,
-)
+from floe.wasm import GuestDeadlineExceeded, GuestReportedError, GuestResultError, start_guest_thread
 
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
+
+log = logging.getLogger("floe.actor")
 
 STOP = -1  # what on_token returns to end the turn
 FED = -2  # Turn.speculated of a fed row whose token is not known yet (see the module doc)
@@ -145,7 +140,6 @@ class EngineLoop:
         self.wait_s = 0.0  # of which waiting for launched forwards (the rest: the host's work)
         self.phase_s = dict.fromkeys(("prefill", "results", "launch", "guests", "end"), 0.0)  # of step_s
         self._arrival = threading.Lock()  # see arriving()
-        _ALL_LOOPS.add(self)
 
     # ---- the caller's side ------------------------------------------------------------------------
 
@@ -161,7 +155,7 @@ class EngineLoop:
             turn.done.wait()
         except BaseException:  # Ctrl-C in the caller: the guest and its memory must outlive the turn
             turn.abandoned = True
-            _wait_out(turn)
+            self._wait_out(turn)
             raise
         if turn.error is not None:
             raise turn.error
@@ -193,7 +187,7 @@ class EngineLoop:
                     "phase_s": dict(self.phase_s)}
 
     def _start(self) -> None:
-        if self._thread is None:
+        if self._thread is None or not self._thread.is_alive():  # (a thread that died is replaced)
             self._thread = threading.Thread(target=self._loop, name="floe-engine-loop", daemon=True)
             self._thread.floe_engine_loop = True  # actors refuse blocking calls from this thread
             start_guest_thread(self._thread)  # guests run on its stack: sized for them, not inherited
@@ -213,9 +207,31 @@ class EngineLoop:
             try:
                 self._step()
             except BaseException as e:  # noqa: BLE001 - a bug here must fail turns, not hang callers
-                self._abort(e)
+                try:
+                    self._abort(e)
+                except BaseException:  # noqa: BLE001 - the clean-up failed too: the loop goes on
+                    log.exception("the engine loop's clean-up after a failed step failed")
+                finally:  # whatever _abort did, no caller waits on for ever
+                    for turn in self._active:
+                        if not turn.done.is_set():
+                            turn.error = turn.error or e
+                            turn.done.set()
             self.step_s += time.perf_counter() - t0
             self._active = [t for t in self._active if not t.done.is_set()]
+
+    def _wait_out(self, turn: Turn) -> None:
+        """Wait for an abandoned turn to end, through further interrupts: until it has, the loop may
+        still step it (call its guest, write its memory, run or undo its row in its KV slot), so its
+        actor must not be freed, nor its slot given to another. The loop ends it at its next step (a
+        step is bounded: each guest call in it by token_call_s), unless the loop's thread is gone."""
+        while not turn.done.is_set():
+            thread = self._thread
+            if thread is None or not thread.is_alive():
+                return
+            try:
+                turn.done.wait(0.05)
+            except KeyboardInterrupt:
+                continue
 
     def _abort(self, error: BaseException) -> None:
         """Fail every turn (a bug in the loop, or the engine failed): the forward in flight is waited
@@ -567,18 +583,6 @@ def _draws(turn: Turn) -> bool:
     return turn.actor.abi.choice is not None and not turn.actor.request.params.greedy
 
 
-def _wait_out(turn: Turn) -> None:
-    """Wait for an abandoned turn to end, through further interrupts: until it has, the loop may still
-    step it (call its guest, write its memory, run or undo its row in its KV slot), so its actor must
-    not be freed, nor its slot given to another. The loop ends it at its next step, and a step is
-    bounded (each guest call in it by token_call_s)."""
-    while not turn.done.is_set():
-        try:
-            turn.done.wait(0.05)
-        except KeyboardInterrupt:
-            continue
-
-
 _LOOPS: weakref.WeakKeyDictionary[Engine, EngineLoop] = weakref.WeakKeyDictionary()
 _LOOPS_LOCK = threading.Lock()
 
@@ -597,17 +601,3 @@ def in_engine_loop() -> bool:
     return getattr(threading.current_thread(), "floe_engine_loop", False)
 
 
-_ALL_LOOPS: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
-EXIT_WAIT_S = 10.0  # the most the interpreter's exit waits for guests and loops to stop
-
-
-@atexit.register
-def _stop_at_exit() -> None:
-    """At the interpreter's exit (after its non-daemon threads, before it stops the daemon ones): stop
-    every guest call and refuse new ones, then wait for each loop's turns to end. A loop thread Python
-    stops inside a guest call, or a forward, aborts the process ("terminate called without an active
-    exception"); waited for, each turn ends with GuestCancelled and its thread idles."""
-    stop_all_guests("the process is exiting")
-    end = time.monotonic() + EXIT_WAIT_S
-    while (guest_calls_running() or any(loop.busy for loop in list(_ALL_LOOPS))) and time.monotonic() < end:
-        time.sleep(0.01)
