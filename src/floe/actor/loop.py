@@ -32,6 +32,7 @@ and two forwards are in flight. The fed token is known once the earlier one is f
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
@@ -47,7 +48,14 @@ from floe.engine import Engine
 from floe.engine.engine import LaunchedStep
 from floe.engine.sampling import draw_uniforms
 from floe.errors import ContextOverflow
-from floe.wasm import GuestDeadlineExceeded, GuestReportedError, GuestResultError, start_guest_thread
+from floe.wasm import (
+    GuestDeadlineExceeded,
+    GuestReportedError,
+    GuestResultError,
+    guest_calls_running,
+    start_guest_thread,
+    stop_all_guests,
+)
 
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
@@ -140,6 +148,7 @@ class EngineLoop:
         self.wait_s = 0.0  # of which waiting for launched forwards (the rest: the host's work)
         self.phase_s = dict.fromkeys(("prefill", "results", "launch", "guests", "end"), 0.0)  # of step_s
         self._arrival = threading.Lock()  # see arriving()
+        _ALL_LOOPS.add(self)
 
     # ---- the caller's side ------------------------------------------------------------------------
 
@@ -601,3 +610,17 @@ def in_engine_loop() -> bool:
     return getattr(threading.current_thread(), "floe_engine_loop", False)
 
 
+_ALL_LOOPS: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+EXIT_WAIT_S = 10.0  # the most the interpreter's exit waits for guests and loops to stop
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """At the interpreter's exit (after its non-daemon threads, before it stops the daemon ones): stop
+    every guest call and refuse new ones, then wait for each loop's turns to end. A loop thread Python
+    stops inside a guest call, or a forward, aborts the process ("terminate called without an active
+    exception"); waited for, each turn ends with GuestCancelled and its thread idles."""
+    stop_all_guests("the process is exiting")
+    end = time.monotonic() + EXIT_WAIT_S
+    while (guest_calls_running() or any(loop.busy for loop in list(_ALL_LOOPS))) and time.monotonic() < end:
+        time.sleep(0.01)
