@@ -105,7 +105,8 @@ def test_a_client_that_leaves_stops_its_row_and_the_actor_goes_on(tiny_engine):
             if len(pieces) == 2:
                 break
         assert loop.stats()["active"] == 0  # the row left at the next step
-        assert actor.stats.generated_tokens <= 3
+        # (how many tokens ran before the loop saw the client leave depends on how busy the CPU is)
+        assert actor.stats.finish_reason == "cancelled" and actor.stats.generated_tokens < 200
         assert actor.send(PROMPTS[4], max_tokens=3, params=GREEDY).stats.generated_tokens == 3
 
 

@@ -459,7 +459,8 @@ def test_a_request_that_cannot_succeed_is_not_retried(server):
     ({"temperature": 1e308}, "temperature"), ({"top_k": 2**31}, "top_k"),
     ({"session_id": "abc\n"}, "session"), ({"session_id": "../../etc/passwd"}, "session"),
     ({"messages": [{"role": "user", "content": "half a pair: \ud800"}]}, "Unicode"),
-    ({"messages": [{"role": "tool", "content": "hi"}]}, "role"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"messages": [{"role": "tool", "content": "hi"}]}, "tool_call_id"),  # answers no earlier call
 ])
 def test_hostile_values_get_a_400_naming_them(server, change, param):
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | change
@@ -477,10 +478,8 @@ def test_the_developer_role_is_a_system_message(server):
     assert ask(c, messages).choices[0].message.content == ask(c, as_system).choices[0].message.content
 
 
-@pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("response_format", {"type": "json_object"}), ("logprobs", True), ("presence_penalty", 0.5),
-    ("frequency_penalty", 1.0), ("logit_bias", {"17": 5}),
+@pytest.mark.parametrize("field, value", [  # (tools and response_format: tests/test_server_structured.py)
+    ("logprobs", True), ("presence_penalty", 0.5), ("frequency_penalty", 1.0), ("logit_bias", {"17": 5}),
 ])
 def test_a_field_floe_would_ignore_gets_a_400_naming_it(server, field, value):
     with pytest.raises(openai.BadRequestError) as e:
