@@ -131,6 +131,10 @@ def test_a_schema_the_guest_cannot_compile_is_a_400_naming_the_keyword(server, s
     {"tools": TOOLS, "response_format": {"type": "json_object"}},
     {"response_format": {"type": "json_object"}, "stop": "}"},
     {"response_format": {"type": "yaml"}},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": "get_weather"}},  # not an object
+    {"tools": TOOLS, "tool_choice": {"function": None}},
+    {"tools": [*TOOLS, {"type": "function", "function": 3}], "tool_choice": "required"},
+    {"tools": TOOLS, "messages": [*CAPITAL, {"role": "tool", "tool_call_id": ["x"], "content": "1"}]},
 ])
 def test_a_malformed_structured_request_is_a_400(server, fields):
     r = httpx.post(f"{server.url}/v1/chat/completions",

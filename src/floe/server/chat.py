@@ -111,7 +111,8 @@ def _conversation(given: list[ChatMessage]) -> list[dict]:
         role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for it
         extra = m.model_extra or {}
         if role == "tool":
-            name = called.get(extra.get("tool_call_id"))
+            call = extra.get("tool_call_id")
+            name = called.get(call) if isinstance(call, str) else None
             if name is None:
                 raise ServeError(400, f"messages[{i}]: a tool message answers a tool call of an earlier "
                                       "assistant message (its tool_call_id)", param="messages")

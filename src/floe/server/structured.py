@@ -134,12 +134,18 @@ def _choice_name(choice, tools) -> str:
     """tool_choice as "none", "auto", "required" or the named function (which must be offered)."""
     if choice in ("none", "auto", "required"):
         return choice
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else choice
-    offered = {t.get("function", t).get("name") for t in tools or () if isinstance(t, dict)}
+    name = _function(choice).get("name") if isinstance(choice, dict) else choice
+    offered = {_function(t).get("name") for t in tools or () if isinstance(t, dict)}
     if not isinstance(name, str) or name not in offered:
         raise ServeError(400, "tool_choice: none, auto, required or {\"type\": \"function\", \"function\": "
                               "{\"name\": <one of the tools>}}", param="tool_choice")
     return name
+
+
+def _function(tool: dict) -> dict:
+    """A tool's function object (OpenAI's {"type": "function", "function": {...}}, or the bare one)."""
+    function = tool.get("function", tool)
+    return function if isinstance(function, dict) else {}
 
 
 # ---- tool conversations as text messages ------------------------------------------------------------
@@ -215,7 +221,7 @@ def outcome(c: Constraint, text: str) -> Outcome:
     except json.JSONDecodeError:
         return Outcome(text, kept=text, whole=False)
     if c.mode == "tools" and isinstance(value, dict) and (head := CALL_HEAD.match(text)):
-        name, arguments = json.loads(head.group(1)), text[head.end():-1]
+        name, arguments = json.loads(head.group(1)), text.rstrip()[head.end():-1]  # (before its closing })
         return Outcome(None, [(name, arguments)], call_text(name, value["arguments"]))
     if c.mode == "tools" and isinstance(value, str):
         return Outcome(value, kept=value)
