@@ -253,7 +253,7 @@ def test_host_functions_are_refused_to_a_start_function(tiny_engine):
 
 
 
-def _declaring(n: int, item: str) -> bytes:
+def _declaring(n: int, item: str, text: bool = False) -> bytes:
     head = """(memory (export "memory") 1)
       (func $v (export "floe_abi_version") (result i32) (i32.const 1))
       (func (export "alloc") (param i32) (result i32) (i32.const 1024))
@@ -262,7 +262,8 @@ def _declaring(n: int, item: str) -> bytes:
              "functions": "(func)", "globals": "(global i32 (i32.const 0))",
              "exports": '(export "e{i}" (func $v))', "data segments": '(data (i32.const 0) "x")'}[item]
     body = "".join(items.format(i=i) for i in range(n))
-    return wasmtime.wat2wasm(f"(module {body} {head})" if item == "imports" else f"(module {head} {body})")
+    wat = f"(module {body} {head})" if item == "imports" else f"(module {head} {body})"
+    return wat.encode() if text else wasmtime.wat2wasm(wat)
 
 
 @pytest.mark.parametrize("item, most", [("imports", 1024), ("functions", 65_536), ("globals", 65_536),
@@ -273,6 +274,13 @@ def test_a_module_declaring_more_than_floe_loads_is_refused_before_it_is_compile
     with pytest.raises(GuestLoadError, match=rf"declares \d+ {item}; floe loads at most {most} "):
         Actor(tiny_engine, _declaring(most + 1, item))
     with Actor(tiny_engine, _declaring(min(most // 2, 2000), item)) as actor:  # under the bound it loads
+        actor.send("Hi")
+
+
+def test_a_module_given_as_wat_text_is_held_to_the_same_bounds(tiny_engine):
+    with pytest.raises(GuestLoadError, match=r"declares \d+ exports; floe loads at most 1024 "):
+        Actor(tiny_engine, _declaring(1025, "exports", text=True))
+    with Actor(tiny_engine, _declaring(10, "exports", text=True)) as actor:
         actor.send("Hi")
 
 

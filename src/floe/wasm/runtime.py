@@ -298,6 +298,12 @@ class GuestModule:
         self.sha256 = hashlib.sha256(wasm).hexdigest()
         self.size = len(wasm)
         too_big = shape.refusal(wasm)
+        if too_big is None and not wasm.startswith(b"\0asm"):  # WAT text: counted once it is binary
+            try:
+                wasm = wasmtime.wat2wasm(wasm)
+            except WasmtimeError as e:
+                raise GuestLoadError(f"{self.name} is not a valid WebAssembly module: {e}") from e
+            too_big = shape.refusal(wasm)
         if too_big is not None:
             raise GuestLoadError(f"{self.name} {too_big}")
         try:
