@@ -97,7 +97,8 @@ def main() -> None:
         run_against_child(args)
         return
     if args.serve_on:  # the child of --server-process: `floe serve`'s two processes, until terminated
-        from floe.server.core import ServeCore, serve
+        from floe.server.core import ServeCore
+        from floe.server.core_socket import serve
 
         engine, model_id, folder, _ = make_engine(args)
         serve(ServeCore(engine, snapshots=folder, model_id=model_id, idle_seconds=3600, batching=BATCHING[

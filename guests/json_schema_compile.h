@@ -1,6 +1,8 @@
-/* The JSON Schema compiler proper (included by json_schema.h): one schema object into nodes. */
+/* The JSON Schema compiler proper (json_schema.h drives it): one schema object into nodes. */
 #ifndef JSON_SCHEMA_COMPILE_H
 #define JSON_SCHEMA_COMPILE_H
+
+#include "json_grammar.h"
 
 /* Keywords that change nothing the grammar must enforce (annotations and containers of definitions),
  * then those it implements. Anything else is refused by name. */

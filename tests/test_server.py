@@ -382,7 +382,8 @@ def test_a_broken_front_connection_never_harms_the_core(default_checkpoint):
     import tempfile
 
     from floe.server.app import create_front
-    from floe.server.core import CoreServer, ServeCore
+    from floe.server.core import ServeCore
+    from floe.server.core_socket import CoreServer
     from floe.server.protocol import HEADER
 
     folder = Path(tempfile.mkdtemp(prefix="floe-test-"))  # short: a Unix socket's path has ~100 bytes

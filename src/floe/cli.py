@@ -265,7 +265,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
 
         from floe.server.auth import BadApiKey, api_keys
-        from floe.server.core import ServeCore, serve
+        from floe.server.core import ServeCore
+        from floe.server.core_socket import serve
     except ImportError as e:
         raise FloeError(f"floe serve needs fastapi and uvicorn ({e.name} is missing): "
                         "pip install floe") from e

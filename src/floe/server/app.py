@@ -197,7 +197,8 @@ def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: 
     """The front and the engine core of `engine` in this process (the core's socket in a private
     temporary folder): what `floe serve` runs in two, for tests and embedding. Sessions freeze into
     `snapshots`, which a restart reads back; the app's shutdown freezes the live ones."""
-    from floe.server.core import CoreServer, ServeCore
+    from floe.server.core import ServeCore
+    from floe.server.core_socket import CoreServer
 
     core = ServeCore(engine, snapshots=snapshots, model_id=model_id, idle_seconds=idle_seconds,
                      guest=guest, batching=batching, aliases=aliases, max_anonymous=max_anonymous)

@@ -303,6 +303,4 @@ def _int(value) -> int:
     return value
 
 
-from floe.server.core_socket import CoreServer, serve  # noqa: E402 - the socket's side, named here too
-
-__all__ = ["Chat", "CoreServer", "Metrics", "ServeCore", "failure", "serve"]
+__all__ = ["Chat", "Metrics", "ServeCore", "failure"]  # the socket's side: floe.server.core_socket
