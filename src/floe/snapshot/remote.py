@@ -21,7 +21,7 @@ from fsspec.asyn import sync
 
 from floe.snapshot.errors import SnapshotNotFound, StoreUnavailable
 from floe.snapshot.lease import LEASE_SUFFIX, S3Leases
-from floe.snapshot.stream import StreamCheck
+from floe.snapshot.stream import StreamCheck, checked
 from floe.snapshot.tiers import SUFFIX, DiskTier, Entry
 
 PART_BYTES = 8 << 20  # multipart part size (S3 wants >= 5 MiB for every part but the last)
@@ -74,12 +74,8 @@ class RemoteTier:
         except OSError as e:
             raise self._failed(f"start writing {key!r}", e) from e
         try:
-            for chunk in chunks:
-                if check is not None:
-                    check.update(chunk)
+            for chunk in checked(chunks, check):
                 f.write(chunk)
-            if check is not None:
-                check.finish()
         except BaseException:
             f.discard()  # aborts the multipart upload: nothing becomes visible
             f.closed = True  # else its finalizer would try to complete what was discarded

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -126,6 +127,17 @@ class StreamCheck:
                              if raw else torch.empty(0, dtype=info.dtype)).view(info.shape)
         check_values(tensors, self.header.metadata, self.path)
         return self.header
+
+
+def checked(chunks: Iterable[bytes], check: StreamCheck | None) -> Iterator[bytes]:
+    """`chunks`, each through `check` before it is passed on, and check.finish() after the last: a
+    writer that stores what it is given commits only once the loop ended without raising."""
+    for chunk in chunks:
+        if check is not None:
+            check.update(chunk)
+        yield chunk
+    if check is not None:
+        check.finish()
 
 
 def check_bytes(data, name: str | Path, max_bytes: int | None = None) -> Header:

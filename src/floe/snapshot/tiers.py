@@ -28,7 +28,7 @@ from floe.snapshot.errors import (
     StoreUnavailable,
 )
 from floe.snapshot.lease import FileLeases
-from floe.snapshot.stream import StreamCheck
+from floe.snapshot.stream import StreamCheck, checked
 
 SUFFIX = ".safetensors"
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
@@ -156,12 +156,8 @@ class DiskTier:
 
         def save(tmp: Path) -> None:
             with open(tmp, "wb") as f:
-                for chunk in chunks:
-                    if check is not None:
-                        check.update(chunk)
+                for chunk in checked(chunks, check):
                     f.write(chunk)
-            if check is not None:
-                check.finish()
 
         try:
             replace_file(path, save)
