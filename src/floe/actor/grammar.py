@@ -8,7 +8,6 @@ step's logits in place and ends the turn when the value is whole; nothing of the
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 from floe.actor.actor import Actor, Reply, builtin_guest
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError
-from floe.wasm import GuestError
+from floe.wasm import GuestError, GuestReportedError
 
 GRAMMAR_EXPORT = "floe_grammar_version"
 STATUS_SCHEMA = 21  # the guest could not compile the schema (its log line says why)
@@ -68,10 +67,14 @@ def grammar_message(message: str, schema: dict | str | None, *, instruct: bool =
     return f"\0json-schema {len(text.encode())}{new}\n{text}{message}"
 
 
+def reported(error: BaseException, status: int) -> bool:
+    """Whether `error` is the guest's own report of failure with `status` (GuestReportedError)."""
+    return isinstance(error, GuestReportedError) and error.status == status
+
+
 def schema_refusal(actor: Actor, error: GuestError) -> SchemaUnsupported | None:
     """The grammar guest's refusal of a message's schema, naming the keyword (None: another failure)."""
-    status = re.search(r"reported error (-?\d+)", str(error))
-    if status and int(status.group(1)) == STATUS_SCHEMA and actor.logs:
+    if reported(error, STATUS_SCHEMA) and actor.logs:
         return SchemaUnsupported(actor.logs[-1].removeprefix("grammar: "))
     return None
 

@@ -10,12 +10,11 @@ turn. Grammar actors start from one primed state (the guest's vocabulary index r
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable
 
 from floe.actor import Actor, ActorState, builtin_guest
-from floe.actor.grammar import grammar_message, instructed, schema_refusal
+from floe.actor.grammar import grammar_message, instructed, reported, schema_refusal
 from floe.engine import SamplingParams
 from floe.errors import FloeError
 from floe.server.protocol import ServeError
@@ -132,8 +131,7 @@ def _prime(actor: Actor) -> ActorState:
     try:
         actor.send("\0", max_tokens=1)
     except GuestError as e:
-        status = re.search(r"reported error (-?\d+)", str(e))
-        if not (status and int(status.group(1)) == STATUS_HEADER):
+        if not reported(e, STATUS_HEADER):
             raise
     else:
         raise FloeError("the grammar guest took a lone NUL as a header: it cannot be primed")
