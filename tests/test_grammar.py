@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from floe.actor import IncompleteJSON, SchemaUnsupported, grammar_actor, send_json
+from floe.actor import IncompleteJSON, SchemaUnsupported, builtin_guest, grammar_actor, send_json
 from floe.engine import Engine, SamplingParams
 
 PERSON = {  # nested objects
@@ -211,3 +211,10 @@ def test_floe_run_json_schema_names_the_unsupported_keyword(tmp_path):
     (tmp_path / "date.json").write_text('{"type": "string", "format": "date"}')
     proc = floe_run("When?", "--json-schema", str(tmp_path / "date.json"), "--max-tokens", "8")
     assert proc.returncode != 0 and "unsupported JSON Schema keyword 'format'" in proc.stderr
+
+
+def test_floe_run_json_schema_refuses_a_guest_that_does_not_read_schemas(tmp_path):
+    (tmp_path / "order.json").write_text(json.dumps(ORDER))
+    chat = str(builtin_guest("chat"))
+    proc = floe_run("Order a drink.", "--json-schema", str(tmp_path / "order.json"), "--guest", chat)
+    assert proc.returncode == 1 and "--json-schema needs the grammar guest" in proc.stderr, proc.stderr

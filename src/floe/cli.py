@@ -77,6 +77,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         actor = snapshot.thaw(engine, args.thaw, guest, seed=args.seed)
     else:
         actor = Actor(engine, guest, seed=args.seed, system_prompt=args.system or "")
+    if args.json_schema:
+        from floe.actor.grammar import GRAMMAR_EXPORT
+
+        if not actor.guest.has_function(GRAMMAR_EXPORT):
+            actor.close()
+            raise FloeError("--json-schema needs the grammar guest: this actor's guest (--guest, or the "
+                            "thawed snapshot's) does not read a schema")
     setup_s = time.perf_counter() - started  # the model read, the engine built, the actor made
     with actor:
         reply = actor.send(prompt, max_tokens=args.max_tokens, params=params, on_text=stream)
