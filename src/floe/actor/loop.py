@@ -453,7 +453,7 @@ class EngineLoop:
                 except BaseException as e:  # noqa: BLE001 - a bad logits buffer fails this turn only
                     self._finish(turn, END_CANCELLED, e)
                     continue
-                turn.forward = (seconds, len(turns), self.engine.kv_len(turn.actor.slot))
+                turn.forward = (seconds, len(turns), position + 1)  # (a fed row after it may be in flight)
                 turn.fresh = True
 
     def _truncate(self, turn: Turn, position: int) -> None:
@@ -573,7 +573,7 @@ class EngineLoop:
             raise GuestDeadlineExceeded(
                 f"guest {turn.actor.module.name}'s {name} ran past {self.token_call_s:g} s, the most one "
                 "call from the engine loop may take (every other turn waits for it)"
-                + (f" (the guest's last log line: {logs[-1]!r})" if logs else "")) from None
+                + (f" (the guest's last log line: {logs[-1][:200]!r})" if logs else "")) from None
 
     @staticmethod
     def _finish(turn: Turn, end: int, error: BaseException | None) -> None:
