@@ -266,3 +266,17 @@ def test_tools_are_offered_to_a_chat_template_that_takes_them(default_checkpoint
         shown = taking.render_chat(ASK_WEATHER)
     assert f"Tools: {json.dumps(offered, ensure_ascii=False)}" in shown
     assert "Tools:" not in taking.render_chat(ASK_WEATHER)  # outside the block: none
+
+
+def test_structured_output_on_a_one_slot_server_is_a_400_saying_what_it_needs(default_checkpoint, tmp_path):
+    engine = Engine(default_checkpoint, max_seq_len=512, n_slots=1, weights="native")
+    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, idle_seconds=3600))
+    try:
+        c = client(s.url)
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(c, CAPITAL, response_format={"type": "json_object"})
+        assert e.value.response.headers["x-should-retry"] == "false"
+        assert "--max-sessions 2" in e.value.response.json()["error"]["message"]
+        assert ask(c, CAPITAL, max_tokens=4).choices[0].message.content  # plain turns are served
+    finally:
+        s.stop()

@@ -59,6 +59,10 @@ class ThawFailed(SessionError):
     status, code = 500, "thaw_failed"
 
 
+class OneSlotOnly(SessionError):
+    status, code = 400, "needs_two_slots"
+
+
 @dataclass
 class Answer:
     """A message's outcome as its client received it (SessionStore.run)."""
@@ -329,6 +333,9 @@ class SessionStore:
     def extra_slot(self) -> Iterator[None]:
         """A KV slot counted, for the block, for an actor of no session's (a structured turn's): freezes
         the least recently used idle session if every slot is taken; NoFreeSlot if all are running."""
+        if self.engine.cache.n_slots < 2:  # its session holds the only one while the turn runs
+            raise OneSlotOnly("structured output (response_format, tools) runs on an actor of its own "
+                              "beside its session's: start floe serve with --max-sessions 2 or more")
         self._reserve_slot()
         try:
             yield
