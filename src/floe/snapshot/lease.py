@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ class Lease:
         return json.dumps({"owner": self.owner, "token": self.token, "expires_at": self.expires_at}).encode()
 
 
-class Leases:
+class Leases(ABC):
     """The compare-and-swap logic shared by every backend; a backend supplies _read, _create,
     _replace and _delete (None / False on a lost race)."""
 
@@ -99,17 +100,21 @@ class Leases:
     def _new(key: str, owner: str, expires_at: float) -> Lease:
         return Lease(key, owner, secrets.token_hex(8), expires_at, "")
 
+    @abstractmethod
     def _read(self, key: str) -> tuple[dict, str] | None:
-        raise NotImplementedError
+        """The record and its version tag, or None if there is none."""
 
+    @abstractmethod
     def _create(self, key: str, lease: Lease) -> str | None:
-        raise NotImplementedError
+        """Write a new record only if there is none; its version tag, or None if one exists."""
 
+    @abstractmethod
     def _replace(self, key: str, lease: Lease, etag: str) -> str | None:
-        raise NotImplementedError
+        """Replace the record only if its version is still `etag`; the new tag, or None if not."""
 
+    @abstractmethod
     def _delete(self, key: str, etag: str) -> bool:
-        raise NotImplementedError
+        """Delete the record only if its version is still `etag`; whether it was."""
 
 
 def _with_etag(lease: Lease, etag: str) -> Lease:
