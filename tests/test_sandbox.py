@@ -398,21 +398,15 @@ def test_freeze_from_inside_on_text_is_refused_and_writes_nothing(tiny_engine, t
 
 # ---- errors that say what happened -------------------------------------------------------------------
 
-def test_alloc_returning_a_pointer_outside_memory_is_a_guest_pointer_error(tiny_engine):
-    bad_alloc = wasmtime.wat2wasm("""(module (memory (export "memory") 1)
+@pytest.mark.parametrize("pointer, error, says", [("0x7fff0000", GuestPointerError, "alloc"),
+                                                   ("0", GuestResultError, "alloc returned 0")],
+                         ids=["outside memory", "zero"])
+def test_an_alloc_result_no_message_fits_at_is_a_specific_guest_error(tiny_engine, pointer, error, says):
+    wasm = wasmtime.wat2wasm(f"""(module (memory (export "memory") 1)
       (func (export "floe_abi_version") (result i32) (i32.const 1))
-      (func (export "alloc") (param i32) (result i32) (i32.const 0x7fff0000))
+      (func (export "alloc") (param i32) (result i32) (i32.const {pointer}))
       (func (export "on_message") (param i32 i32) (result i32) (i32.const 0)))""")
-    with Actor(tiny_engine, bad_alloc) as actor, pytest.raises(GuestPointerError, match="alloc"):
-        actor.send("Hi")
-
-
-def test_alloc_returning_zero_for_a_message_is_a_guest_result_error(tiny_engine):
-    no_room = wasmtime.wat2wasm("""(module (memory (export "memory") 1)
-      (func (export "floe_abi_version") (result i32) (i32.const 1))
-      (func (export "alloc") (param i32) (result i32) (i32.const 0))
-      (func (export "on_message") (param i32 i32) (result i32) (i32.const 0)))""")
-    with Actor(tiny_engine, no_room) as actor, pytest.raises(GuestResultError, match="alloc returned 0"):
+    with Actor(tiny_engine, wasm) as actor, pytest.raises(error, match=says):
         actor.send("Hi")
 
 
