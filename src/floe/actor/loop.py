@@ -123,16 +123,15 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, prefill_chunk: int = PREFILL_CHUNK, on_step=lambda rows: None,
                  batch: bool = True, token_call_s: float = TOKEN_CALL_S, overlap: bool | None = None,
-                 feed: bool = False) -> None:
+                 feed: bool | None = None) -> None:
         self.engine, self.prefill_chunk, self.on_step, self.batch = engine, prefill_chunk, on_step, batch
         self.token_call_s = token_call_s
         # Speculate greedy rows (module doc) where the engine's forward runs while Python goes on.
         self.overlap = (engine.overlaps and batch) if overlap is None else overlap
         if self.overlap and not engine.logits_outlive_next_step:  # guests read them during the next one
             raise ValueError("overlap needs an engine whose step logits outlive the next step")
-        # And launch a forward before finishing the one in flight (fed rows), when asked: off by default
-        # until tests/test_cuda.py has run the CUDA graph's fed rows on a GPU (docs/PERF.md, issue 16).
-        self.feed = bool(feed)
+        # And launch a forward before finishing the one in flight (fed rows) where the engine can.
+        self.feed = (self.overlap and engine.feeds) if feed is None else bool(feed)
         if self.feed and not (self.overlap and engine.feeds):
             raise ValueError("feeding needs overlap and an engine that takes fed tokens (Engine.feeds)")
         self._launched: list[Launched] = []  # forwards in flight, oldest first (two when fed)
