@@ -335,14 +335,14 @@ def test_warm_up_captures_every_graph_and_leaves_slots_empty(batching):
 
 def test_short_prompts_prefill_as_one_graph_replay_like_the_eager_forward(engines, batching):
     eager = engines["eager"]
-    for n in (1, 5, 40, 256, 300):  # 300: longer than a prefill graph, so the eager forward
+    for n in (1, 5, 40, 256, 300):  # 300: longer than a prefill graph: the fused layers eagerly
         ids = [(13 * i) % 900 + 3 for i in range(n)]
         eager.kv_truncate(0)
         expected = eager.prefill(ids).float().cpu()
         slot = batching.claim_slot()
         try:
             got = batching.prefill(ids, slot).float().cpu().clone()
-            assert batching.greedy_token(slot) == (int(got.argmax()) if n <= 256 else None)
+            assert batching.greedy_token(slot) == int(got.argmax())
             follow = batching.decode_step(int(got.argmax()), slot).float().cpu()
             eager_follow = eager.decode_step(int(expected.argmax())).float().cpu()
         finally:
@@ -393,6 +393,28 @@ def test_scheduled_actors_on_cuda_batch_and_answer_as_alone(batching):
     alone_rows = [b for (was_batched, _), ledger in ledgers.items() if not was_batched
                   for name, b in ledger.boundaries.items() if name.startswith("batched step inputs")]
     assert alone_rows and all(b.bytes_copied == b.calls * block for b in alone_rows)
+
+
+def test_a_long_prompt_after_a_prefix_runs_the_fused_layers_like_the_eager_forward(engines, batching):
+    """A prompt longer than a prefill graph appended to a slot that already holds a context (its
+    attention masked to each row's prefix) gives the eager forward's logits, greedy choice and cache."""
+    eager = engines["eager"]
+    first = [(7 * i) % 800 + 5 for i in range(40)]
+    second = [(11 * i) % 900 + 3 for i in range(290)]
+    eager.kv_truncate(0)
+    eager.prefill(first)
+    expected = eager.prefill(second).float().cpu()
+    slot = batching.claim_slot()
+    try:
+        batching.prefill(first, slot)
+        got = batching.prefill(second, slot).float().cpu().clone()
+        assert batching.greedy_token(slot) == int(got.argmax()) == int(expected.argmax())
+        n = len(first) + len(second)
+        torch.testing.assert_close(batching.cache.k[:, slot, :, :n].float().cpu(),
+                                   eager.cache.k[:, 0, :, :n].float().cpu(), atol=2e-3, rtol=2e-3)
+    finally:
+        batching.release_slot(slot)
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
 
 
 def test_prompts_riding_along_decode_rows_equal_their_own_prefill(batching):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from floe.engine.transformer import Transformer, apply_rotary
+from floe.engine.transformer import Transformer, apply_rotary, prompt_attention
 
 
 def kv_buckets(max_seq_len: int, smallest: int = 256) -> list[int]:
@@ -231,7 +231,9 @@ class BatchGraphDecoder:
         self.slot_fed.index_copy_(0, rows, argmax)
         self.host_argmax.copy_(self.slot_argmax, non_blocking=True)
 
-    def _core(self, tokens: Tensor, pos: Tensor, slots: Tensor, bucket: int) -> Tensor:
+    def _core(self, tokens: Tensor, pos: Tensor, slots: Tensor, bucket: int, attend=None) -> Tensor:
+        """The fused layers over rows (token, position, KV slot); attend(i, q [B, H, hd]) -> [B, H * hd]
+        is layer i's attention (default: each row's own over its slot's cache, up to `bucket`)."""
         from floe.engine import triton_kernels as tk
 
         m, c = self.model, self.model.config
@@ -243,7 +245,8 @@ class BatchGraphDecoder:
             qkv = layer.attention.wqkv(h)
             q = tk.rope_kv_write(qkv, m.cos, m.sin, pos, k_cache, v_cache,
                                  c.n_heads, c.n_kv_heads, c.head_dim, slots=slots)
-            y = tk.decode_attention(q, k_cache, v_cache, pos, c.n_kv_heads, bucket, slots=slots)
+            y = (tk.decode_attention(q, k_cache, v_cache, pos, c.n_kv_heads, bucket, slots=slots)
+                 if attend is None else attend(i, q))
             h, x = tk.rmsnorm(layer.attention.wo(y), layer.ffn_norm.weight, c.norm_eps, residual=x)
             d = layer.feed_forward.w2(tk.swiglu(layer.feed_forward.w13(h)))
             next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else m.norm
@@ -327,6 +330,34 @@ class BatchGraphDecoder:
         size = next(s for s in self.prefill_sizes if s >= n)
         row = self._next_rows([slot])[0]
         self._replay(size, True, tokens, list(range(start, start + n)), [slot] * n, [n - 1, row])
+        return row
+
+    @torch.inference_mode()
+    def prompt(self, tokens: Tensor, start: int, slot: int) -> int:
+        """Append a prompt too long for a prefill graph (more than PREFILL_ROWS tokens) at positions
+        start.. of `slot`: the fused layers run eagerly over its rows, each layer's attention one causal
+        SDPA over the slot's prefix (prompt_attention, as the module forward's); the last token's
+        logits and argmax to the row returned, as prefill() does."""
+        n, dev = len(tokens), self.device  # tokens: int64 [n] on the host
+        tokens_d = tokens.to(dev)
+        pos = torch.arange(start, start + n, device=dev)
+        slots = torch.full((n,), slot, dtype=torch.long, device=dev)
+        k, v = self.cache.k[:, slot], self.cache.v[:, slot]  # [layers, n_kv, S, hd]
+
+        def attend(i: int, q: Tensor) -> Tensor:
+            return prompt_attention(q.transpose(0, 1), k[i], v[i], start)
+
+        h = self._core(tokens_d, pos, slots, 0, attend)
+        row = self._next_rows([slot])[0]
+        rows = torch.tensor([row], device=dev)
+        out = logits(self.model, h[-1:])
+        self.slot_logits.index_copy_(0, rows, out)
+        argmax = out.argmax(-1)
+        self.slot_argmax.index_copy_(0, rows, argmax)
+        self.slot_fed.index_copy_(0, rows, argmax)
+        self.host_argmax.copy_(self.slot_argmax, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
         return row
 
     @torch.inference_mode()  # its buffers may have been made in inference mode

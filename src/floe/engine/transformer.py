@@ -38,6 +38,19 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def prompt_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, start: int) -> Tensor:
+    """Causal attention of T queries q [n_heads, T, hd] at positions start.. over one slot's cache
+    (k_cache/v_cache [n_kv, S, hd], its first start + T positions written): [T, n_heads * hd]."""
+    t, end = q.shape[1], start + q.shape[1]
+    keys, values = k_cache[None, :, :end], v_cache[None, :, :end]
+    if start == 0:
+        y = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, enable_gqa=True)
+    else:  # appending to an existing prefix: query i sees keys 0..start+i
+        mask = torch.ones(t, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        y = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=True)
+    return y[0].transpose(0, 1).reshape(t, q.shape[0] * q.shape[2])
+
+
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
@@ -58,15 +71,9 @@ class Attention(nn.Module):
         end = start + t
         k_cache[:, start:end] = k
         v_cache[:, start:end] = v.view(t, self.n_kv_heads, self.head_dim).transpose(0, 1)
-        keys, values = k_cache[None, :, :end], v_cache[None, :, :end]
         if t == 1:
             return self.wo(self._decode_attention(q, k_cache[:, :end], v_cache[:, :end]))
-        if start == 0:
-            y = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, enable_gqa=True)
-        else:  # appending to an existing prefix: query i sees keys 0..start+i
-            mask = torch.ones(t, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
-            y = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=True)
-        return project(self.wo, y[0].transpose(0, 1).reshape(t, q_size))
+        return project(self.wo, prompt_attention(q, k_cache, v_cache, start))
 
 
     def _decode_attention(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
