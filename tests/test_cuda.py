@@ -209,6 +209,33 @@ def test_split_decode_attention_matches_softmax_attention(dtype, n_heads, n_kv, 
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_heads,n_kv,hd,start,n", [(9, 3, 64, 0, 300), (32, 8, 64, 0, 512),
+                                                     (32, 8, 128, 700, 260), (14, 2, 64, 63, 129)])
+def test_flash_prompt_attention_matches_causal_softmax_attention(dtype, n_heads, n_kv, hd, start, n):
+    """One prompt's rows at positions start..start+n-1 of slot 1 (padding rows after them, as a
+    prompt graph pads), each over keys 0..its own position of its slot only."""
+    from floe.engine import triton_kernels as tk
+
+    torch.manual_seed(start + n)
+    rows, seq = n + 37, 1024  # 37 padding rows: position 0, slot -1
+    q = torch.randn(rows, n_heads, hd, device="cuda", dtype=dtype)
+    k = torch.randn(3, n_kv, seq, hd, device="cuda", dtype=dtype)
+    v = torch.randn(3, n_kv, seq, hd, device="cuda", dtype=dtype)
+    pos = torch.cat([torch.arange(start, start + n), torch.zeros(rows - n, dtype=torch.long)]).cuda()
+    slots = torch.cat([torch.full((n,), 1), torch.full((rows - n,), -1)]).cuda()
+    out = tk.flash_prompt_attention(q, k, v, pos, slots, n_kv)[:n].view(n, n_heads, hd).float()
+    group = n_heads // n_kv
+    keys = k[1, :, : start + n].float().repeat_interleave(group, 0)  # [H, L, hd]
+    values = v[1, :, : start + n].float().repeat_interleave(group, 0)
+    scores = (q[:n].float().transpose(0, 1) @ keys.transpose(1, 2)) * hd**-0.5  # [H, n, L]
+    visible = torch.arange(start + n, device="cuda")[None, :] <= pos[:n, None]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    ref = (probs @ values).transpose(0, 1)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
 def test_argmax_matches_torch_and_takes_the_first_of_ties():
     from floe.engine import triton_kernels as tk
 

@@ -10,11 +10,12 @@ attention from reading the whole static cache at short contexts.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from floe.engine.transformer import Transformer, apply_rotary, prompt_attention
+from floe.engine.transformer import Transformer, apply_rotary
 
 
 def kv_buckets(max_seq_len: int, smallest: int = 256) -> list[int]:
@@ -164,7 +165,8 @@ class BatchGraphDecoder:
     steps can be in flight at once.
     """
 
-    PREFILL_ROWS = 256  # longer prompts run eagerly: per-row attention re-reads the prefix per row
+    PREFILL_ROWS = 256  # longer prompts: prompt graphs (per-row attention re-reads the prefix per row)
+    PROMPT_STEP = 256  # a prompt graph's rows: a multiple of this (padding rows cost at most this)
     MIXED_ROWS = 256  # prompt rows a decode step takes along (see mixed)
 
     def __init__(self, model: Transformer, cache, min_bucket: int = 256) -> None:
@@ -178,6 +180,8 @@ class BatchGraphDecoder:
         most = n_slots + self.MIXED_ROWS
         self.mixed_sizes = [2**i for i in range(1, most.bit_length() + 1) if self.sizes[-1] < 2**i < 2 * most]
         self.prefill_sizes = [2**i for i in range(1, self.PREFILL_ROWS.bit_length())]
+        step = self.PROMPT_STEP
+        self.prompt_sizes = list(range(self.PREFILL_ROWS + step, cache.max_seq_len + step, step))
         top = max(self.mixed_sizes[-1] if self.mixed_sizes else self.sizes[-1], self.PREFILL_ROWS)
         # Rows: token, position, KV slot (-1: padding), logits row (n_slots: the spare one), feed (-1:
         # the token column; else a logits row whose choice is the token). Two pinned buffers taken in
@@ -187,6 +191,12 @@ class BatchGraphDecoder:
         self.host_rows = self.host_in.numpy()  # the same pinned memory, written without a tensor op
         self.dev_in = torch.zeros(5, top, dtype=torch.long, device=dev)
         self._in_copied, self._in_turn = [torch.cuda.Event(), torch.cuda.Event()], 0
+        # Prompt graphs' rows (prompt_sizes: up to the cache's length) in buffers of their own, so a
+        # decode step copies no more than its rows' block.
+        longest = self.prompt_sizes[-1] if self.prompt_sizes else 0
+        self.prompt_host_in = torch.zeros(2, 5, longest, dtype=torch.long, pin_memory=True)
+        self.prompt_host_rows = self.prompt_host_in.numpy()
+        self.prompt_dev_in = torch.zeros(5, longest, dtype=torch.long, device=dev)
         # Two rows a slot (slot s: s and n_slots + 1 + s; see row()), and the spare row n_slots.
         n_rows = 2 * (n_slots + 1)
         self.slot_logits = torch.zeros(n_rows, model.config.vocab_size, dtype=torch.float32, device=dev)
@@ -218,10 +228,18 @@ class BatchGraphDecoder:
 
     @torch.inference_mode()
     def _forward(self, size: int, bucket: int, prefill: bool) -> None:
-        tokens, pos, slots, rows, feed = self.dev_in[:, :size]
+        long = prefill and size > self.PREFILL_ROWS  # a prompt graph
+        tokens, pos, slots, rows, feed = (self.prompt_dev_in if long else self.dev_in)[:, :size]
         # A device-fed row's token: the choice its feed row holds (written by an earlier step or draw).
         tokens = torch.where(feed < 0, tokens, self.slot_fed.index_select(0, feed.clamp(min=0)))
-        h = self._core(tokens, pos, slots, bucket)
+        attend = None
+        if long:  # a flash pass per block of rows
+            from floe.engine import triton_kernels as tk
+
+            def attend(i: int, q: Tensor) -> Tensor:
+                return tk.flash_prompt_attention(q, self.cache.k[i], self.cache.v[i], pos, slots,
+                                           self.model.config.n_kv_heads)
+        h = self._core(tokens, pos, slots, bucket, attend)
         if prefill:  # only the last row's logits: rows[0] is its index, rows[1] its slot
             h, rows = h.index_select(0, rows[:1]), rows[1:2]
         out = logits(self.model, h)
@@ -332,42 +350,31 @@ class BatchGraphDecoder:
         self._replay(size, True, tokens, list(range(start, start + n)), [slot] * n, [n - 1, row])
         return row
 
-    @torch.inference_mode()
     def prompt(self, tokens: Tensor, start: int, slot: int) -> int:
-        """Append a prompt too long for a prefill graph (more than PREFILL_ROWS tokens) at positions
-        start.. of `slot`: the fused layers run eagerly over its rows, each layer's attention one causal
-        SDPA over the slot's prefix (prompt_attention, as the module forward's); the last token's
-        logits and argmax to the row returned, as prefill() does."""
-        n, dev = len(tokens), self.device  # tokens: int64 [n] on the host
-        tokens_d = tokens.to(dev)
-        pos = torch.arange(start, start + n, device=dev)
-        slots = torch.full((n,), slot, dtype=torch.long, device=dev)
-        k, v = self.cache.k[:, slot], self.cache.v[:, slot]  # [layers, n_kv, S, hd]
-
-        def attend(i: int, q: Tensor) -> Tensor:
-            return prompt_attention(q.transpose(0, 1), k[i], v[i], start)
-
-        h = self._core(tokens_d, pos, slots, 0, attend)
+        """Append a prompt longer than PREFILL_ROWS tokens (int64 [n] on the host) at positions start..
+        of `slot`, as one replay of a prompt graph (padded to the next of prompt_sizes: multiples of
+        PROMPT_STEP rows): the same layers, each layer's attention one flash pass over the slot's
+        prefix per block of rows (triton_kernels.flash_prompt_attention). The last token's logits and
+        argmax to the row returned, as prefill() does."""
+        n = len(tokens)
+        size = next(s for s in self.prompt_sizes if s >= n)
         row = self._next_rows([slot])[0]
-        rows = torch.tensor([row], device=dev)
-        out = logits(self.model, h[-1:])
-        self.slot_logits.index_copy_(0, rows, out)
-        argmax = out.argmax(-1)
-        self.slot_argmax.index_copy_(0, rows, argmax)
-        self.slot_fed.index_copy_(0, rows, argmax)
-        self.host_argmax.copy_(self.slot_argmax, non_blocking=True)
-        self.done = torch.cuda.Event()
-        self.done.record()
+        positions = np.arange(start, start + n)
+        self._replay(size, True, tokens.numpy(), positions, np.full(n, slot), [n - 1, row])
         return row
 
     @torch.inference_mode()  # its buffers may have been made in inference mode
     def _replay(self, size: int, prefill: bool, tokens: list[int], positions: list[int],
                 slots: list[int], rows: list[int], feeds: list[int] | None = None) -> list[int]:
-        bucket = next(b for b in self.buckets if b > max(positions))
+        long = prefill and size > self.PREFILL_ROWS  # a prompt graph: its attention reads the
+        # positions it needs, so one graph serves every KV length
+        bucket = 0 if long else next(b for b in self.buckets if b > max(positions))
+        host, dev = (self.prompt_host_in, self.prompt_dev_in) if long else (self.host_in, self.dev_in)
+        host_rows = self.prompt_host_rows if long else self.host_rows
         turn, self._in_turn = self._in_turn, self._in_turn ^ 1
         self._in_copied[turn].synchronize()  # the copy out of this buffer, two replays ago, is done
-        fill_rows(self.host_rows[turn], size, tokens, positions, slots, rows, self.cache.n_slots, feeds)
-        self.dev_in.copy_(self.host_in[turn], non_blocking=True)
+        fill_rows(host_rows[turn], size, tokens, positions, slots, rows, self.cache.n_slots, feeds)
+        dev.copy_(host[turn], non_blocking=True)
         self._in_copied[turn].record()
         graph = self.graphs.get((size, bucket, prefill))
         if graph is None:  # capturing runs the step for real, twice first: a fed row reads a row it

@@ -29,6 +29,9 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def parse_device(name: str | torch.device) -> torch.device:
+    if str(name) == "webgpu":  # not a torch device: Engine takes the name itself (see Engine.backend)
+        raise FloeError("device 'webgpu' runs an Engine, `floe run` and `floe bench dispatch`; this command "
+                        "runs on cpu or cuda")
     try:
         device = torch.device(name)
     except RuntimeError as e:
@@ -109,14 +112,25 @@ class Engine:
         self.checkpoint = checkpoint
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.device = parse_device(device)
+        # Where the forward runs: cpu, cuda, or webgpu (WGSL shaders through wgpu; the engine's own
+        # tensors, logits included, are then host tensors: `device` is the CPU).
+        webgpu = str(device) == "webgpu"
+        self.device = torch.device("cpu") if webgpu else parse_device(device)
+        self.backend = "webgpu" if webgpu else self.device.type
         self.dtype = parse_dtype(dtype)
         self.max_seq_len = min(max_seq_len or self.config.context_length, self.config.context_length)
         self.weights, self.prefill_copy = weights, prefill_copy
+        if webgpu and (self.dtype != torch.float32 or weights != "dense"):
+            raise FloeError("device 'webgpu' runs float32 dense weights (--weights fp32)")
         loaded = load_model(checkpoint, self.max_seq_len, self.device, self.dtype, weights, native_kernel,
                             prefill_copy)
         self.model, self.native_kernel, self.packed = loaded.model, loaded.native_kernel, loaded.packed
-        self.cache = KVCache(self.config, self.max_seq_len, n_slots, self.dtype, self.device)
+        if webgpu:
+            from floe.engine.webgpu import webgpu_cache
+
+            self.cache = webgpu_cache(self.config, self.max_seq_len, n_slots)
+        else:
+            self.cache = KVCache(self.config, self.max_seq_len, n_slots, self.dtype, self.device)
         self.slots = SlotPool(n_slots)
         self._step_lock = FairLock()  # one forward at a time, in arrival order, across threads
         # On CUDA, decode steps replay captured graphs unless asked not to (eager is the reference).
@@ -139,6 +153,10 @@ class Engine:
         """(boundary name, bytes) of what a forward of n_tokens copies host→device, None on the CPU:
         the int64 ids of a prefill, or a decode graph's token and position (from pinned memory); for
         one row of a batched decode step (`batch_rows` rows), its share of the step's input block."""
+        if self.backend == "webgpu":  # the step's rows (token, position, slot) and their count
+            from floe.engine.webgpu.decoder import input_bytes
+
+            return "step rows host→webgpu (queue.write_buffer)", input_bytes(n_tokens, batch_rows)
         if self.device.type == "cpu":
             return None
         if n_tokens == 1 and self._batch_graphs:
@@ -146,16 +164,26 @@ class Engine:
             return f"batched step inputs host→{self.device.type} (pinned, in the graph; a row's share)", share
         if n_tokens == 1 and self.cuda_graphs:
             return f"token + position host→{self.device.type} (pinned, in the graph)", 16
-        if self._graph_prefill(n_tokens) and n_tokens <= self._batch_decoder().PREFILL_ROWS:
-            where = f"host→{self.device.type} (pinned, in the graph)"
-            return f"token ids, positions, slots {where}", 24 * n_tokens
+        if self._graph_prefill(n_tokens):  # the replay's whole input block (a prefill or a prompt graph's)
+            batch = self._batch_decoder()
+            block = batch.host_in[0] if n_tokens <= batch.PREFILL_ROWS else batch.prompt_host_in[0]
+            where = f"host→{self.device.type} (pinned, before the replay)"
+            return f"token ids, positions, slots {where}", block.nbytes
         return f"token ids host→{self.device.type}", 8 * n_tokens
 
     @property
     def logits_in_place(self) -> bool:
         """Whether logits asked for in a caller's buffer (logits_out) are computed straight into it;
         otherwise they are converted or transferred into it (one copy)."""
-        return self.device.type == "cpu" and self.dtype == torch.float32 and self.model.head is None
+        return self.backend == "cpu" and self.dtype == torch.float32 and self.model.head is None
+
+    def output_transfer(self, n_tokens: int, batch_rows: int = 1) -> tuple[str, int] | None:
+        """(boundary name, bytes) of what a forward copies device→host besides what it returns into a
+        caller's buffer: on WebGPU the logits row read back from the mapped buffer into a host tensor
+        (a caller's buffer then gets them by a copy of its own); None elsewhere."""
+        if self.backend != "webgpu":
+            return None
+        return "logits webgpu→host (mapped readback buffer)", 4 * self.config.vocab_size
 
     @property
     def fingerprint(self) -> str:
@@ -206,6 +234,9 @@ class Engine:
         if self._graph_prefill(len(ids), all_logits):
             return self._append(slot, ids,
                                 lambda start: self._replay_prefill(tokens, ids, start, slot, logits_out))
+        if self.backend == "webgpu":
+            return self._append(slot, ids, lambda start: _into(
+                self._batch_decoder().prefill(ids, start, slot, all_logits), logits_out))
         tokens = tokens.to(self.device)
         return self._append(
             slot, ids,
@@ -257,6 +288,9 @@ class Engine:
             if isinstance(result, FloeError):
                 raise result
             return result if logits_out is None else logits_out.copy_(result)
+        if self.backend == "webgpu":  # read back into a host tensor, then into logits_out (output_transfer)
+            return _into(self._append(slot, [token], lambda position: self._batch_decoder().step(
+                [token], [position], [slot])[0]), logits_out)
         if self.device.type == "cpu":
             out = None if logits_out is None else logits_out.unsqueeze(0)
             return self._append(slot, [token], lambda position: self._batch_decoder().step(
@@ -625,7 +659,11 @@ class Engine:
         """The step over several slots' rows: CUDA graphs of the fused Triton step, or the CPU's lean
         step (which also runs decode_step's single row)."""
         if self._batch is None:
-            if self.device.type == "cpu":
+            if self.backend == "webgpu":
+                from floe.engine.webgpu.decoder import WebGPUDecoder
+
+                self._batch = WebGPUDecoder(self.model, self.cache, fused=self.fused_kernels)
+            elif self.device.type == "cpu":
                 from floe.engine.cpu_decode import CpuDecoder
 
                 self._batch = CpuDecoder(self.model, self.cache)
@@ -703,6 +741,9 @@ class Engine:
                         if free and size <= bucket:
                             batch.mixed([0] * size, list(range(bucket - size, bucket)), [free[0]] * size,
                                         [self.cache.n_slots] * size)
+                if free and batch.prompt_sizes:  # the smallest prompt graph (compiles its attention);
+                    # larger ones are captured when a prompt first needs them
+                    batch.prompt(torch.zeros(batch.PREFILL_ROWS + 1, dtype=torch.long), 0, free[0])
                 for size in batch.sizes:  # the draws of sampled rows (on the spare logits row)
                     spare = [self.cache.n_slots] * size
                     vocab = self.config.vocab_size
@@ -717,6 +758,11 @@ class Engine:
     def room(self, slot: int = 0) -> int:
         """Positions still free in `slot`'s context."""
         return self.max_seq_len - self.cache.lengths[slot]
+
+
+def _into(logits: Tensor, out: Tensor | None) -> Tensor:
+    """logits, or copied into `out` if given (out is returned)."""
+    return logits if out is None else out.copy_(logits)
 
 
 __all__ = ["DTYPES", "ContextOverflow", "Engine", "parse_device", "parse_dtype"]

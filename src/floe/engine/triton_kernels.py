@@ -187,6 +187,85 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, n
 
 
 @triton.jit
+def _prompt_attention_tile(q, K, V, base, stride_ks, cols, pos, hi, d, m_i, l_i, acc, scale,
+                           MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One BLOCK_N tile of keys for a block of rows (online softmax, exp2 with log2(e) in `scale`)."""
+    if MASKED:
+        inside = cols < hi
+        k = tl.load(K + base + cols[:, None] * stride_ks + d[None, :], mask=inside[:, None], other=0.0)
+        v = tl.load(V + base + cols[:, None] * stride_ks + d[None, :], mask=inside[:, None], other=0.0)
+    else:
+        k = tl.load(K + base + cols[:, None] * stride_ks + d[None, :])
+        v = tl.load(V + base + cols[:, None] * stride_ks + d[None, :])
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    if MASKED:
+        s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every row sees key 0 in the first tile
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # probabilities rounded to the cache dtype
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prompt_attention_kernel(Q, K, V, POS, SLOTS, OUT, stride_slot, stride_kh, stride_ks, n_rows, scale,
+                             H: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    # One program: BLOCK_M consecutive rows of one prompt (one slot: row 0's) and one query head. Keys
+    # 0..the block's last position are read from the cache in BLOCK_N tiles (flash attention: running
+    # max and sum); row r sees keys up to its own position, read from POS on the device. Tiles below
+    # the block's first position need no mask.
+    h = tl.program_id(1)
+    kh = h // GROUP
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    real = rows < n_rows
+    pos = tl.load(POS + rows, mask=real, other=0)
+    slot = tl.maximum(tl.load(SLOTS), 0)
+    d = tl.arange(0, HD)
+    q = tl.load(Q + (rows[:, None] * H + h) * HD + d[None, :], mask=real[:, None], other=0.0)
+    base = slot.to(tl.int64) * stride_slot + kh * stride_kh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HD], tl.float32)
+    hi = tl.max(pos, axis=0) + 1
+    # (a padding row, past n_rows, sees unmasked keys too: its output is not stored)
+    lo = (tl.min(tl.where(real, pos, hi), axis=0) // BLOCK_N) * BLOCK_N
+    for start in range(0, lo, BLOCK_N):
+        m_i, l_i, acc = _prompt_attention_tile(q, K, V, base, stride_ks, start + tl.arange(0, BLOCK_N), pos,
+                                               hi, d, m_i, l_i, acc, scale, False, IEEE)
+    for start in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _prompt_attention_tile(q, K, V, base, stride_ks, start + tl.arange(0, BLOCK_N), pos,
+                                               hi, d, m_i, l_i, acc, scale, True, IEEE)
+    out = acc / l_i[:, None]
+    tl.store(OUT + (rows[:, None] * H + h) * HD + d[None, :], out.to(OUT.dtype.element_ty),
+             mask=real[:, None])
+
+
+def flash_prompt_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, slots: Tensor,
+                           n_kv_heads: int, config: tuple[int, int, int, int] | None = None) -> Tensor:
+    """Causal attention of one prompt's rows q [T, n_heads, hd] at positions pos [T] (on the device)
+    over their slot's cache (k_cache/v_cache [n_slots, n_kv, S, hd]; the slot is slots[0]): row t sees
+    positions 0..pos[t]. No host value depends on the positions, so the call can be graph-captured.
+    config: (BLOCK_M, BLOCK_N, warps, stages). Returns [T, n_heads * hd]."""
+    t, n_heads, hd = q.shape
+    out = torch.empty(t, n_heads * hd, dtype=q.dtype, device=q.device)
+    ieee = q.dtype == torch.float32
+    block_m, block_n, warps, stages = config or ((64, 32, 4, 2) if ieee else (64, 64, 4, 3))
+    _prompt_attention_kernel[(triton.cdiv(t, block_m), n_heads)](
+        q, k_cache, v_cache, pos, slots, out, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), t,
+        hd**-0.5 * 1.4426950408889634, H=n_heads, GROUP=n_heads // n_kv_heads, HD=hd, BLOCK_M=block_m,
+        BLOCK_N=block_n, IEEE=ieee, num_warps=warps, num_stages=stages)
+    return out
+
+
+@triton.jit
 def _argmax_partial_kernel(X, VAL, IDX, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + offs, mask=offs < N, other=float("-inf"))
