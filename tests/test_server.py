@@ -560,9 +560,9 @@ def test_a_request_never_runs_in_a_session_the_store_dropped_while_it_waited(def
     engine = Engine(default_checkpoint, max_seq_len=64, n_slots=1)
     store = SessionStore(engine, tmp_path)
     hi = [{"role": "user", "content": "hi"}]
-    busy, _ = store.acquire("busy", hi, 0)
+    busy = store.acquire("busy", hi, 0)
     store.go_live(busy)  # the only slot, held by a running request
-    first, _ = store.acquire("twice", hi, 0)
+    first = store.acquire("twice", hi, 0)
     with ThreadPoolExecutor(1) as pool:
         second = pool.submit(store.acquire, "twice", hi, 0)  # waits for the first's lock
         time.sleep(0.2)
@@ -571,7 +571,7 @@ def test_a_request_never_runs_in_a_session_the_store_dropped_while_it_waited(def
                 store.go_live(first)
         finally:
             store.release(first)
-        session, _ = second.result(timeout=30)
+        session = second.result(timeout=30)
     assert session is not first and store.sessions["twice"] is session
     store.release(session)
     store.release(busy)
@@ -598,7 +598,7 @@ def test_new_sessions_take_spare_actors_made_while_idle(default_checkpoint, tmp_
             time.sleep(0.02)
 
     plain = SessionStore(engine, tmp_path / "plain", loop=loop)
-    session, _ = plain.acquire("s", hi, 7)
+    session = plain.acquire("s", hi, 7)
     expected = plain.run(session, [], hi[0]["content"], max_tokens=12, params=sampled).text
     plain.release(session)
     plain.close(freeze=False)
@@ -607,7 +607,7 @@ def test_new_sessions_take_spare_actors_made_while_idle(default_checkpoint, tmp_
     store.keep_spares(2)
     wait_spares(store, 2)
     spares = list(store._spares)
-    session, _ = store.acquire("s", hi, 7)
+    session = store.acquire("s", hi, 7)
     store.go_live(session)
     assert session.actor in spares and store.counts() == {"live": 1, "frozen": 0, "spare_actors": 1}
     assert store.run(session, [], hi[0]["content"], max_tokens=12, params=sampled).text == expected

@@ -624,7 +624,7 @@ logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 folder = Path(sys.argv[2])
 print("cli", main(["snapshot", "inspect", str(folder / "fifo.safetensors")]), flush=True)
 store = SessionStore(None, folder)  # the scan at start reads headers only: no engine is used
-print(store.load_folder(), sorted(store.sessions), flush=True)
+print(store.load_store(), sorted(store.sessions), flush=True)
 """
 
 

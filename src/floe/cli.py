@@ -297,9 +297,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"floe serve: warming up {args.max_sessions} KV slots …", file=sys.stderr, flush=True)
     engine.warm_up()
     model_id, *aliases = args.model_id or [checkpoint.source.stem]
-    core = ServeCore(engine, snapshots=Path(args.snapshots).expanduser(), model_id=model_id, aliases=aliases,
+    core = ServeCore(engine, snapshots=_serve_store(args), model_id=model_id, aliases=aliases,
                      idle_seconds=args.idle_seconds, guest=args.guest, max_anonymous=args.max_anonymous,
-                     batching={"auto": None, "on": True, "off": False}[args.batching])
+                     batching={"auto": None, "on": True, "off": False}[args.batching],
+                     kv_dtype=args.kv_dtype, persist_anonymous=args.persist_anonymous,
+                     freeze_every_turn=args.freeze_every_turn, sweep_seconds=args.sweep_seconds)
     batching = "batched decode" if core.scheduler is not None else "decode in turns"
     access = (f"{len(keys)} API key{'s' * (len(keys) > 1)}, each seeing its own sessions" if keys else
               "open: no API keys, anyone who reaches the port uses and manages every session")
@@ -310,6 +312,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     return serve(core, host=args.host, port=args.port, log_level=args.log_level, keys=keys,
                  cors_origins=tuple(args.cors_origin))
+
+
+def _serve_store(args: argparse.Namespace):
+    """The session store `floe serve`'s --snapshots and lifecycle flags describe."""
+    from floe.server.sessions import snapshot_store
+    from floe.snapshot import SnapshotError
+
+    if args.lease_seconds <= 0 or args.sweep_seconds <= 0:
+        raise FloeError("--lease-seconds and --sweep-seconds must be > 0")
+    try:
+        return snapshot_store(args.snapshots, idle_seconds=args.idle_seconds, pinned_bytes=args.pinned_bytes,
+                              pinned_ttl_s=args.pinned_ttl, ttl_s=args.snapshot_ttl,
+                              budget_bytes=args.snapshot_budget, cache=args.snapshot_cache,
+                              lease_s=args.lease_seconds)
+    except (SnapshotError, ValueError, OSError) as e:
+        raise FloeError(f"--snapshots {args.snapshots}: {e}") from e
+
+
+def _bytes(text: str) -> int:
+    """A byte count: 1000000, 512M, 2G (binary multiples: K, M, G, T)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    scale = units.get(text[-1:].upper(), 1)
+    try:
+        value = int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 1000000, 512M, 2G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be > 0")
+    return value
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
@@ -497,7 +538,33 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--weights", choices=list(WEIGHTS), default=None, help=WEIGHTS_HELP)
     serve.add_argument("--guest", help="guest module (.wasm) every session runs (default: built-in chat)")
     serve.add_argument("--snapshots", default="floe-sessions",
-                       help="folder idle sessions are frozen into and read back from at start")
+                       help="where sessions are frozen, shared by the servers that name it: a folder, "
+                            "file://PATH or s3://BUCKET/PREFIX (fsspec; credentials and endpoint from the "
+                            "environment, e.g. FSSPEC_S3='{\"endpoint_url\": ...}')")
+    serve.add_argument("--pinned-bytes", type=_bytes, default=512 << 20, metavar="BYTES",
+                       help="RAM kept for recently frozen sessions' snapshots (512M; 0: none)")
+    serve.add_argument("--pinned-ttl", type=_seconds, default=None, metavar="S",
+                       help="a frozen session's snapshot stays in RAM (and this server keeps its lease) "
+                            "this long (default: --idle-seconds)")
+    serve.add_argument("--snapshot-ttl", type=_seconds, default=None, metavar="S",
+                       help="a session unused this long is deleted from the store (default: kept)")
+    serve.add_argument("--snapshot-budget", type=_bytes, default=None, metavar="BYTES",
+                       help="the store's bytes for sessions; beyond, the least recently used are deleted")
+    serve.add_argument("--snapshot-cache", default=None, metavar="DIR",
+                       help="local cache of an object store's snapshots (default: a temporary folder)")
+    serve.add_argument("--lease-seconds", type=float, default=30.0, metavar="S",
+                       help="a session's lease: another server may take a session over once its holder "
+                            "has not renewed it this long (30)")
+    serve.add_argument("--sweep-seconds", type=float, default=10.0, metavar="S",
+                       help="how often the store's TTL and budget are applied (10)")
+    serve.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8"], default=None,
+                       help="how snapshots store the KV cache (default: the engine's dtype, bit-exact; "
+                            "int8: a quarter of fp32's bytes, continues close to but not bit-identically)")
+    serve.add_argument("--persist-anonymous", action="store_true",
+                       help="write sessions of requests that name none to the store (default: RAM only)")
+    serve.add_argument("--freeze-every-turn", action="store_true",
+                       help="freeze every answered turn into the store before its answer ends (a killed "
+                            "server loses no answered turn), not only idle sessions")
     serve.add_argument("--idle-seconds", type=float, default=300.0,
                        help="freeze a session idle this long (300)")
     serve.add_argument("--max-sessions", type=int, default=16,

@@ -3,7 +3,8 @@
 Routes: POST /v1/chat/completions and POST /v1/completions (plain and SSE streaming; the chat service,
 floe.server.chat), GET /v1/models, GET /v1/models/{id}, GET /health,
 GET /metrics (Prometheus), GET /v1/sessions, GET /v1/sessions/{id}, POST /v1/sessions/{id}/freeze,
-POST /v1/sessions/{id}/thaw, DELETE /v1/sessions/{id}. A request names its session with the
+POST /v1/sessions/{id}/thaw, DELETE /v1/sessions/{id}, GET and PUT /v1/sessions/{id}/snapshot (a
+session's snapshot file out and in, streamed, checked on the way in). A request names its session with the
 `X-Floe-Session` header or a `session_id` field in the body; every response says which session it
 used (the same header, and `session_id` in the body). Errors are OpenAI-shaped JSON:
 {"error": {"message", "type", "param", "code"}}, 4xx for bad requests. With API keys
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,9 +30,10 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from floe.server.auth import ApiKeys, api_keys
 from floe.server.chat import ChatRequest, ChatService, ClientGone, CompletionRequest
@@ -39,16 +42,22 @@ from floe.server.protocol import ServeError
 
 if TYPE_CHECKING:
     from floe.engine import Engine
+    from floe.snapshot.store import SnapshotStore
 
 log = logging.getLogger("floe.serve")
 
 
-def _error(status: int, message: str, type_: str, code: str | None = None, param: str | None = None):
+def _error(status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
+           retry_after: float | None = None):
     # A 503 is a busy server: say when to come back (clients such as openai's honour Retry-After).
-    # A 4xx but 408 and 429 fails the same way again: the openai client retries 409 unless told not to.
+    # A 4xx but 408 and 429 fails the same way again: the openai client retries 409 unless told not to
+    # (a session another server holds, too: its lease is renewed while that server keeps it, so a
+    # retry a second later would fail the same way; Retry-After says when the lease ends if it is not).
     headers = {"Retry-After": "1"} if status == 503 else None
     if 400 <= status < 500 and status not in (408, 429):
         headers = {"x-should-retry": "false"}
+        if retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
@@ -95,7 +104,7 @@ def create_front(socket_path: str, *, keys: tuple[str, ...] = (), cors_origins: 
 
     @app.exception_handler(ServeError)
     async def api_error(request: Request, e: ServeError):
-        return _error(e.status, e.message, e.type, e.code, e.param)
+        return _error(e.status, e.message, e.type, e.code, e.param, e.retry_after)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
@@ -164,6 +173,20 @@ def create_front(socket_path: str, *, keys: tuple[str, ...] = (), cors_origins: 
     async def delete(sid: str, request: Request):
         return await client.call("delete", sid, request.state.owner)
 
+    @app.get("/v1/sessions/{sid}/snapshot")
+    async def export(sid: str, request: Request):
+        chunks = await client.export(sid, request.state.owner)  # every byte checked before the first
+        return StreamingResponse(chunks, media_type="application/octet-stream",
+                                 headers={"X-Floe-Session": sid,
+                                          "Content-Disposition": f'attachment; filename="{sid}.safetensors"'})
+
+    @app.put("/v1/sessions/{sid}/snapshot")
+    async def import_(sid: str, request: Request):
+        try:
+            return await client.upload(sid, request.state.owner, request.stream())
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody reads it; nothing was stored
+
     service = ChatService(client, _model)
 
     async def counted(answer) -> Response:
@@ -190,18 +213,20 @@ def create_front(socket_path: str, *, keys: tuple[str, ...] = (), cors_origins: 
     return app
 
 
-def create_app(engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: float = 300.0,
-               guest: str | None = None, batching: bool | None = None, aliases: tuple[str, ...] = (),
-               keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
-               max_anonymous: int = 64) -> FastAPI:
+def create_app(engine: Engine, *, snapshots: Path | str | SnapshotStore, model_id: str,
+               idle_seconds: float = 300.0, guest: str | None = None, batching: bool | None = None,
+               aliases: tuple[str, ...] = (), keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
+               max_anonymous: int = 64, **core_options) -> FastAPI:
     """The front and the engine core of `engine` in this process (the core's socket in a private
     temporary folder): what `floe serve` runs in two, for tests and embedding. Sessions freeze into
-    `snapshots`, which a restart reads back; the app's shutdown freezes the live ones."""
+    `snapshots` (a folder, a URL, or a SnapshotStore), which a restart reads back; the app's shutdown
+    freezes the live ones. core_options: ServeCore's (kv_dtype, persist_anonymous, ...)."""
     from floe.server.core import ServeCore
     from floe.server.core_socket import CoreServer
 
     core = ServeCore(engine, snapshots=snapshots, model_id=model_id, idle_seconds=idle_seconds,
-                     guest=guest, batching=batching, aliases=aliases, max_anonymous=max_anonymous)
+                     guest=guest, batching=batching, aliases=aliases, max_anonymous=max_anonymous,
+                     **core_options)
     core.keep_spares()
     server = CoreServer(core)  # its socket in a private temporary folder
 

@@ -4,13 +4,15 @@ chats, each answered by the frames the core sends back. Imports nothing heavy (n
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length, pack, unpack
 
 log = logging.getLogger("floe.serve")
+UPLOAD_CHUNK = 1 << 20  # an import's bytes per frame
 
 
 class CoreClient:
@@ -54,10 +56,54 @@ class CoreClient:
         """Start a chat: its id, the queue of its events (("started", session id), then ("text",
         piece)s when streamed, then ("done", result) or ("error", payload) at any point) and an
         event set once its last one is queued."""
+        return self._open({"op": "chat", "request": request})
+
+    def _open(self, message: dict) -> tuple[int, asyncio.Queue, asyncio.Event]:
         rid = next(self._ids)
         self._chats[rid], self._ended[rid] = queue, ended = asyncio.Queue(), asyncio.Event()
-        self._send({"op": "chat", "id": rid, "request": request})
+        self._send({**message, "id": rid})
         return rid, queue, ended
+
+    async def export(self, sid: str, owner: str | None) -> AsyncIterator[bytes]:
+        """Session `sid`'s snapshot file, in chunks. Raises the core's ServeError before the first."""
+        rid, queue, _ = self._open({"op": "export", "arg": sid, "owner": owner})
+        kind, value = await queue.get()
+        if kind == "error":
+            raise ServeError.from_payload(value)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                while (event := await queue.get())[0] == "data":
+                    yield base64.b64decode(event[1])
+                if event[0] == "error":  # after the first byte: the body is cut short (an import refuses it)
+                    raise ServeError.from_payload(event[1])
+            finally:
+                self.cancel(rid)
+
+        return chunks()
+
+    async def upload(self, sid: str, owner: str | None, body: AsyncIterator[bytes]) -> dict:
+        """Send a snapshot file (a request body, streamed) to be imported as session `sid`; the core's
+        answer once it checked and stored it."""
+        rid = next(self._ids)
+        self._calls[rid] = future = asyncio.get_running_loop().create_future()
+        self._send({"op": "import", "id": rid, "arg": sid, "owner": owner})
+        try:
+            async for chunk in body:
+                if future.done():  # refused before its end
+                    break
+                for i in range(0, len(chunk), UPLOAD_CHUNK):
+                    self._send({"op": "data", "id": rid,
+                                "data": base64.b64encode(chunk[i:i + UPLOAD_CHUNK]).decode()})
+                await self._writer.drain()
+        except BaseException:
+            if not self.gone:
+                self._send({"op": "cancel", "id": rid})
+            self._calls.pop(rid, None)
+            raise
+        if not future.done():
+            self._send({"op": "end", "id": rid})
+        return await future
 
     def cancel(self, rid: int) -> None:
         """The chat's client left: its row stops at its next token (nothing if it has ended)."""

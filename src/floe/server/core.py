@@ -12,6 +12,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,10 +23,12 @@ from floe.errors import FloeError, InvalidSamplingParams
 from floe.model.tokenizer import ChatTemplateError
 from floe.server import protocol
 from floe.server.protocol import CALLS, ROLES, ServeError
-from floe.server.sessions import Session, SessionError, SessionStore
+from floe.server.sessions import Session, SessionError, SessionStore, snapshot_store
 from floe.server.stops import checked_stops
 from floe.server.structured import Constraint, outcome
 from floe.server.structured_turns import StructuredTurns
+from floe.snapshot.layout import KV_DTYPES
+from floe.snapshot.store import SnapshotStore
 from floe.wasm import GuestError
 
 log = logging.getLogger("floe.serve")
@@ -59,6 +62,11 @@ class Metrics:
         sessions.labels("frozen").set_function(lambda: store.counts()["frozen"])
         Gauge("floe_spare_actors", "Actors made ahead for new sessions (in free KV slots)",
               registry=r).set_function(lambda: store.counts()["spare_actors"])
+        pinned = store.snapshots.pinned
+        Gauge("floe_store_pinned_bytes", "Bytes of frozen sessions' snapshots in this server's RAM tier",
+              registry=r).set_function(lambda: pinned.nbytes if pinned is not None else 0)
+        Gauge("floe_store_leases", "Sessions whose lease this server holds", registry=r).set_function(
+            lambda: len(store.snapshots.leased()))
 
 
 @dataclass
@@ -84,9 +92,11 @@ class ServeCore:
     id kept per owner (SessionStore).
     """
 
-    def __init__(self, engine: Engine, *, snapshots: Path, model_id: str, idle_seconds: float = 300.0,
-                 guest: str | None = None, batching: bool | None = None,
-                 aliases: tuple[str, ...] = (), max_anonymous: int = 64) -> None:
+    def __init__(self, engine: Engine, *, snapshots: Path | str | SnapshotStore, model_id: str,
+                 idle_seconds: float = 300.0, guest: str | None = None, batching: bool | None = None,
+                 aliases: tuple[str, ...] = (), max_anonymous: int = 64, kv_dtype: str | None = None,
+                 persist_anonymous: bool = False, freeze_every_turn: bool = False,
+                 sweep_seconds: float = 10.0) -> None:
         if batching and not engine.batched_decode:
             raise FloeError("decode batching needs the CUDA engine with graphs and fused kernels and "
                             "more than one slot; on the CPU, sessions take turns")
@@ -98,15 +108,22 @@ class ServeCore:
         # ABI v2 guests (floe's own) are stepped by one engine loop; v1 guests batch through the scheduler.
         self.scheduler = DecodeScheduler(engine) if batched else None
         self.loop = EngineLoop(engine, batch=batched)
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise FloeError(f"kv dtype {kv_dtype!r}: snapshots store one of {', '.join(KV_DTYPES)}")
+        if not isinstance(snapshots, SnapshotStore):
+            snapshots = snapshot_store(snapshots, idle_seconds=idle_seconds)
+        self.snapshots = snapshots
         self.store = SessionStore(engine, snapshots, idle_seconds=idle_seconds, guest=guest,
-                                  scheduler=self.scheduler, loop=self.loop, max_anonymous=max_anonymous)
+                                  scheduler=self.scheduler, loop=self.loop, max_anonymous=max_anonymous,
+                                  kv_dtype=kv_dtype, persist_anonymous=persist_anonymous,
+                                  freeze_every_turn=freeze_every_turn, sweep_seconds=sweep_seconds)
         self.turns = StructuredTurns(self.store)
         self.metrics = Metrics(self.store)
         self.loop.on_step = self.metrics.batch_rows.observe
         if self.scheduler is not None:
             self.scheduler.on_batch = self.metrics.batch_rows.observe
         self.store.on_thaw, self.store.on_freeze = self.metrics.thaw.observe, self.metrics.freeze.observe
-        self.store.load_folder()
+        self.store.load_store()
         self.store.warm_up()
         self.started = time.time()
         self._closed = threading.Event()
@@ -126,12 +143,13 @@ class ServeCore:
         owner = _owner(request.get("owner"))
         seed = None if request.get("seed") in (None, -1) else params.seed  # -1: random, as llama.cpp
         try:  # a new session's generator starts from the request's seed, or a random one (as OpenAI)
-            session, history = self.store.acquire(sid, messages, secrets.randbits(63) if seed is None
-                                                  else seed, owner=owner)
+            session = self.store.acquire(sid, messages, secrets.randbits(63) if seed is None else seed,
+                                         owner=owner)
         except SessionError as e:
             raise failure(e, sid) from None
         try:  # live before the reply starts: a busy server is a 503, not a 200 stream with an error
             self.store.go_live(session)
+            history = self.store.pending(session, messages)
         except BaseException as e:  # whatever failed, the session's lock is not kept
             self.store.release(session)
             if isinstance(e, (GuestError, FloeError)):
@@ -256,10 +274,28 @@ class ServeCore:
                 return self.store.freeze(arg, owner)
             if name == "thaw":
                 return self.store.thaw(arg, owner)
+            if name == "let_go":
+                return self.store.let_go(arg, owner)
             self.store.delete(arg, owner)
             return {"id": arg, "object": "session", "deleted": True}
         except SessionError as e:
             raise failure(e, arg) from None
+
+    def export(self, sid, owner) -> Iterator[memoryview]:
+        """`owner`'s session `sid` as its snapshot file's bytes (SessionStore.export)."""
+        owner = _owner(owner)
+        try:
+            return self.store.export(sid, owner)
+        except SessionError as e:
+            raise failure(e, sid if isinstance(sid, str) else None) from None
+
+    def import_(self, sid, owner, chunks: Iterable) -> dict:
+        """Make or replace `owner`'s session `sid` from a snapshot file's bytes (SessionStore.import_)."""
+        owner = _owner(owner)
+        try:
+            return self.store.import_(sid, owner, chunks)
+        except SessionError as e:
+            raise failure(e, sid if isinstance(sid, str) else None) from None
 
     # ---- lifetime ----------------------------------------------------------------------------------
 
@@ -269,8 +305,12 @@ class ServeCore:
                 frozen = self.store.evict_idle()
                 if frozen:
                     log.info("froze idle sessions %s", frozen)
+                kept = self.store.maintain()
+                if kept["lost"] or kept["deleted"]:
+                    log.info("sessions taken over by another server %s; past the store's lifetime or "
+                             "budget %s", kept["lost"], kept["deleted"])
             except Exception:  # noqa: BLE001 - keep evicting; the error is logged
-                log.exception("idle eviction failed")
+                log.exception("idle eviction or the store's upkeep failed")
 
     def close(self) -> None:
         """Stop evicting and freeze every live session (a restart serves them again)."""
@@ -283,7 +323,7 @@ class ServeCore:
 def failure(e: BaseException, sid: str | None) -> ServeError:
     if isinstance(e, SessionError):
         return ServeError(e.status, str(e), "server_error" if e.status >= 500 else "invalid_request_error",
-                          e.code)
+                          e.code, retry_after=e.retry_after)
     if isinstance(e, GuestError):
         return ServeError(500, f"session {sid!r}: the guest failed on this message ({type(e).__name__}: "
                                f"{e}); the session was returned to its last snapshot", "server_error",

@@ -3,8 +3,10 @@ front, and `serve` runs `floe serve` with the front in a child process (docs/SER
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
+import queue
 import shutil
 import socket
 import tempfile
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("floe.serve")
 INLINE_CALLS = ("hello", "health", "sessions", "session", "metrics")  # answered in the reading thread
 FLUSH_S = 0.002  # after a flush of streamed text, the next waits this long: its frame gathers more
+UPLOAD_WAIT_S = 300.0  # an import whose next chunk takes longer than this is given up
 
 
 class _Connection:
@@ -35,6 +38,7 @@ class _Connection:
         self.outbox: list[list] = []  # [id, text] pieces not yet sent
         self.running: set[int] = set()  # chats taken and not yet ended (queued or running)
         self.cancelled: set[int] = set()  # of those, the ones whose client left
+        self.uploads: dict[int, queue.Queue] = {}  # imports under way: their chunks (None: the end)
         self.closed = False
 
     def text(self, rid: int, piece: str) -> None:
@@ -137,11 +141,22 @@ class CoreServer:
         elif op == "cancel":
             if rid in conn.running:  # a cancel after the chat's end is nothing to keep
                 conn.cancelled.add(rid)
+            if rid in conn.uploads:
+                conn.uploads[rid].put(UploadStopped())
         elif op == "call" and message.get("name") in INLINE_CALLS:  # never behind the pool's waiters
             self._call(conn, rid, message["name"], message.get("arg"), message.get("owner"))
         elif op == "call":  # freeze, thaw, delete: may wait for a session's lock
             self.pool.submit(self._call, conn, rid, message.get("name"), message.get("arg"),
                              message.get("owner"))
+        elif op == "export":
+            self.pool.submit(self._export, conn, rid, message.get("arg"), message.get("owner"))
+        elif op == "import":
+            conn.uploads[rid] = chunks = queue.Queue()
+            self.pool.submit(self._import, conn, rid, message.get("arg"), message.get("owner"), chunks)
+        elif op in ("data", "end") and (op == "end" or isinstance(message.get("data"), str)):
+            chunks = conn.uploads.get(rid)  # none: the import ended already (refused early)
+            if chunks is not None:
+                chunks.put(None if op == "end" else _decoded(message["data"]))
         else:
             raise ProtocolError(f"not a request: {str(message)[:200]}")
 
@@ -150,6 +165,35 @@ class CoreServer:
             conn.send(["ok", rid, self.core.call(name, arg, owner)])
         except Exception as e:  # noqa: BLE001 - answered; the core goes on
             _answer_error(conn, rid, e, f"call {name!r}")
+
+    def _export(self, conn: _Connection, rid: int, sid, owner) -> None:
+        try:
+            chunks = self.core.export(sid, owner)  # checked whole before the first chunk
+            conn.send(["started", rid, sid])
+            for chunk in chunks:
+                if conn.closed:
+                    return
+                conn.send(["data", rid, base64.b64encode(chunk).decode()])
+            conn.send(["done", rid, {}])
+        except Exception as e:  # noqa: BLE001 - answered; the core goes on
+            _answer_error(conn, rid, e, "an export")
+
+    def _import(self, conn: _Connection, rid: int, sid, owner, chunks: queue.Queue) -> None:
+        def received():
+            while (chunk := chunks.get(timeout=UPLOAD_WAIT_S)) is not None:
+                if isinstance(chunk, BaseException):
+                    raise chunk
+                yield chunk
+
+        try:
+            conn.send(["ok", rid, self.core.import_(sid, owner, received())])
+        except queue.Empty:
+            _answer_error(conn, rid, ServeError(408, f"the snapshot's upload stalled for {UPLOAD_WAIT_S} s",
+                                                code="upload_timeout"), "an import")
+        except Exception as e:  # noqa: BLE001 - answered; the core goes on
+            _answer_error(conn, rid, e, "an import")
+        finally:
+            conn.uploads.pop(rid, None)
 
     def _chat(self, conn: _Connection, rid: int, request: dict) -> None:
         try:
@@ -212,6 +256,17 @@ class CoreServer:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
         self.pool.shutdown(wait=True, cancel_futures=True)  # chats not yet started never start
+
+
+class UploadStopped(Exception):
+    """The client of an import left before its snapshot's end: nothing is stored."""
+
+
+def _decoded(data: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except ValueError as e:
+        raise ProtocolError(f"an import's data frame is not base64: {e}") from None
 
 
 def _answer_error(conn: _Connection, rid: int, e: Exception, what: str) -> None:

@@ -13,15 +13,21 @@ Front to core, objects:
                                                  or tools)
   {"op": "cancel", "id": N}                      the client left: its row stops at the next token
   {"op": "call", "id": N, "name": NAME, "arg": A, "owner": O}
-                                                 health, sessions, session, freeze, thaw, delete,
-                                                 metrics (the session calls see O's sessions only)
+                                                 health, sessions, session, freeze, thaw, let_go,
+                                                 delete, metrics (the session calls see O's sessions
+                                                 only)
+  {"op": "export", "id": N, "arg": SID, "owner": O}   session SID's snapshot: "started", "data"s, "done"
+  {"op": "import", "id": N, "arg": SID, "owner": O}   a snapshot for session SID follows: "data"s, then
+  {"op": "data", "id": N, "data": B64}                "end" (or "cancel": the upload stopped); answered
+  {"op": "end", "id": N}                              "ok" (or "error") once it was checked and stored
 Core to front, lists:
   ["ok", N, value]             a call's answer
   ["error", N, error]          a call's or a chat's failure: ServeError.payload()
   ["started", N, session_id]   a chat holds its session; its text follows (a structured chat's is
                                sent with its first text: a refused schema is an error before it)
   ["text", [[N, text], ...]]   streamed text of every chat since the last frame (one frame a flush)
-  ["done", N, result]          a chat's end: {"text", "finish_reason", "usage"}
+  ["data", N, B64]             an export's next bytes (base64: frames are JSON)
+  ["done", N, result]          a chat's end: {"text", "finish_reason", "usage"} (an export's: {})
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import struct
 HEADER = struct.Struct("!I")
 MAX_FRAME = 64 << 20  # a frame longer than this is a broken peer, not a message
 ROLES = ("system", "user", "assistant")
-CALLS = ("hello", "health", "sessions", "session", "freeze", "thaw", "delete", "metrics")
+CALLS = ("hello", "health", "sessions", "session", "freeze", "thaw", "let_go", "delete", "metrics")
 # Who a request is for (floe.server.auth): "" on a server without API keys (one owner, everyone), else
 # a hash of the caller's key. Sessions belong to one owner; a request sees only its owner's.
 OWNER = re.compile(r"|[0-9a-f]{32}")  # fullmatch
@@ -43,17 +49,21 @@ class ServeError(Exception):
     """A request the server answers with an error: HTTP status and OpenAI's error fields."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
+                 code: str | None = None, param: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.retry_after = retry_after  # seconds after which the same request may succeed (a lease's)
 
     def payload(self) -> dict:
         return {"status": self.status, "message": self.message, "type": self.type, "code": self.code,
-                "param": self.param}
+                "param": self.param, "retry_after": self.retry_after}
 
     @classmethod
     def from_payload(cls, p: dict) -> ServeError:
-        return cls(p["status"], p["message"], p["type"], p.get("code"), p.get("param"))
+        return cls(p["status"], p["message"], p["type"], p.get("code"), p.get("param"), p.get("retry_after"))
+
+    def __reduce__(self):  # whole across a pickle (a Ray actor's answer), not just its message
+        return (type(self), (self.status, self.message, self.type, self.code, self.param, self.retry_after))
 
 
 class ProtocolError(Exception):

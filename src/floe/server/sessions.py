@@ -1,46 +1,66 @@
-"""Sessions of `floe serve`: each conversation is an actor that keeps its KV cache, frozen to disk
-when idle (or when its KV slot is needed) and thawed on its next message, also after a restart.
+"""Sessions of `floe serve`: each conversation is an actor that keeps its KV cache, frozen into the
+snapshot store (floe.snapshot.store: pinned RAM, a disk folder, an object store shared by servers)
+when idle (or when its KV slot is needed) and thawed on its next message, also after a restart or on
+another server sharing the store.
 
 Invariants: a session runs one request at a time (its lock); it is frozen only between requests;
-the snapshot file is written (atomically, fsynced) before a freeze is acknowledged and before the
-actor is closed; a thaw that fails leaves the file where it was. The conversation the actor holds
-(`messages`) is stored inside the snapshot (its `app` record), so a file is a whole session.
+its snapshot is in the store (written through to the store's durable home, unless it is a one-shot
+session's) before a freeze is acknowledged and before the actor is closed; a thaw that fails leaves
+the snapshot where it was. The conversation the actor holds (`messages`) is stored inside the
+snapshot (its `app` record, floe.server.records), so a snapshot is a whole session; a thaw reads the
+conversation from the snapshot it thawed (another server may have moved the session on meanwhile).
+
+Ownership across servers: a server holds a session's lease (floe.snapshot.lease) while the session is
+live here or its snapshot is in this server's RAM tier, renewed by `maintain`; a session another
+server holds is refused (SessionLeased, 409); one it let go of (frozen into the shared home, lease
+released or expired) is taken over by the next server its client asks. Sessions made for requests
+that named none (anonymous, one-shot) are kept in RAM only (never written to the home) unless the
+server persists them (`persist_anonymous`) or a client freezes one explicitly.
 
 Every session belongs to an owner (protocol.OWNER: "" on a server without API keys, else a hash of
 the key that made it), stored in its record; each owner has its own session ids, and a request sees
-only its owner's sessions. The open owner's sessions are files `{id}.safetensors` in the folder, an
-owner's in the folder's subfolder named by it.
+only its owner's sessions. Store keys: `{id}` for the open owner's, `{owner}/{id}` for a key's.
 """
 
 from __future__ import annotations
 
 import logging
-import re
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from floe import snapshot
 from floe.actor import Actor, DecodeScheduler, EngineLoop, MessageStats
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError
-from floe.server.protocol import OWNER
+from floe.server.records import (
+    SESSION_ID,
+    NotASession,
+    app_record,
+    make_record,
+    session_key,
+    split_key,
+)
 from floe.server.stops import StopText
-from floe.snapshot import SnapshotError, clean_stale, header
+from floe.snapshot import SnapshotError, clean_stale
+from floe.snapshot.errors import LeaseHeld, LeaseLost, SnapshotNotFound
+from floe.snapshot.store import SnapshotStore, open_store
+from floe.snapshot.tiers import SUFFIX, DiskTier
 
 log = logging.getLogger("floe.serve")
-SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # fullmatch: "$" would let a final "\n" in
-ROLES = ("system", "user", "assistant")
+__all__ = ["SESSION_ID", "Answer", "Session", "SessionError", "SessionStore", "is_prefix", "session_key",
+           "snapshot_store"]
 
 
 class SessionError(FloeError):
     """A request a session cannot take; `status` and `code` say how the server answers it."""
 
     status, code = 400, "invalid_request_error"
+    retry_after: float | None = None  # seconds after which the same request may succeed
 
 
 class UnknownSession(SessionError):
@@ -51,12 +71,33 @@ class HistoryMismatch(SessionError):
     status, code = 409, "session_history_mismatch"
 
 
+class SessionLeased(SessionError):
+    """Another server holds the session (its lease in the shared store)."""
+
+    status, code = 409, "session_leased"
+
+    def __init__(self, sid: str, e: LeaseHeld | LeaseLost) -> None:
+        if isinstance(e, LeaseHeld):
+            self.retry_after = max(0.0, e.expires_at - time.time())
+            super().__init__(f"session {sid!r} is held by another server (its lease runs "
+                             f"{self.retry_after:.1f} s more, and is renewed while that server keeps "
+                             "the session); ask the server that holds it, or again once it has let the "
+                             "session go")
+        else:
+            super().__init__(f"session {sid!r} was taken over by another server (this one's lease "
+                             "expired); ask the server that holds it now")
+
+
 class NoFreeSlot(SessionError):
     status, code = 503, "server_busy"
 
 
 class ThawFailed(SessionError):
     status, code = 500, "thaw_failed"
+
+
+class SnapshotRefused(SessionError):
+    status, code = 400, "snapshot_invalid"
 
 
 class OneSlotOnly(SessionError):
@@ -76,7 +117,6 @@ class Answer:
 @dataclass
 class Session:
     id: str
-    path: Path
     messages: list[dict] = field(default_factory=list)  # what the actor holds: role, content
     actor: Actor | None = None
     last_used: float = field(default_factory=time.monotonic)
@@ -84,6 +124,9 @@ class Session:
     seed: int = 0
     owner: str = ""  # whose it is (protocol.OWNER; "": a server without API keys)
     anonymous: bool = False  # made for a request that named no session (kept per owner up to a bound)
+    persist: bool = True  # its snapshots go to the store's durable home (a one-shot's: RAM only)
+    stored: bool = False  # the store holds a snapshot of it (as far as this server knows)
+    snapshot_bytes: int | None = None
 
     @property
     def live(self) -> bool:
@@ -93,22 +136,17 @@ class Session:
     def key(self) -> str:
         return session_key(self.owner, self.id)
 
+    def record(self) -> dict:
+        return make_record(self.id, self.owner, self.anonymous, self.messages, self.seed)
+
     def describe(self) -> dict:
-        """What a client may know of it (not where its file lies)."""
+        """What a client may know of it (not where its snapshot lies)."""
         actor = self.actor  # once: a freeze may close it meanwhile
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            size = None
         return {"id": self.id, "state": "live" if actor else "frozen", "messages": len(self.messages),
                 "kv_tokens": actor.engine.kv_len(actor.slot) if actor else None,
-                "idle_seconds": round(time.monotonic() - self.last_used, 3), "snapshot_bytes": size,
-                "anonymous": self.anonymous}
-
-
-def session_key(owner: str, sid: str) -> str:
-    """A session's name in SessionStore.sessions: its id, under its owner's (ids are per owner)."""
-    return f"{owner}/{sid}" if owner else sid
+                "idle_seconds": round(time.monotonic() - self.last_used, 3),
+                "snapshot_bytes": self.snapshot_bytes if self.stored else None,
+                "anonymous": self.anonymous, "persisted": self.persist}
 
 
 def is_prefix(prefix: list[dict], messages: list[dict]) -> bool:
@@ -122,26 +160,34 @@ SPARE_RETRY_S = 1.0  # after a spare actor could not be made
 
 
 class SessionStore:
-    """All sessions of one server: live ones hold a KV slot of `engine`, frozen ones a file.
+    """All sessions of one server: live ones hold a KV slot of `engine`, frozen ones a snapshot in
+    `snapshots` (the tiered store).
 
-    max_anonymous: sessions made for requests that named none, kept per owner; beyond it, making one
-    forgets the owner's least recently used idle one (and deletes its file). They are a cache of the
+    max_anonymous: sessions made for requests that named none, kept per owner; beyond, making one
+    forgets the owner's least recently used idle one (and drops its snapshot). They are a cache of the
     conversations that clients resend whole: a forgotten one is found by no prefix, and its
-    conversation's next request starts a new session."""
+    conversation's next request starts a new session. kv_dtype: how snapshots store the KV cache
+    (None: the engine's dtype; "int8": a quarter of fp32's bytes, not bit-exact). freeze_every_turn:
+    every answered turn is frozen into the store before its answer ends (a server killed loses no
+    answered turn), not only on idle."""
 
-    def __init__(self, engine: Engine, folder: Path, *, idle_seconds: float = 300.0,
+    def __init__(self, engine: Engine, snapshots: SnapshotStore | Path | str, *, idle_seconds: float = 300.0,
                  guest: str | None = None, on_thaw: Callable[[float], None] = lambda s: None,
                  on_freeze: Callable[[float], None] = lambda s: None,
                  scheduler: DecodeScheduler | None = None, loop: EngineLoop | None = None,
-                 max_anonymous: int = 64) -> None:
+                 max_anonymous: int = 64, kv_dtype: str | None = None, persist_anonymous: bool = False,
+                 freeze_every_turn: bool = False, sweep_seconds: float = 10.0) -> None:
         if max_anonymous < 1:
             raise FloeError(f"max_anonymous must be at least 1, not {max_anonymous}")
-        self.engine, self.folder, self.idle_seconds, self.guest = engine, Path(folder), idle_seconds, guest
-        self.max_anonymous = max_anonymous
+        if not isinstance(snapshots, SnapshotStore):
+            snapshots = snapshot_store(snapshots, idle_seconds=idle_seconds)
+        self.engine, self.snapshots, self.idle_seconds, self.guest = engine, snapshots, idle_seconds, guest
+        self.max_anonymous, self.kv_dtype = max_anonymous, kv_dtype
+        self.persist_anonymous, self.freeze_every_turn = persist_anonymous, freeze_every_turn
+        self.sweep_seconds = sweep_seconds
         self.scheduler = scheduler  # batches v1 guests' decode steps (None: they take turns)
         self.loop = loop  # steps v2 guests' turns (None: the engine's own loop)
 
-        self.folder.mkdir(parents=True, exist_ok=True)
         self.sessions: dict[str, Session] = {}  # by session_key(owner, id)
         self.lock = threading.Lock()  # guards `sessions` and slot accounting
         self._reserved = 0  # slots counted for sessions whose actor is being made
@@ -151,7 +197,9 @@ class SessionStore:
         self._closing = threading.Event()
         self._spare_maker: threading.Thread | None = None
         self.on_thaw, self.on_freeze = on_thaw, on_freeze
-        self.skipped: list[str] = []  # files in the folder that are not loadable sessions
+        self.skipped: list[str] = []  # snapshots in the store that are not loadable sessions
+        self._renewed = self._swept = time.monotonic()
+        self.lost: list[str] = []  # sessions another server took over while this one held them
 
     # ---- startup -----------------------------------------------------------------------------------
 
@@ -162,41 +210,47 @@ class SessionStore:
         with Actor(self.engine, self.guest, scheduler=self.scheduler, loop=self.loop) as actor:
             actor.send("Hello.", max_tokens=2)
 
-    def load_folder(self) -> int:
-        """Register every session frozen in the folder and its owners' subfolders (headers only, each
-        checked as a thaw checks it; the tensors are verified on thaw), skipping with a log line
-        whatever is not one (a FIFO or a folder is refused at once, never waited on), or is not its
-        folder's owner's; remove what killed writers left."""
-        owners = [("", self.folder), *((d.name, d) for d in sorted(self.folder.iterdir())
-                                       if OWNER.fullmatch(d.name) and d.is_dir() and not d.is_symlink())]
-        for owner, folder in owners:
-            for path in clean_stale(folder):
-                log.info("removed %s, left by a snapshot writer that was killed", path.name)
-            for path in sorted(folder.glob("*.safetensors")):
-                name = str(path.relative_to(self.folder))
-                try:
-                    record = _app_record(header(path))
-                    if record["owner"] != owner:  # moved: it stays its owner's, never another's
-                        raise NotASession("its record names another owner than its folder's")
-                    if not SESSION_ID.fullmatch(path.stem):
-                        raise NotASession("its name is not a session id (letters, digits, _ . -)")
-                except (SnapshotError, NotASession) as e:
-                    self.skipped.append(f"{name}: {e}")
-                    log.warning("skipping %s: %s", name, e)
-                    continue
-                # Least recently used first, also across a restart: its last use was its last freeze.
-                used = time.monotonic() - max(0.0, time.time() - path.stat().st_mtime)
-                session = Session(path.stem, path, messages=record["messages"], seed=record["seed"],
-                                  owner=owner, anonymous=record["anonymous"], last_used=used)
-                self.sessions[session.key] = session
+    def load_store(self) -> int:
+        """Register every session the store's home holds (headers only, each checked as a thaw checks
+        it; the tensors are verified on thaw), skipping with a log line whatever is not one, or is not
+        its key's owner's; in a folder, remove what killed writers left."""
+        home = self.snapshots.home
+        if isinstance(home, DiskTier):
+            for folder in (home.folder, *(d for d in sorted(home.folder.iterdir())
+                                          if d.is_dir() and not d.is_symlink())):
+                for path in clean_stale(folder):
+                    log.info("removed %s, left by a snapshot writer that was killed", path.name)
+        now_wall, now = time.time(), time.monotonic()
+        for entry in sorted(home.entries(), key=lambda e: e.key):
+            try:
+                session = self._read_session(entry.key)
+            except (SnapshotError, NotASession) as e:
+                self.skipped.append(f"{entry.key}{SUFFIX}: {e}")
+                log.warning("skipping %s%s: %s", entry.key, SUFFIX, e)
+                continue
+            # Least recently used first, also across a restart: its last use was its last freeze.
+            session.last_used = now - max(0.0, now_wall - entry.used_at)
+            session.snapshot_bytes = entry.nbytes
+            self.sessions[session.key] = session
         return len(self.sessions)
+
+    def _read_session(self, key: str) -> Session:
+        """The session under `key` in the store, from its snapshot's header. Raises SnapshotNotFound,
+        another SnapshotError, or NotASession."""
+        named = split_key(key)
+        if named is None:
+            raise NotASession("its key is not a session's ([owner/]id)")
+        record = app_record(self.snapshots.metadata(key))
+        if record["owner"] != named[0]:  # moved: it stays its owner's, never another's
+            raise NotASession("its record names another owner than its key's")
+        return Session(named[1], messages=record["messages"], seed=record["seed"], owner=named[0],
+                       anonymous=record["anonymous"], stored=True)
 
     # ---- choosing the session for a request --------------------------------------------------------
 
-    def acquire(self, session_id: str | None, messages: list[dict], seed: int,
-                owner: str = "") -> tuple[Session, list[dict]]:
-        """The session of `owner`'s this request continues, locked for it, and the earlier messages
-        it must load before the last (user) one. Without an id: the owner's session whose
+    def acquire(self, session_id: str | None, messages: list[dict], seed: int, owner: str = "") -> Session:
+        """The session of `owner`'s this request continues, locked for it (`pending` then says what it
+        must load before the last message, once it is live). Without an id: the owner's session whose
         conversation is the longest prefix of this one, or a new (anonymous) session."""
         history = messages[:-1]
         while True:
@@ -213,33 +267,68 @@ class SessionStore:
             raise HistoryMismatch(f"session {session.id!r} changed while this request waited")
         if session.anonymous and not session.messages:  # a new one: room for it
             self._bound_anonymous(session)
-        return session, history[len(session.messages):]
+        return session
+
+    def pending(self, session: Session, messages: list[dict]) -> list[dict]:
+        """The earlier messages of a request that the (locked, live) session must load before its last
+        one. Checked again once it is live: a thaw read its conversation from its snapshot, which
+        another server may have moved on."""
+        history = messages[:-1]
+        if not is_prefix(session.messages, history):
+            raise HistoryMismatch(f"session {session.id!r} holds {len(session.messages)} messages that are "
+                                  "not the start of this request's conversation (another server moved it on)")
+        return history[len(session.messages):]
 
     def _choose(self, session_id: str | None, history: list[dict], seed: int, owner: str) -> Session:
         """The session for a request (acquire's choice, not yet locked)."""
-        with self.lock:
-            if session_id is not None:
-                session = self.sessions.get(session_key(owner, _checked(session_id)))
-                if session is None:
-                    if any(m["role"] == "assistant" for m in history):
-                        raise UnknownSession(f"no session {session_id!r} (a new session starts with "
-                                             "no assistant messages)")
-                    session = self._new(session_id, seed, owner)
-                elif not is_prefix(session.messages, history):
-                    raise HistoryMismatch(
-                        f"session {session_id!r} holds {len(session.messages)} messages that are not "
-                        "the start of this request's conversation")
-            else:
+        if session_id is None:
+            with self.lock:
                 candidates = [s for s in self.sessions.values() if s.owner == owner and s.messages
                               and not s.lock.locked() and is_prefix(s.messages, history)]
                 session = max(candidates, key=lambda s: len(s.messages), default=None)
                 if session is None:
                     session = self._new(uuid.uuid4().hex[:16], seed, owner, anonymous=True)
-            return session
+                return session
+        key = session_key(owner, _checked(session_id))
+        with self.lock:
+            session = self.sessions.get(key)
+        if session is None:  # in the store: another server's, or made since this one started
+            found = self._lookup(key)
+            with self.lock:
+                session = self.sessions.get(key)
+                if session is None and found is not None:
+                    self.sessions[key] = session = found
+                if session is None:
+                    if any(m["role"] == "assistant" for m in history):
+                        self._refuse_if_leased(key, session_id)
+                        raise UnknownSession(f"no session {session_id!r} (a new session starts with "
+                                             "no assistant messages)")
+                    session = self._new(session_id, seed, owner)
+        if not is_prefix(session.messages, history):
+            raise HistoryMismatch(
+                f"session {session_id!r} holds {len(session.messages)} messages that are not "
+                "the start of this request's conversation")
+        return session
+
+    def _lookup(self, key: str) -> Session | None:
+        try:
+            return self._read_session(key)
+        except SnapshotNotFound:
+            return None
+        except (SnapshotError, NotASession) as e:
+            log.warning("session %r in the store cannot be read: %s", key, e)
+            raise ThawFailed(f"session {key.rpartition('/')[2]!r} is in the store but cannot be read: "
+                             f"{type(e).__name__}") from e
+
+    def _refuse_if_leased(self, key: str, sid: str) -> None:
+        """SessionLeased if another server holds `key` (live there, never frozen into the store)."""
+        held = self.snapshots.holder(key)
+        if held is not None and held[0] != self.snapshots.owner and held[1] > time.time():
+            raise SessionLeased(sid, LeaseHeld(key, *held))
 
     def _new(self, sid: str, seed: int, owner: str, anonymous: bool = False) -> Session:
-        session = Session(sid, self.folder / owner / f"{sid}.safetensors", seed=seed, owner=owner,
-                          anonymous=anonymous)  # folder / "" / name is folder / name
+        session = Session(sid, seed=seed, owner=owner, anonymous=anonymous,
+                          persist=not anonymous or self.persist_anonymous)
         self.sessions[session.key] = session
         return session
 
@@ -259,6 +348,8 @@ class SessionStore:
                         excess -= 1
                         log.info("forgot anonymous session %s (over %d of its owner's)", victim.id,
                                  self.max_anonymous)
+                except SessionError as e:  # held elsewhere: not this server's to forget
+                    log.info("could not forget anonymous session %s: %s", victim.id, e)
                 finally:
                     victim.lock.release()
 
@@ -308,6 +399,8 @@ class SessionStore:
         if left or cut.matched:  # its guest holds more than the session keeps
             self._restart_guest(session)
         session.last_used = time.monotonic()
+        if not left:
+            self._turn_done(session)
         return Answer(cut.text, reply.stats, cut.matched, left)
 
     def append(self, session: Session, messages: list[dict]) -> None:
@@ -322,11 +415,17 @@ class SessionStore:
             log.exception("session %r: its guest could not take the turn as history", session.id)
             self._restart_guest(session)
         session.last_used = time.monotonic()
+        self._turn_done(session)
+
+    def _turn_done(self, session: Session) -> None:
+        """With freeze_every_turn: the answered turn is in the store before its answer ends."""
+        if self.freeze_every_turn and session.live and session.persist:
+            self._freeze_locked(session, close=False)
 
     def abandon(self, session: Session) -> None:
         """After a turn that failed on another actor (the session's own is untouched): a session that
         holds nothing yet, and no snapshot, is forgotten rather than kept empty in a slot."""
-        if not session.messages and not session.path.exists():
+        if not session.messages and not session.stored:
             self._drop_live(session)
 
     @contextmanager
@@ -353,15 +452,12 @@ class SessionStore:
         try:
             old.close()
             session.actor = None
-            if not session.messages and not session.path.exists():
+            if not session.messages and not session.stored:
                 with self.lock:
                     self.sessions.pop(session.key, None)
                 return
-            with self._creating:
-                actor = Actor(self.engine, self.guest, scheduler=self.scheduler, loop=self.loop)
+            actor = self._actor_with_history(session)
             actor.generator.set_state(old.generator.get_state())
-            for m in session.messages:
-                actor.add_history(m["role"], m["content"])
             session.actor, actor = actor, None
         except Exception:  # noqa: BLE001 - the reply was delivered; the session falls back as on a failure
             log.exception("session %r: its guest could not be restarted with its conversation", session.id)
@@ -372,14 +468,28 @@ class SessionStore:
             with self.lock:
                 self._reserved -= 1
 
+    def _actor_with_history(self, session: Session) -> Actor:
+        """A new actor holding the session's conversation (prefilled in full)."""
+        with self._creating:
+            actor = Actor(self.engine, self.guest, seed=session.seed, scheduler=self.scheduler,
+                          loop=self.loop)
+        try:
+            for m in session.messages:
+                actor.add_history(m["role"], m["content"])
+        except BaseException:
+            actor.close()
+            raise
+        return actor
+
     def go_live(self, session: Session) -> None:
         """Give the (locked) session a live actor now: thawed, or made, in a KV slot (freezing an idle
-        session for it if need be). Raises NoFreeSlot, ThawFailed, or what failed making the actor; a
-        session that never held anything is then forgotten (not left listed as frozen without a file)."""
+        session for it if need be). Raises NoFreeSlot, SessionLeased, ThawFailed, or what failed making
+        the actor; a session that never held anything is then forgotten (not left listed as frozen
+        without a snapshot)."""
         try:
             self._ensure_live(session)
         except BaseException:
-            if not session.messages and not session.path.exists():
+            if not session.messages and not session.stored:
                 with self.lock:
                     self.sessions.pop(session.key, None)
             raise
@@ -388,23 +498,28 @@ class SessionStore:
         session.last_used = time.monotonic()
         session.lock.release()
 
+    def _lease(self, session: Session) -> None:
+        """This server's lease on a persisted session before it makes its actor (SessionLeased if
+        another server holds it)."""
+        if session.persist:
+            try:
+                self.snapshots.acquire(session.key)
+            except LeaseHeld as e:
+                raise SessionLeased(session.id, e) from None
+
     def _ensure_live(self, session: Session) -> None:
         if session.live:
             return
-        if not session.path.exists() and self._take_spare(session):
-            return
+        if not session.stored:
+            self._lease(session)
+            if not session.messages and self._take_spare(session):
+                return
         self._reserve_slot()
         try:
-            if session.path.exists():
-                t = time.perf_counter()
-                try:
-                    session.actor = snapshot.thaw(self.engine, session.path, self.guest, seed=session.seed,
-                                               scheduler=self.scheduler, loop=self.loop)
-                except FloeError as e:  # the client is told what failed, not where the file lies
-                    log.warning("session %r could not be thawed from %s: %s", session.id, session.path, e)
-                    raise ThawFailed(f"session {session.id!r} could not be thawed (the file is left in "
-                                     f"place): {type(e).__name__}") from e
-                self.on_thaw(time.perf_counter() - t)
+            if session.stored:
+                self._thaw(session)
+            elif session.messages:  # a one-shot session whose snapshot left RAM: its conversation again
+                session.actor = self._actor_with_history(session)
             else:
                 # One at a time: creating an actor is ~1 ms of short calls into Wasmtime, each a GIL
                 # hand-off; 16 arrivals creating theirs at once thrash the GIL (~45 ms each, measured)
@@ -416,16 +531,50 @@ class SessionStore:
             with self.lock:
                 self._reserved -= 1
 
+    def _thaw(self, session: Session) -> None:
+        """The (locked) session's actor thawed from the store, its conversation read from the same
+        snapshot."""
+        t = time.perf_counter()
+        try:
+            actor, metadata = self.snapshots.thaw_with_metadata(
+                session.key, self.engine, self.guest, seed=session.seed, scheduler=self.scheduler,
+                loop=self.loop)
+        except LeaseHeld as e:
+            raise SessionLeased(session.id, e) from None
+        except SnapshotNotFound:
+            session.stored = False
+            if session.persist or not session.messages:
+                with self.lock:
+                    self.sessions.pop(session.key, None)
+                raise UnknownSession(f"session {session.id!r} is no longer in the store (deleted, or "
+                                     "past its lifetime)") from None
+            session.actor = self._actor_with_history(session)  # a one-shot that left RAM
+            return
+        except FloeError as e:  # the client is told what failed, not where the snapshot lies
+            log.warning("session %r could not be thawed: %s", session.id, e)
+            raise ThawFailed(f"session {session.id!r} could not be thawed (its snapshot is left in "
+                             f"place): {type(e).__name__}") from e
+        try:
+            record = app_record(metadata)
+        except NotASession as e:
+            actor.close()
+            raise ThawFailed(f"session {session.id!r} could not be thawed: {e}") from None
+        session.actor, session.messages, session.seed = actor, record["messages"], record["seed"]
+        self.on_thaw(time.perf_counter() - t)
+
     def _drop_live(self, session: Session) -> None:
         """Forget the live actor after a failure; fall back to the snapshot if there is one."""
         if session.actor is not None:
             session.actor.close()
             session.actor = None
-        if session.path.exists():
-            session.messages = _app_record(header(session.path))["messages"]
-        else:
-            with self.lock:
-                self.sessions.pop(session.key, None)
+        try:
+            if session.stored:
+                session.messages = app_record(self.snapshots.metadata(session.key))["messages"]
+                return
+        except (SnapshotError, NotASession) as e:
+            log.warning("session %r: its snapshot cannot be read back (%s); it is forgotten", session.id, e)
+        with self.lock:
+            self.sessions.pop(session.key, None)
 
     def _reserve_slot(self) -> None:
         """Count a KV slot for a session about to go live (its actor claims it next), freezing the
@@ -452,33 +601,60 @@ class SessionStore:
         try:
             if not victim.live:
                 return False
-            self._freeze_locked(victim)
+            try:
+                self._freeze_locked(victim)
+            except SessionLeased:
+                pass  # taken over: its actor is closed, its slot free
             return True
         finally:
             victim.lock.release()
 
     # ---- freezing ----------------------------------------------------------------------------------
 
-    def _freeze_locked(self, session: Session) -> dict:
-        """Write the session's snapshot, then close its actor (caller holds session.lock)."""
+    def _freeze_locked(self, session: Session, close: bool = True) -> dict:
+        """Put the session's snapshot into the store, then (`close`) close its actor (caller holds
+        session.lock). A session another server took over meanwhile (this one's lease expired) is
+        dropped here and SessionLeased raised: its state is that server's now."""
         t = time.perf_counter()
-        session.path.parent.mkdir(mode=0o700, exist_ok=True)  # an owner's folder
-        info = snapshot.freeze(session.actor, session.path, app={"floe_server": {
-            "id": session.id, "owner": session.owner, "anonymous": session.anonymous,
-            "messages": session.messages, "seed": session.seed}})
-        session.actor.close()
-        session.actor = None
+        try:
+            info = self.snapshots.freeze(session.key, session.actor, kv_dtype=self.kv_dtype,
+                                         app=session.record(), persist=session.persist)
+        except (LeaseHeld, LeaseLost) as e:
+            log.warning("session %r was taken over by another server: %s", session.id, e)
+            self._lose(session)
+            raise SessionLeased(session.id, e) from None
+        session.stored = session.persist or self.snapshots.has(session.key)
+        session.snapshot_bytes = info["bytes"]
+        if close:
+            session.actor.close()
+            session.actor = None
         self.on_freeze(time.perf_counter() - t)
         return info
 
+    def _lose(self, session: Session) -> None:
+        """Another server holds the (locked) session now: nothing of it stays here."""
+        if session.actor is not None:
+            session.actor.close()
+            session.actor = None
+        with self.lock:
+            if self.sessions.get(session.key) is session:
+                del self.sessions[session.key]
+        self.lost.append(session.key)
+
     def freeze(self, sid: str, owner: str = "") -> dict:
-        """Freeze `owner`'s session `sid` now: its id, state, snapshot bytes and the seconds it took."""
+        """Freeze `owner`'s session `sid` now, into the store's durable home (also a one-shot session:
+        a client that asks for a freeze asks for it to be kept): its id, state, snapshot bytes and the
+        seconds it took."""
         session = self.get(sid, owner)
         with session.lock:
+            if not session.persist:
+                session.persist = True
+                if not session.live and session.stored:
+                    self._ensure_live(session)  # its RAM copy, thawed to be written through
             if session.live:
                 info = self._freeze_locked(session)
-            elif session.path.exists():
-                info = {"bytes": session.path.stat().st_size, "seconds": 0.0}
+            elif session.stored:
+                info = {"bytes": session.snapshot_bytes, "seconds": 0.0}
             else:
                 raise SessionError(f"session {sid!r} has no state to freeze yet")
         return {"id": sid, "state": "frozen", "bytes": info["bytes"], "seconds": info["seconds"]}
@@ -488,6 +664,30 @@ class SessionStore:
         with session.lock:
             self._ensure_live(session)
         return session.describe()
+
+    def let_go(self, sid: str, owner: str = "") -> dict:
+        """Freeze `owner`'s session `sid` (if live) and give up this server's lease on it: another
+        server may take it at once (a drain, a migration). Its id and snapshot bytes."""
+        session = self.get(sid, owner)
+        with session.lock:
+            if session.live:
+                session.persist = True
+                self._freeze_locked(session)
+            self.snapshots.release(session.key)
+        return {"id": sid, "state": "frozen", "bytes": session.snapshot_bytes}
+
+    def drain(self) -> list[str]:
+        """Let every session go (`let_go`; running ones once their request ends): the keys let go."""
+        with self.lock:
+            sessions = list(self.sessions.values())
+        out = []
+        for session in sessions:
+            try:
+                self.let_go(session.id, session.owner)
+                out.append(session.key)
+            except SessionError as e:
+                log.warning("drain: session %r: %s", session.id, e)
+        return out
 
     def evict_idle(self) -> list[str]:
         """Freeze every live session idle longer than idle_seconds; returns their ids."""
@@ -501,16 +701,132 @@ class SessionStore:
                     if session.live and time.monotonic() - session.last_used > self.idle_seconds:
                         self._freeze_locked(session)
                         frozen.append(session.id)
+                except SessionLeased:
+                    pass
                 finally:
                     session.lock.release()
         return frozen
 
+    # ---- leases and the store's lifecycle ----------------------------------------------------------
+
+    def maintain(self) -> dict[str, list[str]]:
+        """What a server runs every second or so: renew this server's leases (every lease_s / 3),
+        drop the sessions whose lease was lost; apply the store's TTLs and budgets (every
+        sweep_seconds), forgetting the sessions whose snapshot it deleted; release the leases of
+        sessions neither live here nor in this server's RAM tier."""
+        now, report = time.monotonic(), {"lost": [], "deleted": [], "released": []}
+        if now - self._renewed >= self.snapshots.lease_s / 3:
+            self._renewed = now
+            for key in self.snapshots.renew_all():
+                report["lost"].append(key)
+                with self.lock:
+                    session = self.sessions.get(key)
+                if session is not None and session.lock.acquire(blocking=False):
+                    try:
+                        self._lose(session)
+                    finally:
+                        session.lock.release()
+        if now - self._swept >= self.sweep_seconds:
+            self._swept = now
+            with self.lock:
+                busy = [s.key for s in self.sessions.values() if s.live or s.lock.locked()]
+            swept = self.snapshots.sweep(keep=busy)
+            for key in swept["deleted"]:
+                report["deleted"].append(key)
+                self._forget_frozen(key)
+        pinned = self.snapshots.pinned
+        for key in self.snapshots.leased():
+            with self.lock:
+                session = self.sessions.get(key)
+            if session is not None and (session.live or session.lock.locked()):
+                continue
+            if session is not None and pinned is not None and pinned.has(key):
+                continue
+            self.snapshots.release(key)
+            report["released"].append(key)
+        return report
+
+    def _forget_frozen(self, key: str) -> None:
+        with self.lock:
+            session = self.sessions.get(key)
+        if session is not None and session.lock.acquire(blocking=False):
+            try:
+                if not session.live:
+                    with self.lock:
+                        self.sessions.pop(key, None)
+            finally:
+                session.lock.release()
+
+    # ---- export, import ----------------------------------------------------------------------------
+
+    def export(self, sid: str, owner: str = "") -> Iterator[memoryview]:
+        """`owner`'s session `sid` as its snapshot file's bytes, in chunks, every byte checked before
+        the first is given; a live session is frozen first (and stays live), so it is its state now."""
+        session = self.get(sid, owner)
+        with session.lock:
+            if session.live:
+                self._freeze_locked(session, close=False)
+            elif not session.stored:
+                raise SessionError(f"session {sid!r} has no state to export yet")
+            try:
+                return self.snapshots.export(session.key)
+            except SnapshotNotFound:
+                raise UnknownSession(f"session {sid!r} is no longer in the store") from None
+            except SnapshotError as e:
+                raise ThawFailed(f"session {sid!r}: its snapshot cannot be exported: {e}") from None
+
+    def import_(self, sid: str, owner: str, chunks: Iterable) -> dict:
+        """Make (or replace) `owner`'s session `sid` from a snapshot file's bytes, checked as they
+        stream (SnapshotRefused: not an intact snapshot of a floe serve session; the session as it
+        was). A session made by another owner, or as anonymous, is written again as this owner's."""
+        key = session_key(owner, _checked(sid))
+        with self.lock:
+            session = self.sessions.get(key)
+            if session is None:
+                session = self.sessions[key] = Session(sid, owner=owner, seed=0)
+        with session.lock:
+            def accept(header) -> None:
+                app_record(header.metadata)  # NotASession: refused before it replaces anything
+
+            try:
+                info = self.snapshots.import_(key, chunks, accept=accept)
+            except LeaseHeld as e:
+                self._forget_if_empty(session)
+                raise SessionLeased(sid, e) from None
+            except (SnapshotError, NotASession) as e:
+                self._forget_if_empty(session)
+                raise SnapshotRefused(f"the snapshot was refused: {e}") from None
+            if session.actor is not None:  # the imported state replaces what ran here
+                session.actor.close()
+                session.actor = None
+            record = app_record(self.snapshots.metadata(key))
+            session.messages, session.seed, session.stored = record["messages"], record["seed"], True
+            session.anonymous, session.persist, session.snapshot_bytes = False, True, info["bytes"]
+            if record["owner"] != owner or record["anonymous"]:  # its record must say whose it is
+                self._ensure_live(session)
+                self._freeze_locked(session)
+        return {"id": sid, "object": "session", "bytes": info["bytes"], "checksum": info["checksum"],
+                "messages": len(session.messages)}
+
+    def _forget_if_empty(self, session: Session) -> None:
+        if not session.stored and not session.live:
+            with self.lock:
+                if self.sessions.get(session.key) is session:
+                    del self.sessions[session.key]
+
     # ---- bookkeeping -------------------------------------------------------------------------------
 
     def get(self, sid: str, owner: str = "") -> Session:
-        """`owner`'s session `sid` (another owner's is as unknown as one that does not exist)."""
+        """`owner`'s session `sid` (another owner's is as unknown as one that does not exist); one this
+        server has not seen is looked up in the store."""
+        key = session_key(owner, _checked(sid))
         with self.lock:
-            session = self.sessions.get(session_key(owner, _checked(sid)))
+            session = self.sessions.get(key)
+        if session is None:
+            found = self._lookup(key)
+            if found is not None:
+                with self.lock:
+                    session = self.sessions.setdefault(key, found)
         if session is None:
             raise UnknownSession(f"no session {sid!r}")
         return session
@@ -523,15 +839,18 @@ class SessionStore:
 
     def _forget_locked(self, session: Session) -> bool:
         """Close the (locked) session's actor, delete its snapshot and drop it; False if the store had
-        dropped it already. It stays registered until its file is gone: a new session of its id
-        cannot be made (and frozen to that file) meanwhile."""
+        dropped it already. It stays registered until its snapshot is gone: a new session of its id
+        cannot be made (and frozen under that key) meanwhile. SessionLeased if another server holds it."""
         with self.lock:
             if self.sessions.get(session.key) is not session:
                 return False
+        try:
+            self.snapshots.delete(session.key)
+        except LeaseHeld as e:
+            raise SessionLeased(session.id, e) from None
         if session.actor is not None:
             session.actor.close()
             session.actor = None
-        session.path.unlink(missing_ok=True)
         with self.lock:
             del self.sessions[session.key]
         return True
@@ -592,7 +911,8 @@ class SessionStore:
                     break
 
     def close(self, freeze: bool = True) -> None:
-        """At shutdown: freeze every live session (so a restart serves them again)."""
+        """At shutdown: freeze every live session (so a restart, or another server, serves them again)
+        and give up this server's leases."""
         self._closing.set()
         if self._spare_maker is not None:
             self._spare_maker.join(30)
@@ -603,39 +923,42 @@ class SessionStore:
         for session in list(self.sessions.values()):
             with session.lock:
                 if session.live:
-                    if freeze and session.messages:
-                        self._freeze_locked(session)
-                    else:
+                    try:
+                        if freeze and session.messages:
+                            self._freeze_locked(session)
+                    except (SessionError, SnapshotError) as e:
+                        log.warning("session %r was not frozen at shutdown: %s", session.id, e)
+                    if session.actor is not None:
                         session.actor.close()
                         session.actor = None
+        for key in self.snapshots.leased():
+            try:
+                self.snapshots.release(key)
+            except SnapshotError as e:
+                log.warning("the lease of %r was not released at shutdown: %s", key, e)
+
+
+def snapshot_store(snapshots: Path | str, *, idle_seconds: float = 300.0, pinned_bytes: int = 512 << 20,
+                   pinned_ttl_s: float | None = None, ttl_s: float | None = None,
+                   budget_bytes: int | None = None, cache: str | Path | None = None,
+                   lease_s: float = 30.0) -> SnapshotStore:
+    """The store `floe serve --snapshots` names (a folder, file://, s3://bucket/prefix): pinned RAM
+    (`pinned_bytes`; a frozen session stays there `pinned_ttl_s`, default idle_seconds, while this
+    server keeps its lease) over that home (its lifetime `ttl_s` and byte budget). An object store is
+    read through `cache` (default: a private temporary folder of this process's)."""
+    url = str(snapshots)
+    if "://" in url and not url.startswith("file://") and cache is None:
+        cache = tempfile.mkdtemp(prefix="floe-store-cache-")
+    elif "://" not in url:
+        url = str(Path(url).expanduser())
+    return open_store(url, pinned_bytes=pinned_bytes, cache=cache, home_bytes=budget_bytes, home_ttl_s=ttl_s,
+                      pinned_ttl_s=idle_seconds if pinned_ttl_s is None else pinned_ttl_s, lease_s=lease_s)
 
 
 def _checked(sid: str) -> str:
     """A session id as given, if it is one: never a path (no / or \\, no leading dot, no control
-    characters), so its file lies in the snapshot folder."""
-    if not SESSION_ID.fullmatch(sid):
-        raise SessionError(f"session id {sid[:200]!r} is not valid (letters, digits, _ . -; at most 128)")
+    characters), so its snapshot lies under the store's prefix."""
+    if not isinstance(sid, str) or not SESSION_ID.fullmatch(sid) or sid.endswith(".lease"):
+        raise SessionError(f"session id {str(sid)[:200]!r} is not valid (letters, digits, _ . -; at most "
+                           "128; not ending in .lease)")
     return sid
-
-
-class NotASession(ValueError):
-    """A snapshot without a well-formed conversation record of floe serve's."""
-
-
-def _app_record(metadata: dict[str, str]) -> dict:
-    """The snapshot's conversation record: messages of a known role with text, and an integer seed."""
-    import json
-
-    record = json.loads(metadata.get("app", "{}")).get("floe_server")  # "app" is checked to be an object
-    messages = record.get("messages") if isinstance(record, dict) else None
-    if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-            for m in messages):
-        raise NotASession("not a floe serve session (no conversation record of role and content messages)")
-    seed, owner, anonymous = record.get("seed", 0), record.get("owner", ""), record.get("anonymous", False)
-    if type(seed) is not int:
-        raise NotASession(f"not a floe serve session (its seed {str(seed)[:20]!r} is not an integer)")
-    if not (isinstance(owner, str) and OWNER.fullmatch(owner)) or type(anonymous) is not bool:
-        raise NotASession("not a floe serve session (its owner is not an owner id or 'anonymous' not a "
-                          "boolean)")
-    return {"messages": messages, "seed": seed, "owner": owner, "anonymous": anonymous}

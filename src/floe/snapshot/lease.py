@@ -10,7 +10,8 @@ racing for it exactly one wins:
   `flock` across processes) around read, compare, atomic replace.
 
 Another owner's lease that has not expired is refused (LeaseHeld: who, until when); an expired one
-is taken over. Renewing a lease that was taken over meanwhile raises LeaseLost. Expiry is wall-clock
+is taken over, and so is one whose owner was a process of this host that has exited (`owner_gone`).
+Renewing a lease that was taken over meanwhile raises LeaseLost. Expiry is wall-clock
 time: the machines sharing a bucket must keep their clocks within a small part of a lease.
 """
 
@@ -61,7 +62,7 @@ class Leases(ABC):
                     return _with_etag(lease, etag), False
                 continue
             record, etag = current
-            if record["owner"] != owner and record["expires_at"] > now:
+            if record["owner"] != owner and record["expires_at"] > now and not owner_gone(record["owner"]):
                 raise LeaseHeld(key, record["owner"], record["expires_at"])
             continues = held is not None and record["token"] == held.token and record["owner"] == owner
             token = record["token"] if continues else secrets.token_hex(8)
@@ -250,3 +251,20 @@ def _precondition_failed(e: OSError) -> bool:
 def default_owner() -> str:
     """This process's owner name: host, pid and a random part (unique per store)."""
     return f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+def owner_gone(owner: str) -> bool:
+    """Whether `owner` (a default_owner name) was a process of this host that has exited: its lease
+    can be taken over at once (a server killed and started again need not wait out its lease). An
+    owner of another host, or named otherwise, is never presumed gone."""
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    if host != os.uname().nodename or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False

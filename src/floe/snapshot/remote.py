@@ -20,6 +20,7 @@ import fsspec
 from fsspec.asyn import sync
 
 from floe.snapshot.errors import SnapshotNotFound, StoreUnavailable
+from floe.snapshot.layout import Header, corrupt, header_length, parse_header
 from floe.snapshot.lease import LEASE_SUFFIX, S3Leases
 from floe.snapshot.stream import StreamCheck, checked
 from floe.snapshot.tiers import SUFFIX, DiskTier, Entry
@@ -100,6 +101,23 @@ class RemoteTier:
 
     def has(self, key: str) -> bool:
         return self.etag(key) is not None
+
+    def header(self, key: str) -> Header | None:
+        """The object's checked header, read by two ranged GETs (its length, then it), or None."""
+        name = Path(f"{self.url}/{key}{SUFFIX}")
+        try:
+            prefix = self.fs.cat_file(self._object(key), start=0, end=8)
+            if len(prefix) < 8:
+                raise corrupt(name, f"{len(prefix)} bytes, shorter than a safetensors header length")
+            n = header_length(prefix, None, name)
+            raw = self.fs.cat_file(self._object(key), start=8, end=8 + n)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise self._failed(f"read the header of {key!r}", e) from e
+        if len(raw) < n:
+            raise corrupt(name, f"cut short inside its header ({len(raw)} of {n} bytes)")
+        return parse_header(raw, None, name)
 
     def source(self, key: str) -> Path | None:
         """The entry in the local cache — fetched and checked as it streamed, unless the cached copy is

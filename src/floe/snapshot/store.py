@@ -24,11 +24,12 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from floe.snapshot import Snapshot, encode, thaw
 from floe.snapshot.errors import LeaseHeld, LeaseLost, SnapshotCorrupt, SnapshotTooLarge, SnapshotUnreadable
+from floe.snapshot.layout import Header, read_header_buffer
 from floe.snapshot.lease import Lease, default_owner
 from floe.snapshot.remote import RemoteTier
 from floe.snapshot.stream import StreamCheck, check_bytes
@@ -52,6 +53,7 @@ class SnapshotStore:
         self.owner, self.lease_s, self.max_bytes = owner or default_owner(), lease_s, max_bytes
         self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
+        self._keep: set[str] = set()  # sweep's: keys the caller is using
 
     # ---- leases ------------------------------------------------------------------------------------
 
@@ -148,18 +150,29 @@ class SnapshotStore:
         info = self.put(key, encode(actor, kv_dtype, app), persist=persist)
         return {**info, "seconds": time.perf_counter() - t}
 
-    def import_(self, key: str, chunks: Iterable, *, max_bytes: int | None = None) -> dict:
+    def import_(self, key: str, chunks: Iterable, *, max_bytes: int | None = None,
+                accept: Callable[[Header], None] | None = None) -> dict:
         """Take a snapshot file as a stream of byte chunks (a PUT body) into the home, each checked as
         it passes; the entry is replaced only if the whole stream is one intact snapshot (else a
-        SnapshotError, the entry as it was). Needs the lease. Returns bytes and checksum."""
+        SnapshotError, the entry as it was) and `accept(header)`, if given, did not raise (a caller's
+        own check of what the snapshot holds). Needs the lease. Returns bytes and checksum."""
         check = StreamCheck(check_key(key), max_bytes or self.max_bytes)
+        if accept is not None:
+            check = _Accepting(check, accept)
         self._hold(key)
         self.home.write(key, chunks, check)
         self._drop_copies(key)
         return {"key": key, "bytes": check.received, "checksum": check.header.metadata["checksum"]}
 
     def delete(self, key: str) -> None:
-        """Remove `key` from every tier and give its lease up (LeaseHeld if another owner holds it)."""
+        """Remove `key` from every tier and give its lease up (LeaseHeld if another owner holds it).
+        A one-shot entry (in RAM only, never leased) is just dropped."""
+        held = self.pinned.get(check_key(key)) if self.pinned is not None else None
+        with self._lock:
+            leased = key in self._leases
+        if held is not None and not held[1].persist and not leased:
+            self.pinned.remove(key)
+            return
         self._hold(key)
         for tier in self.tiers:
             tier.remove(key)
@@ -186,11 +199,38 @@ class SnapshotStore:
         """A new actor from the snapshot under `key` (floe.snapshot.thaw, which checks every byte as
         it loads), read from the highest tier that holds it. Takes the lease first (LeaseHeld if
         another owner holds it), except for a one-shot entry."""
+        return self.thaw_with_metadata(key, engine, guest, **actor_options)[0]
+
+    def thaw_with_metadata(self, key: str, engine, guest=None, **actor_options) -> tuple[object, dict]:
+        """`thaw`, and the metadata of the very snapshot it thawed (e.g. its `app` record: what a
+        server keeps beside the actor must be read from the same version, which another store may
+        have replaced since this one last looked)."""
         check_key(key)
         held = self.pinned.get(key) if self.pinned is not None else None
         if held is None or held[1].persist:
             self._hold(key)
-        return self._read(key, lambda source: thaw(engine, source, guest, **actor_options))
+
+        def use(source):
+            snap = source if isinstance(source, Snapshot) else Snapshot(source, contents=False)
+            return thaw(engine, snap, guest, **actor_options), dict(snap.metadata)
+
+        return self._read(key, use)
+
+    def metadata(self, key: str) -> dict[str, str]:
+        """The metadata of the snapshot under `key` from its header alone (checked as a thaw checks a
+        header; the tensors' bytes are checked when it is thawed): for listing many sessions. From RAM
+        if this store's lease lets it trust its copy, else from the home (one small ranged read on an
+        object store). Raises SnapshotNotFound."""
+        for tier in self._trusted(check_key(key)):
+            if isinstance(tier, PinnedTier):
+                held = tier.get(key)
+                if held is not None:
+                    return dict(read_header_buffer(held[0], Path(f"pinned:{key}")).metadata)
+                continue
+            found = tier.header(key)
+            if found is not None:
+                return dict(found.metadata)
+        raise not_found(key)
 
     def _read(self, key: str, use):
         """use(what `key` is read from). A damaged copy in the object store's local cache is fetched
@@ -237,6 +277,11 @@ class SnapshotStore:
 
         return chunks()
 
+    def leased(self) -> list[str]:
+        """The keys this store holds a lease on (it may have expired, if renew_all did not run)."""
+        with self._lock:
+            return sorted(self._leases)
+
     def keys(self) -> list[str]:
         """Every key any tier holds."""
         return sorted({e.key for tier in self.tiers for e in tier.entries()})
@@ -252,12 +297,14 @@ class SnapshotStore:
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
-    def sweep(self, now: float | None = None) -> dict[str, list[str]]:
+    def sweep(self, now: float | None = None, keep: Iterable[str] = ()) -> dict[str, list[str]]:
         """Apply every tier's TTL (seconds since an entry's last use) and byte budget (oldest use out
         first): out of RAM or the disk cache an entry moves down (a one-shot one is dropped); out of
-        the home it is deleted, unless another owner holds its lease. Returns what moved, was
+        the home it is deleted, unless another owner holds its lease, or it is in `keep` (a server's
+        sessions in use: their last snapshot is not taken from under them). Returns what moved, was
         dropped, deleted, or kept for its lease."""
         now = time.time() if now is None else now
+        self._keep = set(keep)
         report: dict[str, list[str]] = {"moved": [], "dropped": [], "deleted": [], "leased": []}
         for i, tier in enumerate(self.tiers):
             entries = sorted(tier.entries(), key=lambda e: e.used_at)
@@ -273,6 +320,9 @@ class SnapshotStore:
         """Take `entry` out of tier i; False if it stays (the home's, leased by another owner)."""
         tier = self.tiers[i]
         if tier is self.home:
+            if entry.key in self._keep:
+                report["leased"].append(entry.key)
+                return False
             try:
                 self.delete(entry.key)
             except LeaseHeld:
@@ -297,6 +347,29 @@ class SnapshotStore:
         for entry, data in leaving:
             if entry.persist and below is not None and below is not self.home:
                 below.put(entry.key, data)
+
+
+class _Accepting:
+    """A StreamCheck whose finish also runs the caller's `accept(header)`."""
+
+    def __init__(self, check: StreamCheck, accept: Callable[[Header], None]) -> None:
+        self.check, self.accept = check, accept
+
+    def update(self, chunk) -> None:
+        self.check.update(chunk)
+
+    def finish(self) -> Header:
+        header = self.check.finish()
+        self.accept(header)
+        return header
+
+    @property
+    def received(self) -> int:
+        return self.check.received
+
+    @property
+    def header(self) -> Header | None:
+        return self.check.header
 
 
 def open_store(snapshots: str | Path, *, pinned_bytes: int = 1 << 30, cache: str | Path | None = None,

@@ -27,6 +27,7 @@ from floe.snapshot.errors import (
     SnapshotTooLarge,
     StoreUnavailable,
 )
+from floe.snapshot.layout import Header, open_regular, read_header
 from floe.snapshot.lease import FileLeases
 from floe.snapshot.stream import StreamCheck, checked
 
@@ -175,6 +176,17 @@ class DiskTier:
 
     def has(self, key: str) -> bool:
         return self.path(key).is_file()
+
+    def header(self, key: str) -> Header | None:
+        """The entry's checked header (its tensors not read), or None if there is none (SnapshotUnreadable
+        if what is there is no regular file)."""
+        if not os.path.lexists(self.path(key)):
+            return None
+        fd = open_regular(self.path(key))
+        try:
+            return read_header(fd, self.path(key))
+        finally:
+            os.close(fd)
 
     def entries(self) -> list[Entry]:
         out = []
