@@ -1,0 +1,336 @@
+"""The Llama step as WGSL compute shaders through wgpu: decode (B rows, each a slot) and prefill (a
+prompt's rows, in chunks), the weights and the KV cache in GPU buffers.
+
+Set-up (once): every projection's weight is uploaded as it is, row-major [out, in], in bands of rows no
+larger than the adapter's largest binding; every dispatch of a step is planned as an `Op` (pipeline
+variants, bind group, workgroup counts), so a step only records them. The hot path: one
+queue.write_buffer of the rows' (token, position, slot), one command encoder with one compute pass
+holding every dispatch, one submit, and the logits read back through a mapped buffer.
+
+Fused (the default) a layer is five dispatches: the QKV projection with the attention norm inside
+it, attention with rotary and the KV write inside it, the output projection adding into the
+residual, the gate/up projection with the MLP norm inside it, and the down projection with SwiGLU
+inside it adding into the residual. Unfused, norm, rotary + KV write and SwiGLU are dispatches of
+their own (nine per layer): the ablation the dispatch-overhead study ran (arXiv 2604.02344).
+A prompt's rows attend to each other, so its keys are written (rope_kv) before any row attends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from floe.engine.transformer import Transformer
+from floe.engine.webgpu.device import Gpu
+from floe.engine.webgpu.kvcache import WebGPUKVCache
+from floe.model.config import ModelConfig
+
+WG = 64  # threads per workgroup (GEMV columns / 4, attention positions per chunk)
+GEMV_WG_WIDE = 256  # a GEMV's threads per workgroup where it has rows enough (fewer workgroups: less set-up)
+KT = 1024  # input elements a GEMV workgroup stages at once
+MANY = 4  # rows a GEMV thread computes when a step has several (one alone: 1)
+CHUNK = 64  # prompt rows per submit
+GEMM_ROWS, GEMM_COLUMNS = 8, 32  # a prompt GEMM workgroup's rows (its lanes) and columns per thread
+
+
+@dataclass
+class Matrix:
+    """A projection's weight as the shaders read it: row-major W [n, k] in bands of rows (first row,
+    rows, buffer), each no larger than one binding."""
+
+    k: int
+    n: int
+    bands: list[tuple[int, int, object]]
+
+
+def upload_matrix(gpu: Gpu, weight: Tensor, label: str) -> Matrix:
+    """weight [n, k] (float32, contiguous) into GPU buffers, one band per binding's worth of rows."""
+    n, k = weight.shape
+    if k % 16:  # the shader reads a row 16 weights (a mat4x4) at a time
+        raise ValueError(f"{label}: WebGPU projections need an input width divisible by 16, got {k}")
+    per_band = -(-n // _bands(n, k, gpu.max_binding))
+    per_band = -(-per_band // WG) * WG
+    bands = []
+    for start in range(0, n, per_band):
+        rows = min(per_band, n - start)
+        data = weight[start:start + rows].contiguous().numpy()
+        bands.append((start, rows, gpu.buffer(data.nbytes, data=data, label=f"{label}[{start}:]")))
+    return Matrix(k, n, bands)
+
+
+@dataclass
+class Op:
+    """One planned dispatch: pipeline by rows-per-thread tile, bind group, workgroups along x, and
+    along y one per row ("rows"), per tile of rows ("tiles"), per tile of the head's rows ("head"), or
+    per GEMM_ROWS rows ("block")."""
+
+    kind: str
+    pipelines: dict[int, object]
+    group: object
+    x: int
+    y: str = "rows"
+
+    def workgroups_y(self, rows: int, head_rows: int, tile: int) -> int:
+        if self.y == "rows":
+            return rows
+        if self.y == "block":
+            return -(-rows // GEMM_ROWS)
+        n = head_rows if self.y == "head" else rows
+        return -(-n // tile)
+
+
+@dataclass
+class Plan:
+    """A step's dispatches: the embedding, the layers, the head."""
+
+    embed: list[Op] = field(default_factory=list)
+    layers: list[Op] = field(default_factory=list)
+    head: list[Op] = field(default_factory=list)
+
+
+class WebGPUDecoder:
+    """Decode and prefill steps of `model` (float32 weights, read once into GPU buffers) over the
+    slots of `cache`; one thread at a time (the engine's step lock)."""
+
+    def __init__(self, model: Transformer, cache: WebGPUKVCache, fused: bool = True) -> None:
+        c = model.config
+        self.config, self.cache, self.gpu, self.fused = c, cache, cache.gpu, fused
+        gpu = self.gpu
+        if c.head_dim % 2 or c.n_heads % c.n_kv_heads:
+            raise ValueError("WebGPU attention needs an even head_dim and whole query groups")
+        self.rows = max(cache.n_slots, CHUNK)  # the most rows one submit carries
+        r, qkv_n, q_n = self.rows, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.n_heads * c.head_dim
+        self.x, self.h = gpu.buffer(4 * r * c.dim, label="x"), gpu.buffer(4 * r * c.dim, label="h")
+        self.qkv, self.q = gpu.buffer(4 * r * qkv_n, label="qkv"), gpu.buffer(4 * r * q_n, label="q")
+        self.att = gpu.buffer(4 * r * q_n, label="att")
+        self.gate_up, self.act = gpu.buffer(8 * r * c.ffn_dim, label="gate_up"), gpu.buffer(4 * r * c.ffn_dim)
+        self.step_words = np.zeros(4 + 4 * r, dtype=np.uint32)  # header, then (token, position, slot, 0)
+        self.rows_buffer = gpu.buffer(self.step_words.nbytes, label="step")
+        self.logits_bytes = 4 * r * c.vocab_size
+        self.readback = gpu.readback(self.logits_bytes, label="logits")
+        self.logits = self.readback if gpu.mappable_storage else gpu.buffer(self.logits_bytes, label="logits")
+        cos, sin = model.cos[:cache.max_seq_len].contiguous(), model.sin[:cache.max_seq_len].contiguous()
+        self.cos = gpu.buffer(cos.numel() * 4, data=cos.numpy(), label="cos")  # the CPU path's tables
+        self.sin = gpu.buffer(sin.numel() * 4, data=sin.numpy(), label="sin")
+        self.weight_bytes = 0
+        self.decode_plan, self.prefill_plan = self._plan(model)
+        self.last_dispatches = 0  # dispatches the latest submit recorded
+
+    # ---- set-up: weights and the plan ------------------------------------------------------------
+
+    def _vector(self, t: Tensor, label: str):
+        self.weight_bytes += t.numel() * 4
+        return self.gpu.buffer(t.numel() * 4, data=t.detach().float().contiguous().numpy(), label=label)
+
+    def _matrix(self, t: Tensor, label: str) -> Matrix:
+        self.weight_bytes += t.numel() * 4
+        return upload_matrix(self.gpu, t.detach().float(), label)
+
+    def _gemv(self, m: Matrix, inp, out, out_n: int, mode: int = 0, epi: int = 0, head: bool = False,
+              norm=None, bias=None, in_stride: int | None = None) -> list[Op]:
+        """The dispatches of out (=, +=) project(inp) with `m`, one per column band."""
+        gpu, ops = self.gpu, []
+        wg = GEMV_WG_WIDE if m.n >= 8 * GEMV_WG_WIDE else WG
+        const = {"WG": wg, "KT": KT, "MODE": mode, "EPI": epi, "HEAD": int(head),
+                 "EPS": float(self.config.norm_eps)}
+        pipelines = {tb: gpu.pipeline("gemv", {**const, "TB": tb}) for tb in (1, MANY)}
+        for start, rows, weight in m.bands:
+            params = gpu.uniform([m.k, rows, out_n, start, in_stride or m.k])
+            group = gpu.bind("gemv", [self.rows_buffer, params, inp, weight, out, norm, bias])
+            ops.append(Op("gemv", pipelines, group, -(-rows // wg), "head" if head else "tiles"))
+        return ops
+
+    def _gemm(self, m: Matrix, inp, out, out_n: int, mode: int = 0, epi: int = 0, norm=None,
+              bias=None) -> list[Op]:
+        """A prompt's out (=, +=) project(inp) with `m` (gemm.wgsl): one dispatch per band."""
+        gpu, ops = self.gpu, []
+        const = {"ROWS": GEMM_ROWS, "NB": GEMM_COLUMNS, "MODE": mode, "EPI": epi,
+                 "EPS": float(self.config.norm_eps)}
+        pipeline = gpu.pipeline("gemm", const)
+        for start, rows, weight in m.bands:
+            params = gpu.uniform([m.k, rows, out_n, start, m.k])
+            group = gpu.bind("gemv", [self.rows_buffer, params, inp, weight, out, norm, bias])
+            ops.append(Op("gemm", {1: pipeline, MANY: pipeline}, group, -(-rows // GEMM_COLUMNS), "block"))
+        return ops
+
+    def _one(self, kind: str, shader: str, const: dict, buffers: list, x: int) -> Op:
+        pipeline = self.gpu.pipeline(shader, const)
+        return Op(kind, {1: pipeline, MANY: pipeline}, self.gpu.bind(shader, buffers), x)
+
+    def _plan(self, model: Transformer) -> tuple[Plan, Plan]:
+        c, gpu = self.config, self.gpu
+        qkv_n, half = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.head_dim // 2
+        table = self._matrix(model.output_weight(), "head")  # the tied head's weight is the embedding's
+        embed_table = table if model.output is None else self._matrix(model.tok_embeddings.weight, "embed")
+        embed = [self._one("embed", "embed", {"WG": WG, "DIM": c.dim},
+                           [self.rows_buffer, gpu.uniform([start, rows]), buf, self.x], -(-c.dim // WG))
+                 for start, rows, buf in embed_table.bands]
+        att = {"AWG": WG, "HEAD_DIM": c.head_dim, "HALF": half, "GROUP": c.n_heads // c.n_kv_heads,
+               "N_HEADS": c.n_heads, "N_KV": c.n_kv_heads, "MAX_SEQ": self.cache.max_seq_len,
+               "QKV_STRIDE": qkv_n, "SCALE": float(c.head_dim ** -0.5)}
+        rope = {"WG": WG, "HEAD_DIM": c.head_dim, "HALF": half, "N_HEADS": c.n_heads, "N_KV": c.n_kv_heads,
+                "MAX_SEQ": self.cache.max_seq_len, "QKV_STRIDE": qkv_n}
+        rope_x = -(-((c.n_heads + c.n_kv_heads) * half + c.n_kv_heads * c.head_dim) // WG)
+        norm = {"WG": WG, "DIM": c.dim, "EPS": float(c.norm_eps)}
+        decode, prefill = Plan(embed=embed), Plan(embed=embed)
+        for i, layer in enumerate(model.layers):
+            a, f = layer.attention, layer.feed_forward
+            att_norm, ffn_norm = self._vector(layer.attention_norm.weight, f"n{i}a"), self._vector(
+                layer.ffn_norm.weight, f"n{i}f")
+            wqkv, wo = self._matrix(a.wqkv.weight, f"qkv{i}"), self._matrix(a.wo.weight, f"o{i}")
+            w13, w2 = self._matrix(f.w13.weight, f"w13_{i}"), self._matrix(f.w2.weight, f"w2_{i}")
+            bias = None if a.wqkv.bias is None else self._vector(a.wqkv.bias, f"b{i}")
+            epi = 0 if bias is None else 2
+            swiglu = self._one("swiglu", "swiglu", {"WG": WG, "FFN": c.ffn_dim},
+                               [self.rows_buffer, self.gate_up, self.act], -(-c.ffn_dim // WG))
+            k, v = self.cache.k_buffers[i], self.cache.v_buffers[i]
+            rope_kv = self._one("rope_kv", "rope_kv", rope,
+                                [self.rows_buffer, self.qkv, k, v, self.cos, self.sin, self.q], rope_x)
+            attend = self._one("attention", "attention", {**att, "FUSED": 0},
+                               [self.rows_buffer, self.q, k, v, self.cos, self.sin, self.att], c.n_kv_heads)
+            out = self._gemv(wo, self.att, self.x, c.dim, epi=1)
+            if self.fused:
+                qkv = self._gemv(wqkv, self.x, self.qkv, qkv_n, mode=1, epi=epi, norm=att_norm, bias=bias)
+                mlp = (self._gemv(w13, self.x, self.gate_up, 2 * c.ffn_dim, mode=1, norm=ffn_norm)
+                       + self._gemv(w2, self.gate_up, self.x, c.dim, mode=2, epi=1, in_stride=2 * c.ffn_dim))
+                fused_attend = self._one("attention", "attention", {**att, "FUSED": 1},
+                                         [self.rows_buffer, self.qkv, k, v, self.cos, self.sin, self.att],
+                                         c.n_kv_heads)
+                decode.layers += qkv + [fused_attend] + out + mlp
+                prefill.layers += [*self._gemm(wqkv, self.x, self.qkv, qkv_n, mode=1, epi=epi, norm=att_norm,
+                                               bias=bias), rope_kv, attend,
+                                   *self._gemm(wo, self.att, self.x, c.dim, epi=1),
+                                   *self._gemm(w13, self.x, self.gate_up, 2 * c.ffn_dim, mode=1,
+                                               norm=ffn_norm),
+                                   swiglu, *self._gemm(w2, self.act, self.x, c.dim, epi=1)]
+            else:
+                qkv = [self._one("rmsnorm", "rmsnorm", norm, [self.rows_buffer, self.x, att_norm, self.h], 1),
+                       *self._gemv(wqkv, self.h, self.qkv, qkv_n, epi=epi, bias=bias)]
+                mlp = [self._one("rmsnorm", "rmsnorm", norm, [self.rows_buffer, self.x, ffn_norm, self.h], 1),
+                       *self._gemv(w13, self.h, self.gate_up, 2 * c.ffn_dim),
+                       swiglu,
+                       *self._gemv(w2, self.act, self.x, c.dim, epi=1)]
+                decode.layers += qkv + [rope_kv, attend] + out + mlp
+        if not self.fused:
+            prefill.layers = decode.layers
+        final = self._vector(model.norm.weight, "norm")
+        if self.fused:
+            head = self._gemv(table, self.x, self.logits, c.vocab_size, mode=1, head=True, norm=final)
+        else:
+            head = [self._one("rmsnorm", "rmsnorm", norm, [self.rows_buffer, self.x, final, self.h], 1),
+                    *self._gemv(table, self.h, self.logits, c.vocab_size, head=True)]
+        decode.head = prefill.head = head
+        return decode, prefill
+
+    # ---- the hot path ----------------------------------------------------------------------------
+
+    def _submit(self, ops: list[Op], tokens: list[int], positions: list[int], slots: list[int],
+                head_first: int, head_rows: int) -> None:
+        """Write the rows, record `ops` into one compute pass, submit once (no wait)."""
+        n = len(tokens)
+        words = self.step_words
+        words[:4] = (n, head_first, head_rows, 0)
+        rows = words[4:4 + 4 * n].reshape(n, 4)
+        rows[:, 0], rows[:, 1], rows[:, 2] = tokens, positions, slots
+        gpu = self.gpu
+        gpu.queue.write_buffer(self.rows_buffer, 0, words[:4 + 4 * n])
+        tile = 1 if n == 1 and head_rows <= 1 else MANY
+        encoder = gpu.device.create_command_encoder()
+        compute = encoder.begin_compute_pass()
+        for op in ops:
+            compute.set_pipeline(op.pipelines[tile])
+            compute.set_bind_group(0, op.group)
+            compute.dispatch_workgroups(op.x, op.workgroups_y(n, head_rows, tile))
+        compute.end()
+        if head_rows and not gpu.mappable_storage:
+            nbytes = 4 * head_rows * self.config.vocab_size
+            encoder.copy_buffer_to_buffer(self.logits, 0, self.readback, 0, nbytes)
+        gpu.queue.submit([encoder.finish()])
+        self.last_dispatches = len(ops)
+
+    def _read(self, rows: int, out: Tensor | None) -> Tensor:
+        """Wait for the submitted step and copy its `rows` logits rows out of the mapped buffer into
+        `out` (float32 [rows, vocab]) or a new tensor: the readback, one copy."""
+        nbytes = 4 * rows * self.config.vocab_size
+        self.readback.map_sync(self.gpu.wgpu.MapMode.READ, 0, nbytes)
+        try:
+            mapped = np.frombuffer(self.readback.read_mapped(0, nbytes, copy=False), dtype=np.float32)
+            result = torch.empty(rows, self.config.vocab_size) if out is None else out
+            np.copyto(result.numpy(), mapped.reshape(rows, -1))
+        finally:
+            self.readback.unmap()
+        return result
+
+    def step(self, tokens: list[int], positions: list[int], slots: list[int],
+             out: Tensor | None = None) -> Tensor:
+        """Logits [B, vocab] (float32, host): row b after appending tokens[b] at positions[b] to the
+        cache of slot slots[b] (distinct slots); with `out` (float32 [B, vocab]) written there."""
+        plan = self.decode_plan
+        n = len(tokens)
+        if n > self.rows:
+            raise ValueError(f"a WebGPU step takes at most {self.rows} rows, got {n}")
+        self._submit(plan.embed + plan.layers + plan.head, tokens, positions, [int(s) for s in slots], 0, n)
+        return self._read(n, out)
+
+    def prefill(self, ids: list[int], start: int, slot: int, all_logits: bool = False,
+                out: Tensor | None = None) -> Tensor:
+        """Append ids at positions start.. of `slot`: float32 logits [vocab] of the last ([T, vocab]
+        with all_logits; into `out` if given), in chunks of CHUNK rows, one submit each."""
+        plan, ops = self.prefill_plan, self.prefill_plan.embed + self.prefill_plan.layers
+        pieces, dispatches = [], 0
+        for first in range(0, len(ids), CHUNK):
+            chunk = ids[first:first + CHUNK]
+            last = first + CHUNK >= len(ids)
+            head_rows = len(chunk) if all_logits else int(last)
+            positions = list(range(start + first, start + first + len(chunk)))
+            self._submit(ops + (plan.head if head_rows else []), chunk, positions, [slot] * len(chunk),
+                         0 if all_logits else len(chunk) - 1, head_rows)
+            dispatches += self.last_dispatches
+            if all_logits:
+                pieces.append(self._read(len(chunk), None if out is None else out[first:first + len(chunk)]))
+        self.last_dispatches = dispatches
+        if all_logits:
+            return out if out is not None else torch.cat(pieces)
+        return self._read(1, None if out is None else out.view(1, -1))[0]
+
+    def dispatches_per_step(self, rows: int = 1) -> int:
+        """Dispatches one decode step records (independent of the row count)."""
+        plan = self.decode_plan
+        return len(plan.embed) + len(plan.layers) + len(plan.head)
+
+
+def _bands(n: int, k: int, max_binding: int) -> int:
+    """Bands upload_matrix cuts an [n, k] weight into."""
+    per_band = max(WG, (max_binding // (4 * k)) // WG * WG)
+    return -(-n // per_band)
+
+
+def planned_dispatches(c: ModelConfig, max_binding: int, fused: bool = True) -> int:
+    """Dispatches one decode step of WebGPUDecoder records for config `c` on an adapter whose largest
+    binding is max_binding bytes (as its plan would hold them; no weights needed)."""
+    q_n, qkv_n = c.n_heads * c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    table = _bands(c.vocab_size, c.dim, max_binding)
+    layer = (_bands(qkv_n, c.dim, max_binding) + _bands(c.dim, q_n, max_binding)
+             + _bands(2 * c.ffn_dim, c.dim, max_binding) + _bands(c.dim, c.ffn_dim, max_binding))
+    layer += 1 if fused else 5  # attention with rotary inside | two norms, rope_kv, attention, SwiGLU
+    return table + c.n_layers * layer + table + (0 if fused else 1)
+
+
+def input_bytes(n_tokens: int, batch_rows: int = 1) -> int:
+    """Bytes a forward of n_tokens writes host→GPU (its rows' token, position, slot and the count, one
+    queue.write_buffer per submit); for one row of a decode step of `batch_rows` rows, its share."""
+    if n_tokens == 1:
+        return -(-16 * (batch_rows + 1) // batch_rows)
+    return 16 * (n_tokens + -(-n_tokens // CHUNK))
+
+
+def decode_bytes(decoder: WebGPUDecoder, kv_len: int) -> int:
+    """Bytes a batch-1 decode step reads: every weight once, and kv_len positions of K and V."""
+    return decoder.weight_bytes + kv_len * decoder.cache.bytes_per_token
+
+
+__all__ = ["CHUNK", "Matrix", "WebGPUDecoder", "decode_bytes", "input_bytes", "planned_dispatches",
+           "upload_matrix"]

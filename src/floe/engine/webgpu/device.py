@@ -1,0 +1,165 @@
+"""The WebGPU device floe's WGSL kernels run on (wgpu-native through wgpu-py): one adapter, one
+device and queue per process, buffers, and shader pipelines compiled with the model's shape as
+constants. Set-up only: nothing here runs per token."""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from importlib import resources
+
+import numpy as np
+
+from floe.errors import FloeError
+
+
+class WebGPUUnavailable(FloeError):
+    """No WebGPU adapter: wgpu is not installed, or no Vulkan, Metal or D3D12 driver answers."""
+
+
+def _wgpu():
+    try:
+        import wgpu
+    except ImportError as e:
+        raise WebGPUUnavailable("device 'webgpu' needs wgpu: pip install 'floe[webgpu]'") from e
+    return wgpu
+
+
+@functools.cache
+def adapter():
+    """The process's WebGPU adapter (high-performance preference); raises WebGPUUnavailable."""
+    wgpu = _wgpu()
+    # Mesa's Wayland WSI prints "XDG_RUNTIME_DIR is invalid" twice when the instance is made without
+    # one; floe draws nothing, so it gets one for that moment only.
+    unset = "XDG_RUNTIME_DIR" not in os.environ
+    if unset:
+        os.environ["XDG_RUNTIME_DIR"] = tempfile.gettempdir()
+    try:
+        found, cause = wgpu.gpu.request_adapter_sync(power_preference="high-performance"), None
+    except Exception as e:  # noqa: BLE001 - wgpu-native raises its own types for "no adapter"
+        found, cause = None, e
+    finally:
+        if unset:
+            del os.environ["XDG_RUNTIME_DIR"]
+    if found is None:
+        raise WebGPUUnavailable("device 'webgpu': no WebGPU adapter on this machine (Linux: install a "
+                                "Vulkan driver, e.g. apt-get install mesa-vulkan-drivers for lavapipe)"
+                                + (f": {cause}" if cause else ""))
+    return found
+
+
+def adapter_description() -> str:
+    """One line naming the adapter: device, driver, backend (e.g. 'llvmpipe … (Vulkan, CPU)')."""
+    info = adapter().info
+    return f"{info['device']}, {info['description']} ({info['backend_type']}, {info['adapter_type']})"
+
+
+class Gpu:
+    """A WebGPU device and its queue, with the features floe uses where the adapter has them."""
+
+    def __init__(self) -> None:
+        self.wgpu = _wgpu()
+        a = adapter()
+        # Logits written by the head's shader straight into a buffer the host maps (no staging copy).
+        self.mappable_storage = "mappable-primary-buffers" in a.features
+        self.timestamps = "timestamp-query" in a.features
+        features = [f for f in ("mappable-primary-buffers", "timestamp-query") if f in a.features]
+        limits = {name: a.limits[name] for name in ("max-storage-buffer-binding-size", "max-buffer-size",
+                                                     "max-compute-workgroup-storage-size",
+                                                     "max-storage-buffers-per-shader-stage")}
+        self.device = a.request_device_sync(label="floe", required_features=features, required_limits=limits)
+        self.queue = self.device.queue
+        self.max_binding = self.device.limits["max-storage-buffer-binding-size"]
+        self.max_buffer = self.device.limits["max-buffer-size"]
+        self.description = adapter_description()
+
+    def buffer(self, nbytes: int, usage: int = 0, data: np.ndarray | None = None, label: str = ""):
+        """A storage buffer of nbytes (rounded up to 16), zeroed or holding `data` (copied once)."""
+        u = self.wgpu.BufferUsage
+        size = max(16, -(-nbytes // 16) * 16)
+        buf = self.device.create_buffer(size=size, usage=u.STORAGE | u.COPY_DST | u.COPY_SRC | usage,
+                                        label=label)
+        if data is not None:
+            self.queue.write_buffer(buf, 0, np.ascontiguousarray(data))
+        return buf
+
+    def uniform(self, values: list[int | float], label: str = ""):
+        """A small uniform buffer of 32-bit words: ints as u32, floats as f32 (16-byte rounded)."""
+        words = np.zeros(max(4, -(-len(values) // 4) * 4), dtype=np.uint32)
+        for i, v in enumerate(values):
+            words[i] = np.float32(v).view(np.uint32) if isinstance(v, float) else np.uint32(v)
+        u = self.wgpu.BufferUsage
+        buf = self.device.create_buffer(size=words.nbytes, usage=u.UNIFORM | u.COPY_DST, label=label)
+        self.queue.write_buffer(buf, 0, words)
+        return buf
+
+    def readback(self, nbytes: int, label: str = "readback"):
+        """A buffer the host maps to read results: the kernels' own output where the adapter lets
+        storage buffers be mapped, else a staging buffer a copy fills (MAP_READ | COPY_DST)."""
+        u = self.wgpu.BufferUsage
+        size = max(16, -(-nbytes // 16) * 16)
+        if self.mappable_storage:
+            usage = u.STORAGE | u.MAP_READ | u.COPY_SRC
+            return self.device.create_buffer(size=size, usage=usage, label=label)
+        return self.device.create_buffer(size=size, usage=u.MAP_READ | u.COPY_DST, label=label)
+
+    def pipeline(self, shader: str, constants: dict[str, int | float], entry: str = "main"):
+        """The compute pipeline of shaders/`shader`.wgsl with `constants` prepended as WGSL consts, on
+        the shader's own bind group layout (LAYOUTS), shared by all its variants."""
+        return _pipeline(self, shader, tuple(sorted(constants.items())), entry)
+
+    def layout(self, shader: str):
+        """The bind group layout of `shader` (LAYOUTS): explicit, so a binding a variant leaves unused
+        is still bound, and one bind group serves every variant (and every shader of the same layout)."""
+        return _layout(self, LAYOUTS[shader])
+
+    def bind(self, shader: str, buffers: list) -> object:
+        """A bind group of `buffers` (whole) at bindings 0.. of `shader`'s layout; None: a dummy."""
+        entries = []
+        for i, b in enumerate(buffers):
+            b = b if b is not None else self.dummy
+            entries.append({"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}})
+        return self.device.create_bind_group(layout=self.layout(shader), entries=entries)
+
+    @functools.cached_property
+    def dummy(self):
+        """A 16-byte buffer for bindings a variant does not read."""
+        return self.buffer(16, label="unused")
+
+
+# Each shader's bindings in order: r read-only storage, w read-write storage, u uniform.
+LAYOUTS = {"gemv": "rurrwrr", "gemm": "rurrwrr", "attention": "rrwwrrw", "rope_kv": "rrwwrrw",
+           "rmsnorm": "rrrw", "swiglu": "rrw", "embed": "rurw", "tick": "w"}
+
+
+@functools.cache
+def _layout(gpu: Gpu, bindings: str):
+    w = gpu.wgpu
+    kinds = {"r": w.BufferBindingType.read_only_storage, "w": w.BufferBindingType.storage,
+             "u": w.BufferBindingType.uniform}
+    entries = [{"binding": i, "visibility": w.ShaderStage.COMPUTE, "buffer": {"type": kinds[k]}}
+               for i, k in enumerate(bindings)]
+    return gpu.device.create_bind_group_layout(entries=entries, label=bindings)
+
+
+def shader_source(shader: str, constants: tuple[tuple[str, int | float], ...]) -> str:
+    """WGSL of shaders/`shader`.wgsl after `const NAME: T = value;` lines (u32 for ints, f32 for floats)."""
+    text = resources.files("floe.engine.webgpu").joinpath("shaders", f"{shader}.wgsl").read_text()
+    lines = [f"const {name}: u32 = {value}u;" if isinstance(value, int) else
+             f"const {name}: f32 = {float(value)!r};" for name, value in constants]
+    return "\n".join(lines) + "\n" + text
+
+
+@functools.cache
+def _pipeline(gpu: Gpu, shader: str, constants: tuple, entry: str):
+    module = gpu.device.create_shader_module(code=shader_source(shader, constants), label=shader)
+    layout = gpu.device.create_pipeline_layout(bind_group_layouts=[gpu.layout(shader)])
+    return gpu.device.create_compute_pipeline(layout=layout, compute={"module": module, "entry_point": entry},
+                                              label=shader)
+
+
+@functools.cache
+def gpu() -> Gpu:
+    """The process's one device (wgpu-native serialises a device's queue: one is enough)."""
+    return Gpu()
