@@ -54,11 +54,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_tokens < 1:
         raise FloeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    from floe.engine import parse_device
-
-    parse_device(args.device)  # before the model loads: no CUDA here is said at once
+    _check_device(args.device)  # before the model loads: no CUDA (or WebGPU adapter) here is said at once
     _threads(args, args.device)
-    weights = args.weights or ("native" if args.device == "cpu" else "bf16")
+    weights = args.weights or {"cpu": "native", "webgpu": "fp32"}.get(args.device, "bf16")
     dtype, kind = WEIGHTS[weights]
     started = time.perf_counter()
     checkpoint = _load_with_progress(args.model, "float32", quiet=args.json)
@@ -372,6 +370,8 @@ def cmd_bench_dispatch(args: argparse.Namespace) -> int:
     from floe.bench import dispatch
     from floe.engine import parse_device
 
+    if args.device == "webgpu":
+        return _bench_dispatch_webgpu(args)
     parse_device(args.device)
     r = dispatch(args.device, n=args.n)
     if args.json:
@@ -385,6 +385,49 @@ def cmd_bench_dispatch(args: argparse.Namespace) -> int:
         print(f"{name:<22}{row['a_dispatch_sync_us']:>16.2f}{row['b_dispatch_batch_us']:>22.2f}{c:>18}"
               f"{row['ratio_a_over_b']:>7.1f}")
     return 0
+
+
+def _bench_dispatch_webgpu(args: argparse.Namespace) -> int:
+    from floe.engine.webgpu.dispatch import dispatch, framework_on_shape
+
+    r = dispatch(n=args.n)
+    r["framework"] = framework_on_shape()
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    print(f"dispatch cost on {r['adapter']}, {r['n']} tiny dispatches (µs per dispatch, medians)")
+    print(f"{'kernel':<20}{'(a) dispatch+sync':>18}{'(b) n in 1 submit':>18}{'API (host)':>12}"
+          f"{'device':>9}{'a/b':>6}")
+    for name, row in r["kernels"].items():
+        device = "n/a" if row["device_us"] is None else f"{row['device_us']:.1f}"
+        print(f"{name:<20}{row['a_dispatch_sync_us']:>18.1f}{row['b_dispatch_batch_us']:>18.1f}"
+              f"{row['api_us']:>12.1f}{device:>9}{row['ratio_a_over_b']:>6.1f}")
+    reuse = r["reused_command_buffer"]
+    print(f"(c) reused command buffer: {'allowed' if reuse['allowed'] else 'refused'} "
+          f"(exit status {reuse['exit_status']}: {reuse['error']})")
+    f = r["framework"]
+    print(f"floe's decode step ({f['measured_on']}): {f['floe_record_submit_us']:.1f} µs per dispatch to "
+          f"record and submit, the API calls alone {f['api_record_submit_us']:.1f}")
+    for shape, counts in f["dispatches_per_decode_token"].items():
+        print(f"dispatches per decode token at {shape}: {counts['fused']} fused, {counts['unfused']} unfused")
+    return 0
+
+
+def _check_device(device: str) -> None:
+    """Raise FloeError now if `device` cannot run here (no CUDA; no WebGPU adapter)."""
+    if device == "webgpu":
+        from floe.engine.webgpu import adapter
+
+        adapter()
+        return
+    from floe.engine import parse_device
+
+    parse_device(device)
+
+
+def _device_or_webgpu(text: str) -> str:
+    """_device's, or webgpu (wgpu's WebGPU: Vulkan, Metal, D3D12)."""
+    return text if text == "webgpu" else _device(text)
 
 
 def _device(text: str) -> str:
@@ -463,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     run.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
     run.add_argument("--weights", choices=list(WEIGHTS), default=None, help=WEIGHTS_HELP)
-    run.add_argument("--device", type=_device, default="cpu", help="cpu (default) or cuda")
+    run.add_argument("--device", type=_device_or_webgpu, default="cpu", help="cpu (default), cuda or webgpu")
     run.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     run.add_argument("--context", type=_positive_int, default=None,
                      help="KV cache length in tokens (default: the model's context length)")
@@ -490,7 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--json", action="store_true")
     dec.set_defaults(handler=cmd_bench_decode)
     disp = bench_sub.add_parser("dispatch", help="cost of one kernel launch: synced, batched, graph-replayed")
-    disp.add_argument("--device", type=_device, default=None, help="cuda if present, else cpu")
+    disp.add_argument("--device", type=_device_or_webgpu, default=None,
+                      help="cuda if present, else cpu; or webgpu")
     disp.add_argument("--n", type=_positive_int, default=2000, help="kernels per measurement")
     disp.add_argument("--json", action="store_true")
     disp.set_defaults(handler=cmd_bench_dispatch)

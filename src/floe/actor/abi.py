@@ -385,9 +385,10 @@ class HostABI:
     def record_forward(self, n_tokens: int, seconds: float, rows: int, kv_len: int) -> None:
         """took_step's stats and ledger (the engine loop records a decode row's after its next launch)."""
         self.actor.stats.on_forward(n_tokens, seconds, kv_len)
-        transfer = self.engine.input_transfer(n_tokens, rows)
-        if transfer is not None:
-            self.actor.ledger.copy(*transfer)
+        engine = self.engine
+        for transfer in (engine.input_transfer(n_tokens, rows), engine.output_transfer(n_tokens, rows)):
+            if transfer is not None:
+                self.actor.ledger.copy(*transfer)
 
     def keep_logits(self, logits: torch.Tensor, out: torch.Tensor | None) -> None:
         """took_step's logits: kept for sample(), and written to the guest's buffer `out` if asked."""
