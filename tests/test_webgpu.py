@@ -1,0 +1,228 @@
+"""The WebGPU backend (floe.engine.webgpu, `Engine(checkpoint, device="webgpu")`): WGSL kernels that
+compute what the CPU's float32 forward computes, an engine whose greedy replies are the CPU's, KV
+snapshots that cross between the two, and a ledger that shows each logits readback and its bytes.
+
+Runs wherever wgpu finds an adapter (CI: Mesa's lavapipe, a Vulkan driver on the CPU); skipped,
+saying why, where none answers."""
+
+import json
+
+import pytest
+import torch
+
+from floe.engine.webgpu import WebGPUUnavailable, adapter
+
+try:
+    adapter()
+except WebGPUUnavailable as e:
+    pytest.skip(f"no WebGPU adapter: {e}", allow_module_level=True)
+
+from floe import snapshot  # noqa: E402
+from floe.actor import Actor, builtin_guest  # noqa: E402
+from floe.engine import Engine  # noqa: E402
+from floe.engine.kvcache import KVDigestMismatch  # noqa: E402
+from floe.engine.webgpu.decoder import CHUNK, input_bytes, planned_dispatches  # noqa: E402
+from floe.engine.webgpu.device import gpu  # noqa: E402
+from floe.model.config import KNOWN_SHAPES, ModelConfig  # noqa: E402
+from floe.model.synthetic import random_checkpoint  # noqa: E402
+
+# Small random models: grouped-query attention, a tied and an untied head, QKV biases (Qwen2), and a
+# 128-wide head (two dimensions per attention thread).
+CONFIGS = {
+    "llama-tied": ModelConfig("llama", 64, 2, 4, 2, 160, 1024, 512, head_dim=16, tie_embeddings=True),
+    "qwen2-bias": ModelConfig("qwen2", 64, 2, 4, 2, 160, 1024, 512, head_dim=16, qkv_bias=True,
+                              rope_theta=1e6),
+    "wide-heads": ModelConfig("llama", 256, 1, 2, 1, 256, 512, 512, head_dim=128, tie_embeddings=True),
+}
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
+
+
+def tiny(name: str, tokenizer, **engine) -> tuple[Engine, Engine]:
+    """(WebGPU engine, CPU float32 module-forward engine) on one random model."""
+    checkpoint = random_checkpoint(CONFIGS[name], tokenizer, dtype=torch.float32, scale=0.1)
+    return (Engine(checkpoint, device="webgpu", max_seq_len=256, **engine),
+            Engine(checkpoint, max_seq_len=256, fused_kernels=False))
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to float32 rounding: the kernels sum in another order than PyTorch's CPU kernels."""
+    return bool((a - b).abs().max() <= 2e-5 * max(1.0, float(b.abs().max())))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefill_and_decode_logits_equal_the_cpu_float32_forward(default_checkpoint, name, fused):
+    webgpu, cpu = tiny(name, default_checkpoint.tokenizer, fused_kernels=fused)
+    prompt = [(7 * i + 3) % 500 for i in range(CHUNK * 2 + 9)]  # three chunks of a prompt
+    assert close(webgpu.prefill(prompt, all_logits=True), cpu.prefill(prompt, all_logits=True))
+    for token in (11, 400, 2):
+        assert close(webgpu.decode_step(token), cpu.decode_step(token))
+    more = [5, 6, 7]  # appended to a prefix: the rows attend to the cache and to each other
+    assert close(webgpu.prefill(more), cpu.prefill(more))
+
+
+def test_a_decode_row_beside_others_is_bitwise_that_row_alone(default_checkpoint):
+    webgpu, _ = tiny("llama-tied", default_checkpoint.tokenizer, n_slots=3)
+    slots = [webgpu.claim_slot() for _ in range(3)]
+    for i, slot in enumerate(slots):
+        webgpu.prefill(list(range(10 + i, 30 + 7 * i)), slot)  # three lengths
+    together = webgpu.decode_batch([1, 2, 3], slots)
+    for token, slot, row in zip([1, 2, 3], slots, together, strict=True):
+        webgpu.kv_truncate(webgpu.kv_len(slot) - 1, slot)
+        assert torch.equal(webgpu.decode_step(token, slot), row)
+
+
+def test_projections_split_into_bands_compute_what_one_band_does(default_checkpoint, monkeypatch):
+    whole, _ = tiny("qwen2-bias", default_checkpoint.tokenizer)
+    monkeypatch.setattr(gpu(), "max_binding", 64 << 10)  # the head (256 KiB) in 4 bands, gate/up in 2
+    banded, _ = tiny("qwen2-bias", default_checkpoint.tokenizer)
+    prompt = list(range(40, 90))
+    assert torch.equal(banded.prefill(prompt), whole.prefill(prompt))
+    assert torch.equal(banded.decode_step(9), whole.decode_step(9))
+    plan = banded._batch_decoder().decode_plan
+    assert len(plan.head) == 4 and len(plan.embed) == 4
+    assert banded._batch_decoder().dispatches_per_step() == planned_dispatches(banded.config, 64 << 10)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_decode_token_is_the_planned_dispatches_five_a_layer_fused_nine_unfused(default_checkpoint, name):
+    counts = {}
+    for fused in (True, False):
+        engine, _ = tiny(name, default_checkpoint.tokenizer, fused_kernels=fused)
+        engine.prefill([1, 2, 3])
+        engine.decode_step(4)
+        decoder = engine._batch_decoder()
+        counts[fused] = decoder.last_dispatches
+        assert counts[fused] == decoder.dispatches_per_step() == planned_dispatches(
+            engine.config, gpu().max_binding, fused)
+    assert counts[False] - counts[True] == 4 * CONFIGS[name].n_layers + 1
+    smollm2 = KNOWN_SHAPES["smollm2-135m"]
+    assert planned_dispatches(smollm2, 1 << 31, True) == 2 + 5 * smollm2.n_layers
+
+
+def test_the_kv_cache_reads_back_and_loads_exactly_and_a_bad_digest_leaves_the_slot_empty(default_checkpoint):
+    from floe.engine import copyhash
+
+    webgpu, cpu = tiny("llama-tied", default_checkpoint.tokenizer, n_slots=2)
+    prompt = list(range(100, 170))
+    webgpu.prefill(prompt)
+    cpu.prefill(prompt)
+    k, v = webgpu.cache.export(0)
+    k_cpu, v_cpu = cpu.cache.export(0)
+    assert all(close(a, b) for a, b in zip(k + v, k_cpu + v_cpu, strict=True))
+    webgpu.cache.load(1, k, v, prompt, digests=copyhash.digests(k + v))
+    k1, v1 = webgpu.cache.export(1)
+    assert all(torch.equal(a, b) for a, b in zip(k + v, k1 + v1, strict=True))
+    assert torch.equal(webgpu.decode_step(3, slot=1), webgpu.decode_step(3, slot=0))
+    bad = copyhash.digests(k + v)
+    bad[2] = "0" * 32
+    with pytest.raises(KVDigestMismatch):
+        webgpu.cache.load(1, k, v, prompt, digests=bad)
+    assert webgpu.kv_len(1) == 0 and webgpu.cache.tokens[1] == []
+
+
+def test_each_forward_copies_its_rows_in_and_one_logits_row_out_and_nothing_in_place(default_checkpoint):
+    webgpu, _ = tiny("llama-tied", default_checkpoint.tokenizer)
+    vocab = webgpu.config.vocab_size
+    assert not webgpu.logits_in_place
+    assert webgpu.output_transfer(1) == ("logits webgpu→host (mapped readback buffer)", 4 * vocab)
+    assert webgpu.output_transfer(37)[1] == 4 * vocab  # a prompt reads back its last row only
+    assert input_bytes(1) == 32 and input_bytes(1, batch_rows=4) == 20  # the rows' 16 bytes + a header
+    assert input_bytes(CHUNK + 1) == 16 * (CHUNK + 1) + 2 * 16  # two submits, a header each
+    out = torch.full((vocab,), float("nan"))
+    logits = webgpu.decode_step(5, logits_out=out)
+    assert logits.data_ptr() == out.data_ptr() and not out.isnan().any()
+
+
+# ---- the default model (SmolLM2-135M) ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def webgpu_engine(default_checkpoint):
+    return Engine(default_checkpoint, device="webgpu", max_seq_len=512, n_slots=2)
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(default_checkpoint):
+    return Engine(default_checkpoint, max_seq_len=512, n_slots=2)  # float32, dense: the reference
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_tokens_on_webgpu_equal_the_cpu_float32_path(webgpu_engine, cpu_engine, prompt):
+    replies = []
+    for engine in (webgpu_engine, cpu_engine):
+        with Actor(engine) as actor:
+            replies.append(actor.send(prompt, max_tokens=12).stats.token_ids)
+    assert replies[0] == replies[1]
+    assert len(replies[0]) >= 6
+
+
+def test_two_actors_at_once_reply_as_each_alone(webgpu_engine, cpu_engine):
+    from floe.bench import together
+
+    alone = []
+    for prompt in PROMPTS:
+        with Actor(cpu_engine) as actor:
+            alone.append(actor.send(prompt, max_tokens=8).stats.token_ids)
+    actors = [Actor(webgpu_engine) for _ in PROMPTS]
+    try:  # both turns in the engine loop at once: batched decode rows (and prompts) on WebGPU
+        sends = [lambda a=a, p=p: a.send(p, max_tokens=8) for a, p in zip(actors, PROMPTS, strict=True)]
+        replies, _ = together(sends)
+    finally:
+        for actor in actors:
+            actor.close()
+    assert [r.stats.token_ids for r in replies] == alone
+
+
+def test_a_snapshot_frozen_on_webgpu_thaws_on_the_cpu_and_back(webgpu_engine, cpu_engine, tmp_path):
+    turns = ["Name a colour.", "And another one?", "Which of them is darker?"]
+    with Actor(webgpu_engine) as actor:
+        straight = [actor.send(t, max_tokens=8).stats.token_ids for t in turns]
+    with Actor(webgpu_engine) as actor:
+        first = actor.send(turns[0], max_tokens=8).stats.token_ids
+        snapshot.freeze(actor, tmp_path / "webgpu.safetensors")
+    with snapshot.thaw(cpu_engine, tmp_path / "webgpu.safetensors") as on_cpu:
+        second = on_cpu.send(turns[1], max_tokens=8).stats.token_ids
+        snapshot.freeze(on_cpu, tmp_path / "cpu.safetensors")
+    with snapshot.thaw(webgpu_engine, tmp_path / "cpu.safetensors") as back:
+        kv = back.ledger.boundaries["KV host→webgpu cache slot (queue.write_buffer) (hashed on the host "
+                                    "first)"]
+        assert kv.copies == 1 and kv.bytes_copied == webgpu_engine.kv_len(back.slot) * (
+            webgpu_engine.cache.bytes_per_token)
+        third = back.send(turns[2], max_tokens=8).stats.token_ids
+    assert [first, second, third] == straight
+
+
+def test_the_ledger_shows_every_logits_readback_and_the_copy_into_guest_memory(webgpu_engine):
+    vocab = webgpu_engine.config.vocab_size
+    with Actor(webgpu_engine, builtin_guest("constrained")) as actor:
+        reply = actor.send(PROMPTS[0], max_tokens=6)
+    rows = reply.ledger.boundaries
+    readback = rows["logits webgpu→host (mapped readback buffer)"]
+    into_guest = next(b for name, b in rows.items() if name.startswith("engine→guest logits"))
+    assert "in place" not in into_guest.name
+    assert readback.copies == into_guest.copies == reply.stats.forwards >= len(reply.stats.token_ids)
+    assert readback.bytes_copied == into_guest.bytes_copied == readback.copies * 4 * vocab
+    rows_in = reply.ledger.boundaries["step rows host→webgpu (queue.write_buffer)"]
+    assert rows_in.copies == reply.stats.forwards
+
+
+@pytest.mark.slow
+def test_floe_run_on_webgpu_replies_as_on_the_cpu(capsys):
+    from floe.cli import main
+
+    replies = []
+    for device in ("webgpu", "cpu"):
+        assert main(["run", PROMPTS[0], "--device", device, "--weights", "fp32", "--max-tokens", "8",
+                     "--context", "256", "--json"]) == 0
+        replies.append(json.loads(capsys.readouterr().out))
+    assert replies[0]["token_ids"] == replies[1]["token_ids"]
+    assert any(b["name"].startswith("logits webgpu→host") for b in replies[0]["boundaries"])
+
+
+def test_commands_that_do_not_run_on_webgpu_yet_refuse_it_as_a_usage_error(capsys):
+    from floe.cli import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["profile", "hi", "--device", "webgpu"])
+    assert refused.value.code == 2 and "'webgpu'" in capsys.readouterr().err
