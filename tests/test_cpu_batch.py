@@ -231,3 +231,42 @@ def test_concurrent_actors_batch_their_cpu_steps_and_answer_as_alone(tiny_q, mon
         t.join()
     assert replies == expected
     assert max(rows_per_step) > 1  # the loop's steps ran several actors' rows as one forward
+
+
+@pytest.mark.parametrize("weights,dtype", [("native", "float32"), ("dense", "float32"),
+                                           ("dense", "bfloat16")])
+def test_prompts_of_several_slots_prefill_in_one_forward_each_as_alone(tiny_q, weights, dtype,
+                                                                        monkeypatch):
+    """Prompts handed to one launch run as one forward over all their rows (the CPU), and each gets
+    the bits of its own prefill — logits, cache and token record; a prompt with a bad id fails alone,
+    and one shorter than the dense product's rows runs its own prefill (its kernel differs)."""
+    from floe.engine.int4 import DENSE_FROM_ROWS
+    from floe.engine.transformer import Transformer
+
+    engine = Engine(tiny_q, max_seq_len=128, n_slots=5, weights=weights, dtype=dtype)
+    ids = [[(37 * s + 11 * j) % 4000 + 3 for j in range(n)] for s, n in enumerate((40, 9, 64, 3, 12))]
+    ids[4][5] = engine.config.vocab_size  # out of range
+    alone = {}
+    for slot in (0, 1, 2, 3):
+        engine.kv_truncate(0, slot)
+        logits = engine.prefill(ids[slot], slot).clone()
+        alone[slot] = (logits, engine.cache.k[:, slot, :, :len(ids[slot])].clone())
+        engine.kv_truncate(0, slot)
+    forwards = []
+    together = Transformer.forward_segments
+
+    def counted(self, tokens, segments, cache):
+        forwards.append([n for n, _, _ in segments])
+        return together(self, tokens, segments, cache)
+
+    monkeypatch.setattr(Transformer, "forward_segments", counted)
+    step = engine.launch_batch([], [], [(ids[s], s) for s in range(5)])
+    engine.finish_batch(step)
+    assert forwards == [[40, 9, 64]] and min(forwards[0]) >= DENSE_FROM_ROWS
+    for slot in (0, 1, 2, 3):
+        logits, keys = alone[slot]
+        assert torch.equal(step.prompt_results[slot], logits)
+        assert torch.equal(engine.cache.k[:, slot, :, :len(ids[slot])], keys)
+        assert engine.cache.tokens[slot] == ids[slot]
+    assert isinstance(step.prompt_results[4], FloeError) and "out of range" in str(step.prompt_results[4])
+    assert engine.kv_len(4) == 0

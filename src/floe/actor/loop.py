@@ -259,13 +259,19 @@ class EngineLoop:
         t0 = time.perf_counter()
         for turn in self._active:
             self._check_cancelled(turn)
-        riding, room = [], RIDE_ROWS if self.overlap else 0
-        for turn in self._live():
+        # Prompts ride in the next decode step's launch where the engine runs them with it (CUDA: in its
+        # replay) or together (the CPU: one forward for several, before the decode rows; a prompt
+        # alone is prefilled with its logits computed where its guest asked).
+        live = self._live()
+        rides = self.overlap or (self.engine.prompts_together
+                                 and sum(1 for t in live if t.actor.abi.queued_tokens and not t.flying) > 1)
+        riding, room = [], RIDE_ROWS if rides else 0
+        for turn in live:
             queued = turn.actor.abi.queued_tokens
             if queued and not turn.flying and queued <= room:  # rides in the next decode step
                 riding.append(turn)
                 room -= queued
-            elif queued and not turn.flying and (not self.overlap or queued > RIDE_ROWS):
+            elif queued and not turn.flying and (not rides or queued > RIDE_ROWS):
                 self._prefill(turn)  # (a prompt that could ride waits for room in a later step instead
                 # of a forward of its own that every other turn would wait for)
         t1 = time.perf_counter()

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from floe.engine.int4 import DENSE_FROM_ROWS
 from floe.engine.kvcache import KVCache
 from floe.engine.sampling import Draw, SamplingParams, finish_draw, start_draw, top_ks
 from floe.engine.slots import SlotPool
@@ -564,16 +565,66 @@ class Engine:
 
         step.prompt_results = [None] * len(prompts)
         mixed, room = [], BatchGraphDecoder.MIXED_ROWS if self._batch_graphs else 0
-        for k, (ids, slot) in enumerate(prompts):
+        together = []  # (the CPU) prompts of one forward
+        for k, (ids, _) in enumerate(prompts):
             if 0 < len(ids) <= room:
                 mixed.append(k)
                 room -= len(ids)
+            elif self.prompts_together and len(ids) >= DENSE_FROM_ROWS:
+                together.append(k)
+        if len(together) > 1:
+            results = self._prefill_together([prompts[k] for k in together])
+            for k, result in zip(together, results, strict=True):
+                step.prompt_results[k] = result
+        for k, (ids, slot) in enumerate(prompts):
+            if k in mixed or (len(together) > 1 and k in together):
                 continue
             try:
                 step.prompt_results[k] = self.prefill(ids, slot)
             except FloeError as e:
                 step.prompt_results[k] = e
         return mixed
+
+    @property
+    def prompts_together(self) -> bool:
+        """Whether launch_batch runs the prompts that do not ride in its decode rows (see there) as
+        one forward over all their rows (the CPU: each quantized weight dequantized once for all of
+        them), rather than one by one. Each prompt's products are still its own (project's splits),
+        so it gets the bits of its own prefill; only prompts of DENSE_FROM_ROWS tokens or more (a
+        shorter one alone runs the quantized kernel, not the dense product)."""
+        return self.device.type == "cpu"
+
+    @torch.inference_mode()
+    def _prefill_together(self, prompts: list[tuple[list[int], int]]) -> list[Tensor | FloeError]:
+        """Prefill each (ids, slot) in one forward (Transformer.forward_segments); per prompt its last
+        logits, or the FloeError (a bad id, a full context) that left it out."""
+        results: list[Tensor | FloeError] = [None] * len(prompts)
+        segments, taken = [], []
+        with self._step_lock:
+            for k, (ids, slot) in enumerate(prompts):
+                try:
+                    self._check_ids(ids)
+                    self._forget(slot)
+                    start = self.cache.reserve(slot, len(ids))
+                except FloeError as e:
+                    results[k] = e
+                    continue
+                segments.append((len(ids), start, slot))
+                taken.append(k)
+            if not segments:
+                return results
+            tokens = torch.from_numpy(np.concatenate([np.asarray(prompts[k][0], dtype=np.int64)
+                                                      for k in taken]))
+            try:
+                logits = self.model.forward_segments(tokens.to(self.device), segments, self.cache)
+            except BaseException:
+                for _, start, slot in segments:
+                    self.cache.truncate(slot, start)
+                raise
+            for k, (_, _, slot), row in zip(taken, segments, logits, strict=True):
+                self.cache.tokens[slot].extend(prompts[k][0])
+                results[k] = row
+        return results
 
     def _reserve_prompts(self, step: LaunchedStep, mixed: list[int]) -> list[tuple[int, int]]:
         """Positions for the riding prompts (under the step lock): (index, first position) of each

@@ -25,24 +25,35 @@ from floe.engine.qgemv import QLinear
 BAND = 1 << 20  # weights dequantized at a time
 
 
-def project(module: nn.Module, x: Tensor) -> Tensor:
+def project(module: nn.Module, x: Tensor, splits: list[int] | None = None) -> Tensor:
     """module(x); a QLinear without a stored bf16 copy given a prompt's rows (DENSE_FROM_ROWS or more,
-    where it would use one) runs banded_linear instead of its kernel row by row."""
+    where it would use one) runs banded_linear instead of its kernel row by row.
+
+    splits: x's rows are several prompts' (their row counts): each prompt's product is computed as
+    it would be alone (a matrix product's rounding can depend on its row count), the dequantized
+    bands shared. Each split must be DENSE_FROM_ROWS rows or more."""
     if x.shape[0] >= DENSE_FROM_ROWS and isinstance(module, QLinear) and module.dense is None:
-        return banded_linear(module, x)
+        return banded_linear(module, x, splits=splits)
+    if splits is not None and len(splits) > 1:
+        return torch.cat([module(part) for part in x.split(splits)])
     return module(x)
 
 
-def banded_linear(layer: QLinear, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+def banded_linear(layer: QLinear, x: Tensor, dtype: torch.dtype | None = None,
+                  splits: list[int] | None = None) -> Tensor:
     """x Wᵀ (+ b) for x [T, in], float32 out, the weight dequantized a band of rows at a time; the
     product in `dtype` (default gemm_dtype(); in bf16 as QLinear computes it with a bf16 copy: bf16
-    inputs, weights and output)."""
+    inputs, weights and output); with splits (see project), one product per split and band."""
     dtype = dtype or gemm_dtype()
     xb = x.to(dtype)
+    parts = [xb] if splits is None else xb.split(splits)
     out = torch.empty(x.shape[0], layer.out_features)
+    outs = [out] if splits is None else out.split(splits)
     step = max(1, BAND // layer.in_features)
     for start in range(0, layer.out_features, step):
         end = min(start + step, layer.out_features)
         bias = None if layer.bias is None else layer.bias[start:end].to(dtype)
-        out[:, start:end] = F.linear(xb, layer.rows(slice(start, end), dtype), bias)
+        band = layer.rows(slice(start, end), dtype)
+        for part, o in zip(parts, outs, strict=True):
+            o[:, start:end] = F.linear(part, band, bias)
     return out

@@ -6,6 +6,7 @@ import os
 import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,8 @@ from floe.engine.kvcache import KVCache
 from floe.engine.prefill import project
 from floe.model.config import ModelConfig
 from floe.model.quant import QuantizedWeight
+
+Segment = tuple[int, int, int]  # (rows, first position, KV slot): one slot's consecutive rows of a forward
 
 
 class RMSNorm(nn.Module):
@@ -59,22 +62,31 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(c.dim, qkv_out, bias=c.qkv_bias)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                start: int) -> Tensor:
-        """x [T, dim] for positions start..start+T-1; k_cache/v_cache [n_kv, max_seq, head_dim]."""
-        t = x.shape[0]
+    def forward(self, x: Tensor, rope: list[tuple[Tensor, Tensor]], k_layer: Tensor, v_layer: Tensor,
+                segments: list[Segment]) -> Tensor:
+        """x [T, dim]: the rows of `segments` one after another, each (n, start, slot) n rows at
+        positions start.. of its slot; rope: each segment's (cos, sin); k_layer/v_layer the layer's
+        cache [n_slots, n_kv, max_seq, head_dim]."""
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         # Computed in the cache's dtype (a no-op unless the projection runs in another one).
-        q, k, v = project(self.wqkv, x).to(k_cache.dtype).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.n_heads, self.head_dim).transpose(0, 1), cos, sin)
-        k = apply_rotary(k.view(t, self.n_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
-        end = start + t
-        k_cache[:, start:end] = k
-        v_cache[:, start:end] = v.view(t, self.n_kv_heads, self.head_dim).transpose(0, 1)
-        if t == 1:
-            return self.wo(self._decode_attention(q, k_cache[:, :end], v_cache[:, :end]))
-        return project(self.wo, prompt_attention(q, k_cache, v_cache, start))
-
+        splits = [t for t, _, _ in segments]
+        qkv = project(self.wqkv, x, splits).to(k_layer.dtype)
+        ys, row = [], 0
+        for (t, start, slot), (cos, sin) in zip(segments, rope, strict=True):
+            q, k, v = qkv[row:row + t].split([q_size, kv_size, kv_size], dim=-1)
+            row += t
+            q = apply_rotary(q.view(t, self.n_heads, self.head_dim).transpose(0, 1), cos, sin)
+            k = apply_rotary(k.view(t, self.n_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
+            end = start + t
+            k_cache, v_cache = k_layer[slot], v_layer[slot]
+            k_cache[:, start:end] = k
+            v_cache[:, start:end] = v.view(t, self.n_kv_heads, self.head_dim).transpose(0, 1)
+            if t == 1:
+                ys.append(self._decode_attention(q, k_cache[:, :end], v_cache[:, :end]))
+            else:
+                ys.append(prompt_attention(q, k_cache, v_cache, start))
+        y = ys[0] if len(ys) == 1 else torch.cat(ys)
+        return project(self.wo, y, splits)
 
     def _decode_attention(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         """One query position, grouped heads as a batched matmul: no K/V repeat, softmax in fp32.
@@ -95,9 +107,9 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(c.dim, 2 * c.ffn_dim, bias=False)  # gate and up, fused
         self.w2 = nn.Linear(c.ffn_dim, c.dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = project(self.w13, x).split(self.ffn_dim, dim=-1)
-        return project(self.w2, F.silu(gate) * up)
+    def forward(self, x: Tensor, splits: list[int] | None = None) -> Tensor:
+        gate, up = project(self.w13, x, splits).split(self.ffn_dim, dim=-1)
+        return project(self.w2, F.silu(gate) * up, splits)
 
 
 class Block(nn.Module):
@@ -108,10 +120,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         self.feed_forward = FeedForward(c)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                start: int) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, k_cache, v_cache, start)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, x: Tensor, rope: list[tuple[Tensor, Tensor]], k_layer: Tensor, v_layer: Tensor,
+                segments: list[Segment]) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, k_layer, v_layer, segments)
+        return h + self.feed_forward(self.ffn_norm(h), [t for t, _, _ in segments])
 
 
 class QuantizedEmbedding(nn.Module):
@@ -175,12 +187,12 @@ class Transformer(nn.Module):
         Returns float32 logits [vocab] of the last position ([T, vocab] with all_logits). With
         `out` (float32 [vocab]) the last position's logits are written there, in place.
         """
-        end = start + tokens.shape[0]
-        cos, sin = self.cos[start:end], self.sin[start:end]
-        x = self.tok_embeddings(tokens)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i, slot], cache.v[i, slot], start)
-        x = self.norm(x if all_logits else x[-1])
+        x = self._layers(tokens, [(tokens.shape[0], start, slot)], cache)
+        return self._logits(x if all_logits else x[-1], out)
+
+    def _logits(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """Float32 logits of the final norm of x ([dim] or [T, dim]); see forward for `out`."""
+        x = self.norm(x)
         if self.head is not None:
             logits = self.head(x[None] if x.ndim == 1 else x)
             logits = logits[0] if x.ndim == 1 else logits
@@ -191,6 +203,23 @@ class Transformer(nn.Module):
             # The projection's result lands in `out` directly: no staging tensor.
             return torch.mv(self.output_weight(), x, out=out)
         return out.copy_(F.linear(x, self.output_weight()))
+
+    def forward_segments(self, tokens: Tensor, segments: list[Segment], cache: KVCache) -> Tensor:
+        """Several slots' prompts in one forward (their rows share each weight pass): tokens [T] the
+        segments' tokens one after another, each segment (n, start, slot) n tokens appended at
+        positions start.. of its slot. Float32 logits [len(segments), vocab] of each one's last
+        position, each row as forward() would give it."""
+        x = self._layers(tokens, segments, cache)
+        # Each last row through the head alone, as forward() does (the head's kernel for one row).
+        return torch.stack([self._logits(x[end - 1]) for end in accumulate(n for n, _, _ in segments)])
+
+    def _layers(self, tokens: Tensor, segments: list[Segment], cache: KVCache) -> Tensor:
+        """The layers over the segments' rows (the residual stream out, before the final norm)."""
+        rope = [(self.cos[start:start + n], self.sin[start:start + n]) for n, start, _ in segments]
+        x = self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, cache.k[i], cache.v[i], segments)
+        return x
 
 
 # This module's fused projections and the canonical weights each one stacks, by rows.
