@@ -245,6 +245,16 @@ def test_tool_stream_gives_the_same_reply_however_the_text_is_split(raw, content
             assert "".join(c["function"]["arguments"] for c in calls) == arguments, cuts
 
 
+def test_a_long_text_streamed_a_character_at_a_time_arrives_whole():
+    """Each piece is decoded from where the last one ended (never the whole reply again): a long
+    answer with escapes and surrogate pairs, fed one raw character at a time, arrives exactly."""
+    answer = "Caf\u00e9 \"quoted\" 😀 \\ line\n" * 400
+    raw = json.dumps(answer)
+    stream = ToolStream()
+    pieces = [d["content"] for ch in raw for d in stream.feed(ch)] + [d["content"] for d in stream.end()]
+    assert "".join(pieces) == answer and all(pieces)
+
+
 # ---- a chat template that takes tools ---------------------------------------------------------------
 
 TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"

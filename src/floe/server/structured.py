@@ -247,6 +247,8 @@ class ToolStream:
         self.sent = 0  # text: characters of content sent; call: characters of arguments sent
         self.head = 0  # call: where its arguments begin in raw (0: the name is not whole yet)
         self.calls = 0
+        self.decoded = 1  # text: raw[:decoded] is sent (the opening quote, then whole characters)
+        self.closed = False  # text: its closing quote has come
 
     def feed(self, piece: str) -> list[dict]:
         self.raw += piece
@@ -258,8 +260,13 @@ class ToolStream:
         return self._call(final=True) if self.kind == "call" else []
 
     def _text(self) -> list[dict]:
-        decoded = _string_prefix(self.raw[1:])
-        new, self.sent = decoded[self.sent:], len(decoded)
+        """The content decoded since the last piece: only raw past what was sent is parsed (each
+        boundary lies between characters, outside any escape), so a reply costs linear time."""
+        if self.closed:
+            return []
+        new, used, self.closed = _string_prefix(self.raw[self.decoded:])
+        self.decoded += used
+        self.sent += len(new)
         return [{"content": new}] if new else []
 
     def _call(self, final: bool) -> list[dict]:
@@ -277,13 +284,14 @@ class ToolStream:
         return out
 
 
-def _string_prefix(raw: str) -> str:
-    """The decoded text of the longest prefix of a JSON string's body (after its opening quote) that
-    ends between characters: never inside an escape, never after half of a surrogate pair."""
-    escaped = False
+def _string_prefix(raw: str) -> tuple[str, int, bool]:
+    """(text, characters of raw it takes, whether the string closed) for the longest prefix of part
+    of a JSON string's body (starting between characters, outside an escape) that ends between
+    characters: never inside an escape, never after half of a surrogate pair."""
+    escaped, closed = False, False
     for i, ch in enumerate(raw):  # up to its closing quote, if it has come
         if ch == '"' and not escaped:
-            raw = raw[:i]
+            raw, closed = raw[:i], True
             break
         escaped = ch == "\\" and not escaped
     for cut in range(len(raw), max(-1, len(raw) - 13), -1):
@@ -293,5 +301,5 @@ def _string_prefix(raw: str) -> str:
             continue
         if text and "\ud800" <= text[-1] <= "\udbff":
             continue
-        return text
-    return ""
+        return text, cut, closed and cut == len(raw)
+    return "", 0, False
