@@ -8,7 +8,7 @@ import time
 
 import pytest
 import wasmtime
-from guests_wat import calls_host, guest
+from guests_wat import EMITS_OK, calls_host, guest
 from isolated import run_isolated
 
 from floe import snapshot
@@ -472,3 +472,21 @@ def test_sample_before_any_forward_is_a_guest_error_that_says_why(tiny_engine):
     wasm = calls_host("(drop (call $sample (i32.const 0))) (i32.const 0)")
     with Actor(tiny_engine, wasm) as actor, pytest.raises(GuestHostCallError, match="before any prefill"):
         actor.send("Hi")
+
+
+def test_a_guest_that_ignores_its_consumer_leaving_is_stopped_soon_after(tiny_engine):
+    """A v1 guest that goes on emitting after emit answered "stop" (its stream's consumer left) is
+    stopped STOP_GRACE_S later, not at its message deadline (300 s here): its slot and the core are
+    free again, and the actor answers its next message."""
+    from floe.actor.actor import STOP_GRACE_S
+
+    ignores = guest("(loop $forever (drop (call $emit (i32.const 16) (i32.const 2))) (br $forever)) "
+                    "(i32.const 0)")
+    with Actor(tiny_engine, ignores, deadline_s=300) as actor:
+        pieces = actor.stream("hello", max_tokens=4)
+        assert next(pieces) == "ok"
+        left = time.monotonic()
+        pieces.close()  # the consumer leaves: the guest is asked to stop and does not
+        assert time.monotonic() - left < STOP_GRACE_S + 1.0
+    with Actor(tiny_engine, EMITS_OK) as again:  # the engine and its slots are fine
+        assert again.send("hello").text == "ok"

@@ -37,6 +37,7 @@ from floe.wasm import (
 
 DEFAULT_MEMORY_CAP = 256 << 20
 DEFAULT_DEADLINE_S = 600.0
+STOP_GRACE_S = 2.0  # a guest asked to stop that goes on is stopped this much later (stop_requested)
 
 
 class ActorClosed(FloeError):
@@ -193,10 +194,10 @@ class Actor:
         self.ledger = Ledger()
         self.logs: deque[str] = deque(maxlen=LOG_LINES_KEPT)
         self.pending_error: BaseException | None = None
+        self._message_thread: int | None = None  # the thread running a guest call, while it runs
         self.stop_requested = False
         self.on_text: Callable[[str], None] = lambda text: None
         self._lock = threading.RLock()  # a message, a capture, a restore: one at a time
-        self._message_thread: int | None = None  # the thread running a guest call, while it runs
         self.closed = False
         self._released = False
         self.guest: GuestInstance | None = None
@@ -225,6 +226,19 @@ class Actor:
     @property
     def region(self) -> Region:
         return self.guest.region
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether this message was asked to stop (its consumer left, a stop sequence, a close): the
+        guest sees it (emit answers 1) and must return; one that goes on (a v1 guest still calling
+        decode) is stopped STOP_GRACE_S later instead of running to its deadline."""
+        return self._stop_requested
+
+    @stop_requested.setter
+    def stop_requested(self, value: bool) -> None:
+        self._stop_requested = value
+        if value and self._message_thread is not None:
+            self.guest.wind_down(STOP_GRACE_S)
 
     def _take_pending(self) -> BaseException | None:
         error, self.pending_error = self.pending_error, None

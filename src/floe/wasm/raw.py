@@ -389,6 +389,10 @@ class Watchdog:
         """From any thread: the guest stops at its next tick (≤ one tick, ~10 ms)."""
         self.cancelled = reason
 
+    def shorten(self, seconds: float) -> None:
+        """From any thread: the running call's deadline comes at most `seconds` from now."""
+        self.deadline = min(self.deadline, time.monotonic() + seconds)
+
     def expired(self) -> str | None:
         """Why the guest must stop now ("deadline", a cancellation), or None."""
         if self.cancelled is not None:

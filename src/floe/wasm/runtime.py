@@ -453,6 +453,10 @@ class GuestInstance:
         """From any thread: stop the running call at its next epoch tick (GuestCancelled)."""
         self.watchdog.cancel(reason)
 
+    def wind_down(self, seconds: float) -> None:
+        """From any thread: the running call gets at most `seconds` more (then its deadline error)."""
+        self.watchdog.shorten(seconds)
+
     # ---- state capture and restore (between calls only) ---------------------------------------------
 
     def mutable_globals(self) -> list[tuple[str, wasmtime.Global]]:
