@@ -284,6 +284,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keys = api_keys(args.api_key)  # and FLOE_API_KEYS
     except BadApiKey as e:
         raise FloeError(f"--api-key / FLOE_API_KEYS: {e}") from None
+    if args.ray is not None:
+        return _serve_ray(args, keys)
     # The HTTP front (its own process) streams every token: leave it a core, or the model's parallel
     # GEMVs wait on their slowest thread (2 cores: 40 -> 73 tok/s per stream, docs/PERF.md).
     _threads(args, args.device, reserve=1)
@@ -310,6 +312,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     return serve(core, host=args.host, port=args.port, log_level=args.log_level, keys=keys,
                  cors_origins=tuple(args.cors_origin))
+
+
+def _serve_ray(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
+    """`floe serve --ray`: replicas on a Ray cluster behind one endpoint (floe.cluster, docs/RAY.md)."""
+    try:
+        from floe.cluster.serve import serve_cluster
+    except ImportError as e:
+        raise FloeError(f"floe serve --ray needs Ray ({e.name} is missing): pip install 'floe[ray]'") from e
+    if args.replicas < 1:
+        raise FloeError("--replicas must be >= 1")
+    if "://" not in args.snapshots and args.ray not in ("local",):
+        print("floe serve: --snapshots is a local folder; replicas on other machines need a shared one "
+              "(s3://…, or a folder every node mounts)", file=sys.stderr)
+    return serve_cluster(None if args.ray == "local" else args.ray, args.replicas, args.snapshots,
+                         host=args.host, port=args.port, log_level=args.log_level, keys=keys,
+                         cors_origins=tuple(args.cors_origin), model=args.model, context=args.context,
+                         slots=args.max_sessions, threads=args.threads or 1, lease_s=args.lease_seconds,
+                         device=args.device, gpus=0 if args.device == "cpu" else 1,
+                         idle_seconds=args.idle_seconds, max_anonymous=args.max_anonymous,
+                         kv_dtype=args.kv_dtype, persist_anonymous=args.persist_anonymous,
+                         freeze_every_turn=args.durability != "idle", sweep_seconds=args.sweep_seconds)
 
 
 def _serve_store(args: argparse.Namespace):
@@ -604,6 +627,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8"], default=None,
                        help="how snapshots store the KV cache (default: the engine's dtype, bit-exact; "
                             "int8: a quarter of fp32's bytes, continues close to but not bit-identically)")
+    serve.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                       help="run --replicas engine replicas on a Ray cluster (ADDRESS, e.g. auto or "
+                            "ray://host:10001; none: a local one) behind this endpoint (docs/RAY.md)")
+    serve.add_argument("--replicas", type=int, default=2, metavar="N", help="with --ray: replicas (2)")
+    serve.add_argument("--durability", choices=["turn", "idle"], default="turn",
+                       help="with --ray: freeze every answered turn (turn; a dead replica's sessions lose "
+                            "nothing) or only idle sessions (idle)")
     serve.add_argument("--persist-anonymous", action="store_true",
                        help="write sessions of requests that name none to the store (default: RAM only)")
     serve.add_argument("--freeze-every-turn", action="store_true",

@@ -64,16 +64,17 @@ def _error(status: int, message: str, type_: str, code: str | None = None, param
                         status_code=status, headers=headers)
 
 
-def create_front(socket_path: str, *, keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
-                 on_shutdown: Callable[[], None] = lambda: None,
-                 on_lost: Callable[[], None] = lambda: None) -> FastAPI:
-    """The ASGI app of the HTTP front, talking to the engine core at `socket_path`.
+def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
+                 cors_origins: tuple[str, ...] = (), on_shutdown: Callable[[], None] = lambda: None,
+                 on_lost: Callable[[], None] = lambda: None, client=None) -> FastAPI:
+    """The ASGI app of the HTTP front, talking to the engine core at `socket_path` (or through
+    `client`, an object with CoreClient's methods: floe.cluster.router's, which routes over replicas).
 
     keys: API keys (floe.server.auth; none: open). cors_origins: web origins whose pages may call it
     (none: CORS off). on_shutdown: run (in a thread) when the app stops. on_lost: called when the
     core's connection ends.
     """
-    client = CoreClient(socket_path, on_lost)
+    client = client if client is not None else CoreClient(socket_path, on_lost)
     registry = CollectorRegistry()
     requests = Counter("floe_requests", "HTTP requests to the chat API (and those refused for their API "
                        "key, 401)", ["status"], registry=registry)

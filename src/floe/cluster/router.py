@@ -1,0 +1,318 @@
+"""The front's side of a Ray deployment: `ClusterClient` speaks to the HTTP front as the engine core's
+socket client does (floe.server.client: call, chat, cancel, export, upload), and routes every request
+to a replica (floe.cluster.replica).
+
+Routing: a session live on a replica goes to it (session affinity: learned from each chat's answer);
+a new or frozen session, or one whose replica died or drains, goes to the least loaded replica (fewest
+requests in flight, then fewest sessions routed to it), which thaws it from the shared store. A
+replica that fails a call (RayActorError) is dead: its sessions are thawed elsewhere from their last
+frozen turn, and what they lost (turns the client has that their snapshot had not) is counted and
+listed (`failovers`), never silently dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ray.exceptions import RayActorError
+
+from floe.server.protocol import ServeError
+from floe.server.records import session_key
+
+log = logging.getLogger("floe.cluster")
+LEASE_WAIT_S = 60.0  # how long a failover waits for a dead replica's lease to end (it is its lease_s)
+
+
+@dataclass
+class Route:
+    """A replica as the front sees it."""
+
+    name: str
+    handle: object  # the Ray actor
+    inflight: int = 0
+    alive: bool = True
+    draining: bool = False
+    sessions: set[str] = field(default_factory=set)  # keys whose live state is (or was last) there
+
+
+class ClusterClient:
+    """Routes the front's calls and chats over `replicas` (name -> Ray actor handle)."""
+
+    GONE = ServeError(503, "no replica is running", "server_error", "engine_gone")
+
+    def __init__(self, replicas: dict[str, object]) -> None:
+        self.routes = {name: Route(name, h) for name, h in replicas.items()}
+        self.where: dict[str, str] = {}  # session key -> replica name
+        self.streams, self.gone = 0, False
+        self.migrations = self.drains = 0
+        self.failovers: list[dict] = []  # {"session", "from", "to", "lost_turns"}
+        self._orphans: dict[str, str] = {}  # session key -> the dead replica it was on
+        self._chats: dict[str, tuple[Route, asyncio.Task]] = {}
+
+    async def connect(self) -> None:
+        await asyncio.gather(*(r.handle.ping.remote() for r in self.routes.values()))
+
+    async def close(self) -> None:
+        pass
+
+    # ---- routing -------------------------------------------------------------------------------------
+
+    def _usable(self) -> list[Route]:
+        return [r for r in self.routes.values() if r.alive and not r.draining]
+
+    def _pick(self, key: str | None) -> Route:
+        """The replica for a session key (None: a request that names no session)."""
+        if key is not None and key in self.where:
+            route = self.routes[self.where[key]]
+            if route.alive and not route.draining:
+                return route
+        usable = self._usable()
+        if not usable:
+            raise self.GONE
+        return min(usable, key=lambda r: (r.inflight, len(r.sessions), r.name))
+
+    def _place(self, key: str, route: Route) -> None:
+        old = self.where.get(key)
+        if old is not None and old != route.name:
+            self.routes[old].sessions.discard(key)
+        self.where[key] = route.name
+        route.sessions.add(key)
+
+    def _dead(self, route: Route) -> None:
+        if route.alive:
+            log.warning("replica %s is gone: its sessions continue elsewhere from their last frozen turn",
+                        route.name)
+        route.alive = False
+        for key in route.sessions:
+            self._orphans[key] = route.name
+            self.where.pop(key, None)
+        route.sessions = set()
+
+    async def _ask(self, route: Route, method: str, *args):
+        """A replica's answer to `method`; a dead replica is marked and GONE raised (the caller may
+        retry elsewhere)."""
+        route.inflight += 1
+        try:
+            answer = await getattr(route.handle, method).remote(*args)
+        except RayActorError:
+            self._dead(route)
+            raise ReplicaLost(route.name) from None
+        finally:
+            route.inflight -= 1
+        if isinstance(answer, dict) and "error" in answer:
+            raise ServeError.from_payload(answer["error"])
+        return answer["ok"] if isinstance(answer, dict) and "ok" in answer else answer
+
+    # ---- the core client's interface -----------------------------------------------------------------
+
+    async def call(self, name: str, arg=None, owner: str | None = None):
+        if name == "metrics":
+            return self.metrics()
+        if name == "health":
+            return {"status": "ok" if self._usable() else "degraded", "replicas": await self.replicas()}
+        if name in ("hello",):
+            return await self._ask(self._pick(None), "call", name, arg, owner)
+        if name == "sessions":
+            seen: dict[str, dict] = {}
+            for route in [r for r in self.routes.values() if r.alive]:
+                try:
+                    for s in await self._ask(route, "call", name, arg, owner):
+                        if s["id"] not in seen or s["state"] == "live":
+                            seen[s["id"]] = s | {"replica": route.name}
+                except ReplicaLost:
+                    continue
+            return list(seen.values())
+        key = session_key(owner or "", arg) if isinstance(arg, str) else None
+        for _ in range(len(self.routes)):
+            route = self._pick(key)
+            try:
+                answer = await self._ask(route, "call", name, arg, owner)
+            except ReplicaLost:
+                continue
+            if key is not None and name == "thaw":
+                self._place(key, route)
+            if key is not None and name == "delete":
+                route.sessions.discard(key)
+                self.where.pop(key, None)
+            return answer
+        raise self.GONE
+
+    def chat(self, request: dict) -> tuple[str, asyncio.Queue, asyncio.Event]:
+        """Start a chat on its replica: its id, its events' queue, an event set after its last."""
+        rid, queue, ended = uuid.uuid4().hex, asyncio.Queue(), asyncio.Event()
+        task = asyncio.ensure_future(self._run_chat(rid, request, queue, ended))
+        self._chats[rid] = (None, task)
+        return rid, queue, ended
+
+    async def _run_chat(self, rid: str, request: dict, queue: asyncio.Queue, ended: asyncio.Event) -> None:
+        sid, owner = request.get("session_id"), request.get("owner") or ""
+        key = session_key(owner, sid) if isinstance(sid, str) else None
+        deadline = time.monotonic() + LEASE_WAIT_S
+        try:
+            while True:
+                route = self._pick(key)
+                self._chats[rid] = (route, self._chats[rid][1])
+                try:
+                    await self._stream(route, rid, request, key, queue)
+                    return
+                except ReplicaLost:
+                    continue  # nothing of this turn reached its client: another replica takes it
+                except ServeError as e:
+                    # A dead replica's session: its lease ends soon (at once when its process is gone).
+                    if (e.code == "session_leased" and key in self._orphans
+                            and time.monotonic() < deadline):
+                        await asyncio.sleep(min(1.0, e.retry_after or 1.0))
+                        continue
+                    queue.put_nowait(("error", e.payload()))
+                    return
+        except ServeError as e:
+            queue.put_nowait(("error", e.payload()))
+        finally:
+            self._chats.pop(rid, None)
+            ended.set()
+
+    async def _stream(self, route: Route, rid: str, request: dict, key: str | None,
+                      queue: asyncio.Queue) -> None:
+        """One attempt of a chat on `route`, its events into `queue`; ReplicaLost before its first
+        event (retried elsewhere), a 503 error event after it (its client retries)."""
+        started = False
+        route.inflight += 1
+        try:
+            async for ref in route.handle.chat.remote(rid, request):
+                kind, value = await ref
+                if kind == "error" and not started:
+                    raise ServeError.from_payload(value)
+                if kind == "started":
+                    started = True
+                    sid = value["session_id"]
+                    key = session_key(request.get("owner") or "", sid)
+                    self._placed_after_failover(key, route, request, value["had"])
+                    self._place(key, route)
+                    value = sid
+                queue.put_nowait((kind, value))
+        except RayActorError:
+            self._dead(route)
+            if not started:
+                raise ReplicaLost(route.name) from None
+            queue.put_nowait(("error", ServeError(503, f"replica {route.name} died during this turn; the "
+                                                  "session continues elsewhere from its last frozen turn: "
+                                                  "send the request again", "server_error",
+                                                  "replica_lost").payload()))
+        finally:
+            route.inflight -= 1
+
+    def _placed_after_failover(self, key: str, route: Route, request: dict, had: int) -> None:
+        """A session of a dead replica's, continued on `route`: what its snapshot lacked is reported."""
+        dead = self._orphans.pop(key, None)
+        if dead is None:
+            return
+        history = len(request.get("messages", ())) - 1  # what the client says came before this turn
+        lost = max(0, history - had) // 2
+        self.failovers.append({"session": key.rpartition("/")[2], "from": dead, "to": route.name,
+                               "lost_turns": lost})
+        if lost:
+            log.warning("session %s lost %d turns with replica %s (they are prefilled again from the "
+                        "client's messages)", key, lost, dead)
+
+    def cancel(self, rid: str) -> None:
+        held = self._chats.pop(rid, None)
+        if held is not None and held[0] is not None and held[0].alive:
+            held[0].handle.cancel.remote(rid)
+
+    async def export(self, sid: str, owner: str | None) -> AsyncIterator[bytes]:
+        data = await self._session_call("export", sid, owner)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for i in range(0, len(data), 1 << 20):
+                yield data[i:i + (1 << 20)]
+
+        return chunks()
+
+    async def upload(self, sid: str, owner: str | None, body: AsyncIterator[bytes]) -> dict:
+        data = b"".join([chunk async for chunk in body])
+        return await self._session_call("import_", sid, owner, data)
+
+    async def _session_call(self, method: str, sid: str, owner: str | None, *more):
+        key = session_key(owner or "", sid)
+        for _ in range(len(self.routes)):
+            route = self._pick(key)
+            try:
+                return await self._ask(route, method, sid, owner or "", *more)
+            except ReplicaLost:
+                continue
+        raise self.GONE
+
+    # ---- moving sessions -----------------------------------------------------------------------------
+
+    async def migrate(self, sid: str, owner: str, to: str | None = None) -> dict:
+        """Move a session to replica `to` (default: the least loaded other one): frozen where it is,
+        its lease given up, thawed there. Its next message continues identically."""
+        key = session_key(owner, sid)
+        source = self.routes.get(self.where.get(key, ""))
+        others = [r for r in self._usable() if r is not source]
+        if to is not None:
+            others = [r for r in others if r.name == to]
+        if not others:
+            raise ServeError(409, f"no replica to move session {sid!r} to{f' named {to!r}' if to else ''}",
+                             code="no_replica")
+        target = min(others, key=lambda r: (r.inflight, len(r.sessions), r.name))
+        t = time.perf_counter()
+        if source is not None and source.alive:
+            await self._ask(source, "call", "let_go", sid, owner)
+        thawed = await self._ask(target, "call", "thaw", sid, owner)
+        self._place(key, target)
+        self.migrations += 1
+        return {"id": sid, "object": "session.migration", "from": source.name if source else None,
+                "to": target.name, "seconds": round(time.perf_counter() - t, 4), "session": thawed}
+
+    async def drain(self, name: str) -> dict:
+        """Route nothing more to replica `name`; freeze its sessions and give up their leases: each
+        continues on another replica at its next message."""
+        route = self.routes.get(name)
+        if route is None or not route.alive:
+            raise ServeError(404, f"no running replica {name!r}", code="replica_not_found")
+        route.draining = True
+        keys = await route.handle.drain.remote()
+        for key in list(route.sessions):
+            self.where.pop(key, None)
+        route.sessions = set()
+        self.drains += 1
+        return {"replica": name, "object": "replica.drain", "sessions": len(keys)}
+
+    # ---- what it reports -----------------------------------------------------------------------------
+
+    async def replicas(self) -> list[dict]:
+        out = []
+        for route in self.routes.values():
+            entry = {"name": route.name, "alive": route.alive, "draining": route.draining,
+                     "queue_depth": route.inflight, "routed_sessions": len(route.sessions)}
+            if route.alive:
+                try:
+                    entry |= await asyncio.wait_for(self._ask(route, "ping"), 30)
+                except (ReplicaLost, TimeoutError):
+                    entry["alive"] = False
+            out.append(entry)
+        return out
+
+    def metrics(self) -> str:
+        """Prometheus text: per replica, and the cluster's moves."""
+        lines = ["# TYPE floe_replica_up gauge", "# TYPE floe_replica_queue_depth gauge",
+                 "# TYPE floe_replica_sessions gauge"]
+        for r in self.routes.values():
+            lines += [f'floe_replica_up{{replica="{r.name}"}} {int(r.alive and not r.draining)}',
+                      f'floe_replica_queue_depth{{replica="{r.name}"}} {r.inflight}',
+                      f'floe_replica_sessions{{replica="{r.name}"}} {len(r.sessions)}']
+        lost = sum(f["lost_turns"] for f in self.failovers)
+        for name, value in (("migrations", self.migrations), ("drains", self.drains),
+                            ("failovers", len(self.failovers)), ("failover_lost_turns", lost)):
+            lines += [f"# TYPE floe_cluster_{name} counter", f"floe_cluster_{name}_total {value}"]
+        return "\n".join(lines) + "\n"
+
+
+class ReplicaLost(Exception):
+    """The replica died (its Ray actor is gone) before it answered."""

@@ -1,0 +1,87 @@
+"""`floe serve --ray [ADDRESS] --replicas N`: N replicas (floe.cluster.replica) as Ray actors, one per
+CPU (or GPU) Ray gives them, spread over the nodes; one OpenAI endpoint in front of them in this
+process (floe.server.app's front, with floe.cluster.router's client), plus the cluster's routes:
+
+  GET  /v1/replicas                    each replica: alive, draining, queue depth, sessions, node
+  POST /v1/replicas/{name}/drain       freeze its sessions, route nothing more to it
+  POST /v1/sessions/{id}/migrate       move a live session (body {"to": name}, optional)
+  GET  /v1/cluster                     failovers (session, from, to, lost_turns), migrations, drains
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+
+from floe.cluster.router import ClusterClient
+from floe.server.app import create_front
+from floe.server.protocol import ServeError
+
+log = logging.getLogger("floe.cluster")
+
+
+def start_replicas(n: int, snapshots: str, *, gpus: float = 0, cpus: float = 1, **options) -> dict:
+    """N Replica actors spread over the cluster's nodes (ray.init first): name -> handle."""
+    import ray
+
+    from floe.cluster.replica import Replica
+
+    remote = ray.remote(Replica)
+    # Every running chat holds one of the actor's threads for its whole reply; calls need some too.
+    concurrency = options.get("slots", 4) + 8
+    handles = {f"replica-{i}": remote.options(name=None, num_cpus=cpus, num_gpus=gpus,
+                                              max_concurrency=concurrency, scheduling_strategy="SPREAD",
+                                              max_restarts=0).remote(f"replica-{i}", snapshots, **options)
+               for i in range(n)}
+    ray.get([h.ping.remote() for h in handles.values()])  # each has loaded its model
+    return handles
+
+
+def create_cluster_app(replicas: dict, *, keys: tuple[str, ...] = (),
+                       cors_origins: tuple[str, ...] = ()) -> FastAPI:
+    """The one OpenAI endpoint in front of `replicas` (name -> Ray actor handle)."""
+    client = ClusterClient(replicas)
+    app = create_front(client=client, keys=keys, cors_origins=cors_origins)
+    app.state.cluster = client
+
+    @app.get("/v1/replicas")
+    async def replicas_(request: Request):
+        return {"object": "list", "data": await client.replicas()}
+
+    @app.post("/v1/replicas/{name}/drain")
+    async def drain(name: str, request: Request):
+        return await client.drain(name)
+
+    @app.post("/v1/sessions/{sid}/migrate")
+    async def migrate(sid: str, request: Request):
+        body = await request.body()
+        to = None
+        if body:
+            try:
+                to = (await request.json()).get("to")
+            except ValueError:
+                raise ServeError(400, "the body is not a JSON object", code="invalid_json") from None
+        return await client.migrate(sid, request.state.owner, to)
+
+    @app.get("/v1/cluster")
+    async def cluster(request: Request):
+        return {"failovers": client.failovers, "migrations": client.migrations, "drains": client.drains}
+
+    return app
+
+
+def serve_cluster(address: str | None, n: int, snapshots: str, *, host: str, port: int, log_level: str,
+                  keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (), **options) -> int:
+    """Join (or start, address None) a Ray cluster, start the replicas, serve the endpoint."""
+    import ray
+    import uvicorn
+
+    ray.init(address=address, logging_level=logging.WARNING)
+    try:
+        replicas = start_replicas(n, snapshots, **options)
+        app = create_cluster_app(replicas, keys=keys, cors_origins=cors_origins)
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        ray.shutdown()
+    return 0
