@@ -72,6 +72,17 @@ def test_a_decode_row_beside_others_is_bitwise_that_row_alone(default_checkpoint
         assert torch.equal(webgpu.decode_step(token, slot), row)
 
 
+def test_prompts_launched_together_prefill_on_webgpu_as_each_alone(default_checkpoint):
+    webgpu, cpu = tiny("llama-tied", default_checkpoint.tokenizer, n_slots=3)
+    prompts = [(list(range(20, 40)), 1), (list(range(50, 80)), 2)]  # long enough to go together on a CPU
+    step = webgpu.launch_batch([], [], prompts=prompts)
+    webgpu.finish_batch(step)
+    for (ids, slot), result in zip(prompts, step.prompt_results, strict=True):
+        assert webgpu.kv_len(slot) == len(ids) and webgpu.cache.tokens[slot] == ids
+        assert close(result, cpu.prefill(ids))
+        cpu.kv_truncate(0)
+
+
 def test_projections_split_into_bands_compute_what_one_band_does(default_checkpoint, monkeypatch):
     whole, _ = tiny("qwen2-bias", default_checkpoint.tokenizer)
     monkeypatch.setattr(gpu(), "max_binding", 64 << 10)  # the head (256 KiB) in 4 bands, gate/up in 2

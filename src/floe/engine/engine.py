@@ -592,7 +592,7 @@ class Engine:
         them), rather than one by one. Each prompt's products are still its own (project's splits),
         so it gets the bits of its own prefill; only prompts of DENSE_FROM_ROWS tokens or more (a
         shorter one alone runs the quantized kernel, not the dense product)."""
-        return self.device.type == "cpu"
+        return self.backend == "cpu"  # (not WebGPU, whose host tensors are on the CPU too)
 
     @torch.inference_mode()
     def _prefill_together(self, prompts: list[tuple[list[int], int]]) -> list[Tensor | FloeError]:
