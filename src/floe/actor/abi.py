@@ -61,6 +61,9 @@ _MASK32 = 0xFFFFFFFF
 
 # Host work one message may ask for, beyond guest instructions (docs/ABI.md, "Limits").
 BUDGET_PER_CAP = 4  # bytes the host handles for one message: at most this many times the memory cap
+# Tokens one message may run through the model (prefill + decode calls): this many contexts (a guest
+# may truncate and prefill again) and this many times its max_tokens.
+FORWARDS_PER_CONTEXT, FORWARDS_PER_TOKEN = 4, 2
 CALL_OVERHEAD = 64  # bytes charged per host call on top of its data (each call costs the host objects)
 TEXT_BYTES_PER_TOKEN = 32  # tokenize / chat_render input: at most this many bytes per token of context
 MIN_TEXT_CAP = 64 << 10  # ... but never less than 64 KiB
@@ -76,12 +79,23 @@ _SLOW_CALLS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="floe-host-ca
 
 class HostBudget:
     """What one message may still ask of the host: time (the guest's watchdog: deadline and
-    cancellation) and bytes handled (text tokenized, rendered, emitted, logged; ids moved)."""
+    cancellation), bytes handled (text tokenized, rendered, emitted, logged; ids moved) and tokens
+    forwarded through the model (prefill and decode calls)."""
 
-    def __init__(self, watchdog, limit: int) -> None:
+    def __init__(self, watchdog, limit: int, forward_limit: int | None = None) -> None:
         self.watchdog = watchdog
         self.limit = limit
         self.spent = 0
+        self.forward_limit, self.forwarded = forward_limit, 0
+
+    def forward(self, n_tokens: int, call: str) -> None:
+        """Count n_tokens the guest asks the model to run; past the message's share of the device (a
+        guest that re-prefills or decodes without end) its budget error, not its deadline's minutes."""
+        self.forwarded += n_tokens
+        if self.forward_limit is not None and self.forwarded > self.forward_limit:
+            raise GuestBudgetExceeded(
+                f"the guest asked the model to run more than {self.forward_limit} tokens in one message "
+                f"({FORWARDS_PER_CONTEXT}x the context + {FORWARDS_PER_TOKEN}x max_tokens; at {call})")
 
     def check_time(self, call: str) -> None:
         signals.deliver()  # a Ctrl-C that came during guest code: raised here, in the host call's try
@@ -150,7 +164,9 @@ class HostABI:
 
     def begin(self, watchdog, memory_cap: int) -> HostBudget:
         """A fresh budget for the next guest call (a message, a history entry)."""
-        self.budget = HostBudget(watchdog, BUDGET_PER_CAP * memory_cap)
+        forwards = (FORWARDS_PER_CONTEXT * self.engine.max_seq_len
+                    + FORWARDS_PER_TOKEN * max(0, self.actor.request.max_tokens))
+        self.budget = HostBudget(watchdog, BUDGET_PER_CAP * memory_cap, forwards)
         self.text_cap = min(max(MIN_TEXT_CAP, TEXT_BYTES_PER_TOKEN * self.engine.max_seq_len),
                             memory_cap // TEXT_CAP_PER_CAP)
         return self.budget
@@ -324,6 +340,8 @@ class HostABI:
         return self._view(logits_ptr, self.vocab, torch.float32, "logits")
 
     def _run(self, ids: torch.Tensor | list[int], logits_ptr: int) -> int:
+        if self.budget is not None:
+            self.budget.forward(len(ids), "prefill" if len(ids) > 1 else "decode")
         out = self._logits_target(logits_ptr)
         t0 = time.perf_counter()
         try:
