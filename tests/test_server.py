@@ -200,18 +200,38 @@ def test_bad_requests_get_openai_style_4xx(server, body, status, code):
         assert error["code"] == code
 
 
-def test_malformed_json_and_a_diverged_history(server):
+def test_malformed_json_and_an_unknown_model(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"model": "x", "messages": [',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    c = client(server.url)
-    conversation(c, "diverged", TURNS[:1])
-    with pytest.raises(openai.ConflictError):
-        ask(c, [{"role": "user", "content": "Something else entirely"},
-                {"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}],
-            extra_body={"session_id": "diverged"})
     with pytest.raises(openai.NotFoundError):
-        c.chat.completions.create(model="not-this-one", messages=[{"role": "user", "content": "hi"}])
+        client(server.url).chat.completions.create(model="not-this-one",
+                                                   messages=[{"role": "user", "content": "hi"}])
+
+
+def test_a_regenerated_or_edited_turn_branches_the_session(server):
+    """A named session whose history the request changes (a client regenerating its last turn, or
+    editing an earlier one) rolls back to the common start and goes on from there, as a request
+    with that whole conversation would in a fresh session: never a 409."""
+    c = client(server.url)
+    turns = ["Name a colour.", "And a fruit?", "And an animal?"]
+    replies, _ = conversation(c, "branching", turns)
+    edited = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": replies[0]},
+              {"role": "user", "content": "And a vegetable?"}]
+    before = metric(server.url, "floe_session_rollbacks")
+    branched = ask(c, edited, extra_body={"session_id": "branching"}).choices[0].message.content
+    fresh = ask(c, edited).choices[0].message.content  # the same conversation in a new session
+    assert branched == fresh
+    assert metric(server.url, "floe_session_rollbacks") == before + 1
+    from floe.snapshot import header
+
+    # Frozen, its snapshot holds the branch (the longer conversation it rolled back from is gone).
+    assert httpx.post(f"{server.url}/v1/sessions/branching/freeze", timeout=60).status_code == 200
+    kept = json.loads(header(server.folder / "branching.safetensors")["app"])["floe_server"]["messages"]
+    assert kept == [*edited, {"role": "assistant", "content": branched}]
+    again = ask(c, [*kept, {"role": "user", "content": "Thanks."}], extra_body={"session_id": "branching"})
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # goes on from the branch: no rollback
+    assert metric(server.url, "floe_session_rollbacks") == before + 1
 
 
 def start_serve(folder: Path, port: int, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -442,18 +462,23 @@ def requests_counted(url: str, status: str, headers: dict[str, str] | None = Non
     return float(line.split()[-1]) if line else 0.0
 
 
+def metric(url: str, name: str) -> float:
+    line = next((x for x in httpx.get(f"{url}/metrics").text.splitlines() if x.startswith(f"{name} ")), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
 def test_a_request_that_cannot_succeed_is_not_retried(server):
     """The official client retries 409 and 5xx by default; a deterministic error says
-    x-should-retry: false, so the server sees it once."""
+    x-should-retry: false, so the server sees it once (a 409 of a session another server holds:
+    tests/test_server_store.py)."""
     retrying = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300)  # 2 retries
-    conversation(client(server.url), "no-retry", TURNS[:1])
-    before = requests_counted(server.url, "409")
-    with pytest.raises(openai.ConflictError) as e:
+    before = requests_counted(server.url, "404")
+    with pytest.raises(openai.NotFoundError) as e:
         ask(retrying, [{"role": "user", "content": "Not what was said"},
                        {"role": "assistant", "content": "x"}, {"role": "user", "content": "next"}],
-            extra_body={"session_id": "no-retry"})
+            extra_body={"session_id": "no-retry-never-made"})
     assert e.value.response.headers["x-should-retry"] == "false"
-    assert requests_counted(server.url, "409") == before + 1
+    assert requests_counted(server.url, "404") == before + 1
 
 
 @pytest.mark.parametrize("change, param", [

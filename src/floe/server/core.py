@@ -67,6 +67,9 @@ class Metrics:
               registry=r).set_function(lambda: pinned.nbytes if pinned is not None else 0)
         Gauge("floe_store_leases", "Sessions whose lease this server holds", registry=r).set_function(
             lambda: len(store.snapshots.leased()))
+        Gauge("floe_session_rollbacks", "Conversations branched from an earlier turn (a regenerated or "
+              "edited turn: the session rolled back to the common start)", registry=r).set_function(
+            lambda: store.rollbacks)
 
 
 @dataclass

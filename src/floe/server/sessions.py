@@ -71,6 +71,10 @@ class HistoryMismatch(SessionError):
     status, code = 409, "session_history_mismatch"
 
 
+class RollbackFailed(SessionError):
+    status, code = 500, "rollback_failed"
+
+
 class SessionLeased(SessionError):
     """Another server holds the session (its lease in the shared store)."""
 
@@ -150,9 +154,17 @@ class Session:
 
 
 def is_prefix(prefix: list[dict], messages: list[dict]) -> bool:
-    return len(prefix) <= len(messages) and all(
-        a["role"] == b["role"] and a["content"] == b["content"]
-        for a, b in zip(prefix, messages, strict=False))
+    return len(prefix) <= len(messages) and common_start(prefix, messages) == len(prefix)
+
+
+def common_start(a: list[dict], b: list[dict]) -> int:
+    """How many messages two conversations share from their start (role and content)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x["role"] != y["role"] or x["content"] != y["content"]:
+            break
+        n += 1
+    return n
 
 
 SPARE_CHECK_S = 0.05  # how often the spare-actor maker looks for free slots and an idle engine loop
@@ -200,6 +212,7 @@ class SessionStore:
         self.skipped: list[str] = []  # snapshots in the store that are not loadable sessions
         self._renewed = self._swept = time.monotonic()
         self.lost: list[str] = []  # sessions another server took over while this one held them
+        self.rollbacks = 0  # conversations branched from an earlier turn (pending)
 
     # ---- startup -----------------------------------------------------------------------------------
 
@@ -262,7 +275,7 @@ class SessionStore:
             # Dropped while this request waited for it (a failed start, a guest error, a delete):
             # choose again rather than run in a session the store no longer holds.
             session.lock.release()
-        if not is_prefix(session.messages, history):  # another request moved it on meanwhile
+        if session_id is None and not is_prefix(session.messages, history):  # moved on meanwhile
             session.lock.release()
             raise HistoryMismatch(f"session {session.id!r} changed while this request waited")
         if session.anonymous and not session.messages:  # a new one: room for it
@@ -271,13 +284,26 @@ class SessionStore:
 
     def pending(self, session: Session, messages: list[dict]) -> list[dict]:
         """The earlier messages of a request that the (locked, live) session must load before its last
-        one. Checked again once it is live: a thaw read its conversation from its snapshot, which
-        another server may have moved on."""
+        one. A session whose conversation is not the start of the request's (a client regenerating or
+        editing a turn; another server moved it on) is rolled back to their common start first: the
+        conversation branches there, as the request says."""
         history = messages[:-1]
         if not is_prefix(session.messages, history):
-            raise HistoryMismatch(f"session {session.id!r} holds {len(session.messages)} messages that are "
-                                  "not the start of this request's conversation (another server moved it on)")
+            self._roll_back(session, common_start(session.messages, history))
         return history[len(session.messages):]
+
+    def _roll_back(self, session: Session, keep: int) -> None:
+        """The (locked, live) session's conversation cut to its first `keep` messages, in a new actor
+        that holds exactly those (prefilled with the next message: a guest cannot be told to forget
+        part of its own); its generator goes on. The store's snapshot is replaced at its next freeze."""
+        log.info("session %r: rolled back from %d to %d messages (the request's conversation branches "
+                 "there)", session.id, len(session.messages), keep)
+        session.messages = session.messages[:keep]
+        self._restart_guest(session, forget_empty=False)
+        if session.actor is None:
+            raise RollbackFailed(f"session {session.id!r} could not be rolled back to its first {keep} "
+                                 "messages (its guest failed; the session is as its last snapshot left it)")
+        self.rollbacks += 1
 
     def _choose(self, session_id: str | None, history: list[dict], seed: int, owner: str) -> Session:
         """The session for a request (acquire's choice, not yet locked)."""
@@ -304,11 +330,7 @@ class SessionStore:
                         raise UnknownSession(f"no session {session_id!r} (a new session starts with "
                                              "no assistant messages)")
                     session = self._new(session_id, seed, owner)
-        if not is_prefix(session.messages, history):
-            raise HistoryMismatch(
-                f"session {session_id!r} holds {len(session.messages)} messages that are not "
-                "the start of this request's conversation")
-        return session
+        return session  # (one whose conversation is not the start of this one's branches: pending)
 
     def _lookup(self, key: str) -> Session | None:
         try:
@@ -442,17 +464,18 @@ class SessionStore:
             with self.lock:
                 self._reserved -= 1
 
-    def _restart_guest(self, session: Session) -> None:
+    def _restart_guest(self, session: Session, forget_empty: bool = True) -> None:
         """Give the (locked) session a new actor in a KV slot that holds exactly its conversation
-        (none if it has none and no snapshot: it is forgotten). Its next message prefills the whole
-        conversation: a guest cannot be told to forget part of its own (see docs/SERVER.md, "stop")."""
+        (none if it has none and no snapshot and `forget_empty`: it is forgotten). Its next message
+        prefills the whole conversation: a guest cannot be told to forget part of its own (see
+        docs/SERVER.md, "stop")."""
         old, actor = session.actor, None
         with self.lock:  # its slot stays counted while its actor is replaced: no spare takes it
             self._reserved += 1
         try:
             old.close()
             session.actor = None
-            if not session.messages and not session.stored:
+            if forget_empty and not session.messages and not session.stored:
                 with self.lock:
                     self.sessions.pop(session.key, None)
                 return
