@@ -21,6 +21,7 @@ import uvicorn
 
 from floe.engine import Engine
 from floe.server.app import create_app
+from floe.server.deadlines import uvicorn_config
 
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 CONTEXT = 512
@@ -34,11 +35,12 @@ def free_port() -> int:
 
 
 class ThreadServer:
-    """The real app under uvicorn on a loopback port, in this process."""
+    """The real app under uvicorn on a loopback port, in this process, configured as `floe serve`'s front
+    (deadlines: floe.server.deadlines.uvicorn_config's)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, **deadlines: float) -> None:
         self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+        config = uvicorn_config(app, host="127.0.0.1", port=self.port, log_level="error", **deadlines)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -77,11 +77,13 @@ def serve_cluster(address: str | None, n: int, snapshots: str, *, host: str, por
     import ray
     import uvicorn
 
+    from floe.server.deadlines import uvicorn_config
+
     ray.init(address=address, logging_level=logging.WARNING)
     try:
         replicas = start_replicas(n, snapshots, **options)
         app = create_cluster_app(replicas, keys=keys, cors_origins=cors_origins)
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
     finally:
         ray.shutdown()
     return 0

@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     """The HTTP front of `floe serve`, started by it: serves until its engine core goes away."""
     import uvicorn
 
+    from floe.server.deadlines import uvicorn_config
+
     ap = argparse.ArgumentParser(prog="python -m floe.server.app", description=main.__doc__)
     ap.add_argument("--socket", required=True, help="the engine core's Unix socket")
     ap.add_argument("--host", default="127.0.0.1")
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         server.should_exit = True
 
     app = create_front(args.socket, keys=api_keys(), cors_origins=tuple(args.cors_origin), on_lost=lost)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server = uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level))
     server.run()
 
 
