@@ -46,6 +46,19 @@ def reference_tokenizer():
     return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
 
 
+@pytest.fixture(scope="module")
+def s3():
+    """A real S3 API on loopback (moto's threaded server): s3fs options that reach it."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield {"key": "test", "secret": "test",
+           "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_engine():
     """A 2-layer model of random weights with the default model's real tokenizer: the engine for

@@ -241,6 +241,11 @@ def start_serve(folder: Path, port: int, *flags: str, env: dict[str, str] | None
         [sys.executable, "-m", "floe.cli", "serve", "--port", str(port), "--snapshots", str(folder),
          "--idle-seconds", "0.5", "--context", str(CONTEXT), "--max-sessions", "4", *flags],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    return serving(proc, port)
+
+
+def serving(proc: subprocess.Popen, port: int) -> subprocess.Popen:
+    """The `floe serve` process once it answers /health (killed, with its stderr, if it never does)."""
     deadline = time.time() + 300  # a 2-core CI box loading the native engine under load: minutes
     while True:
         try:

@@ -20,23 +20,22 @@ import httpx
 import openai
 import pytest
 import s3fs
-from moto.server import ThreadedMotoServer
-from test_server import CONTEXT, MODEL_ID, TURNS, ThreadServer, ask, client, conversation, free_port
+from test_server import (
+    CONTEXT,
+    MODEL_ID,
+    TURNS,
+    ThreadServer,
+    ask,
+    client,
+    conversation,
+    free_port,
+    serving,
+)
 
 from floe.engine import Engine
 from floe.server.app import create_app
 from floe.server.sessions import snapshot_store
 from floe.snapshot import header
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield {"key": "test", "secret": "test",
-           "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
-    server.stop()
 
 
 @pytest.fixture
@@ -77,17 +76,7 @@ def serve(url: str, port: int, s3: dict, *flags: str) -> subprocess.Popen:
          "--context", str(CONTEXT), "--max-sessions", "4", *flags],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=os.environ | {"FSSPEC_S3": json.dumps(s3)})
-    deadline = time.time() + 300  # a 2-core box loading the native engine under load: minutes
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise AssertionError(f"floe serve did not start: {proc.stderr.read()}")
-        time.sleep(0.1)
+    return serving(proc, port)
 
 
 def follow_up(first_reply: str) -> list[dict]:

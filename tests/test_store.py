@@ -17,7 +17,6 @@ import pytest
 import s3fs
 import torch
 from models import VOCAB
-from moto.server import ThreadedMotoServer
 
 from floe import snapshot
 from floe.actor import Actor
@@ -31,16 +30,6 @@ PART = 5 << 20  # the smallest multipart part S3 takes
 
 
 # ---- a real S3 API on loopback ------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def s3():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield {"key": "test", "secret": "test",
-           "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
-    server.stop()
-
 
 @pytest.fixture
 def bucket(s3, request):
