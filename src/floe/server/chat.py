@@ -43,13 +43,14 @@ class Sampling(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # OpenAI clients send more than floe uses
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    # Strict: "5" or 5.0 for a count and "yes" for a flag are a client's mistake, a 400 (as OpenAI's).
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    n: int = 1
-    stream: bool = False
+    top_k: int = Field(default=0, strict=True)
+    seed: int | None = Field(default=None, strict=True)
+    n: int = Field(default=1, strict=True)
+    stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     session_id: str | None = None
@@ -57,7 +58,7 @@ class Sampling(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
     response_format: dict[str, Any] | None = None  # these four: floe.server.structured
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -121,6 +122,9 @@ def _conversation(given: list[ChatMessage]) -> list[dict]:
         if role not in ROLES:
             raise ServeError(400, f"message role {m.role[:40]!r} is not supported ({', '.join(ROLES)}, "
                                   "developer, tool)", param="messages")
+        if m.content is None and role != "assistant":  # only a reply that made tool calls may have none
+            raise ServeError(400, f"messages[{i}].content: a {role} message needs its text",
+                             param=f"messages[{i}].content")
         content = _text(i, m)
         if role == "assistant" and extra.get("tool_calls"):
             calls, names = structured.assistant_calls_text(i, extra["tool_calls"])
