@@ -301,7 +301,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      idle_seconds=args.idle_seconds, guest=args.guest, max_anonymous=args.max_anonymous,
                      batching={"auto": None, "on": True, "off": False}[args.batching],
                      kv_dtype=args.kv_dtype, persist_anonymous=args.persist_anonymous,
-                     freeze_every_turn=args.freeze_every_turn, sweep_seconds=args.sweep_seconds)
+                     freeze_every_turn=args.freeze_every_turn, sweep_seconds=args.sweep_seconds,
+                     max_waiting=args.queue, wait_seconds=args.queue_wait)
     batching = "batched decode" if core.scheduler is not None else "decode in turns"
     access = (f"{len(keys)} API key{'s' * (len(keys) > 1)}, each seeing its own sessions" if keys else
               "open: no API keys, anyone who reaches the port uses and manages every session")
@@ -658,6 +659,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-anonymous", type=int, default=64, metavar="N",
                        help="sessions made without an id kept per API key (64); beyond, the least "
                             "recently used idle one is deleted")
+    serve.add_argument("--queue", type=int, default=8, metavar="N",
+                       help="requests that wait for a KV slot while every slot runs one, first come first "
+                            "served (8); beyond, 503 with Retry-After")
+    serve.add_argument("--queue-wait", type=float, default=30.0, metavar="S",
+                       help="the most a request waits in that queue (30 s), then 503 with Retry-After")
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(handler=cmd_serve)
 

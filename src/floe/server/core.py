@@ -53,6 +53,8 @@ class Metrics:
                                 buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
         self.batch_rows = Histogram("floe_decode_batch_rows", "Sessions advanced by one batched decode "
                                     "forward", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64))
+        Gauge("floe_waiting_requests", "Requests waiting for a KV slot (every slot runs one)",
+              registry=r).set_function(lambda: store.waiting)
         turns = Gauge("floe_engine_loop_turns", "Turns in the engine loop: stepping, or arrived and "
                       "waiting for the next step", ["state"], registry=r)
         turns.labels("active").set_function(lambda: store.loop.stats()["active"] if store.loop else 0)
@@ -99,7 +101,7 @@ class ServeCore:
                  idle_seconds: float = 300.0, guest: str | None = None, batching: bool | None = None,
                  aliases: tuple[str, ...] = (), max_anonymous: int = 64, kv_dtype: str | None = None,
                  persist_anonymous: bool = False, freeze_every_turn: bool = False,
-                 sweep_seconds: float = 10.0) -> None:
+                 sweep_seconds: float = 10.0, max_waiting: int = 8, wait_seconds: float = 30.0) -> None:
         if batching and not engine.batched_decode:
             raise FloeError("decode batching needs the CUDA engine with graphs and fused kernels and "
                             "more than one slot; on the CPU, sessions take turns")
@@ -119,7 +121,8 @@ class ServeCore:
         self.store = SessionStore(engine, snapshots, idle_seconds=idle_seconds, guest=guest,
                                   scheduler=self.scheduler, loop=self.loop, max_anonymous=max_anonymous,
                                   kv_dtype=kv_dtype, persist_anonymous=persist_anonymous,
-                                  freeze_every_turn=freeze_every_turn, sweep_seconds=sweep_seconds)
+                                  freeze_every_turn=freeze_every_turn, sweep_seconds=sweep_seconds,
+                                  max_waiting=max_waiting, wait_seconds=wait_seconds)
         self.turns = StructuredTurns(self.store)
         self.metrics = Metrics(self.store)
         self.loop.on_step = self.metrics.batch_rows.observe

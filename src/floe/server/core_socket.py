@@ -103,7 +103,8 @@ class CoreServer:
         os.chmod(self.path, 0o600)
         self.sock.listen()
         # Every running chat holds a thread for its whole reply; calls (freeze, thaw) need some too.
-        self.pool = ThreadPoolExecutor(core.engine.cache.n_slots + 8, "floe-chat")
+        # Running chats, the ones waiting for a slot (SessionStore's queue) and a few being refused.
+        self.pool = ThreadPoolExecutor(core.engine.cache.n_slots + core.store.max_waiting + 8, "floe-chat")
         self.connections: list[_Connection] = []
         self._wake = threading.Event()  # text is waiting in an outbox
         self._closed = False

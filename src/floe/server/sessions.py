@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -188,9 +189,13 @@ class SessionStore:
                  on_freeze: Callable[[float], None] = lambda s: None,
                  scheduler: DecodeScheduler | None = None, loop: EngineLoop | None = None,
                  max_anonymous: int = 64, kv_dtype: str | None = None, persist_anonymous: bool = False,
-                 freeze_every_turn: bool = False, sweep_seconds: float = 10.0) -> None:
+                 freeze_every_turn: bool = False, sweep_seconds: float = 10.0, max_waiting: int = 8,
+                 wait_seconds: float = 30.0) -> None:
         if max_anonymous < 1:
             raise FloeError(f"max_anonymous must be at least 1, not {max_anonymous}")
+        if max_waiting < 0 or not wait_seconds >= 0:
+            raise FloeError(f"the wait queue needs max_waiting >= 0 and wait_seconds >= 0, not {max_waiting} "
+                            f"and {wait_seconds}")
         if not isinstance(snapshots, SnapshotStore):
             snapshots = snapshot_store(snapshots, idle_seconds=idle_seconds)
         self.engine, self.snapshots, self.idle_seconds, self.guest = engine, snapshots, idle_seconds, guest
@@ -203,6 +208,11 @@ class SessionStore:
         self.sessions: dict[str, Session] = {}  # by session_key(owner, id)
         self.lock = threading.Lock()  # guards `sessions` and slot accounting
         self._reserved = 0  # slots counted for sessions whose actor is being made
+        # Requests waiting for a KV slot while every slot runs one, first come first served: at most
+        # max_waiting, each at most wait_seconds (then a 503 with Retry-After, as when the queue is full).
+        self.max_waiting, self.wait_seconds = max_waiting, wait_seconds
+        self._waiting: deque[object] = deque()  # tickets, oldest first; guarded by lock
+        self._slot_freed = threading.Condition(self.lock)
         self._creating = threading.Lock()  # actors are made one at a time (see _ensure_live)
         self._spares: list[Actor] = []  # actors made ahead in free slots (keep_spares); guarded by lock
         self._spares_wanted = 0
@@ -457,12 +467,13 @@ class SessionStore:
         if self.engine.cache.n_slots < 2:  # its session holds the only one while the turn runs
             raise OneSlotOnly("structured output (response_format, tools) runs on an actor of its own "
                               "beside its session's: start floe serve with --max-sessions 2 or more")
-        self._reserve_slot()
+        self._reserve_slot(wait=False)  # (its own session holds a slot meanwhile: waiting could deadlock)
         try:
             yield
         finally:
             with self.lock:
                 self._reserved -= 1
+                self._slot_freed.notify_all()
 
     def _restart_guest(self, session: Session, forget_empty: bool = True) -> None:
         """Give the (locked) session a new actor in a KV slot that holds exactly its conversation
@@ -520,6 +531,8 @@ class SessionStore:
     def release(self, session: Session) -> None:
         session.last_used = time.monotonic()
         session.lock.release()
+        with self.lock:  # an idle session's slot can be taken now (frozen for a waiting request)
+            self._slot_freed.notify_all()
 
     def _lease(self, session: Session) -> None:
         """This server's lease on a persisted session before it makes its actor (SessionLeased if
@@ -599,24 +612,63 @@ class SessionStore:
         with self.lock:
             self.sessions.pop(session.key, None)
 
-    def _reserve_slot(self) -> None:
+    def _reserve_slot(self, wait: bool = True) -> None:
         """Count a KV slot for a session about to go live (its actor claims it next), freezing the
         least recently used idle live session if every slot is taken. Counted under the store's lock,
-        so concurrent arrivals cannot both take the last slot."""
-        while True:
-            with self.lock:
-                live = [s for s in self.sessions.values() if s.live]
-                if len(live) + self._reserved + len(self._spares) < self.engine.cache.n_slots:
-                    self._reserved += 1
-                    return
-                if self._spares:  # its slot is needed (a thaw): it goes, and is made again when idle
-                    spare = self._spares.pop()
-                    self._reserved += 1  # counted as ours in the same breath: nobody takes it between
-                    break
-                idle = sorted((s for s in live if not s.lock.locked()), key=lambda s: s.last_used)
-            if not any(self._freeze_if_idle(victim) for victim in idle):
-                raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots are busy with running requests")
+        so concurrent arrivals cannot both take the last slot. While every slot runs a request, wait
+        (`wait`) in the queue, first come first served, for at most wait_seconds; NoFreeSlot (a 503
+        with Retry-After) when the queue is full or the wait ends."""
+        ticket, deadline = None, 0.0
+        try:
+            while True:
+                with self.lock:
+                    if ticket is None and self._waiting and wait:  # others wait already: behind them
+                        ticket, deadline = self._enqueue()
+                    if ticket is None or self._waiting[0] is ticket:
+                        live = [s for s in self.sessions.values() if s.live]
+                        if len(live) + self._reserved + len(self._spares) < self.engine.cache.n_slots:
+                            self._reserved += 1
+                            return
+                        if self._spares:  # its slot is needed (a thaw): it goes, and is made again when idle
+                            spare = self._spares.pop()
+                            self._reserved += 1  # counted as ours in the same breath: nobody takes it between
+                            break
+                        idle = sorted((s for s in live if not s.lock.locked()), key=lambda s: s.last_used)
+                    else:
+                        idle = []
+                if any(self._freeze_if_idle(victim) for victim in idle):
+                    continue
+                with self.lock:
+                    if not wait:
+                        raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots are busy with running "
+                                         "requests")
+                    if ticket is None:
+                        ticket, deadline = self._enqueue()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots stayed busy with running "
+                                         f"requests for the {self.wait_seconds:g} s this one may wait")
+                    self._slot_freed.wait(min(left, 0.25))  # (woken when a request ends; else it looks again)
+        finally:
+            if ticket is not None:
+                with self.lock:
+                    self._waiting.remove(ticket)
+                    self._slot_freed.notify_all()  # the next in line may go now
         spare.close()  # frees the slot just counted as this caller's
+
+    def _enqueue(self) -> tuple[object, float]:
+        """A place at the end of the wait queue (caller holds the lock), or NoFreeSlot if it is full."""
+        if len(self._waiting) >= self.max_waiting:
+            raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots are busy with running requests and "
+                             f"{len(self._waiting)} more wait for one (the most that may)")
+        ticket = object()
+        self._waiting.append(ticket)
+        return ticket, time.monotonic() + self.wait_seconds
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a KV slot now."""
+        return len(self._waiting)
 
     def _freeze_if_idle(self, victim: Session) -> bool:
         if not victim.lock.acquire(blocking=False):
