@@ -18,6 +18,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from floe.cluster.serve import create_cluster_app, start_replicas  # noqa: E402
+from floe.wasm import trap_handlers_kept  # noqa: E402
 
 
 @contextmanager
@@ -26,7 +27,8 @@ def ray_front(folder):
     endpoint in front, in this process."""
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     workers = [c.add_node(num_cpus=1) for _ in range(2)]
-    ray.init(address=c.address, logging_level="ERROR")
+    with trap_handlers_kept():  # (Ray's crash handlers would make a guest's trap kill pytest)
+        ray.init(address=c.address, logging_level="ERROR")
     try:
         replicas = start_replicas(3, str(folder), context=CONTEXT, slots=4, threads=1, lease_s=5.0,
                                   idle_seconds=3600, freeze_every_turn=True)
@@ -37,8 +39,9 @@ def ray_front(folder):
         finally:
             front.stop()
     finally:
-        ray.shutdown()
-        c.shutdown()
+        with trap_handlers_kept():
+            ray.shutdown()
+            c.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +141,39 @@ def killed_mid_conversation(cluster, reference: list[str], sids: list[str]) -> N
     assert "floe_cluster_failovers_total" in httpx.get(f"{cluster.url}/metrics").text
 
 
+
+
+TRAP_AFTER_RAY = """
+import wasmtime
+from ray.cluster_utils import Cluster
+import ray
+from floe.wasm import trap_handlers_kept
+engine = wasmtime.Engine()
+store = wasmtime.Store(engine)
+module = wasmtime.Module(engine, '(module (func (export "f") unreachable))')
+f = wasmtime.Instance(store, module, []).exports(store)["f"]
+c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+with trap_handlers_kept():
+    ray.init(address=c.address, logging_level="ERROR")
+for stage in ("while ray runs", "after ray.shutdown"):
+    try:
+        f(store)
+    except wasmtime.Trap:
+        print("a trap is an error", stage, flush=True)
+    if stage == "while ray runs":
+        with trap_handlers_kept():
+            ray.shutdown()
+            c.shutdown()
+"""
+
+
+def test_a_guests_trap_stays_an_error_in_a_ray_driver():
+    """Ray installs crash handlers of its own at ray.init (and resets them at shutdown): kept around
+    both, wasmtime's handlers still turn a guest's trap into an error instead of killing the process."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TRAP_AFTER_RAY], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["a trap is an error while ray runs",
+                                          "a trap is an error after ray.shutdown"]

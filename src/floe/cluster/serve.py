@@ -78,12 +78,15 @@ def serve_cluster(address: str | None, n: int, snapshots: str, *, host: str, por
     import uvicorn
 
     from floe.server.deadlines import uvicorn_config
+    from floe.wasm import trap_handlers_kept
 
-    ray.init(address=address, logging_level=logging.WARNING)
+    with trap_handlers_kept():  # Ray's crash handlers would make a guest's trap kill this process
+        ray.init(address=address, logging_level=logging.WARNING)
     try:
         replicas = start_replicas(n, snapshots, **options)
         app = create_cluster_app(replicas, keys=keys, cors_origins=cors_origins)
         uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
     finally:
-        ray.shutdown()
+        with trap_handlers_kept():
+            ray.shutdown()
     return 0

@@ -1,5 +1,6 @@
 """Wasmtime set-up: guest linear memory backed by floe Regions, raw host functions, limits, traps."""
 
+from floe.wasm.raw import trap_handlers_kept
 from floe.wasm.runtime import (
     GuestBudgetExceeded,
     GuestCancelled,
@@ -44,4 +45,5 @@ __all__ = [
     "guest_calls_running",
     "start_guest_thread",
     "stop_all_guests",
+    "trap_handlers_kept",
 ]

@@ -439,3 +439,28 @@ def thread_stack_bytes() -> int | None:
         _pthread.pthread_get_stacksize_np.restype = ctypes.c_size_t
         return int(_pthread.pthread_get_stacksize_np(ctypes.c_void_p(_pthread.pthread_self())))
     return None
+
+
+# Wasmtime turns a guest's trap (an out-of-bounds access, `unreachable`, a division by zero) into an
+# error through its own handlers of these signals; a library that installs crash handlers of its own
+# afterwards (Ray's core worker does at ray.init, and resets them to the default at ray.shutdown)
+# makes the next trap kill the process instead.
+TRAP_SIGNALS = (4, 7, 8, 11)  # SIGILL, SIGBUS, SIGFPE, SIGSEGV (Linux)
+_SIGACTION_BYTES = 256  # more than any libc's struct sigaction: copied whole, never interpreted
+
+
+@contextmanager
+def trap_handlers_kept() -> Iterator[None]:
+    """Run the block (e.g. ray.init, ray.shutdown), then put back the handlers of TRAP_SIGNALS it
+    found, so guests' traps stay errors."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    saved = {}
+    for sig in TRAP_SIGNALS:
+        buf = ctypes.create_string_buffer(_SIGACTION_BYTES)
+        if libc.sigaction(sig, None, buf) == 0:
+            saved[sig] = buf
+    try:
+        yield
+    finally:
+        for sig, buf in saved.items():
+            libc.sigaction(sig, buf, None)
