@@ -531,13 +531,16 @@ def test_one_model_by_its_id(server):
 
 
 def test_a_full_server_answers_a_stream_with_503_and_forgets_the_new_session(default_checkpoint, tmp_path):
-    """Every KV slot busy: a new session's streamed request gets HTTP 503 with Retry-After before any
-    stream starts (not a 200 carrying an error), and the session it would have made is not listed."""
+    """Every KV slot busy past the wait queue's wait: a new session's streamed request gets HTTP 503
+    with Retry-After before any stream starts (not a 200 carrying an error), and the session it would
+    have made is not listed."""
     from guests_wat import v2_guest
 
     engine = Engine(default_checkpoint, max_seq_len=256, n_slots=1)
-    # A guest that never stops by itself: its request holds the one slot until max_tokens.
-    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, guest=v2_guest(after=10**6)))
+    # A guest that never stops by itself: its request holds the one slot until max_tokens, far longer
+    # than the 0.3 s a request may wait for it.
+    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, guest=v2_guest(after=10**6),
+                                wait_seconds=0.3))
     try:
         body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 150,
                 "temperature": 0, "session_id": "holder"}
