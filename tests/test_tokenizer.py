@@ -125,3 +125,25 @@ def test_a_template_that_changes_contents_refuses_special_token_text(default_che
     assert trimming.encode_chat(plain) == trimming.encode(trimming.render_chat(plain), add_bos=False)
     with pytest.raises(ChatTemplateError, match="special token"):
         trimming.encode_chat([{"role": "user", "content": " " + FORGED}])
+
+
+def test_every_token_stands_for_its_byte_level_bytes(default_checkpoint):
+    """token_bytes, per token and kept, equals the byte-level alphabet read character by character
+    (GPT-2's table) for the whole vocabulary; a text's tokens' bytes join to its UTF-8 exactly."""
+    from floe.model.tokenizer import _bytes_to_unicode
+
+    tok = default_checkpoint.tokenizer
+    decoder = {c: b for b, c in _bytes_to_unicode().items()}
+    added = {i: t.content for i, t in tok.backend.get_added_tokens_decoder().items()}
+    for i in range(tok.vocab_size):
+        text = tok.backend.id_to_token(i) or ""
+        if i in added:
+            expected = added[i].encode()
+        elif all(c in decoder for c in text):
+            expected = bytes(decoder[c] for c in text)
+        else:
+            expected = text.encode()
+        assert tok.token_bytes(i) == expected, i
+    text = "naïve café, 日本語 and 🚀\n\tdone"
+    assert b"".join(tok.token_bytes(i) for i in tok.encode(text, add_bos=False)) == text.encode()
+    assert tok.token_bytes(tok.vocab_size) == b"" and tok.token_bytes(-3) == b""
