@@ -2,7 +2,10 @@
 the same engine, prompt and reply length, no grammar), and the one-time costs (the vocabulary read
 once per actor, each schema's compile and first masks).
 
-    python bench/grammar.py [--repeats 3] [--threads 2]
+    python bench/grammar.py [--repeats 3] [--threads 2] [--validity 100]
+
+--validity N: also draws N sampled replies (temperature 1, top-p 0.95) to each schema's prompt and counts
+those that do not validate (the tests draw 8; this is the full count, ~20 minutes on 2 cores).
 
 Prints a table; writes bench/results/grammar_cpu.json. Figures are medians over repeats, the two guests
 run alternately so that a change in the machine's load hits both.
@@ -21,11 +24,11 @@ import torch
 
 from floe.actor import Actor, grammar_actor, send_json
 from floe.actor.grammar import instructed
-from floe.engine import Engine
+from floe.engine import Engine, SamplingParams
 from floe.model import load_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from test_grammar import PROMPTS, SCHEMAS  # noqa: E402  (the tests' five schemas)
+from test_grammar import PROMPTS, SCHEMAS, replies, valid  # noqa: E402  (the tests' five schemas)
 
 OUT = Path(__file__).parent / "results" / "grammar_cpu.json"
 
@@ -88,6 +91,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--validity", type=int, default=0, metavar="N",
+                    help="sampled replies per schema to validate (0: none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine(load_checkpoint(), max_seq_len=2048, weights="native", n_slots=2)
@@ -107,6 +112,14 @@ def main() -> None:
               f"{r['guest_ms_per_token']['grammar']:>6.3f}/{r['guest_ms_per_token']['chat']:<6.3f} "
               f"{r['first_reply_s']:>12.3f} {r['warm_reply_s']:>7.3f} "
               f"{r['first_reply_mask_walks']:>7}/{r['warm_reply_mask_walks']:<7}")
+    if args.validity:
+        result["validity"] = {}
+        for name, schema in SCHEMAS.items():
+            values = replies(engine, name, args.validity, SamplingParams(temperature=1.0, top_p=0.95),
+                             seed=100)
+            invalid = [v for v in values if not valid(v, schema)]
+            result["validity"][name] = {"replies": len(values), "invalid": len(invalid)}
+            print(f"{name:16} {len(values)} sampled replies, {len(invalid)} invalid", flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {OUT}")
