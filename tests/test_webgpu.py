@@ -1,6 +1,8 @@
 """The WebGPU backend (floe.engine.webgpu, `Engine(checkpoint, device="webgpu")`): WGSL kernels that
-compute what the CPU's float32 forward computes, an engine whose greedy replies are the CPU's, KV
-snapshots that cross between the two, and a ledger that shows each logits readback and its bytes.
+compute what the CPU's float32 forward computes, in both GEMV layouts (a thread a row, as a CPU
+adapter runs; lanes splitting rows, as a GPU's is: forced here) and with f16 weights, an engine whose
+greedy replies are the CPU's, KV snapshots that cross between the two, and a ledger that shows each
+logits readback and its bytes.
 
 Runs wherever wgpu finds an adapter (CI: Mesa's lavapipe, a Vulkan driver on the CPU); skipped,
 saying why, where none answers."""
@@ -23,6 +25,7 @@ from floe.engine import Engine  # noqa: E402
 from floe.engine.kvcache import KVDigestMismatch  # noqa: E402
 from floe.engine.webgpu.decoder import CHUNK, input_bytes, planned_dispatches  # noqa: E402
 from floe.engine.webgpu.device import gpu  # noqa: E402
+from floe.errors import FloeError  # noqa: E402
 from floe.model.config import KNOWN_SHAPES, ModelConfig  # noqa: E402
 from floe.model.synthetic import random_checkpoint  # noqa: E402
 
@@ -38,10 +41,19 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 
 
 def tiny(name: str, tokenizer, **engine) -> tuple[Engine, Engine]:
-    """(WebGPU engine, CPU float32 module-forward engine) on one random model."""
-    checkpoint = random_checkpoint(CONFIGS[name], tokenizer, dtype=torch.float32, scale=0.1)
+    """(WebGPU engine, CPU float32 module-forward engine) on one random model (f16 weights: its
+    weights are f16 values, which the CPU runs in float32)."""
+    dtype = torch.float16 if engine.get("weights") == "f16" else torch.float32
+    checkpoint = random_checkpoint(CONFIGS[name], tokenizer, dtype=dtype, scale=0.1)
     return (Engine(checkpoint, device="webgpu", max_seq_len=256, **engine),
             Engine(checkpoint, max_seq_len=256, fused_kernels=False))
+
+
+@pytest.fixture(params=["threads", "lanes"])
+def layout(request, monkeypatch):
+    """Each GEMV layout in turn (the adapter's own choice is Gpu.gemv_layout)."""
+    monkeypatch.setattr(gpu(), "gemv_layout", request.param)
+    return request.param
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -51,8 +63,9 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_prefill_and_decode_logits_equal_the_cpu_float32_forward(default_checkpoint, name, fused):
+def test_prefill_and_decode_logits_equal_the_cpu_float32_forward(default_checkpoint, name, fused, layout):
     webgpu, cpu = tiny(name, default_checkpoint.tokenizer, fused_kernels=fused)
+    assert webgpu._batch_decoder().deep == fused  # one band a matrix here: three dispatches a layer
     prompt = [(7 * i + 3) % 500 for i in range(CHUNK * 2 + 9)]  # three chunks of a prompt
     assert close(webgpu.prefill(prompt, all_logits=True), cpu.prefill(prompt, all_logits=True))
     for token in (11, 400, 2):
@@ -61,7 +74,36 @@ def test_prefill_and_decode_logits_equal_the_cpu_float32_forward(default_checkpo
     assert close(webgpu.prefill(more), cpu.prefill(more))
 
 
-def test_a_decode_row_beside_others_is_bitwise_that_row_alone(default_checkpoint):
+@pytest.mark.parametrize("name", ["llama-tied", "wide-heads"])
+def test_f16_weights_compute_what_the_cpu_float32_forward_does_on_those_weights(default_checkpoint, name,
+                                                                                  layout):
+    webgpu, cpu = tiny(name, default_checkpoint.tokenizer, weights="f16")
+    full, _ = tiny(name, default_checkpoint.tokenizer)
+    assert webgpu._batch_decoder().weight_bytes < 0.6 * full._batch_decoder().weight_bytes
+    prompt = [(5 * i + 1) % 500 for i in range(CHUNK + 7)]
+    assert close(webgpu.prefill(prompt), cpu.prefill(prompt))
+    for token in (3, 77, 9):
+        assert close(webgpu.decode_step(token), cpu.decode_step(token))
+
+
+def test_f16_weights_are_webgpu_storage_only(default_checkpoint):
+    with pytest.raises(FloeError, match="webgpu"):
+        Engine(default_checkpoint, weights="f16")
+
+
+def test_the_adapter_chooses_the_gemv_layout_and_the_environment_overrides_it(monkeypatch):
+    from floe.engine.webgpu.device import gemv_layout
+
+    monkeypatch.delenv("FLOE_WEBGPU_GEMV", raising=False)
+    assert gemv_layout("CPU") == "threads" and gemv_layout("DiscreteGPU") == "lanes"
+    monkeypatch.setenv("FLOE_WEBGPU_GEMV", "lanes")
+    assert gemv_layout("CPU") == "lanes"
+    monkeypatch.setenv("FLOE_WEBGPU_GEMV", "warps")
+    with pytest.raises(FloeError, match="threads, lanes"):
+        gemv_layout("CPU")
+
+
+def test_a_decode_row_beside_others_is_bitwise_that_row_alone(default_checkpoint, layout):
     webgpu, _ = tiny("llama-tied", default_checkpoint.tokenizer, n_slots=3)
     slots = [webgpu.claim_slot() for _ in range(3)]
     for i, slot in enumerate(slots):
@@ -84,19 +126,33 @@ def test_prompts_launched_together_prefill_on_webgpu_as_each_alone(default_check
 
 
 def test_projections_split_into_bands_compute_what_one_band_does(default_checkpoint, monkeypatch):
-    whole, _ = tiny("qwen2-bias", default_checkpoint.tokenizer)
+    whole, _ = tiny("qwen2-bias", default_checkpoint.tokenizer, fused_kernels=False)
     monkeypatch.setattr(gpu(), "max_binding", 64 << 10)  # the head (256 KiB) in 4 bands, gate/up in 2
-    banded, _ = tiny("qwen2-bias", default_checkpoint.tokenizer)
+    banded, _ = tiny("qwen2-bias", default_checkpoint.tokenizer, fused_kernels=False)
     prompt = list(range(40, 90))
     assert torch.equal(banded.prefill(prompt), whole.prefill(prompt))
     assert torch.equal(banded.decode_step(9), whole.decode_step(9))
     plan = banded._batch_decoder().decode_plan
-    assert len(plan.head) == 4 and len(plan.embed) == 4
-    assert banded._batch_decoder().dispatches_per_step() == planned_dispatches(banded.config, 64 << 10)
+    assert len(plan.head) == 5 and len(plan.embed) == 4  # the head's norm, then its 4 bands
+    assert banded._batch_decoder().dispatches_per_step() == planned_dispatches(banded.config, 64 << 10, False)
+
+
+@pytest.mark.parametrize("binding", [64 << 10, 128 << 10], ids=["gate-up-banded", "head-banded"])
+def test_a_fused_step_with_banded_matrices_equals_the_cpu_and_is_the_planned_dispatches(
+        default_checkpoint, monkeypatch, binding):
+    monkeypatch.setattr(gpu(), "max_binding", binding)  # 64 KiB: gate/up in 2 bands (five a layer);
+    webgpu, cpu = tiny("qwen2-bias", default_checkpoint.tokenizer)  # 128: the head in 2, layers whole
+    decoder = webgpu._batch_decoder()
+    assert decoder.deep == (binding > 64 << 10)
+    prompt = list(range(40, 90))
+    assert close(webgpu.prefill(prompt), cpu.prefill(prompt))
+    assert close(webgpu.decode_step(9), cpu.decode_step(9))
+    planned = planned_dispatches(webgpu.config, binding)
+    assert decoder.last_dispatches == decoder.dispatches_per_step() == planned
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_a_decode_token_is_the_planned_dispatches_five_a_layer_fused_nine_unfused(default_checkpoint, name):
+def test_a_decode_token_is_the_planned_dispatches_three_a_layer_fused_nine_unfused(default_checkpoint, name):
     counts = {}
     for fused in (True, False):
         engine, _ = tiny(name, default_checkpoint.tokenizer, fused_kernels=fused)
@@ -106,9 +162,20 @@ def test_a_decode_token_is_the_planned_dispatches_five_a_layer_fused_nine_unfuse
         counts[fused] = decoder.last_dispatches
         assert counts[fused] == decoder.dispatches_per_step() == planned_dispatches(
             engine.config, gpu().max_binding, fused)
-    assert counts[False] - counts[True] == 4 * CONFIGS[name].n_layers + 1
+    assert counts[True] == 2 + 3 * CONFIGS[name].n_layers
+    assert counts[False] - counts[True] == 6 * CONFIGS[name].n_layers + 1
+
+
+def test_the_1b_shape_decodes_in_at_most_60_dispatches_where_its_layer_matrices_fit_a_binding():
+    one_band, lavapipe = 1 << 31, 128 << 20
+    llama = KNOWN_SHAPES["llama-3.2-1b"]
+    assert planned_dispatches(llama, one_band) == 2 + 3 * 16 == 50
+    assert planned_dispatches(llama, lavapipe, weights="f16") == 4 + 3 * 16 + 4 == 56  # the head in 4 bands
+    assert planned_dispatches(llama, lavapipe) == 8 + 3 * 16 + 8 == 64  # f32: in 8
+    assert planned_dispatches(llama, one_band, fused=False) == 2 + 9 * 16 + 1  # the head's norm apart
+    assert planned_dispatches(llama, one_band, storage_buffers=8) == 2 + 5 * 16  # no room for attend_out
     smollm2 = KNOWN_SHAPES["smollm2-135m"]
-    assert planned_dispatches(smollm2, 1 << 31, True) == 2 + 5 * smollm2.n_layers
+    assert planned_dispatches(smollm2, one_band) == 2 + 3 * smollm2.n_layers
 
 
 def test_the_kv_cache_reads_back_and_loads_exactly_and_a_bad_digest_leaves_the_slot_empty(default_checkpoint):

@@ -13,10 +13,12 @@ from floe.errors import FloeError
 
 DEFAULT_PROMPT_HELP = "the user's message (the model's chat template wraps it)"
 # --weights: (activation and KV cache dtype, Engine weights kind)
-WEIGHTS = {"native": ("float32", "native"), "bf16": ("bfloat16", "dense"), "fp32": ("float32", "dense")}
+WEIGHTS = {"native": ("float32", "native"), "bf16": ("bfloat16", "dense"), "fp32": ("float32", "dense"),
+           "f16": ("float32", "f16")}
 THREADS_HELP = "CPU threads for the model (default: the cores idle when floe starts)"
 WEIGHTS_HELP = ("native: a quantized GGUF's 4-bit/8-bit weights as the file stores them (CPU; the "
-                "default there); bf16 or fp32: dequantized (bf16 is the default on cuda)")
+                "default there); bf16 or fp32: dequantized (bf16 is the default on cuda); f16: "
+                "float16 matrices on webgpu (fp32 is its default)")
 
 
 def _load_with_progress(model: str | None, dtype: str, quiet: bool):

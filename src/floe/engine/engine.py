@@ -121,10 +121,13 @@ class Engine:
         self.dtype = parse_dtype(dtype)
         self.max_seq_len = min(max_seq_len or self.config.context_length, self.config.context_length)
         self.weights, self.prefill_copy = weights, prefill_copy
-        if webgpu and (self.dtype != torch.float32 or weights != "dense"):
-            raise FloeError("device 'webgpu' runs float32 dense weights (--weights fp32)")
-        loaded = load_model(checkpoint, self.max_seq_len, self.device, self.dtype, weights, native_kernel,
-                            prefill_copy)
+        if webgpu and (self.dtype != torch.float32 or weights not in ("dense", "f16")):
+            raise FloeError("device 'webgpu' runs float32 or float16 dense weights (--weights fp32 or f16)")
+        if weights == "f16" and not webgpu:
+            raise FloeError("--weights f16 is WebGPU's storage (--device webgpu); on cuda choose bf16")
+        # WebGPU: the host model is float32; the decoder stores its matrices as f16 where asked.
+        loaded = load_model(checkpoint, self.max_seq_len, self.device, self.dtype,
+                            "dense" if webgpu else weights, native_kernel, prefill_copy)
         self.model, self.native_kernel, self.packed = loaded.model, loaded.native_kernel, loaded.packed
         if webgpu:
             from floe.engine.webgpu import webgpu_cache
@@ -713,7 +716,8 @@ class Engine:
             if self.backend == "webgpu":
                 from floe.engine.webgpu.decoder import WebGPUDecoder
 
-                self._batch = WebGPUDecoder(self.model, self.cache, fused=self.fused_kernels)
+                self._batch = WebGPUDecoder(self.model, self.cache, fused=self.fused_kernels,
+                                            weights="f16" if self.weights == "f16" else "f32")
             elif self.device.type == "cpu":
                 from floe.engine.cpu_decode import CpuDecoder
 

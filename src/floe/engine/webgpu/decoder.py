@@ -7,16 +7,25 @@ variants, bind group, workgroup counts), so a step only records them. The hot pa
 queue.write_buffer of the rows' (token, position, slot), one command encoder with one compute pass
 holding every dispatch, one submit, and the logits read back through a mapped buffer.
 
-Fused (the default) a layer is five dispatches: the QKV projection with the attention norm inside
-it, attention with rotary and the KV write inside it, the output projection adding into the
-residual, the gate/up projection with the MLP norm inside it, and the down projection with SwiGLU
-inside it adding into the residual. Unfused, norm, rotary + KV write and SwiGLU are dispatches of
-their own (nine per layer): the ablation the dispatch-overhead study ran (arXiv 2604.02344).
-A prompt's rows attend to each other, so its keys are written (rope_kv) before any row attends.
+Fused (the default), a decode layer is three dispatches where each of its matrices fits one binding
+(the deep plan): the QKV projection with the attention norm inside it; attention with rotary, the KV
+write and the output projection inside it (attend_out.wgsl: a partial sum per KV head, not yet added
+to the residual); and the whole MLP (mlp.wgsl: the partials added, the norm, gate/up, SwiGLU and the
+down projection's columns, summed in fixed point so the order workgroups add in changes nothing).
+The residual is thus deferred: the next projection reads it as base + fixed-point sums (gemv.wgsl
+MODE 3) and writes it whole. Where a matrix needs bands, a layer is five dispatches: QKV, attention,
+the output projection adding into the residual, gate/up, the down projection with SwiGLU inside it.
+Unfused, norm, rotary + KV write and SwiGLU are dispatches of their own (nine per layer): the
+ablation the dispatch-overhead study ran (arXiv 2604.02344). A prompt's rows attend to each other,
+so its keys are written (rope_kv) before any row attends; prefill keeps the five-a-layer plan.
+
+Weights are stored as f32 or f16 (`weights`, WEIGHT_FORMATS); the GEMVs are laid out for the adapter
+(Gpu.gemv_layout: a thread a row on a CPU adapter, lanes splitting each row on a GPU).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +33,7 @@ import torch
 from torch import Tensor
 
 from floe.engine.transformer import Transformer
-from floe.engine.webgpu.device import Gpu
+from floe.engine.webgpu.device import WEIGHT_FORMATS, Gpu
 from floe.engine.webgpu.kvcache import WebGPUKVCache
 from floe.model.config import ModelConfig
 
@@ -34,6 +43,13 @@ KT = 1024  # input elements a GEMV workgroup stages at once
 MANY = 4  # rows a GEMV thread computes when a step has several (one alone: 1)
 CHUNK = 64  # prompt rows per submit
 GEMM_ROWS, GEMM_COLUMNS = 8, 32  # a prompt GEMM workgroup's rows (its lanes) and columns per thread
+LANES = (128, 4)  # the lanes layout's GEMV: lanes per workgroup, output rows per workgroup
+# The deep plan's fused dispatches per layout: attend_out (lanes, output rows a tile, lanes a row of
+# Wo) and mlp (lanes, MLP columns a tile, lanes a row of W13). A CPU adapter runs one tile of Wo and
+# wide MLP tiles (fewer fixed-point additions); a GPU wants many workgroups and coalesced rows.
+# FLOE_WEBGPU_ATTEND=64x256x4 and FLOE_WEBGPU_MLP=256x32x32 override the lanes layout's (bench/probes).
+DEEP = {"threads": {"attend": (64, 1 << 30, 1), "mlp": (64, 128, 1)},
+        "lanes": {"attend": (64, 256, 4), "mlp": (256, 32, 32)}}
 
 
 @dataclass
@@ -46,17 +62,19 @@ class Matrix:
     bands: list[tuple[int, int, object]]
 
 
-def upload_matrix(gpu: Gpu, weight: Tensor, label: str) -> Matrix:
-    """weight [n, k] (float32, contiguous) into GPU buffers, one band per binding's worth of rows."""
+def upload_matrix(gpu: Gpu, weight: Tensor, label: str, weights: str = "f32") -> Matrix:
+    """weight [n, k] into GPU buffers stored as `weights` (f32, f16), one band per binding's worth of
+    rows."""
     n, k = weight.shape
     if k % 16:  # the shader reads a row 16 weights (a mat4x4) at a time
         raise ValueError(f"{label}: WebGPU projections need an input width divisible by 16, got {k}")
-    per_band = -(-n // _bands(n, k, gpu.max_binding))
+    per_band = -(-n // _bands(n, k, gpu.max_binding, weights))
     per_band = -(-per_band // WG) * WG
+    dtype = torch.float16 if weights == "f16" else torch.float32
     bands = []
     for start in range(0, n, per_band):
         rows = min(per_band, n - start)
-        data = weight[start:start + rows].contiguous().numpy()
+        data = weight[start:start + rows].to(dtype).contiguous().numpy()
         bands.append((start, rows, gpu.buffer(data.nbytes, data=data, label=f"{label}[{start}:]")))
     return Matrix(k, n, bands)
 
@@ -92,21 +110,30 @@ class Plan:
 
 
 class WebGPUDecoder:
-    """Decode and prefill steps of `model` (float32 weights, read once into GPU buffers) over the
-    slots of `cache`; one thread at a time (the engine's step lock)."""
+    """Decode and prefill steps of `model` (its weights read once into GPU buffers, stored as `weights`:
+    f32 or f16) over the slots of `cache`; one thread at a time (the engine's step lock)."""
 
-    def __init__(self, model: Transformer, cache: WebGPUKVCache, fused: bool = True) -> None:
+    def __init__(self, model: Transformer, cache: WebGPUKVCache, fused: bool = True,
+                 weights: str = "f32") -> None:
         c = model.config
-        self.config, self.cache, self.gpu, self.fused = c, cache, cache.gpu, fused
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"WebGPU weights {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+        self.config, self.cache, self.gpu, self.fused, self.weights = c, cache, cache.gpu, fused, weights
         gpu = self.gpu
-        if c.head_dim % 2 or c.n_heads % c.n_kv_heads:
-            raise ValueError("WebGPU attention needs an even head_dim and whole query groups")
+        if c.head_dim % 4 or c.n_heads % c.n_kv_heads:
+            raise ValueError("WebGPU attention needs a head_dim divisible by 4 and whole query groups")
+        self.layout = gpu.gemv_layout
         self.rows = max(cache.n_slots, CHUNK)  # the most rows one submit carries
         r, qkv_n, q_n = self.rows, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.n_heads * c.head_dim
         self.x, self.h = gpu.buffer(4 * r * c.dim, label="x"), gpu.buffer(4 * r * c.dim, label="h")
         self.qkv, self.q = gpu.buffer(4 * r * qkv_n, label="qkv"), gpu.buffer(4 * r * q_n, label="q")
         self.att = gpu.buffer(4 * r * q_n, label="att")
         self.gate_up, self.act = gpu.buffer(8 * r * c.ffn_dim, label="gate_up"), gpu.buffer(4 * r * c.ffn_dim)
+        self.deep = fused and deep_fused(c, gpu.max_binding, weights, self.layout, gpu.max_storage_buffers,
+                                         gpu.device.limits["max-compute-workgroup-storage-size"])
+        if self.deep:  # the deferred residual: the output projection's partials, the MLP's sums
+            self.partials = gpu.buffer(4 * c.n_kv_heads * r * c.dim, label="partials")
+            self.sums = gpu.buffer(8 * r * c.dim, label="fixed-point sums")
         self.step_words = np.zeros(4 + 4 * r, dtype=np.uint32)  # header, then (token, position, slot, 0)
         self.rows_buffer = gpu.buffer(self.step_words.nbytes, label="step")
         self.logits_bytes = 4 * r * c.vocab_size
@@ -126,21 +153,32 @@ class WebGPUDecoder:
         return self.gpu.buffer(t.numel() * 4, data=t.detach().float().contiguous().numpy(), label=label)
 
     def _matrix(self, t: Tensor, label: str) -> Matrix:
-        self.weight_bytes += t.numel() * 4
-        return upload_matrix(self.gpu, t.detach().float(), label)
+        self.weight_bytes += t.numel() * WEIGHT_FORMATS[self.weights][0]
+        return upload_matrix(self.gpu, t.detach().float(), label, self.weights)
+
+    def _pipeline(self, shader: str, const: dict):
+        return self.gpu.pipeline(shader, const, self.weights)
 
     def _gemv(self, m: Matrix, inp, out, out_n: int, mode: int = 0, epi: int = 0, head: bool = False,
-              norm=None, bias=None, in_stride: int | None = None) -> list[Op]:
-        """The dispatches of out (=, +=) project(inp) with `m`, one per column band."""
+              norm=None, bias=None, in_stride: int | None = None, res=None) -> list[Op]:
+        """The dispatches of out (=, +=) project(inp) with `m`, one per column band; mode 3 reads the
+        deferred residual inp + self.sums (and writes it whole into `res` where given)."""
         gpu, ops = self.gpu, []
-        wg = GEMV_WG_WIDE if m.n >= 8 * GEMV_WG_WIDE else WG
-        const = {"WG": wg, "KT": KT, "MODE": mode, "EPI": epi, "HEAD": int(head),
+        const = {"MODE": mode, "EPI": epi, "HEAD": int(head), "RES": int(res is not None),
                  "EPS": float(self.config.norm_eps)}
-        pipelines = {tb: gpu.pipeline("gemv", {**const, "TB": tb}) for tb in (1, MANY)}
+        if self.layout == "lanes":
+            shader, (lanes, per_group) = "gemv_lanes", lanes_shape()
+            const |= {"WG": lanes, "R": per_group}
+        else:
+            shader = "gemv"
+            per_group = GEMV_WG_WIDE if m.n >= 8 * GEMV_WG_WIDE else WG
+            const |= {"WG": per_group, "KT": KT}
+        pipelines = {tb: self._pipeline(shader, {**const, "TB": tb}) for tb in (1, MANY)}
+        sums = self.sums if mode == 3 else None
         for start, rows, weight in m.bands:
             params = gpu.uniform([m.k, rows, out_n, start, in_stride or m.k])
-            group = gpu.bind("gemv", [self.rows_buffer, params, inp, weight, out, norm, bias])
-            ops.append(Op("gemv", pipelines, group, -(-rows // wg), "head" if head else "tiles"))
+            group = gpu.bind("gemv", [self.rows_buffer, params, inp, weight, out, norm, bias, sums, res])
+            ops.append(Op("gemv", pipelines, group, -(-rows // per_group), "head" if head else "tiles"))
         return ops
 
     def _gemm(self, m: Matrix, inp, out, out_n: int, mode: int = 0, epi: int = 0, norm=None,
@@ -149,7 +187,7 @@ class WebGPUDecoder:
         gpu, ops = self.gpu, []
         const = {"ROWS": GEMM_ROWS, "NB": GEMM_COLUMNS, "MODE": mode, "EPI": epi,
                  "EPS": float(self.config.norm_eps)}
-        pipeline = gpu.pipeline("gemm", const)
+        pipeline = self._pipeline("gemm", const)
         for start, rows, weight in m.bands:
             params = gpu.uniform([m.k, rows, out_n, start, m.k])
             group = gpu.bind("gemv", [self.rows_buffer, params, inp, weight, out, norm, bias])
@@ -157,25 +195,57 @@ class WebGPUDecoder:
         return ops
 
     def _one(self, kind: str, shader: str, const: dict, buffers: list, x: int) -> Op:
-        pipeline = self.gpu.pipeline(shader, const)
+        pipeline = self._pipeline(shader, const)
         return Op(kind, {1: pipeline, MANY: pipeline}, self.gpu.bind(shader, buffers), x)
 
-    def _plan(self, model: Transformer) -> tuple[Plan, Plan]:
+    def _embed(self, table: Matrix, zero: bool) -> list[Op]:
+        """x = the rows' embeddings, a dispatch per band of the table (zero: and self.sums = 0)."""
         c, gpu = self.config, self.gpu
+        return [self._one("embed", "embed", {"WG": WG, "DIM": c.dim, "ZERO": int(zero)},
+                          [self.rows_buffer, gpu.uniform([start, rows]), buf, self.x,
+                           self.sums if zero else None], -(-c.dim // (4 * WG)))
+                for start, rows, buf in table.bands]
+
+    def _attention_constants(self) -> dict:
+        c = self.config
+        return {"AWG": WG, "HEAD_DIM": c.head_dim, "HALF": c.head_dim // 2,
+                "GROUP": c.n_heads // c.n_kv_heads, "N_HEADS": c.n_heads, "N_KV": c.n_kv_heads,
+                "MAX_SEQ": self.cache.max_seq_len, "QKV_STRIDE": (c.n_heads + 2 * c.n_kv_heads) * c.head_dim,
+                "SCALE": float(c.head_dim ** -0.5)}
+
+    def _deep_layer(self, i: int, layer, wqkv: Matrix, wo: Matrix, w13: Matrix, w2: Matrix, att_norm,
+                    ffn_norm, bias) -> list[Op]:
+        """A decode layer in three dispatches (the deep plan; the residual deferred, see the module)."""
+        c, k, v = self.config, self.cache.k_buffers[i], self.cache.v_buffers[i]
+        (awg, nt, attend_lanes), (mwg, ft, mlp_lanes) = deep_shape(self.layout, "attend"), deep_shape(
+            self.layout, "mlp")
+        nt = min(nt, c.dim)
+        qkv_n = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+        qkv = self._gemv(wqkv, self.x, self.qkv, qkv_n, mode=3, epi=0 if bias is None else 2, norm=att_norm,
+                         bias=bias, res=self.h)
+        const = {**self._attention_constants(), "AWG": awg, "DIM": c.dim, "NT": nt, "ROWS": self.rows,
+                 "LPR": attend_lanes}
+        attend = self._one("attend_out", "attend_out", const,
+                           [self.rows_buffer, self.qkv, k, v, self.cos, self.sin, wo.bands[0][2],
+                            self.partials, self.sums], c.n_kv_heads * -(-c.dim // nt))
+        mlp = self._one("mlp", "mlp", {"WG": mwg, "DIM": c.dim, "FFN": c.ffn_dim, "FT": ft, "LPR": mlp_lanes,
+                                       "N_KV": c.n_kv_heads, "ROWS": self.rows, "EPS": float(c.norm_eps)},
+                        [self.rows_buffer, self.h, self.partials, ffn_norm, w13.bands[0][2], w2.bands[0][2],
+                         self.x, self.sums], -(-c.ffn_dim // ft))
+        return [*qkv, attend, mlp]
+
+    def _plan(self, model: Transformer) -> tuple[Plan, Plan]:
+        c = self.config
         qkv_n, half = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.head_dim // 2
         table = self._matrix(model.output_weight(), "head")  # the tied head's weight is the embedding's
         embed_table = table if model.output is None else self._matrix(model.tok_embeddings.weight, "embed")
-        embed = [self._one("embed", "embed", {"WG": WG, "DIM": c.dim},
-                           [self.rows_buffer, gpu.uniform([start, rows]), buf, self.x], -(-c.dim // WG))
-                 for start, rows, buf in embed_table.bands]
-        att = {"AWG": WG, "HEAD_DIM": c.head_dim, "HALF": half, "GROUP": c.n_heads // c.n_kv_heads,
-               "N_HEADS": c.n_heads, "N_KV": c.n_kv_heads, "MAX_SEQ": self.cache.max_seq_len,
-               "QKV_STRIDE": qkv_n, "SCALE": float(c.head_dim ** -0.5)}
+        att = self._attention_constants()
         rope = {"WG": WG, "HEAD_DIM": c.head_dim, "HALF": half, "N_HEADS": c.n_heads, "N_KV": c.n_kv_heads,
                 "MAX_SEQ": self.cache.max_seq_len, "QKV_STRIDE": qkv_n}
         rope_x = -(-((c.n_heads + c.n_kv_heads) * half + c.n_kv_heads * c.head_dim) // WG)
         norm = {"WG": WG, "DIM": c.dim, "EPS": float(c.norm_eps)}
-        decode, prefill = Plan(embed=embed), Plan(embed=embed)
+        decode = Plan(embed=self._embed(embed_table, zero=self.deep))
+        prefill = Plan(embed=self._embed(embed_table, zero=False)) if self.deep else Plan(embed=decode.embed)
         for i, layer in enumerate(model.layers):
             a, f = layer.attention, layer.feed_forward
             att_norm, ffn_norm = self._vector(layer.attention_norm.weight, f"n{i}a"), self._vector(
@@ -193,13 +263,17 @@ class WebGPUDecoder:
                                [self.rows_buffer, self.q, k, v, self.cos, self.sin, self.att], c.n_kv_heads)
             out = self._gemv(wo, self.att, self.x, c.dim, epi=1)
             if self.fused:
-                qkv = self._gemv(wqkv, self.x, self.qkv, qkv_n, mode=1, epi=epi, norm=att_norm, bias=bias)
-                mlp = (self._gemv(w13, self.x, self.gate_up, 2 * c.ffn_dim, mode=1, norm=ffn_norm)
-                       + self._gemv(w2, self.gate_up, self.x, c.dim, mode=2, epi=1, in_stride=2 * c.ffn_dim))
-                fused_attend = self._one("attention", "attention", {**att, "FUSED": 1},
-                                         [self.rows_buffer, self.qkv, k, v, self.cos, self.sin, self.att],
-                                         c.n_kv_heads)
-                decode.layers += qkv + [fused_attend] + out + mlp
+                if self.deep:
+                    decode.layers += self._deep_layer(i, layer, wqkv, wo, w13, w2, att_norm, ffn_norm, bias)
+                else:
+                    qkv = self._gemv(wqkv, self.x, self.qkv, qkv_n, mode=1, epi=epi, norm=att_norm, bias=bias)
+                    mlp = (self._gemv(w13, self.x, self.gate_up, 2 * c.ffn_dim, mode=1, norm=ffn_norm)
+                           + self._gemv(w2, self.gate_up, self.x, c.dim, mode=2, epi=1,
+                                        in_stride=2 * c.ffn_dim))
+                    fused_attend = self._one("attention", "attention", {**att, "FUSED": 1},
+                                             [self.rows_buffer, self.qkv, k, v, self.cos, self.sin, self.att],
+                                             c.n_kv_heads)
+                    decode.layers += qkv + [fused_attend] + out + mlp
                 prefill.layers += [*self._gemm(wqkv, self.x, self.qkv, qkv_n, mode=1, epi=epi, norm=att_norm,
                                                bias=bias), rope_kv, attend,
                                    *self._gemm(wo, self.att, self.x, c.dim, epi=1),
@@ -219,10 +293,13 @@ class WebGPUDecoder:
         final = self._vector(model.norm.weight, "norm")
         if self.fused:
             head = self._gemv(table, self.x, self.logits, c.vocab_size, mode=1, head=True, norm=final)
+            decode.head = (self._gemv(table, self.x, self.logits, c.vocab_size, mode=3, head=True, norm=final)
+                           if self.deep else head)
         else:
             head = [self._one("rmsnorm", "rmsnorm", norm, [self.rows_buffer, self.x, final, self.h], 1),
                     *self._gemv(table, self.h, self.logits, c.vocab_size, head=True)]
-        decode.head = prefill.head = head
+            decode.head = head
+        prefill.head = head
         return decode, prefill
 
     # ---- the hot path ----------------------------------------------------------------------------
@@ -302,19 +379,52 @@ class WebGPUDecoder:
         return len(plan.embed) + len(plan.layers) + len(plan.head)
 
 
-def _bands(n: int, k: int, max_binding: int) -> int:
-    """Bands upload_matrix cuts an [n, k] weight into."""
-    per_band = max(WG, (max_binding // (4 * k)) // WG * WG)
+def _bands(n: int, k: int, max_binding: int, weights: str = "f32") -> int:
+    """Bands upload_matrix cuts an [n, k] weight stored as `weights` into."""
+    per_band = max(WG, (max_binding // (WEIGHT_FORMATS[weights][0] * k)) // WG * WG)
     return -(-n // per_band)
 
 
-def planned_dispatches(c: ModelConfig, max_binding: int, fused: bool = True) -> int:
-    """Dispatches one decode step of WebGPUDecoder records for config `c` on an adapter whose largest
-    binding is max_binding bytes (as its plan would hold them; no weights needed)."""
+def _shape(variable: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    forced = os.environ.get(variable, "")
+    return tuple(int(n) for n in forced.split("x")) if forced else default
+
+
+def lanes_shape() -> tuple[int, int]:
+    """The lanes layout's GEMV workgroup: (lanes, output rows); FLOE_WEBGPU_LANES=128x4 overrides."""
+    return _shape("FLOE_WEBGPU_LANES", LANES)
+
+
+def deep_shape(layout: str, dispatch: str) -> tuple[int, int, int]:
+    """The deep plan's attend_out or mlp shape for `layout` (DEEP; the lanes layout's overridable)."""
+    default = DEEP[layout][dispatch]
+    return default if layout != "lanes" else _shape(f"FLOE_WEBGPU_{dispatch.upper()}", default)
+
+
+def deep_fused(c: ModelConfig, max_binding: int, weights: str = "f32", layout: str = "threads",
+               storage_buffers: int = 16, workgroup_bytes: int = 32768) -> bool:
+    """Whether a fused decode layer runs as three dispatches (the deep plan): every layer matrix in one
+    band, and the adapter's limits hold attend_out's nine storage bindings and mlp's workgroup memory."""
     q_n, qkv_n = c.n_heads * c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-    table = _bands(c.vocab_size, c.dim, max_binding)
-    layer = (_bands(qkv_n, c.dim, max_binding) + _bands(c.dim, q_n, max_binding)
-             + _bands(2 * c.ffn_dim, c.dim, max_binding) + _bands(c.dim, c.ffn_dim, max_binding))
+    one_band = all(_bands(n, k, max_binding, weights) == 1
+                   for n, k in ((qkv_n, c.dim), (c.dim, q_n), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim)))
+    mwg, ft, lanes = deep_shape(layout, "mlp")
+    rows_per_group = -(-2 * ft // (mwg // lanes))
+    mlp_bytes = 4 * (c.dim + rows_per_group * mwg + 3 * ft)
+    return one_band and storage_buffers >= 9 and mlp_bytes <= workgroup_bytes and c.ffn_dim % 4 == 0
+
+
+def planned_dispatches(c: ModelConfig, max_binding: int, fused: bool = True, weights: str = "f32",
+                       **limits) -> int:
+    """Dispatches one decode step of WebGPUDecoder records for config `c` on an adapter whose largest
+    binding is max_binding bytes, weights stored as `weights` (as its plan would hold them; no weights
+    needed; `limits`: deep_fused's layout and adapter limits)."""
+    q_n, qkv_n = c.n_heads * c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    table = _bands(c.vocab_size, c.dim, max_binding, weights)
+    if fused and deep_fused(c, max_binding, weights, **limits):
+        return table + 3 * c.n_layers + table
+    layer = sum(_bands(n, k, max_binding, weights)
+                for n, k in ((qkv_n, c.dim), (c.dim, q_n), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim)))
     layer += 1 if fused else 5  # attention with rotary inside | two norms, rope_kv, attention, SwiGLU
     return table + c.n_layers * layer + table + (0 if fused else 1)
 
@@ -332,5 +442,5 @@ def decode_bytes(decoder: WebGPUDecoder, kv_len: int) -> int:
     return decoder.weight_bytes + kv_len * decoder.cache.bytes_per_token
 
 
-__all__ = ["CHUNK", "Matrix", "WebGPUDecoder", "decode_bytes", "input_bytes", "planned_dispatches",
-           "upload_matrix"]
+__all__ = ["CHUNK", "Matrix", "WebGPUDecoder", "decode_bytes", "deep_fused", "input_bytes",
+           "planned_dispatches", "upload_matrix"]

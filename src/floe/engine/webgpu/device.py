@@ -18,6 +18,20 @@ class WebGPUUnavailable(FloeError):
     """No WebGPU adapter: wgpu is not installed, or no Vulkan, Metal or D3D12 driver answers."""
 
 
+# How a projection's weights are stored, as the shaders read them: bytes per weight, and WGSL that
+# names the stored element (W4: four weights) and turns it into four f32s. f16 pairs are packed in
+# u32s and opened with unpack2x16float, core WGSL: no shader-f16 feature needed, every adapter runs it.
+WEIGHT_FORMATS = {
+    "f32": (4, "alias W4 = vec4<f32>;\nfn w4(v: W4) -> vec4<f32> { return v; }"),
+    "f16": (2, "alias W4 = vec2<u32>;\nfn w4(v: W4) -> vec4<f32> {\n"
+               "    return vec4<f32>(unpack2x16float(v.x), unpack2x16float(v.y));\n}"),
+}
+# GEMV layouts: "threads", a thread per output row streaming its row (a CPU adapter such as lavapipe,
+# where lanes run one after another); "lanes", a workgroup's lanes splitting each row's inputs
+# (coalesced loads, a reduction in workgroup memory: a GPU). FLOE_WEBGPU_GEMV=threads|lanes overrides.
+GEMV_LAYOUTS = ("threads", "lanes")
+
+
 def _wgpu():
     try:
         import wgpu
@@ -72,7 +86,9 @@ class Gpu:
         self.queue = self.device.queue
         self.max_binding = self.device.limits["max-storage-buffer-binding-size"]
         self.max_buffer = self.device.limits["max-buffer-size"]
+        self.max_storage_buffers = self.device.limits["max-storage-buffers-per-shader-stage"]
         self.description = adapter_description()
+        self.gemv_layout = gemv_layout(a.info["adapter_type"])
 
     def buffer(self, nbytes: int, usage: int = 0, data: np.ndarray | None = None, label: str = ""):
         """A storage buffer of nbytes (rounded up to 16), zeroed or holding `data` (copied once)."""
@@ -104,10 +120,12 @@ class Gpu:
             return self.device.create_buffer(size=size, usage=usage, label=label)
         return self.device.create_buffer(size=size, usage=u.MAP_READ | u.COPY_DST, label=label)
 
-    def pipeline(self, shader: str, constants: dict[str, int | float], entry: str = "main"):
-        """The compute pipeline of shaders/`shader`.wgsl with `constants` prepended as WGSL consts, on
-        the shader's own bind group layout (LAYOUTS), shared by all its variants."""
-        return _pipeline(self, shader, tuple(sorted(constants.items())), entry)
+    def pipeline(self, shader: str, constants: dict[str, int | float], weights: str = "f32",
+                 entry: str = "main"):
+        """The compute pipeline of shaders/`shader`.wgsl with `constants` prepended as WGSL consts and
+        W4/w4 for `weights` (WEIGHT_FORMATS), on the shader's own bind group layout (LAYOUTS), shared by
+        all its variants."""
+        return _pipeline(self, shader, tuple(sorted(constants.items())), weights, entry)
 
     def layout(self, shader: str):
         """The bind group layout of `shader` (LAYOUTS): explicit, so a binding a variant leaves unused
@@ -115,12 +133,22 @@ class Gpu:
         return _layout(self, LAYOUTS[shader])
 
     def bind(self, shader: str, buffers: list) -> object:
-        """A bind group of `buffers` (whole) at bindings 0.. of `shader`'s layout; None: a dummy."""
+        """A bind group of `buffers` (whole) at bindings 0.. of `shader`'s layout; None, or missing at
+        the end: a dummy."""
         entries = []
+        kinds = LAYOUTS[shader]
+        buffers = list(buffers) + [None] * (len(kinds) - len(buffers))
         for i, b in enumerate(buffers):
-            b = b if b is not None else self.dummy
+            # a read-write dummy of its own per binding: one buffer both read and written in a
+            # dispatch is a usage conflict
+            b = b if b is not None else (self.dummy if kinds[i] == "r" else self.dummy_written(i))
             entries.append({"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}})
         return self.device.create_bind_group(layout=self.layout(shader), entries=entries)
+
+    @functools.cache  # noqa: B019 - one per binding index for the process's one Gpu
+    def dummy_written(self, binding: int):
+        """A 16-byte buffer for a written binding a variant does not touch."""
+        return self.buffer(16, label=f"unused w{binding}")
 
     @functools.cached_property
     def dummy(self):
@@ -129,8 +157,21 @@ class Gpu:
 
 
 # Each shader's bindings in order: r read-only storage, w read-write storage, u uniform.
-LAYOUTS = {"gemv": "rurrwrr", "gemm": "rurrwrr", "attention": "rrwwrrw", "rope_kv": "rrwwrrw",
-           "rmsnorm": "rrrw", "swiglu": "rrw", "embed": "rurw", "tick": "w"}
+# gemv and gemv_lanes share one layout (as gemm does): bindings 7, 8 are the deferred residual's
+# (MODE 3: its fixed-point sum read, the whole residual written).
+LAYOUTS = {"gemv": "rurrwrrrw", "gemv_lanes": "rurrwrrrw", "gemm": "rurrwrrrw", "attention": "rrwwrrw",
+           "rope_kv": "rrwwrrw", "attend_out": "rrwwrrrww", "mlp": "rrrrrrww", "rmsnorm": "rrrw",
+           "swiglu": "rrw", "embed": "rurww", "tick": "w"}
+
+
+def gemv_layout(adapter_type: str) -> str:
+    """The GEMV layout for an adapter of `adapter_type` (wgpu's: 'CPU', 'DiscreteGPU', …)."""
+    forced = os.environ.get("FLOE_WEBGPU_GEMV", "")
+    if forced:
+        if forced not in GEMV_LAYOUTS:
+            raise FloeError(f"FLOE_WEBGPU_GEMV={forced!r}: choose one of {', '.join(GEMV_LAYOUTS)}")
+        return forced
+    return "threads" if str(adapter_type).upper() == "CPU" else "lanes"
 
 
 @functools.cache
@@ -143,17 +184,18 @@ def _layout(gpu: Gpu, bindings: str):
     return gpu.device.create_bind_group_layout(entries=entries, label=bindings)
 
 
-def shader_source(shader: str, constants: tuple[tuple[str, int | float], ...]) -> str:
-    """WGSL of shaders/`shader`.wgsl after `const NAME: T = value;` lines (u32 for ints, f32 for floats)."""
+def shader_source(shader: str, constants: tuple[tuple[str, int | float], ...], weights: str = "f32") -> str:
+    """WGSL of shaders/`shader`.wgsl after `const NAME: T = value;` lines (u32 for ints, f32 for
+    floats) and the weight format's W4/w4 (WEIGHT_FORMATS)."""
     text = resources.files("floe.engine.webgpu").joinpath("shaders", f"{shader}.wgsl").read_text()
     lines = [f"const {name}: u32 = {value}u;" if isinstance(value, int) else
              f"const {name}: f32 = {float(value)!r};" for name, value in constants]
-    return "\n".join(lines) + "\n" + text
+    return "\n".join(lines) + "\n" + WEIGHT_FORMATS[weights][1] + "\n" + text
 
 
 @functools.cache
-def _pipeline(gpu: Gpu, shader: str, constants: tuple, entry: str):
-    module = gpu.device.create_shader_module(code=shader_source(shader, constants), label=shader)
+def _pipeline(gpu: Gpu, shader: str, constants: tuple, weights: str, entry: str):
+    module = gpu.device.create_shader_module(code=shader_source(shader, constants, weights), label=shader)
     layout = gpu.device.create_pipeline_layout(bind_group_layouts=[gpu.layout(shader)])
     return gpu.device.create_compute_pipeline(layout=layout, compute={"module": module, "entry_point": entry},
                                               label=shader)

@@ -1,7 +1,8 @@
 // out[b, n] (=, +=) Σ_k in'[b, k] · W[n, k] for a prompt's rows, the lanes of a workgroup spanning ROWS
 // input rows and each thread computing NB output columns for its row: every weight load is the same
 // address in every lane (one load, broadcast), every input load a lane's own row. (gemv.wgsl spans the
-// output columns instead: a decode step has one row.) W is row-major [n, k], k % 4 == 0.
+// output columns instead: a decode step has one row.) W is row-major [n, k], k % 4 == 0, in W4s
+// (WEIGHT_FORMATS).
 // MODE 0: in[b, k]; 1: RMSNorm, in[b, k] · rsqrt(mean_k in[b, k]² + EPS) · norm_w[k].
 // EPI: 0 store, 1 add into out (the residual stream), 2 store + bias[n]. The bindings are gemv's.
 // Constants: ROWS, NB, MODE, EPI, EPS.
@@ -12,7 +13,7 @@ struct Params { k: u32, n: u32, out_stride: u32, row0: u32, in_stride: u32, p0: 
 @group(0) @binding(0) var<storage, read> step: Step;
 @group(0) @binding(1) var<uniform> P: Params;
 @group(0) @binding(2) var<storage, read> inp: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> w: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> w: array<W4>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read> norm_w: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read> bias: array<f32>;
@@ -45,7 +46,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             x = x * scale * norm_w[c];
         }
         for (var j = 0u; j < NB; j++) {
-            acc[j] += dot(w[min(n0 + j, last) * k4 + c], x);
+            acc[j] += dot(w4(w[min(n0 + j, last) * k4 + c]), x);
         }
     }
     if (b < count) {
