@@ -45,6 +45,42 @@ struct X86 {
 
   static float half(uint16_t h) { return _cvtsh_ss(h); }
 
+  // quantize_row (qdot.h) eight lanes at a time, the same numbers: the group's absmax (NaN lanes
+  // ignored, as fmax does), one product by the inverse step and a round to nearest even a weight
+  // (vroundps: nearbyint's rounding), the codes packed to int8, their sum in int32. ~15x faster than
+  // the scalar loop, whose rounding was a libm call a weight (~4 us of a 576-wide row's GEMV).
+  static void quantize_row(const float* x, int64_t k, int8_t* qx, float* xsu) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t g = 0; g < k / G; ++g) {
+      const float* xg = x + g * G;
+      __m256 v[4], m = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xg + 8 * i);
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m);  // a NaN lane keeps m's
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float d = _mm_cvtss_f32(h) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      const __m256 iv = _mm256_set1_ps(inv);
+      __m256i q[4], sum = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        q[i] = _mm256_cvtps_epi32(
+            _mm256_round_ps(_mm256_mul_ps(v[i], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        sum = _mm256_add_epi32(sum, q[i]);
+      }
+      // packs work within 128-bit lanes: the dwords come out [0lo 1lo 2lo 3lo 0hi 1hi 2hi 3hi]
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + g * G), _mm256_permutevar8x32_epi32(packed, order));
+      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+      xsu[2 * g] = d;
+      xsu[2 * g + 1] = d * static_cast<float>(_mm_cvtsi128_si32(s));
+    }
+  }
+
   // Eight blocks' [scale, offset] pairs, groups 0-3 in lo and 4-7 in hi. The first four bytes of
   // each block (Q4_1: d and m; Q4_0, Q8_0: d and two code bytes) are gathered by broadcasts (load
   // ports only) and blends, four to a register, whose eight fp16 halves one vcvtph2ps converts: no

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "abi.h"
 
@@ -112,9 +113,20 @@ inline void pair_layout(int8_t* qx, int64_t groups) {
   }
 }
 
+// Whether a variant quantizes a row in vectors of its own (Isa::quantize_row, the same numbers as
+// quantize_row's: a max, one product and one round-to-nearest-even a weight).
+template <class Isa, class = void>
+struct VectorQuantize : std::false_type {};
+template <class Isa>
+struct VectorQuantize<Isa, std::void_t<decltype(&Isa::quantize_row)>> : std::true_type {};
+
 template <class Isa>
 void quantize(const float* x, int64_t k, int four_bit, int8_t* qx, float* xsu) {
-  quantize_row(x, k, qx, xsu);
+  if constexpr (VectorQuantize<Isa>::value) {
+    Isa::quantize_row(x, k, qx, xsu);
+  } else {
+    quantize_row(x, k, qx, xsu);
+  }
   if (four_bit && Isa::kPairs) pair_layout(qx, k / G);
 }
 
