@@ -10,6 +10,8 @@
 # $OUT: webgpu_h200.log, adapter.txt, dispatch_webgpu_h200.json, dispatches_webgpu_h200.json,
 # decode_webgpu_h200.json.
 #
+# .gl/ holds the Debian packages libvulkan1 libglvnd0 libegl1 libgl1 libglx0 libopengl0 libgles2
+# (NVIDIA's Vulkan ICD library needs GLVND: libvulkan1 alone finds no adapter); see the device README.
 # From the session (carry the ignored folders: wheels, loader, tokenizer):
 #   run(command="bash bench/probes/webgpu_h200.sh", carry=[".whl", ".gl", ".tok"], timeout_s=540)
 set -x
@@ -44,7 +46,8 @@ EOF
 }
 if ! adapter > "$OUT/adapter.txt" 2>&1; then
     cat "$OUT/adapter.txt"
-    export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+    export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json \
+        __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
     ls -l "$VK_DRIVER_FILES" || find / -name 'nvidia_icd*.json' -not -path '/proc/*' 2>/dev/null | head
     adapter > "$OUT/adapter.txt" 2>&1
 fi
