@@ -218,8 +218,8 @@ def test_tokens_longer_than_the_guests_first_buffer_stream_whole(guest):
 
     engine = tiny_engine(n_slots=1, max_seq_len=256)
     tokenizer = engine.tokenizer
-    long = [b"[" + bytes([97 + i % 4]) * 98 + b"]" for i in range(len(tokenizer._byte_table))]
-    tokenizer.__dict__["_byte_table"] = long  # the bytes each id stands for, as the host reads them
+    long = [b"[" + bytes([97 + i % 4]) * 98 + b"]" for i in range(tokenizer.vocab_size)]
+    tokenizer.__dict__["_bytes"] = dict(enumerate(long))  # each id's bytes, as the host reads them
     pieces = []
     with Actor(engine, builtin_guest(guest)) as actor:
         reply = actor.send("x", max_tokens=6, params=SamplingParams(0.0), on_text=pieces.append)
