@@ -147,3 +147,7 @@ def test_every_token_stands_for_its_byte_level_bytes(default_checkpoint):
     text = "naïve café, 日本語 and 🚀\n\tdone"
     assert b"".join(tok.token_bytes(i) for i in tok.encode(text, add_bos=False)) == text.encode()
     assert tok.token_bytes(tok.vocab_size) == b"" and tok.token_bytes(-3) == b""
+    kept = len(tok._bytes)
+    for i in range(tok.vocab_size, tok.vocab_size + 1000):  # ids a guest may pass: none is kept
+        assert tok.token_bytes(i) == b""
+    assert len(tok._bytes) == kept <= tok.vocab_size

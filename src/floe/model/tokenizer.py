@@ -100,6 +100,7 @@ class Tokenizer:
         self.eos_ids = tuple(dict.fromkeys(eos_ids))
         self.add_bos = add_bos
         self.chat_template = chat_template
+        self._bytes: dict[int, bytes] = {}  # token_bytes of the ids asked for so far
 
     @property
     def vocab_size(self) -> int:
@@ -125,19 +126,20 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes a token stands for (byte-level BPE: possibly part of a character).
 
-        Ids past the tokenizer's vocabulary (models often pad their embedding table) stand for nothing.
+        Ids past the tokenizer's vocabulary (models often pad their embedding table) stand for nothing
+        (and are not kept: a guest's ids cannot grow the cache past the vocabulary).
         Each token's bytes are worked out the first time it is asked for and kept (a few microseconds):
         no pass over the whole vocabulary stalls the first streamed token (a 49,152-token table took
         0.15-0.4 s, which `floe serve`'s engine loop spent while every session waited).
         """
         data = self._bytes.get(token_id)
         if data is None:
+            if not 0 <= token_id < self.vocab_size:
+                return b""
             data = self._bytes[token_id] = self._token_bytes(token_id)
         return data
 
     def _token_bytes(self, token_id: int) -> bytes:
-        if not 0 <= token_id < self.vocab_size:
-            return b""
         added = self._added.get(token_id)
         if added is not None:
             return added.encode()
@@ -145,10 +147,6 @@ class Tokenizer:
         if text.translate(_BYTE_LEVEL_DELETE):  # a character outside the byte-level alphabet: not one
             return text.encode()
         return text.translate(_BYTE_LEVEL_BYTES).encode("latin-1")
-
-    @cached_property
-    def _bytes(self) -> dict[int, bytes]:
-        return {}
 
     @cached_property
     def _added(self) -> dict[int, str]:
@@ -288,7 +286,6 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + extra)
             extra += 1
     return dict(zip(printable, map(chr, chars), strict=True))
-
 
 
 # Byte-level BPE's characters: to their bytes (as Latin-1 characters, so that str.translate then
