@@ -254,3 +254,67 @@ def test_a_head_with_exact_top_keeps_the_float32_argmax(qtype, variant):
         torch.testing.assert_close(y.double().gather(1, top), exact.gather(1, top), rtol=1e-6, atol=1e-5)
         flips += int((rounded.argmax(-1) != exact.argmax(-1)).sum())
     assert flips > 0  # the kernel alone picks another row somewhere: the test can tell them apart
+
+
+def test_outputs_do_not_depend_on_the_thread_count_or_the_calling_thread(variant):
+    """floe's pool cuts a call into chunks that any thread may take: every output row is computed
+    alone, so 1 or 2 threads, or a call from another Python thread (the engine loop's), give the
+    same bits; so do several threads calling at once (the pool runs one call at a time)."""
+    import threading
+
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((1000, 4 * GROUP)).astype(np.float32)
+    q = QuantizedWeight("Q4_1", w.shape, quantize(w, Q.Q4_1))
+    layer = qgemv.QLinear(q, dense=False, kernel=variant)
+    xs = [torch.from_numpy(rng.standard_normal((rows, w.shape[1])).astype(np.float32)) for rows in (1, 3, 1, 7)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [layer(x) for x in xs]
+        rows_alone = [layer.rows(slice(0, 1000)) for _ in range(2)]
+        torch.set_num_threads(2)
+        assert all(same_bits(layer(x), y) for x, y in zip(xs, alone, strict=True))
+        assert same_bits(layer.rows(slice(0, 1000)), rows_alone[0])
+        results: dict[int, list] = {}
+
+        def calls(index: int) -> None:
+            results[index] = [layer(xs[(index + j) % len(xs)]) for j in range(40)]
+
+        threads = [threading.Thread(target=calls, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for index, ys in results.items():
+            assert all(same_bits(y, alone[(index + j) % len(xs)]) for j, y in enumerate(ys))
+        assert len(results) == 4
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_forked_child_runs_the_kernel_on_its_own_thread():
+    """A child forked after the pool's workers started has none of them: its calls still finish (the
+    calling thread takes every chunk), with the parent's bits."""
+    import os
+
+    name = runnable(qgemv.runnable()[0])
+    rng = np.random.default_rng(12)
+    w = rng.standard_normal((512, 2 * GROUP)).astype(np.float32)
+    q = QuantizedWeight("Q8_0", w.shape, quantize(w, Q.Q8_0))
+    layer = qgemv.QLinear(q, dense=False, kernel=name)
+    x = torch.from_numpy(rng.standard_normal((2, w.shape[1])).astype(np.float32))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        y = layer(x)  # the workers exist now
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: no test framework here, only an exit status
+            ok = same_bits(layer(x), y)
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+        os.close(write)
+        status = os.waitpid(pid, 0)[1]
+        assert os.read(read, 1) == b"1" and status == 0
+    finally:
+        torch.set_num_threads(before)

@@ -81,6 +81,7 @@ VARIANTS = {v.name: v for v in (
 _schema = torch.library.Library("floe", "FRAGMENT")
 _schema.define("gemv_q(Tensor x, Tensor blocks, int kernel) -> Tensor")
 _schema.define("dequant_q(Tensor blocks, int k, ScalarType dtype, int kernel) -> Tensor")
+_schema.define("top_candidates(Tensor y, Tensor bound, Tensor spread) -> Tensor[]")  # exact_top's
 _schema.define("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
                "int[] slots, int[] positions, int n_heads, Tensor(c!) out) -> ()")  # csrc/qdot/attend.cpp
 _schema.define("rms_norm_rows(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()")  # and this
@@ -273,9 +274,9 @@ class QLinear(nn.Module):
         ~7 on average, on SmolLM2's head)."""
         m = x.shape[0]
         xf = x.reshape(m, self.in_features).float()
-        spread = xf.view(m, -1, GROUP).abs().amax(-1).sum(-1, keepdim=True)  # [M, 1]
-        bound = torch.mul(spread, self.rounding_bound).add_(1e-4)
-        for row in range(m):
-            index = torch.nonzero(y[row] + bound[row] >= torch.max(y[row] - bound[row])).squeeze(1)
+        spread = xf.view(m, -1, GROUP).abs().amax(-1).sum(-1)  # [M]
+        # per row: the j with y + b >= max(y - b), b = spread · rounding_bound + 1e-4
+        candidates = torch.ops.floe.top_candidates(y, self.rounding_bound, spread)
+        for row, index in enumerate(candidates):
             exact = torch.mv(self.rows(index), xf[row])
             y[row, index] = exact if self.bias is None else exact.add_(self.bias[index])

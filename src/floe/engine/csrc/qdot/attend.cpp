@@ -8,13 +8,14 @@
 // dispatch and small-matrix set-up; here a step's attention is one call a layer, its heads split over
 // the threads (a row's KV head and the query heads that share it). Every row is computed alone, in the
 // same order whatever B is.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+#include "pool.h"
 
 namespace {
 
@@ -123,7 +124,7 @@ void attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
     }
   }
   // One item a row and KV head: its group of query heads (consecutive in q and out).
-  at::parallel_for(0, rows * n_kv, 1, [&](int64_t begin, int64_t end) {
+  floe::parallel_for(0, rows * n_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * seq);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / n_kv, h = i % n_kv, at = slots[b] * slot_size + h * seq * hd;

@@ -5,7 +5,6 @@
 // variant (portable.cpp, avx2.cpp, vnni.cpp, neon.cpp) is a shared library of its own, built with its
 // own compiler flags and opened here. This file is built once, with no instruction-set flags; it
 // owns the tensors and the threads, the variants own the arithmetic (qdot.h).
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <dlfcn.h>
@@ -13,11 +12,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "abi.h"
+#include "pool.h"
 
 namespace {
 
@@ -98,7 +99,7 @@ at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& blocks, int64_t numb
   if (m == 1) {
     quantize(0, 1);
   } else {
-    at::parallel_for(0, m, 1, quantize);
+    floe::parallel_for(0, m, 1, quantize);
   }
   // Several input rows (a batched decode step, a prompt): each block of output rows meets every input
   // row while its weights are in the core's cache (the variant unpacks them once for a few input rows
@@ -106,7 +107,7 @@ at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& blocks, int64_t numb
   const int64_t block = std::max<int64_t>(1, kBlockBytes / blocks.size(1));
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  floe::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b += block) {
       rows(w, qx.data(), xsu.data(), m, groups, b, std::min(end, b + block), out, n);
     }
@@ -127,10 +128,61 @@ at::Tensor dequant_q(const at::Tensor& blocks, int64_t k, at::ScalarType dtype, 
   const uint8_t* b = blocks.data_ptr<uint8_t>();
   char* out = static_cast<char*>(w.data_ptr());
   const int64_t row_bytes = k * w.element_size();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  floe::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     dequant(b, groups, begin, end, out + begin * row_bytes);
   });
   return w;
+}
+
+// exact_top's candidates (qgemv.QLinear.exact_top): per row m of y [M, N] (float32, a head's
+// outputs), the indices j whose interval y[m, j] +- b reaches the best lower end, b = spread[m] *
+// bound[j] + 1e-4. Two passes over the row on the calling thread, in vectors (compiled for AVX-512,
+// AVX2 and baseline on x86-64 Linux; b may round as one fused multiply-add there: bound carries a
+// slack far wider than a rounding). Five vocabulary-sized PyTorch ops did this, each an OpenMP region.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#define FLOE_OP_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FLOE_OP_CLONES
+#endif
+
+FLOE_OP_CLONES float best_lower(const float* row, const float* bound, float s, int64_t n) {
+  float best = -INFINITY;
+#pragma omp simd reduction(max : best)
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = row[j] - (s * bound[j] + 1e-4f);
+    best = v > best ? v : best;
+  }
+  return best;
+}
+
+FLOE_OP_CLONES int64_t reaching(const float* row, const float* bound, float s, float lower, int64_t n,
+                                int64_t* out) {
+  int64_t count = 0;  // a few of the row's outputs reach it: a rarely taken branch
+  for (int64_t j = 0; j < n; ++j) {
+    if (row[j] + (s * bound[j] + 1e-4f) >= lower) out[count++] = j;
+  }
+  return count;
+}
+
+std::vector<at::Tensor> top_candidates(const at::Tensor& y, const at::Tensor& bound, const at::Tensor& spread) {
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.is_contiguous(), "y: float32 [M, N], contiguous");
+  const int64_t m = y.size(0), n = y.size(1);
+  TORCH_CHECK(bound.scalar_type() == at::kFloat && bound.dim() == 1 && bound.size(0) == n && bound.is_contiguous(),
+              "bound: float32 [N], contiguous");
+  TORCH_CHECK(spread.scalar_type() == at::kFloat && spread.numel() == m && spread.is_contiguous(),
+              "spread: float32, one a row of y");
+  const float *yp = y.data_ptr<float>(), *bp = bound.data_ptr<float>(), *sp = spread.data_ptr<float>();
+  std::vector<at::Tensor> out;
+  std::vector<int64_t> picked(n);
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = yp + r * n;
+    const float lower = best_lower(row, bp, sp[r], n);
+    const int64_t count = reaching(row, bp, sp[r], lower, n, picked.data());
+    at::Tensor index = at::empty({count}, y.options().dtype(at::kLong));
+    std::copy_n(picked.data(), count, index.data_ptr<int64_t>());
+    out.push_back(index);
+  }
+  return out;
 }
 
 }  // namespace
@@ -145,4 +197,5 @@ TORCH_LIBRARY_FRAGMENT(floe, m) {
 TORCH_LIBRARY_IMPL(floe, CPU, m) {
   m.impl("gemv_q", gemv_q);
   m.impl("dequant_q", dequant_q);
+  m.impl("top_candidates", top_candidates);
 }
