@@ -266,7 +266,8 @@ def test_outputs_do_not_depend_on_the_thread_count_or_the_calling_thread(variant
     w = rng.standard_normal((1000, 4 * GROUP)).astype(np.float32)
     q = QuantizedWeight("Q4_1", w.shape, quantize(w, Q.Q4_1))
     layer = qgemv.QLinear(q, dense=False, kernel=variant)
-    xs = [torch.from_numpy(rng.standard_normal((rows, w.shape[1])).astype(np.float32)) for rows in (1, 3, 1, 7)]
+    xs = [torch.from_numpy(rng.standard_normal((rows, w.shape[1])).astype(np.float32))
+          for rows in (1, 3, 1, 7)]
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
