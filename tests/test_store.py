@@ -366,3 +366,28 @@ def test_export_then_import_into_a_fresh_store_continues_identically(tmp_path, s
     assert bytes(target.get("c").buffer) == exported == bytes(source.get("c").buffer)
     with target.thaw("c", engine) as thawed:
         assert second_turn(thawed) == expected
+
+
+def test_a_disk_lease_is_not_flushed_and_one_a_crash_emptied_is_taken_over(tmp_path, monkeypatch):
+    """A lease record needs its atomic replace (every process sees the old record or the new), not
+    fsync: two of them were most of what opening a new session cost `floe serve`. What a machine's
+    crash can leave of such a record, an empty file, is an expired lease; anything else that is not
+    a record is still refused."""
+    import os
+
+    from floe.snapshot.errors import StoreUnavailable
+    from floe.snapshot.lease import FileLeases
+
+    leases = FileLeases(tmp_path)
+    synced = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    first, _ = leases.acquire("k", "server-a", 60)
+    assert synced == [] and leases.holder("k")[0] == "server-a"
+    with pytest.raises(LeaseHeld):
+        leases.acquire("k", "server-b", 60)
+    (tmp_path / "k.lease").write_bytes(b"")  # the machine crashed before the record reached the disk
+    taken, continues = leases.acquire("k", "server-b", 60)
+    assert leases.holder("k")[0] == "server-b" and not continues and taken.token != first.token
+    (tmp_path / "k.lease").write_bytes(b"not a lease")
+    with pytest.raises(StoreUnavailable, match="not a lease record"):
+        leases.acquire("k", "server-c", 60)

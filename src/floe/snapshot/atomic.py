@@ -83,8 +83,10 @@ def _flock(fd: int, blocking: bool) -> bool:
     return True
 
 
-def replace_file(target: Path, save: Callable[[Path], None]) -> None:
-    """Call `save(tmp)` to write the new file, then put it at `target` atomically and durably."""
+def replace_file(target: Path, save: Callable[[Path], None], durable: bool = True) -> None:
+    """Call `save(tmp)` to write the new file, then put it at `target` atomically and (durable) on disk
+    before returning. Not durable: other processes see the whole new file or the old one, but a crash
+    of the machine may leave an empty file (a lease record, which a crash ends anyway)."""
     with path_lock(target):
         _remove_stale_of(target)
         folder = target.with_name(temp_name(target))
@@ -92,9 +94,11 @@ def replace_file(target: Path, save: Callable[[Path], None]) -> None:
         try:
             tmp = folder / target.name
             save(tmp)
-            _fsync(tmp)
+            if durable:
+                _fsync(tmp)
             os.replace(tmp, target)
-            _fsync(target.parent)
+            if durable:
+                _fsync(target.parent)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -151,6 +151,8 @@ class FileLeases(Leases):
             raw = path.read_bytes()
         except FileNotFoundError:
             return None
+        if not raw:  # what a machine's crash can leave of a record (written without fsync): expired
+            return {"owner": "", "token": "", "expires_at": 0.0}, ""
         record = parse_record(raw, str(path))
         return record, record["token"]
 
@@ -167,7 +169,10 @@ class FileLeases(Leases):
             if lease is None:
                 path.unlink()
             else:
-                replace_file(path, lambda tmp: tmp.write_bytes(lease.record()))
+                # Not flushed to disk: a hold with an expiry needs only the atomic replace (every
+                # process sees the old record or the new one); a crash that empties it ends its
+                # holder too. Two fsyncs a new session were most of `floe serve`'s time to open one.
+                replace_file(path, lambda tmp: tmp.write_bytes(lease.record()), durable=False)
             return True
 
     def _create(self, key: str, lease: Lease) -> str | None:
