@@ -271,6 +271,14 @@ class ServeCore:
             with self.store.lock:
                 items = [s for s in self.store.sessions.values() if s.owner == owner]
             return [s.describe() for s in items]
+        if name == "fork":  # arg: {"id": the source's id, "new_id": the fork's, or None for a fresh one}
+            if not (isinstance(arg, dict) and isinstance(arg.get("id"), str)
+                    and (arg.get("new_id") is None or isinstance(arg["new_id"], str))):
+                raise ServeError(400, "fork needs a session id and the new session's id (a string or null)")
+            try:
+                return self.store.fork(arg["id"], owner, arg.get("new_id"))
+            except (SessionError, GuestError, FloeError) as e:
+                raise failure(e, arg["id"]) from None
         if not isinstance(arg, str):
             raise ServeError(400, f"{name} needs a session id")
         try:

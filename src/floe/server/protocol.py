@@ -13,9 +13,9 @@ Front to core, objects:
                                                  or tools)
   {"op": "cancel", "id": N}                      the client left: its row stops at the next token
   {"op": "call", "id": N, "name": NAME, "arg": A, "owner": O}
-                                                 health, sessions, session, freeze, thaw, let_go,
-                                                 delete, metrics (the session calls see O's sessions
-                                                 only)
+                                                 health, sessions, session, freeze, thaw, fork (A:
+                                                 {"id": SID, "new_id": NEW or null}), let_go, delete,
+                                                 metrics (the session calls see O's sessions only)
   {"op": "export", "id": N, "arg": SID, "owner": O}   session SID's snapshot: "started", "data"s, "done"
   {"op": "import", "id": N, "arg": SID, "owner": O}   a snapshot for session SID follows: "data"s, then
   {"op": "data", "id": N, "data": B64}                "end" (or "cancel": the upload stopped); answered
@@ -39,7 +39,7 @@ import struct
 HEADER = struct.Struct("!I")
 MAX_FRAME = 64 << 20  # a frame longer than this is a broken peer, not a message
 ROLES = ("system", "user", "assistant")
-CALLS = ("hello", "health", "sessions", "session", "freeze", "thaw", "let_go", "delete", "metrics")
+CALLS = ("hello", "health", "sessions", "session", "freeze", "thaw", "fork", "let_go", "delete", "metrics")
 # Who a request is for (floe.server.auth): "" on a server without API keys (one owner, everyone), else
 # a hash of the caller's key. Sessions belong to one owner; a request sees only its owner's.
 OWNER = re.compile(r"|[0-9a-f]{32}")  # fullmatch

@@ -101,6 +101,10 @@ class ThawFailed(SessionError):
     status, code = 500, "thaw_failed"
 
 
+class SessionExists(SessionError):
+    status, code = 409, "session_exists"
+
+
 class SnapshotRefused(SessionError):
     status, code = 400, "snapshot_invalid"
 
@@ -882,6 +886,54 @@ class SessionStore:
                 self._freeze_locked(session)
         return {"id": sid, "object": "session", "bytes": info["bytes"], "checksum": info["checksum"],
                 "messages": len(session.messages)}
+
+    def fork(self, sid: str, owner: str = "", new_id: str | None = None) -> dict:
+        """A new session `new_id` of `owner`'s (None: a fresh id) holding session `sid`'s state as it
+        is now (its conversation, KV cache, guest memory and generator), so the two go on apart. Waits
+        for a running turn of `sid` to end, as a freeze does; a frozen `sid` is thawed to be copied (as
+        its next message would thaw it). The fork is in the store's durable home when this returns,
+        frozen. SessionExists if `owner` has a session `new_id`."""
+        new_id = uuid.uuid4().hex[:16] if new_id is None else _checked(new_id)
+        source = self.get(sid, owner)
+        with source.lock:
+            with self.lock:
+                if self.sessions.get(source.key) is not source:  # dropped while this waited for it
+                    raise UnknownSession(f"no session {sid!r}")
+            if not (source.live or source.stored or source.messages):
+                raise SessionError(f"session {sid!r} has no state to fork yet")
+            fork = self._claim_new(new_id, owner)
+            try:
+                self._ensure_live(source)  # (a thaw reads the conversation from the snapshot it thaws)
+                fork.messages, fork.seed = [dict(m) for m in source.messages], source.seed
+                info = self.snapshots.freeze(fork.key, source.actor, kv_dtype=self.kv_dtype,
+                                             app=fork.record())
+            except BaseException as e:
+                with self.lock:
+                    if self.sessions.get(fork.key) is fork:
+                        del self.sessions[fork.key]
+                fork.lock.release()  # a request that waited for it chooses again (acquire)
+                if isinstance(e, (LeaseHeld, LeaseLost)):
+                    raise SessionLeased(new_id, e) from None
+                raise
+            fork.stored, fork.snapshot_bytes = True, info["bytes"]
+            fork.last_used = source.last_used = time.monotonic()
+            fork.lock.release()
+        return {**fork.describe(), "object": "session", "forked_from": sid}
+
+    def _claim_new(self, sid: str, owner: str) -> Session:
+        """A new session `sid` of `owner`'s, registered and locked (nobody runs in it before its state
+        is stored); SessionExists if the id is taken, here or in the store."""
+        key = session_key(owner, sid)
+        taken = SessionExists(f"session {sid!r} exists; fork into a new id (or delete it first)")
+        if self.snapshots.has(key):
+            raise taken
+        fork = Session(sid, owner=owner)
+        fork.lock.acquire()
+        with self.lock:
+            if key in self.sessions:
+                raise taken
+            self.sessions[key] = fork
+        return fork
 
     def _forget_if_empty(self, session: Session) -> None:
         if not session.stored and not session.live:
