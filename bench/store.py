@@ -2,8 +2,12 @@
 length, beside a plain s3fs get of the same object (the peer) in the same run.
 
     python bench/store.py [--lengths 128 512 1024 2048 4096] [--repeats 5] [--threads 2]
+    python bench/store.py --device cuda --shape llama-3.2-1b --tokenizer DIR [--tiers pinned disk]
 
-The actor is the default chat guest on the default model (CPU, native weights). "Thaw" is
+The actor is the default chat guest on the default model (CPU, native weights), or on CUDA a real
+shape with seeded random bf16 weights. On CUDA each row also measures the host→device floor for
+its KV bytes (one pinned buffer of that size copied to the device, synchronised): issue 19's goals
+are a thaw from pinned RAM ≤ 1.3× that floor and from disk ≤ 1.5×. "Thaw" is
 SnapshotStore.thaw end to end: the tier's read, every byte checked, a new guest instance, memory,
 globals, KV and RNG restored. S3 is moto's server in its own process on 127.0.0.1; "s3 (fetch)" drops
 the local cache first (HEAD, one GET checked as it streams into the cache, then the thaw), "s3
@@ -24,7 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import s3fs
 import torch
 
 from floe.actor import Actor
@@ -86,31 +89,67 @@ def cpu_model() -> str:
     return ""
 
 
-def row(engine: Engine, n: int, tmp: Path, s3: dict, bucket: str, repeats: int) -> dict:
+def kv_bytes(engine: Engine, tokens: int) -> int:
+    """Bytes of K and V that `tokens` positions hold in the engine's cache (what crosses the bus)."""
+    k = engine.cache.k  # [layers, slots, n_kv, seq, head_dim]
+    return 2 * k.shape[0] * k.shape[2] * tokens * k.shape[4] * k.element_size()
+
+
+def h2d_floor_ms(nbytes: int, repeats: int) -> float:
+    """One pinned host buffer of nbytes copied to the device, synchronised: the bus's floor."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def copy() -> None:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    copy()
+    return median_ms(copy, max(repeats, 9))
+
+
+def row(engine: Engine, n: int, tmp: Path, s3: dict | None, bucket: str, repeats: int,
+        tiers: list[str]) -> dict:
     with Actor(engine) as actor:
         actor.send(text_of_tokens(engine, n), max_tokens=1)
         tokens = engine.kv_len(actor.slot)
         data = encode(actor)
     key = f"bench-{n}"
-    pinned = SnapshotStore([PinnedTier(1 << 31), DiskTier(tmp / "pinned-home")], owner="bench")
-    disk = SnapshotStore([DiskTier(tmp / "disk")], owner="bench")
-    remote_tier = RemoteTier(f"s3://{bucket}/sessions", tmp / "s3-cache", **s3)
-    remote = SnapshotStore([remote_tier], owner="bench")
-    for store in (pinned, disk, remote):
+    cuda = engine.device.type == "cuda"
+    stores = {"pinned": SnapshotStore([PinnedTier(1 << 31), DiskTier(tmp / "pinned-home")], owner="bench"),
+              "disk": SnapshotStore([DiskTier(tmp / "disk")], owner="bench")}
+    if "s3" in tiers:
+        remote_tier = RemoteTier(f"s3://{bucket}/sessions", tmp / "s3-cache", **s3)
+        stores["s3"] = SnapshotStore([remote_tier], owner="bench")
+    for store in stores.values():
         store.put(key, data)
-    assert pinned.where(key)[0] == "pinned" and disk.where(key) == ["disk"]
+    assert stores["pinned"].where(key)[0] == "pinned" and stores["disk"].where(key) == ["disk"]
 
     def thaw(store: SnapshotStore):
-        return lambda: store.thaw(key, engine).close()
+        def once() -> None:
+            actor = store.thaw(key, engine)
+            if cuda:
+                torch.cuda.synchronize()  # the KV on the device, not only enqueued
+            actor.close()
+        return once
 
-    fs = s3fs.S3FileSystem(**s3)
-    out = {"tokens": tokens, "bytes": len(data)}
-    out["pinned_ms"] = median_ms(thaw(pinned), repeats)
-    out["disk_ms"] = median_ms(thaw(disk), repeats)
-    out["s3_fetch_ms"] = median_ms(thaw(remote), repeats, before=lambda: remote_tier.drop_cached(key))
-    out["s3_cached_ms"] = median_ms(thaw(remote), repeats)
-    out["s3fs_get_ms"] = median_ms(lambda: fs.cat_file(f"{bucket}/sessions/{key}.safetensors"), repeats)
-    out["s3_fetch_vs_get"] = out["s3_fetch_ms"] / out["s3fs_get_ms"]
+    out = {"tokens": tokens, "bytes": len(data), "kv_bytes": kv_bytes(engine, tokens)}
+    for tier in ("pinned", "disk"):
+        thaw(stores[tier])()  # its first thaw at this size: allocations, the guest module
+        out[f"{tier}_ms"] = median_ms(thaw(stores[tier]), repeats)
+    if cuda:
+        out["h2d_floor_ms"] = h2d_floor_ms(out["kv_bytes"], repeats)
+        out["pinned_vs_floor"] = out["pinned_ms"] / out["h2d_floor_ms"]
+        out["disk_vs_floor"] = out["disk_ms"] / out["h2d_floor_ms"]
+    if "s3" in tiers:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**s3)
+        remote = stores["s3"]
+        out["s3_fetch_ms"] = median_ms(thaw(remote), repeats, before=lambda: remote_tier.drop_cached(key))
+        out["s3_cached_ms"] = median_ms(thaw(remote), repeats)
+        out["s3fs_get_ms"] = median_ms(lambda: fs.cat_file(f"{bucket}/sessions/{key}.safetensors"), repeats)
+        out["s3_fetch_vs_get"] = out["s3_fetch_ms"] / out["s3fs_get_ms"]
     return out
 
 
@@ -120,24 +159,48 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/results/store.json")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shape", default=None, help="seeded random bf16 weights at this shape (CUDA runs)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder for --shape")
+    ap.add_argument("--tiers", nargs="+", default=["pinned", "disk", "s3"], choices=["pinned", "disk", "s3"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engine = Engine(load_checkpoint(), max_seq_len=max(args.lengths) + 64, n_slots=2, weights="native")
-    server, s3 = start_moto()
+    device = torch.device(args.device)
+    seq = max(args.lengths) + 64
+    if args.shape:
+        from floe.cli import _tokenizer
+        from floe.model.synthetic import random_checkpoint
+
+        checkpoint = random_checkpoint(args.shape, _tokenizer(args.tokenizer), dtype=torch.bfloat16,
+                                       device=device)
+        engine = Engine(checkpoint, device=device, dtype="bfloat16", max_seq_len=seq, n_slots=2,
+                        weights="dense")
+    else:
+        engine = Engine(load_checkpoint(), device=device, max_seq_len=seq, n_slots=2,
+                        weights="native" if device.type == "cpu" else "dense")
+    server, s3 = start_moto() if "s3" in args.tiers else (None, None)
     tmp = Path(tempfile.mkdtemp(prefix="floe-store-bench-"))
     try:
         bucket = "floe-bench"
-        s3fs.S3FileSystem(**s3).call_s3("create_bucket", Bucket=bucket)
-        rows = [row(engine, n, tmp, s3, bucket, args.repeats) for n in args.lengths]
+        if server is not None:
+            import s3fs
+
+            s3fs.S3FileSystem(**s3).call_s3("create_bucket", Bucket=bucket)
+        rows = [row(engine, n, tmp, s3, bucket, args.repeats, args.tiers) for n in args.lengths]
     finally:
-        server.kill()
+        if server is not None:
+            server.kill()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{'tokens':>6} {'MB':>7} {'pinned ms':>10} {'disk ms':>8} {'s3 fetch ms':>12} "
-          f"{'s3 cached ms':>13} {'s3fs get ms':>12} {'fetch/get':>9}")
+    columns = [("tokens", "tokens", "{:d}"), ("MB", "bytes", "{:.1f}"), ("pinned ms", "pinned_ms", "{:.2f}"),
+               ("disk ms", "disk_ms", "{:.2f}"), ("h2d floor ms", "h2d_floor_ms", "{:.2f}"),
+               ("pinned/floor", "pinned_vs_floor", "{:.2f}x"), ("disk/floor", "disk_vs_floor", "{:.2f}x"),
+               ("s3 fetch ms", "s3_fetch_ms", "{:.1f}"), ("s3 cached ms", "s3_cached_ms", "{:.1f}"),
+               ("s3fs get ms", "s3fs_get_ms", "{:.1f}"), ("fetch/get", "s3_fetch_vs_get", "{:.2f}x")]
+    columns = [c for c in columns if c[1] in rows[0]]
+    print(" ".join(f"{title:>13}" for title, _, _ in columns))
     for r in rows:
-        print(f"{r['tokens']:>6} {r['bytes'] / 1e6:>7.1f} {r['pinned_ms']:>10.1f} {r['disk_ms']:>8.1f} "
-              f"{r['s3_fetch_ms']:>12.1f} {r['s3_cached_ms']:>13.1f} {r['s3fs_get_ms']:>12.1f} "
-              f"{r['s3_fetch_vs_get']:>8.2f}x")
+        cells = [fmt.format(r[key] / 1e6 if key == "bytes" else r[key]) for _, key, fmt in columns]
+        print(" ".join(f"{cell:>13}" for cell in cells))
     result = {"model": engine.checkpoint.name, "dtype": str(engine.dtype), "threads": args.threads,
               "repeats": args.repeats, "cpu": cpu_model(), "cpu_flags": cpu_flags(),
               "cuda": torch.cuda.is_available(), "rows": rows}
