@@ -1,13 +1,15 @@
 """`floe serve` with API keys, against a real server on loopback: a request without a valid key is a 401
 that is not retried; each key sees and touches only its own sessions (by id, by prefix, through a
-freeze, a thaw and a restart); hostile session ids are refused on every route; CORS is off unless
-configured; anonymous sessions are bounded per key."""
+freeze, a thaw and a restart); a fork is its owner's and continues as its source would; hostile session
+ids are refused on every route; CORS is off unless configured; anonymous sessions are bounded per key."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import threading
+import time
 
 import httpx
 import openai
@@ -125,12 +127,22 @@ def encoded(sid: str) -> str:
     return "".join(f"%{b:02X}" for b in sid.encode())  # every byte: nothing is normalized on the way
 
 
+@pytest.fixture(scope="module")
+def fork_source(server) -> str:
+    """A session of Alice's with one turn, for the forks the tests refuse."""
+    say(server.url, ALICE, [{"role": "user", "content": "Hi"}], "fork-source")
+    return "fork-source"
+
+
 @pytest.mark.parametrize("sid", HOSTILE)
-def test_hostile_session_ids_are_refused_on_every_route(server, sid):
+def test_hostile_session_ids_are_refused_on_every_route(server, fork_source, sid):
     before = sorted(p.relative_to(server.folder.parent) for p in server.folder.parent.rglob("*"))
-    for method, path in (("GET", ""), ("POST", "/freeze"), ("POST", "/thaw"), ("DELETE", "")):
+    routes = (("GET", ""), ("POST", "/freeze"), ("POST", "/thaw"), ("POST", "/fork"), ("DELETE", ""))
+    for method, path in routes:
         r = httpx.request(method, f"{server.url}/v1/sessions/{encoded(sid)}{path}", headers=as_(ALICE))
         assert r.status_code == 400 and "session id" in r.json()["error"]["message"], (method, path, r.text)
+    r = httpx.post(f"{server.url}/v1/sessions/{fork_source}/fork", json={"id": sid}, headers=as_(ALICE))
+    assert r.status_code == 400 and "session id" in r.json()["error"]["message"], r.text
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body | {"session_id": sid}, headers=as_(ALICE),
                    timeout=60)
@@ -144,8 +156,112 @@ def test_hostile_session_ids_are_refused_on_every_route(server, sid):
 
 def test_a_slash_in_a_session_id_reaches_no_session_route(server):
     for sid in ("../../etc/passwd", "a/b"):
-        r = httpx.post(f"{server.url}/v1/sessions/{encoded(sid)}/freeze", headers=as_(ALICE))
-        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+        for path in ("/freeze", "/fork"):
+            r = httpx.post(f"{server.url}/v1/sessions/{encoded(sid)}{path}", headers=as_(ALICE))
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+
+
+def fork(url: str, key: str, sid: str, body: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{url}/v1/sessions/{sid}/fork", json=body, headers=as_(key), timeout=120)
+
+
+def test_a_fork_continues_exactly_as_its_source_would_and_then_apart(server):
+    """Alice forks a one-turn session: the fork is hers, stored, and holds the same conversation; the
+    same next message to both (greedy) gets the same reply, and the fork's KV came with it (its
+    prompt cached as its source's is); then each goes on without the other."""
+    url = server.url
+    turn = [{"role": "user", "content": "What is the capital of France?"}]
+    first = say(url, ALICE, turn, "trunk").choices[0].message.content
+    r = fork(url, ALICE, "trunk", {"id": "branch"})
+    assert r.status_code == 200, r.text
+    made = r.json()
+    assert made["id"] == "branch" and made["forked_from"] == "trunk" and made["messages"] == 2
+    assert made["state"] == "frozen" and made["snapshot_bytes"] > 0 and not made["anonymous"]
+    path = server.folder / owner_of(ALICE) / "branch.safetensors"
+    record = json.loads(header(path)["app"])["floe_server"]
+    assert (record["id"], record["owner"], record["anonymous"]) == ("branch", owner_of(ALICE), False)
+    assert record["messages"] == [*turn, {"role": "assistant", "content": first}]
+    later = [*turn, {"role": "assistant", "content": first}, {"role": "user", "content": "And of Italy?"}]
+    a, b = (ask(client(url, ALICE), later, max_tokens=16, extra_body={"session_id": sid})
+            for sid in ("trunk", "branch"))
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert b.usage.prompt_tokens_details.cached_tokens == a.usage.prompt_tokens_details.cached_tokens > 0
+    # Apart from here: a turn in the fork leaves its source as it was.
+    say(url, ALICE, [*later, {"role": "assistant", "content": b.choices[0].message.content},
+                     {"role": "user", "content": "Thanks."}], "branch")
+    sessions = listed(url, ALICE)
+    assert sessions["trunk"]["messages"] == 4 and sessions["branch"]["messages"] == 6
+
+
+def test_a_frozen_or_one_shot_session_forks_as_a_live_one(server):
+    """A frozen source is thawed to be forked (and answers as its fork does); a one-shot (anonymous)
+    source's fork is a named session written to the home, the source still kept in RAM only."""
+    url = server.url
+    turn = [{"role": "user", "content": "Name a large city."}]
+    first = say(url, ALICE, turn, "cold").choices[0].message.content
+    assert httpx.post(f"{url}/v1/sessions/cold/freeze", headers=as_(ALICE)).status_code == 200
+    assert fork(url, ALICE, "cold", {"id": "cold-fork"}).status_code == 200
+    later = [*turn, {"role": "assistant", "content": first}, {"role": "user", "content": "Why that one?"}]
+    a, b = (ask(client(url, ALICE), later, max_tokens=16, extra_body={"session_id": sid})
+            for sid in ("cold", "cold-fork"))
+    assert a.choices[0].message.content == b.choices[0].message.content
+    one_shot = say(url, ALICE, [{"role": "user", "content": "Name a small town."}]).model_extra["session_id"]
+    made = fork(url, ALICE, one_shot).json()
+    assert not made["anonymous"] and made["persisted"] and listed(url, ALICE)[one_shot]["anonymous"]
+    assert (server.folder / owner_of(ALICE) / f"{made['id']}.safetensors").is_file()
+    assert not (server.folder / owner_of(ALICE) / f"{one_shot}.safetensors").exists()
+
+
+def test_a_fork_is_its_owners_and_needs_a_new_id(server):
+    """Bob cannot fork (or learn of) Alice's session: 404 as for one that does not exist. A fork into
+    an id the caller has is a 409 the official client does not retry; ids are per owner, so Bob may
+    fork his own into an id of Alice's. Without an id the fork gets a fresh one."""
+    url = server.url
+    say(url, ALICE, [{"role": "user", "content": "Name a fruit."}], "mine")
+    for sid in ("mine", "no-such-session"):
+        r = fork(url, BOB, sid, {"id": "stolen"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", r.text
+    assert "stolen" not in listed(url, BOB) and "stolen" not in listed(url, ALICE)
+    say(url, ALICE, [{"role": "user", "content": "Name a colour."}], "taken")
+    for target in ("mine", "taken"):
+        r = fork(url, ALICE, "mine", {"id": target})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "session_exists", r.text
+        assert r.headers["x-should-retry"] == "false"
+    with pytest.raises(openai.ConflictError):
+        client(url, ALICE, retries=2).post("/sessions/mine/fork", body={"id": "taken"}, cast_to=object)
+    assert listed(url, ALICE)["taken"]["messages"] == 2  # untouched
+    say(url, BOB, [{"role": "user", "content": "Name a fruit."}], "bobs")
+    assert fork(url, BOB, "bobs", {"id": "mine"}).status_code == 200
+    assert listed(url, BOB)["mine"]["messages"] == 2
+    for body in (None, {}, {"id": None}):
+        made = fork(url, ALICE, "mine", body).json()
+        assert len(made["id"]) == 16 and made["id"] in listed(url, ALICE) and made["messages"] == 2
+    r = fork(url, ALICE, "mine", {"id": "x", "model": "y"})  # nothing is silently ignored
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+
+
+def test_a_fork_of_a_busy_session_waits_for_its_turn_to_end(server):
+    """A fork asked while its source streams a reply answers after that turn, and holds it."""
+    url = server.url
+    c = client(url, ALICE)
+    stream = ask(c, [{"role": "user", "content": "Count from 1 to 60, one number a line."}], max_tokens=96,
+                 stream=True, extra_body={"session_id": "busy"})
+    started, ended = threading.Event(), []
+
+    def read() -> None:
+        for _ in stream:
+            started.set()
+        ended.append(time.monotonic())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(60)
+    asked = time.monotonic()
+    r = fork(url, ALICE, "busy", {"id": "busy-fork"})
+    answered = time.monotonic()
+    reader.join(60)
+    assert r.status_code == 200 and r.json()["messages"] == 2, r.text
+    assert asked < ended[0] <= answered  # asked while the turn ran; answered once it had ended
 
 
 def test_ownership_survives_freeze_thaw_and_a_restart(engine, tmp_path):

@@ -183,6 +183,10 @@ def test_hostile_session_ids_are_refused_on_every_route(server, sid):
                           timeout=60)
         refused(r)
         assert r.status_code == 400 and "session id" in r.json()["error"]["message"], (method, path, r.text)
+    for url in (f"{server.url}/v1/sessions/{encoded(sid)}/fork", f"{server.url}/v1/sessions/any/fork"):
+        r = httpx.post(url, json={"id": sid} if url.endswith("any/fork") else None, timeout=60)
+        refused(r)
+        assert r.status_code == 400 and "session id" in r.json()["error"]["message"], (url, r.text)
     for path in (CHAT, "/v1/completions"):
         body = BASE | {"session_id": sid} if path == CHAT else {"model": MODEL_ID, "prompt": "hi",
                                                                  "max_tokens": 2, "session_id": sid}

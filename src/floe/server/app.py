@@ -3,7 +3,8 @@
 Routes: POST /v1/chat/completions and POST /v1/completions (plain and SSE streaming; the chat service,
 floe.server.chat), GET /v1/models, GET /v1/models/{id}, GET /health,
 GET /metrics (Prometheus), GET /v1/sessions, GET /v1/sessions/{id}, POST /v1/sessions/{id}/freeze,
-POST /v1/sessions/{id}/thaw, DELETE /v1/sessions/{id}, GET and PUT /v1/sessions/{id}/snapshot (a
+POST /v1/sessions/{id}/thaw, POST /v1/sessions/{id}/fork (a new session with this one's state),
+DELETE /v1/sessions/{id}, GET and PUT /v1/sessions/{id}/snapshot (a
 session's snapshot file out and in, streamed, checked on the way in). A request names its session with the
 `X-Floe-Session` header or a `session_id` field in the body; every response says which session it
 used (the same header, and `session_id` in the body). Errors are OpenAI-shaped JSON:
@@ -32,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -45,6 +47,23 @@ if TYPE_CHECKING:
     from floe.snapshot.store import SnapshotStore
 
 log = logging.getLogger("floe.serve")
+
+
+FORK_DESCRIPTION = """A new session of the caller's whose conversation and state (KV cache, guest memory,
+generator) are this session's now: the two continue independently (a chat branched). The body names
+the new session (`{"id": "new-id"}`; letters, digits and `_ . -`); without a body, or without `id`, a
+fresh id is made. A running turn of the session is waited for, as a freeze waits; a frozen session is
+thawed to be copied. The fork is stored (frozen, in the snapshot store's durable home) before the answer:
+its `id`, `state`, `messages`, `snapshot_bytes`, and `forked_from`. 404 `session_not_found`: no such
+session of the caller's; 409 `session_exists`: the caller has a session of the new id; 400: an id that
+is not one."""
+
+
+class ForkRequest(BaseModel):
+    """The body of POST /v1/sessions/{id}/fork."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = Field(None, description="the new session's id (absent or null: a fresh one)")
 
 
 def _error(status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
@@ -169,6 +188,11 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
     @app.post("/v1/sessions/{sid}/thaw")
     async def thaw(sid: str, request: Request):
         return await client.call("thaw", sid, request.state.owner)
+
+    @app.post("/v1/sessions/{sid}/fork", summary="Fork a session", description=FORK_DESCRIPTION)
+    async def fork(sid: str, request: Request, body: ForkRequest | None = None):
+        new_id = None if body is None else body.id
+        return await client.call("fork", {"id": sid, "new_id": new_id}, request.state.owner)
 
     @app.delete("/v1/sessions/{sid}")
     async def delete(sid: str, request: Request):
