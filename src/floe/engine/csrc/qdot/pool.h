@@ -16,8 +16,8 @@
 //
 // One job at a time: a second thread calling while a job runs waits for it (the operators' callers
 // are serialised by the engine anyway). A job started from inside a job (not done by floe's
-// operators) runs on the calling thread alone. In a forked child the workers are gone: its jobs run
-// on the calling thread alone (it takes every chunk).
+// operators) runs on the calling thread alone. A forked child starts from a new pool (its workers
+// are made again when it first needs them).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -30,6 +30,7 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <pthread.h>
 #include <sched.h>
 #include <thread>
 #include <vector>
@@ -55,8 +56,14 @@ class Pool {
   static constexpr int64_t kChunksPerThread = 4;
 
   static Pool& get() {
-    static Pool* pool = new Pool();  // never destroyed: workers may outlive static destructors
-    return *pool;
+    static std::once_flag once;
+    std::call_once(once, [] {
+      instance() = new Pool();  // never destroyed: workers may outlive static destructors
+      // A forked child has none of the workers, and may have been forked while another thread held
+      // a job's locks: it starts from a new pool (the old one is left as it was, never touched).
+      pthread_atfork(nullptr, nullptr, [] { instance() = new Pool(); });
+    });
+    return *instance();
   }
 
   // body(begin, end) over [0, n) in pieces of at least `grain` items (a multiple of it), on up to
@@ -109,6 +116,11 @@ class Pool {
 
  private:
   Pool() = default;
+
+  static Pool*& instance() {
+    static Pool* pool = nullptr;
+    return pool;
+  }
 
   void grow(int helpers) {
     while (static_cast<int>(workers_.size()) < helpers) {
