@@ -2,7 +2,8 @@
 
 A write goes into a temporary folder beside the target, named `.{target}.{pid}-{thread}-{random}
 .floe-tmp` (the library that serializes the file may make its own temporary files: they land inside
-it), is fsynced, renamed over the target, and the folder fsynced. Writers of one path take turns: a
+it), is fsynced, renamed over the target, and the folder fsynced (a lease record, which needs
+only the atomic rename, skips both fsyncs: `durable=False`). Writers of one path take turns: a
 lock per path, held from before the temporary folder is made until after the rename is durable — a
 `threading.Lock` within the process and `fcntl.flock` on the sidecar `.{target}.floe-lock` across
 processes. So a write that returns has put its whole file at the path, and the file at a path is
