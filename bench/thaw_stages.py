@@ -1,9 +1,9 @@
 """Where a GPU thaw's time goes, stage by stage: Llama-3.2-1B shape, ~4,090 tokens of context.
 
-    python bench/thaw_stages.py [--tokenizer .device/tokenizer]     # on a CUDA machine
+    python bench/thaw_stages.py [--tokenizer .device/tokenizer] [--tokens 4050]   # on a CUDA machine
 
-Medians of 5, with a device synchronize after each stage. Writes $OUT/thaw_stages.json (OUT
-defaults to the current folder).
+Medians of 5, with a device synchronize after each stage. Writes $OUT/thaw_stages.json, or
+$OUT/thaw_stages_{tokens}.json when --tokens is given (OUT defaults to the current folder).
 """
 
 from __future__ import annotations
@@ -41,18 +41,21 @@ def timed(fn, n: int = 5):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizer", default=".device/tokenizer")
+    ap.add_argument("--tokens", type=int, default=None, help="context tokens to freeze (default ~4,050)")
     args = ap.parse_args()
     tok = tokenizer_from_folder(Path(args.tokenizer), {})
     ckpt = random_checkpoint("llama-3.2-1b", tok, dtype=torch.bfloat16, device="cuda")
     engine = Engine(ckpt, device="cuda", dtype="bfloat16", max_seq_len=4352, n_slots=3)
-    text = tok.decode(tok.encode("The keeper wrote down the weather, the ships and the sea. " * 500)[:4050])
+    text = tok.decode(tok.encode("The keeper wrote down the weather, the ships and the sea. " * 500)
+                      [:args.tokens or 4050])
     folder = tempfile.mkdtemp()
     atexit.register(shutil.rmtree, folder, ignore_errors=True)  # snapshots are big
     path = Path(folder) / "a.safetensors"
     with Actor(engine) as actor:
         actor.send(text, max_tokens=1)
         snapshot.freeze(actor, path)
-    res = {}
+        tokens = engine.kv_len(actor.slot)
+    res = {"tokens": tokens}
     res["map_only_ms"], (meta, tensors, _) = timed(lambda: _map_safetensors(path))
     res["checksum_v1_ms"], _ = timed(lambda: checksum_v1(tensors, meta))  # one pass, format 1
     res["digests_parallel_ms"], _ = timed(lambda: _digests(tensors, list(tensors)))  # every tensor
@@ -81,7 +84,8 @@ def main() -> None:
     res["thaw_total_ms"], _ = timed(lambda: snapshot.thaw(engine, path).close(), 9)
     res["thaw_over_floor"] = res["thaw_total_ms"] / res["h2d_floor_ms"]
     print(json.dumps(res, indent=1))
-    Path(os.environ.get("OUT", "."), "thaw_stages.json").write_text(json.dumps(res, indent=1))
+    name = f"thaw_stages_{args.tokens}.json" if args.tokens else "thaw_stages.json"
+    Path(os.environ.get("OUT", "."), name).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
