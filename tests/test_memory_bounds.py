@@ -110,9 +110,10 @@ def q4_0_1b(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_floe_run_on_a_1b_q4_0_file_peaks_at_the_file_plus_kv_and_runtime(q4_0_1b, runtime_bytes):
-    """llama.cpp maps the file (RSS ~ file size), and so does floe: its kernel reads the file's Q4_0
-    blocks in place (stacked and re-ordered matrices: one copy of the file's blocks, the file's pages
-    left), and the 4-bit prefill dequantizes one band at a time. Measured: file + KV + runtime + 74 MB
+    """llama.cpp maps the file (RSS ~ file size), and floe holds one copy of the weights too: its
+    kernel reads the file's Q4_0 blocks in place or (x86) interleaved 8 rows a band, a copy whose
+    source pages are given back (stacked and re-ordered matrices: one copy, the file's pages left),
+    and the 4-bit prefill dequantizes one band at a time. Measured: file + KV + runtime + 74 MB
     (tokenizer, guest, TorchScript); with the kernel's own layout (20 bytes per 18): + 190 MB; with a
     float32 checkpoint: ~12 GB."""
     context, layers = 256, SHAPE_1B["n_layers"]
@@ -164,20 +165,42 @@ def test_quantized_weights_are_views_of_the_file(tiny_q8):
 
 
 def test_native_layers_read_the_files_blocks_in_place(tiny_q8):
-    """The kernel's weight is the file's memory map; a stacked matrix (gate and up) is one copy of the
-    file's blocks, byte for byte, not another layout."""
+    """The portable kernel's weight is the file's memory map; a stacked matrix (gate and up) is one
+    copy of the file's blocks, byte for byte, not another layout."""
     from floe.engine.qgemv import QLinear
 
     if not has_compiler():
         pytest.skip("no C++ compiler: native weights run PyTorch's packed int4 here")
     checkpoint = load_checkpoint(tiny_q8)
-    layer = Engine(checkpoint, max_seq_len=32, weights="native").model.layers[0]
+    layer = Engine(checkpoint, max_seq_len=32, weights="native", native_kernel="portable").model.layers[0]
     for module in (layer.attention.wo, layer.feed_forward.w2):
         assert isinstance(module, QLinear) and mapped_file(module.blocks) == os.path.realpath(tiny_q8)
     gate_up = [checkpoint.quantized[f"layers.0.feed_forward.{n}.weight"].blocks for n in ("w1", "w3")]
     stacked = np.concatenate(gate_up)
     assert mapped_file(layer.feed_forward.w13.blocks) is None
     assert np.array_equal(layer.feed_forward.w13.blocks.numpy(), stacked)
+
+
+def test_native_layers_in_bands_hold_the_files_blocks_interleaved(tiny_q8):
+    """A variant with interleaved bands holds each matrix of whole bands as the file's blocks, 8 rows
+    interleaved (torch.ops.floe.interleave_q), byte for byte: a copy in place of the mapping, whose
+    pages the load gave back (a later read maps them from the file again)."""
+    from floe.engine import qgemv
+
+    if not has_compiler():
+        pytest.skip("no C++ compiler: native weights run PyTorch's packed int4 here")
+    name = qgemv.runnable()[0]
+    if not qgemv.interleaves(qgemv.load(name)):
+        pytest.skip(f"the {name} kernel reads the file's rows only")
+    checkpoint = load_checkpoint(tiny_q8)
+    layer = Engine(checkpoint, max_seq_len=32, weights="native").model.layers[0]
+    f = layer.feed_forward
+    for module, parts in ((layer.attention.wo, ("attention.wo",)), (f.w2, ("feed_forward.w2",)),
+                          (f.w13, ("feed_forward.w1", "feed_forward.w3"))):
+        blocks = np.concatenate([checkpoint.quantized[f"layers.0.{p}.weight"].blocks for p in parts])
+        assert module.interleaved and mapped_file(module.blocks) is None
+        expected = torch.ops.floe.interleave_q(torch.from_numpy(blocks), module.in_features)
+        assert torch.equal(module.blocks, expected)
 
 
 def test_native_embeddings_are_looked_up_in_the_file(tiny_q8):

@@ -154,6 +154,60 @@ def test_4bit_codes_at_their_extremes(variant):
     assert_exact(qgemv.QLinear(q, dense=False, kernel=variant)(x), x, q.dequantize())
 
 
+def banded(variant: str) -> str:
+    """`variant` if it runs interleaved bands (csrc/qdot/abi.h); else the test skips."""
+    if not qgemv.interleaves(qgemv.load(runnable(variant))):
+        pytest.skip(f"the {variant} kernel reads the file's rows only (no interleaved bands)")
+    return variant
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_interleaved_bands_are_the_exact_linear_of_int8_rounded_inputs(qtype, variant):
+    """A weight of whole bands of 8 rows is held interleaved by a variant that has them: the same
+    exact sums (every input count up to two of its row blocks and a tail: 1..9), each input row's
+    outputs the same bits alone as beside others, and its rows' values (bands, slices, scattered
+    rows, float32 and bfloat16) the file's; 4-bit weights also from Q4_F blocks (Q4_K's) in bands."""
+    variant = banded(variant)
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((48, 19 * GROUP)).astype(np.float32)
+    q = QuantizedWeight(qtype.name, w.shape, quantize(w, qtype))
+    layer = qgemv.QLinear(q, dense=False, kernel=variant)
+    assert layer.interleaved and layer.blocks.shape == (6, 8 * qgemv.kernel_blocks(q).shape[1])
+    exact = q.dequantize()
+    layouts = [layer.blocks]
+    if qtype != Q.Q8_0:
+        layouts.append(torch.ops.floe.interleave_q(qgemv.q4_f_blocks(q), w.shape[1]))
+    for blocks in layouts:
+        layer.blocks = blocks
+        for m in range(1, 10):
+            x = torch.from_numpy(rng.standard_normal((m, w.shape[1])).astype(np.float32))
+            y = layer(x)
+            assert_exact(y, x, exact)
+            assert all(same_bits(layer(x[i:i + 1]), y[i:i + 1]) for i in range(m))
+        for index in (slice(0, 48), slice(8, 24), slice(3, 17), slice(40, None), torch.tensor([9, 0, 47, 9])):
+            values = layer.rows(index)
+            assert torch.equal(values, exact[index])
+            assert same_bits(layer.rows(index, torch.bfloat16), values.bfloat16())
+
+
+def test_interleaved_codes_at_their_extremes_do_not_saturate(variant):
+    """In bands, AVX2 adds a group's eight int16 pair sums of 4-bit codes before widening them, and
+    byte codes go through |q| x sign(x, q): codes of 15 and 0, bytes of -128 and 127, inputs of ±127."""
+    variant = banded(variant)
+    nibbles = np.full((8, 64), 0xFF, np.uint8)
+    nibbles[1::2, ::2] = 0x00
+    blocks = np.concatenate([np.full((8, 4, 1), 0.25, np.float16).view(np.uint8),
+                             nibbles.reshape(8, 4, 16)], -1).reshape(8, -1)
+    q8 = np.where(np.arange(128) % 3 == 0, -128, 127).astype(np.int8)
+    q8 = np.stack([q8, -q8.clip(-127), np.full(128, -128, np.int8), np.full(128, 127, np.int8)] * 2)
+    x = torch.tensor([[1.0, -1.0] * 64, [-1.0] * 128, [1.0] * 128])  # rounds to ±127 exactly
+    q4 = QuantizedWeight("Q4_0", (8, 128), blocks)
+    for q in (q4, QuantizedWeight("Q8_0", q8.shape, q8_blocks(q8, 0.5))):
+        layer = qgemv.QLinear(q, dense=False, kernel=variant)
+        assert layer.interleaved
+        assert_exact(layer(x), x, q.dequantize())
+
+
 def test_auto_takes_the_best_variant_the_cpu_flags_name(monkeypatch):
     monkeypatch.setattr(qgemv.platform, "machine", lambda: "x86_64")
     avx2 = frozenset({"sse2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"})

@@ -238,3 +238,13 @@ def rss_bytes() -> int:
     """Resident set size of this process, from /proc/self/statm."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing). Loading
+    native weights frees a temporary copy per matrix (stacked, then interleaved) inside the heap,
+    where glibc keeps it: ~80 MB of a 1B-shape model's peak resident memory, measured."""
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from floe.engine.int4 import DENSE_FROM_ROWS, gemm_dtype
-from floe.engine.qgemv import QLinear
+from floe.engine.qgemv import BAND_ROWS, QLinear
 
 BAND = 1 << 20  # weights dequantized at a time
 
@@ -49,7 +49,7 @@ def banded_linear(layer: QLinear, x: Tensor, dtype: torch.dtype | None = None,
     parts = [xb] if splits is None else xb.split(splits)
     out = torch.empty(x.shape[0], layer.out_features)
     outs = [out] if splits is None else out.split(splits)
-    step = max(1, BAND // layer.in_features)
+    step = max(BAND_ROWS, BAND // layer.in_features // BAND_ROWS * BAND_ROWS)  # whole bands (qgemv)
     for start in range(0, layer.out_features, step):
         end = min(start + step, layer.out_features)
         bias = None if layer.bias is None else layer.bias[start:end].to(dtype)

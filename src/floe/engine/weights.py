@@ -22,6 +22,7 @@ from floe.engine.transformer import (
     stacked,
 )
 from floe.errors import FloeError, NotAModel
+from floe.memory import trim_heap
 from floe.model.checkpoint import Checkpoint
 
 WEIGHTS = ("dense", "native")
@@ -127,6 +128,8 @@ def _pack_native(model: Transformer, checkpoint: Checkpoint, paths: list[str], t
             parent, name = path.rsplit(".", 1)
             setattr(model.get_submodule(parent), name, layer)
         packed[weight.qtype] = packed.get(weight.qtype, 0) + 1
+        del weight, layer
+        trim_heap()  # the matrix's temporary copies leave this process's memory now, not at its end
     return packed
 
 

@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#define FLOE_QDOT_ABI 5
+#define FLOE_QDOT_ABI 6
 
 #ifdef __cplusplus
 extern "C" {
@@ -23,6 +23,13 @@ enum FloeQdotFormat {
   FLOE_QDOT_FORMATS = 4
 };
 // (in the nibble formats, byte j of a block holds weight j in its low nibble and weight j + 16 in its high)
+//
+// Interleaved ("x8"): the same blocks, 8 rows a band, for variants whose `rows8` is not NULL (one
+// vector instruction then serves 8 weight rows, its lanes, with one broadcast of the input, as
+// llama.cpp's repacked Q4_0x8). A band is [N/8] bands of K/32 groups; a group of a band is 8 blocks'
+// bytes rearranged: first each field of the block header (d; d, m; s, o) for rows 0..7 in turn (the
+// field of row r at r x its size), then the codes in chunks of 32 bytes: chunk c holds bytes
+// 4c..4c+3 of rows 0..7's codes, row r at 4r. torch.ops.floe.interleave_q makes it from the file's.
 
 // Outputs [begin, end) of y = x Wt for m input rows quantized by `quantize` (qx [m, K], xsu [m, K/16]),
 // row r's written to y[r * ldy + begin .. end); blocks: the weight, [N, K/32] blocks.
@@ -43,6 +50,10 @@ typedef struct FloeQdotKernel {
   void (*quantize)(const float* x, int64_t k, int four_bit, int8_t* qx, float* xsu);
   floe_qdot_rows_fn rows[FLOE_QDOT_FORMATS];
   floe_qdot_dequant_fn dequant[FLOE_QDOT_FORMATS][2];  // [format][bfloat16 out]
+  // The same on interleaved bands (NULL: the variant has none). begin, end: bands for rows8 (outputs
+  // 8 begin .. 8 end), rows for dequant8 (row n: lane n % 8 of band n / 8).
+  floe_qdot_rows_fn rows8[FLOE_QDOT_FORMATS];
+  floe_qdot_dequant_fn dequant8[FLOE_QDOT_FORMATS][2];
 } FloeQdotKernel;
 
 const FloeQdotKernel* floe_qdot_kernel(void);

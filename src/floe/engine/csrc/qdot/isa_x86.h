@@ -201,6 +201,99 @@ struct X86 {
     return _mm256_permutevar8x32_ps(p < 2 ? cs.lo : cs.hi, at);
   }
 
+  // ---- interleaved bands (abi.h): each 32-bit lane is one of 8 weight rows -----------------------
+  // A group: its 8 rows' scales (and offsets) in one register each; per chunk of codes (4 bytes of
+  // each row) one load unpacked once for every input row, whose 4 inputs are broadcast to all lanes;
+  // the group's integer sums (exact) times scale x step, accumulated per input row across groups in
+  // one register of the 8 rows' outputs, the offset term apart, in the same order whatever R is.
+  // AVX2: vpmaddubsw's int16 pair sums of a 4-bit chunk are at most 2 x 15 x 127, so a group's four
+  // chunks, low and high nibbles (8 of them), stay below 32767 before one vpmaddwd widens them.
+  static constexpr int kBandRows = Vnni ? 4 : 2;  // accumulators: 4 a row in AVX-512's 32 registers
+
+  template <class Fmt, int R>
+  static void band_dots(const uint8_t* band, const int8_t* q, const float* xsu, int64_t groups, float* y,
+                        int64_t ldy) {
+    constexpr int64_t B = Fmt::kBytes, H = 8 * Fmt::kCodes;
+    constexpr bool four = Fmt::kFourBit, q4_0 = std::is_same_v<Fmt, Q4_0>, q8_0 = std::is_same_v<Fmt, Q8_0>;
+    const int64_t k = groups * G;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[R], off[R];
+    FLOE_UNROLL
+    for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = band + g * 8 * B;
+      __m256 d, o = _mm256_setzero_ps();
+      if constexpr (std::is_same_v<Fmt, Q4_F>) {
+        d = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+        o = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 32));
+      } else {
+        d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        if constexpr (std::is_same_v<Fmt, Q4_1>) o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+      }
+      const uint8_t* c = p + H;
+      __m256i s[R], t[R];
+      if constexpr (four) {
+        FLOE_UNROLL
+        for (int cc = 0; cc < 4; ++cc) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * cc));
+          const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+          FLOE_UNROLL
+          for (int r = 0; r < R; ++r) {
+            const int8_t* qg = q + r * k + g * G;
+            const __m256i xl = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(qg + 4 * cc))));
+            const __m256i xh = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(qg + 16 + 4 * cc))));
+            if constexpr (Vnni) {
+              s[r] = _mm256_dpbusd_epi32(cc ? s[r] : _mm256_setzero_si256(), lo, xl);
+              t[r] = _mm256_dpbusd_epi32(cc ? t[r] : _mm256_setzero_si256(), hi, xh);
+            } else {
+              const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+              s[r] = cc ? _mm256_add_epi16(s[r], pair) : pair;
+            }
+          }
+        }
+        FLOE_UNROLL
+        for (int r = 0; r < R; ++r) s[r] = Vnni ? _mm256_add_epi32(s[r], t[r]) : _mm256_madd_epi16(s[r], ones);
+      } else {  // signed bytes: |q| x sign(x, q), as dot()
+        FLOE_UNROLL
+        for (int cc = 0; cc < 8; ++cc) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * cc));
+          const __m256i uw = _mm256_abs_epi8(w);
+          FLOE_UNROLL
+          for (int r = 0; r < R; ++r) {
+            const int8_t* qg = q + r * k + g * G;
+            const __m256i x = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(qg + 4 * cc))));
+            const __m256i sx = _mm256_sign_epi8(x, w);
+            __m256i* into = cc % 2 ? t : s;
+            if constexpr (Vnni) {
+              into[r] = _mm256_dpbusd_epi32(cc > 1 ? into[r] : _mm256_setzero_si256(), uw, sx);
+            } else {
+              const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, sx), ones);
+              into[r] = cc > 1 ? _mm256_add_epi32(into[r], dot) : dot;
+            }
+          }
+        }
+        FLOE_UNROLL
+        for (int r = 0; r < R; ++r) s[r] = _mm256_add_epi32(s[r], t[r]);
+      }
+      FLOE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const float* xu = xsu + 2 * (r * groups + g);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(xu[0])), acc[r]);
+        if constexpr (!q8_0) off[r] = _mm256_fmadd_ps(q4_0 ? d : o, _mm256_set1_ps(xu[1]), off[r]);
+      }
+    }
+    FLOE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      __m256 out = acc[r];
+      if constexpr (q4_0) {
+        out = _mm256_fmadd_ps(off[r], _mm256_set1_ps(-8.f), acc[r]);  // w = d q - 8 d
+      } else if constexpr (!q8_0) {
+        out = _mm256_add_ps(acc[r], off[r]);
+      }
+      _mm256_storeu_ps(y + r * ldy, out);
+    }
+  }
+
   // A group's 32 weights s * q + z (a product, then a sum, as ScalarBlocks), or s * q for signed
   // bytes, 16 codes at a time.
   template <bool FourBit, typename Out>

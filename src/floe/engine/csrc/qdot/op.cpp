@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -59,41 +60,56 @@ const FloeQdotKernel* kernel_of(int64_t number) {
 
 std::string qdot_name(int64_t number) { return kernel_of(number)->name; }
 
-// A block format's size in bytes, in abi.h's order.
+// A block format's size in bytes, its header's (scale, offset) and its fields' count, in abi.h's order.
 constexpr int64_t kFormatBytes[FLOE_QDOT_FORMATS] = {18, 20, 34, 24};
+constexpr int64_t kHeaderBytes[FLOE_QDOT_FORMATS] = {2, 4, 2, 8};
+constexpr int64_t kFields[FLOE_QDOT_FORMATS] = {1, 2, 1, 2};
 
-// blocks uint8 [N, K/32 blocks], contiguous: which format (named by its block's size).
-int format_of(const at::Tensor& blocks, int64_t k) {
+struct Layout {
+  int format;
+  bool bands;    // interleaved, 8 rows a band (abi.h): blocks [N/8, 8 x bytes a row]
+  int64_t rows;  // the weight's rows, N
+};
+
+// blocks uint8 [N, K/32 blocks] (the file's rows) or [N/8, 8 x that] (interleaved bands), contiguous:
+// which format (named by its block's size) and layout.
+Layout layout_of(const at::Tensor& blocks, int64_t k) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "blocks: uint8 [N, bytes a row], contiguous");
   TORCH_CHECK(k > 0 && k % G == 0, "K = ", k, " is not a positive multiple of ", G);
   for (int f = 0; f < FLOE_QDOT_FORMATS; ++f) {
-    if (blocks.size(1) == k / G * kFormatBytes[f]) return f;
+    if (blocks.size(1) == k / G * kFormatBytes[f]) return {f, false, blocks.size(0)};
+    if (blocks.size(1) == 8 * k / G * kFormatBytes[f]) return {f, true, 8 * blocks.size(0)};
   }
   TORCH_CHECK(false, "a row of ", blocks.size(1), " bytes is no block format's for K = ", k,
-              " (blocks of 18, 20, 34 or 24 bytes: Q4_0, Q4_1, Q8_0, floe's Q4 with float32 scales)");
-  return -1;
+              " (blocks of 18, 20, 34 or 24 bytes: Q4_0, Q4_1, Q8_0, floe's Q4 with float32 scales; or 8 rows "
+              "of them interleaved)");
+  return {};
 }
 
-// y [..., N] = x [..., K] times the weight: blocks uint8 [N, K/32 blocks of one format].
+// y [..., N] = x [..., K] times the weight: blocks uint8 [N, K/32 blocks of one format], or its
+// interleaved bands [N/8, ...] (abi.h) for a variant that has rows8.
 at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& blocks, int64_t number) {
   const FloeQdotKernel* kernel = kernel_of(number);
   TORCH_CHECK(x_in.dim() >= 1, "x: [..., K]");
-  const int64_t n = blocks.size(0), k = x_in.size(-1), groups = k / G;
-  const int format = format_of(blocks, k);
-  const bool four_bit = format != FLOE_Q8_0;
+  const int64_t k = x_in.size(-1), groups = k / G;
+  const Layout layout = layout_of(blocks, k);
+  const int64_t n = layout.rows;
+  const floe_qdot_rows_fn rows = layout.bands ? kernel->rows8[layout.format] : kernel->rows[layout.format];
+  TORCH_CHECK(rows != nullptr, "the '", kernel->name, "' kernel has no interleaved bands");
+  // the input as the variant's rows read it: for the file's rows, its 4-bit groups' pairs; else in order
+  const int paired = layout.format != FLOE_Q8_0 && !layout.bands;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   auto sizes = x_in.sizes().vec();
   sizes.back() = n;
   at::Tensor y = at::empty(sizes, x.options());
-  const floe_qdot_rows_fn rows = kernel->rows[format];
   const int64_t m = x.numel() / k;
   std::vector<int8_t> qx(m * k);
   std::vector<float> xsu(2 * m * groups);
   const float* xp = x.data_ptr<float>();
   const auto quantize = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      kernel->quantize(xp + r * k, k, four_bit, &qx[r * k], &xsu[2 * r * groups]);
+      kernel->quantize(xp + r * k, k, paired, &qx[r * k], &xsu[2 * r * groups]);
     }
   };
   if (m == 1) {
@@ -101,13 +117,13 @@ at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& blocks, int64_t numb
   } else {
     floe::parallel_for(0, m, 1, quantize);
   }
-  // Several input rows (a batched decode step, a prompt): each block of output rows meets every input
-  // row while its weights are in the core's cache (the variant unpacks them once for a few input rows
-  // at a time), so the weights are read from memory once, not once per input row.
+  // Several input rows (a batched decode step, a prompt): each block of output rows (or bands) meets
+  // every input row while its weights are in the core's cache (the variant unpacks them once for a
+  // few input rows at a time), so the weights are read from memory once, not once per input row.
   const int64_t block = std::max<int64_t>(1, kBlockBytes / blocks.size(1));
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
-  floe::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  floe::parallel_for(0, blocks.size(0), layout.bands ? 2 : 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b += block) {
       rows(w, qx.data(), xsu.data(), m, groups, b, std::min(end, b + block), out, n);
     }
@@ -115,16 +131,18 @@ at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& blocks, int64_t numb
   return y;
 }
 
-// The weight's rows as values: blocks uint8 [N, K/32 blocks] as gemv_q takes them -> [N, K] float32
-// or bfloat16 (what a prompt's matrix product reads), split over threads.
+// The weight's rows as values: blocks as gemv_q takes them -> [N, K] float32 or bfloat16 (what a
+// prompt's matrix product reads), split over threads.
 at::Tensor dequant_q(const at::Tensor& blocks, int64_t k, at::ScalarType dtype, int64_t number) {
   const FloeQdotKernel* kernel = kernel_of(number);
-  const int format = format_of(blocks, k);
+  const Layout layout = layout_of(blocks, k);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequant_q writes float32 or bfloat16, not ",
               dtype);
-  const int64_t n = blocks.size(0), groups = k / G;
+  const int64_t n = layout.rows, groups = k / G;
   at::Tensor w = at::empty({n, k}, blocks.options().dtype(dtype));
-  const floe_qdot_dequant_fn dequant = kernel->dequant[format][dtype == at::kBFloat16];
+  const floe_qdot_dequant_fn dequant =
+      (layout.bands ? kernel->dequant8 : kernel->dequant)[layout.format][dtype == at::kBFloat16];
+  TORCH_CHECK(dequant != nullptr, "the '", kernel->name, "' kernel has no interleaved bands");
   const uint8_t* b = blocks.data_ptr<uint8_t>();
   char* out = static_cast<char*>(w.data_ptr());
   const int64_t row_bytes = k * w.element_size();
@@ -133,6 +151,59 @@ at::Tensor dequant_q(const at::Tensor& blocks, int64_t k, at::ScalarType dtype, 
   });
   return w;
 }
+
+// Rows `index` of an interleaved weight (bands as gemv_q takes them) as values, [len(index), K]: a
+// head's few scattered rows (exact_top), one call on the calling thread.
+at::Tensor dequant_rows_q(const at::Tensor& blocks, int64_t k, const at::Tensor& index, at::ScalarType dtype,
+                          int64_t number) {
+  const FloeQdotKernel* kernel = kernel_of(number);
+  const Layout layout = layout_of(blocks, k);
+  TORCH_CHECK(layout.bands, "dequant_rows_q reads interleaved bands (the file's rows: index them)");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequant_rows_q writes float32 or bfloat16");
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1, "index: int64 [n]");
+  const at::Tensor at = index.contiguous();
+  const int64_t* rows = at.data_ptr<int64_t>();
+  const int64_t count = at.numel(), groups = k / G;
+  at::Tensor w = at::empty({count, k}, blocks.options().dtype(dtype));
+  const floe_qdot_dequant_fn dequant = kernel->dequant8[layout.format][dtype == at::kBFloat16];
+  TORCH_CHECK(dequant != nullptr, "the '", kernel->name, "' kernel has no interleaved bands");
+  char* out = static_cast<char*>(w.data_ptr());
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t row = rows[i] < 0 ? rows[i] + layout.rows : rows[i];
+    TORCH_CHECK(row >= 0 && row < layout.rows, "row ", rows[i], " of a weight of ", layout.rows, " rows");
+    dequant(blocks.data_ptr<uint8_t>(), groups, row, row + 1, out + i * k * w.element_size());
+  }
+  return w;
+}
+
+// The file's rows [N, K/32 blocks] (N a multiple of 8) as interleaved bands [N/8, 8 x bytes a row]
+// (abi.h), split over threads.
+at::Tensor interleave_q(const at::Tensor& blocks, int64_t k) {
+  const Layout layout = layout_of(blocks, k);
+  TORCH_CHECK(!layout.bands, "these blocks are interleaved already");
+  TORCH_CHECK(layout.rows % 8 == 0, "interleaving takes 8 rows a band: ", layout.rows, " rows");
+  const int f = layout.format;
+  const int64_t bytes = kFormatBytes[f], header = kHeaderBytes[f], field = header / kFields[f];
+  const int64_t groups = k / G, chunks = (bytes - header) / 4, width = blocks.size(1);
+  at::Tensor out = at::empty({layout.rows / 8, 8 * width}, blocks.options());
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  floe::parallel_for(0, layout.rows / 8, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* dst = o + b * 8 * width + g * 8 * bytes;
+        for (int r = 0; r < 8; ++r) {
+          const uint8_t* src = in + (8 * b + r) * width + g * bytes;
+          for (int64_t j = 0; j < kFields[f]; ++j) std::memcpy(dst + j * 8 * field + r * field, src + j * field, field);
+          for (int64_t c = 0; c < chunks; ++c) std::memcpy(dst + 8 * header + 32 * c + 4 * r, src + header + 4 * c, 4);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+bool qdot_interleaves(int64_t number) { return kernel_of(number)->rows8[0] != nullptr; }
 
 // exact_top's candidates (qgemv.QLinear.exact_top): per row m of y [M, N] (float32, a head's
 // outputs), the indices j whose interval y[m, j] +- b reaches the best lower end, b = spread[m] *
@@ -192,6 +263,9 @@ std::vector<at::Tensor> top_candidates(const at::Tensor& y, const at::Tensor& bo
 TORCH_LIBRARY_FRAGMENT(floe, m) {
   m.def("qdot_load(str path) -> int", &qdot_load);
   m.def("qdot_name(int kernel) -> str", &qdot_name);
+  m.def("qdot_interleaves(int kernel) -> bool", &qdot_interleaves);
+  m.def("interleave_q(Tensor blocks, int k) -> Tensor", &interleave_q);
+  m.def("dequant_rows_q(Tensor blocks, int k, Tensor index, ScalarType dtype, int kernel) -> Tensor", &dequant_rows_q);
 }
 
 TORCH_LIBRARY_IMPL(floe, CPU, m) {

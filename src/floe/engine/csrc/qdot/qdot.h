@@ -145,6 +145,7 @@ void quantize(const float* x, int64_t k, int four_bit, int8_t* qx, float* xsu) {
 struct Q4_0 {  // fp16 d, 16 nibble bytes: w = d q - 8 d
   static constexpr int64_t kBytes = 18, kCodes = 2;
   static constexpr bool kFourBit = true;
+  static constexpr int kFields = 1;  // header fields (scale[, offset]), each kCodes / kFields bytes
   template <class Isa>
   static void scale(const uint8_t* b, float& s, float& o) {
     s = Isa::half(load_u16(b));
@@ -154,6 +155,7 @@ struct Q4_0 {  // fp16 d, 16 nibble bytes: w = d q - 8 d
 struct Q4_1 {  // fp16 d, fp16 m, 16 nibble bytes: w = d q + m
   static constexpr int64_t kBytes = 20, kCodes = 4;
   static constexpr bool kFourBit = true;
+  static constexpr int kFields = 2;  // header fields (scale[, offset]), each kCodes / kFields bytes
   template <class Isa>
   static void scale(const uint8_t* b, float& s, float& o) {
     s = Isa::half(load_u16(b));
@@ -163,6 +165,7 @@ struct Q4_1 {  // fp16 d, fp16 m, 16 nibble bytes: w = d q + m
 struct Q8_0 {  // fp16 d, 32 signed bytes: w = d q
   static constexpr int64_t kBytes = 34, kCodes = 2;
   static constexpr bool kFourBit = false;
+  static constexpr int kFields = 1;  // header fields (scale[, offset]), each kCodes / kFields bytes
   template <class Isa>
   static void scale(const uint8_t* b, float& s, float& o) {
     s = Isa::half(load_u16(b));
@@ -172,6 +175,7 @@ struct Q8_0 {  // fp16 d, 32 signed bytes: w = d q
 struct Q4_F {  // float32 s, float32 o, 16 nibble bytes: w = s q + o (floe's own, for Q4_K's groups)
   static constexpr int64_t kBytes = 24, kCodes = 8;
   static constexpr bool kFourBit = true;
+  static constexpr int kFields = 2;  // header fields (scale[, offset]), each kCodes / kFields bytes
   template <class Isa>
   static void scale(const uint8_t* b, float& s, float& o) {
     s = load_f32(b);
@@ -359,16 +363,97 @@ void dequant(const uint8_t* blocks, int64_t groups, int64_t begin, int64_t end, 
   }
 }
 
+// ---- interleaved bands (abi.h): 8 weight rows a band, for variants with Isa::band_dots ----------
+
+// Row r's block of group g of an interleaved band, rebuilt in the file's layout (into `block`).
+template <class Fmt>
+inline void band_block(const uint8_t* group, int r, uint8_t* block) {
+  constexpr int64_t F = Fmt::kCodes / Fmt::kFields, H = 8 * Fmt::kCodes, Chunks = (Fmt::kBytes - Fmt::kCodes) / 4;
+  for (int f = 0; f < Fmt::kFields; ++f) std::memcpy(block + f * F, group + f * 8 * F + r * F, F);
+  for (int64_t c = 0; c < Chunks; ++c) std::memcpy(block + Fmt::kCodes + 4 * c, group + H + 32 * c + 4 * r, 4);
+}
+
+// Bands [begin, end) for R input rows (as rows_of for the file's rows): band b's outputs at y + 8 b.
+template <class Isa, class Fmt, int R>
+void bands_of(const uint8_t* bands, const int8_t* q, const float* xsu, int64_t groups, int64_t begin,
+              int64_t end, float* y, int64_t ldy) {
+  const int64_t width = groups * 8 * Fmt::kBytes;
+  for (int64_t b = begin; b < end; ++b) {
+    Isa::template band_dots<Fmt, R>(bands + b * width, q, xsu, groups, y + 8 * b, ldy);
+  }
+}
+
+template <class Isa, class Fmt, int R>
+void bands_upto(int64_t count, const uint8_t* bands, const int8_t* q, const float* xsu, int64_t groups,
+                int64_t begin, int64_t end, float* y, int64_t ldy) {
+  if constexpr (R > 1) {
+    if (count < R) return bands_upto<Isa, Fmt, R - 1>(count, bands, q, xsu, groups, begin, end, y, ldy);
+  }
+  bands_of<Isa, Fmt, R>(bands, q, xsu, groups, begin, end, y, ldy);
+}
+
+// rows for interleaved bands: the input rows Isa::kBandRows at a time (qx in quantize_row's order).
+template <class Isa, class Fmt>
+void rows8(const uint8_t* bands, const int8_t* qx, const float* xsu, int64_t m, int64_t groups,
+           int64_t begin, int64_t end, float* y, int64_t ldy) {
+  constexpr int R = Isa::kBandRows;
+  const int64_t k = groups * G;
+  for (int64_t r = 0; r < m; r += R) {
+    bands_upto<Isa, Fmt, R>(m - r < R ? m - r : R, bands, qx + r * k, xsu + 2 * r * groups, groups, begin,
+                            end, y + r * ldy, ldy);
+  }
+}
+
+// dequant for interleaved bands: rows [begin, end) (any: row n is lane n % 8 of band n / 8).
+template <class Isa, class Fmt, typename Out>
+void dequant8(const uint8_t* bands, int64_t groups, int64_t begin, int64_t end, void* out) {
+  const int64_t k = groups * G, width = groups * 8 * Fmt::kBytes;
+  Out* o = static_cast<Out*>(out);
+  uint8_t block[Fmt::kBytes];
+  for (int64_t n = begin; n < end; ++n, o += k) {
+    const uint8_t* band = bands + n / 8 * width;
+    for (int64_t g = 0; g < groups; ++g) {
+      band_block<Fmt>(band + g * 8 * Fmt::kBytes, static_cast<int>(n % 8), block);
+      float s, z;
+      Fmt::template scale<Isa>(block, s, z);
+      Isa::template dequant_group<Fmt::kFourBit>(block + Fmt::kCodes, s, z, o + g * G);
+    }
+  }
+}
+
+template <class Isa, class = void>
+struct HasBands : std::false_type {};
+template <class Isa>
+struct HasBands<Isa, std::void_t<decltype(Isa::kBandRows)>> : std::true_type {};
+
 // The table a variant's library hands to floe's operator (formats in abi.h's order).
 template <class Isa>
 const FloeQdotKernel* kernel(const char* name) {
-  static const FloeQdotKernel table = {
-      FLOE_QDOT_ABI, name, &Isa::runs_here, &quantize<Isa>,
-      {&rows<Isa, Q4_0>, &rows<Isa, Q4_1>, &rows<Isa, Q8_0>, &rows<Isa, Q4_F>},
-      {{&dequant<Isa, Q4_0, float>, &dequant<Isa, Q4_0, uint16_t>},
-       {&dequant<Isa, Q4_1, float>, &dequant<Isa, Q4_1, uint16_t>},
-       {&dequant<Isa, Q8_0, float>, &dequant<Isa, Q8_0, uint16_t>},
-       {&dequant<Isa, Q4_F, float>, &dequant<Isa, Q4_F, uint16_t>}}};
+  static const FloeQdotKernel table = [name] {
+    FloeQdotKernel t = {
+        FLOE_QDOT_ABI, name, &Isa::runs_here, &quantize<Isa>,
+        {&rows<Isa, Q4_0>, &rows<Isa, Q4_1>, &rows<Isa, Q8_0>, &rows<Isa, Q4_F>},
+        {{&dequant<Isa, Q4_0, float>, &dequant<Isa, Q4_0, uint16_t>},
+         {&dequant<Isa, Q4_1, float>, &dequant<Isa, Q4_1, uint16_t>},
+         {&dequant<Isa, Q8_0, float>, &dequant<Isa, Q8_0, uint16_t>},
+         {&dequant<Isa, Q4_F, float>, &dequant<Isa, Q4_F, uint16_t>}},
+        {},
+        {}};
+    if constexpr (HasBands<Isa>::value) {
+      const floe_qdot_rows_fn rows[] = {&rows8<Isa, Q4_0>, &rows8<Isa, Q4_1>, &rows8<Isa, Q8_0>, &rows8<Isa, Q4_F>};
+      const floe_qdot_dequant_fn values[][2] = {
+          {&dequant8<Isa, Q4_0, float>, &dequant8<Isa, Q4_0, uint16_t>},
+          {&dequant8<Isa, Q4_1, float>, &dequant8<Isa, Q4_1, uint16_t>},
+          {&dequant8<Isa, Q8_0, float>, &dequant8<Isa, Q8_0, uint16_t>},
+          {&dequant8<Isa, Q4_F, float>, &dequant8<Isa, Q4_F, uint16_t>}};
+      for (int f = 0; f < FLOE_QDOT_FORMATS; ++f) {
+        t.rows8[f] = rows[f];
+        t.dequant8[f][0] = values[f][0];
+        t.dequant8[f][1] = values[f][1];
+      }
+    }
+    return t;
+  }();
   return &table;
 }
 
