@@ -325,14 +325,23 @@ void rows_of(const uint8_t* blocks, const int8_t* q, const float* xsu, int64_t g
   }
 }
 
-// rows_of for `count` <= R input rows.
-template <class Isa, class Fmt, int R>
-void rows_upto(int64_t count, const uint8_t* blocks, const int8_t* q, const float* xsu, int64_t groups,
-               int64_t begin, int64_t end, float* y, int64_t ldy) {
+// pass(std::integral_constant<int, n>) for n = count <= R (the row count as a compile-time constant).
+template <int R, class Pass>
+inline void with_rows(int64_t count, const Pass& pass) {
   if constexpr (R > 1) {
-    if (count < R) return rows_upto<Isa, Fmt, R - 1>(count, blocks, q, xsu, groups, begin, end, y, ldy);
+    if (count < R) return with_rows<R - 1>(count, pass);
   }
-  rows_of<Isa, Fmt, R>(blocks, q, xsu, groups, begin, end, y, ldy);
+  pass(std::integral_constant<int, R>{});
+}
+
+// m input rows R at a time (the last pass fewer): pass(n, qx, xsu, y) of each pass's n rows.
+template <int R, class Pass>
+inline void in_passes(int64_t m, int64_t groups, const int8_t* qx, const float* xsu, float* y, int64_t ldy,
+                      const Pass& pass) {
+  const int64_t k = groups * G;
+  for (int64_t r = 0; r < m; r += R) {
+    with_rows<R>(m - r < R ? m - r : R, [&](auto n) { pass(n, qx + r * k, xsu + 2 * r * groups, y + r * ldy); });
+  }
 }
 
 // Outputs [begin, end) (a block whose weights stay in the core's cache) for m input rows, kRows at a
@@ -340,12 +349,9 @@ void rows_upto(int64_t count, const uint8_t* blocks, const int8_t* q, const floa
 template <class Isa, class Fmt>
 void rows(const uint8_t* blocks, const int8_t* qx, const float* xsu, int64_t m, int64_t groups,
           int64_t begin, int64_t end, float* y, int64_t ldy) {
-  constexpr int R = Isa::kRows;
-  const int64_t k = groups * G;
-  for (int64_t r = 0; r < m; r += R) {
-    rows_upto<Isa, Fmt, R>(m - r < R ? m - r : R, blocks, qx + r * k, xsu + 2 * r * groups, groups, begin,
-                           end, y + r * ldy, ldy);
-  }
+  in_passes<Isa::kRows>(m, groups, qx, xsu, y, ldy, [&](auto n, const int8_t* q, const float* x, float* out) {
+    rows_of<Isa, Fmt, decltype(n)::value>(blocks, q, x, groups, begin, end, out, ldy);
+  });
 }
 
 // Weight rows [begin, end) themselves, w = s * q + o in float32 (a code times a file's scale is
@@ -383,25 +389,13 @@ void bands_of(const uint8_t* bands, const int8_t* q, const float* xsu, int64_t g
   }
 }
 
-template <class Isa, class Fmt, int R>
-void bands_upto(int64_t count, const uint8_t* bands, const int8_t* q, const float* xsu, int64_t groups,
-                int64_t begin, int64_t end, float* y, int64_t ldy) {
-  if constexpr (R > 1) {
-    if (count < R) return bands_upto<Isa, Fmt, R - 1>(count, bands, q, xsu, groups, begin, end, y, ldy);
-  }
-  bands_of<Isa, Fmt, R>(bands, q, xsu, groups, begin, end, y, ldy);
-}
-
 // rows for interleaved bands: the input rows Isa::kBandRows at a time (qx in quantize_row's order).
 template <class Isa, class Fmt>
 void rows8(const uint8_t* bands, const int8_t* qx, const float* xsu, int64_t m, int64_t groups,
            int64_t begin, int64_t end, float* y, int64_t ldy) {
-  constexpr int R = Isa::kBandRows;
-  const int64_t k = groups * G;
-  for (int64_t r = 0; r < m; r += R) {
-    bands_upto<Isa, Fmt, R>(m - r < R ? m - r : R, bands, qx + r * k, xsu + 2 * r * groups, groups, begin,
-                            end, y + r * ldy, ldy);
-  }
+  in_passes<Isa::kBandRows>(m, groups, qx, xsu, y, ldy, [&](auto n, const int8_t* q, const float* x, float* out) {
+    bands_of<Isa, Fmt, decltype(n)::value>(bands, q, x, groups, begin, end, out, ldy);
+  });
 }
 
 // dequant for interleaved bands: rows [begin, end) (row n is lane n % 8 of band n / 8), each row's
