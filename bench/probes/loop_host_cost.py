@@ -1,0 +1,77 @@
+"""The engine loop's host cost per row-token: a one-layer 64-wide model on the CPU (its forward costs
+little), S chat-guest actors through one EngineLoop, the loop's phases per step, and where the
+loop thread's time goes (cProfile of its steps, the top functions by own time).
+
+    python bench/probes/loop_host_cost.py [--sessions 64] [--tokens 64] [--tokenizer DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from cpu_batch import actors_run, message  # noqa: E402
+
+from floe.actor import loop as engine_loop  # noqa: E402
+from floe.engine import Engine  # noqa: E402
+from floe.model.config import ModelConfig  # noqa: E402
+from floe.model.synthetic import random_checkpoint  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sessions", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.tokenizer:
+        from floe.model.hf_folder import tokenizer_from_folder
+
+        tok = tokenizer_from_folder(Path(args.tokenizer), {})
+    else:
+        from floe.model import load_checkpoint
+
+        tok = load_checkpoint().tokenizer
+    config = ModelConfig(arch="llama", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                         vocab_size=tok.vocab_size, context_length=1024, name="tiny")
+    weights = random_checkpoint(config, tok, dtype=torch.float32)
+    engine = Engine(weights, max_seq_len=512, n_slots=args.sessions)
+    texts = [message(tok, i, 64) for i in range(args.sessions)]
+    actors_run(engine, texts[:2], 4, batch=True)
+    s = actors_run(engine, texts, args.tokens, batch=True)["engine_loop"]
+    steps = s["steps"]
+    print(f"{args.sessions} actors: {steps} steps, {1e3 * s['step_s'] / steps:.2f} ms a step, "
+          f"{1e6 * s['step_s'] / s['rows']:.1f} µs a row-token; phases (ms a step): "
+          + ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in s["phase_s"].items()))
+    profile = cProfile.Profile()
+    step = engine_loop.EngineLoop._step
+
+    def profiled(self) -> None:
+        profile.enable()
+        try:
+            step(self)
+        finally:
+            profile.disable()
+
+    engine_loop.EngineLoop._step = profiled
+    try:
+        rows = actors_run(engine, texts, args.tokens, batch=True)["engine_loop"]["rows"]
+    finally:
+        engine_loop.EngineLoop._step = step
+    print(f"cProfile of the loop's steps ({rows} row-tokens; µs a row-token = tottime / rows):")
+    stats = pstats.Stats(profile)
+    for (file, line, name), (_, calls, tottime, cumtime, _) in sorted(
+            stats.stats.items(), key=lambda kv: -kv[1][2])[:20]:
+        print(f"  {1e6 * tottime / rows:7.1f} own {1e6 * cumtime / rows:7.1f} cum  {calls:7d}  "
+              f"{Path(file).name}:{line}({name})")
+
+
+if __name__ == "__main__":
+    main()
