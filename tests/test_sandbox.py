@@ -313,6 +313,129 @@ def test_a_module_over_16_mib_is_refused_before_it_is_compiled(tiny_engine):
         Actor(tiny_engine, _declaring(1, "functions") + b"\x00" + leb + payload)
 
 
+# ---- guest calls that hold the GIL (the engine loop's) --------------------------------------------------
+
+def _instance(body: str):
+    from floe.wasm import GuestInstance, default_runtime
+
+    runtime = default_runtime()
+    module = runtime.compile(wasmtime.wat2wasm(f"""(module (memory (export "memory") 1)
+      (global $n (mut i32) (i32.const 0))
+      (func (export "f") (param i32) (result i32) {body}))"""))
+    return runtime, GuestInstance(module, "floe", [], 1 << 20)
+
+
+def _on_guest_thread(fn):
+    from floe.wasm import start_guest_thread
+
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    thread = threading.Thread(target=run)
+    start_guest_thread(thread)
+    thread.join(30)
+    assert not thread.is_alive()
+    return out
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="native epoch ticks: Linux")
+def test_a_runaway_guest_holding_the_gil_is_stopped_at_its_deadline_and_others_still_run():
+    """The engine loop calls guests without releasing the GIL; epochs then tick from a native timer,
+    so the deadline still stops a guest that never returns, and other Python threads get the GIL at
+    each tick (the deadline check is Python) instead of never."""
+    runtime, instance = _instance("(loop $l (br $l)) (i32.const 0)")
+    assert runtime.native_ticks
+    progress, stop = [0], threading.Event()
+
+    def other():
+        while not stop.is_set():
+            progress[0] += 1
+            time.sleep(0.001)
+
+    threading.Thread(target=other, daemon=True).start()
+    time.sleep(0.05)
+    before = progress[0]
+    t = time.monotonic()
+    out = _on_guest_thread(lambda: instance.call("f", 0, deadline_s=0.3, pending=lambda: None, hold_gil=True))
+    took = time.monotonic() - t
+    stop.set()
+    assert isinstance(out.get("error"), GuestDeadlineExceeded), out
+    assert 0.3 <= took < 0.3 + 5 * OVERRUN_S
+    assert progress[0] > before  # the other thread ran meanwhile
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="native epoch ticks: Linux")
+def test_the_native_epoch_timer_outlives_the_engine_object_and_a_forks_child_gets_its_own():
+    """The timer ticks its own reference to the engine: the Python engine object freed (as at the
+    interpreter's exit, where this crashed a process) leaves the ticks harmless; a fork's child, which
+    inherits no timer, starts one, so its guests' deadlines still stop a runaway."""
+    out = run_isolated("""
+        import gc, os, signal, time
+        import wasmtime
+        from floe.wasm import GuestDeadlineExceeded, GuestInstance, default_runtime
+        from floe.wasm.raw import EpochTimer
+        engine = wasmtime.Engine()
+        timer = EpochTimer.start(engine.ptr(), 0.01)
+        assert timer is not None
+        del engine
+        gc.collect()
+        time.sleep(0.1)  # ten ticks after the engine object was freed
+        timer.stop()
+        print("alive")
+        runtime = default_runtime()
+        wat = '(module (memory (export "memory") 1) (func (export "f") (param i32) (result i32) ' \\
+              '(loop $l (br $l)) (i32.const 0)))'
+        module = runtime.compile(wasmtime.wat2wasm(wat))
+        instance = GuestInstance(module, "floe", [], 1 << 20)  # (the parent's ticker starts)
+        pid = os.fork()
+        if pid == 0:
+            t = time.monotonic()
+            try:
+                instance.call("f", 0, deadline_s=0.2, pending=lambda: None)
+                os._exit(3)
+            except GuestDeadlineExceeded:
+                os._exit(0 if runtime.native_ticks and time.monotonic() - t < 5 else 4)
+        for _ in range(1000):  # (10 s; a child whose deadline never comes is killed)
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                print("child", os.waitstatus_to_exitcode(status))
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            print("child hung")
+    """, timeout=60)
+    assert out.split() == ["alive", "child", "0"], out
+
+
+@pytest.mark.parametrize("hold_gil", [False, True])
+def test_a_prepared_guest_call_after_a_trap_runs_as_before(hold_gil):
+    """Each export's call is prepared once (its C arrays): a trap leaves it ready for the next call,
+    and arguments wrap to i32 as the guest sees them."""
+    _, instance = _instance("""
+      (if (i32.eq (local.get 0) (i32.const 13)) (then unreachable))
+      (global.set $n (i32.add (global.get $n) (i32.const 1)))
+      (i32.add (local.get 0) (global.get $n))""")
+
+    def calls():
+        results = [instance.call("f", 1, deadline_s=5, pending=lambda: None, hold_gil=hold_gil)]
+        with pytest.raises(GuestTrap, match="unreachable"):
+            instance.call("f", 13, deadline_s=5, pending=lambda: None, hold_gil=hold_gil)
+        results.append(instance.call("f", 2, deadline_s=5, pending=lambda: None, hold_gil=hold_gil))
+        results.append(instance.call("f", 2**32 - 1, deadline_s=5, pending=lambda: None, hold_gil=hold_gil))
+        with pytest.raises(GuestLoadError, match="cannot be called as the ABI says"):
+            instance.call("f", 1, 2, deadline_s=5, pending=lambda: None)
+        return results
+
+    out = _on_guest_thread(calls)
+    assert out.get("value") == [2, 4, 2], out
+
+
 # ---- the memory cap from the first instruction -------------------------------------------------------
 
 def test_a_start_function_cannot_grow_past_the_cap(tiny_engine):

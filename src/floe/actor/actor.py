@@ -255,16 +255,27 @@ class Actor:
         try:
             return self.guest.call(name, *args, deadline_s=seconds, pending=self._take_pending)
         except GuestError as e:
-            if self.logs and e.args:
-                e.args = (f"{e.args[0]} (the guest's last log line: {self.logs[-1]!r})", *e.args[1:])
+            self._name_last_log(e)
             raise
         finally:
             if own_budget:
                 self.abi.budget = None
 
-    def guest_call(self, name: str, *args: int, deadline: float) -> int:
-        """For the engine loop: call a guest export within the running message (its budget)."""
-        return self._call(name, *args, deadline=deadline)
+    def _name_last_log(self, e: GuestError) -> None:
+        if self.logs and e.args:
+            e.args = (f"{e.args[0]} (the guest's last log line: {self.logs[-1]!r})", *e.args[1:])
+
+    def guest_call(self, name: str, *args: int, seconds: float) -> int:
+        """For the engine loop: call a guest export within the running message (its budget), for at
+        most `seconds`, holding the GIL through the guest's code (GuestInstance.call: the loop's
+        thread, which every turn waits for, waits for no other thread)."""
+        if self.abi.budget is None:
+            raise RuntimeError(f"{name}: the engine loop calls a guest only within its message")
+        try:
+            return self.guest.call(name, *args, deadline_s=seconds, pending=self._take_pending, hold_gil=True)
+        except GuestError as e:
+            self._name_last_log(e)
+            raise
 
     @property
     def loop(self) -> EngineLoop:

@@ -568,9 +568,9 @@ class EngineLoop:
     def _guest_call(self, turn: Turn, name: str, *args: int) -> int:
         """A guest export called from the loop: every other turn waits for it, so it may take at most
         token_call_s (and no longer than its message's deadline)."""
+        seconds = min(turn.deadline - time.monotonic(), self.token_call_s)
         try:
-            return turn.actor.guest_call(name, *args, deadline=min(turn.deadline, time.monotonic()
-                                                                   + self.token_call_s))
+            return turn.actor.guest_call(name, *args, seconds=max(0.0, seconds))
         except GuestDeadlineExceeded:
             if time.monotonic() >= turn.deadline:
                 raise

@@ -152,11 +152,21 @@ class Engine:
         self._unfinished: list[LaunchedStep] = []  # launched steps not yet finished, oldest first
         # slot -> its latest device-fed row: (position, token once known, source logits row, drawn there)
         self._fed: dict[int, tuple[int, int | None, int, bool]] = {}
+        self._row_transfers: dict[int, tuple[str, int] | None] = {}  # input_transfer(1, rows), by rows
 
     def input_transfer(self, n_tokens: int, batch_rows: int = 1) -> tuple[str, int] | None:
         """(boundary name, bytes) of what a forward of n_tokens copies host→device, None on the CPU:
         the int64 ids of a prefill, or a decode graph's token and position (from pinned memory); for
-        one row of a batched decode step (`batch_rows` rows), its share of the step's input block."""
+        one row of a batched decode step (`batch_rows` rows), its share of the step's input block.
+        A decode row's is worked out once per batch size (the engine loop asks for every row)."""
+        if n_tokens != 1:
+            return self._input_transfer(n_tokens, batch_rows)
+        known = self._row_transfers.get(batch_rows, self)
+        if known is self:
+            known = self._row_transfers[batch_rows] = self._input_transfer(1, batch_rows)
+        return known
+
+    def _input_transfer(self, n_tokens: int, batch_rows: int) -> tuple[str, int] | None:
         if self.backend == "webgpu":  # the step's rows (token, position, slot) and their count
             from floe.engine.webgpu.decoder import input_bytes
 

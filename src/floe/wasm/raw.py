@@ -24,6 +24,7 @@ import _signal  # signal's own functions wrap these in enums: 70x slower, and th
 import collections
 import ctypes
 import ctypes.util
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -299,25 +300,58 @@ def _message(ptr, free, to_bytes) -> str:
         free(ptr)
 
 
-def call_i32(store, func, args: tuple[int, ...]) -> int:
-    """Call `func` with i32 arguments, expecting exactly one i32 result. A function of another
-    signature is refused by Wasmtime (RawCallError, trap=False) without asking for type names."""
-    params = (ffi.wasmtime_val_t * max(1, len(args)))()
-    for i, a in enumerate(args):
-        params[i].kind = I32
-        params[i].of.i32 = ctypes.c_int32(a).value
-    results = (ffi.wasmtime_val_t * 1)()
-    trap = ctypes.POINTER(ffi.wasm_trap_t)()
-    error = ffi.wasmtime_func_call(store._context(), ctypes.byref(func._func), params, len(args),
-                                   results, 1, ctypes.byref(trap))
-    if error:
-        raise RawCallError(_message(error, ffi.wasmtime_error_delete, ffi.wasmtime_error_message), False)
-    if trap:
-        raise RawCallError(_message(trap, ffi.wasm_trap_delete, ffi.wasm_trap_message), True)
-    if results[0].kind != I32:
-        raise RawCallError(f"returned a {KIND_NAMES.get(results[0].kind, results[0].kind)}, not an i32",
-                           False)
-    return int(results[0].of.i32)
+_func_call = _dll.wasmtime_func_call  # (typed by wasmtime's bindings; their wrapper is one frame more)
+# The same call without releasing the GIL (PYFUNCTYPE). A call that releases it hands it to any thread
+# waiting for it, and gets it back only when that thread lets go: up to sys.getswitchinterval() (5 ms)
+# later. The engine loop calls every row's guest once a step, while the server's other threads run
+# Python; only safe where epochs tick without Python (EpochTimer), or a runaway guest would hang them.
+_func_call_holding_gil = ctypes.PYFUNCTYPE(_func_call.restype, *_func_call.argtypes)(
+    ("wasmtime_func_call", _dll))
+
+
+class PreparedCall:
+    """Calls of one export with n_args i32 arguments, expecting exactly one i32 result (a function of
+    another signature is refused by Wasmtime: RawCallError, trap=False). Its C arrays and pointers are
+    made once: the engine loop calls each row's on_token once a step, and building them each time was
+    a third of that call. Valid while its store lives (GuestInstance drops them when it closes)."""
+
+    __slots__ = ("_func", "_context", "_ref", "_n", "_params", "_results", "_trap", "_trap_ref")
+
+    def __init__(self, store, func, n_args: int) -> None:
+        self._func = func  # (kept alive: _ref points into it)
+        self._context = store._context()
+        self._ref = ctypes.byref(func._func)
+        self._n = n_args
+        self._params = (ffi.wasmtime_val_t * max(1, n_args))()
+        for param in self._params:
+            param.kind = I32
+        self._results = (ffi.wasmtime_val_t * 1)()
+        self._new_trap()
+
+    def _new_trap(self) -> None:
+        self._trap = ctypes.POINTER(ffi.wasm_trap_t)()
+        self._trap_ref = ctypes.byref(self._trap)
+
+    def __call__(self, args: tuple[int, ...], hold_gil: bool = False) -> int:
+        """The call; hold_gil: without releasing the GIL (see _func_call_holding_gil)."""
+        if len(args) != self._n:
+            raise RawCallError(f"called with {len(args)} arguments, prepared for {self._n}", False)
+        params = self._params
+        for i, a in enumerate(args):
+            params[i].of.i32 = a  # (a ctypes int32 field wraps, as the guest's i32 would)
+        results = self._results
+        call = _func_call_holding_gil if hold_gil else _func_call
+        error = call(self._context, self._ref, params, self._n, results, 1, self._trap_ref)
+        if error:
+            raise RawCallError(_message(error, ffi.wasmtime_error_delete, ffi.wasmtime_error_message), False)
+        if self._trap:
+            trap = self._trap
+            self._new_trap()  # (the next call's starts null)
+            raise RawCallError(_message(trap, ffi.wasm_trap_delete, ffi.wasm_trap_message), True)
+        if results[0].kind != I32:
+            raise RawCallError(f"returned a {KIND_NAMES.get(results[0].kind, results[0].kind)}, not an i32",
+                               False)
+        return results[0].of.i32
 
 
 def global_kind(store, g) -> str:
@@ -364,6 +398,75 @@ _install_deadline_callback = ctypes.CFUNCTYPE(
 )(("wasmtime_store_epoch_deadline_callback", _dll))
 
 
+class _SigEvent(ctypes.Structure):
+    """Linux's struct sigevent (64 bytes on every 64-bit ABI), its SIGEV_THREAD members."""
+
+    _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("function", ctypes.c_void_p), ("attribute", ctypes.c_void_p), ("pad", ctypes.c_byte * 32)]
+
+
+class _TimeSpec(ctypes.Structure):
+    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+
+class _ITimerSpec(ctypes.Structure):
+    _fields_ = [("interval", _TimeSpec), ("value", _TimeSpec)]
+
+
+_CLOCK_MONOTONIC, _SIGEV_THREAD = 1, 2
+
+
+class EpochTimer:
+    """Increments a Wasmtime engine's epoch every `period` seconds with no Python in the way: a POSIX
+    timer whose notification (SIGEV_THREAD) the C library runs on a thread of its own, calling
+    wasmtime_engine_increment_epoch(engine) directly (its one pointer argument is the sigval). Ticks
+    go on while a thread holds the GIL through a guest call. Linux only: `EpochTimer.start` answers
+    None elsewhere, or if the C library refuses (the caller then ticks from a Python thread).
+
+    The timer ticks its own clone of the engine (wasmtime_engine_clone: a reference to the same
+    engine), which is never deleted: a notification thread the C library has already started may run
+    after timer_delete, and the Python engine object is freed while the interpreter shuts down with
+    the timer still going — ticking a freed engine crashed the process at exit. One timer a runtime,
+    one runtime a process; a fork's child has no timer (POSIX timers are not inherited)."""
+
+    def __init__(self, timer: ctypes.c_void_p, libc, engine_clone) -> None:
+        self._timer, self._libc, self._engine = timer, libc, engine_clone
+
+    def stop(self) -> None:
+        """No more ticks (the engine clone stays: see the class)."""
+        if self._timer is not None:
+            self._libc.timer_delete(self._timer)
+            self._timer = None
+
+    @classmethod
+    def start(cls, engine_ptr, period: float) -> EpochTimer | None:
+        if not sys.platform.startswith("linux") or ctypes.sizeof(_SigEvent) != 64:
+            return None
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            create, settime = libc.timer_create, libc.timer_settime
+        except (OSError, AttributeError):
+            return None
+        create.argtypes = [ctypes.c_int, ctypes.POINTER(_SigEvent), ctypes.POINTER(ctypes.c_void_p)]
+        settime.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_ITimerSpec), ctypes.c_void_p]
+        libc.timer_delete.argtypes = [ctypes.c_void_p]
+        engine = ffi.wasmtime_engine_clone(engine_ptr)  # (deliberately never deleted: see the class)
+        event = _SigEvent(value=ctypes.cast(engine, ctypes.c_void_p).value, notify=_SIGEV_THREAD,
+                          function=ctypes.cast(_dll.wasmtime_engine_increment_epoch, ctypes.c_void_p).value)
+        timer = ctypes.c_void_p()
+        if create(_CLOCK_MONOTONIC, ctypes.byref(event), ctypes.byref(timer)) != 0:
+            return None
+        sec, nsec = int(period), int(round((period % 1) * 1e9))
+        spec = _ITimerSpec(_TimeSpec(sec, nsec), _TimeSpec(sec, nsec))
+        if settime(timer, 0, ctypes.byref(spec), None) != 0:
+            libc.timer_delete(timer)
+            return None
+        return cls(timer, libc, engine)
+
+
+_set_epoch_deadline = _dll.wasmtime_context_set_epoch_deadline  # (typed by wasmtime's bindings)
+
+
 class Watchdog:
     """Stops a store's running guest code when its wall-clock deadline passes or someone cancels it.
 
@@ -379,11 +482,15 @@ class Watchdog:
         self.interrupt: BaseException | None = None  # a Ctrl-C that arrived while guest code ran
         self._callback = _DEADLINE_CALLBACK(self._on_tick)  # kept alive with the store
         _install_deadline_callback(ctypes.cast(store.ptr(), ctypes.c_void_p), self._callback, None, None)
+        self._context = store._context()
         store.set_epoch_deadline(1)
 
     def arm(self, seconds: float) -> None:
+        """Before a call: its deadline, and the store's epoch deadline the next tick from now (a store
+        left idle past its last one would call _on_tick, a Python callback, at the call's start)."""
         self.deadline = time.monotonic() + seconds
         self.reason = self.interrupt = None
+        _set_epoch_deadline(self._context, 1)
 
     def cancel(self, reason: str) -> None:
         """From any thread: the guest stops at its next tick (≤ one tick, ~10 ms)."""

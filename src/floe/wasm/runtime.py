@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 import re
 import threading
 import time
@@ -21,12 +22,13 @@ from floe.memory import Region
 from floe.wasm import shape
 from floe.wasm.raw import (
     NUMERIC,
+    EpochTimer,
     HostCallback,
     HostFunctions,
     MemoryCreator,
+    PreparedCall,
     RawCallError,
     Watchdog,
-    call_i32,
     describe,
     global_bits,
     global_kind,
@@ -221,11 +223,20 @@ class WasmRuntime:
         self.memory_creator.install(config)
         self.engine = wasmtime.Engine(config)
         self.host_functions = HostFunctions()
-        self._ticker: threading.Thread | None = None
+        self._ticker: EpochTimer | threading.Thread | None = None
+        self.native_ticks = False  # epochs tick from a native timer (EpochTimer), not a Python thread
         self._ticker_lock = threading.Lock()
         self._modules: dict[str, GuestModule] = {}  # sha256 -> compiled module
         self._modules_lock = threading.Lock()
         self._func_types: dict[tuple[int, int], FuncType] = {}
+        if hasattr(os, "register_at_fork"):  # a fork's child has neither the ticker thread nor the timer
+            os.register_at_fork(after_in_child=self._ticker_after_fork)
+
+    def _ticker_after_fork(self) -> None:
+        ticking = self._ticker is not None
+        self._ticker, self.native_ticks, self._ticker_lock = None, False, threading.Lock()
+        if ticking:  # (the child's guests, copied from the parent, still need their deadlines)
+            self._start_ticker()
 
     def func_type(self, n_params: int, n_results: int) -> FuncType:
         """(i32 × n_params) -> (i32 × n_results), made once (linkers copy it; making one is ~100
@@ -244,8 +255,11 @@ class WasmRuntime:
     def _start_ticker(self) -> None:
         with self._ticker_lock:
             if self._ticker is None:
-                self._ticker = threading.Thread(target=self._tick, name="floe-epoch", daemon=True)
-                self._ticker.start()
+                self._ticker = EpochTimer.start(self.engine.ptr(), EPOCH_TICK_S)
+                self.native_ticks = self._ticker is not None
+                if self._ticker is None:  # (a guest call may then not hold the GIL: see GuestInstance.call)
+                    self._ticker = threading.Thread(target=self._tick, name="floe-epoch", daemon=True)
+                    self._ticker.start()
 
     def _tick(self) -> None:
         # Ticks only wake each store's watchdog, which compares the wall clock: a tick that comes
@@ -374,6 +388,7 @@ class GuestInstance:
         self.region: Region = regions[0]
         self.regions = list(created)  # its memory, and the GC heap of exception objects if it has one
         self.memory: wasmtime.Memory = memory
+        self._calls: dict[tuple[str, int], PreparedCall] = {}  # (export, arguments) -> call
         for name, g in self.mutable_globals():
             kind = global_kind(self.store, g)
             if kind not in NUMERIC.values():
@@ -408,19 +423,25 @@ class GuestInstance:
                     f"{len(ty.results)} results; the ABI wants ({', '.join(['i32'] * n_params)}) -> i32")
         return f
 
-    def call(self, name: str, *args: int, deadline_s: float, pending: Callable[[], BaseException | None]):
+    def call(self, name: str, *args: int, deadline_s: float, pending: Callable[[], BaseException | None],
+             hold_gil: bool = False):
         """Call an export (i32s in, one i32 out); traps become GuestError subclasses, a host-side error
-        found by `pending` (raised inside a host function during the call) is re-raised as itself."""
-        func = self.function(name)
+        found by `pending` (raised inside a host function during the call) is re-raised as itself.
+        hold_gil: the guest's own code runs without releasing the GIL (its host calls still may), for
+        short calls on a thread that others must not delay (the engine loop's), where epochs tick
+        natively (else the deadline could not stop a runaway that holds it)."""
+        call = self._calls.get((name, len(args)))
+        if call is None:
+            call = self._calls[name, len(args)] = PreparedCall(self.store, self.function(name), len(args))
         for region in self.regions:
             region.denied_size = 0
         self.watchdog.arm(deadline_s)
         try:
             with guest_stack, _Running(self.watchdog):
                 if threading.get_ident() != signals.main:
-                    return call_i32(self.store, func, args)
+                    return call(args, hold_gil and self.module.runtime.native_ticks)
                 with signals.held():
-                    return call_i32(self.store, func, args)
+                    return call(args)
         except RawCallError as e:
             host_error = pending() or self.watchdog.interrupt
             if host_error is not None:  # (its own cause kept: a wrapped host-side error)
@@ -513,6 +534,7 @@ class GuestInstance:
 
     def close(self) -> None:
         self.region.close()
+        self._calls.clear()  # (their pointers are into the store)
         with signals.held():  # dropping the store calls the memory and host-function finalizers
             self.exports = None  # type: ignore[assignment]
             self.instance = None  # type: ignore[assignment]
