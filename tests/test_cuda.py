@@ -470,6 +470,61 @@ def test_prompts_riding_along_decode_rows_equal_their_own_prefill(batching):
             batching.release_slot(s)
 
 
+def test_prompts_arriving_while_others_decode_leave_the_decode_rows_beside_them_fed(batching):
+    """Actors arriving one after another while the first decodes: the decode rows beside a prompt
+    riding in the forward in flight are still fed (EngineLoop.fed_past_prompts), the prompts' own
+    first tokens join a later launch, and every answer and cache equals the loop's without feeding
+    (also for a guest that refuses the host's first choice)."""
+    import threading
+
+    from test_engine_loop import REFUSES_FIRST
+
+    from floe.actor import Actor, EngineLoop
+    from floe.engine import SamplingParams
+
+    questions = ["Hello there.", "What is two plus two?", "x", "Tell me a story."]
+
+    def run(loop):
+        actors = [Actor(batching, REFUSES_FIRST if q == "x" else None, loop=loop) for q in questions]
+        arrive = [threading.Event() for _ in questions]
+        pieces = [0]
+
+        def first_streams(_piece):  # (in the loop's thread) the next actor arrives every 3 tokens
+            pieces[0] += 1
+            for i in range(1, len(questions)):
+                if pieces[0] >= 3 * i:
+                    arrive[i].set()
+
+        out = [None] * len(questions)
+
+        def work(i):
+            if i:
+                assert arrive[i].wait(60)
+            reply = actors[i].send(questions[i], max_tokens=32, params=SamplingParams(0.0),
+                                   on_text=first_streams if i == 0 else None)
+            out[i] = (reply.stats.token_ids, list(batching.cache.tokens[actors[i].slot]))
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for a in actors:
+            a.close()
+        return out
+
+    plain = run(EngineLoop(batching, feed=False))
+    assert all(plain)
+    fed_past = []
+    for _ in range(3):  # (whether an arrival meets a fed step is timing: a few runs make it certain)
+        fed = EngineLoop(batching, feed=True)
+        assert run(fed) == plain
+        fed_past.append(fed.stats()["fed_past_prompts"])
+        if fed_past[-1]:
+            break
+    assert max(fed_past) > 0, fed_past
+
+
 def test_draws_on_the_device_follow_the_distribution_without_a_sync_for_candidates():
     """sample_rows on CUDA (a fixed number of nucleus candidates, no host sync until the readback)
     follows the float64 reference as the CPU's does, flat rows drawn again over everything included."""

@@ -207,6 +207,67 @@ def test_a_refused_speculated_draw_is_given_back_to_the_generator(tiny_engine, f
     assert overlapped.undone > 0
 
 
+# Takes the host's choice, except its first token, where it takes the next id.
+REFUSES_FIRST = v2_chooser(choice=True, stream=True, on_token_first=(
+    "(global.set $n (i32.add (global.get $n) (i32.const 1)))"
+    "(if (i32.eq (global.get $n) (i32.const 1)) (then (return (i32.rem_u "
+    "(i32.add (i32.load (i32.const 64)) (i32.const 1)) (i32.const 1000)))))"), counter=True)
+
+
+def staggered(engine, loop, jobs, params: SamplingParams, every: int = 6) -> list:
+    """Like contexts(), but job i (i > 0) arrives once job 0 has streamed every * i pieces of text, so
+    prompts come while others decode; each actor's tokens, end, KV cache tokens and generator."""
+    arrive = [threading.Event() for _ in jobs]
+    pieces = [0]
+
+    def streamed(_piece):  # (in the loop's thread)
+        pieces[0] += 1
+        for i in range(1, len(jobs)):
+            if pieces[0] >= every * i:
+                arrive[i].set()
+
+    out: list = [None] * len(jobs)
+
+    def work(i, guest, prompt, max_tokens):
+        with Actor(engine, guest, loop=loop, seed=i) as actor:
+            if i:
+                assert arrive[i].wait(60)
+            reply = actor.send(prompt, max_tokens=max_tokens, params=params,
+                               on_text=streamed if i == 0 else None)
+            out[i] = (reply.stats.token_ids, reply.stats.finish_reason, list(engine.cache.tokens[actor.slot]),
+                      actor.generator.get_state().tolist())
+
+    threads = [threading.Thread(target=work, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_prompts_arriving_while_others_decode_leave_the_rows_beside_them_fed(tiny_engine, sampled):
+    """Actors arriving one after another while the first decodes (overlap and feeding forced on): the
+    decode rows beside a prompt riding in the forward in flight are still fed (fed_past_prompts), the
+    prompt's first token joins a later launch; tokens, ends, caches and generators are plain steps'
+    — also for guests refusing the host's first choice, or its draw every third token."""
+    params = SamplingParams(1.0) if sampled else GREEDY
+    jobs = [(None, PROMPTS[0], 64), (CHOOSY if sampled else None, PROMPTS[1], 40),
+            (REFUSES_FIRST, "x", 12), (CHOOSY if sampled else REFUSES, "x", 10), (None, PROMPTS[2], 16),
+            (None, PROMPTS[3], 8)]
+    expected = staggered(tiny_engine, EngineLoop(tiny_engine, overlap=False), jobs, params)
+    assert all(expected)
+    fed_past = []
+    for _ in range(3):  # (whether an arrival meets a fed step is timing: a few runs make it certain)
+        fed = EngineLoop(tiny_engine, overlap=True, feed=True)
+        assert staggered(tiny_engine, fed, jobs, params) == expected
+        assert fed.stats()["fed_past_prompts"] == fed.fed_past_prompts
+        fed_past.append(fed.fed_past_prompts)
+        if fed.fed_past_prompts:
+            break
+    assert max(fed_past) > 0, fed_past
+
+
 def test_a_greedy_draw_is_from_the_logits_the_guest_left_in_its_memory(tiny_engine):
     """A guest that has the logits written into its memory and masks all but token 5 gets 5 from a
     greedy sample(), although the batched step computed its own (unmasked) greedy choice."""

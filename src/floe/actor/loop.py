@@ -27,7 +27,9 @@ the host finishes a forward and launches the next. When every turn in the forwar
 speculated again, the loop launches the next forward *before* finishing that one: each row's token is
 fed from its slot's own choice (the forward in flight computes it; on CUDA it is read on the device),
 and two forwards are in flight. The fed token is known once the earlier one is finished
-(Engine.fed_token); the guest then confirms or refuses it exactly as a speculated one.
+(Engine.fed_token); the guest then confirms or refuses it exactly as a speculated one. Prompts that
+rode in the forward in flight are not fed (their guests choose their first tokens once it is
+finished, and those join the next launch); the decode rows beside them are.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ class EngineLoop:
         self.rows = 0  # decode rows run in them
         self.undone = 0  # speculated rows whose guest chose otherwise (their forward undone)
         self.fed = 0  # rows launched with a fed token (before the forward computing it was finished)
+        self.fed_past_prompts = 0  # of those, rows fed while prompts rode in the forward in flight
         self.step_s = 0.0  # time in steps (the loop's thread busy or waiting for the device)
         self.wait_s = 0.0  # of which waiting for launched forwards (the rest: the host's work)
         self.phase_s = dict.fromkeys(("prefill", "results", "launch", "guests", "end"), 0.0)  # of step_s
@@ -190,7 +193,8 @@ class EngineLoop:
     def stats(self) -> dict:
         with self._cond:
             return {"active": len(self._active), "waiting": len(self._arrived), "steps": self.steps,
-                    "rows": self.rows, "undone": self.undone, "fed": self.fed, "step_s": self.step_s,
+                    "rows": self.rows, "undone": self.undone, "fed": self.fed,
+                    "fed_past_prompts": self.fed_past_prompts, "step_s": self.step_s,
                     "wait_s": self.wait_s,
                     "phase_s": dict(self.phase_s)}
 
@@ -284,9 +288,16 @@ class EngineLoop:
             slot = turn.actor.slot
             turn.choice = self.engine.drawn_token(slot) if _draws(turn) else self.engine.greedy_token(slot)
             if turn.speculated == FED:  # its next row was fed the choice as the device made it
-                turn.fresh = False
-                turn.speculated = self.engine.fed_token(slot)
-        speculated = [t for t in fresh if t.speculated is not None or self._speculate(t)]
+                token = self.engine.fed_token(slot)
+                if token is None:  # which token was fed is not known (the CPU's one-row step keeps
+                    self.undone += 1  # no choice): that row is undone, and its guest asked as any
+                    self._undo(turn)
+                else:
+                    turn.fresh = False
+                    turn.speculated = token
+        # A fed step launched already: a fresh turn without a row in it (a prompt that rode in the
+        # forward just taken, a fed row undone above) is asked first, and its token joins the next launch.
+        speculated = [t for t in fresh if t.speculated is not None or (fed is None and self._speculate(t))]
         asked = [t for t in fresh if t.speculated is None]
         self._give_choices(asked)
         for turn in asked:
@@ -319,14 +330,17 @@ class EngineLoop:
 
     def _feedable(self) -> list[Turn] | None:
         """The turns to launch fed before the forward in flight is finished (module doc), or None
-        where that would not do: not feeding, not exactly one forward in flight, a prompt riding in
-        it or one prefilled now (its guest chooses first), or a live turn in it its guest must see
-        before its next row (a guest that chose otherwise than the host last time, or refused the
-        last row it was speculated with — e.g. a draw the host made again; its last token)."""
+        where that would not do: not feeding, not exactly one forward in flight, a prompt prefilled
+        now (its guest chooses first), or a live turn in it its guest must see before its next row
+        (a guest that chose otherwise than the host last time, or refused the last row it was
+        speculated with — e.g. a draw the host made again; its last token). Prompts riding in the
+        forward in flight are not fed: their guests choose their first tokens once it is taken, and
+        those join the next launch; the decode rows beside them are (a burst of arrivals, one or
+        two a step, would otherwise stop every other turn's feeding for as long as it lasts)."""
         if not (self.feed and len(self._launched) == 1):
             return None
         flight = self._launched[0]
-        if flight.riding or any(t.fresh for t in self._live()):
+        if any(t.fresh for t in self._live()):
             return None
         fed = [t for t in flight.turns if t.end is None]
         if not fed or not all(
@@ -336,6 +350,8 @@ class EngineLoop:
             return None
         for turn in fed:
             turn.speculated = FED
+        if flight.riding:
+            self.fed_past_prompts += len(fed)
         return fed
 
     def _live(self) -> list[Turn]:

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 16 on the H200: this checkout's engine loop against an earlier one, in one device call.
+#   PART=check  tests/test_cuda.py, then `bench/sessions.py --ways engine actors` (1 16 64 sessions)
+#               and the loop's host cost (bench/probes/loop_host_cost.py) for both sources;
+#   PART=serve  `bench/sessions.py --ways serve`, the two sources taking turns (ROUNDS rounds);
+#   PART=tests  tests/test_cuda.py alone.
+# The earlier source is a copy of its src/ in .base/src (ignored; carried). Everything lands in $OUT.
+# From the session (the wheels as the device README says, the tokenizer folder .tok):
+#   run(command="PART=check bash bench/probes/sessions_ab_h200.sh", carry=[".whl", ".tok", ".base"])
+#   run(command="PART=serve ROUNDS=2 bash bench/probes/sessions_ab_h200.sh", carry=[".whl", ".tok", ".base"])
+set -x
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/sessions_ab_h200.log") 2>&1
+cd "$(dirname "$0")/../.."
+start=$(date +%s)
+budget=${BUDGET_S:-540}
+left() { echo $((budget - ($(date +%s) - start))); }
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NEW=/tmp/site:$PWD/src
+BASE=/tmp/site:$PWD/.base/src
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+lscpu | grep -E "Model name|^CPU\(s\)"
+
+sessions() {  # sessions SOURCE NAME ARGS...
+    local src=$1 name=$2; shift 2
+    PYTHONPATH=$src timeout "$(left)" python3 bench/sessions.py --device cuda --shape llama-3.2-1b \
+        --tokenizer .tok --name "$name" "$@"
+    cp bench/results/sessions_cuda_"$name".json "$OUT"/ 2>/dev/null
+}
+
+if [ "${PART:-check}" = tests ]; then
+    FLOE_TEST_TOKENIZER=$PWD/.tok PYTHONPATH=$NEW timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+elif [ "${PART:-check}" = check ]; then
+    FLOE_TEST_TOKENIZER=$PWD/.tok PYTHONPATH=$NEW timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
+    for v in new base; do
+        src=$NEW; [ $v = base ] && src=$BASE
+        PYTHONPATH=$src timeout 60 python3 bench/probes/loop_host_cost.py --sessions 64 --tokens 64 \
+            --tokenizer .tok > "$OUT/loop_host_cost_$v.txt" 2>&1
+        head -1 "$OUT/loop_host_cost_$v.txt"; grep -E "_ask_guest|runtime.py.*\(call\)" "$OUT/loop_host_cost_$v.txt"
+    done
+    [ "$(left)" -gt 120 ] && sessions "$NEW" new_engine_actors --sessions 1 16 64 --ways engine actors
+else
+    for r in $(seq 1 "${ROUNDS:-2}"); do
+        for v in new base; do
+            src=$NEW; [ $v = base ] && src=$BASE
+            [ "$(left)" -gt 100 ] || break 2
+            sessions "$src" "serve_${v}_$r" --sessions 16 64 --ways serve
+        done
+    done
+fi
+echo "done in $(( $(date +%s) - start )) s"
