@@ -229,14 +229,16 @@ class WasmRuntime:
         self._modules: dict[str, GuestModule] = {}  # sha256 -> compiled module
         self._modules_lock = threading.Lock()
         self._func_types: dict[tuple[int, int], FuncType] = {}
+        self._forked = False  # this is a fork's child: epochs tick from a Python thread
         if hasattr(os, "register_at_fork"):  # a fork's child has neither the ticker thread nor the timer
             os.register_at_fork(after_in_child=self._ticker_after_fork)
 
     def _ticker_after_fork(self) -> None:
-        ticking = self._ticker is not None
-        self._ticker, self.native_ticks, self._ticker_lock = None, False, threading.Lock()
-        if ticking:  # (the child's guests, copied from the parent, still need their deadlines)
-            self._start_ticker()
+        """In a fork's child, also subprocess's child before its exec (preexec_fn): start nothing
+        here. The next guest call starts a ticker thread; never a timer: timer_create in a fork's
+        child can wait forever for a lock of the C library's that the parent's timer thread held."""
+        self._ticker, self.native_ticks, self._forked = None, False, True
+        self._ticker_lock = threading.Lock()
 
     def func_type(self, n_params: int, n_results: int) -> FuncType:
         """(i32 × n_params) -> (i32 × n_results), made once (linkers copy it; making one is ~100
@@ -255,7 +257,7 @@ class WasmRuntime:
     def _start_ticker(self) -> None:
         with self._ticker_lock:
             if self._ticker is None:
-                self._ticker = EpochTimer.start(self.engine.ptr(), EPOCH_TICK_S)
+                self._ticker = None if self._forked else EpochTimer.start(self.engine.ptr(), EPOCH_TICK_S)
                 self.native_ticks = self._ticker is not None
                 if self._ticker is None:  # (a guest call may then not hold the GIL: see GuestInstance.call)
                     self._ticker = threading.Thread(target=self._tick, name="floe-epoch", daemon=True)
@@ -435,11 +437,14 @@ class GuestInstance:
             call = self._calls[name, len(args)] = PreparedCall(self.store, self.function(name), len(args))
         for region in self.regions:
             region.denied_size = 0
+        runtime = self.module.runtime
+        if runtime._ticker is None:  # (a fork's child: its guests copied from the parent)
+            runtime._start_ticker()
         self.watchdog.arm(deadline_s)
         try:
             with guest_stack, _Running(self.watchdog):
                 if threading.get_ident() != signals.main:
-                    return call(args, hold_gil and self.module.runtime.native_ticks)
+                    return call(args, hold_gil and runtime.native_ticks)
                 with signals.held():
                     return call(args)
         except RawCallError as e:
