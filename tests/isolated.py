@@ -10,15 +10,18 @@ import textwrap
 from pathlib import Path
 
 TESTS = Path(__file__).parent
+DEFAULT_CTRL_C = "import signal as _signal; _signal.signal(_signal.SIGINT, _signal.default_int_handler)\n"
 
 
 def run_isolated(code: str, timeout: float = 180) -> str:
     """Run `code` in a new interpreter (tests/ on its path); its stdout. Fails the calling test with
-    the child's output if it crashed, hung past `timeout` or exited non-zero."""
+    the child's output if it crashed, hung past `timeout` or exited non-zero. The child starts with
+    Python's own Ctrl-C handler even where the runner was started with SIGINT ignored (a background
+    job of a non-interactive shell), so that tests of Ctrl-C test floe, not how they were started."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     try:
-        done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                              timeout=timeout, env=env)
+        done = subprocess.run([sys.executable, "-c", DEFAULT_CTRL_C + textwrap.dedent(code)],
+                              capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"the child hung past {timeout} s; its output: {e.stdout!r} {e.stderr!r}") \
             from None
