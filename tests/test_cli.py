@@ -140,6 +140,25 @@ def test_cuda_asked_for_on_a_machine_without_it_is_refused_before_loading():
     assert_one_line_error(proc, "no usable CUDA device")  # not "no such model file": nothing was loaded
 
 
+def test_a_ctrl_c_wrapped_on_its_way_up_still_ends_as_interrupted(monkeypatch, capsys):
+    """During an import, Python wraps a KeyboardInterrupt raised in a class's __set_name__ in a
+    RuntimeError (torch's imports have such classes): still "interrupted", exit 130."""
+    from floe import cli
+
+    def parser():
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise RuntimeError("Error calling __set_name__") from e
+
+    monkeypatch.setattr(cli, "build_parser", parser)
+    assert cli.main(["run", "x"]) == 130
+    assert capsys.readouterr().err.strip() == "floe: interrupted"
+    monkeypatch.setattr(cli, "build_parser", lambda: (_ for _ in ()).throw(RuntimeError("not a Ctrl-C")))
+    with pytest.raises(RuntimeError, match="not a Ctrl-C"):
+        cli.main(["run", "x"])
+
+
 @pytest.mark.parametrize("when", ["while starting", "while generating"])
 def test_ctrl_c_ends_with_interrupted_and_exit_130(when):
     import signal
