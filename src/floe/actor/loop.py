@@ -289,8 +289,8 @@ class EngineLoop:
             turn.choice = self.engine.drawn_token(slot) if _draws(turn) else self.engine.greedy_token(slot)
             if turn.speculated == FED:  # its next row was fed the choice as the device made it
                 token = self.engine.fed_token(slot)
-                if token is None:  # which token was fed is not known (the CPU's one-row step keeps
-                    self.undone += 1  # no choice): that row is undone, and its guest asked as any
+                if token is None:  # which token was fed is not known (an engine that kept no record
+                    self.undone += 1  # of it): that row is undone, and its guest asked as any
                     self._undo(turn)
                 else:
                     turn.fresh = False

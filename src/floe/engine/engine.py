@@ -384,9 +384,13 @@ class Engine:
         if None in tokens and not self.feeds:
             raise ValueError("fed tokens (None) need the batched step (Engine.feeds)")
         sources = self._feed_sources(tokens, slots) if None in tokens else {}
+        cpu_fed = {}
         if self.device.type == "cpu" and sources:  # the CPU's choices are known: the rows take them
             tokens = [sources[s][2] if t is None else t for t, s in zip(tokens, slots, strict=True)]
+            cpu_fed = {s: (self.cache.lengths[s], token, None, drew)
+                       for s, (_, drew, token) in sources.items()}
         step = self._launch(tokens, slots, prompts, draws, sources)
+        self._fed.update(cpu_fed)  # (after the step: a one-row CPU step forgets the slot's choices)
         self._unfinished.append(step)
         return step
 
@@ -397,9 +401,6 @@ class Engine:
         for slot in slots:
             self._drawn.pop(slot, None)
             self._fed.pop(slot, None)
-        if self.device.type == "cpu":
-            for slot, (_, drew, token) in sources.items():
-                self._fed[slot] = (self.cache.lengths[slot], token, None, drew)
         mixed = self._ride_along(step, step.prompts)
         if not self._batch_graphs and (len(slots) == 1 or not self.batched_decode):
             step.results[:] = [self._step_or_error(t, s) for t, s in zip(tokens, slots, strict=True)]
