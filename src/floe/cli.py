@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from floe.errors import FloeError
+from floe.server.protocol import MAX_REQUEST_BYTES
 
 DEFAULT_PROMPT_HELP = "the user's message (the model's chat template wraps it)"
 # --weights: (activation and KV cache dtype, Engine weights kind)
@@ -315,7 +316,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"({len(core.store.sessions)} sessions found); {access}; http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     return serve(core, host=args.host, port=args.port, log_level=args.log_level, keys=keys,
-                 cors_origins=tuple(args.cors_origin))
+                 cors_origins=tuple(args.cors_origin), max_request_bytes=args.max_request_bytes)
 
 
 def _serve_ray(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
@@ -659,6 +660,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="a web origin whose pages may call the server (e.g. https://app.example); "
                             "again for more, '*' for any (default: CORS off)")
+    serve.add_argument("--max-request-bytes", type=_bytes, default=MAX_REQUEST_BYTES, metavar="BYTES",
+                       help="the largest request body (8M); past it, 413 (a snapshot upload streams "
+                            "and is checked by the store instead)")
     serve.add_argument("--max-anonymous", type=int, default=64, metavar="N",
                        help="sessions made without an id kept per API key (64); beyond, the least "
                             "recently used idle one is deleted")

@@ -24,6 +24,8 @@ import asyncio
 import contextlib
 import logging
 import math
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +42,7 @@ from starlette.requests import ClientDisconnect
 from floe.server.auth import ApiKeys, api_keys
 from floe.server.chat import ChatRequest, ChatService, ClientGone, CompletionRequest
 from floe.server.client import CoreClient
+from floe.server.limits import MAX_REQUEST_BYTES, BodyLimit
 from floe.server.protocol import ServeError
 
 if TYPE_CHECKING:
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
     from floe.snapshot.store import SnapshotStore
 
 log = logging.getLogger("floe.serve")
+EXIT_CORE_LOST = 3  # the front's status when its engine core went away (floe serve exits with it)
 
 
 FORK_DESCRIPTION = """A new session of the caller's whose conversation and state (KV cache, guest memory,
@@ -85,13 +89,15 @@ def _error(status: int, message: str, type_: str, code: str | None = None, param
 
 def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
                  cors_origins: tuple[str, ...] = (), on_shutdown: Callable[[], None] = lambda: None,
-                 on_lost: Callable[[], None] = lambda: None, client=None) -> FastAPI:
+                 on_lost: Callable[[], None] = lambda: None, client=None,
+                 max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The ASGI app of the HTTP front, talking to the engine core at `socket_path` (or through
     `client`, an object with CoreClient's methods: floe.cluster.router's, which routes over replicas).
 
     keys: API keys (floe.server.auth; none: open). cors_origins: web origins whose pages may call it
     (none: CORS off). on_shutdown: run (in a thread) when the app stops. on_lost: called when the
-    core's connection ends.
+    core's connection ends. max_request_bytes: the largest request body but a snapshot upload's
+    (floe.server.limits).
     """
     client = client if client is not None else CoreClient(socket_path, on_lost)
     registry = CollectorRegistry()
@@ -104,6 +110,7 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         hello = await client.call("hello")
         app.state.model_id, app.state.started = hello["model_id"], hello["started"]
         app.state.aliases = tuple(hello["aliases"])
+        app.state.max_text_bytes = hello.get("max_text_bytes")  # a router's replicas may not say
         try:
             yield
         finally:
@@ -117,6 +124,8 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         requests.labels("401").inc()
         return _error(401, message, "invalid_request_error", "invalid_api_key")
 
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes,  # inside the keys: a 401 comes first
+                       reject=lambda text: _error(413, text, "invalid_request_error", "request_too_large"))
     app.add_middleware(ApiKeys, keys=keys, reject=unauthorized)
     if cors_origins:  # outside the keys: a browser's preflight carries none, and a 401 needs CORS too
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
@@ -138,8 +147,8 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        return _error(e.status_code, str(e.detail), "invalid_request_error", "not_found"
-                      if e.status_code == 404 else None)
+        return _error(e.status_code, str(e.detail), "invalid_request_error",
+                      {404: "not_found", 413: "request_too_large"}.get(e.status_code))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception):
@@ -212,7 +221,7 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         except ClientDisconnect:
             return Response(status_code=499)  # nobody reads it; nothing was stored
 
-    service = ChatService(client, _model)
+    service = ChatService(client, _model, lambda: app.state.max_text_bytes)
 
     async def counted(answer) -> Response:
         """A chat service call's response, counted by its status (a client that left: 499)."""
@@ -241,7 +250,8 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
 def create_app(engine: Engine, *, snapshots: Path | str | SnapshotStore, model_id: str,
                idle_seconds: float = 300.0, guest: str | None = None, batching: bool | None = None,
                aliases: tuple[str, ...] = (), keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
-               max_anonymous: int = 64, **core_options) -> FastAPI:
+               max_anonymous: int = 64, max_request_bytes: int = MAX_REQUEST_BYTES,
+               **core_options) -> FastAPI:
     """The front and the engine core of `engine` in this process (the core's socket in a private
     temporary folder): what `floe serve` runs in two, for tests and embedding. Sessions freeze into
     `snapshots` (a folder, a URL, or a SnapshotStore), which a restart reads back; the app's shutdown
@@ -259,7 +269,8 @@ def create_app(engine: Engine, *, snapshots: Path | str | SnapshotStore, model_i
         server.close()
         core.close()
 
-    app = create_front(server.path, keys=api_keys(keys, {}), cors_origins=cors_origins, on_shutdown=shutdown)
+    app = create_front(server.path, keys=api_keys(keys, {}), cors_origins=cors_origins, on_shutdown=shutdown,
+                       max_request_bytes=max_request_bytes)
     app.state.core = core
     return app
 
@@ -276,16 +287,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--cors-origin", action="append", default=[], help="a web origin that may call it")
+    ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES)
     args = ap.parse_args(argv)  # its API keys: FLOE_API_KEYS (never in argv, which `ps` shows)
     logging.basicConfig(level=args.log_level.upper(), format="floe serve (http): %(message)s")
     server: uvicorn.Server | None = None
+    lost_core = threading.Event()
 
     def lost() -> None:
+        lost_core.set()
         server.should_exit = True
 
-    app = create_front(args.socket, keys=api_keys(), cors_origins=tuple(args.cors_origin), on_lost=lost)
+    app = create_front(args.socket, keys=api_keys(), cors_origins=tuple(args.cors_origin), on_lost=lost,
+                       max_request_bytes=args.max_request_bytes)
     server = uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level))
     server.run()
+    if lost_core.is_set():  # the core went away: a failure (a stop ends the front first), never status 0
+        log.error("the engine core's connection ended; the HTTP front exits with status %d", EXIT_CORE_LOST)
+        sys.exit(EXIT_CORE_LOST)
 
 
 if __name__ == "__main__":

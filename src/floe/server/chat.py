@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from floe.server import structured
 from floe.server.client import CoreClient
+from floe.server.limits import check_text
 from floe.server.protocol import ROLES, ServeError
 from floe.server.stops import checked_stops
 from floe.server.structured import Constraint, ToolStream
@@ -217,11 +218,13 @@ class ToolShape(Shape):
 class ChatService:
     """Answers chat and text completion requests through the engine core.
 
-    check_model(name): raises the 404 for a model name this server does not serve.
+    check_model(name): raises the 404 for a model name this server does not serve. max_text_bytes(): the
+    most bytes of text a conversation may have (floe.server.limits.check_text; None: no bound known).
     """
 
-    def __init__(self, client: CoreClient, check_model: Callable[[str], Any]) -> None:
-        self.client, self.check_model = client, check_model
+    def __init__(self, client: CoreClient, check_model: Callable[[str], Any],
+                 max_text_bytes: Callable[[], int | None] = lambda: None) -> None:
+        self.client, self.check_model, self.max_text_bytes = client, check_model, max_text_bytes
 
     async def chat(self, body: ChatRequest, request: Request) -> Response:
         self.check_model(body.model)
@@ -258,6 +261,7 @@ class ChatService:
             "owner": request.state.owner, "stop": list(checked_stops(body.stop))}
         if constraint is not None:
             core_request["structured"] = constraint.wire()
+        check_text(messages, self.max_text_bytes())
         rid, queue, ended = self.client.chat(core_request)
         gone = asyncio.ensure_future(_disconnected(request))
         try:

@@ -22,6 +22,7 @@ class CoreClient:
     GONE = ServeError(503, "the engine core is not running", "server_error", "engine_gone")
 
     def __init__(self, path: str, on_lost: Callable[[], None] = lambda: None) -> None:
+        """on_lost: called when the core ends the connection (not after close())."""
         self.path, self.on_lost = path, on_lost
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future] = {}
@@ -29,6 +30,7 @@ class CoreClient:
         self._ended: dict[int, asyncio.Event] = {}  # set when a chat's last event is queued
         self.streams = 0  # streamed replies being sent
         self.gone = False
+        self._closing = False  # close() was called: the connection's end is not the core's loss
         self._task: asyncio.Task | None = None
 
     async def connect(self) -> None:
@@ -36,6 +38,7 @@ class CoreClient:
         self._task = asyncio.create_task(self._read_loop())
 
     async def close(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._writer.close()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -48,8 +51,10 @@ class CoreClient:
     async def call(self, name: str, arg=None, owner: str | None = None):
         """A call's answer; `owner`: whose sessions a session call sees (protocol.OWNER)."""
         rid = next(self._ids)
-        self._calls[rid] = future = asyncio.get_running_loop().create_future()
+        # Sent before its future is kept (its answer is read on this event loop, after the next await):
+        # a message refused before it is sent (too large: a 413) leaves nothing behind.
         self._send({"op": "call", "id": rid, "name": name, "arg": arg, "owner": owner})
+        self._calls[rid] = future = asyncio.get_running_loop().create_future()
         return await future
 
     def chat(self, request: dict) -> tuple[int, asyncio.Queue, asyncio.Event]:
@@ -60,8 +65,8 @@ class CoreClient:
 
     def _open(self, message: dict) -> tuple[int, asyncio.Queue, asyncio.Event]:
         rid = next(self._ids)
+        self._send({**message, "id": rid})  # first, as a call's
         self._chats[rid], self._ended[rid] = queue, ended = asyncio.Queue(), asyncio.Event()
-        self._send({**message, "id": rid})
         return rid, queue, ended
 
     async def export(self, sid: str, owner: str | None) -> AsyncIterator[bytes]:
@@ -86,8 +91,8 @@ class CoreClient:
         """Send a snapshot file (a request body, streamed) to be imported as session `sid`; the core's
         answer once it checked and stored it."""
         rid = next(self._ids)
+        self._send({"op": "import", "id": rid, "arg": sid, "owner": owner})  # first, as a call's
         self._calls[rid] = future = asyncio.get_running_loop().create_future()
-        self._send({"op": "import", "id": rid, "arg": sid, "owner": owner})
         try:
             async for chunk in body:
                 if future.done():  # refused before its end
@@ -131,7 +136,8 @@ class CoreClient:
             self._calls.clear()
             self._chats.clear()
             self._ended.clear()
-            self.on_lost()
+            if not self._closing:
+                self.on_lost()
 
     def _dispatch(self, message: list) -> None:
         kind = message[0]

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -22,6 +23,7 @@ from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError, InvalidSamplingParams
 from floe.model.tokenizer import ChatTemplateError
 from floe.server import protocol
+from floe.server.limits import check_text
 from floe.server.protocol import CALLS, ROLES, ServeError
 from floe.server.sessions import Session, SessionError, SessionStore, snapshot_store
 from floe.server.stops import checked_stops
@@ -225,6 +227,7 @@ class ServeCore:
                                     float(request.get("top_p", 1.0)), _int(seed))
         except (InvalidSamplingParams, TypeError, ValueError, OverflowError) as e:
             raise ServeError(400, str(e), param="temperature") from None
+        check_text(messages, self.max_text_bytes)  # before the template or the tokenizer see it
         shown = messages if constraint is None else self.turns.prompt(messages, constraint)
         try:
             prompt = self._prompt_bound(shown)
@@ -243,6 +246,11 @@ class ServeCore:
                              code="context_length_exceeded", param="max_tokens")
         return messages, max_tokens, params, sid
 
+    @cached_property
+    def max_text_bytes(self) -> int:
+        """The most bytes of text a conversation that fits the context can have (floe.server.limits)."""
+        return self.engine.max_seq_len * self.engine.tokenizer.most_text_bytes_per_token
+
     def _prompt_bound(self, messages: list[dict]) -> int:
         """At least the conversation's prompt tokens, without tokenizing it (the guest will, and each
         tokenization is core GIL time that the engine loop waits behind): a token stands for at least
@@ -256,7 +264,8 @@ class ServeCore:
         if name not in CALLS:
             raise ServeError(400, f"no call {name!r}")
         if name == "hello":
-            return {"model_id": self.model_id, "aliases": list(self.aliases), "started": self.started}
+            return {"model_id": self.model_id, "aliases": list(self.aliases), "started": self.started,
+                    "max_text_bytes": self.max_text_bytes}
         if name == "health":
             return {"status": "ok", "model": self.model_id, "device": str(self.engine.device),
                     "decode_batching": self.scheduler is not None, "uptime_s": time.time() - self.started,

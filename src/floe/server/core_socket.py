@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from floe.server import protocol
 from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length, pack, unpack
 
 if TYPE_CHECKING:
@@ -46,10 +47,16 @@ class _Connection:
             self.outbox.append([rid, piece])
 
     def send(self, value) -> None:
-        """Send a frame after every piece of text gathered before it (a chat's text precedes its end)."""
+        """Send a frame after every piece of text gathered before it (a chat's text precedes its end).
+        An answer too large for a frame is its request's error instead: the connection carries others."""
+        try:
+            frame = pack(value)
+        except ServeError as e:
+            frame = pack(["error", value[1], ServeError(500, f"the answer is too large to send: {e}",
+                                                        "server_error", "answer_too_large").payload()])
         with self.send_lock:
             self._flush_locked()
-            self._write(pack(value))
+            self._write(frame)
 
     def flush(self) -> None:
         with self.send_lock:
@@ -280,12 +287,14 @@ def _answer_error(conn: _Connection, rid: int, e: Exception, what: str) -> None:
 
 def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
           keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
+          max_request_bytes: int = protocol.MAX_REQUEST_BYTES,
           on_ready: Callable[[CoreServer], None] = lambda server: None) -> int:
     """`floe serve` with its engine core in this process: the HTTP front (floe.server.app) runs in a
     child process, talking to the core's socket in a private temporary folder. Returns when the
     front exits or this process is told to stop (SIGINT, SIGTERM); every live session is frozen
     before it returns. The front's exit status: 0 after a stop. keys: its API keys (handed to the
-    front in its environment, never its command line); cors_origins: web origins that may call it."""
+    front in its environment, never its command line); cors_origins: web origins that may call it;
+    max_request_bytes: the front's largest request body (floe.server.limits)."""
     import gc
     import signal
     import subprocess
@@ -307,13 +316,14 @@ def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_lev
 
     cors = [arg for origin in cors_origins for arg in ("--cors-origin", origin)]
     front = subprocess.Popen([sys.executable, "-m", "floe.server.app", "--socket", server.path, "--host",
-                              host, "--port", str(port), "--log-level", log_level, *cors],
+                              host, "--port", str(port), "--log-level", log_level, *cors,
+                              "--max-request-bytes", str(max_request_bytes)],
                              env=os.environ | {KEYS_ENV: ",".join(keys)})
     code = 0
     try:
         on_ready(server)
         code = front.wait()
-        if code:
+        if code:  # not a stop: a supervisor (docs/SERVER.md, "Running it as a service") restarts floe
             log.error("the HTTP front exited with status %s", code)
     except KeyboardInterrupt:
         pass

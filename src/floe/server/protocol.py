@@ -38,6 +38,8 @@ import struct
 
 HEADER = struct.Struct("!I")
 MAX_FRAME = 64 << 20  # a frame longer than this is a broken peer, not a message
+MAX_REQUEST_BYTES = 8 << 20  # the front's default for a request body (floe.server.limits): 128k tokens
+# of text are ~0.5 MB, tools and schemas far less; well under MAX_FRAME
 ROLES = ("system", "user", "assistant")
 CALLS = ("hello", "health", "sessions", "session", "freeze", "thaw", "fork", "let_go", "delete", "metrics")
 # Who a request is for (floe.server.auth): "" on a server without API keys (one owner, everyone), else
@@ -71,7 +73,15 @@ class ProtocolError(Exception):
 
 
 def pack(value) -> bytes:
-    data = json.dumps(value, separators=(",", ":")).encode()
+    """One frame of `value`. A value past MAX_FRAME raises a 413 ServeError and nothing is sent: a frame
+    that long would end the connection, and with it every other request on it."""
+    try:  # text as UTF-8, not escaped: 24 MB of emoji as \ud83d escapes would be 72 MB
+        data = json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # a lone surrogate (JSON allows one): escaped, as the peer reads it back
+        data = json.dumps(value, separators=(",", ":")).encode()
+    if len(data) > MAX_FRAME:
+        raise ServeError(413, f"the message is {len(data)} bytes between floe's HTTP front and its engine "
+                         f"core; the most is {MAX_FRAME}", code="request_too_large")
     return HEADER.pack(len(data)) + data
 
 
