@@ -74,6 +74,24 @@ def test_a_guest_failing_in_on_token_fails_only_its_own_turn(tiny_engine, bad, e
     assert [r.stats.token_ids for r in replies] == expected
 
 
+def test_once_warm_a_slow_on_token_holds_the_loop_for_the_step_bound_not_the_cold_one(tiny_engine):
+    """A guest that spends almost the whole per-call bound in each on_token held every other session
+    that long per token (13.6 s for a 0.15 s reply at 5 s). Once the loop has seen an on_token through
+    (the first sample's kernels loaded), a call has STEP_CALL_S, not TOKEN_CALL_S."""
+    from floe.actor.loop import STEP_CALL_S, TOKEN_CALL_S
+
+    assert STEP_CALL_S <= TOKEN_CALL_S / 10
+    expected = [alone(tiny_engine, p, 8) for p in PROMPTS[:2]]
+    loop = EngineLoop(tiny_engine, token_call_s=30.0, step_call_s=0.3)
+    assert not loop.warm
+    concurrently(tiny_engine, loop, [(None, PROMPTS[0], 2)])  # warms it
+    assert loop.warm
+    *replies, failed = concurrently(tiny_engine, loop, [(None, p, 8) for p in PROMPTS[:2]]
+                                    + [(v2_guest("(loop $f (br $f))"), "x", 8)])
+    assert isinstance(failed, GuestDeadlineExceeded) and "on_token ran past 0.3 s" in str(failed), failed
+    assert [r.stats.token_ids for r in replies] == expected
+
+
 def test_a_turn_joins_and_leaves_while_another_runs(tiny_engine):
     long_expected, short_expected = alone(tiny_engine, PROMPTS[0], 120), alone(tiny_engine, PROMPTS[1], 4)
     loop = EngineLoop(tiny_engine)
@@ -426,9 +444,9 @@ def test_a_guest_looping_in_on_end_fails_only_its_own_message_within_the_loops_c
   (func (export "on_token") (result i32) (call $sample (i32.const 0)))
   (func (export "on_end") (param i32) (result i32) (loop $l (br $l)) (i32.const 0)))""")
     expected = [alone(tiny_engine, p, 8) for p in PROMPTS[:2]]
-    loop = EngineLoop(tiny_engine, token_call_s=0.5)
+    loop = EngineLoop(tiny_engine, token_call_s=0.5, step_call_s=0.3)  # warm once on_token returned
     with Actor(tiny_engine, loops_at_end, loop=loop, deadline_s=10) as actor:
-        with pytest.raises(GuestDeadlineExceeded, match="on_end ran past 0.5 s"):
+        with pytest.raises(GuestDeadlineExceeded, match="on_end ran past 0.3 s"):
             actor.send("x", max_tokens=2)
     *replies, failed = concurrently(tiny_engine, loop, [(None, p, 8) for p in PROMPTS[:2]]
                                     + [(loops_at_end, "x", 2)])

@@ -73,9 +73,13 @@ PREFILL_CHUNK = 512  # prompt tokens one turn prefills per step
 # With overlap (CUDA): whole queued prompts of up to this many tokens in all ride in the
 # next decode step's replay instead of a prefill of their own (Engine.launch_batch's prompts).
 RIDE_ROWS = 256
-# The most one on_token call may take: the batch waits for it. Its host calls count too, and the first
-# sample on a fresh CUDA context loads kernels (~1 s), so this is a bound on a stall, not a budget.
+# The most one guest call from the loop (on_token, on_end) may take: every other turn waits for it. Its
+# host calls count too. Until the loop has seen one on_token through (cold: the first sample on a fresh
+# CUDA context loads kernels, ~1 s) it is TOKEN_CALL_S; then STEP_CALL_S: a guest that kept each call
+# just under 5 s held every other session for 5 s a token (13.6 s for a 0.15 s reply). A real guest's
+# on_token takes ~10-30 us (the grammar guest's, masking a vocabulary: ~1 ms).
 TOKEN_CALL_S = 5.0
+STEP_CALL_S = 0.25
 ARRIVAL_WAIT_S = 0.05  # the most an arriving turn waits for the one before it (EngineLoop.arriving)
 IDLE_EXIT_S = 5.0  # the loop's thread ends after this long without turns (the next turn starts one)
 
@@ -120,14 +124,16 @@ class EngineLoop:
 
     on_step(rows): called after each decode forward with its number of rows (metrics).
     batch: run the turns' decode steps as one forward (Engine.decode_batch); False: one by one.
-    token_call_s: the most one on_token call may take (seconds).
+    token_call_s: the most one guest call from the loop may take while it is cold (seconds);
+    step_call_s: once one on_token has returned (warm).
     """
 
     def __init__(self, engine: Engine, prefill_chunk: int = PREFILL_CHUNK, on_step=lambda rows: None,
                  batch: bool = True, token_call_s: float = TOKEN_CALL_S, overlap: bool | None = None,
-                 feed: bool | None = None) -> None:
+                 feed: bool | None = None, step_call_s: float = STEP_CALL_S) -> None:
         self.engine, self.prefill_chunk, self.on_step, self.batch = engine, prefill_chunk, on_step, batch
-        self.token_call_s = token_call_s
+        self.token_call_s, self.step_call_s = token_call_s, min(step_call_s, token_call_s)
+        self.warm = False  # an on_token call has returned: calls are bound by step_call_s
         # Speculate greedy rows (module doc) where the engine's forward runs while Python goes on.
         self.overlap = (engine.overlaps and batch) if overlap is None else overlap
         if self.overlap and not engine.logits_outlive_next_step:  # guests read them during the next one
@@ -583,18 +589,23 @@ class EngineLoop:
 
     def _guest_call(self, turn: Turn, name: str, *args: int) -> int:
         """A guest export called from the loop: every other turn waits for it, so it may take at most
-        token_call_s (and no longer than its message's deadline)."""
-        seconds = min(turn.deadline - time.monotonic(), self.token_call_s)
+        token_call_s while the loop is cold, step_call_s once warm (and no longer than its message's
+        deadline)."""
+        bound = self.step_call_s if self.warm else self.token_call_s
+        seconds = min(turn.deadline - time.monotonic(), bound)
         try:
-            return turn.actor.guest_call(name, *args, seconds=max(0.0, seconds))
+            result = turn.actor.guest_call(name, *args, seconds=max(0.0, seconds))
         except GuestDeadlineExceeded:
             if time.monotonic() >= turn.deadline:
                 raise
             logs = turn.actor.logs  # its own bound, not the message's deadline
             raise GuestDeadlineExceeded(
-                f"guest {turn.actor.module.name}'s {name} ran past {self.token_call_s:g} s, the most one "
+                f"guest {turn.actor.module.name}'s {name} ran past {bound:g} s, the most one "
                 "call from the engine loop may take (every other turn waits for it)"
                 + (f" (the guest's last log line: {logs[-1][:200]!r})" if logs else "")) from None
+        if name == "on_token":
+            self.warm = True
+        return result
 
     @staticmethod
     def _finish(turn: Turn, end: int, error: BaseException | None) -> None:
