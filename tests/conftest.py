@@ -7,6 +7,7 @@ import pytest
 # Nothing in the tests may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Ray's clusters in the tests report to no one
 sys.path.insert(0, str(Path(__file__).parent))
 
 

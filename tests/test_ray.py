@@ -21,6 +21,27 @@ from floe.cluster.serve import create_cluster_app, start_replicas  # noqa: E402
 from floe.wasm import trap_handlers_kept  # noqa: E402
 
 
+def test_a_local_ray_started_by_floe_reports_nothing_and_runs_no_dashboard():
+    """`floe serve --ray` with no address starts a new Ray with no dashboard and Ray's usage reporting
+    off (unless the user asked for it: RAY_USAGE_STATS_ENABLED=1)."""
+    from isolated import run_isolated
+
+    out = run_isolated("""
+        import os
+        os.environ.pop("RAY_USAGE_STATS_ENABLED", None)
+        import ray
+        from ray._common.usage import usage_lib
+        from floe.cluster.serve import ray_init
+        ray_init(None)
+        try:
+            dashboard = ray.get_runtime_context().get_node_id() and ray._private.worker.get_dashboard_url()
+            print(os.environ["RAY_USAGE_STATS_ENABLED"], usage_lib.usage_stats_enabled(), repr(dashboard))
+        finally:
+            ray.shutdown()
+    """)
+    assert out.split("\n")[-2] in ("0 False ''", "0 False None"), out
+
+
 @contextmanager
 def ray_front(folder):
     """Three nodes of one CPU each, a replica on each, their sessions in one shared folder; the

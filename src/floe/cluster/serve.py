@@ -11,6 +11,8 @@ process (floe.server.app's front, with floe.cluster.router's client), plus the c
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 from fastapi import FastAPI, Request
 
@@ -71,6 +73,23 @@ def create_cluster_app(replicas: dict, *, keys: tuple[str, ...] = (),
     return app
 
 
+def ray_init(address: str | None) -> None:
+    """Join the Ray cluster at `address`, or start a new local one (None) that runs no dashboard. Ray's
+    usage reporting (a report to Anyscale) is off unless the user turned it on
+    (RAY_USAGE_STATS_ENABLED=1): floe sends nothing anywhere on its own. (Ray 2.60 still names the
+    node by the machine's address and its gRPC servers listen on every interface, node address
+    127.0.0.1 asked or not: docs/RAY.md, "Network".)"""
+    import ray
+
+    from floe.wasm import trap_handlers_kept
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # "local": a new one always (None would join a cluster a killed process left behind in /tmp/ray)
+    local = {} if address is not None else {"address": "local", "include_dashboard": False}
+    with trap_handlers_kept():  # Ray's crash handlers would make a guest's trap kill this process
+        ray.init(**({"address": address} | local), logging_level=logging.WARNING)
+
+
 def serve_cluster(address: str | None, n: int, snapshots: str, *, host: str, port: int, log_level: str,
                   keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (), **options) -> int:
     """Join (or start, address None) a Ray cluster, start the replicas, serve the endpoint."""
@@ -80,11 +99,14 @@ def serve_cluster(address: str | None, n: int, snapshots: str, *, host: str, por
     from floe.server.deadlines import uvicorn_config
     from floe.wasm import trap_handlers_kept
 
-    with trap_handlers_kept():  # Ray's crash handlers would make a guest's trap kill this process
-        ray.init(address=address, logging_level=logging.WARNING)
+    ray_init(address)
     try:
+        print(f"floe serve: starting {n} replica{'s' * (n > 1)} on Ray …", file=sys.stderr, flush=True)
         replicas = start_replicas(n, snapshots, **options)
         app = create_cluster_app(replicas, keys=keys, cors_origins=cors_origins)
+        where = "a local Ray" if address is None else f"the Ray cluster at {address}"
+        print(f"floe serve: {n} replica{'s' * (n > 1)} ready on {where}; http://{host}:{port}/v1",
+              file=sys.stderr, flush=True)
         uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
     finally:
         with trap_handlers_kept():
