@@ -138,6 +138,11 @@ class MessageStats:
 
     @property
     def generated_tokens(self) -> int:
+        """Tokens the reply generated. ABI v2 (the engine loop ran the turn: finish_reason): every token
+        on_token returned, whatever the guest emitted (its emits are text, not tokens: counted, they
+        made 18 of max_tokens 16, and 2 of a turn that generated none)."""
+        if self.finish_reason:
+            return len(self.decoded)
         return len(self.sampled) if self.sampled else max(len(self.decoded), self.emit_calls)
 
     def on_emit(self) -> None:

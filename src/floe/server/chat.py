@@ -46,8 +46,9 @@ class Sampling(BaseModel):
     model: str
     # Strict: "5" or 5.0 for a count and "yes" for a flag are a client's mistake, a 400 (as OpenAI's).
     max_tokens: int | None = Field(default=None, ge=1, strict=True)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # Strict: true for a number is a mistake (lax, pydantic took it as 1.0); an integer is still a number.
+    temperature: float = Field(default=1.0, strict=True)
+    top_p: float = Field(default=1.0, strict=True)
     top_k: int = Field(default=0, strict=True)
     seed: int | None = Field(default=None, strict=True)
     n: int = Field(default=1, strict=True)
@@ -76,7 +77,7 @@ class CompletionRequest(Sampling):
 UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "logprobs": (None, False),
                "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
                "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "prediction": (None,),
-               "audio": (None,), "modalities": (None, ["text"])}
+               "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,)}
 STRUCTURED = {"tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
               "response_format": (None, {"type": "text"})}
 COMPLETION_UNSUPPORTED = UNSUPPORTED | STRUCTURED | {"logprobs": (None, 0), "echo": (None, False),

@@ -226,7 +226,9 @@ class ServeCore:
             params = SamplingParams(float(request.get("temperature", 1.0)), _int(request.get("top_k", 0)),
                                     float(request.get("top_p", 1.0)), _int(seed))
         except (InvalidSamplingParams, TypeError, ValueError, OverflowError) as e:
-            raise ServeError(400, str(e), param="temperature") from None
+            # The message names its field (SamplingParams's checks do); else it was the seed's type.
+            param = next((p for p in ("temperature", "top_k", "top_p", "seed") if p in str(e)), "seed")
+            raise ServeError(400, str(e), param=param) from None
         check_text(messages, self.max_text_bytes)  # before the template or the tokenizer see it
         shown = messages if constraint is None else self.turns.prompt(messages, constraint)
         try:
