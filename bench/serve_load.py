@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--server-process", action="store_true",
                     help="run the server in a child process, so the clients do not share its GIL")
     ap.add_argument("--serve-on", type=int, default=None, help=argparse.SUPPRESS)  # the child's port
+    ap.add_argument("--fronts", type=int, default=1, help="with --server-process: HTTP front processes")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="pad each first message to about this many prompt tokens (0: the short questions)")
     ap.add_argument("--probe", type=int, default=0,
@@ -102,7 +103,7 @@ def main() -> None:
 
         engine, model_id, folder, _ = make_engine(args)
         serve(ServeCore(engine, snapshots=folder, model_id=model_id, idle_seconds=3600, batching=BATCHING[
-            args.batching]), port=args.serve_on, log_level="error")
+            args.batching]), port=args.serve_on, log_level="error", fronts=args.fronts)
         return
     server, about = make_server(args, free_port())
     thread = threading.Thread(target=server.run, daemon=True)
@@ -182,14 +183,17 @@ def run_against_child(args) -> None:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                     health = json.loads(r.read())
-                break
-            except (urllib.error.URLError, ConnectionError):
+                if health.get("fronts", 1) >= args.fronts:  # every front takes connections
+                    break
+                raise ConnectionError("not every front is up yet")
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
                 if time.time() > deadline:
                     sys.exit("the server process did not answer /health in time")
                 time.sleep(0.25)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
                                timeout=args.budget_s)
         about = {"device": health["device"], "model": health["model"], "server": "child process",
+                 "fronts": health.get("fronts", 1),
                  "decode_batching": health["decode_batching"], "switch_interval_ms": args.switch_interval_ms}
         run_load(args, client, health["model"], about)
     finally:

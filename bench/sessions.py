@@ -78,7 +78,8 @@ def serve(args, sessions: int) -> dict:
            "--sessions", str(sessions), "--turns", "1", "--max-tokens", str(args.tokens),
            "--prompt-tokens", str(args.prompt_tokens), "--probe", str(args.probe), "--threads",
            str(args.threads), "--client-processes", str(max(1, sessions // CLIENT_STREAMS)),
-           "--temperature", str(args.temperature), "--top-p", str(args.top_p), "--out", str(out)]
+           "--temperature", str(args.temperature), "--top-p", str(args.top_p), "--out", str(out),
+           "--fronts", str(args.fronts)]
     if args.shape:
         cmd += ["--shape", args.shape, "--tokenizer", args.tokenizer]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.serve_timeout_s)
@@ -108,6 +109,7 @@ def main() -> None:
                     help="actors' and serve's sampling (0: greedy; the engine alone is always greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--name", default=None)
+    ap.add_argument("--fronts", type=int, default=1, help="serve: `floe serve --fronts N`")
     args = ap.parse_args()
     params = SamplingParams(args.temperature, top_p=args.top_p)
     device = torch.device(args.device)

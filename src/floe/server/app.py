@@ -24,6 +24,8 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -43,7 +45,7 @@ from floe.server.auth import ApiKeys, api_keys
 from floe.server.chat import ChatRequest, ChatService, ClientGone, CompletionRequest
 from floe.server.client import CoreClient
 from floe.server.limits import MAX_REQUEST_BYTES, BodyLimit
-from floe.server.protocol import ServeError
+from floe.server.protocol import METRICS_ENV, ServeError
 
 if TYPE_CHECKING:
     from floe.engine import Engine
@@ -101,8 +103,13 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
     """
     client = client if client is not None else CoreClient(socket_path, on_lost)
     registry = CollectorRegistry()
+    several = METRICS_ENV in os.environ  # floe serve --fronts N: each counts in files; /metrics sums them
+    if several:
+        from prometheus_client import multiprocess
+
+        multiprocess.MultiProcessCollector(registry)
     requests = Counter("floe_requests", "HTTP requests to the chat API (and those refused for their API "
-                       "key, 401)", ["status"], registry=registry)
+                       "key, 401)", ["status"], registry=None if several else registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -285,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--socket", required=True, help="the engine core's Unix socket")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--fd", type=int, default=None, help="serve on this listening socket (floe serve's, "
+                    "shared by its fronts) instead of binding --host and --port")
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--cors-origin", action="append", default=[], help="a web origin that may call it")
     ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES)
@@ -300,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     app = create_front(args.socket, keys=api_keys(), cors_origins=tuple(args.cors_origin), on_lost=lost,
                        max_request_bytes=args.max_request_bytes)
     server = uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level))
-    server.run()
+    server.run(sockets=None if args.fd is None else [socket.socket(fileno=args.fd)])
     if lost_core.is_set():  # the core went away: a failure (a stop ends the front first), never status 0
         log.error("the engine core's connection ended; the HTTP front exits with status %d", EXIT_CORE_LOST)
         sys.exit(EXIT_CORE_LOST)

@@ -4,6 +4,7 @@ front, and `serve` runs `floe serve` with the front in a child process (docs/SER
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import os
 import queue
@@ -170,7 +171,10 @@ class CoreServer:
 
     def _call(self, conn: _Connection, rid: int, name, arg, owner) -> None:
         try:
-            conn.send(["ok", rid, self.core.call(name, arg, owner)])
+            value = self.core.call(name, arg, owner)
+            if name == "health" and isinstance(value, dict):
+                value["fronts"] = len(self.connections)  # HTTP fronts connected (floe serve --fronts)
+            conn.send(["ok", rid, value])
         except Exception as e:  # noqa: BLE001 - answered; the core goes on
             _answer_error(conn, rid, e, f"call {name!r}")
 
@@ -287,19 +291,23 @@ def _answer_error(conn: _Connection, rid: int, e: Exception, what: str) -> None:
 
 def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
           keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
-          max_request_bytes: int = protocol.MAX_REQUEST_BYTES,
+          max_request_bytes: int = protocol.MAX_REQUEST_BYTES, fronts: int = 1,
+          listener: socket.socket | None = None,
           on_ready: Callable[[CoreServer], None] = lambda server: None) -> int:
-    """`floe serve` with its engine core in this process: the HTTP front (floe.server.app) runs in a
-    child process, talking to the core's socket in a private temporary folder. Returns when the
-    front exits or this process is told to stop (SIGINT, SIGTERM); every live session is frozen
-    before it returns. The front's exit status: 0 after a stop. keys: its API keys (handed to the
-    front in its environment, never its command line); cors_origins: web origins that may call it;
-    max_request_bytes: the front's largest request body (floe.server.limits)."""
+    """`floe serve` with its engine core in this process: `fronts` HTTP front processes
+    (floe.server.app) share one listening socket this process binds (the kernel hands each new
+    connection to one of them) and each talks to the core's socket in a private temporary folder.
+    Returns when a front exits or this process is told to stop (SIGINT, SIGTERM); every live session
+    is frozen before it returns. The exit status: 0 after a stop, else the first front's to exit (a
+    front that lost its core: 3). keys: its API keys (handed to the fronts in their environment, never
+    their command line); cors_origins: web origins that may call it; max_request_bytes: a front's
+    largest request body (floe.server.limits); listener: the socket to serve on (listen()'s), else
+    host:port is bound here. Raises FloeError if host:port cannot be listened on."""
     import gc
     import signal
-    import subprocess
-    import sys
 
+    if listener is None:
+        listener = listen(host, port)  # before anything starts: a port in use is a clear error at once
     # What exists now (the model's modules, the tokenizer, imported code: ~10^5 to 10^6 objects) lives
     # as long as the server: out of the cyclic collector's reach, whose full passes over all of it
     # stalled every session at once for ~0.1 s (docs/PERF.md, "A full GC pass").
@@ -312,29 +320,92 @@ def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_lev
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, stop)
-    from floe.server.auth import KEYS_ENV
-
-    cors = [arg for origin in cors_origins for arg in ("--cors-origin", origin)]
-    front = subprocess.Popen([sys.executable, "-m", "floe.server.app", "--socket", server.path, "--host",
-                              host, "--port", str(port), "--log-level", log_level, *cors,
-                              "--max-request-bytes", str(max_request_bytes)],
-                             env=os.environ | {KEYS_ENV: ",".join(keys)})
-    code = 0
+    args = ["--socket", server.path, "--fd", str(listener.fileno()), "--log-level", log_level,
+            "--max-request-bytes", str(max_request_bytes),
+            *(arg for origin in cors_origins for arg in ("--cors-origin", origin))]
+    procs, code = [], 0
     try:
-        on_ready(server)
-        code = front.wait()
-        if code:  # not a stop: a supervisor (docs/SERVER.md, "Running it as a service") restarts floe
-            log.error("the HTTP front exited with status %s", code)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if front.poll() is None:
-            front.terminate()
+        with front_environment(keys, fronts) as env:
             try:
-                front.wait(30)
-            except subprocess.TimeoutExpired:
-                front.kill()
+                procs = [_start_front(args, listener, env) for _ in range(fronts)]
+                listener.close()  # the fronts hold it
+                on_ready(server)
+                code = _first_exit(procs)
+                if code:  # not a stop: a supervisor (docs/SERVER.md, "Running it as a service") restarts it
+                    log.error("an HTTP front exited with status %s", code)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                _stop_fronts(procs)  # (before their metrics folder goes)
+    finally:
+        listener.close()
+        signal.signal(signal.SIGTERM, previous)
         server.close()
         core.close()
     return code
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The fronts' listening TCP socket on host:port (as uvicorn binds one: SO_REUSEADDR, backlog
+    2048), inheritable by them. Raises FloeError naming the address if it cannot be had."""
+    from floe.errors import FloeError
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise FloeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+@contextlib.contextmanager
+def front_environment(keys: tuple[str, ...], fronts: int):
+    """The fronts' environment: their API keys, and with several fronts a private folder where each
+    counts its requests (prometheus_client's multiprocess mode: any front's /metrics sums them all)."""
+    from floe.server.auth import KEYS_ENV
+
+    env = os.environ | {KEYS_ENV: ",".join(keys)}
+    if fronts == 1:
+        env.pop(protocol.METRICS_ENV, None)
+        yield env
+        return
+    folder = tempfile.mkdtemp(prefix="floe-fronts-")  # 0700
+    try:
+        yield env | {protocol.METRICS_ENV: folder}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _start_front(args: list[str], listener: socket.socket, env: dict):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "floe.server.app", *args], env=env,
+                            pass_fds=(listener.fileno(),))
+
+
+def _first_exit(procs: list) -> int:
+    """The status of the first of `procs` to exit (waits; a signal's KeyboardInterrupt ends the wait)."""
+    while True:
+        for p in procs:
+            if (code := p.poll()) is not None:
+                return code
+        time.sleep(0.1)
+
+
+def _stop_fronts(procs: list) -> None:
+    import subprocess
+
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

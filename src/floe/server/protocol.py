@@ -40,6 +40,7 @@ HEADER = struct.Struct("!I")
 MAX_FRAME = 64 << 20  # a frame longer than this is a broken peer, not a message
 MAX_REQUEST_BYTES = 8 << 20  # the front's default for a request body (floe.server.limits): 128k tokens
 # of text are ~0.5 MB, tools and schemas far less; well under MAX_FRAME
+METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # floe serve --fronts N: where the fronts count their requests
 ROLES = ("system", "user", "assistant")
 CALLS = ("hello", "health", "sessions", "session", "freeze", "thaw", "fork", "let_go", "delete", "metrics")
 # Who a request is for (floe.server.auth): "" on a server without API keys (one owner, everyone), else

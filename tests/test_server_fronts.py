@@ -1,0 +1,60 @@
+"""`floe serve --fronts N`: several HTTP front processes share one port and one engine core (issue 40:
+one front streamed every token of every session through one GIL). Each new connection goes to one of
+them; every front answers the same way and /metrics counts all of them together."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from test_server import CONTEXT, MODEL_ID, free_port, start_serve
+
+pytestmark = pytest.mark.slow  # whole `floe serve` processes
+
+
+def requests_counted(url: str, status: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(rf'^floe_requests_total{{status="{status}"}} (\S+)$', text, re.M))
+
+
+def test_several_fronts_share_the_port_and_count_requests_together(tmp_path):
+    port = free_port()
+    proc = start_serve(tmp_path, port, "--fronts", "2", "--model-id", MODEL_ID)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120  # the first front may answer before the second has connected
+        while httpx.get(url + "/health", timeout=30).json()["fronts"] < 2:
+            assert time.time() < deadline, "the second front never connected to the core"
+            time.sleep(0.1)
+        for i in range(6):  # a new connection each: the kernel hands each to one front
+            with httpx.Client(timeout=300) as c:
+                r = c.post(url + "/v1/chat/completions", json={
+                    "model": MODEL_ID, "messages": [{"role": "user", "content": f"Say {i}."}],
+                    "max_tokens": 3, "temperature": 0})
+                assert r.status_code == 200, r.text
+        for _ in range(3):  # whichever front answers /metrics counts every front's requests
+            assert requests_counted(url, "200") == 6
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_port_in_use_is_an_error_before_the_model_loads(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "floe.cli", "serve", "--port", str(port), "--snapshots",
+                               str(tmp_path), "--context", str(CONTEXT)], capture_output=True, text=True,
+                              timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
+    assert "warming up" not in done.stderr  # refused before the model loaded (then its KV slots warm)
