@@ -292,7 +292,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_ray(args, keys)
     # The HTTP front (its own process) streams every token: leave it a core, or the model's parallel
     # GEMVs wait on their slowest thread (2 cores: 40 -> 73 tok/s per stream, docs/PERF.md).
-    fronts = args.fronts or default_fronts()
+    fronts = args.fronts
     listener = listen(args.host, args.port)  # a port in use: an error now, not after the model loads
     _threads(args, args.device, reserve=fronts)
     weights = args.weights or ("native" if device.type == "cpu" else "bf16")
@@ -481,15 +481,6 @@ def _threads(args: argparse.Namespace, device: str, reserve: int = 0) -> int | N
     return n
 
 
-def default_fronts() -> int:
-    """`floe serve`'s HTTP fronts when --fronts is not given: one per 4 cores beyond the core's 2, from
-    1 to 4 (one front streamed 13k SSE events/s through one GIL at 64 sessions on the H200's host)."""
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(4, (cores - 2) // 4))
-
-
 def idle_cpus(window_s: float = 0.1) -> int:
     """CPUs (of those this process may run on) that were mostly idle over the last `window_s`."""
     import os
@@ -671,9 +662,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="a web origin whose pages may call the server (e.g. https://app.example); "
                             "again for more, '*' for any (default: CORS off)")
-    serve.add_argument("--fronts", type=_positive_int, default=None, metavar="N",
+    serve.add_argument("--fronts", type=_positive_int, default=1, metavar="N",
                        help="HTTP front processes sharing the port, each streaming its own clients' "
-                            "replies (default: 1 per 4 cores beyond 2, 1 to 4)")
+                            "replies (1; 3 measured no faster on the H200's host: docs/PERF.md)")
     serve.add_argument("--max-request-bytes", type=_bytes, default=MAX_REQUEST_BYTES, metavar="BYTES",
                        help="the largest request body (8M); past it, 413 (a snapshot upload streams "
                             "and is checked by the store instead)")
