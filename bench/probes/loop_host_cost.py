@@ -2,7 +2,10 @@
 little), S chat-guest actors through one EngineLoop, the loop's phases per step, and where the
 loop thread's time goes (cProfile of its steps, the top functions by own time).
 
-    python bench/probes/loop_host_cost.py [--sessions 64] [--tokens 64] [--tokenizer DIR]
+    python bench/probes/loop_host_cost.py [--sessions 64] [--tokens 64] [--tokenizer DIR] [--rounds 3]
+
+First, asking the guests alone (EngineLoop._ask_guests: host choices, on_token, what it returned),
+µs a row, with the step's calls in one native loop (floe.wasm.rows) and row by row, taking turns.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import cProfile
 import pstats
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +33,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the native / row-by-row comparison")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.tokenizer:
@@ -45,6 +50,7 @@ def main() -> None:
     engine = Engine(weights, max_seq_len=512, n_slots=args.sessions)
     texts = [message(tok, i, 64) for i in range(args.sessions)]
     actors_run(engine, texts[:2], 4, batch=True)
+    asking_ab(engine, texts, args)
     s = actors_run(engine, texts, args.tokens, batch=True)["engine_loop"]
     steps = s["steps"]
     print(f"{args.sessions} actors: {steps} steps, {1e3 * s['step_s'] / steps:.2f} ms a step, "
@@ -71,6 +77,33 @@ def main() -> None:
             stats.stats.items(), key=lambda kv: -kv[1][2])[:20]:
         print(f"  {1e6 * tottime / rows:7.1f} own {1e6 * cumtime / rows:7.1f} cum  {calls:7d}  "
               f"{Path(file).name}:{line}({name})")
+
+
+def asking_ab(engine: Engine, texts: list[str], args) -> None:
+    """µs a row of EngineLoop._ask_guests, native loop vs row by row, `args.rounds` rounds each."""
+    from floe.wasm import rows as guest_rows
+
+    ask, usable = engine_loop.EngineLoop._ask_guests, guest_rows.usable
+    spent = {"native": [], "row by row": []}
+
+    def timed(self, turns) -> None:
+        t = time.perf_counter()
+        ask(self, turns)
+        timed.seconds += time.perf_counter() - t
+        timed.rows += len(turns)
+
+    engine_loop.EngineLoop._ask_guests = timed
+    try:
+        for _ in range(args.rounds):
+            for way in spent:
+                guest_rows.usable = usable if way == "native" else (lambda guests: False)
+                timed.seconds, timed.rows = 0.0, 0
+                actors_run(engine, texts, args.tokens, batch=True)
+                spent[way].append(1e6 * timed.seconds / max(timed.rows, 1))
+    finally:
+        engine_loop.EngineLoop._ask_guests, guest_rows.usable = ask, usable
+    for way, us in spent.items():
+        print(f"asking the guests, {way}: " + ", ".join(f"{u:.1f}" for u in us) + " µs a row")
 
 
 if __name__ == "__main__":

@@ -152,6 +152,7 @@ class HostABI:
         self.preparing = False  # inside on_message (v2): prefill queues, kv_truncate allowed
         # v2 turn options on_message may set (choice_at, stream_tokens); reset at each message.
         self.choice: np.ndarray | None = None  # int32 [1] in guest memory: the host's choice goes there
+        self.choice_address = 0  # its address (floe.wasm.rows stores the choice there natively)
         self.streams = False  # the tokens on_token returns are streamed by the host
         self.sampled = False  # sample() was called (the engine loop resets it before each on_token)
         self.rendered: tuple[bytes, Rendered] | None = None  # the last chat_render, for tokenize()
@@ -160,7 +161,7 @@ class HostABI:
         """v2: a new message's turn: nothing queued, no logits target, no turn options."""
         self.clear_queue()
         self.logits_ptr = 0
-        self.choice, self.streams = None, False
+        self.choice, self.choice_address, self.streams = None, 0, False
 
     def begin(self, watchdog, memory_cap: int) -> HostBudget:
         """A fresh budget for the next guest call (a message, a history entry)."""
@@ -548,7 +549,7 @@ class HostABI:
         if self.version < 2 or not self.preparing:
             return ERR_BAD_ARGUMENT
         if not ptr:
-            self.choice = None
+            self.choice, self.choice_address = None, 0
             return OK
         if ptr % 4:
             raise GuestPointerError(f"choice: pointer {ptr} is not 4-byte aligned")
@@ -557,13 +558,15 @@ class HostABI:
         except OutOfBounds as e:
             raise GuestPointerError(f"choice: guest pointer {e}") from None
         self.choice = self.actor.region.numpy(ptr, 1, np.int32)  # the region never moves or shrinks
+        self.choice_address = self.choice.ctypes.data
         return OK
 
-    def give_choice(self, token: int) -> None:
+    def give_choice(self, token: int, write: bool = True) -> None:
         """Write the host's choice for this step where choice_at asked (the loop calls it before
-        on_token)."""
+        on_token); write=False: counted here, written by the caller (floe.wasm.rows, natively)."""
         self.budget.spend(4, "choice")
-        self.choice[0] = token
+        if write:
+            self.choice[0] = token
         self.actor.ledger.copy("host→guest choice (the host's token for on_token)", 4)
 
     def stream_tokens(self, on: int) -> int:

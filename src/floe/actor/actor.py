@@ -245,7 +245,7 @@ class Actor:
         if value and self._message_thread is not None:
             self.guest.wind_down(STOP_GRACE_S)
 
-    def _take_pending(self) -> BaseException | None:
+    def take_pending(self) -> BaseException | None:
         error, self.pending_error = self.pending_error, None
         return error
 
@@ -258,15 +258,15 @@ class Actor:
             self.abi.begin(self.guest.watchdog, self.guest.memory_cap)
         seconds = self.deadline_s if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return self.guest.call(name, *args, deadline_s=seconds, pending=self._take_pending)
+            return self.guest.call(name, *args, deadline_s=seconds, pending=self.take_pending)
         except GuestError as e:
-            self._name_last_log(e)
+            self.name_last_log(e)
             raise
         finally:
             if own_budget:
                 self.abi.budget = None
 
-    def _name_last_log(self, e: GuestError) -> None:
+    def name_last_log(self, e: GuestError) -> None:
         if self.logs and e.args:
             e.args = (f"{e.args[0]} (the guest's last log line: {self.logs[-1]!r})", *e.args[1:])
 
@@ -277,9 +277,9 @@ class Actor:
         if self.abi.budget is None:
             raise RuntimeError(f"{name}: the engine loop calls a guest only within its message")
         try:
-            return self.guest.call(name, *args, deadline_s=seconds, pending=self._take_pending, hold_gil=True)
+            return self.guest.call(name, *args, deadline_s=seconds, pending=self.take_pending, hold_gil=True)
         except GuestError as e:
-            self._name_last_log(e)
+            self.name_last_log(e)
             raise
 
     @property

@@ -52,12 +52,14 @@ from floe.engine.sampling import draw_uniforms
 from floe.errors import ContextOverflow
 from floe.wasm import (
     GuestDeadlineExceeded,
+    GuestError,
     GuestReportedError,
     GuestResultError,
     guest_calls_running,
     start_guest_thread,
     stop_all_guests,
 )
+from floe.wasm import rows as guest_rows
 
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
@@ -125,15 +127,19 @@ class EngineLoop:
     on_step(rows): called after each decode forward with its number of rows (metrics).
     batch: run the turns' decode steps as one forward (Engine.decode_batch); False: one by one.
     token_call_s: the most one guest call from the loop may take while it is cold (seconds);
-    step_call_s: once one on_token has returned (warm).
+    step_call_s: once one on_token has returned (warm). native_rows: a step's on_token calls in one
+    native loop where it can run (floe.wasm.rows); False: one by one through GuestInstance.call.
     """
 
     def __init__(self, engine: Engine, prefill_chunk: int = PREFILL_CHUNK, on_step=lambda rows: None,
                  batch: bool = True, token_call_s: float = TOKEN_CALL_S, overlap: bool | None = None,
-                 feed: bool | None = None, step_call_s: float = STEP_CALL_S) -> None:
+                 feed: bool | None = None, step_call_s: float = STEP_CALL_S,
+                 native_rows: bool = True) -> None:
         self.engine, self.prefill_chunk, self.on_step, self.batch = engine, prefill_chunk, on_step, batch
         self.token_call_s, self.step_call_s = token_call_s, min(step_call_s, token_call_s)
         self.warm = False  # an on_token call has returned: calls are bound by step_call_s
+        self.native_rows = native_rows  # a step's on_token calls in one native loop (floe.wasm.rows)
+        self.native_calls = 0  # on_token calls made so
         # Speculate greedy rows (module doc) where the engine's forward runs while Python goes on.
         self.overlap = (engine.overlaps and batch) if overlap is None else overlap
         if self.overlap and not engine.logits_outlive_next_step:  # guests read them during the next one
@@ -304,21 +310,14 @@ class EngineLoop:
         # A fed step launched already: a fresh turn without a row in it (a prompt that rode in the
         # forward just taken, a fed row undone above) is asked first, and its token joins the next launch.
         speculated = [t for t in fresh if t.speculated is not None or (fed is None and self._speculate(t))]
-        asked = [t for t in fresh if t.speculated is None]
-        self._give_choices(asked)
-        for turn in asked:
-            if turn.end is None:
-                self._ask_guest(turn)
+        self._ask_guests([t for t in fresh if t.speculated is None])
         t2 = time.perf_counter()
         # The device idles from the end of the last forward to this launch: only what the launch
         # needs comes before it; speculated turns' bookkeeping and guests come after.
         if fed is None:
             self._launch([t for t in self._live() if t.next_token is not None], riding)
         t3 = time.perf_counter()
-        self._give_choices(speculated)
-        for turn in speculated:  # while the device computes their next logits
-            if turn.end is None:
-                self._ask_guest(turn)
+        self._ask_guests(speculated)  # while the device computes their next logits
         t4 = time.perf_counter()
         for turn in self._active:
             if turn.end is None or turn.done.is_set() or turn.flying:
@@ -499,10 +498,11 @@ class EngineLoop:
             turn.actor.generator.set_state(turn.rng_before)
         turn.speculated = turn.rng_before = None
 
-    def _give_choices(self, turns: list[Turn]) -> None:
+    def _give_choices(self, turns: list[Turn], write: bool = True) -> None:
         """Write the host's choice into the memory of each of `turns`' guests that asked for it
         (choice_at): what its step computed (turn.choice), else drawn now, all in one batch (a
-        prompt's first token)."""
+        prompt's first token). write=False: only turn.choice is set (and counted); floe.wasm.rows
+        writes it just before the guest's call."""
         asking = [t for t in turns if t.end is None and t.actor.abi.choice is not None]
         if not asking:
             return
@@ -515,23 +515,64 @@ class EngineLoop:
         for turn, token in zip(asking, tokens, strict=True):
             turn.choice = token
             try:
-                turn.actor.abi.give_choice(token)
+                turn.actor.abi.give_choice(token, write)
             except BaseException as e:  # noqa: BLE001 - fails this turn only (its budget)
                 self._finish(turn, END_CANCELLED, e)
 
-    def _ask_guest(self, turn: Turn) -> None:
-        """Its guest's on_token: the next token (appended by the next forward, or confirming the
-        speculated one), a stop, or a failure of this turn."""
+    def _ask_guests(self, turns: list[Turn]) -> None:
+        """Give each of `turns` still running its host choice and ask its guest (_ask_guest): the
+        guests' calls in one native loop (floe.wasm.rows) where it can run, else one by one."""
+        asking = [t for t in turns if t.end is None]
+        if not asking:
+            return
+        guests = [t.actor.guest for t in asking]
+        if not (self.native_rows and guest_rows.usable(guests)):
+            self._give_choices(asking)
+            for turn in asking:
+                if turn.end is None:
+                    self._ask_guest(turn)
+            return
+        self._give_choices(asking, write=False)
+        asking = [t for t in asking if t.end is None]  # (a choice that failed ended its turn)
+        for turn in asking:
+            self._before_ask(turn)
+        bound = self.step_call_s if self.warm else self.token_call_s
+        now = time.monotonic()
+        answers = guest_rows.call_rows(
+            [t.actor.guest for t in asking], "on_token",
+            [t.actor.abi.choice_address for t in asking], [t.choice or 0 for t in asking],
+            [max(0.0, min(t.deadline - now, bound)) for t in asking],
+            [t.actor.take_pending for t in asking])
+        self.native_calls += len(asking)
+        for turn, answer in zip(asking, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if isinstance(answer, GuestError):
+                    turn.actor.name_last_log(answer)  # as Actor.guest_call does
+                self._finish(turn, END_CANCELLED, self._call_failure(turn, "on_token", bound, answer))
+            else:
+                self.warm = True
+                self._took(turn, answer)
+
+    def _before_ask(self, turn: Turn) -> None:
         turn.fresh = False
         turn.actor.abi.sampled = False
         if turn.forward is not None:
             turn.actor.abi.record_forward(1, *turn.forward)
             turn.forward = None
+
+    def _ask_guest(self, turn: Turn) -> None:
+        """Its guest's on_token: the next token (appended by the next forward, or confirming the
+        speculated one), a stop, or a failure of this turn."""
+        self._before_ask(turn)
         try:
             token = self._guest_call(turn, "on_token")
         except BaseException as e:  # noqa: BLE001 - fails this turn only
             self._finish(turn, END_CANCELLED, e)
             return
+        self._took(turn, token)
+
+    def _took(self, turn: Turn, token: int) -> None:
+        """What on_token returned: the next token, a stop, or a failure of this turn."""
         abi = turn.actor.abi
         # A guest that also drew with sample() is not speculated: the next step's draw, made at its
         # launch, would come before that sample() call in the generator (not so without overlap).
@@ -595,17 +636,22 @@ class EngineLoop:
         seconds = min(turn.deadline - time.monotonic(), bound)
         try:
             result = turn.actor.guest_call(name, *args, seconds=max(0.0, seconds))
-        except GuestDeadlineExceeded:
-            if time.monotonic() >= turn.deadline:
-                raise
-            logs = turn.actor.logs  # its own bound, not the message's deadline
-            raise GuestDeadlineExceeded(
-                f"guest {turn.actor.module.name}'s {name} ran past {bound:g} s, the most one "
-                "call from the engine loop may take (every other turn waits for it)"
-                + (f" (the guest's last log line: {logs[-1][:200]!r})" if logs else "")) from None
+        except BaseException as e:
+            raise self._call_failure(turn, name, bound, e) from None
         if name == "on_token":
             self.warm = True
         return result
+
+    def _call_failure(self, turn: Turn, name: str, bound: float, e: BaseException) -> BaseException:
+        """What a failed guest call of the loop fails its turn with: past the loop's bound (not the
+        message's deadline), a GuestDeadlineExceeded that says so; anything else as it is."""
+        if not isinstance(e, GuestDeadlineExceeded) or time.monotonic() >= turn.deadline:
+            return e
+        logs = turn.actor.logs  # its own bound, not the message's deadline
+        return GuestDeadlineExceeded(
+            f"guest {turn.actor.module.name}'s {name} ran past {bound:g} s, the most one "
+            "call from the engine loop may take (every other turn waits for it)"
+            + (f" (the guest's last log line: {logs[-1][:200]!r})" if logs else ""))
 
     @staticmethod
     def _finish(turn: Turn, end: int, error: BaseException | None) -> None:

@@ -315,7 +315,7 @@ class PreparedCall:
     made once: the engine loop calls each row's on_token once a step, and building them each time was
     a third of that call. Valid while its store lives (GuestInstance drops them when it closes)."""
 
-    __slots__ = ("_func", "_context", "_ref", "_n", "_params", "_results", "_trap", "_trap_ref")
+    __slots__ = ("_func", "_context", "_ref", "_n", "_params", "_results", "_trap", "_trap_ref", "row")
 
     def __init__(self, store, func, n_args: int) -> None:
         self._func = func  # (kept alive: _ref points into it)
@@ -327,6 +327,10 @@ class PreparedCall:
             param.kind = I32
         self._results = (ffi.wasmtime_val_t * 1)()
         self._new_trap()
+        # (context, function, results) addresses: a row of floe_call_rows (floe.wasm.rows), which calls
+        # an export of no arguments without Python in between
+        self.row = (ctypes.cast(self._context, ctypes.c_void_p).value, ctypes.addressof(func._func),
+                    ctypes.addressof(self._results))
 
     def _new_trap(self) -> None:
         self._trap = ctypes.POINTER(ffi.wasm_trap_t)()
@@ -352,6 +356,19 @@ class PreparedCall:
             raise RawCallError(f"returned a {KIND_NAMES.get(results[0].kind, results[0].kind)}, not an i32",
                                False)
         return results[0].of.i32
+
+
+def raw_call_error(error: int, trap: int, results: int) -> RawCallError:
+    """The RawCallError of a call made natively (floe.wasm.rows) that returned `error` or `trap` (owned
+    pointers, freed here), or whose result at `results` is not an i32."""
+    if error:
+        return RawCallError(_message(ctypes.cast(error, ctypes.POINTER(ffi.wasmtime_error_t)),
+                                     ffi.wasmtime_error_delete, ffi.wasmtime_error_message), False)
+    if trap:
+        return RawCallError(_message(ctypes.cast(trap, ctypes.POINTER(ffi.wasm_trap_t)),
+                                     ffi.wasm_trap_delete, ffi.wasm_trap_message), True)
+    kind = ffi.wasmtime_val_t.from_address(results).kind
+    return RawCallError(f"returned a {KIND_NAMES.get(kind, kind)}, not an i32", False)
 
 
 def global_kind(store, g) -> str:

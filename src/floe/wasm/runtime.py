@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import wasmtime
@@ -432,30 +433,44 @@ class GuestInstance:
         hold_gil: the guest's own code runs without releasing the GIL (its host calls still may), for
         short calls on a thread that others must not delay (the engine loop's), where epochs tick
         natively (else the deadline could not stop a runaway that holds it)."""
-        call = self._calls.get((name, len(args)))
+        call = self.prepared(name, len(args))
+        self._before_call()
+        self.watchdog.arm(deadline_s)
+        try:
+            with guest_stack, _Running(self.watchdog):
+                if threading.get_ident() != signals.main:
+                    return call(args, hold_gil and self.module.runtime.native_ticks)
+                with signals.held():
+                    return call(args)
+        except RawCallError as e:
+            self._raise_failure(name, e, deadline_s, pending)
+
+    def prepared(self, name: str, n_args: int) -> PreparedCall:
+        """The prepared call of export `name` with n_args i32 arguments (made at its first use)."""
+        call = self._calls.get((name, n_args))
         if call is None:
-            call = self._calls[name, len(args)] = PreparedCall(self.store, self.function(name), len(args))
+            call = self._calls[name, n_args] = PreparedCall(self.store, self.function(name), n_args)
+        return call
+
+    def _before_call(self) -> None:
         for region in self.regions:
             region.denied_size = 0
         runtime = self.module.runtime
         if runtime._ticker is None:  # (a fork's child: its guests copied from the parent)
             runtime._start_ticker()
-        self.watchdog.arm(deadline_s)
-        try:
-            with guest_stack, _Running(self.watchdog):
-                if threading.get_ident() != signals.main:
-                    return call(args, hold_gil and runtime.native_ticks)
-                with signals.held():
-                    return call(args)
-        except RawCallError as e:
-            host_error = pending() or self.watchdog.interrupt
-            if host_error is not None:  # (its own cause kept: a wrapped host-side error)
-                raise host_error from host_error.__cause__
-            escaped = self.module.runtime.host_functions.take_failure()
-            if escaped is not None:  # a host function failed without saying how (its own error handling did)
-                raise GuestHostCallError(f"guest {self.module.name}: a host function it called failed: "
-                                         f"{describe(escaped)}") from escaped
-            raise self._call_error(name, e, deadline_s) from None
+
+    def _raise_failure(self, name: str, e: RawCallError, deadline_s: float,
+                       pending: Callable[[], BaseException | None]) -> NoReturn:
+        """Raise what a failed call of `name` is: a host-side error found by `pending` (or a Ctrl-C) as
+        itself, a host function's escaped failure, else the GuestError of the trap or refusal."""
+        host_error = pending() or self.watchdog.interrupt
+        if host_error is not None:  # (its own cause kept: a wrapped host-side error)
+            raise host_error from host_error.__cause__
+        escaped = self.module.runtime.host_functions.take_failure()
+        if escaped is not None:  # a host function failed without saying how (its own error handling did)
+            raise GuestHostCallError(f"guest {self.module.name}: a host function it called failed: "
+                                     f"{describe(escaped)}") from escaped
+        raise self._call_error(name, e, deadline_s) from None
 
     def _call_error(self, name: str, e: RawCallError, deadline_s: float) -> GuestError:
         guest = self.module.name

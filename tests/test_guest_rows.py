@@ -1,0 +1,87 @@
+"""floe.wasm.rows: one export of many guests called in one native loop (the engine loop's on_token for
+every turn of a step). Each row's answer is what GuestInstance.call gives for it: its i32, or its own
+failure (a trap, its deadline, a result that is not an i32), the rows after a failure still called."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from floe.wasm import (
+    GuestDeadlineExceeded,
+    GuestInstance,
+    GuestLoadError,
+    GuestModule,
+    GuestTrap,
+    default_runtime,
+    start_guest_thread,
+)
+from floe.wasm import rows as guest_rows
+
+MIB = 1 << 20
+
+
+def guest(body: str, result: str = "i32") -> GuestInstance:
+    """A guest whose on_token runs `body` (memory: 1 page; the host's choice is stored at 64)."""
+    wat = f"""(module (memory (export "memory") 1)
+      (func (export "on_token") (result {result}) {body}))"""
+    return GuestInstance(GuestModule(default_runtime(), wat.encode()), "floe", [], memory_cap=16 * MIB)
+
+
+def on_a_guest_thread(fn):
+    """fn() on a thread as the engine loop's (not the main thread, a guest-sized stack)."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    start_guest_thread(thread)
+    thread.join()
+    return out[0]
+
+
+def choice_address(g: GuestInstance) -> int:
+    return g.region.numpy(64, 1, np.int32).ctypes.data
+
+
+def test_each_row_gets_its_own_choice_and_answer():
+    echo = [guest("(i32.add (i32.load (i32.const 64)) (i32.const 1))") for _ in range(5)]
+    if not on_a_guest_thread(lambda: guest_rows.usable(echo)):
+        pytest.skip("no native loop here (no C++ compiler, or epochs not ticking natively)")
+    answers = on_a_guest_thread(lambda: guest_rows.call_rows(
+        echo, "on_token", [choice_address(g) for g in echo], [10, 20, 30, 40, -5], [1.0] * 5,
+        [lambda: None] * 5))
+    assert answers == [11, 21, 31, 41, -4]
+    assert [int(g.region.numpy(64, 1, np.int32)[0]) for g in echo] == [10, 20, 30, 40, -5]
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    ("(unreachable)", GuestTrap, "trapped"),
+    ("(loop $f (br $f)) (i32.const 0)", GuestDeadlineExceeded, "deadline"),
+    ("(i64.const 7)", GuestLoadError, "i64"),
+], ids=["trap", "runaway", "not-an-i32"])
+def test_a_failing_row_fails_alone_and_the_rows_after_it_are_called(bad, error, message):
+    good = "(i32.const 5)"
+    guests = [guest(good), guest(bad, "i64" if "i64" in bad else "i32"), guest(good), guest(good)]
+    if not on_a_guest_thread(lambda: guest_rows.usable(guests)):
+        pytest.skip("no native loop here")
+    answers = on_a_guest_thread(lambda: guest_rows.call_rows(
+        guests, "on_token", [0] * 4, [0] * 4, [0.3] * 4, [lambda: None] * 4))
+    assert answers[0] == 5 and answers[2:] == [5, 5]
+    assert isinstance(answers[1], error) and message in str(answers[1]), answers[1]
+    # and the row-by-row call says the same of the same guest
+    alone = on_a_guest_thread(lambda: _raised(lambda: guests[1].call("on_token", deadline_s=0.3,
+                                                                     pending=lambda: None, hold_gil=True)))
+    assert type(alone) is type(answers[1]) and str(alone) == str(answers[1])
+
+
+def _raised(fn):
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+        return e
+    return None
+
+
+def test_not_usable_on_the_main_thread():
+    g = guest("(i32.const 1)")
+    assert not guest_rows.usable([g])  # (the main thread takes Ctrl-C through Python's handler)
