@@ -60,3 +60,49 @@ def test_a_full_queue_answers_503_with_retry_after(engine, tmp_path):
         assert sum(r.status_code == 200 for r in responses) >= 3
     finally:
         s.stop()
+
+
+def test_one_key_cannot_keep_another_out_of_the_queue_or_behind_all_its_requests(engine, tmp_path):
+    """Key A fills both slots and the whole queue with long requests; key B's short one still gets a
+    place (A's newest waiting request gives it up: a 503 that says why) and the next free slot (B holds
+    none, A holds two), not the place behind every request of A's."""
+    import time
+
+    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, max_waiting=3,
+                                wait_seconds=300, keys=("key-a", "key-b")))
+    store = s.server.config.app.state.core.store
+    done: list[str] = []
+    answers: dict[str, httpx.Response] = {}
+    lock = threading.Lock()
+
+    def ask(name: str, key: str, tokens: int) -> None:
+        body = {"model": MODEL_ID, "max_tokens": tokens, "temperature": 0, "session_id": name,
+                "messages": [{"role": "user", "content": "Count from 1 to 500, one number per line."}]}
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=300,
+                       headers={"Authorization": f"Bearer {key}"})
+        with lock:
+            done.append(name)
+            answers[name] = r
+
+    try:
+        threads = [threading.Thread(target=ask, args=(f"a{i}", "key-a", 48)) for i in range(5)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 120
+        while store.waiting < 3:  # 2 run, 3 wait: the queue is full
+            assert time.time() < deadline, "key A's requests never filled the queue"
+            time.sleep(0.01)
+        b = threading.Thread(target=ask, args=("b", "key-b", 2))
+        b.start()
+        for t in [*threads, b]:
+            t.join()
+        assert answers["b"].status_code == 200, answers["b"].text
+        bumped = [n for n, r in answers.items() if r.status_code == 503]
+        assert len(bumped) == 1 and bumped[0].startswith("a"), {n: r.status_code for n, r in answers.items()}
+        assert "another API key" in answers[bumped[0]].json()["error"]["message"]
+        assert answers[bumped[0]].headers.get("retry-after")
+        # B went next: before the two of A's that were still waiting when it came
+        served_a = [n for n in done if n.startswith("a") and answers[n].status_code == 200]
+        assert done.index("b") < done.index(served_a[-2]), done
+    finally:
+        s.stop()

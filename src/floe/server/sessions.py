@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -95,6 +95,16 @@ class SessionLeased(SessionError):
 
 class NoFreeSlot(SessionError):
     status, code = 503, "server_busy"
+
+
+class _Ticket:
+    """A request's place in the wait queue for a KV slot."""
+
+    __slots__ = ("owner", "bumped")
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.bumped: str | None = None  # why it lost its place to another owner's request (its 503)
 
 
 class ThawFailed(SessionError):
@@ -215,7 +225,7 @@ class SessionStore:
         # Requests waiting for a KV slot while every slot runs one, first come first served: at most
         # max_waiting, each at most wait_seconds (then a 503 with Retry-After, as when the queue is full).
         self.max_waiting, self.wait_seconds = max_waiting, wait_seconds
-        self._waiting: deque[object] = deque()  # tickets, oldest first; guarded by lock
+        self._waiting: deque[_Ticket] = deque()  # tickets, oldest first; guarded by lock
         self._slot_freed = threading.Condition(self.lock)
         self._creating = threading.Lock()  # actors are made one at a time (see _ensure_live)
         self._spares: list[Actor] = []  # actors made ahead in free slots (keep_spares); guarded by lock
@@ -556,7 +566,7 @@ class SessionStore:
             self._lease(session)
             if not session.messages and self._take_spare(session):
                 return
-        self._reserve_slot()
+        self._reserve_slot(owner=session.owner)
         try:
             if session.stored:
                 self._thaw(session)
@@ -618,19 +628,22 @@ class SessionStore:
         with self.lock:
             self.sessions.pop(session.key, None)
 
-    def _reserve_slot(self, wait: bool = True) -> None:
-        """Count a KV slot for a session about to go live (its actor claims it next), freezing the
-        least recently used idle live session if every slot is taken. Counted under the store's lock,
-        so concurrent arrivals cannot both take the last slot. While every slot runs a request, wait
-        (`wait`) in the queue, first come first served, for at most wait_seconds; NoFreeSlot (a 503
-        with Retry-After) when the queue is full or the wait ends."""
+    def _reserve_slot(self, wait: bool = True, owner: str = "") -> None:
+        """Count a KV slot for a session of `owner`'s about to go live (its actor claims it next),
+        freezing the least recently used idle live session if every slot is taken. Counted under the
+        store's lock, so concurrent arrivals cannot both take the last slot. While every slot runs a
+        request, wait (`wait`) in the queue for at most wait_seconds, fairly between owners (the next
+        slot goes to the waiting request whose owner holds the fewest; among one owner's, the oldest);
+        NoFreeSlot (a 503 with Retry-After) when the queue is full or the wait ends."""
         ticket, deadline = None, 0.0
         try:
             while True:
                 with self.lock:
-                    if ticket is None and self._waiting and wait:  # others wait already: behind them
-                        ticket, deadline = self._enqueue()
-                    if ticket is None or self._waiting[0] is ticket:
+                    if ticket is None and self._waiting and wait:  # others wait already: with them
+                        ticket, deadline = self._enqueue(owner)
+                    if ticket is not None and ticket.bumped is not None:
+                        raise NoFreeSlot(ticket.bumped)
+                    if ticket is None or self._next_in_line() is ticket:
                         live = [s for s in self.sessions.values() if s.live]
                         if len(live) + self._reserved + len(self._spares) < self.engine.cache.n_slots:
                             self._reserved += 1
@@ -649,7 +662,7 @@ class SessionStore:
                         raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots are busy with running "
                                          "requests")
                     if ticket is None:
-                        ticket, deadline = self._enqueue()
+                        ticket, deadline = self._enqueue(owner)
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots stayed busy with running "
@@ -658,18 +671,40 @@ class SessionStore:
         finally:
             if ticket is not None:
                 with self.lock:
-                    self._waiting.remove(ticket)
+                    if ticket.bumped is None:
+                        self._waiting.remove(ticket)
                     self._slot_freed.notify_all()  # the next in line may go now
         spare.close()  # frees the slot just counted as this caller's
 
-    def _enqueue(self) -> tuple[object, float]:
-        """A place at the end of the wait queue (caller holds the lock), or NoFreeSlot if it is full."""
+    def _enqueue(self, owner: str) -> tuple[_Ticket, float]:
+        """A place in the wait queue for a request of `owner`'s (caller holds the lock). A full queue
+        refuses it (NoFreeSlot), unless `owner` has none there and another owner has several: then
+        that owner's newest gives up its place (its request gets the 503), so that one key cannot
+        keep every other key out of the queue."""
         if len(self._waiting) >= self.max_waiting:
-            raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots are busy with running requests and "
-                             f"{len(self._waiting)} more wait for one (the most that may)")
-        ticket = object()
+            mine = sum(t.owner == owner for t in self._waiting)
+            counts = Counter(t.owner for t in self._waiting)
+            most, n = counts.most_common(1)[0] if counts else ("", 0)
+            if mine or n < 2:
+                raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots are busy with running requests "
+                                 f"and {len(self._waiting)} more wait for one (the most that may)")
+            newest = next(t for t in reversed(self._waiting) if t.owner == most)
+            newest.bumped = (f"all {self.engine.cache.n_slots} KV slots are busy, and this request's place "
+                             "in the queue went to another API key's (each key gets a share of it)")
+            self._waiting.remove(newest)
+            self._slot_freed.notify_all()
+        ticket = _Ticket(owner)
         self._waiting.append(ticket)
         return ticket, time.monotonic() + self.wait_seconds
+
+    def _next_in_line(self) -> _Ticket | None:
+        """The waiting request the next free slot goes to (caller holds the lock): the oldest of the
+        owner with the fewest sessions running or live, so that one key's many requests do not keep
+        another key's waiting behind them all."""
+        if not self._waiting:
+            return None
+        holding = Counter(s.owner for s in self.sessions.values() if s.live)
+        return min(self._waiting, key=lambda t: holding[t.owner])  # (min keeps the first of equals)
 
     @property
     def waiting(self) -> int:
