@@ -6,6 +6,9 @@
  *     "\0json\n" then the user's text (plain JSON mode; also the mode before any header)
  * either with " new" before its "\n": the conversation starts again with this message.
  * A schema the guest cannot compile fails the message: status 21 and a log line naming the keyword.
+ * A max_tokens in which no value of the schema can be written (no first token leaves room to finish
+ * it) fails the message before its prompt is read: status 22 and a log line saying how many bytes
+ * the shortest value takes (a max_tokens of that many always suffices: a token is at least a byte).
  *
  * Each step (on_token): the state's mask (cached, see vocab_index.h) is applied to the logits the
  * engine wrote into this memory (disallowed tokens set to -inf), then the token is the argmax
@@ -16,7 +19,7 @@
 #include "conversation.h"
 #include "vocab_index.h"
 
-enum { STATUS_VOCAB = 9, STATUS_HEADER = 20, STATUS_SCHEMA = 21 };
+enum { STATUS_VOCAB = 9, STATUS_HEADER = 20, STATUS_SCHEMA = 21, STATUS_BUDGET = 22 };
 
 static vocab_index vocab;
 static mask_cache cache;
@@ -163,6 +166,26 @@ static int32_t grammar_next(void) {
     return tok;
 }
 
+/* Whether some value can be written within the request's max_tokens from the start state; else the
+ * log line saying what would do. */
+static int fits_max_tokens(void) {
+    floe_request_params(&req);
+    uint32_t left = req.max_tokens ? req.max_tokens : 1;
+    const token_mask *m = cache_mask(&cache, &active, &vocab, &state);
+    if (m->max_need <= left - 1 && (m->allowed || m->complete)) return 1;
+    mask_compute(&active, &vocab, &state, left - 1, &exact);
+    if (exact.allowed || exact.complete) return 1;
+    char line[200], digits[2][12];
+    digits[0][floe_itoa((int32_t)req.max_tokens, digits[0])] = 0;
+    digits[1][floe_itoa((int32_t)active.nodes[active.root].min_bytes, digits[1])] = 0;
+    const char *parts[] = {"grammar: max_tokens ", digits[0], " is too small for any value of this schema: the "
+                           "shortest takes ", digits[1], " bytes (max_tokens ", digits[1], " always suffices)"};
+    uint32_t n = 0;
+    for (int i = 0; i < 7; i++) for (const char *p = parts[i]; *p && n < sizeof line; p++) line[n++] = *p;
+    floe_log(line, (int32_t)n);
+    return 0;
+}
+
 FLOE_EXPORT(on_message) int32_t on_message(const char *text, int32_t len) {
     if (!ready && !(ready = set_up())) { floe_log_str("grammar: out of memory for the vocabulary"); return STATUS_VOCAB; }
     const char *spec = 0;
@@ -176,8 +199,9 @@ FLOE_EXPORT(on_message) int32_t on_message(const char *text, int32_t len) {
     }
     int32_t status = use_grammar(kind, spec, spec_len);
     if (status) return status;
-    if (fresh) n_messages = 0; /* the KV cache keeps what it holds: a shared prefix is not prefilled again */
     cset_start(&active, &state);
+    if (!fits_max_tokens()) return STATUS_BUDGET;
+    if (fresh) n_messages = 0; /* the KV cache keeps what it holds: a shared prefix is not prefilled again */
     chosen = exact_steps = cache.walks = cache.hits = 0;
     return conversation_turn(text, len, grammar_next, 0);
 }

@@ -51,6 +51,34 @@ static int g_min_bytes(grammar *g) {
     return 1;
 }
 
+/* Whether some anyOf is its own alternative (through $ref, maybe through other anyOfs): a choice takes
+ * no byte before its alternative does, so such a schema refers to itself before any input and the
+ * automaton would push choices forever. Kahn's order over the anyOf-to-anyOf edges: what is left over
+ * lies on a cycle. */
+static int g_left_recursion(grammar *g) {
+    uint32_t n = g->n_nodes, *into = floe_alloc((n ? n : 1) * sizeof *into), *ready = floe_alloc((n ? n : 1) * sizeof *ready);
+    if (!into || !ready) { g_error(g, "out of memory", 0, 0); return 0; }
+    __builtin_memset(into, 0, n * sizeof *into);
+    uint32_t n_ready = 0, done = 0, choices = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (g->nodes[i].kind == SN_ANYOF) {
+            choices++;
+            for (uint32_t j = 0; j < g->nodes[i].n; j++)
+                if (g->nodes[g->nodes[i].kids[j]].kind == SN_ANYOF) into[g->nodes[i].kids[j]]++;
+        }
+    for (uint32_t i = 0; i < n; i++) if (g->nodes[i].kind == SN_ANYOF && !into[i]) ready[n_ready++] = i;
+    while (n_ready) {
+        const schema_node *s = &g->nodes[ready[--n_ready]];
+        done++;
+        for (uint32_t j = 0; j < s->n; j++)
+            if (g->nodes[s->kids[j]].kind == SN_ANYOF && !--into[s->kids[j]]) ready[n_ready++] = s->kids[j];
+    }
+    if (done == choices) return 1;
+    g_error(g, "the schema refers to itself without consuming input (an anyOf that is, through $ref, "
+               "one of its own alternatives): a value of it could never begin", 0, 0);
+    return 0;
+}
+
 /* Compiles `schema` (JSON text), or plain JSON mode when len is 0; 1 on success, else 0 with
  * g->error set. */
 static int grammar_compile(grammar *g, const char *schema, uint32_t len) {
@@ -67,7 +95,7 @@ static int grammar_compile(grammar *g, const char *schema, uint32_t len) {
         if (root < 0) return 0;
         g->root = (uint32_t)root;
     }
-    return g_min_bytes(g);
+    return g_left_recursion(g) && g_min_bytes(g);
 }
 
 #endif

@@ -48,12 +48,23 @@ static int g_check_keywords(grammar *g, const json_value *v, const char *path) {
     return 0;
 }
 
-static uint32_t g_count(const json_value *v, uint32_t otherwise) {
-    if (!v || v->type != JV_NUMBER) return otherwise;
-    uint32_t n = 0;
-    for (uint32_t i = 0; i < v->n && v->text[i] >= '0' && v->text[i] <= '9'; i++)
-        n = n * 10 + (uint32_t)(v->text[i] - '0') > 0xFFFE ? 0xFFFE : n * 10 + (uint32_t)(v->text[i] - '0');
-    return n;
+/* A bound keyword of v (minLength, maxItems, ...): a non-negative integer (2.0 too), at most 0xFFFE;
+ * `otherwise` where v lacks it; -1 with g->error naming it where it is anything else. */
+static int64_t g_bound(grammar *g, const json_value *v, const char *key, uint32_t otherwise, const char *path) {
+    const json_value *b = json_get(v, key);
+    if (!b) return otherwise;
+    uint32_t n = 0, i = 0;
+    for (; b->type == JV_NUMBER && i < b->n && b->text[i] >= '0' && b->text[i] <= '9'; i++)
+        n = n * 10 + (uint32_t)(b->text[i] - '0') > 0xFFFE ? 0xFFFE : n * 10 + (uint32_t)(b->text[i] - '0');
+    if (i && i < b->n && b->text[i] == '.') /* an integral number written with a fraction: 2.0 */
+        for (i++; i < b->n && b->text[i] == '0'; i++) {}
+    if (b->type == JV_NUMBER && i && i == b->n) return n;
+    char what[64] = "'";
+    uint32_t k = 1;
+    for (const char *p = key; *p && k < 40; p++) what[k++] = *p;
+    what[k] = 0;
+    g_error(g, what, "' must be a non-negative integer at ", path);
+    return -1;
 }
 
 static void g_memo(grammar *g, const json_value *v, int node) {
@@ -69,7 +80,7 @@ static void g_memo(grammar *g, const json_value *v, int node) {
     g->memo_node[g->n_memo++] = (uint32_t)node;
 }
 
-/* "#", "#/$defs/Name", any JSON pointer into the schema document. */
+/* "#", "#/$defs/Name", any JSON pointer into the schema document (array indexes too). */
 static const json_value *g_resolve(grammar *g, const json_value *ref) {
     if (ref->type != JV_STRING || !ref->n || ref->text[0] != '#') return 0;
     const json_value *at = g->doc;
@@ -84,7 +95,11 @@ static const json_value *g_resolve(grammar *g, const json_value *ref) {
             seg[n++] = c;
         }
         seg[n] = 0;
-        at = json_get(at, seg);
+        if (at->type == JV_ARRAY) { /* an index: digits only */
+            uint32_t k = 0, j = 0;
+            for (; j < n && seg[j] >= '0' && seg[j] <= '9' && k < 0x10000; j++) k = k * 10 + (uint32_t)(seg[j] - '0');
+            at = n && j == n && k < at->n ? &at->items[k] : 0;
+        } else at = json_get(at, seg);
     }
     return at;
 }
@@ -158,8 +173,9 @@ static int g_array(grammar *g, const json_value *v, char *path, uint32_t plen, i
     int node = g_node(g, SN_ARRAY);
     if (node < 0 || !g_alloc_kids(g, node, 1, 0)) return -1;
     g_memo(g, v, node);
-    g->nodes[node].min = g_count(json_get(v, "minItems"), 0);
-    g->nodes[node].max = g_count(json_get(v, "maxItems"), SN_UNBOUNDED);
+    int64_t min = g_bound(g, v, "minItems", 0, path), max = g_bound(g, v, "maxItems", SN_UNBOUNDED, path);
+    if (min < 0 || max < 0) return -1;
+    g->nodes[node].min = (uint32_t)min, g->nodes[node].max = (uint32_t)max;
     int kid = NODE_ANY;
     if (items) {
         kid = g_schema(g, items, path, g_path(path, plen, "/items", 0, 0), depth + 1);
@@ -182,10 +198,10 @@ static int g_typed(grammar *g, const json_value *v, const json_value *type, char
     }
     if (!type || key_is(type, "string")) {
         if (!json_get(v, "minLength") && !json_get(v, "maxLength")) return NODE_ANY_STRING;
-        int node = g_node(g, SN_STRING);
+        int64_t min = g_bound(g, v, "minLength", 0, path), max = g_bound(g, v, "maxLength", SN_UNBOUNDED, path);
+        int node = min < 0 || max < 0 ? -1 : g_node(g, SN_STRING);
         if (node < 0) return -1;
-        g->nodes[node].min = g_count(json_get(v, "minLength"), 0);
-        g->nodes[node].max = g_count(json_get(v, "maxLength"), SN_UNBOUNDED);
+        g->nodes[node].min = (uint32_t)min, g->nodes[node].max = (uint32_t)max;
         if (g->nodes[node].min > g->nodes[node].max) { g_error(g, "minLength > maxLength at ", path, 0); return -1; }
         return node;
     }

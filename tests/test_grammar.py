@@ -221,3 +221,44 @@ def test_floe_run_json_schema_refuses_a_guest_that_does_not_read_schemas(tmp_pat
     chat = str(builtin_guest("chat"))
     proc = floe_run("Order a drink.", "--json-schema", str(tmp_path / "order.json"), "--guest", chat)
     assert proc.returncode == 1 and "--json-schema needs the grammar guest" in proc.stderr, proc.stderr
+
+
+# ---- hostile schemas (issue 41) ----------------------------------------------------------------------
+
+LEFT_RECURSIVE = {
+    "direct": {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "string"}]}}, "$ref": "#/$defs/a"},
+    "through another anyOf": {"$defs": {"a": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/b"}]},
+                                        "b": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "string"}]}},
+                              "$ref": "#/$defs/a"},
+}
+
+
+@pytest.mark.parametrize("name", LEFT_RECURSIVE)
+def test_a_schema_that_refers_to_itself_before_any_input_is_refused(tiny_engine, name):
+    """It once exhausted the guest's stack (a trap); now the compiler finds the cycle of choices."""
+    with grammar_actor(tiny_engine) as actor:
+        with pytest.raises(SchemaUnsupported, match="refers to itself without consuming input"):
+            send_json(actor, "x", LEFT_RECURSIVE[name], max_tokens=8)
+        nested = {"$defs": {"a": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/a"}, "maxItems": 2},
+                                            {"type": "null"}]}}, "$ref": "#/$defs/a"}
+        reply = send_json(actor, "x", nested, instruct=False, max_tokens=24)  # recursion inside [ ]: fine
+        assert valid(reply.value, nested)
+
+
+@pytest.mark.parametrize("keyword", ["minLength", "maxLength", "minItems", "maxItems"])
+@pytest.mark.parametrize("bound", [-1, 1.5, "3", None, True])
+def test_a_bound_that_is_not_a_non_negative_integer_is_refused_by_name(tiny_engine, keyword, bound):
+    kind = "string" if "Length" in keyword else "array"
+    with grammar_actor(tiny_engine) as actor:
+        with pytest.raises(SchemaUnsupported, match=f"'{keyword}' must be a non-negative integer at #"):
+            send_json(actor, "x", {"type": kind, keyword: bound}, max_tokens=8)
+        whole = send_json(actor, "x", {"type": kind, keyword: 2.0}, instruct=False, max_tokens=16).value
+        assert len(whole) <= 2 if keyword.startswith("max") else len(whole) >= 2  # 2.0 is 2
+
+
+def test_a_max_tokens_no_value_fits_in_is_refused_saying_what_would(tiny_engine):
+    """The guest refuses before reading the prompt and says how many bytes the shortest value takes."""
+    with grammar_actor(tiny_engine) as actor:
+        with pytest.raises(IncompleteJSON, match=r"max_tokens 3 is too small .* the shortest takes 41 bytes"):
+            send_json(actor, "x", PERSON, instruct=False, max_tokens=3)
+        assert valid(send_json(actor, "x", PERSON, instruct=False, max_tokens=41).value, PERSON)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 
 import httpx
 import openai
@@ -18,7 +19,8 @@ from test_server_openai import stored
 
 from floe.engine import Engine
 from floe.server.app import create_app
-from floe.server.structured import ToolStream, call_text
+from floe.server.protocol import ServeError
+from floe.server.structured import Constraint, ToolStream, call_text, constraint
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                          "country": {"type": "string", "maxLength": 20}},
@@ -76,10 +78,14 @@ def the_call(r) -> tuple[str, dict]:
 
 # ---- response_format ---------------------------------------------------------------------------------
 
-def test_json_object_replies_are_json(server):
-    r = ask(client(server.url), CAPITAL, response_format={"type": "json_object"})
-    json.loads(r.choices[0].message.content)
-    assert r.choices[0].finish_reason == "stop"
+def test_json_object_replies_are_json_objects(server):
+    """json_object means an object at the top level (a bare string broke LangChain's json_mode)."""
+    assert constraint({"type": "json_object"}, None, None).guest_schema() == {"type": "object"}
+    for seed in range(3):
+        r = ask(client(server.url), [{"role": "user", "content": "Say hello as one JSON string."}],
+                response_format={"type": "json_object"}, temperature=1, seed=seed, max_tokens=32)
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+        assert r.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("temperature", [0, 1])
@@ -146,6 +152,104 @@ def test_a_tool_message_must_answer_an_earlier_call(server):
     messages = [*ASK_WEATHER, {"role": "tool", "tool_call_id": "call_nobody", "content": "sunny"}]
     with pytest.raises(openai.BadRequestError):
         ask(client(server.url), messages, tools=TOOLS)
+
+
+def test_a_tools_parameters_may_refer_to_their_own_defs(server):
+    """Pydantic writes nested models as $defs and "#/$defs/…" refs into the parameters: they are
+    pointed at where the parameters lie in the call's schema (they once named the call's root)."""
+    parameters = {"$defs": {"Unit": {"enum": ["celsius", "fahrenheit"]}}, "type": "object",
+                  "properties": {"city": {"type": "string", "maxLength": 24},
+                                 "unit": {"$ref": "#/$defs/Unit"}},
+                  "required": ["city", "unit"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    for choice in ("required", "auto"):
+        r = ask(client(server.url), ASK_WEATHER, tools=[tool, TIME], tool_choice=choice)
+        for call in r.choices[0].message.tool_calls or ():
+            arguments = json.loads(call.function.arguments)
+            assert valid(arguments, parameters if call.function.name == "get_weather" else schema_of(TIME))
+
+
+# ---- hostile requests (issue 41) -----------------------------------------------------------------------
+
+def post_raw(server, body: str) -> httpx.Response:
+    """A request body written as text (the client's own json.dumps would recurse on a deep value)."""
+    return httpx.post(f"{server.url}/v1/chat/completions", content=body,
+                      headers={"content-type": "application/json"}, timeout=60)
+
+
+def errors_logged(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_tool_call_arguments_nested_too_deep_are_a_400_without_a_traceback(server, caplog):
+    """5,000 levels once gave a 500 with a RecursionError logged: now refused before they are parsed."""
+    for deep in ("[" * 5000 + "]" * 5000, '{"a":' * 5000 + "0" + "}" * 5000):
+        history = [*ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL_ID, "messages": history, "tools": TOOLS, "max_tokens": 8})
+        assert r.status_code == 400, r.text
+        assert "nested deeper than 512 levels" in r.json()["error"]["message"]
+    assert not errors_logged(caplog)
+
+
+@pytest.mark.parametrize("field", ["response_format", "tools"])
+def test_a_schema_nested_too_deep_is_a_400_naming_the_limit(server, caplog, field):
+    deep = '{"type":"array","items":' * 600 + "{}" + "}" * 600
+    if field == "tools":
+        part = '"tools":[{"type":"function","function":{"name":"f","parameters":' + deep + '}}]'
+    else:
+        part = '"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":' + deep + "}}"
+    r = post_raw(server, '{"model":"' + MODEL_ID + '","messages":' + json.dumps(CAPITAL) + "," + part + "}")
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"] == f"{field}: JSON nested deeper than 512 levels" and error["param"] == field
+    assert not errors_logged(caplog)
+    deep_object = json.loads(deep)
+    with pytest.raises(ServeError, match="512"):  # the core checks again
+        Constraint.from_wire({"mode": "json", "schema": deep_object})
+
+
+@pytest.mark.parametrize("schema, says", [
+    ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "string"}]}}, "$ref": "#/$defs/a"},
+     "refers to itself without consuming input"),
+    ({"type": "string", "maxLength": -1}, "'maxLength' must be a non-negative integer"),
+    ({"type": "array", "minItems": 1.5}, "'minItems' must be a non-negative integer"),
+    ({"type": "object", "minProperties": -1}, "unsupported JSON Schema keyword 'minProperties'"),
+])
+def test_a_hostile_schema_is_a_400_naming_the_problem(server, caplog, schema, says):
+    """A left-recursive anyOf once exhausted the guest's stack (500); a negative maxLength was accepted
+    and then broken."""
+    for field in ("response_format", "tools"):
+        body = {"model": MODEL_ID, "messages": CAPITAL, "max_tokens": 16} | (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+            if field == "response_format" else
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+             "tool_choice": "required"})
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert says in error["message"] and error["param"] == field and error["code"] == "unsupported_schema"
+    assert not errors_logged(caplog)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice, names", [
+    ("required", "get_weather or get_time"),
+    ({"type": "function", "function": {"name": "get_time"}}, "get_time"),
+])
+def test_a_max_tokens_too_small_for_any_call_is_a_400_saying_what_would_do(server, stream, choice, names):
+    """It once answered an empty reply, finish length and no call: LangChain saw neither call nor error."""
+    body = {"model": MODEL_ID, "messages": ASK_WEATHER, "tools": TOOLS, "tool_choice": choice,
+            "max_tokens": 12, "stream": stream}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "max_tokens" and error["code"] == "max_tokens_too_small"
+    assert error["message"].startswith(f"a call of {names} does not fit: max_tokens 12 is too small")
+    shortest = int(error["message"].split("(max_tokens ")[1].split()[0])
+    the_call(ask(client(server.url), ASK_WEATHER, tools=TOOLS, tool_choice=choice, max_tokens=shortest))
 
 
 # ---- tools -------------------------------------------------------------------------------------------

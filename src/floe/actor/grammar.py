@@ -19,6 +19,7 @@ from floe.wasm import GuestError, GuestReportedError
 
 GRAMMAR_EXPORT = "floe_grammar_version"
 STATUS_SCHEMA = 21  # the guest could not compile the schema (its log line says why)
+STATUS_BUDGET = 22  # no value of the schema fits in max_tokens (its log line says what would)
 
 
 class SchemaUnsupported(FloeError, ValueError):
@@ -49,8 +50,9 @@ def schema_text(schema: dict | str | None) -> str | None:
 def instructed(message: str, schema: dict | str | None) -> str:
     """The user's text with a sentence that shows the model the schema (the mask enforces it anyway)."""
     text = schema_text(schema)
-    return message + ("\n\nAnswer in JSON." if text is None else
-                      f"\n\nAnswer with JSON that matches this JSON Schema:\n{text}")
+    if text is None or text == '{"type":"object"}':
+        return message + ("\n\nAnswer in JSON." if text is None else "\n\nAnswer with a JSON object.")
+    return message + f"\n\nAnswer with JSON that matches this JSON Schema:\n{text}"
 
 
 def grammar_message(message: str, schema: dict | str | None, *, instruct: bool = True,
@@ -79,6 +81,14 @@ def schema_refusal(actor: Actor, error: GuestError) -> SchemaUnsupported | None:
     return None
 
 
+def budget_refusal(actor: Actor, error: GuestError) -> str | None:
+    """The grammar guest's refusal of a max_tokens in which no value of the schema fits, saying how
+    many bytes the shortest takes (None: another failure)."""
+    if reported(error, STATUS_BUDGET) and actor.logs:
+        return actor.logs[-1].removeprefix("grammar: ")
+    return None
+
+
 def grammar_actor(engine: Engine, **kwargs) -> Actor:
     """An actor running the built-in grammar guest (Actor's keyword arguments)."""
     return Actor(engine, builtin_guest("grammar"), **kwargs)
@@ -99,6 +109,8 @@ def send_json(actor: Actor, message: str, schema: dict | str | None = None, *, i
     except GuestError as e:
         if (refusal := schema_refusal(actor, e)) is not None:
             raise refusal from None
+        if (short := budget_refusal(actor, e)) is not None:
+            raise IncompleteJSON(f"no reply: {short}") from None
         raise
     try:
         return StructuredReply(json.loads(reply.text), reply)

@@ -14,12 +14,20 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from floe.server.protocol import ServeError
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name (fullmatch)
 CALL_HEAD = re.compile(r'\{"name":("(?:[^"\\]|\\.)*"),"arguments":')  # a call's text up to its arguments
 NO_PARAMETERS = {"type": "object", "properties": {}}
+ANY_OBJECT = {"type": "object"}  # response_format json_object: a JSON object at the top level
+MAX_NESTING = 512  # levels of arrays and objects in a client's JSON: Python's json recurses per level
+JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas: no $ref in them
+NAME_MAPS = frozenset({"properties", "$defs", "definitions"})  # their keys are names, not keywords
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,7 @@ class Constraint:
         """The core's reading of the front's constraint, checked again (the core trusts no peer)."""
         if not isinstance(value, dict) or value.get("mode") not in ("json", "tools"):
             raise ServeError(400, "structured: not a constraint", param="response_format")
+        check_nesting(value, "response_format" if value["mode"] == "json" else "tools")
         if value["mode"] == "json":
             schema = value.get("schema")
             if not (schema is None or isinstance(schema, dict)):
@@ -54,23 +63,47 @@ class Constraint:
             return self.schema
         offered = self.tools if self.choice in ("auto", "required") else [
             t for t in self.tools if t["name"] == self.choice]
-        calls = [call_schema(t) for t in offered]
+        first = 1 if self.choice == "auto" else 0  # where the calls begin in the anyOf
+        roots = [f"#/anyOf/{i + first}" for i in range(len(offered))]
+        if first == 0 and len(offered) == 1:
+            roots = ["#"]  # the call is the whole schema
+        calls = [call_schema(t, root) for t, root in zip(offered, roots, strict=True)]
         if self.choice == "auto":
             return {"anyOf": [{"type": "string"}, *calls]}
         return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def call_schema(tool: dict) -> dict:
-    """A call of `tool`: its name, then arguments valid against its parameters."""
-    return {"type": "object", "properties": {"name": {"const": tool["name"]},
-                                             "arguments": tool.get("parameters") or NO_PARAMETERS},
+def call_schema(tool: dict, root: str = "#") -> dict:
+    """A call of `tool` at `root` of the reply's schema: its name, then arguments valid against its
+    parameters (their local $refs, "#/$defs/…", pointed at where the parameters now lie)."""
+    parameters = rebased(tool.get("parameters") or NO_PARAMETERS, root + "/properties/arguments")
+    return {"type": "object", "properties": {"name": {"const": tool["name"]}, "arguments": parameters},
             "required": ["name", "arguments"]}
+
+
+def rebased(schema: dict, base: str) -> dict:
+    """A copy of `schema` whose local `$ref`s ("#…") point into it where it lies at `base` of a larger
+    schema; walked without recursion (check_nesting bounds it first), data keywords left as they are."""
+    copy = dict(schema)
+    todo = [(copy, False)]  # (a dict or list of the copy, whether its keys are names, not keywords)
+    while todo:
+        node, names = todo.pop()
+        for key, value in list(node.items() if isinstance(node, dict) else enumerate(node)):
+            keyword = isinstance(node, dict) and not names
+            if keyword and key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                node[key] = base + value[1:]
+            elif isinstance(value, (dict, list)) and not (keyword and key in DATA_KEYWORDS):
+                node[key] = dict(value) if isinstance(value, dict) else list(value)
+                todo.append((node[key], keyword and key in NAME_MAPS))
+    return copy
 
 
 # ---- the request's fields ---------------------------------------------------------------------------
 
 def constraint(response_format, tools, tool_choice) -> Constraint | None:
     """The constraint a chat request asks for (None: a plain reply), or a 400 saying what is wrong."""
+    check_nesting(response_format, "response_format")
+    check_nesting(tools, "tools")
     fmt = _response_format(response_format)
     offered = checked_tools(tools) if tools else ()
     choice = "auto" if tool_choice is None else tool_choice
@@ -93,7 +126,7 @@ def _response_format(value) -> Constraint | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return Constraint("json")
+        return Constraint("json", ANY_OBJECT)
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
@@ -148,11 +181,42 @@ def _function(tool: dict) -> dict:
     return function if isinstance(function, dict) else {}
 
 
+def nesting(value, limit: int = MAX_NESTING) -> int:
+    """Levels of lists and dicts in `value` (0: a scalar), counted without recursion up to limit + 1."""
+    depth, level = 0, [value]
+    while depth <= limit:
+        level = [x for x in level if isinstance(x, (dict, list))]
+        if not level:
+            break
+        depth += 1
+        level = [y for x in level for y in (x.values() if isinstance(x, dict) else x)]
+    return depth
+
+
+def text_nesting(text: str) -> int:
+    """Levels of arrays and objects in JSON text (its strings skipped), counted without parsing it."""
+    brackets = NOT_BRACKET.sub("", JSON_STRING.sub("", text))
+    return max(accumulate(map(BRACKET_STEP.__getitem__, brackets)), default=0)
+
+
+def check_nesting(value, param: str) -> None:
+    """A 400 for a client's JSON nested deeper than MAX_NESTING (Python's json would exhaust its stack)."""
+    if nesting(value) > MAX_NESTING:
+        raise ServeError(400, f"{param}: JSON nested deeper than {MAX_NESTING} levels", param=param)
+
+
+class NestedTooDeep(ValueError):
+    """Tool-call arguments nested deeper than MAX_NESTING levels."""
+
+
 # ---- tool conversations as text messages ------------------------------------------------------------
 
 def call_text(name: str, arguments) -> str:
     """A tool call as the text a session keeps: the grammar's form, its arguments in canonical compact
-    JSON (clients send arguments back re-serialized: LangChain with spaces, so both sides canonicalize)."""
+    JSON (clients send arguments back re-serialized: LangChain with spaces, so both sides canonicalize).
+    Arguments nested deeper than MAX_NESTING raise NestedTooDeep before they are parsed."""
+    if (text_nesting(arguments) if isinstance(arguments, str) else nesting(arguments)) > MAX_NESTING:
+        raise NestedTooDeep(f"arguments nested deeper than {MAX_NESTING} levels")
     if isinstance(arguments, str):
         arguments = json.loads(arguments)
     return ('{"name":' + json.dumps(name) + ',"arguments":'
@@ -171,6 +235,8 @@ def assistant_calls_text(i: int, calls) -> tuple[str, dict[str, str]]:
             if not isinstance(name, str):
                 raise ValueError
             lines.append(call_text(name, fn.get("arguments") or "{}"))
+        except NestedTooDeep as e:
+            raise ServeError(400, f"messages[{i}].tool_calls: {e}", param="messages") from None
         except (ValueError, TypeError):
             raise ServeError(400, f"messages[{i}].tool_calls: each a function with a name and JSON "
                                   "arguments", param="messages") from None

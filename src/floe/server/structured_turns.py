@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from floe.actor import Actor, ActorState, builtin_guest
-from floe.actor.grammar import grammar_message, instructed, reported, schema_refusal
+from floe.actor.grammar import budget_refusal, grammar_message, instructed, reported, schema_refusal
 from floe.engine import SamplingParams
 from floe.errors import FloeError
 from floe.server.protocol import ServeError
@@ -107,6 +107,9 @@ class StructuredTurns:
                 param = "tools" if c.mode == "tools" else "response_format"
                 raise ServeError(400, f"{param}: the grammar guest cannot compile this schema: {refusal}",
                                  code="unsupported_schema", param=param) from None
+            if (short := budget_refusal(actor, e)) is not None:
+                raise ServeError(400, f"{_what(c)} does not fit: {short}",
+                                 code="max_tokens_too_small", param="max_tokens") from None
             raise
 
     def _actor(self) -> Actor:
@@ -122,6 +125,15 @@ class StructuredTurns:
             actor.close()
             raise
         return actor
+
+
+def _what(c: Constraint) -> str:
+    """What the reply of `c` must be, for a message."""
+    if c.mode == "json":
+        return "a reply valid against response_format"
+    if c.choice == "auto":
+        return "a reply (a call or a text answer)"
+    return "a call of " + (c.choice if c.choice != "required" else " or ".join(t["name"] for t in c.tools))
 
 
 def _prime(actor: Actor) -> ActorState:
