@@ -97,6 +97,38 @@ def test_unknown_weights_is_a_usage_error():
     assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("args, says", [(["--max-tokens", "many"], "invalid int value"),
+                                        (["--bogus"], "unrecognized arguments: --bogus")])
+def test_a_usage_mistake_is_one_line_naming_help_and_exit_2(args, says):
+    proc = floe("run", "hi", *args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and says in proc.stderr and "--help" in proc.stderr, proc.stderr
+
+
+def test_no_message_or_two_are_one_line_errors(tmp_path):
+    (tmp_path / "m.txt").write_text("hi")
+    assert_one_line_error(floe("run"), "give the message as PROMPT")
+    assert_one_line_error(floe("run", "hi", "--prompt-file", str(tmp_path / "m.txt")), "one of them")
+    assert_one_line_error(floe("run", "--prompt-file", str(tmp_path / "none.txt")), "cannot read the message")
+
+
+@pytest.mark.slow
+def test_a_message_from_standard_input_or_a_file_is_the_argument(tmp_path):
+    """A 1 MB prompt cannot be an argument; from stdin or a file it is the same message (a shell's
+    final newline left out, as $(…) leaves it)."""
+    question = "What is the capital of France?"
+    (tmp_path / "m.txt").write_text(question + "\n")
+    runs = [floe("run", question, "--json", "--max-tokens", "8"),
+            floe("run", "--prompt-file", str(tmp_path / "m.txt"), "--json", "--max-tokens", "8"),
+            subprocess.run([sys.executable, "-m", "floe.cli", "run", "-", "--json", "--max-tokens", "8"],
+                           input=question + "\n", capture_output=True, text=True, timeout=300)]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr
+    records = [json.loads(p.stdout) for p in runs]
+    assert records[0]["token_ids"] == records[1]["token_ids"] == records[2]["token_ids"]
+    assert records[0]["prompt_tokens"] == records[1]["prompt_tokens"] == records[2]["prompt_tokens"]
+
+
 @pytest.mark.slow
 def test_bench_decode_reports_roofline_and_kernels_on_cpu():
     proc = floe("bench", "decode", "--device", "cpu", "--shape", "smollm2-135m", "--no-peers", "--no-guest",
@@ -120,8 +152,9 @@ def test_bench_dispatch_measures_and_checks_every_kernel_ran():
         assert row["c_graph_replay_us"] is None  # CPU: no graphs
 
 
-def test_help_and_usage_errors_answer_without_importing_torch():
-    for args in (["--help"], ["run", "x", "--device", "foo"], ["run"]):
+def test_help_usage_and_value_errors_answer_without_importing_torch():
+    for args in (["--help"], ["run", "x", "--device", "foo"], ["run"], ["run", "x", "--top-p", "2"],
+                 ["run", "x", "--max-tokens", "0"], ["run", "x", "--temperature", "nan"]):
         code = ("import sys; from floe.cli import main\n"
                 "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
                 "print('torch' in sys.modules)")

@@ -371,3 +371,18 @@ def test_floe_serve_takes_keys_from_its_flags_and_the_environment(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     assert "2 API keys" in proc.stderr.read()
+
+
+def test_keys_come_from_a_file_the_environment_and_the_command_line(tmp_path):
+    """--api-key-file (one a line, # comments) and FLOE_API_KEYS are the way: `ps` shows a command line."""
+    from floe.server.auth import BadApiKey, api_keys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# the team's keys\nkey-one\n\n  key-two  \n")
+    assert api_keys(["key-cli"], {"FLOE_API_KEYS": "key-env"}, files=[keys]) == (
+        "key-cli", "key-env", "key-one", "key-two")
+    keys.write_text("a key with spaces\n")
+    with pytest.raises(BadApiKey, match="printable ASCII"):
+        api_keys(files=[keys])
+    with pytest.raises(BadApiKey, match="cannot read API keys"):
+        api_keys(files=[tmp_path / "missing"])

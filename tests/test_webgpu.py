@@ -295,6 +295,7 @@ def test_floe_run_on_webgpu_replies_as_on_the_cpu(capsys):
                      "--context", "256", "--json"]) == 0
         replies.append(json.loads(capsys.readouterr().out))
     assert replies[0]["token_ids"] == replies[1]["token_ids"]
+    assert [r["device"] for r in replies] == ["webgpu", "cpu"]  # (the WebGPU run said "cpu")
     assert any(b["name"].startswith("logits webgpu→host") for b in replies[0]["boundaries"])
 
 

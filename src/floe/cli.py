@@ -44,6 +44,25 @@ def _load_with_progress(model: str | None, dtype: str, quiet: bool):
         return load_checkpoint(model, torch_dtype, progress)
 
 
+def _prompt(args: argparse.Namespace) -> str:
+    """`floe run`'s message: the argument, standard input (`-`) or --prompt-file's text (from those two,
+    less one final newline, as a shell's $(…) takes it: `echo … | floe run -` asks what the argument
+    would)."""
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise FloeError("give the message as PROMPT, as - (read from standard input) or with "
+                        "--prompt-file FILE (one of them)")
+    try:
+        if args.prompt_file is not None:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        elif args.prompt == "-":
+            text = sys.stdin.read()
+        else:
+            return args.prompt
+        return text.removesuffix("\n").removesuffix("\r")
+    except (OSError, UnicodeDecodeError) as e:
+        raise FloeError(f"cannot read the message from {args.prompt_file or 'standard input'}: {e}") from None
+
+
 def _stderr_console():
     from rich.console import Console
 
@@ -51,13 +70,18 @@ def _stderr_console():
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from floe import snapshot
-    from floe.actor import Actor
-    from floe.engine import Engine, SamplingParams
+    from floe.sampling_params import SamplingParams
 
+    # Mistakes in the command line first: said at once, before torch is imported (1-4 s).
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_tokens < 1:
         raise FloeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    prompt = _prompt(args)
+
+    from floe import snapshot
+    from floe.actor import Actor
+    from floe.engine import Engine
+
     _check_device(args.device)  # before the model loads: no CUDA (or WebGPU adapter) here is said at once
     _threads(args, args.device)
     weights = args.weights or {"cpu": "native", "webgpu": "fp32"}.get(args.device, "bf16")
@@ -66,7 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     checkpoint = _load_with_progress(args.model, "float32", quiet=args.json)
     engine = Engine(checkpoint, device=args.device, dtype=dtype, max_seq_len=args.context, weights=kind)
     stream = None if args.json else _write_stdout
-    guest, prompt = args.guest, args.prompt
+    guest = args.guest
     if args.json_schema:  # the grammar guest reads the schema from the message (docs/GUESTS.md)
         from floe.actor import builtin_guest
         from floe.actor.grammar import grammar_message
@@ -133,7 +157,7 @@ def _run_record(engine, reply, finish: str, guest: str | None) -> dict:
         "decode_tokens_per_s": round(stats.decode_tokens_per_s, 3),
         "model": {"name": ckpt.name, "fingerprint": ckpt.fingerprint, "path": str(ckpt.source),
                   "file_type": ckpt.file_type},
-        "device": str(engine.device),
+        "device": "webgpu" if engine.backend == "webgpu" else str(engine.device),  # (its tensors: cpu)
         "dtype": str(engine.dtype).removeprefix("torch."),
         "weights": {"kind": engine.weights, "kernel": engine.native_kernel, "quantized": engine.packed},
         "guest": guest or "chat (built in)",
@@ -285,9 +309,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_sessions < 1 or args.idle_seconds <= 0 or args.max_anonymous < 1:
         raise FloeError("--max-sessions and --max-anonymous must be >= 1 and --idle-seconds > 0")
     try:
-        keys = api_keys(args.api_key)  # and FLOE_API_KEYS
+        keys = api_keys(args.api_key, files=args.api_key_file)  # and FLOE_API_KEYS
     except BadApiKey as e:
-        raise FloeError(f"--api-key / FLOE_API_KEYS: {e}") from None
+        raise FloeError(f"--api-key / --api-key-file / FLOE_API_KEYS: {e}") from None
+    if args.api_key:
+        print("floe serve: warning: --api-key puts the key on the command line, which `ps` shows every "
+              "user of this machine; use FLOE_API_KEYS or --api-key-file", file=sys.stderr, flush=True)
     if args.ray is not None:
         return _serve_ray(args, keys)
     # The HTTP front (its own process) streams every token: leave it a core, or the model's parallel
@@ -523,11 +550,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage mistakes are one line on stderr (`floe run: error: …; see floe run
+    --help`) and exit status 2, not the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="floe", description=__doc__)
+    parser = _Parser(prog="floe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="answer one message with a model (default: SmolLM2-135M on CPU)")
-    run.add_argument("prompt", help=DEFAULT_PROMPT_HELP)
+    run.add_argument("prompt", nargs="?", default=None,
+                     help=DEFAULT_PROMPT_HELP + "; - reads it from standard input")
+    run.add_argument("--prompt-file", metavar="FILE", help="read the message from FILE (UTF-8) instead")
     run.add_argument("--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
     run.add_argument("--system", help="system message")
     run.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (256)")
@@ -659,6 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
                        help="clients must send `Authorization: Bearer KEY`; again for more keys (also "
                             "FLOE_API_KEYS=K1,K2); each key sees only its own sessions (default: open)")
+    serve.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
+                       help="API keys, one a line (# comments); the way to give them with FLOE_API_KEYS "
+                            "(a command line's --api-key is visible to every user in `ps`)")
     serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="a web origin whose pages may call the server (e.g. https://app.example); "
                             "again for more, '*' for any (default: CORS off)")

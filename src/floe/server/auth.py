@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -34,11 +35,20 @@ def owner_of(key: str) -> str:
     return hashlib.pbkdf2_hmac("sha256", key.encode(), OWNER_SALT, OWNER_ROUNDS, dklen=16).hex()
 
 
-def api_keys(given: Iterable[str] = (), environ: dict[str, str] | None = None) -> tuple[str, ...]:
-    """The server's keys: `given` (--api-key) and FLOE_API_KEYS' comma-separated ones, each checked:
-    printable ASCII without spaces or commas. Empty: the server is open."""
+def api_keys(given: Iterable[str] = (), environ: dict[str, str] | None = None,
+             files: Iterable[str | os.PathLike] = ()) -> tuple[str, ...]:
+    """The server's keys: `given` (--api-key), FLOE_API_KEYS' comma-separated ones and each of `files`'
+    (--api-key-file: one a line; blank lines and lines starting with # skipped), each checked:
+    printable ASCII without spaces or commas. Empty: the server is open. The environment and files
+    are the way to give them: a command line's arguments are shown to every user by `ps`."""
     listed = (environ if environ is not None else os.environ).get(KEYS_ENV, "")
     keys = [*given, *(k.strip() for k in listed.split(",") if k.strip())]
+    for path in files:
+        try:
+            lines = Path(path).read_text(encoding="ascii").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadApiKey(f"cannot read API keys from {path}: {e}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     for key in keys:
         if not key or not all("!" <= c <= "~" for c in key) or "," in key:
             raise BadApiKey("an API key must be printable ASCII without spaces or commas (e.g. "
