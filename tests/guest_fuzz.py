@@ -8,6 +8,11 @@ not crash or hang, and the host must go on serving a well-behaved actor afterwar
 
 Prints one JSON line: guests, messages, host calls made, outcomes by ABI version and error type, and
 any failure that was not a GuestError (with its traceback) under "unexpected".
+
+`--mutants N` instead loads N modules whose section headers were mutated (ids, sizes, counts, element
+kinds, table limits, body sizes, locals; cut short), from floe's guests and one declaring every kind of
+table and element segment: each is refused by floe's bounds, refused by Wasmtime, or compiles; any
+other outcome is "unexpected".
 """
 
 from __future__ import annotations
@@ -228,6 +233,88 @@ def run(min_calls: int, seed: int, calls_per_message: int = 60, deadline_s: floa
             "seconds": round(time.monotonic() - start, 1)}
 
 
+SECTIONS_SEED = """(module
+  (table 4 8 funcref) (table $u 2 externref)
+  (memory (export "memory") 1)
+  (global i32 (i32.const 0))
+  (func $f (local i32 i64 f32 f64) (local.set 0 (i32.const 1)))
+  (elem (i32.const 0) $f $f) (elem func $f) (elem (table 0) (i32.const 1) func $f) (elem declare func $f)
+  (elem (i32.const 2) funcref (ref.func $f)) (elem funcref (ref.null func))
+  (elem (table 0) (i32.const 3) funcref (ref.func $f)) (elem declare funcref (ref.func $f))
+  (data (i32.const 0) "x"))"""
+
+
+def _headers(data: bytes) -> list[int]:
+    """Offsets worth mutating: each section's id, size and first bytes (counts, kinds, limits, the first
+    body's size and locals), found by walking the sections as far as they go."""
+    from floe.wasm import shape
+
+    spots = []
+    try:
+        for _, r in shape._sections(data):
+            spots += range(max(8, r.at - 6), min(r.end, r.at + 12))  # (id and size: at most 6 bytes)
+    except Exception:  # noqa: BLE001 - a seed module reads; only what follows a mutation may not
+        pass
+    return spots or list(range(8, len(data)))
+
+
+def mutate(rng: random.Random, data: bytes) -> bytes:
+    """One to three mutations at header offsets: a random, extreme or continuation byte, a byte
+    inserted or removed, or the module cut short."""
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 3)):
+        at = rng.choice(_headers(bytes(out)) or [8])
+        if at >= len(out):
+            continue
+        kind = rng.randrange(6)
+        if kind == 0:
+            out[at] = rng.randrange(256)
+        elif kind == 1:
+            out[at] = rng.choice([0x00, 0x7F, 0x80, 0xFF, 0x40, 0x09, 0x0B])
+        elif kind == 2:
+            out[at] |= 0x80  # a LEB128 that goes on
+        elif kind == 3:
+            out[at:at] = bytes([rng.choice([0x80, 0xFF, 0x01, 0x7F])])
+        elif kind == 4:
+            del out[at]
+        else:
+            del out[rng.randrange(8, len(out)):]
+    return bytes(out)
+
+
+def run_mutants(mutants: int, seed: int) -> dict:
+    """Load `mutants` mutated modules: outcomes by who refused them, and anything unexpected."""
+    import wasmtime
+
+    from floe.guests import __file__ as guests_init
+    from floe.wasm import GuestLoadError, runtime, shape
+
+    shipped = sorted(Path(guests_init).parent.glob("*.wasm"))
+    seeds = [p.read_bytes() for p in shipped if p.stat().st_size < 8192]  # small: each compiles in ms
+    seeds.append(wasmtime.wat2wasm(SECTIONS_SEED))
+    rng = random.Random(seed)
+    outcomes: collections.Counter = collections.Counter()
+    unexpected: list[str] = []
+    start = time.monotonic()
+    for _ in range(mutants):
+        data = mutate(rng, rng.choice(seeds))
+        try:
+            why = shape.refusal(data)
+            if why is not None:  # then loading raises GuestLoadError with it (test_module_limits.py)
+                assert why.startswith(("is ", "declares ")), why
+                outcomes["refused: " + ("malformed" if why.startswith("is malformed") else "a bound")] += 1
+                continue
+            try:
+                runtime.GuestModule(runtime.default_runtime(), data, "mutant.wasm")
+                outcomes["compiled"] += 1
+            except GuestLoadError:
+                outcomes["refused by Wasmtime"] += 1
+        except Exception:  # noqa: BLE001 - what the fuzz is for
+            unexpected.append(f"{data.hex()}\n{traceback.format_exc()}")
+    return {"mutants": mutants, "outcomes": dict(outcomes), "unexpected": unexpected,
+            "seconds": round(time.monotonic() - start, 1)}
+
+
 def _fingerprint(actor) -> tuple:
     """An actor's whole state, comparably: KV cache tokens and bytes, guest memory and globals, RNG."""
     state = actor.capture_state()
@@ -241,8 +328,12 @@ def main() -> None:
     parser.add_argument("--min-calls", type=int, default=10_000, help="stop after this many host calls")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--calls", type=int, default=60, help="host calls per message")
+    parser.add_argument("--mutants", type=int, default=0, help="load this many mutated modules instead")
     args = parser.parse_args()
-    print(json.dumps(run(args.min_calls, args.seed, args.calls)))
+    if args.mutants:
+        print(json.dumps(run_mutants(args.mutants, args.seed)))
+    else:
+        print(json.dumps(run(args.min_calls, args.seed, args.calls)))
 
 
 if __name__ == "__main__":
