@@ -637,3 +637,16 @@ def test_a_guest_that_ignores_its_consumer_leaving_is_stopped_soon_after(tiny_en
         assert time.monotonic() - left < STOP_GRACE_S + 1.0
     with Actor(tiny_engine, EMITS_OK) as again:  # the engine and its slots are fine
         assert again.send("hello").text == "ok"
+
+
+def test_an_uncaught_wasm_exception_is_a_trap_that_says_so():
+    """A `throw` nothing catches ended the call with a GuestTrap whose reason was empty (a C string's
+    NUL was its last line)."""
+    from floe.wasm import GuestInstance, GuestModule, GuestTrap, default_runtime
+
+    wat = b"""(module (tag $t (param i32)) (memory (export "memory") 1)
+      (func (export "on_token") (result i32) (throw $t (i32.const 7))))"""
+    g = GuestInstance(GuestModule(default_runtime(), wat), "floe", [], memory_cap=16 << 20)
+    with pytest.raises(GuestTrap) as e:
+        g.call("on_token", deadline_s=1.0, pending=lambda: None)
+    assert "exception" in str(e.value) and "\x00" not in str(e.value)

@@ -294,7 +294,7 @@ def _message(ptr, free, to_bytes) -> str:
     vec = ffi.wasm_byte_vec_t()
     to_bytes(ptr, ctypes.byref(vec))
     try:
-        return ctypes.string_at(vec.data, vec.size).decode("utf-8", "replace")
+        return ctypes.string_at(vec.data, vec.size).decode("utf-8", "replace").rstrip("\x00")  # (C's NUL)
     finally:
         ffi.wasm_byte_vec_delete(ctypes.byref(vec))
         free(ptr)

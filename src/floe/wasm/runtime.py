@@ -579,4 +579,6 @@ def _trap_reason(e: BaseException) -> str:
             return re.sub(r"^\d+:\s*", "", line)
     if isinstance(e, Trap) and e.trap_code is not None:
         return e.trap_code.name.lower().replace("_", " ")
-    return lines[-1] if lines else type(e).__name__
+    if not lines:  # Wasmtime says nothing of a WebAssembly exception that nothing caught
+        return "a trap with no message (a WebAssembly exception that nothing caught does this)"
+    return lines[-1]
