@@ -48,22 +48,28 @@ static int g_check_keywords(grammar *g, const json_value *v, const char *path) {
     return 0;
 }
 
-/* A bound keyword of v (minLength, maxItems, ...): a non-negative integer (2.0 too), at most 0xFFFE;
- * `otherwise` where v lacks it; -1 with g->error naming it where it is anything else. */
+/* A bound keyword of v (minLength, maxItems, ...): a non-negative integer (2.0 too); `otherwise` where v
+ * lacks it; -1 with g->error naming it where it is anything else. Counters hold 0xFFFE at most: a
+ * larger maximum bounds nothing (SN_UNBOUNDED), a larger minimum is refused. */
 static int64_t g_bound(grammar *g, const json_value *v, const char *key, uint32_t otherwise, const char *path) {
     const json_value *b = json_get(v, key);
     if (!b) return otherwise;
     uint32_t n = 0, i = 0;
     for (; b->type == JV_NUMBER && i < b->n && b->text[i] >= '0' && b->text[i] <= '9'; i++)
-        n = n * 10 + (uint32_t)(b->text[i] - '0') > 0xFFFE ? 0xFFFE : n * 10 + (uint32_t)(b->text[i] - '0');
+        n = n * 10 + (uint32_t)(b->text[i] - '0') > 0xFFFF ? 0xFFFF : n * 10 + (uint32_t)(b->text[i] - '0');
     if (i && i < b->n && b->text[i] == '.') /* an integral number written with a fraction: 2.0 */
         for (i++; i < b->n && b->text[i] == '0'; i++) {}
-    if (b->type == JV_NUMBER && i && i == b->n) return n;
+    const char *why = "' must be a non-negative integer at ";
+    if (b->type == JV_NUMBER && i && i == b->n) {
+        if (n <= 0xFFFE) return n;
+        if (otherwise == SN_UNBOUNDED) return SN_UNBOUNDED;
+        why = "' above 65534 is more than this guest writes at ";
+    }
     char what[64] = "'";
     uint32_t k = 1;
     for (const char *p = key; *p && k < 40; p++) what[k++] = *p;
     what[k] = 0;
-    g_error(g, what, "' must be a non-negative integer at ", path);
+    g_error(g, what, why, path);
     return -1;
 }
 

@@ -256,6 +256,15 @@ def test_a_bound_that_is_not_a_non_negative_integer_is_refused_by_name(tiny_engi
         assert len(whole) <= 2 if keyword.startswith("max") else len(whole) >= 2  # 2.0 is 2
 
 
+def test_a_minimum_past_what_the_guest_counts_is_refused_not_lowered(tiny_engine):
+    """Counters hold 65,534: a larger minimum was silently lowered to it; a larger maximum bounds nothing."""
+    with grammar_actor(tiny_engine) as actor:
+        with pytest.raises(SchemaUnsupported, match="'minItems' above 65534 is more than this guest writes"):
+            send_json(actor, "x", {"type": "array", "minItems": 100000}, max_tokens=8)
+        long = {"type": "string", "maxLength": 100000}
+        assert isinstance(send_json(actor, "x", long, instruct=False, max_tokens=8).value, str)
+
+
 def test_a_max_tokens_no_value_fits_in_is_refused_saying_what_would(tiny_engine):
     """The guest refuses before reading the prompt and says how many bytes the shortest value takes."""
     with grammar_actor(tiny_engine) as actor:
