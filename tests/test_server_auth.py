@@ -56,7 +56,7 @@ def server(default_checkpoint, tmp_path_factory):
     folder = tmp_path_factory.mktemp("sessions")
     engine = Engine(default_checkpoint, max_seq_len=CONTEXT, n_slots=4, weights="native")
     s = ThreadServer(create_app(engine, snapshots=folder, model_id=MODEL_ID, idle_seconds=3600,
-                                keys=(ALICE, BOB)))
+                                keys=(ALICE, BOB), operator_keys=(ALICE,)))  # Alice runs the server
     s.folder = folder
     yield s
     s.stop()
@@ -371,6 +371,22 @@ def test_floe_serve_takes_keys_from_its_flags_and_the_environment(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     assert "2 API keys" in proc.stderr.read()
+
+
+def test_only_the_operator_sees_the_whole_server_others_their_own_sessions(server):
+    """/metrics and the whole /health (every owner's sessions, the engine loop) are the operator's; a
+    key that is not sees its own sessions' counts, and a 403 for /metrics."""
+    say(server.url, BOB, [{"role": "user", "content": "Name a tree."}], "bobs-tree")
+    r = httpx.get(f"{server.url}/metrics", headers=as_(BOB))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "operator_only", r.text
+    assert r.headers["x-should-retry"] == "false"
+    assert "floe_requests_total" in httpx.get(f"{server.url}/metrics", headers=as_(ALICE)).text
+    bobs = httpx.get(f"{server.url}/health", headers=as_(BOB)).json()
+    assert set(bobs) == {"status", "model", "device", "uptime_s", "sessions"}, bobs
+    assert set(bobs["sessions"]) == {"live", "frozen"}
+    assert sum(bobs["sessions"].values()) == len(listed(server.url, BOB)) >= 1
+    everything = httpx.get(f"{server.url}/health", headers=as_(ALICE)).json()
+    assert "engine_loop" in everything and "spare_actors" in everything["sessions"]
 
 
 def test_keys_come_from_a_file_the_environment_and_the_command_line(tmp_path):

@@ -297,7 +297,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import fastapi  # noqa: F401 - the HTTP front's, checked before the model loads
         import uvicorn  # noqa: F401
 
-        from floe.server.auth import BadApiKey, api_keys
+        from floe.server.auth import OPERATOR_KEYS_ENV, BadApiKey, api_keys
         from floe.server.core import ServeCore
         from floe.server.core_socket import listen, serve
     except ImportError as e:
@@ -310,13 +310,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise FloeError("--max-sessions and --max-anonymous must be >= 1 and --idle-seconds > 0")
     try:
         keys = api_keys(args.api_key, files=args.api_key_file)  # and FLOE_API_KEYS
+        operators = api_keys(files=args.operator_key_file, variable=OPERATOR_KEYS_ENV)
     except BadApiKey as e:
-        raise FloeError(f"--api-key / --api-key-file / FLOE_API_KEYS: {e}") from None
+        raise FloeError(f"--api-key / --api-key-file / --operator-key-file / FLOE_API_KEYS / "
+                        f"FLOE_OPERATOR_KEYS: {e}") from None
+    if operators and not keys:
+        raise FloeError("operator keys are for a server with API keys (FLOE_API_KEYS or --api-key-file): "
+                        "an open server shows everything to everyone")
     if args.api_key:
         print("floe serve: warning: --api-key puts the key on the command line, which `ps` shows every "
               "user of this machine; use FLOE_API_KEYS or --api-key-file", file=sys.stderr, flush=True)
     if args.ray is not None:
-        return _serve_ray(args, keys)
+        return _serve_ray(args, keys, operators)
     # The HTTP front (its own process) streams every token: leave it a core, or the model's parallel
     # GEMVs wait on their slowest thread (2 cores: 40 -> 73 tok/s per stream, docs/PERF.md).
     fronts = args.fronts
@@ -345,10 +350,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"({len(core.store.sessions)} sessions found); {access}; http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     return serve(core, listener=listener, log_level=args.log_level, keys=keys, fronts=fronts,
+                 operator_keys=operators,
                  cors_origins=tuple(args.cors_origin), max_request_bytes=args.max_request_bytes)
 
 
-def _serve_ray(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
+def _serve_ray(args: argparse.Namespace, keys: tuple[str, ...], operators: tuple[str, ...]) -> int:
     """`floe serve --ray`: replicas on a Ray cluster behind one endpoint (floe.cluster, docs/RAY.md)."""
     try:
         from floe.cluster.serve import serve_cluster
@@ -361,6 +367,7 @@ def _serve_ray(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
               "(s3://…, or a folder every node mounts)", file=sys.stderr)
     return serve_cluster(None if args.ray == "local" else args.ray, args.replicas, args.snapshots,
                          host=args.host, port=args.port, log_level=args.log_level, keys=keys,
+                         operator_keys=operators,
                          cors_origins=tuple(args.cors_origin), model=args.model, context=args.context,
                          slots=args.max_sessions, threads=args.threads or 1, lease_s=args.lease_seconds,
                          device=args.device, gpus=0 if args.device == "cpu" else 1,
@@ -699,6 +706,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
                        help="API keys, one a line (# comments); the way to give them with FLOE_API_KEYS "
                             "(a command line's --api-key is visible to every user in `ps`)")
+    serve.add_argument("--operator-key-file", action="append", default=[], metavar="FILE",
+                       help="the operator's keys (also FLOE_OPERATOR_KEYS), one a line: with API keys, "
+                            "only these see /metrics and the whole /health (others: their own sessions)")
     serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="a web origin whose pages may call the server (e.g. https://app.example); "
                             "again for more, '*' for any (default: CORS off)")

@@ -40,11 +40,11 @@ def start_replicas(n: int, snapshots: str, *, gpus: float = 0, cpus: float = 1, 
     return handles
 
 
-def create_cluster_app(replicas: dict, *, keys: tuple[str, ...] = (),
-                       cors_origins: tuple[str, ...] = ()) -> FastAPI:
+def create_cluster_app(replicas: dict, *, keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
+                       operator_keys: tuple[str, ...] = ()) -> FastAPI:
     """The one OpenAI endpoint in front of `replicas` (name -> Ray actor handle)."""
     client = ClusterClient(replicas)
-    app = create_front(client=client, keys=keys, cors_origins=cors_origins)
+    app = create_front(client=client, keys=keys, cors_origins=cors_origins, operator_keys=operator_keys)
     app.state.cluster = client
 
     @app.get("/v1/replicas")
@@ -91,7 +91,8 @@ def ray_init(address: str | None) -> None:
 
 
 def serve_cluster(address: str | None, n: int, snapshots: str, *, host: str, port: int, log_level: str,
-                  keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (), **options) -> int:
+                  keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
+                  operator_keys: tuple[str, ...] = (), **options) -> int:
     """Join (or start, address None) a Ray cluster, start the replicas, serve the endpoint."""
     import ray
     import uvicorn
@@ -103,7 +104,7 @@ def serve_cluster(address: str | None, n: int, snapshots: str, *, host: str, por
     try:
         print(f"floe serve: starting {n} replica{'s' * (n > 1)} on Ray …", file=sys.stderr, flush=True)
         replicas = start_replicas(n, snapshots, **options)
-        app = create_cluster_app(replicas, keys=keys, cors_origins=cors_origins)
+        app = create_cluster_app(replicas, keys=keys, cors_origins=cors_origins, operator_keys=operator_keys)
         where = "a local Ray" if address is None else f"the Ray cluster at {address}"
         print(f"floe serve: {n} replica{'s' * (n > 1)} ready on {where}; http://{host}:{port}/v1",
               file=sys.stderr, flush=True)

@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from floe.server.auth import ApiKeys, api_keys
+from floe.server.auth import OPERATOR_KEYS_ENV, ApiKeys, api_keys
 from floe.server.chat import ChatRequest, ChatService, ClientGone, CompletionRequest
 from floe.server.client import CoreClient
 from floe.server.limits import MAX_REQUEST_BYTES, BodyLimit
@@ -92,14 +92,15 @@ def _error(status: int, message: str, type_: str, code: str | None = None, param
 def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
                  cors_origins: tuple[str, ...] = (), on_shutdown: Callable[[], None] = lambda: None,
                  on_lost: Callable[[], None] = lambda: None, client=None,
-                 max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+                 max_request_bytes: int = MAX_REQUEST_BYTES, operator_keys: tuple[str, ...] = ()) -> FastAPI:
     """The ASGI app of the HTTP front, talking to the engine core at `socket_path` (or through
     `client`, an object with CoreClient's methods: floe.cluster.router's, which routes over replicas).
 
     keys: API keys (floe.server.auth; none: open). cors_origins: web origins whose pages may call it
     (none: CORS off). on_shutdown: run (in a thread) when the app stops. on_lost: called when the
     core's connection ends. max_request_bytes: the largest request body but a snapshot upload's
-    (floe.server.limits).
+    (floe.server.limits). operator_keys: keys (API keys too) that see the server's /metrics and its
+    whole /health; other keys see their own sessions' counts (without keys everyone is the operator).
     """
     client = client if client is not None else CoreClient(socket_path, on_lost)
     registry = CollectorRegistry()
@@ -133,7 +134,7 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
 
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes,  # inside the keys: a 401 comes first
                        reject=lambda text: _error(413, text, "invalid_request_error", "request_too_large"))
-    app.add_middleware(ApiKeys, keys=keys, reject=unauthorized)
+    app.add_middleware(ApiKeys, keys=keys, reject=unauthorized, operators=operator_keys)
     if cors_origins:  # outside the keys: a browser's preflight carries none, and a 401 needs CORS too
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Floe-Session"])
@@ -166,7 +167,13 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
     async def health(request: Request):
         if request.state.owner is None:  # no key on a server with keys: up, and nothing more
             return {"status": "ok"}
-        return await client.call("health")
+        # A key sees its own sessions' counts; the operator (or anyone, on an open server), everything
+        return await client.call("health", {"full": request.state.operator}, request.state.owner)
+
+    def operator_only(request: Request) -> None:
+        if not request.state.operator:
+            raise ServeError(403, "the server's metrics are its operator's: call with a key of "
+                                  "FLOE_OPERATOR_KEYS or --operator-key-file", code="operator_only")
 
     def _model(name: str) -> dict:
         known = (app.state.model_id, *app.state.aliases)
@@ -185,7 +192,8 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         return _model(name)
 
     @app.get("/metrics")
-    async def prometheus():
+    async def prometheus(request: Request):
+        operator_only(request)  # (every owner's requests, sessions and tokens, summed)
         core = await client.call("metrics")
         return Response(generate_latest(registry) + core.encode(), media_type=CONTENT_TYPE_LATEST)
 
@@ -258,7 +266,7 @@ def create_app(engine: Engine, *, snapshots: Path | str | SnapshotStore, model_i
                idle_seconds: float = 300.0, guest: str | None = None, batching: bool | None = None,
                aliases: tuple[str, ...] = (), keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
                max_anonymous: int = 64, max_request_bytes: int = MAX_REQUEST_BYTES,
-               **core_options) -> FastAPI:
+               operator_keys: tuple[str, ...] = (), **core_options) -> FastAPI:
     """The front and the engine core of `engine` in this process (the core's socket in a private
     temporary folder): what `floe serve` runs in two, for tests and embedding. Sessions freeze into
     `snapshots` (a folder, a URL, or a SnapshotStore), which a restart reads back; the app's shutdown
@@ -277,7 +285,8 @@ def create_app(engine: Engine, *, snapshots: Path | str | SnapshotStore, model_i
         core.close()
 
     app = create_front(server.path, keys=api_keys(keys, {}), cors_origins=cors_origins, on_shutdown=shutdown,
-                       max_request_bytes=max_request_bytes)
+                       max_request_bytes=max_request_bytes,
+                       operator_keys=api_keys(operator_keys, {}, variable=OPERATOR_KEYS_ENV))
     app.state.core = core
     return app
 
@@ -307,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
         server.should_exit = True
 
     app = create_front(args.socket, keys=api_keys(), cors_origins=tuple(args.cors_origin), on_lost=lost,
-                       max_request_bytes=args.max_request_bytes)
+                       max_request_bytes=args.max_request_bytes,
+                       operator_keys=api_keys(variable=OPERATOR_KEYS_ENV))
     server = uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level))
     server.run(sockets=None if args.fd is None else [socket.socket(fileno=args.fd)])
     if lost_core.is_set():  # the core went away: a failure (a stop ends the front first), never status 0

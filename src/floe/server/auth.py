@@ -20,6 +20,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 OPEN = ""  # the one owner of a server without keys
 KEYS_ENV = "FLOE_API_KEYS"  # comma-separated keys, added to --api-key's
+# The operator's keys (also API keys): with keys, only they see the server's /metrics and whole /health
+OPERATOR_KEYS_ENV = "FLOE_OPERATOR_KEYS"
 PUBLIC_PATHS = ("/health",)  # answered without a key (a load balancer's probe): then with no details
 # PBKDF2's salt and rounds: the same key is the same owner on every server (a restart, another machine
 # thawing the snapshots); ~70 ms a key, once at start, makes guessing a short key from a snapshot slow.
@@ -36,12 +38,13 @@ def owner_of(key: str) -> str:
 
 
 def api_keys(given: Iterable[str] = (), environ: dict[str, str] | None = None,
-             files: Iterable[str | os.PathLike] = ()) -> tuple[str, ...]:
+             files: Iterable[str | os.PathLike] = (), variable: str = KEYS_ENV) -> tuple[str, ...]:
     """The server's keys: `given` (--api-key), FLOE_API_KEYS' comma-separated ones and each of `files`'
     (--api-key-file: one a line; blank lines and lines starting with # skipped), each checked:
     printable ASCII without spaces or commas. Empty: the server is open. The environment and files
-    are the way to give them: a command line's arguments are shown to every user by `ps`."""
-    listed = (environ if environ is not None else os.environ).get(KEYS_ENV, "")
+    are the way to give them: a command line's arguments are shown to every user by `ps`.
+    variable: the environment's (FLOE_OPERATOR_KEYS for the operator's keys)."""
+    listed = (environ if environ is not None else os.environ).get(variable, "")
     keys = [*given, *(k.strip() for k in listed.split(",") if k.strip())]
     for path in files:
         try:
@@ -58,12 +61,18 @@ def api_keys(given: Iterable[str] = (), environ: dict[str, str] | None = None,
 
 class ApiKeys:
     """ASGI middleware: sets `request.state.owner` to the caller's owner id (OPEN without keys; None on
-    a public path called without a valid key) and answers every other request without a valid key
-    with `reject(message)`. Keys are compared in constant time (as digests: lengths leak nothing)."""
+    a public path called without a valid key) and `request.state.operator` (the key is one of
+    `operators`, or the server is open), and answers every other request without a valid key with
+    `reject(message)`. Keys are compared in constant time (as digests: lengths leak nothing).
+    `operators` are keys too (each its own owner)."""
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str], reject: Callable[[str], Response]) -> None:
+    def __init__(self, app: ASGIApp, keys: Iterable[str], reject: Callable[[str], Response],
+                 operators: Iterable[str] = ()) -> None:
         self.app, self.reject = app, reject
-        self.owners = [(hashlib.sha256(k.encode()).digest(), owner_of(k)) for k in keys]
+        operators = tuple(operators)
+        self.owners = [(hashlib.sha256(k.encode()).digest(), owner_of(k))
+                       for k in dict.fromkeys((*keys, *operators))]
+        self.operators = {owner_of(k) for k in operators}
 
     def owner(self, authorization: bytes | None) -> str | None:
         """The owner of a request with this Authorization header, or None if it names no key."""
@@ -86,5 +95,7 @@ class ApiKeys:
             message = ("this server needs an API key: send `Authorization: Bearer KEY`" if authorization
                        is None else "the API key is not one of this server's")
             return await self.reject(message)(scope, receive, send)
-        scope.setdefault("state", {})["owner"] = owner
+        state = scope.setdefault("state", {})
+        state["owner"] = owner
+        state["operator"] = owner is not None and (not self.owners or owner in self.operators)
         await self.app(scope, receive, send)

@@ -268,6 +268,9 @@ class ServeCore:
         if name == "hello":
             return {"model_id": self.model_id, "aliases": list(self.aliases), "started": self.started,
                     "max_text_bytes": self.max_text_bytes}
+        if name == "health" and isinstance(arg, dict) and not arg.get("full", True):  # a key's own view
+            return {"status": "ok", "model": self.model_id, "device": str(self.engine.device),
+                    "uptime_s": time.time() - self.started, "sessions": self.store.counts(_owner(owner))}
         if name == "health":
             return {"status": "ok", "model": self.model_id, "device": str(self.engine.device),
                     "decode_batching": self.scheduler is not None, "uptime_s": time.time() - self.started,

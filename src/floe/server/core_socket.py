@@ -172,7 +172,7 @@ class CoreServer:
     def _call(self, conn: _Connection, rid: int, name, arg, owner) -> None:
         try:
             value = self.core.call(name, arg, owner)
-            if name == "health" and isinstance(value, dict):
+            if name == "health" and "engine_loop" in value:  # the whole view (the operator's)
                 value["fronts"] = len(self.connections)  # HTTP fronts connected (floe serve --fronts)
             conn.send(["ok", rid, value])
         except Exception as e:  # noqa: BLE001 - answered; the core goes on
@@ -292,7 +292,7 @@ def _answer_error(conn: _Connection, rid: int, e: Exception, what: str) -> None:
 def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
           keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
           max_request_bytes: int = protocol.MAX_REQUEST_BYTES, fronts: int = 1,
-          listener: socket.socket | None = None,
+          listener: socket.socket | None = None, operator_keys: tuple[str, ...] = (),
           on_ready: Callable[[CoreServer], None] = lambda server: None) -> int:
     """`floe serve` with its engine core in this process: `fronts` HTTP front processes
     (floe.server.app) share one listening socket this process binds (the kernel hands each new
@@ -302,7 +302,8 @@ def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_lev
     front that lost its core: 3). keys: its API keys (handed to the fronts in their environment, never
     their command line); cors_origins: web origins that may call it; max_request_bytes: a front's
     largest request body (floe.server.limits); listener: the socket to serve on (listen()'s), else
-    host:port is bound here. Raises FloeError if host:port cannot be listened on."""
+    host:port is bound here; operator_keys: the keys that see /metrics (in the fronts' environment).
+    Raises FloeError if host:port cannot be listened on."""
     import gc
     import signal
 
@@ -325,7 +326,7 @@ def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_lev
             *(arg for origin in cors_origins for arg in ("--cors-origin", origin))]
     procs, code = [], 0
     try:
-        with front_environment(keys, fronts) as env:
+        with front_environment(keys, fronts, operator_keys) as env:
             try:
                 procs = [_start_front(args, listener, env) for _ in range(fronts)]
                 listener.close()  # the fronts hold it
@@ -363,12 +364,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 @contextlib.contextmanager
-def front_environment(keys: tuple[str, ...], fronts: int):
-    """The fronts' environment: their API keys, and with several fronts a private folder where each
-    counts its requests (prometheus_client's multiprocess mode: any front's /metrics sums them all)."""
-    from floe.server.auth import KEYS_ENV
+def front_environment(keys: tuple[str, ...], fronts: int, operator_keys: tuple[str, ...] = ()):
+    """The fronts' environment: their API keys and the operator's, and with several fronts a private
+    folder where each counts its requests (prometheus_client's multiprocess mode: any front's /metrics
+    sums them all)."""
+    from floe.server.auth import KEYS_ENV, OPERATOR_KEYS_ENV
 
-    env = os.environ | {KEYS_ENV: ",".join(keys)}
+    env = os.environ | {KEYS_ENV: ",".join(keys), OPERATOR_KEYS_ENV: ",".join(operator_keys)}
     if fronts == 1:
         env.pop(protocol.METRICS_ENV, None)
         yield env

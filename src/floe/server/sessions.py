@@ -1019,8 +1019,13 @@ class SessionStore:
             del self.sessions[session.key]
         return True
 
-    def counts(self) -> dict[str, int]:
+    def counts(self, owner: str | None = None) -> dict[str, int]:
+        """Sessions live and frozen, and spare actors; of one owner's sessions only: live and frozen."""
         with self.lock:
+            if owner is not None:
+                mine = [s for s in self.sessions.values() if s.owner == owner]
+                live = sum(s.live for s in mine)
+                return {"live": live, "frozen": len(mine) - live}
             live = sum(s.live for s in self.sessions.values())
             return {"live": live, "frozen": len(self.sessions) - live, "spare_actors": len(self._spares)}
 
