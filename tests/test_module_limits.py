@@ -42,15 +42,19 @@ def section(id_: int, body: bytes) -> bytes:
 
 
 def module(*, bodies: list[bytes] = (b"\x00\x0b",), tables: list[bytes] = (b"\x70\x00\x01",),
-           elements: list[bytes] = ()) -> bytes:
+           elements: list[bytes] = (), data: int = 0) -> bytes:
     """A module of `() -> ()` functions with these bodies (locals + code + end), these tables, these
-    element segments."""
+    element segments, and `data` one-byte data segments in a memory of one page."""
     sections = [section(1, vec([b"\x60\x00\x00"])), section(3, vec([b"\x00"] * len(bodies)))]
     if tables:
         sections.append(section(4, vec(list(tables))))
+    if data:
+        sections.append(section(5, vec([b"\x00\x01"])))
     if elements:
         sections.append(section(9, vec(list(elements))))
     sections.append(section(10, vec([uleb(len(b)) + b for b in bodies])))
+    if data:
+        sections.append(section(11, vec([b"\x00\x41\x00\x0b\x01x"] * data)))
     return b"\0asm\x01\0\0\0" + b"".join(sections)
 
 
@@ -185,6 +189,9 @@ HOSTILE = {
     "10,000 functions of 50,000 locals": lambda: module(bodies=[with_locals(50_000)] * 10_000),
     "locals at the bounds (32 of 8,192)": lambda: module(bodies=[with_locals(8192)] * 32),
     "8 bodies of 8,192 live locals": lambda: module(bodies=[live_locals(8192)] * 8),
+    "data segments at the bound (8,192)": lambda: module(data=8192),
+    "all at the bounds at once": lambda: module(bodies=[calls(256 << 10)] * 8, data=8192,
+                                                elements=[element_segment(1, 2)] * 8192),
 }
 
 
