@@ -12,6 +12,8 @@ whose sections cannot be read, is refused at once, with what it declared and the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 MAX_MODULE_BYTES = 16 << 20
 
 # The most a module may declare. Floe's own guests (src/floe/guests/*.wasm, clang -O2, 2026-12) declare
@@ -113,7 +115,7 @@ def _over(count: int, what: str, limit: str, section: str = "") -> None:
                        f"instantiating take time and memory that grow with them)")
 
 
-def _sections(data: bytes):
+def _sections(data: bytes) -> Iterator[tuple[int, _Reader]]:
     """(id, reader of its body) for each section of a core module, after checking its header."""
     at, n = len(_MAGIC), 0
     while at < len(data):
