@@ -391,3 +391,22 @@ def test_a_disk_lease_is_not_flushed_and_one_a_crash_emptied_is_taken_over(tmp_p
     (tmp_path / "k.lease").write_bytes(b"not a lease")
     with pytest.raises(StoreUnavailable, match="not a lease record"):
         leases.acquire("k", "server-c", 60)
+
+
+def test_a_home_budget_per_group_deletes_only_the_group_that_grew(tmp_path, s3, bucket, frozen):
+    """A server's budget is each owner's (group = the key's owner): Alice's fourth session deletes her
+    own oldest, never Bob's; without groups the budget is shared and Bob's oldest goes first."""
+    n = len(frozen)
+    for grouped in (True, False):
+        store = make_store(spec("disk", tmp_path / str(grouped), s3, bucket, home_bytes=3 * n))
+        store.put("bob/b0", frozen, persist=True)
+        for i in range(4):
+            store.put(f"alice/a{i}", frozen, persist=True)
+            time.sleep(0.01)  # (their last use orders them)
+        report = store.sweep(group=(lambda key: key.split("/")[0]) if grouped else None)
+        left = sorted(e.key for e in store.home.entries())
+        if grouped:
+            assert report["deleted"] == ["alice/a0"]
+            assert left == ["alice/a1", "alice/a2", "alice/a3", "bob/b0"]
+        else:
+            assert report["deleted"] == ["bob/b0", "alice/a0"]

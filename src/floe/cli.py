@@ -667,7 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--snapshot-ttl", type=_seconds, default=None, metavar="S",
                        help="a session unused this long is deleted from the store (default: kept)")
     serve.add_argument("--snapshot-budget", type=_bytes, default=None, metavar="BYTES",
-                       help="the store's bytes for sessions; beyond, the least recently used are deleted")
+                       help="each API key's bytes of sessions in the store (an open server's: all of "
+                            "them); beyond, that key's least recently used are deleted")
     serve.add_argument("--snapshot-cache", default=None, metavar="DIR",
                        help="local cache of an object store's snapshots (default: a temporary folder)")
     serve.add_argument("--lease-seconds", type=float, default=30.0, metavar="S",

@@ -97,6 +97,12 @@ class NoFreeSlot(SessionError):
     status, code = 503, "server_busy"
 
 
+def _owner_of_key(key: str) -> str:
+    """The owner a store key's session belongs to ("" for an open server's, or a key of no session)."""
+    found = split_key(key)
+    return found[0] if found is not None else ""
+
+
 class _Ticket:
     """A request's place in the wait queue for a KV slot."""
 
@@ -846,7 +852,8 @@ class SessionStore:
             self._swept = now
             with self.lock:
                 busy = [s.key for s in self.sessions.values() if s.live or s.lock.locked()]
-            swept = self.snapshots.sweep(keep=busy)
+            # The home's budget is each owner's: one key's sessions never push another key's out.
+            swept = self.snapshots.sweep(keep=busy, group=_owner_of_key)
             for key in swept["deleted"]:
                 report["deleted"].append(key)
                 self._forget_frozen(key)

@@ -297,23 +297,29 @@ class SnapshotStore:
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
-    def sweep(self, now: float | None = None, keep: Iterable[str] = ()) -> dict[str, list[str]]:
+    def sweep(self, now: float | None = None, keep: Iterable[str] = (),
+              group: Callable[[str], str] | None = None) -> dict[str, list[str]]:
         """Apply every tier's TTL (seconds since an entry's last use) and byte budget (oldest use out
         first): out of RAM or the disk cache an entry moves down (a one-shot one is dropped); out of
         the home it is deleted, unless another owner holds its lease, or it is in `keep` (a server's
-        sessions in use: their last snapshot is not taken from under them). Returns what moved, was
-        dropped, deleted, or kept for its lease."""
+        sessions in use: their last snapshot is not taken from under them). group(key): the home's
+        budget applies to each group of keys on its own (a server's: each owner's sessions), so that
+        one group's growth deletes only its own oldest. Returns what moved, was dropped, deleted, or
+        kept for its lease."""
         now = time.time() if now is None else now
         self._keep = set(keep)
         report: dict[str, list[str]] = {"moved": [], "dropped": [], "deleted": [], "leased": []}
         for i, tier in enumerate(self.tiers):
-            entries = sorted(tier.entries(), key=lambda e: e.used_at)
-            total = sum(e.nbytes for e in entries)
-            for entry in entries:
-                expired = tier.ttl_s is not None and now - entry.used_at > tier.ttl_s
-                over = tier.budget_bytes is not None and total > tier.budget_bytes
-                if (expired or over) and self._leave(i, entry, report):
-                    total -= entry.nbytes
+            by_group: dict[str, list[Entry]] = {}
+            for entry in sorted(tier.entries(), key=lambda e: e.used_at):
+                by_group.setdefault(group(entry.key) if group and tier is self.home else "", []).append(entry)
+            for entries in by_group.values():
+                total = sum(e.nbytes for e in entries)
+                for entry in entries:
+                    expired = tier.ttl_s is not None and now - entry.used_at > tier.ttl_s
+                    over = tier.budget_bytes is not None and total > tier.budget_bytes
+                    if (expired or over) and self._leave(i, entry, report):
+                        total -= entry.nbytes
         return report
 
     def _leave(self, i: int, entry: Entry, report: dict[str, list[str]]) -> bool:
