@@ -191,6 +191,14 @@ def test_tool_call_arguments_nested_too_deep_are_a_400_without_a_traceback(serve
             "model": MODEL_ID, "messages": history, "tools": TOOLS, "max_tokens": 8})
         assert r.status_code == 400, r.text
         assert "nested deeper than 512 levels" in r.json()["error"]["message"]
+    as_object = ('{"role":"assistant","tool_calls":[{"id":"call_1","type":"function","function":{'
+                 '"name":"get_weather","arguments":' + '{"a":' * 900 + "0" + "}" * 900 + "}}]}")
+    # arguments as an object (not a string): checked the same
+    asked = json.dumps(ASK_WEATHER[0])
+    r = post_raw(server, f'{{"model":"{MODEL_ID}","max_tokens":8,"messages":[{asked},{as_object}]}}')
+    assert r.status_code == 400 and "nested deeper than 512 levels" in r.json()["error"]["message"], r.text
+    r = post_raw(server, '{"model":"' + MODEL_ID + '","messages":[],"tools":' + "[" * 5000 + "]" * 5000 + "}")
+    assert r.status_code == 400, r.text  # a body too deep for Python's json at all: the front's parser
     assert not errors_logged(caplog)
 
 
