@@ -14,6 +14,8 @@ from floe.errors import FloeError
 from floe.server.protocol import MAX_REQUEST_BYTES
 
 DEFAULT_PROMPT_HELP = "the user's message (the model's chat template wraps it)"
+MODEL_HELP = ("GGUF file, Hugging Face folder, or a repo id in the local Hugging Face cache (owner/name, "
+              "owner/name:Q4_0; nothing is downloaded) (default: SmolLM2-135M-Instruct)")
 # --weights: (activation and KV cache dtype, Engine weights kind)
 WEIGHTS = {"native": ("float32", "native"), "bf16": ("bfloat16", "dense"), "fp32": ("float32", "dense"),
            "f16": ("float32", "f16")}
@@ -572,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("prompt", nargs="?", default=None,
                      help=DEFAULT_PROMPT_HELP + "; - reads it from standard input")
     run.add_argument("--prompt-file", metavar="FILE", help="read the message from FILE (UTF-8) instead")
-    run.add_argument("--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    run.add_argument("--model", help=MODEL_HELP)
     run.add_argument("--system", help="system message")
     run.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (256)")
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -627,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     prof = sub.add_parser("profile", help="one actor turn: boundaries, dispatches and the roofline, measured")
     prof.add_argument("prompt", help=DEFAULT_PROMPT_HELP)
-    prof.add_argument("--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    prof.add_argument("--model", help=MODEL_HELP)
     prof.add_argument("--shape", choices=sorted(KNOWN_SHAPE_NAMES),
                       help="seeded random weights at a real architecture's shape instead of --model")
     prof.add_argument("--tokenizer",
@@ -648,7 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible server whose conversations are actors")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--model", help=MODEL_HELP)
     serve.add_argument("--model-id", action="append", metavar="NAME",
                        help="the model name clients send (default: the file's name); again for aliases "
                             "(many tools hard-code a name), '*' to accept any")

@@ -144,12 +144,14 @@ def tokenizer_from_folder(folder: Path, cfg: dict) -> Tokenizer:
     )
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype, progress: Progress | None = None) -> Checkpoint:
+def load_hf_folder(folder: Path, dtype: torch.dtype, progress: Progress | None = None,
+                   name: str | None = None) -> Checkpoint:
     """The folder's checkpoint: every tensor's bytes hashed once for the fingerprint, weights left in
     the files until an engine takes them (Checkpoint.weights is lazy; a tensor the file stores in the
-    dtype asked for is a view of safetensors' memory map of it)."""
+    dtype asked for is a view of safetensors' memory map of it). name: the model's (default: the
+    folder's; a Hugging Face cache snapshot's folder is a commit hash, its repo's name is the name)."""
     cfg = _read_json(folder / "config.json")
-    config = config_from_hf(cfg, folder.name)
+    config = config_from_hf(cfg, name or folder.name)
     tokenizer = tokenizer_from_folder(folder, cfg)
     shards = _shards(folder)
     names, kinds = {}, set()
