@@ -67,3 +67,10 @@ def test_usage_never_passes_max_tokens(url):
     usage, choice = r.json()["usage"], r.json()["choices"][0]
     assert usage["completion_tokens"] <= 16
     assert choice["finish_reason"] != "length" or usage["completion_tokens"] == 16
+
+
+def test_a_body_nested_past_what_json_reads_says_so(url):
+    body = '{"model": "m", "messages": ' + "[" * 5000 + "]" * 5000 + "}"
+    r = httpx.post(url + CHAT, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert "nested too deep" in r.json()["error"]["message"], r.text

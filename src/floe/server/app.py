@@ -155,6 +155,9 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
+        if isinstance(e.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body"
+            return _error(400, "the request body is JSON nested too deep to read (past ~1,000 levels; "
+                               "floe takes at most 512)", "invalid_request_error", "invalid_json")
         return _error(e.status_code, str(e.detail), "invalid_request_error",
                       {404: "not_found", 413: "request_too_large"}.get(e.status_code))
 
