@@ -28,8 +28,16 @@ def tokenizer_fields() -> dict:
 
 def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_llama3: bool = False,
                    shard: bool = True) -> Path:
-    """A random transformers model of `arch` ("llama" or "qwen2") saved as safetensors shards."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A random transformers model of `arch` ("llama", "qwen2" or "qwen3") saved as safetensors shards.
+    qwen3's head_dim (32) is not hidden_size / heads (16), as in Qwen3-0.6B (128 vs 64)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     from floe.model.tokenizer import tokenizer_from_gguf
 
@@ -44,9 +52,13 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
                     "original_max_position_embeddings": 64}
         config = LlamaConfig(**common, rope_parameters=rope)
         cls = LlamaForCausalLM
-    else:
+    elif arch == "qwen2":
         config = Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
         cls = Qwen2ForCausalLM
+    else:
+        rope = {"rope_type": "default", "rope_theta": 1e6}
+        config = Qwen3Config(**common, head_dim=32, rope_parameters=rope)
+        cls = Qwen3ForCausalLM
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():  # default init leaves biases at zero: make them matter
@@ -59,6 +71,63 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
         '{"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": false}'
     )
     return folder
+
+
+# transformers' names of a Qwen3 layer's tensors -> llama.cpp's (convert_hf_to_gguf: no Q/K permutation)
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's name of a transformers Qwen3 tensor."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+
+
+def write_qwen3_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
+    """The transformers Qwen3 model in `folder` as llama.cpp's converter writes it: general.architecture
+    qwen3, its qwen3.* keys (attention.key_length: the explicit head_dim), matrices in `qtype`, norms F32."""
+    import json
+
+    from safetensors import safe_open
+
+    cfg = json.loads((folder / "config.json").read_text())
+    writer = GGUFWriter(path, "qwen3")
+    writer.add_name("tiny-test-qwen3")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    for key, value in tokenizer_fields().items():
+        _add_field(writer, key, value)
+    tensors = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), framework="np") as f:
+            tensors.update((name, f.get_tensor(name).astype(np.float32)) for name in f.keys())
+    for name, w in sorted(tensors.items()):
+        quantize_it = w.ndim == 2 and qtype != Q.F32
+        writer.add_tensor(gguf_name(name), quantize(w, qtype) if quantize_it else w,
+                          raw_dtype=qtype if quantize_it else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 # Where each fp16 scale of a K-quant block sits (byte offsets), so random blocks stay finite.

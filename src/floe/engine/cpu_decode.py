@@ -75,6 +75,16 @@ def norm(x: Tensor, rows: list[Tensor], weight: Tensor, eps: float, zero: Tensor
     return rms_norm(x, rows, weight, eps, zero, out)
 
 
+def head_norm(y: Tensor, weight: Tensor, eps: float, heads: int, head_dim: int) -> None:
+    """RMSNorm of each of the first `heads` heads of the qkv rows y [B, (heads + n_kv) head_dim], in
+    place, times weight [heads, head_dim] (Qwen3's q and k norms, stacked): fp32 statistics, the
+    product in y's dtype, as the module's RMSNorm rounds."""
+    qk = y.narrow(1, 0, heads * head_dim).view(y.shape[0], heads, head_dim)
+    qf = qk.float()
+    normed = qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + eps)
+    qk.copy_(weight * normed.to(qk.dtype))
+
+
 def attend(rot: Tensor, v: Tensor, out: list[Tensor], slots: list[int], positions: list[int],
            k_cache: Tensor, v_cache: Tensor, n_heads: int, group: int) -> None:
     """Per row b: write its k (rot[b]'s last heads, rotated) and v [B, n_kv, head_dim] at positions[b]
@@ -110,7 +120,8 @@ def attend_ops(y: Tensor, rotary: Tensor, row_scale: Tensor, att_rows: list[Tens
 def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Tensor, slots: list[int],
                   positions: list[int], eps: float, norms: list[Tensor], inputs: list[Tensor],
                   weights: list[Tensor], scales: list[Tensor], repeats: list[int], qkv_bias: list[Tensor],
-                  k_caches: list[Tensor], v_caches: list[Tensor], att: Tensor, att_rows: list[Tensor],
+                  qk_norms: list[Tensor], k_caches: list[Tensor], v_caches: list[Tensor], att: Tensor,
+                  att_rows: list[Tensor],
                   n_heads: int, n_kv: int, head_dim: int, ffn_dim: int, zero: Tensor,
                   native_ops: bool, cos: Tensor, sin: Tensor) -> None:
     """Every layer of one decode step of B rows, updating the fp32 residual rows x [B, dim] (x_rows:
@@ -119,7 +130,8 @@ def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Te
     Row b appends at positions[b] of KV slot slots[b]; rotary [B, head_dim, head_dim] is its
     position's rotation. Per layer i: norms[2i], norms[2i+1] (attention, ffn) and their output
     buffers inputs[2i], inputs[2i+1] ([B, dim]); weights/scales/repeats[4i..4i+3] the qkv, o,
-    gate+up and down projections (see `project`); qkv_bias[i] (empty if none); k_caches[i],
+    gate+up and down projections (see `project`); qkv_bias[i] (empty if none); qk_norms[i] the
+    layer's q and k norm weights stacked per head [n_heads + n_kv, head_dim] (empty if none); k_caches[i],
     v_caches[i] the layer's cache [n_slots, n_kv, seq, head_dim]; att [B, n_heads * head_dim] in the
     cache's dtype, attention's output buffer, att_rows its rows as [n_kv, n_heads / n_kv, head_dim]
     views; zero: a float32 [1] of 0 (addcmul's base). native_ops: RMSNorm, and rotary, the cache
@@ -132,6 +144,8 @@ def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Te
         y = project(h, weights[j], scales[j], repeats[j])
         if qkv_bias[i].numel() > 0:
             y = y + qkv_bias[i]
+        if qk_norms[i].numel() > 0:  # before rotary, which both attention paths below apply
+            head_norm(y, qk_norms[i], eps, n_heads + n_kv, head_dim)
         if native_ops:
             torch.ops.floe.attend(y, cos, sin, k_cache, v_cache, slots, positions, n_heads, att)
         else:
@@ -203,7 +217,7 @@ class CpuDecoder:
         # attention's output, in the KV cache's dtype (its values' product; bf16 caches: bf16)
         self.att = torch.empty(rows, c.n_heads * hd, dtype=cache.v.dtype)
         self.zero = torch.zeros(1)
-        self.norms, self.inputs, self.qkv_bias = [], [], []
+        self.norms, self.inputs, self.qkv_bias, self.qk_norms = [], [], [], []
         self.weights, self.scales, self.repeats = [], [], []
         for layer in model.layers:
             a, f = layer.attention, layer.feed_forward
@@ -216,6 +230,9 @@ class CpuDecoder:
             self.inputs += [self._input(a.wqkv), self._input(f.w13)]
             bias = a.wqkv.bias
             self.qkv_bias.append(torch.empty(0) if bias is None else bias)
+            self.qk_norms.append(torch.empty(0) if a.q_norm is None else torch.cat((  # [heads, hd]: KBs
+                a.q_norm.weight.detach().expand(c.n_heads, hd),
+                a.k_norm.weight.detach().expand(c.n_kv_heads, hd))))
         # floe's operators for RMSNorm and attention where floe's kernels are loaded (a native
         # projection) and the norms, their outputs and the cache are float32; else PyTorch's ops
         # (`native_ops` chooses, for tests)
@@ -264,9 +281,9 @@ class CpuDecoder:
         rotary = self.roll if self.native_ops else (  # unused then
             torch.diag_embed(m.cos[at]) + self.roll * self.sin_signed[at].unsqueeze(1))
         self.run_layers(x, x_rows, rotary, self.row_scale, slots, positions, c.norm_eps, self.norms, inputs,
-                        self.weights, self.scales, self.repeats, self.qkv_bias, self.k_caches, self.v_caches,
-                        att, att_rows, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, self.zero,
-                        self.native_ops, m.cos, m.sin)
+                        self.weights, self.scales, self.repeats, self.qkv_bias, self.qk_norms, self.k_caches,
+                        self.v_caches, att, att_rows, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim,
+                        self.zero, self.native_ops, m.cos, m.sin)
         h = self.norm(x, x_rows, m.norm.weight, c.norm_eps, self.zero, head_input,
                       self.native_ops and head_input.dtype == torch.float32)
         weight, scales, repeat = self.head

@@ -1,4 +1,4 @@
-"""The Llama-family transformer (Llama, Llama-3, SmolLM2, Qwen2) in plain PyTorch, gpt-fast style."""
+"""The Llama-family transformer (Llama, Llama-3, SmolLM2, Qwen2, Qwen3) in plain PyTorch, gpt-fast style."""
 
 from __future__ import annotations
 
@@ -61,6 +61,9 @@ class Attention(nn.Module):
         qkv_out = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
         self.wqkv = nn.Linear(c.dim, qkv_out, bias=c.qkv_bias)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        # Qwen3: q and k each RMS-normalised per head before rotary (one weight [head_dim] each).
+        self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
 
     def forward(self, x: Tensor, rope: list[tuple[Tensor, Tensor]], k_layer: Tensor, v_layer: Tensor,
                 segments: list[Segment]) -> Tensor:
@@ -75,8 +78,11 @@ class Attention(nn.Module):
         for (t, start, slot), (cos, sin) in zip(segments, rope, strict=True):
             q, k, v = qkv[row:row + t].split([q_size, kv_size, kv_size], dim=-1)
             row += t
-            q = apply_rotary(q.view(t, self.n_heads, self.head_dim).transpose(0, 1), cos, sin)
-            k = apply_rotary(k.view(t, self.n_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
+            q, k = q.view(t, self.n_heads, self.head_dim), k.view(t, self.n_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = apply_rotary(q.transpose(0, 1), cos, sin)
+            k = apply_rotary(k.transpose(0, 1), cos, sin)
             end = start + t
             k_cache, v_cache = k_layer[slot], v_layer[slot]
             k_cache[:, start:end] = k
@@ -288,6 +294,7 @@ def fused_state_dict(get: Callable[[str], Tensor], c: ModelConfig,
         names += [p + "attention_norm.weight", p + "ffn_norm.weight"]
         names += [f"{p}{fused}.weight" for fused in FUSED]
         names += [p + "attention.wqkv.bias"] if c.qkv_bias else []
+        names += [p + "attention.q_norm.weight", p + "attention.k_norm.weight"] if c.qk_norm else []
     for name in names:
         if name not in skip:
             yield name, stacked(get, name)

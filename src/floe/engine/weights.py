@@ -21,9 +21,10 @@ from floe.engine.transformer import (
     quantized_paths,
     stacked,
 )
-from floe.errors import FloeError, NotAModel
+from floe.errors import FloeError, NotAModel, UnsupportedModel
 from floe.memory import trim_heap
 from floe.model.checkpoint import Checkpoint
+from floe.model.config import ModelConfig
 
 WEIGHTS = ("dense", "native")
 
@@ -42,6 +43,16 @@ class LogitsHead(nn.Module):
         if self.weight.dtype == torch.float32:
             return F.linear(x.float(), self.weight)
         return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+
+
+def check_backend(c: ModelConfig, backend: str) -> None:
+    """Raise UnsupportedModel, naming the architecture, where `backend` ("cpu", "cuda", "webgpu")
+    has no step for something the model computes; before any weight is read."""
+    # CUDA's graph and Triton steps and WebGPU's shaders repeat the attention math without the
+    # per-head q/k norm; the CPU's module forward and lean step apply it.
+    if c.qk_norm and backend != "cpu":
+        raise UnsupportedModel(f"{c.arch} models (per-head q/k norm) run on the CPU only in this version: "
+                               f"floe's {backend} decode step does not apply that norm; use --device cpu")
 
 
 @dataclass
@@ -64,6 +75,7 @@ def load_model(checkpoint: Checkpoint, max_seq_len: int, device: torch.device, d
     keep a dense copy for long inputs."""
     if weights not in WEIGHTS:
         raise FloeError(f"weights {weights!r}: choose 'dense' or 'native'")
+    check_backend(checkpoint.config, device.type)
     kernel = None
     if weights == "native":
         if device.type != "cpu":

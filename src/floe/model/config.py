@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Architectures that RMS-normalise each head's q and k (over head_dim, before rotary): Qwen3.
+QK_NORM_ARCHITECTURES = frozenset({"qwen3"})
 
 
 @dataclass(frozen=True)
@@ -49,11 +51,25 @@ class ModelConfig:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
 
     @property
+    def qk_norm(self) -> bool:
+        """Whether each head's q and k go through an RMSNorm of their own (weights [head_dim])."""
+        # Decided by the architecture, not a field: the config's JSON (the fingerprint) is unchanged.
+        return self.arch in QK_NORM_ARCHITECTURES
+
+    def qk_norm_weights(self) -> list[str]:
+        """The canonical names of the q/k norm weights the architecture calls for (none: [])."""
+        if not self.qk_norm:
+            return []
+        return [f"layers.{i}.attention.{w}_norm.weight" for i in range(self.n_layers) for w in "qk"]
+
+    @property
     def n_params(self) -> int:
         """Parameter count (embeddings counted once when tied)."""
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         if self.qkv_bias:
             attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         layer = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + emb + self.dim

@@ -43,6 +43,8 @@ _LAYER_NAMES = {
     "attn_k.bias": "attention.wk.bias",
     "attn_v.bias": "attention.wv.bias",
     "attn_output.weight": "attention.wo.weight",
+    "attn_q_norm.weight": "attention.q_norm.weight",
+    "attn_k_norm.weight": "attention.k_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
     "ffn_gate.weight": "feed_forward.w1.weight",
     "ffn_up.weight": "feed_forward.w3.weight",
@@ -207,7 +209,7 @@ def canonical_name(gguf_name: str) -> str:
     m = _BLOCK.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise UnsupportedModel(f"unexpected tensor {gguf_name!r}: not a Llama/Qwen2 weight")
+    raise UnsupportedModel(f"unexpected tensor {gguf_name!r}: not a Llama/Qwen2/Qwen3 weight")
 
 
 @functools.cache
@@ -246,6 +248,9 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None = None) 
             weights[name] = functools.partial(_from_quantized, quantized[name])
         else:
             weights[name] = functools.partial(_dense, t, heads)
+    missing = [n for n in config.qk_norm_weights() if n not in weights]
+    if missing:
+        raise NotAModel(f"{path}: {config.arch} normalises q and k per head, but the file lacks {missing[0]}")
 
     def stored():
         return ((t.name, t.qtype.name, t.shape, t.data) for t in todo)

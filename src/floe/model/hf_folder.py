@@ -30,6 +30,8 @@ _LAYER_NAMES = {
     "self_attn.k_proj.bias": "attention.wk.bias",
     "self_attn.v_proj.bias": "attention.wv.bias",
     "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "feed_forward.w1.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
@@ -111,7 +113,7 @@ def _canonical(name: str) -> str | None:
     m = _LAYER.fullmatch(name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise UnsupportedModel(f"unexpected tensor {name!r}: not a Llama/Qwen2 weight")
+    raise UnsupportedModel(f"unexpected tensor {name!r}: not a Llama/Qwen2/Qwen3 weight")
 
 
 def tokenizer_from_folder(folder: Path, cfg: dict) -> Tokenizer:
@@ -171,6 +173,9 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, progress: Progress | None =
         weights.pop("output.weight", None)
     elif "output.weight" not in weights:
         raise NotAModel(f"{folder}: config says untied embeddings but lm_head.weight is missing")
+    missing = [n for n in config.qk_norm_weights() if n not in weights]
+    if missing:
+        raise NotAModel(f"{folder}: {config.arch} normalises q and k per head, but {missing[0]} is missing")
 
     def stored():
         for name, shard in todo:
