@@ -508,3 +508,47 @@ def test_a_loop_whose_own_failure_handling_fails_still_ends_every_turn_and_goes_
         assert "a bug in the step" in str(outcome["error"].value)
         monkeypatch.undo()  # the same loop thread, alive, steps the next message
         assert actor.send(PROMPTS[4], max_tokens=3, params=GREEDY).stats.generated_tokens == 3
+
+
+def test_a_callers_blocking_on_text_holds_its_own_turn_only(tiny_engine):
+    """on_text runs in its caller's thread: one that blocks (here until the other turn has ended) held
+    the engine loop, and every other turn with it, when it ran on the loop's thread."""
+    expected = alone(tiny_engine, PROMPTS[1], 12)
+    loop = EngineLoop(tiny_engine)
+    other_done, out = threading.Event(), {}
+
+    def blocked(piece: str) -> None:
+        assert other_done.wait(60), "the other turn never ended while this callback blocked"
+
+    def first() -> None:
+        with Actor(tiny_engine, loop=loop) as actor:
+            out["first"] = actor.send(PROMPTS[0], max_tokens=12, params=GREEDY, on_text=blocked)
+
+    def second() -> None:
+        with Actor(tiny_engine, loop=loop) as actor:
+            out["second"] = actor.send(PROMPTS[1], max_tokens=12, params=GREEDY)
+        other_done.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out["second"].stats.token_ids == expected
+    assert out["first"].stats.token_ids == alone(tiny_engine, PROMPTS[0], 12)
+
+
+def test_a_callers_failing_on_text_fails_its_message_only(tiny_engine):
+    from floe.wasm import GuestHostCallError
+
+    class Refused(Exception):
+        pass
+
+    def refuse(piece: str) -> None:
+        raise Refused("no more text")
+
+    loop = EngineLoop(tiny_engine)
+    with Actor(tiny_engine, loop=loop) as actor:
+        with pytest.raises(GuestHostCallError, match="on_text failed: .*no more text"):
+            actor.send(PROMPTS[0], max_tokens=12, params=GREEDY, on_text=refuse)
+        assert actor.send(PROMPTS[1], max_tokens=4, params=GREEDY).stats.token_ids

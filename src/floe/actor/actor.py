@@ -25,6 +25,7 @@ from floe.memory import OutOfBounds, Region
 from floe.profile import Ledger
 from floe.wasm import (
     GuestError,
+    GuestHostCallError,
     GuestInstance,
     GuestLoadError,
     GuestModule,
@@ -34,6 +35,7 @@ from floe.wasm import (
     default_runtime,
     start_guest_thread,
 )
+from floe.wasm.raw import describe
 
 DEFAULT_MEMORY_CAP = 256 << 20
 DEFAULT_DEADLINE_S = 600.0
@@ -202,6 +204,7 @@ class Actor:
         self._message_thread: int | None = None  # the thread running a guest call, while it runs
         self.stop_requested = False
         self.on_text: Callable[[str], None] = lambda text: None
+        self._hand: tuple[threading.Event, Callable[[], None]] | None = None  # send()'s on_text hand-over
         self._lock = threading.RLock()  # a message, a capture, a restore: one at a time
         self.closed = False
         self._released = False
@@ -311,8 +314,14 @@ class Actor:
                     self._release()
 
     def send(self, message: str, *, max_tokens: int = 256, params: SamplingParams | None = None,
-             on_text: Callable[[str], None] | None = None) -> Reply:
+             on_text: Callable[[str], None] | None = None, loop_safe: bool = False) -> Reply:
         """Deliver one user message; the guest answers through emit(). Returns the whole reply.
+
+        on_text(piece): each piece of the reply's text as it comes, called in this (the caller's)
+        thread: a slow or failing callback holds or fails this message only (a failure is a
+        GuestHostCallError). loop_safe: on_text only hands the piece on (never blocks or raises), and
+        is called where the text is made, the engine loop's thread for ABI v2 (floe serve's streaming:
+        no hand-over per token).
 
         A trap, deadline or bad pointer raises a GuestError subclass for this message only: the
         engine and other actors carry on, and this actor's KV slot is left as the guest left it.
@@ -323,11 +332,28 @@ class Actor:
             raise FloeError(f"max_tokens must be >= 1, got {max_tokens}")
         with self._guest_turn("send()"):
             parts: list[str] = []
+            # ABI v2: the engine loop's thread makes the text; this thread hands it to on_text.
+            handing = on_text is not None and not loop_safe and self.abi_version >= 2
+            pieces: deque[str] = deque()
+            woken = threading.Event()
 
             def collect(text: str) -> None:
                 parts.append(text)
-                if on_text is not None:
+                if handing:
+                    pieces.append(text)
+                    woken.set()
+                elif on_text is not None:
                     on_text(text)
+
+            def hand() -> None:
+                while pieces:
+                    piece = pieces.popleft()
+                    try:
+                        on_text(piece)
+                    except Exception as e:  # (the message fails: its turn ends, the actor goes on)
+                        raise GuestHostCallError(f"the caller's on_text failed: {describe(e)}") from e
+
+            self._hand = (woken, hand) if handing else None
 
             self.request = Request(max_tokens, params or SamplingParams())
             self.stats = MessageStats(started=time.perf_counter())
@@ -351,6 +377,8 @@ class Actor:
             tail = self.abi.utf8.decode(b"", final=True)
             if tail:
                 collect(tail)
+            if handing:
+                hand()  # (what came after the turn: the tail, or the text of a turn that never ran)
             if status != 0:
                 raise GuestReportedError(f"guest reported error {status} for this message"
                                          + (f": {self.logs[-1]}" if self.logs else ""), status)
@@ -371,7 +399,7 @@ class Actor:
                 self.abi.preparing = False
                 self.stats.prepared = time.perf_counter()
             if status == 0 and self.abi.queued_tokens:
-                self.stats.finish_reason = END_REASONS[self.loop.run(self, max_tokens, deadline)]
+                self.stats.finish_reason = END_REASONS[self.loop.run(self, max_tokens, deadline, self._hand)]
             return status
         finally:
             self.abi.budget = None
@@ -420,7 +448,7 @@ class Actor:
 
         def work() -> None:
             try:
-                outcome.append(self.send(message, on_text=pieces.put, **kwargs))
+                outcome.append(self.send(message, on_text=pieces.put, loop_safe=True, **kwargs))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 outcome.append(e)
             finally:

@@ -40,6 +40,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -108,6 +109,12 @@ class Turn:
     error: BaseException | None = None
     abandoned: bool = False  # its caller stopped waiting (Ctrl-C): end it at the next step
     done: threading.Event = field(default_factory=threading.Event)
+    woken: threading.Event | None = None  # its caller's, set at its end too (run's `deliver`)
+
+    def set_done(self) -> None:
+        self.done.set()
+        if self.woken is not None:
+            self.woken.set()
 
 
 class Launched(NamedTuple):
@@ -166,18 +173,32 @@ class EngineLoop:
 
     # ---- the caller's side ------------------------------------------------------------------------
 
-    def run(self, actor: Actor, max_tokens: int, deadline: float) -> int:
+    def run(self, actor: Actor, max_tokens: int, deadline: float,
+            deliver: tuple[threading.Event, Callable[[], None]] | None = None) -> int:
         """Run the turn `actor`'s on_message has just queued, until it ends; why it ended (END_*).
-        Raises what failed it (a GuestError of its guest, an engine error)."""
-        turn = Turn(actor, max_tokens, deadline)
+        Raises what failed it (a GuestError of its guest, an engine error). deliver: (an event, a
+        function): each time the event is set (by whoever has something for the caller, and at the
+        turn's end) the function runs here, in the caller's thread, not the loop's (the caller's own
+        callbacks: a slow one never holds the other turns); what it raises ends the turn and is raised."""
+        turn = Turn(actor, max_tokens, deadline, woken=None if deliver is None else deliver[0])
         with self._cond:
             self._arrived.append(turn)
             self._start()
             self._cond.notify()
         try:
-            turn.done.wait()
-        except BaseException:  # Ctrl-C in the caller: the guest and its memory must outlive the turn
-            turn.abandoned = True
+            if deliver is None:
+                turn.done.wait()
+            else:
+                woken, handed = deliver
+                while True:
+                    woken.wait()
+                    woken.clear()
+                    ended = turn.done.is_set()
+                    handed()
+                    if ended:
+                        break
+        except BaseException:  # Ctrl-C (or the caller's callback failed): the guest and its memory
+            turn.abandoned = True  # must outlive the turn
             self._wait_out(turn)
             raise
         if turn.error is not None:
@@ -239,7 +260,7 @@ class EngineLoop:
                     for turn in self._active:
                         if not turn.done.is_set():
                             turn.error = turn.error or e
-                            turn.done.set()
+                            turn.set_done()
             self.step_s += time.perf_counter() - t0
             self._active = [t for t in self._active if not t.done.is_set()]
 
@@ -323,7 +344,7 @@ class EngineLoop:
             if turn.end is None or turn.done.is_set() or turn.flying:
                 continue
             if turn.error is not None:  # failed while a forward had its row: wake its caller now
-                turn.done.set()
+                turn.set_done()
             else:
                 self._end(turn)
         phase = self.phase_s
@@ -662,7 +683,7 @@ class EngineLoop:
             turn.actor.abi.record_forward(1, *turn.forward)
             turn.forward = None
         if not turn.flying:
-            turn.done.set()
+            turn.set_done()
 
 
 def _draws(turn: Turn) -> bool:

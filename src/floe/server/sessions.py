@@ -440,7 +440,8 @@ class SessionStore:
                 if piece and on_text is not None:
                     on_text(piece)
 
-            reply = actor.send(text, max_tokens=max_tokens, params=params, on_text=emit)
+            reply = actor.send(text, max_tokens=max_tokens, params=params, on_text=emit,
+                               loop_safe=True)  # (emit only hands the piece on: no hand-over per token)
             if (tail := cut.rest()) and on_text is not None:  # held back for a stop string that never came
                 on_text(tail)
         except BaseException:

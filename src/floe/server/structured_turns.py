@@ -101,7 +101,7 @@ class StructuredTurns:
             c.mode == "tools" and self.tokenizer.uses_tools) else None
         try:
             with self.tokenizer.offering_tools(offered):
-                return actor.send(message, max_tokens=max_tokens, params=params, on_text=emit)
+                return actor.send(message, max_tokens=max_tokens, params=params, on_text=emit, loop_safe=True)
         except GuestError as e:
             if (refusal := schema_refusal(actor, e)) is not None:
                 param = "tools" if c.mode == "tools" else "response_format"
