@@ -1,6 +1,6 @@
 """Qwen3 (per-head q/k RMSNorm, explicit head_dim, no q/k/v bias) gives transformers' logits and greedy
-tokens, from a Hugging Face folder and from the same weights as llama.cpp writes them in GGUF; the
-backends whose step lacks the q/k norm refuse it by name."""
+tokens, from a Hugging Face folder and from the same weights as llama.cpp writes them in GGUF; CUDA's
+steps give the CPU's; WebGPU, whose step lacks the q/k norm, refuses it by name."""
 
 import numpy as np
 import pytest
@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from floe.engine import Engine
-from floe.engine.weights import load_model
+from floe.engine.weights import check_backend
 from floe.errors import NotAModel, UnsupportedModel
 from floe.model import load_checkpoint
 
@@ -164,14 +164,37 @@ def test_a_qwen3_folder_without_its_qk_norms_is_not_a_model(tmp_path):
         load_checkpoint(folder)
 
 
-@pytest.mark.parametrize("backend", ["cuda", "webgpu"])
-def test_backends_without_the_qk_norm_refuse_qwen3_by_name(folder, backend):
+def test_webgpu_refuses_qwen3_by_name(folder):
+    """Its WGSL step has no q/k norm: the engine says so at construction, before needing a GPU."""
+    with pytest.raises(UnsupportedModel, match="qwen3.*WebGPU.*--device cpu or cuda"):
+        Engine(load_checkpoint(folder), device="webgpu", max_seq_len=64)
+
+
+def test_cuda_does_not_refuse_qwen3(folder):
+    check_backend(load_checkpoint(folder).config, "cuda")  # the refusal is WebGPU's alone
+
+
+CUDA_STEPS = {"eager": {"cuda_graphs": False}, "graph": {"cuda_graphs": True, "fused_kernels": False},
+              "fused": {"cuda_graphs": True, "fused_kernels": True}}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("steps", list(CUDA_STEPS))
+def test_qwen3_on_cuda_matches_the_cpu(folder, steps):
+    """Each CUDA step (the module forward, its graph, the fused Triton graphs: a prompt graph past
+    PREFILL_ROWS, decode rows, two slots at once) applies the q/k norm as the CPU does."""
+    long = IDS * 7  # 336 positions
     ckpt = load_checkpoint(folder)
-    with pytest.raises(UnsupportedModel, match=f"qwen3.*{backend}.*--device cpu"):
-        if backend == "cuda":  # before any CUDA call: this refusal needs no GPU to be seen
-            load_model(ckpt, 64, torch.device("cuda"), torch.float32)
-        else:
-            Engine(ckpt, device="webgpu", max_seq_len=64)
+    full = Engine(ckpt, max_seq_len=512).prefill(long, all_logits=True)
+    cuda = Engine(ckpt, device="cuda", max_seq_len=512, n_slots=2, **CUDA_STEPS[steps])
+    got = [cuda.prefill(long[:300]).cpu()] + [cuda.decode_step(t).cpu() for t in long[300:-1]]
+    got = torch.stack(got)
+    assert (got - full[299:-1]).abs().max().item() <= 1e-3
+    assert torch.equal(got.argmax(-1), full[299:-1].argmax(-1))
+    cuda.prefill(long[:20], slot=1)
+    rows = cuda.decode_batch([long[-1], long[20]], [0, 1])
+    assert (rows[0].cpu() - full[-1]).abs().max().item() <= 1e-3
+    assert (rows[1].cpu() - full[20]).abs().max().item() <= 1e-3
 
 
 def test_llama_configs_keep_their_json(folder):

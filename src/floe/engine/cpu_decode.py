@@ -32,7 +32,7 @@ from torch import Tensor
 
 from floe.engine.int4 import Int4Linear
 from floe.engine.kvcache import KVCache
-from floe.engine.transformer import Transformer
+from floe.engine.transformer import Transformer, norm_heads, qk_norm_weight
 
 
 def project(x: Tensor, weight: Tensor, scales: Tensor, repeat: int) -> Tensor:
@@ -73,16 +73,6 @@ def norm(x: Tensor, rows: list[Tensor], weight: Tensor, eps: float, zero: Tensor
         torch.ops.floe.rms_norm_rows(x, weight, eps, out)
         return out
     return rms_norm(x, rows, weight, eps, zero, out)
-
-
-def head_norm(y: Tensor, weight: Tensor, eps: float, heads: int, head_dim: int) -> None:
-    """RMSNorm of each of the first `heads` heads of the qkv rows y [B, (heads + n_kv) head_dim], in
-    place, times weight [heads, head_dim] (Qwen3's q and k norms, stacked): fp32 statistics, the
-    product in y's dtype, as the module's RMSNorm rounds."""
-    qk = y.narrow(1, 0, heads * head_dim).view(y.shape[0], heads, head_dim)
-    qf = qk.float()
-    normed = qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + eps)
-    qk.copy_(weight * normed.to(qk.dtype))
 
 
 def attend(rot: Tensor, v: Tensor, out: list[Tensor], slots: list[int], positions: list[int],
@@ -145,7 +135,7 @@ def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Te
         if qkv_bias[i].numel() > 0:
             y = y + qkv_bias[i]
         if qk_norms[i].numel() > 0:  # before rotary, which both attention paths below apply
-            head_norm(y, qk_norms[i], eps, n_heads + n_kv, head_dim)
+            norm_heads(y, qk_norms[i], eps, n_heads + n_kv, head_dim)
         if native_ops:
             torch.ops.floe.attend(y, cos, sin, k_cache, v_cache, slots, positions, n_heads, att)
         else:
@@ -230,9 +220,8 @@ class CpuDecoder:
             self.inputs += [self._input(a.wqkv), self._input(f.w13)]
             bias = a.wqkv.bias
             self.qkv_bias.append(torch.empty(0) if bias is None else bias)
-            self.qk_norms.append(torch.empty(0) if a.q_norm is None else torch.cat((  # [heads, hd]: KBs
-                a.q_norm.weight.detach().expand(c.n_heads, hd),
-                a.k_norm.weight.detach().expand(c.n_kv_heads, hd))))
+            qk_norm = qk_norm_weight(a)
+            self.qk_norms.append(torch.empty(0) if qk_norm is None else qk_norm)
         # floe's operators for RMSNorm and attention where floe's kernels are loaded (a native
         # projection) and the norms, their outputs and the cache are float32; else PyTorch's ops
         # (`native_ops` chooses, for tests)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from floe.engine.transformer import Transformer, apply_rotary
+from floe.engine.transformer import Transformer, apply_rotary, norm_heads, qk_norm_weight
 
 
 def kv_buckets(max_seq_len: int, smallest: int = 256) -> list[int]:
@@ -90,8 +90,10 @@ class GraphDecoder:
         for i, layer in enumerate(m.layers):
             att = layer.attention
             q, k, v = att.wqkv(layer.attention_norm(x)).split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rotary(q.view(c.n_heads, 1, c.head_dim), cos, sin)
-            k = apply_rotary(k.view(c.n_kv_heads, 1, c.head_dim), cos, sin)
+            q, k = q.view(c.n_heads, 1, c.head_dim), k.view(c.n_kv_heads, 1, c.head_dim)
+            if att.q_norm is not None:  # Qwen3: each head's q and k normalised before rotary
+                q, k = att.q_norm(q), att.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             k_cache, v_cache = self.cache.k[i, slot], self.cache.v[i, slot]
             k_cache.index_copy_(1, pos, k)
             v_cache.index_copy_(1, pos, v.view(c.n_kv_heads, 1, c.head_dim))
@@ -208,6 +210,8 @@ class BatchGraphDecoder:
         # Each row's choice as a later step is fed it: its argmax, or its draw (within the vocabulary).
         self.slot_fed = torch.zeros(n_rows, dtype=torch.long, device=dev)
         self.buckets = kv_buckets(cache.max_seq_len, min_bucket)
+        # Per layer its q/k norm weights as norm_heads takes them (None: the architecture has none).
+        self.qk_norms = [qk_norm_weight(layer.attention) for layer in model.layers]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.done = torch.cuda.Event()  # the latest replay's (each replay records a new one)
@@ -261,6 +265,8 @@ class BatchGraphDecoder:
         for i, layer in enumerate(layers):
             k_cache, v_cache = self.cache.k[i], self.cache.v[i]  # every slot: rows pick theirs
             qkv = layer.attention.wqkv(h)
+            if self.qk_norms[i] is not None:  # before the rotary of rope_kv_write
+                norm_heads(qkv, self.qk_norms[i], c.norm_eps, c.n_heads + c.n_kv_heads, c.head_dim)
             q = tk.rope_kv_write(qkv, m.cos, m.sin, pos, k_cache, v_cache,
                                  c.n_heads, c.n_kv_heads, c.head_dim, slots=slots)
             y = (tk.decode_attention(q, k_cache, v_cache, pos, c.n_kv_heads, bucket, slots=slots)

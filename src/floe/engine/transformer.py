@@ -54,6 +54,25 @@ def prompt_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, start: int) ->
     return y[0].transpose(0, 1).reshape(t, q.shape[0] * q.shape[2])
 
 
+def norm_heads(qkv: Tensor, weight: Tensor, eps: float, heads: int, head_dim: int) -> None:
+    """RMSNorm of each of the first `heads` heads of the qkv rows [B, (heads + n_kv) head_dim], in
+    place, times weight [heads, head_dim] (the q and k norms stacked: qk_norm_weight): fp32
+    statistics, the product in qkv's dtype, as RMSNorm rounds. The fused steps' form of the q/k norm."""
+    qk = qkv.narrow(1, 0, heads * head_dim).view(qkv.shape[0], heads, head_dim)
+    qf = qk.float()
+    normed = qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + eps)
+    qk.copy_(weight * normed.to(qk.dtype))
+
+
+def qk_norm_weight(attention: Attention) -> Tensor | None:
+    """The attention's q and k norm weights stacked per head [n_heads + n_kv, head_dim] (a few KB,
+    made once), as norm_heads takes them; None without a q/k norm."""
+    if attention.q_norm is None:
+        return None
+    return torch.cat((attention.q_norm.weight.detach().expand(attention.n_heads, attention.head_dim),
+                      attention.k_norm.weight.detach().expand(attention.n_kv_heads, attention.head_dim)))
+
+
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()

@@ -48,11 +48,11 @@ class LogitsHead(nn.Module):
 def check_backend(c: ModelConfig, backend: str) -> None:
     """Raise UnsupportedModel, naming the architecture, where `backend` ("cpu", "cuda", "webgpu")
     has no step for something the model computes; before any weight is read."""
-    # CUDA's graph and Triton steps and WebGPU's shaders repeat the attention math without the
-    # per-head q/k norm; the CPU's module forward and lean step apply it.
-    if c.qk_norm and backend != "cpu":
-        raise UnsupportedModel(f"{c.arch} models (per-head q/k norm) run on the CPU only in this version: "
-                               f"floe's {backend} decode step does not apply that norm; use --device cpu")
+    # WebGPU's shaders repeat the attention math without the per-head q/k norm; the module forward,
+    # the CPU's lean step and CUDA's graph and Triton steps apply it (transformer.norm_heads).
+    if c.qk_norm and backend == "webgpu":
+        raise UnsupportedModel(f"{c.arch} models (per-head q/k norm) do not run on WebGPU in this version: "
+                               "floe's WGSL decode step does not apply that norm; use --device cpu or cuda")
 
 
 @dataclass
