@@ -133,6 +133,38 @@ def test_a_drained_replicas_sessions_continue_elsewhere(cluster, reference):
     assert replicas(cluster.url)[head["name"]]["draining"]
 
 
+def test_a_killed_replica_is_restarted_and_routed_to_again(cluster, reference):
+    """Its process killed (Ray restarts the actor where it ran: its model loads again), the replica is
+    found dead at its next call, its sessions continue elsewhere, and once it answers it is routed to
+    again; a conversation on it continues as an uninterrupted run."""
+    import ray
+
+    client = cluster.server.config.app.state.cluster
+    serving = [r for r in replicas(cluster.url).values() if r["alive"] and not r["draining"]]
+    victim = serving[0]["name"]
+    drained = {name for name, route in client.routes.items() if route.draining}  # (an earlier test's)
+    before = httpx.get(f"{cluster.url}/v1/cluster").json()["restarts"]
+    ray.kill(client.routes[victim].handle, no_restart=False)
+    deadline = time.time() + 300
+    while replicas(cluster.url)[victim]["alive"]:  # (this call finds it dead)
+        assert time.time() < deadline, "the killed replica still answers"
+        time.sleep(0.5)
+    while not replicas(cluster.url)[victim]["alive"]:
+        assert time.time() < deadline, "Ray's restart of the replica was never routed to"
+        time.sleep(1)
+    assert httpx.get(f"{cluster.url}/v1/cluster").json()["restarts"] == before + 1
+    for route in client.routes.values():  # every other replica drained: the next session goes to it
+        if route.name != victim:
+            route.draining = True
+    try:
+        history: list[dict] = []
+        assert turns(cluster.url, "after-restart", 1, history) == reference[:1]
+        assert where(cluster.url)["after-restart"] == victim
+    finally:
+        for route in client.routes.values():
+            route.draining = route.name in drained
+
+
 def test_a_killed_nodes_sessions_continue_from_their_last_frozen_turn(cluster, reference):
     killed_mid_conversation(cluster, reference, [f"k{i}" for i in range(4)])
 

@@ -7,7 +7,9 @@ a new or frozen session, or one whose replica died or drains, goes to the least 
 requests in flight, then fewest sessions routed to it), which thaws it from the shared store. A
 replica that fails a call (RayActorError) is dead: its sessions are thawed elsewhere from their last
 frozen turn, and what they lost (turns the client has that their snapshot had not) is counted and
-listed (`failovers`), never silently dropped.
+listed (`failovers`), never silently dropped. Ray restarts a dead replica's actor (its max_restarts,
+floe.cluster.serve.start_replicas) where it has room: once it answers again it is routed to again, with
+no session of its own (`restarts` counts them).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from floe.server.records import session_key
 
 log = logging.getLogger("floe.cluster")
 LEASE_WAIT_S = 60.0  # how long a failover waits for a dead replica's lease to end (it is its lease_s)
+REVIVE_S = 2.0  # how often a dead replica is asked whether Ray has restarted it
 
 
 @dataclass
@@ -38,6 +41,7 @@ class Route:
     alive: bool = True
     draining: bool = False
     sessions: set[str] = field(default_factory=set)  # keys whose live state is (or was last) there
+    revival: asyncio.Task | None = None  # while dead: asks it whether Ray restarted it
 
 
 class ClusterClient:
@@ -49,7 +53,7 @@ class ClusterClient:
         self.routes = {name: Route(name, h) for name, h in replicas.items()}
         self.where: dict[str, str] = {}  # session key -> replica name
         self.streams, self.gone = 0, False
-        self.migrations = self.drains = 0
+        self.migrations = self.drains = self.restarts = 0
         self.failovers: list[dict] = []  # {"session", "from", "to", "lost_turns"}
         self._orphans: dict[str, str] = {}  # session key -> the dead replica it was on
         self._chats: dict[str, tuple[Route, asyncio.Task]] = {}
@@ -92,6 +96,22 @@ class ClusterClient:
             self._orphans[key] = route.name
             self.where.pop(key, None)
         route.sessions = set()
+        if route.revival is None:
+            route.revival = asyncio.get_running_loop().create_task(self._revive(route))
+
+    async def _revive(self, route: Route) -> None:
+        """Ask a dead replica every REVIVE_S whether Ray has restarted it (its constructor ran again:
+        its model loaded, its store's sessions registered); once it answers, route to it again."""
+        while not route.alive:
+            await asyncio.sleep(REVIVE_S)
+            try:
+                await asyncio.wait_for(route.handle.ping.remote(), 30)
+            except (RayActorError, TimeoutError):
+                continue  # restarting, waiting for room on a node, or out of restarts
+            route.alive = True
+            self.restarts += 1
+            log.warning("replica %s is back (restarted by Ray): new sessions may go to it", route.name)
+        route.revival = None
 
     async def _ask(self, route: Route, method: str, *args):
         """A replica's answer to `method`; a dead replica is marked and GONE raised (the caller may
@@ -99,7 +119,8 @@ class ClusterClient:
         route.inflight += 1
         try:
             answer = await getattr(route.handle, method).remote(*args)
-        except RayActorError:
+        except RayActorError as e:
+            log.info("replica %s failed %s: %s", route.name, method, e)
             self._dead(route)
             raise ReplicaLost(route.name) from None
         finally:
@@ -198,7 +219,8 @@ class ClusterClient:
                     self._place(key, route)
                     value = sid
                 queue.put_nowait((kind, value))
-        except RayActorError:
+        except RayActorError as e:
+            log.info("replica %s failed a chat: %s", route.name, e)
             self._dead(route)
             if not started:
                 raise ReplicaLost(route.name) from None
@@ -312,7 +334,8 @@ class ClusterClient:
                       f'floe_replica_sessions{{replica="{r.name}"}} {len(r.sessions)}']
         lost = sum(f["lost_turns"] for f in self.failovers)
         for name, value in (("migrations", self.migrations), ("drains", self.drains),
-                            ("failovers", len(self.failovers)), ("failover_lost_turns", lost)):
+                            ("failovers", len(self.failovers)), ("failover_lost_turns", lost),
+                            ("replica_restarts", self.restarts)):
             lines += [f"# TYPE floe_cluster_{name} counter", f"floe_cluster_{name}_total {value}"]
         return "\n".join(lines) + "\n"
 

@@ -23,8 +23,10 @@ from floe.server.protocol import ServeError
 log = logging.getLogger("floe.cluster")
 
 
-def start_replicas(n: int, snapshots: str, *, gpus: float = 0, cpus: float = 1, **options) -> dict:
-    """N Replica actors spread over the cluster's nodes (ray.init first): name -> handle."""
+def start_replicas(n: int, snapshots: str, *, gpus: float = 0, cpus: float = 1, restarts: int = 3,
+                   **options) -> dict:
+    """N Replica actors spread over the cluster's nodes (ray.init first): name -> handle. A replica
+    whose process dies is restarted by Ray up to `restarts` times (where a node has room for it)."""
     import ray
 
     from floe.cluster.replica import Replica
@@ -34,7 +36,8 @@ def start_replicas(n: int, snapshots: str, *, gpus: float = 0, cpus: float = 1, 
     concurrency = options.get("slots", 4) + 8
     handles = {f"replica-{i}": remote.options(name=None, num_cpus=cpus, num_gpus=gpus,
                                               max_concurrency=concurrency, scheduling_strategy="SPREAD",
-                                              max_restarts=0).remote(f"replica-{i}", snapshots, **options)
+                                              max_restarts=restarts).remote(f"replica-{i}", snapshots,
+                                                                            **options)
                for i in range(n)}
     ray.get([h.ping.remote() for h in handles.values()])  # each has loaded its model
     return handles
@@ -68,7 +71,8 @@ def create_cluster_app(replicas: dict, *, keys: tuple[str, ...] = (), cors_origi
 
     @app.get("/v1/cluster")
     async def cluster(request: Request):
-        return {"failovers": client.failovers, "migrations": client.migrations, "drains": client.drains}
+        return {"failovers": client.failovers, "migrations": client.migrations, "drains": client.drains,
+                "restarts": client.restarts}
 
     return app
 
