@@ -311,7 +311,7 @@ def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_lev
         listener = listen(host, port)  # before anything starts: a port in use is a clear error at once
     # What exists now (the model's modules, the tokenizer, imported code: ~10^5 to 10^6 objects) lives
     # as long as the server: out of the cyclic collector's reach, whose full passes over all of it
-    # stalled every session at once for ~0.1 s (docs/PERF.md, "A full GC pass").
+    # stalled every session at once for ~0.1 s (docs/PERF_HISTORY.md, "A token without a host call").
     gc.collect()
     gc.freeze()
     core.keep_spares()  # after the freeze: spare actors are made and dropped while the server runs
