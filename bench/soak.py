@@ -225,12 +225,14 @@ class Hostile:
         self.phase = "baseline"
         self.local = threading.local()  # .detail: what the server said, when that was not a 4xx
 
-    def kinds(self) -> list:
-        return [self.oversized_body, self.text_past_the_bytes_bound, self.text_past_the_context,
-                self.nested_tool_arguments, self.nested_body, self.left_recursive_schema,
-                self.negative_max_length, self.reasoning_effort, self.temperature_true, self.malformed_json,
-                self.slow_body, self.slow_headers, self.disconnect_mid_stream, self.long_streams,
-                self.other_keys_session, self.wrong_key]
+    def kinds(self, only: str | None = None) -> list:
+        """The kinds, in their order (only: those named, comma-separated)."""
+        every = [self.oversized_body, self.text_past_the_bytes_bound, self.text_past_the_context,
+                 self.nested_tool_arguments, self.nested_body, self.left_recursive_schema,
+                 self.negative_max_length, self.reasoning_effort, self.temperature_true, self.malformed_json,
+                 self.slow_body, self.slow_headers, self.disconnect_mid_stream, self.long_streams,
+                 self.other_keys_session, self.wrong_key]
+        return [k for k in every if only is None or k.__name__ in only.split(",")]
 
     def status(self, r: httpx.Response) -> int:
         """r's status; its body kept in self.local.detail when it is not a 4xx."""
@@ -406,7 +408,7 @@ class Hostile:
 
 def run_hostile(hostile: Hostile, rate: float, deadline: float, ledger: Ledger) -> None:
     """One hostile request every 1/rate s, each in its own thread (a slow sender must not hold the pace)."""
-    kinds = itertools.cycle(hostile.kinds())
+    kinds = itertools.cycle(hostile.kinds(hostile.args.hostile_kinds))
     with ThreadPoolExecutor(64) as pool:
         next_at = time.time()
         while time.time() < deadline:
@@ -540,6 +542,8 @@ def main() -> None:
     ap.add_argument("--baseline-minutes", type=float, default=None,
                     help="the baseline's length (default: --minutes)")
     ap.add_argument("--hostile-rate", type=float, default=1.0, help="hostile requests a second")
+    ap.add_argument("--hostile-kinds", default=None,
+                    help="only these hostile kinds, comma-separated (Hostile's method names; default: all)")
     ap.add_argument("--turns", type=int, default=4, help="turns of one conversation before a new one")
     ap.add_argument("--max-tokens", type=int, default=16, help="the good key's reply length")
     ap.add_argument("--long-streams", type=int, default=8, help="hostile streams in one burst")
