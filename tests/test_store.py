@@ -410,3 +410,26 @@ def test_a_home_budget_per_group_deletes_only_the_group_that_grew(tmp_path, s3, 
             assert left == ["alice/a1", "alice/a2", "alice/a3", "bob/b0"]
         else:
             assert report["deleted"] == ["bob/b0", "alice/a0"]
+
+
+def test_a_disk_tiers_listing_passes_over_a_writers_temporary_folder_that_vanishes(tmp_path, frozen,
+                                                                                   monkeypatch):
+    """The server's upkeep listed the home while a writer's temporary folder went away: rglob raised
+    FileNotFoundError and the upkeep failed with a traceback. Dot-folders are not entered now."""
+    import os
+
+    tier = DiskTier(tmp_path / "home")
+    (tmp_path / "home" / "alice").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "home" / "alice" / "a0.safetensors").write_bytes(frozen)
+    temporary = tmp_path / "home" / "alice" / ".a1.safetensors.123-floe-tmp"
+    temporary.mkdir()
+    (temporary / "part.safetensors").write_bytes(b"partial")
+    scandir = os.scandir
+
+    def vanishing(path="."):
+        if str(path).endswith("floe-tmp"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", vanishing)
+    assert [e.key for e in tier.entries()] == ["alice/a0"]

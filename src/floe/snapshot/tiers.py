@@ -190,15 +190,20 @@ class DiskTier:
 
     def entries(self) -> list[Entry]:
         out = []
-        for path in self.folder.rglob(f"*{SUFFIX}"):
-            rel = path.relative_to(self.folder)
-            if any(part.startswith(".") for part in rel.parts):  # a writer's temporary
-                continue
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            out.append(Entry(str(rel)[: -len(SUFFIX)], st.st_size, st.st_mtime))
+        # os.walk, not rglob: a writer's temporary folder (a dot-name) is left out before it is entered, and
+        # a folder that goes away during the walk is passed over (rglob raised FileNotFoundError into the
+        # server's upkeep when a temporary folder vanished under it); links are not followed.
+        for root, folders, files in os.walk(self.folder):
+            folders[:] = [f for f in folders if not f.startswith(".")]
+            for name in (*files, *folders):  # (a folder named *.safetensors is listed: a reader refuses it)
+                if name.startswith(".") or not name.endswith(SUFFIX):
+                    continue
+                path = Path(root) / name
+                try:
+                    st = path.stat()
+                except FileNotFoundError:
+                    continue
+                out.append(Entry(str(path.relative_to(self.folder))[: -len(SUFFIX)], st.st_size, st.st_mtime))
         return out
 
     def remove(self, key: str) -> None:
