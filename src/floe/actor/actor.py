@@ -204,7 +204,6 @@ class Actor:
         self._message_thread: int | None = None  # the thread running a guest call, while it runs
         self.stop_requested = False
         self.on_text: Callable[[str], None] = lambda text: None
-        self._hand: tuple[threading.Event, Callable[[], None]] | None = None  # send()'s on_text hand-over
         self._lock = threading.RLock()  # a message, a capture, a restore: one at a time
         self.closed = False
         self._released = False
@@ -353,8 +352,6 @@ class Actor:
                     except Exception as e:  # (the message fails: its turn ends, the actor goes on)
                         raise GuestHostCallError(f"the caller's on_text failed: {describe(e)}") from e
 
-            self._hand = (woken, hand) if handing else None
-
             self.request = Request(max_tokens, params or SamplingParams())
             self.stats = MessageStats(started=time.perf_counter())
             self.ledger = Ledger()
@@ -369,7 +366,7 @@ class Actor:
                 if self.abi_version == 1:
                     status = self._call("on_message", ptr, len(data))
                 else:
-                    status = self._turn(ptr, len(data), max_tokens)
+                    status = self._turn(ptr, len(data), max_tokens, (woken, hand) if handing else None)
             finally:
                 self.stats.wall_s = time.perf_counter() - self.stats.started
                 if self.scheduler is not None:
@@ -384,9 +381,11 @@ class Actor:
                                          + (f": {self.logs[-1]}" if self.logs else ""), status)
             return Reply("".join(parts), self.stats, self.ledger, list(self.logs))
 
-    def _turn(self, ptr: int, length: int, max_tokens: int) -> int:
+    def _turn(self, ptr: int, length: int, max_tokens: int,
+              deliver: tuple[threading.Event, Callable[[], None]] | None) -> int:
         """ABI v2: on_message queues the turn's prompt (here, in the caller's thread), then the engine
-        loop runs it with every other actor's; the guest's status."""
+        loop runs it with every other actor's; the guest's status. deliver: EngineLoop.run's (the
+        caller's on_text, handed over in this thread)."""
         deadline = time.monotonic() + self.deadline_s
         self.abi.begin(self.guest.watchdog, self.guest.memory_cap)
         self.abi.begin_turn()
@@ -399,7 +398,7 @@ class Actor:
                 self.abi.preparing = False
                 self.stats.prepared = time.perf_counter()
             if status == 0 and self.abi.queued_tokens:
-                self.stats.finish_reason = END_REASONS[self.loop.run(self, max_tokens, deadline, self._hand)]
+                self.stats.finish_reason = END_REASONS[self.loop.run(self, max_tokens, deadline, deliver)]
             return status
         finally:
             self.abi.budget = None
