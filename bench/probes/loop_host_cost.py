@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import sys
 import time
@@ -23,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from cpu_batch import actors_run, message  # noqa: E402
 
 from floe.actor import loop as engine_loop  # noqa: E402
+
+SORT_CUM = os.environ.get("SORT") == "cum"
+TOP = int(os.environ.get("TOP", "20"))
 from floe.engine import Engine  # noqa: E402
 from floe.model.config import ModelConfig  # noqa: E402
 from floe.model.synthetic import random_checkpoint  # noqa: E402
@@ -56,6 +60,9 @@ def main() -> None:
     print(f"{args.sessions} actors: {steps} steps, {1e3 * s['step_s'] / steps:.2f} ms a step, "
           f"{1e6 * s['step_s'] / s['rows']:.1f} µs a row-token; phases (ms a step): "
           + ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in s["phase_s"].items()))
+    host = s["step_s"] - s["wait_s"] - s["launch_s"] - s["phase_s"]["prefill"]
+    print(f"the loop's host time outside the engine's calls (step - launch - wait - prefill): "
+          f"{1e6 * host / s['rows']:.1f} µs a row-token")
     profile = cProfile.Profile()
     step = engine_loop.EngineLoop._step
 
@@ -74,7 +81,7 @@ def main() -> None:
     print(f"cProfile of the loop's steps ({rows} row-tokens; µs a row-token = tottime / rows):")
     stats = pstats.Stats(profile)
     for (file, line, name), (_, calls, tottime, cumtime, _) in sorted(
-            stats.stats.items(), key=lambda kv: -kv[1][2])[:20]:
+            stats.stats.items(), key=lambda kv: -kv[1][2 if not SORT_CUM else 3])[:TOP]:
         print(f"  {1e6 * tottime / rows:7.1f} own {1e6 * cumtime / rows:7.1f} cum  {calls:7d}  "
               f"{Path(file).name}:{line}({name})")
 

@@ -48,6 +48,23 @@ class Ledger:
             b.bytes_copied += nbytes * copies
             b.seconds += seconds
 
+    def copied(self, name: str, calls: int, copies: int, nbytes: int, seconds: float = 0.0) -> None:
+        """What `calls` records of copy() would add, at once: `copies` copies of `nbytes` bytes in all
+        (the engine loop counts its rows' crossings and records them when their turn ends)."""
+        if self.enabled and calls:
+            b = self._get(name)
+            b.calls += calls
+            b.copies += copies
+            b.bytes_copied += nbytes
+            b.seconds += seconds
+
+    def shared(self, name: str, calls: int, nbytes: int) -> None:
+        """What `calls` records of share() would add, at once (`nbytes` in all)."""
+        if self.enabled and calls:
+            b = self._get(name)
+            b.calls += calls
+            b.bytes_shared += nbytes
+
     def share(self, name: str, nbytes: int, seconds: float = 0.0) -> None:
         """`nbytes` crossed boundary `name` without a copy (a view of the same memory)."""
         if self.enabled:

@@ -77,6 +77,10 @@ LOG_LINE_BYTES = 4096
 _SLOW_CALLS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="floe-host-call")
 
 
+LOGITS_KEPT, LOGITS_IN_PLACE, LOGITS_COPIED = 0, 1, 2  # HostABI.keep_logits: which crossing
+CHOICE_CROSSING = "host→guest choice (the host's token for on_token)"
+
+
 class HostBudget:
     """What one message may still ask of the host: time (the guest's watchdog: deadline and
     cancellation), bytes handled (text tokenized, rendered, emitted, logged; ids moved) and tokens
@@ -409,23 +413,45 @@ class HostABI:
             if transfer is not None:
                 self.actor.ledger.copy(*transfer)
 
-    def keep_logits(self, logits: torch.Tensor, out: torch.Tensor | None) -> None:
-        """took_step's logits: kept for sample(), and written to the guest's buffer `out` if asked."""
+    def keep_logits(self, logits: torch.Tensor, out: torch.Tensor | None, record: bool = True) -> int:
+        """took_step's logits: kept for sample(), and written to the guest's buffer `out` if asked.
+        Which crossing it was (LOGITS_KEPT, LOGITS_IN_PLACE, LOGITS_COPIED), recorded in the ledger
+        unless record=False (the engine loop counts its rows' and records them with record_rows)."""
         if out is None:
             self.last_logits = logits
-            return
+            return LOGITS_KEPT
         # Zero copies only if the engine computed into the buffer and the result is that buffer in
         # guest memory (pointers compared, not assumed).
-        in_place = logits.data_ptr() == out.data_ptr() and self.actor.region.holds(logits)
-        if self.engine.logits_in_place and in_place:
-            self.actor.ledger.share("engine→guest logits (computed in place)", 4 * self.vocab)
+        same = logits.data_ptr() == out.data_ptr()
+        if same and self.engine.logits_in_place and self.actor.region.holds(logits):
+            kept = LOGITS_IN_PLACE
         else:
-            if logits.data_ptr() != out.data_ptr():
+            if not same:
                 out.copy_(logits)
+            kept = LOGITS_COPIED
+        self.last_logits = out  # sample() reads the guest's buffer as the guest left it
+        if record:
+            self.record_rows(0, 0.0, {}, int(kept == LOGITS_IN_PLACE), int(kept == LOGITS_COPIED), 0)
+        return kept
+
+    def record_rows(self, rows: int, seconds: float, moved: dict[str, list[int]], in_place: int,
+                    copied: int, choices: int) -> None:
+        """What the engine loop counted of one turn's decode rows, recorded when it ends (as
+        record_forward, keep_logits and give_choice record one at a time): `rows` one-token forwards
+        taking `seconds`, the transfers they made ({boundary: [calls, bytes]}), logits computed in
+        the guest's buffer (in_place) or copied there, and host choices written to the guest."""
+        stats, ledger = self.actor.stats, self.actor.ledger
+        stats.forwards += rows
+        stats.forward_s += seconds
+        for name, (calls, nbytes) in moved.items():
+            ledger.copied(name, calls, calls, nbytes)
+        row = 4 * self.vocab
+        ledger.shared("engine→guest logits (computed in place)", in_place, row * in_place)
+        if copied:
             e = self.engine
             source = f"{e.device.type}, {str(e.dtype)[6:]} engine, {e.weights} weights"
-            self.actor.ledger.copy(f"engine→guest logits (written from {source})", 4 * self.vocab)
-        self.last_logits = out  # sample() reads the guest's buffer as the guest left it
+            ledger.copied(f"engine→guest logits (written from {source})", copied, copied, row * copied)
+        ledger.copied(CHOICE_CROSSING, choices, choices, 4 * choices)
 
     def step_target(self) -> torch.Tensor | None:
         """v2: the guest buffer each decode step's logits go to (None: the host keeps them)."""
@@ -561,13 +587,15 @@ class HostABI:
         self.choice_address = self.choice.ctypes.data
         return OK
 
-    def give_choice(self, token: int, write: bool = True) -> None:
+    def give_choice(self, token: int, write: bool = True, record: bool = True) -> None:
         """Write the host's choice for this step where choice_at asked (the loop calls it before
-        on_token); write=False: counted here, written by the caller (floe.wasm.rows, natively)."""
+        on_token); write=False: spent here, written by the caller (floe.wasm.rows, natively);
+        record=False: the caller counts it for record_rows."""
         self.budget.spend(4, "choice")
         if write:
             self.choice[0] = token
-        self.actor.ledger.copy("host→guest choice (the host's token for on_token)", 4)
+        if record:
+            self.actor.ledger.copy(CHOICE_CROSSING, 4)
 
     def stream_tokens(self, on: int) -> int:
         """v2, in on_message: the host streams the text of each token on_token returns (1) or not (0)."""
@@ -579,13 +607,14 @@ class HostABI:
     def stream(self, token: int) -> None:
         """v2 with stream_tokens: the text of a token on_token returned, to the caller (as emit) —
         none for a special token (a control token's text, e.g. "<|im_start|>", is not reply text)."""
-        data = b"" if token in self.tokenizer.special_ids else self.tokenizer.token_bytes(token)
+        data = self.tokenizer.reply_bytes(token)
         self.budget.spend(len(data), "streamed text")
-        self.actor.stats.emit_calls += 1
+        actor = self.actor
+        actor.stats.emit_calls += 1
         text = self.utf8.decode(data)
         if text:
-            self.actor.stats.on_emit()
-            self.actor.on_text(text)
+            actor.stats.on_emit()
+            actor.on_text(text)
 
     def log(self, ptr: int, length: int) -> int:
         if (length := self._length(length)) is None:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from floe.actor.abi import OK, host_choices
+from floe.actor.abi import LOGITS_COPIED, LOGITS_IN_PLACE, OK, host_choices
 from floe.engine import Engine
 from floe.engine.engine import LaunchedStep
 from floe.engine.sampling import draw_uniforms
@@ -104,12 +104,36 @@ class Turn:
     speculated_at: int = 0  # that row's position in its KV slot
     rng_before: torch.Tensor | None = None  # its generator before a speculated row's draw (restored on undo)
     flying: int = 0  # rows of this turn in launched forwards not yet finished (two when fed)
-    forward: tuple[float, int, int] | None = None  # its last decode row (seconds, rows, kv_len), unrecorded
+    prompt: bool = True  # its prompt may still be queued (HostABI.queued_tokens is asked only then)
+    # What its decode rows crossed, counted and recorded once it ends (HostABI.record_rows): one-token
+    # forwards and their seconds, transfers ({boundary: [calls, bytes]}), logits in place or copied into
+    # the guest's buffer, host choices written to the guest.
+    rows: int = 0
+    rows_s: float = 0.0
+    moved: dict[str, list[int]] = field(default_factory=dict)
+    in_place: int = 0
+    copied: int = 0
+    choices: int = 0
     end: int | None = None  # why it ended (END_*), once it has
     error: BaseException | None = None
     abandoned: bool = False  # its caller stopped waiting (Ctrl-C): end it at the next step
     done: threading.Event = field(default_factory=threading.Event)
     woken: threading.Event | None = None  # its caller's, set at its end too (run's `deliver`)
+
+    def __post_init__(self) -> None:
+        self.abi = self.actor.abi
+        self.guest = self.actor.guest
+        # Its steps draw its host choice (a guest that asked for it, sampling parameters): fixed for the
+        # turn (on_message asked, the request's parameters).
+        self.draws = self.abi.choice is not None and not self.actor.request.params.greedy
+        self.target: torch.Tensor | None | bool = False  # its decode rows' logits buffer (False: not yet)
+
+    def record(self) -> None:
+        """Record what its decode rows crossed (counted since the last record) in its actor's stats
+        and ledger."""
+        if self.rows or self.in_place or self.copied or self.choices:
+            self.abi.record_rows(self.rows, self.rows_s, self.moved, self.in_place, self.copied, self.choices)
+            self.rows, self.rows_s, self.moved, self.in_place, self.copied, self.choices = 0, 0.0, {}, 0, 0, 0
 
     def set_done(self) -> None:
         self.done.set()
@@ -167,6 +191,7 @@ class EngineLoop:
         self.fed_past_prompts = 0  # of those, rows fed while prompts rode in the forward in flight
         self.step_s = 0.0  # time in steps (the loop's thread busy or waiting for the device)
         self.wait_s = 0.0  # of which waiting for launched forwards (the rest: the host's work)
+        self.launch_s = 0.0  # of which in Engine.launch_batch (on the CPU: the forward itself)
         self.phase_s = dict.fromkeys(("prefill", "results", "launch", "guests", "end"), 0.0)  # of step_s
         self._arrival = threading.Lock()  # see arriving()
         _ALL_LOOPS.add(self)
@@ -228,7 +253,7 @@ class EngineLoop:
             return {"active": len(self._active), "waiting": len(self._arrived), "steps": self.steps,
                     "rows": self.rows, "undone": self.undone, "fed": self.fed,
                     "fed_past_prompts": self.fed_past_prompts, "step_s": self.step_s,
-                    "wait_s": self.wait_s,
+                    "wait_s": self.wait_s, "launch_s": self.launch_s,
                     "phase_s": dict(self.phase_s)}
 
     def _start(self) -> None:
@@ -294,21 +319,26 @@ class EngineLoop:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        now = time.monotonic()
         for turn in self._active:
-            self._check_cancelled(turn)
+            if turn.end is None and (now > turn.deadline or turn.abandoned or turn.actor.stop_requested
+                                     or turn.actor.closed):
+                turn.end = END_CANCELLED
         # Prompts ride in the next decode step's launch where the engine runs them with it (CUDA: in its
         # replay) or together (the CPU: one forward for several, before the decode rows; a prompt
         # alone is prefilled with its logits computed where its guest asked).
-        live = self._live()
-        rides = self.overlap or (self.engine.prompts_together
-                                 and sum(1 for t in live if t.actor.abi.queued_tokens and not t.flying) > 1)
+        prompts = [t for t in self._active if t.prompt and t.end is None and not t.flying]
+        for turn in prompts:
+            turn.prompt = bool(turn.abi.queued_tokens)
+        prompts = [t for t in prompts if t.prompt]
+        rides = self.overlap or (self.engine.prompts_together and len(prompts) > 1)
         riding, room = [], RIDE_ROWS if rides else 0
-        for turn in live:
-            queued = turn.actor.abi.queued_tokens
-            if queued and not turn.flying and queued <= room:  # rides in the next decode step
+        for turn in prompts:
+            queued = turn.abi.queued_tokens
+            if queued <= room:  # rides in the next decode step
                 riding.append(turn)
                 room -= queued
-            elif queued and not turn.flying and (not rides or queued > RIDE_ROWS):
+            elif not rides or queued > RIDE_ROWS:
                 self._prefill(turn)  # (a prompt that could ride waits for room in a later step instead
                 # of a forward of its own that every other turn would wait for)
         t1 = time.perf_counter()
@@ -319,7 +349,7 @@ class EngineLoop:
         fresh = [t for t in self._live() if t.fresh]
         for turn in fresh:  # what the step computed: the argmax, or the draw its launch asked for
             slot = turn.actor.slot
-            turn.choice = self.engine.drawn_token(slot) if _draws(turn) else self.engine.greedy_token(slot)
+            turn.choice = self.engine.drawn_token(slot) if turn.draws else self.engine.greedy_token(slot)
             if turn.speculated == FED:  # its next row was fed the choice as the device made it
                 token = self.engine.fed_token(slot)
                 if token is None:  # which token was fed is not known (an engine that kept no record
@@ -383,12 +413,6 @@ class EngineLoop:
     def _live(self) -> list[Turn]:
         return [t for t in self._active if t.end is None]
 
-    def _check_cancelled(self, turn: Turn) -> None:
-        actor = turn.actor
-        if turn.end is None and (actor.stop_requested or actor.closed or turn.abandoned
-                                 or time.monotonic() > turn.deadline):
-            turn.end = END_CANCELLED
-
     def _prefill(self, turn: Turn) -> None:
         abi = turn.actor.abi
         try:
@@ -433,24 +457,28 @@ class EngineLoop:
         # A fed turn's token is its slot's own choice from the forward in flight (None: Engine.feeds).
         tokens = [None if t.speculated == FED else t.next_token for t in turns]
         slots = [t.actor.slot for t in turns]
-        positions = [self.engine.kv_len(slot) for slot in slots]
-        prompts = [(t.actor.abi.take_queued(), t.actor.slot) for t in riding]
+        lengths = self.engine.cache.lengths
+        positions = [lengths[slot] for slot in slots]
+        prompts = [(t.abi.take_queued(), t.actor.slot) for t in riding]
         # The next host choice of rows whose guest takes it with sampling parameters: drawn by the
         # step itself (on CUDA right after the forward, on the device), one uniform of each actor's.
-        drawing = [t for t in turns if _draws(t)]
+        drawing = [t for t in turns if t.draws]
         for turn in drawing:  # a speculated row may be undone: its draw is then given back too
             turn.rng_before = turn.actor.generator.get_state() if turn.speculated is not None else None
         uniforms = draw_uniforms([t.actor.generator for t in drawing]).tolist() if drawing else []
         draws = [(t.actor.slot, t.actor.request.params, u) for t, u in zip(drawing, uniforms, strict=True)]
         t0 = time.perf_counter()
         step = self.engine.launch_batch(tokens, slots, prompts, draws)
+        self.launch_s += time.perf_counter() - t0
         self._launched.append(Launched(step, turns, riding, t0, positions, set()))
         self.fed += tokens.count(None)
         for turn, position in zip(turns, positions, strict=True):
             if turn.speculated is not None:
                 turn.speculated_at = position
-        for turn in (*turns, *riding):
             turn.next_token = None
+            turn.flying += 1
+        for turn in riding:
+            turn.next_token, turn.prompt = None, False
             turn.flying += 1
 
     def _take_results(self) -> None:
@@ -482,25 +510,40 @@ class EngineLoop:
                 turn.end = END_CONTEXT_FULL
             else:
                 turn.fresh = True
+        n, e = len(turns), self.engine
+        moved = [m for m in (e.input_transfer(1, n), e.output_transfer(1, n)) if m is not None]
         for turn, position, result in zip(turns, positions, results, strict=True):
             turn.flying -= 1
             if turn in void:
                 continue
-            if not isinstance(result, BaseException) and turn.end is not None:
+            failed = isinstance(result, BaseException)
+            if turn.end is not None and not failed:
                 self._truncate(turn, position)
-                continue
-            if isinstance(result, ContextOverflow):
+            elif isinstance(result, ContextOverflow):
                 turn.end = END_CONTEXT_FULL
-            elif isinstance(result, BaseException):
+            elif failed:
                 self._finish(turn, END_CANCELLED, result)
             else:
-                abi = turn.actor.abi
-                try:  # the logits now (the next forward overwrites the engine's buffer); the stats
-                    abi.keep_logits(result, abi.step_target())  # when its guest is asked
+                try:  # the logits now (the next forward overwrites the engine's buffer)
+                    if turn.target is False:
+                        turn.target = turn.abi.step_target()
+                    kept = turn.abi.keep_logits(result, turn.target, record=False)
                 except BaseException as e:  # noqa: BLE001 - a bad logits buffer fails this turn only
                     self._finish(turn, END_CANCELLED, e)
                     continue
-                turn.forward = (seconds, len(turns), position + 1)  # (a fed row after it may be in flight)
+                if kept == LOGITS_IN_PLACE:  # (counted: Turn.record)
+                    turn.in_place += 1
+                elif kept == LOGITS_COPIED:
+                    turn.copied += 1
+                turn.rows += 1
+                turn.rows_s += seconds
+                for name, nbytes in moved:
+                    crossed = turn.moved.get(name)
+                    if crossed is None:
+                        turn.moved[name] = [1, nbytes]
+                    else:
+                        crossed[0] += 1
+                        crossed[1] += nbytes
                 turn.fresh = True
 
     def _truncate(self, turn: Turn, position: int) -> None:
@@ -524,21 +567,25 @@ class EngineLoop:
         (choice_at): what its step computed (turn.choice), else drawn now, all in one batch (a
         prompt's first token). write=False: only turn.choice is set (and counted); floe.wasm.rows
         writes it just before the guest's call."""
-        asking = [t for t in turns if t.end is None and t.actor.abi.choice is not None]
+        asking = [t for t in turns if t.end is None and t.abi.choice is not None]
         if not asking:
             return
-        try:
-            tokens = host_choices([t.actor.abi for t in asking], [t.choice for t in asking])
-        except BaseException as e:  # noqa: BLE001 - fails the turns it was for, not the engine's others
-            for turn in asking:
-                self._finish(turn, END_CANCELLED, e)
-            return
+        tokens = [t.choice for t in asking]
+        if None in tokens:  # (a prompt's first token, where its step computed none)
+            try:
+                tokens = host_choices([t.abi for t in asking], tokens)
+            except BaseException as e:  # noqa: BLE001 - fails the turns it was for, not the engine's others
+                for turn in asking:
+                    self._finish(turn, END_CANCELLED, e)
+                return
         for turn, token in zip(asking, tokens, strict=True):
             turn.choice = token
             try:
-                turn.actor.abi.give_choice(token, write)
+                turn.abi.give_choice(token, write, record=False)
             except BaseException as e:  # noqa: BLE001 - fails this turn only (its budget)
                 self._finish(turn, END_CANCELLED, e)
+            else:
+                turn.choices += 1  # (recorded by Turn.record)
 
     def _ask_guests(self, turns: list[Turn]) -> None:
         """Give each of `turns` still running its host choice and ask its guest (_ask_guest): the
@@ -546,7 +593,7 @@ class EngineLoop:
         asking = [t for t in turns if t.end is None]
         if not asking:
             return
-        guests = [t.actor.guest for t in asking]
+        guests = [t.guest for t in asking]
         if not (self.native_rows and guest_rows.usable(guests)):
             self._give_choices(asking)
             for turn in asking:
@@ -555,13 +602,13 @@ class EngineLoop:
             return
         self._give_choices(asking, write=False)
         asking = [t for t in asking if t.end is None]  # (a choice that failed ended its turn)
-        for turn in asking:
-            self._before_ask(turn)
+        for turn in asking:  # (_before_ask)
+            turn.fresh = turn.abi.sampled = False
         bound = self.step_call_s if self.warm else self.token_call_s
         now = time.monotonic()
         answers = guest_rows.call_rows(
-            [t.actor.guest for t in asking], "on_token",
-            [t.actor.abi.choice_address for t in asking], [t.choice or 0 for t in asking],
+            [t.guest for t in asking], "on_token",
+            [t.abi.choice_address for t in asking], [t.choice or 0 for t in asking],
             [max(0.0, min(t.deadline - now, bound)) for t in asking],
             [t.actor.take_pending for t in asking])
         self.native_calls += len(asking)
@@ -574,17 +621,10 @@ class EngineLoop:
                 self.warm = True
                 self._took(turn, answer)
 
-    def _before_ask(self, turn: Turn) -> None:
-        turn.fresh = False
-        turn.actor.abi.sampled = False
-        if turn.forward is not None:
-            turn.actor.abi.record_forward(1, *turn.forward)
-            turn.forward = None
-
     def _ask_guest(self, turn: Turn) -> None:
         """Its guest's on_token: the next token (appended by the next forward, or confirming the
         speculated one), a stop, or a failure of this turn."""
-        self._before_ask(turn)
+        turn.fresh = turn.abi.sampled = False
         try:
             token = self._guest_call(turn, "on_token")
         except BaseException as e:  # noqa: BLE001 - fails this turn only
@@ -594,10 +634,10 @@ class EngineLoop:
 
     def _took(self, turn: Turn, token: int) -> None:
         """What on_token returned: the next token, a stop, or a failure of this turn."""
-        abi = turn.actor.abi
+        abi = turn.abi
         # A guest that also drew with sample() is not speculated: the next step's draw, made at its
         # launch, would come before that sample() call in the generator (not so without overlap).
-        turn.takes_choice = token == turn.choice and not (abi.sampled and _draws(turn))
+        turn.takes_choice = token == turn.choice and not (abi.sampled and turn.draws)
         confirmed = False
         if turn.speculated is not None:  # its next row is in flight with the speculated token
             confirmed = token == turn.speculated and 0 <= token < abi.vocab and (
@@ -679,16 +719,9 @@ class EngineLoop:
         """End the turn now and wake its caller, unless a launched forward still has its row: then
         it ends (on_end is skipped for a failure) once that forward is taken."""
         turn.end, turn.error = end, error
-        if turn.forward is not None:  # its guest was not asked: its last forward is recorded here
-            turn.actor.abi.record_forward(1, *turn.forward)
-            turn.forward = None
+        turn.record()  # what its rows crossed (a row still in flight is undone, not recorded)
         if not turn.flying:
             turn.set_done()
-
-
-def _draws(turn: Turn) -> bool:
-    """Whether the turn's steps draw its host choice (a guest that asked for it, sampling parameters)."""
-    return turn.actor.abi.choice is not None and not turn.actor.request.params.greedy
 
 
 _LOOPS: weakref.WeakKeyDictionary[Engine, EngineLoop] = weakref.WeakKeyDictionary()

@@ -101,6 +101,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self._bytes: dict[int, bytes] = {}  # token_bytes of the ids asked for so far
+        self._reply_bytes: dict[int, bytes] = {}  # reply_bytes of the ids asked for so far
 
     @property
     def vocab_size(self) -> int:
@@ -137,6 +138,17 @@ class Tokenizer:
             if not 0 <= token_id < self.vocab_size:
                 return b""
             data = self._bytes[token_id] = self._token_bytes(token_id)
+        return data
+
+    def reply_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to reply text: token_bytes(), none for a special (control) token (its
+        text, e.g. "<|im_start|>", is not reply text). Kept per token, as token_bytes: one dict lookup
+        a streamed token."""
+        data = self._reply_bytes.get(token_id)
+        if data is None:
+            data = b"" if token_id in self.special_ids else self.token_bytes(token_id)
+            if 0 <= token_id < self.vocab_size:
+                self._reply_bytes[token_id] = data
         return data
 
     @cached_property
