@@ -63,7 +63,9 @@ from floe.wasm import (
 from floe.wasm import rows as guest_rows
 
 if TYPE_CHECKING:
+    from floe.actor.abi import HostABI
     from floe.actor.actor import Actor
+    from floe.wasm import GuestInstance
 
 log = logging.getLogger("floe.actor")
 
@@ -87,9 +89,10 @@ ARRIVAL_WAIT_S = 0.05  # the most an arriving turn waits for the one before it (
 IDLE_EXIT_S = 5.0  # the loop's thread ends after this long without turns (the next turn starts one)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Turn:
-    """One message of one actor, as the loop runs it."""
+    """One message of one actor, as the loop runs it (slots: the loop reads a dozen of its fields a
+    row-token, right after a forward has evicted them from the CPU's caches)."""
 
     actor: Actor
     max_tokens: int
@@ -119,6 +122,10 @@ class Turn:
     abandoned: bool = False  # its caller stopped waiting (Ctrl-C): end it at the next step
     done: threading.Event = field(default_factory=threading.Event)
     woken: threading.Event | None = None  # its caller's, set at its end too (run's `deliver`)
+    abi: HostABI = field(init=False)
+    guest: GuestInstance = field(init=False)
+    draws: bool = field(init=False)
+    target: torch.Tensor | None | bool = False  # its decode rows' logits buffer (False: not asked yet)
 
     def __post_init__(self) -> None:
         self.abi = self.actor.abi
@@ -126,7 +133,6 @@ class Turn:
         # Its steps draw its host choice (a guest that asked for it, sampling parameters): fixed for the
         # turn (on_message asked, the request's parameters).
         self.draws = self.abi.choice is not None and not self.actor.request.params.greedy
-        self.target: torch.Tensor | None | bool = False  # its decode rows' logits buffer (False: not yet)
 
     def record(self) -> None:
         """Record what its decode rows crossed (counted since the last record) in its actor's stats
