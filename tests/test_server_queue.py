@@ -106,3 +106,120 @@ def test_one_key_cannot_keep_another_out_of_the_queue_or_behind_all_its_requests
         assert done.index("b") < done.index(served_a[-2]), done
     finally:
         s.stop()
+
+
+BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x",
+                                                     "schema": {"type": "string", "maxLength": -1}}}
+CITY = {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+
+
+LONG_CONTEXT = 2048  # room for streams that run for seconds (~100 tokens/s each on the CPU)
+
+
+@pytest.fixture(scope="module")
+def long_engine(default_checkpoint):
+    return Engine(default_checkpoint, max_seq_len=LONG_CONTEXT, n_slots=2, weights="native")
+
+
+class RunningStreams:
+    """Streamed requests of sessions `names`, each running (its first text arrived) until `leave(name)`:
+    its client hangs up and its turn stops."""
+
+    def __init__(self, url: str, names: list[str]) -> None:
+        self.started = {n: threading.Event() for n in names}
+        self.left = {n: threading.Event() for n in names}
+        self.threads = [threading.Thread(target=self._run, args=(url, n)) for n in names]
+        for t in self.threads:
+            t.start()
+        for n, e in self.started.items():
+            assert e.wait(120), f"stream {n} never started"
+
+    def _run(self, url: str, name: str) -> None:
+        body = {"model": MODEL_ID, "max_tokens": LONG_CONTEXT - 64, "temperature": 0, "session_id": name,
+                "stream": True, "messages": [{"role": "user", "content": "Write the numbers from 1 to 1000 "
+                                              "separated by commas."}]}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if '"content":"' in line:
+                    break
+            self.started[name].set()
+            self.left[name].wait(300)  # leaving the block hangs up
+
+    def leave(self, name: str) -> None:
+        self.left[name].set()
+
+    def close(self) -> None:
+        for n in self.left:
+            self.leave(n)
+        for t in self.threads:
+            t.join()
+
+
+def structured(url: str, response_format: dict, max_tokens: int = 32,
+               sid: str | None = None) -> httpx.Response:
+    body = {"model": MODEL_ID, "max_tokens": max_tokens, "temperature": 0, "response_format": response_format,
+            "messages": [{"role": "user", "content": "Name a city in France."}]}
+    return httpx.post(f"{url}/v1/chat/completions", json=body | ({"session_id": sid} if sid else {}),
+                      timeout=300)
+
+
+def test_a_schema_that_cannot_be_used_is_a_400_also_while_every_slot_runs_a_stream(long_engine, tmp_path):
+    """With every slot running, a hostile schema was a 503: its grammar actor asked for a slot before
+    the guest could call the schema invalid. It is checked before it takes anything now."""
+    s = ThreadServer(create_app(long_engine, snapshots=tmp_path, model_id=MODEL_ID, max_waiting=8,
+                                wait_seconds=300))
+    store = s.server.config.app.state.core.store
+    try:
+        idle = [structured(s.url, BAD_SCHEMA), structured(s.url, CITY, max_tokens=2)]
+        assert [r.status_code for r in idle] == [400, 400], [r.text for r in idle]
+        assert [r.json()["error"]["code"] for r in idle] == ["unsupported_schema", "max_tokens_too_small"]
+        before = store.counts()
+        streams = RunningStreams(s.url, ["s0", "s1"])
+        try:
+            busy = [structured(s.url, BAD_SCHEMA), structured(s.url, CITY, max_tokens=2)]
+            assert all(store.get(n).lock.locked() for n in ("s0", "s1")), "a stream ended before the check"
+            assert [r.status_code for r in busy] == [400, 400], [r.text for r in busy]
+            assert [r.json() for r in busy] == [r.json() for r in idle]
+            # Refused before taking anything: no session made, no place in the queue.
+            assert store.counts()["frozen"] == before["frozen"] and store.waiting == 0
+        finally:
+            streams.close()
+    finally:
+        s.stop()
+
+
+def test_a_valid_schema_while_every_slot_runs_a_stream_waits_for_its_slots_and_is_answered(long_engine, tmp_path):
+    """A structured turn needs two slots (its session's and its grammar actor's): while every slot runs
+    a stream it waits for the first in the queue, then for the second, as any request waits."""
+    import json
+    import time
+
+    s = ThreadServer(create_app(long_engine, snapshots=tmp_path, model_id=MODEL_ID, max_waiting=8,
+                                wait_seconds=300))
+    store = s.server.config.app.state.core.store
+    answer: list[httpx.Response] = []
+    streams = RunningStreams(s.url, ["s0", "s1"])
+    try:
+        asking = threading.Thread(target=lambda: answer.append(structured(s.url, CITY, sid="city")))
+        asking.start()
+
+        def until(done, what: str) -> None:
+            deadline = time.time() + 120
+            while not done():
+                assert time.time() < deadline, what
+                time.sleep(0.01)
+
+        until(lambda: store.waiting == 1, "the structured request never waited for its session's slot")
+        streams.leave("s0")  # its slot goes to the structured request's session; its grammar actor waits
+        until(lambda: "city" in {x.id for x in store.sessions.values() if x.live} and store.waiting == 1,
+              "the structured turn never waited for its grammar actor's slot")
+        assert store.get("s1").lock.locked() and not answer
+        streams.leave("s1")
+        asking.join()
+        (r,) = answer
+        assert r.status_code == 200, r.text
+        assert set(json.loads(r.json()["choices"][0]["message"]["content"])) == {"city"}
+    finally:
+        streams.close()
+        s.stop()

@@ -32,6 +32,7 @@ from floe.wasm import (
     GuestPointerError,
     GuestReportedError,
     GuestResultError,
+    HostFunction,
     default_runtime,
     start_guest_thread,
 )
@@ -48,6 +49,15 @@ class ActorClosed(FloeError):
 
 class ActorReentrantCall(FloeError):
     """An actor was asked to do something from inside its own message (an on_text callback)."""
+
+
+class NeedsKVSlot(GuestError):
+    """A guest of an actor made without a KV slot called the model (its message got that far)."""
+
+
+# The host calls an actor without a KV slot answers: none reads or writes the KV cache or the turn.
+WITHOUT_SLOT = frozenset({"abi_version", "vocab_size", "context_length", "eos_ids", "tokenize", "detokenize",
+                          "chat_render", "request", "system", "log"})
 
 
 # The exports the host calls, by ABI version, with their number of i32 parameters (each returns one i32).
@@ -179,7 +189,7 @@ class Actor:
     def __init__(self, engine: Engine, guest: str | Path | bytes | GuestModule | None = None, *,
                  seed: int = 0, system_prompt: str = "", memory_cap: int = DEFAULT_MEMORY_CAP,
                  deadline_s: float = DEFAULT_DEADLINE_S, scheduler: DecodeScheduler | None = None,
-                 loop: EngineLoop | None = None) -> None:
+                 loop: EngineLoop | None = None, kv_slot: bool = True) -> None:
         self.engine = engine
         # With a scheduler, this actor's decode steps are batched with other actors' (its engine's).
         if scheduler is not None and scheduler.engine is not engine:
@@ -208,10 +218,14 @@ class Actor:
         self.closed = False
         self._released = False
         self.guest: GuestInstance | None = None
-        self.slot = engine.claim_slot()
+        # kv_slot False: no slot (precheck only); the model's calls fail the message (NeedsKVSlot).
+        self.slot = engine.claim_slot() if kv_slot else None
         try:
             self.abi = HostABI(self)
-            self.guest = GuestInstance(self.module, IMPORT_MODULE, self.abi.functions(), memory_cap,
+            functions = self.abi.functions()
+            if not kv_slot:
+                functions = [f if f.name in WITHOUT_SLOT else self._refusing(f) for f in functions]
+            self.guest = GuestInstance(self.module, IMPORT_MODULE, functions, memory_cap,
                                        deadline_s=deadline_s)
             self.guest.function("floe_abi_version", 0)
             version = self._call("floe_abi_version")
@@ -227,8 +241,16 @@ class Actor:
         except BaseException:
             if self.guest is not None:
                 self.guest.close()
-            engine.release_slot(self.slot)
+            if self.slot is not None:
+                engine.release_slot(self.slot)
             raise
+
+    def _refusing(self, f: HostFunction) -> HostFunction:
+        """Host call `f` as an actor without a KV slot answers it: the message fails (NeedsKVSlot)."""
+        def refuse(*args: int) -> int:
+            raise NeedsKVSlot(f"host call {f.name} needs a KV slot; this actor has none")
+
+        return HostFunction(f.name, f.n_params, f.n_results, self.abi._raw(refuse, f.n_params, f.n_results))
 
     @property
     def region(self) -> Region:
@@ -329,6 +351,7 @@ class Actor:
             raise ActorClosed("this actor is closed")
         if max_tokens < 1:
             raise FloeError(f"max_tokens must be >= 1, got {max_tokens}")
+        self._need_slot("send()")
         with self._guest_turn("send()"):
             parts: list[str] = []
             # ABI v2: the engine loop's thread makes the text; this thread hands it to on_text.
@@ -380,6 +403,34 @@ class Actor:
                 raise GuestReportedError(f"guest reported error {status} for this message"
                                          + (f": {self.logs[-1]}" if self.logs else ""), status)
             return Reply("".join(parts), self.stats, self.ledger, list(self.logs))
+
+    def precheck(self, message: str, *, max_tokens: int = 256, params: SamplingParams | None = None) -> int:
+        """The guest's on_message, up to its first call of the model, on an actor made without a KV
+        slot (kv_slot=False): its status if it refused the message before (its last log line says
+        why), 0 if it got that far. Nothing of the message stays but what the guest keeps in its memory."""
+        if self.slot is not None:
+            raise FloeError("precheck() is for an actor made without a KV slot (kv_slot=False)")
+        with self._guest_turn("precheck()"):
+            self.request = Request(max_tokens, params or SamplingParams())
+            self.logs.clear()
+            self.stop_requested = False
+            data = message.encode()
+            ptr = self._deliver(data, "message")
+            self.abi.begin(self.guest.watchdog, self.guest.memory_cap)
+            self.abi.begin_turn()
+            self.abi.preparing = True
+            try:
+                return self._call("on_message", ptr, len(data))
+            except NeedsKVSlot:
+                return 0
+            finally:
+                self.abi.preparing = False
+                self.abi.budget = None
+                self.abi.clear_queue()
+
+    def _need_slot(self, what: str) -> None:
+        if self.slot is None:
+            raise FloeError(f"{what}: this actor was made without a KV slot (it only prechecks messages)")
 
     def _turn(self, ptr: int, length: int, max_tokens: int,
               deliver: tuple[threading.Event, Callable[[], None]] | None) -> int:
@@ -478,6 +529,7 @@ class Actor:
 
     def capture_state(self) -> ActorState:
         """Everything that makes this actor now, as tensors and values (KV views, not copies)."""
+        self._need_slot("capture_state()")
         with self.between_messages():
             k, v = self.engine.cache.export(self.slot)
             size, pages, data = self.guest.capture_memory()
@@ -495,6 +547,7 @@ class Actor:
         """Make this (fresh) actor the one `state` was captured from; checked by the caller. `kv`: a
         load of state's KV cache already begun (KVCache.start_load, maybe with digests to check: on
         a mismatch the slot is left empty and KVDigestMismatch propagates)."""
+        self._need_slot("restore()")
         with self.between_messages():
             self.system_prompt = state.system_prompt
             self.guest.restore_memory(state.memory_size, state.memory_pages, state.memory_data)
@@ -524,7 +577,8 @@ class Actor:
         if not self._released:
             self._released = True
             self.guest.close()
-            self.engine.release_slot(self.slot)
+            if self.slot is not None:
+                self.engine.release_slot(self.slot)
 
     def __enter__(self) -> Actor:
         return self

@@ -8,6 +8,7 @@ step's logits in place and ends the turn when the value is whole; nothing of the
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from floe.errors import FloeError
 from floe.wasm import GuestError, GuestReportedError
 
 GRAMMAR_EXPORT = "floe_grammar_version"
+STATUS_HEADER = 20  # the guest refused a header (a lone NUL: after reading the vocabulary)
 STATUS_SCHEMA = 21  # the guest could not compile the schema (its log line says why)
 STATUS_BUDGET = 22  # no value of the schema fits in max_tokens (its log line says what would)
 
@@ -118,3 +120,66 @@ def send_json(actor: Actor, message: str, schema: dict | str | None = None, *, i
         raise IncompleteJSON(f"the reply is not a whole JSON value ({e.msg} at byte {e.pos}; finish "
                              f"reason {reply.stats.finish_reason!r}): raise max_tokens above "
                              f"{max_tokens}") from None
+
+
+class SchemaCheck:
+    """Whether the grammar guest takes a schema and a max_tokens, asked of a grammar actor without a KV
+    slot (Actor.precheck: the guest compiles the schema and checks the budget before it calls the
+    model), so a request that cannot be answered is refused without waiting for a slot. One check at a
+    time; each starts from the guest's state after reading the vocabulary (read once, ~1 s)."""
+
+    def __init__(self, engine: Engine, module, *, deadline_s: float = 30.0) -> None:
+        self.engine, self.module, self.deadline_s = engine, module, deadline_s
+        self._lock = threading.Lock()
+        self._actor: Actor | None = None
+        self._primed: tuple | None = None  # the guest's memory and globals with its vocabulary read
+
+    def refusal(self, schema: dict | str | None, max_tokens: int) -> FloeError | None:
+        """Why the grammar guest would refuse a message under `schema` with `max_tokens` (None: it
+        would not); SchemaUnsupported names the keyword, IncompleteJSON says what max_tokens would do."""
+        message = grammar_message("", schema, instruct=False)
+        with self._lock:
+            actor = self._ready()
+            try:
+                status = actor.precheck(message, max_tokens=max_tokens)
+            except BaseException:
+                self._drop()
+                raise
+            line = actor.logs[-1].removeprefix("grammar: ") if actor.logs else f"status {status}"
+        if status == STATUS_SCHEMA:
+            return SchemaUnsupported(line)
+        if status == STATUS_BUDGET:
+            return IncompleteJSON(line)
+        if status != 0:
+            raise FloeError(f"the grammar guest failed a schema check with status {status}: {line}")
+        return None
+
+    def _ready(self) -> Actor:
+        """The checking actor, in the guest's primed state (a new one if the last check grew its memory:
+        guest memory cannot shrink)."""
+        if self._actor is not None and self._actor.region.size != self._primed[0]:
+            self._drop()
+        if self._actor is None:
+            actor = Actor(self.engine, self.module, kv_slot=False, deadline_s=self.deadline_s)
+            try:
+                if self._primed is None:
+                    if actor.precheck("\0", max_tokens=1) != STATUS_HEADER:
+                        raise FloeError("the grammar guest took a lone NUL as a header: it cannot be primed")
+                    self._primed = (*actor.guest.capture_memory(), actor.guest.capture_globals())
+            except BaseException:
+                actor.close()
+                raise
+            self._actor = actor
+        size, pages, data, globals_ = self._primed
+        self._actor.guest.restore_memory(size, pages, data)
+        self._actor.guest.restore_globals(globals_)
+        return self._actor
+
+    def _drop(self) -> None:
+        if self._actor is not None:
+            self._actor.close()
+            self._actor = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()

@@ -517,7 +517,7 @@ class EngineLoop:
             else:
                 turn.fresh = True
         n, e = len(turns), self.engine
-        moved = [m for m in (e.input_transfer(1, n), e.output_transfer(1, n)) if m is not None]
+        moved = [m for m in (e.input_transfer(1, n), e.output_transfer(1, n)) if m is not None] if n else []
         for turn, position, result in zip(turns, positions, results, strict=True):
             turn.flying -= 1
             if turn in void:

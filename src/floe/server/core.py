@@ -149,6 +149,11 @@ class ServeCore:
         if constraint is not None and stops:
             raise ServeError(400, "stop cannot end a structured reply", param="stop")
         owner = _owner(request.get("owner"))
+        if constraint is not None:  # a schema that cannot be used is a 400 before it waits for a slot
+            try:
+                self.turns.check(constraint, max_tokens)
+            except (GuestError, FloeError) as e:
+                raise failure(e, sid) from None
         seed = None if request.get("seed") in (None, -1) else params.seed  # -1: random, as llama.cpp
         try:  # a new session's generator starts from the request's seed, or a random one (as OpenAI)
             session = self.store.acquire(sid, messages, secrets.randbits(63) if seed is None else seed,
@@ -346,6 +351,7 @@ class ServeCore:
             self._closed.set()
             self._evictor.join(30)
             self.store.close()
+            self.turns.close()
 
 
 def failure(e: BaseException, sid: str | None) -> ServeError:

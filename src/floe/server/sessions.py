@@ -233,6 +233,7 @@ class SessionStore:
         self.max_waiting, self.wait_seconds = max_waiting, wait_seconds
         self._waiting: deque[_Ticket] = deque()  # tickets, oldest first; guarded by lock
         self._slot_freed = threading.Condition(self.lock)
+        self._extra_waiting = 0  # structured turns waiting for their grammar actor's slot (extra_slot)
         self._creating = threading.Lock()  # actors are made one at a time (see _ensure_live)
         self._spares: list[Actor] = []  # actors made ahead in free slots (keep_spares); guarded by lock
         self._spares_wanted = 0
@@ -484,13 +485,26 @@ class SessionStore:
             self._drop_live(session)
 
     @contextmanager
-    def extra_slot(self) -> Iterator[None]:
-        """A KV slot counted, for the block, for an actor of no session's (a structured turn's): freezes
-        the least recently used idle session if every slot is taken; NoFreeSlot if all are running."""
-        if self.engine.cache.n_slots < 2:  # its session holds the only one while the turn runs
+    def extra_slot(self, owner: str = "") -> Iterator[None]:
+        """A KV slot counted, for the block, for an actor of no session's (a structured turn's, whose
+        session is `owner`'s): freezes the least recently used idle session if every slot is taken, and
+        while all run a request, waits in the queue as a session's request does (NoFreeSlot when its
+        wait ends) — unless the turns waiting so would then hold every slot but one: their sessions
+        hold theirs while they wait, and with all held so, none would ever be freed (NoFreeSlot at once)."""
+        n_slots = self.engine.cache.n_slots
+        if n_slots < 2:  # its session holds the only one while the turn runs
             raise OneSlotOnly("structured output (response_format, tools) runs on an actor of its own "
                               "beside its session's: start floe serve with --max-sessions 2 or more")
-        self._reserve_slot(wait=False)  # (its own session holds a slot meanwhile: waiting could deadlock)
+        with self.lock:
+            wait = self._extra_waiting + 1 < n_slots
+            if wait:
+                self._extra_waiting += 1
+        try:
+            self._reserve_slot(wait=wait, owner=owner)
+        finally:
+            if wait:
+                with self.lock:
+                    self._extra_waiting -= 1
         try:
             yield
         finally:

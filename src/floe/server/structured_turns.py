@@ -6,6 +6,10 @@ in a KV slot of its own, loaded with the session's conversation (on_history); th
 the session keeps exactly what its client received, and its next plain message prefills only that
 turn. Grammar actors start from one primed state (the guest's vocabulary index read once per server,
 ~1 s; a restore is ~10 ms of memory copy) instead of reading the vocabulary each turn.
+
+A schema the guest cannot compile, or a max_tokens no value of it fits in, is refused (400) before the
+request takes a session or a slot: a grammar actor without a KV slot checks it (SchemaCheck, ~1 ms), so
+a bad request gets its 400 however busy the server is, and costs no slot.
 """
 
 from __future__ import annotations
@@ -14,15 +18,23 @@ import threading
 from collections.abc import Callable
 
 from floe.actor import Actor, ActorState, builtin_guest
-from floe.actor.grammar import budget_refusal, grammar_message, instructed, reported, schema_refusal
+from floe.actor.grammar import (
+    STATUS_HEADER,
+    IncompleteJSON,
+    SchemaCheck,
+    SchemaUnsupported,
+    budget_refusal,
+    grammar_message,
+    instructed,
+    reported,
+    schema_refusal,
+)
 from floe.engine import SamplingParams
 from floe.errors import FloeError
 from floe.server.protocol import ServeError
 from floe.server.sessions import Answer, Session, SessionStore
 from floe.server.structured import Constraint, outcome, tools_system_text
 from floe.wasm import GuestError, default_runtime
-
-STATUS_HEADER = 20  # the grammar guest refused a header (after reading the vocabulary: priming)
 
 
 class StructuredTurns:
@@ -34,6 +46,16 @@ class StructuredTurns:
         self.module = default_runtime().compile(builtin_guest("grammar"))
         self._primed: ActorState | None = None
         self._priming = threading.Lock()
+        self.schemas = SchemaCheck(store.engine, self.module)
+
+    def check(self, c: Constraint, max_tokens: int) -> None:
+        """A ServeError (400) if the grammar guest would refuse `c`'s schema or `max_tokens` for it;
+        takes no KV slot, so call it before the request takes one."""
+        if (refusal := self.schemas.refusal(c.guest_schema(), max_tokens)) is not None:
+            raise _refused(c, refusal)
+
+    def close(self) -> None:
+        self.schemas.close()
 
     def conversation(self, messages: list[dict], c: Constraint) -> list[dict]:
         """`messages` as the grammar actor holds them: with the tools in a system message, where the
@@ -65,7 +87,7 @@ class StructuredTurns:
         store = self.store
         conversation = self.conversation([*session.messages, *history], c)
         try:
-            with store.extra_slot():
+            with store.extra_slot(session.owner):
                 actor = self._actor()
                 try:
                     reply = self._send(actor, session, conversation, self.message(text, c), c,
@@ -102,14 +124,11 @@ class StructuredTurns:
         try:
             with self.tokenizer.offering_tools(offered):
                 return actor.send(message, max_tokens=max_tokens, params=params, on_text=emit, loop_safe=True)
-        except GuestError as e:
+        except GuestError as e:  # (check() refuses these before the turn takes a slot)
             if (refusal := schema_refusal(actor, e)) is not None:
-                param = "tools" if c.mode == "tools" else "response_format"
-                raise ServeError(400, f"{param}: the grammar guest cannot compile this schema: {refusal}",
-                                 code="unsupported_schema", param=param) from None
+                raise _refused(c, refusal) from None
             if (short := budget_refusal(actor, e)) is not None:
-                raise ServeError(400, f"{_what(c)} does not fit: {short}",
-                                 code="max_tokens_too_small", param="max_tokens") from None
+                raise _refused(c, IncompleteJSON(short)) from None
             raise
 
     def _actor(self) -> Actor:
@@ -125,6 +144,17 @@ class StructuredTurns:
             actor.close()
             raise
         return actor
+
+
+def _refused(c: Constraint, refusal: FloeError) -> ServeError:
+    """The 400 of a schema the grammar guest refuses (SchemaUnsupported), or of a max_tokens too small
+    for any value of it (IncompleteJSON)."""
+    if isinstance(refusal, SchemaUnsupported):
+        param = "tools" if c.mode == "tools" else "response_format"
+        return ServeError(400, f"{param}: the grammar guest cannot compile this schema: {refusal}",
+                          code="unsupported_schema", param=param)
+    return ServeError(400, f"{_what(c)} does not fit: {refusal}", code="max_tokens_too_small",
+                      param="max_tokens")
 
 
 def _what(c: Constraint) -> str:
