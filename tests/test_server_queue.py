@@ -3,7 +3,9 @@ come, first served) instead of a 503 at once; a 503 with Retry-After only when t
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -66,7 +68,6 @@ def test_one_key_cannot_keep_another_out_of_the_queue_or_behind_all_its_requests
     """Key A fills both slots and the whole queue with long requests; key B's short one still gets a
     place (A's newest waiting request gives it up: a 503 that says why) and the next free slot (B holds
     none, A holds two), not the place behind every request of A's."""
-    import time
 
     s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, max_waiting=3,
                                 wait_seconds=300, keys=("key-a", "key-b")))
@@ -141,7 +142,8 @@ class RunningStreams:
                                               "separated by commas."}]}
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
             for line in r.iter_lines():
-                if '"content":"' in line:
+                chunk = json.loads(line[6:]) if line.startswith("data: {") else None
+                if chunk and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                     break
             self.started[name].set()
             self.left[name].wait(300)  # leaving the block hangs up
@@ -189,11 +191,10 @@ def test_a_schema_that_cannot_be_used_is_a_400_also_while_every_slot_runs_a_stre
         s.stop()
 
 
-def test_a_valid_schema_while_every_slot_runs_a_stream_waits_for_its_slots_and_is_answered(long_engine, tmp_path):
+def test_a_valid_schema_while_every_slot_runs_a_stream_waits_for_its_slots(long_engine, tmp_path):
     """A structured turn needs two slots (its session's and its grammar actor's): while every slot runs
-    a stream it waits for the first in the queue, then for the second, as any request waits."""
-    import json
-    import time
+    a stream it waits for the first in the queue, then for the second, as any request waits, and is
+    answered."""
 
     s = ThreadServer(create_app(long_engine, snapshots=tmp_path, model_id=MODEL_ID, max_waiting=8,
                                 wait_seconds=300))

@@ -6,7 +6,8 @@
 #   PART=tests  tests/test_cuda.py alone;
 #   PART=profile  py-spy (a wheel in .whl) samples every process of `--ways serve --sessions 64` (this
 #               checkout): $OUT/serve64_pyspy.txt, raw stacks with their process (bench/probes/stacks.py
-#               reads them).
+#               reads them); RATE (200 a second), TOKENS (128 out), PYSPY_ARGS (e.g. --gil: only the
+#               thread holding the GIL is sampled).
 # The earlier source is a copy of its src/ in .base/src (ignored; carried). Everything lands in $OUT.
 # From the session (the wheels as the device README says, the tokenizer folder .tok):
 #   run(command="PART=check bash bench/probes/sessions_ab_h200.sh", carry=[".whl", ".tok", ".base"])
@@ -37,9 +38,10 @@ sessions() {  # sessions SOURCE NAME ARGS...
 if [ "${PART:-check}" = tests ]; then
     FLOE_TEST_TOKENIZER=$PWD/.tok PYTHONPATH=$NEW timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
 elif [ "${PART:-check}" = profile ]; then
-    PYTHONPATH=$NEW timeout "$(left)" /tmp/site/bin/py-spy record --subprocesses --threads --nonblocking --rate 200 \
+    PYTHONPATH=$NEW timeout "$(left)" /tmp/site/bin/py-spy record --subprocesses --threads --nonblocking --rate "${RATE:-200}" ${PYSPY_ARGS:-} \
         --format raw -o "$OUT/serve64_pyspy.txt" -- python3 bench/sessions.py --device cuda \
-        --shape llama-3.2-1b --tokenizer .tok --name serve64_profiled --sessions 64 --ways serve
+        --shape llama-3.2-1b --tokenizer .tok --name serve64_profiled --sessions 64 --ways serve \
+        --tokens "${TOKENS:-128}"
     cp bench/results/sessions_cuda_serve64_profiled.json "$OUT"/ 2>/dev/null
 elif [ "${PART:-check}" = check ]; then
     FLOE_TEST_TOKENIZER=$PWD/.tok PYTHONPATH=$NEW timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
