@@ -151,3 +151,16 @@ def test_every_token_stands_for_its_byte_level_bytes(default_checkpoint):
     for i in range(tok.vocab_size, tok.vocab_size + 1000):  # ids a guest may pass: none is kept
         assert tok.token_bytes(i) == b""
     assert len(tok._bytes) == kept <= tok.vocab_size
+
+
+def test_reply_bytes_leave_out_control_tokens(default_checkpoint):
+    """reply_bytes (what the engine loop streams) is a token's bytes, none for a special token, for the
+    whole vocabulary once filled (a server's start-up); ids outside the vocabulary stand for nothing."""
+    tok = default_checkpoint.tokenizer
+    tok.fill_reply_bytes()
+    assert len(tok._reply_bytes) == tok.vocab_size
+    specials = tok.special_ids
+    assert specials and all(tok.reply_bytes(i) == b"" for i in specials)
+    assert all(tok.reply_bytes(i) == tok.token_bytes(i) for i in range(tok.vocab_size) if i not in specials)
+    assert tok.reply_bytes(tok.vocab_size) == b"" and tok.reply_bytes(-1) == b""
+    assert len(tok._reply_bytes) == tok.vocab_size  # (not kept for ids outside it)

@@ -202,11 +202,14 @@ class BatchGraphDecoder:
         # Two rows a slot (slot s: s and n_slots + 1 + s; see row()), and the spare row n_slots.
         n_rows = 2 * (n_slots + 1)
         self.slot_logits = torch.zeros(n_rows, model.config.vocab_size, dtype=torch.float32, device=dev)
+        self.slot_logit_rows = list(self.slot_logits.unbind(0))  # its rows' views, made once (a view a row
+        # a step cost ~1-2 us of the engine loop's host time each)
         self._half = [0] * n_slots  # per slot, which of its two rows holds its latest logits
         # Each row's greedy choice, computed in the graph and copied to pinned host memory, so an actor
         # that samples greedily needs no kernel launch or sync of its own.
         self.slot_argmax = torch.zeros(n_rows, dtype=torch.long, device=dev)
         self.host_argmax = torch.zeros(n_rows, dtype=torch.long, pin_memory=True)
+        self.host_argmax_np = self.host_argmax.numpy()  # (read a row at a time: numpy's indexing is cheap)
         # Each row's choice as a later step is fed it: its argmax, or its draw (within the vocabulary).
         self.slot_fed = torch.zeros(n_rows, dtype=torch.long, device=dev)
         self.buckets = kv_buckets(cache.max_seq_len, min_bucket)
@@ -226,6 +229,7 @@ class BatchGraphDecoder:
         self.slot_drawn = torch.zeros(n_rows, dtype=torch.long, device=dev)
         self.slot_wider = torch.zeros(n_rows, dtype=torch.bool, device=dev)
         self.host_drawn = torch.zeros(n_rows, dtype=torch.long, pin_memory=True)
+        self.host_drawn_np = self.host_drawn.numpy()
         self.host_wider = torch.zeros(n_rows, dtype=torch.bool, pin_memory=True)
         self.draw_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.draw_done = torch.cuda.Event()  # the latest draw's (each draw records a new one)

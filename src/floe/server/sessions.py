@@ -255,6 +255,7 @@ class SessionStore:
         with Actor(self.engine, self.guest, scheduler=self.scheduler, loop=self.loop) as actor:
             for params in (SamplingParams(), SamplingParams(temperature=0.7, top_k=40, top_p=0.9)):
                 actor.send("Hello.", max_tokens=2, params=params)
+        self.engine.tokenizer.fill_reply_bytes()  # (the engine loop streams each token's in one lookup)
 
     def load_store(self) -> int:
         """Register every session the store's home holds (headers only, each checked as a thaw checks
