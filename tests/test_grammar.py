@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from floe.actor import IncompleteJSON, SchemaUnsupported, builtin_guest, grammar_actor, send_json
+from floe.actor.grammar import SchemaCheck
 from floe.engine import Engine, SamplingParams
 
 PERSON = {  # nested objects
@@ -271,3 +272,28 @@ def test_a_max_tokens_no_value_fits_in_is_refused_saying_what_would(tiny_engine)
         with pytest.raises(IncompleteJSON, match=r"max_tokens 3 is too small .* the shortest takes 41 bytes"):
             send_json(actor, "x", PERSON, instruct=False, max_tokens=3)
         assert valid(send_json(actor, "x", PERSON, instruct=False, max_tokens=41).value, PERSON)
+
+
+def test_a_schema_is_checked_without_a_kv_slot_as_a_message_would_refuse_it(tiny_engine):
+    """floe serve checks a structured request before it waits for a slot (a bad schema is a 400 however
+    busy the server is): the check holds no KV slot and says what the grammar actor's message says."""
+    bad, small = {"type": "object", "minProperties": 1}, (PERSON, 3)
+    with grammar_actor(tiny_engine) as actor:
+        refusals = []
+        for schema, max_tokens in ((bad, 8), small):
+            with pytest.raises((SchemaUnsupported, IncompleteJSON)) as e:
+                send_json(actor, "x", schema, instruct=False, max_tokens=max_tokens)
+            refusals.append(e.value)
+    taken = [tiny_engine.claim_slot() for _ in range(tiny_engine.cache.n_slots)]  # every slot busy
+    check = SchemaCheck(tiny_engine, builtin_guest("grammar"))
+    try:
+        for _ in range(3):  # each check starts from the primed guest: none sees the one before
+            unsupported = check.refusal(bad, 8)
+            assert isinstance(unsupported, SchemaUnsupported) and str(unsupported) == str(refusals[0])
+            short = check.refusal(*small)
+            assert str(refusals[1]) == f"no reply: {short}" and isinstance(short, IncompleteJSON)
+            assert check.refusal(PERSON, 41) is None and check.refusal(None, 8) is None
+    finally:
+        check.close()
+        for slot in taken:
+            tiny_engine.release_slot(slot)

@@ -68,7 +68,6 @@ def test_one_key_cannot_keep_another_out_of_the_queue_or_behind_all_its_requests
     """Key A fills both slots and the whole queue with long requests; key B's short one still gets a
     place (A's newest waiting request gives it up: a 503 that says why) and the next free slot (B holds
     none, A holds two), not the place behind every request of A's."""
-
     s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, max_waiting=3,
                                 wait_seconds=300, keys=("key-a", "key-b")))
     store = s.server.config.app.state.core.store
@@ -141,12 +140,13 @@ class RunningStreams:
                 "stream": True, "messages": [{"role": "user", "content": "Write the numbers from 1 to 1000 "
                                               "separated by commas."}]}
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
-            for line in r.iter_lines():
+            for line in r.iter_lines():  # read on (a client that stops reading is one that left)
                 chunk = json.loads(line[6:]) if line.startswith("data: {") else None
                 if chunk and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                    break
-            self.started[name].set()
-            self.left[name].wait(300)  # leaving the block hangs up
+                    self.started[name].set()
+                if self.left[name].is_set():
+                    break  # hangs up
+        self.started[name].set()  # (also a stream that ended or failed: the test sees it is not running)
 
     def leave(self, name: str) -> None:
         self.left[name].set()
@@ -180,8 +180,8 @@ def test_a_schema_that_cannot_be_used_is_a_400_also_while_every_slot_runs_a_stre
         streams = RunningStreams(s.url, ["s0", "s1"])
         try:
             busy = [structured(s.url, BAD_SCHEMA), structured(s.url, CITY, max_tokens=2)]
-            assert all(store.get(n).lock.locked() for n in ("s0", "s1")), "a stream ended before the check"
             assert [r.status_code for r in busy] == [400, 400], [r.text for r in busy]
+            assert all(store.get(n).lock.locked() for n in ("s0", "s1")), "a stream ended before the check"
             assert [r.json() for r in busy] == [r.json() for r in idle]
             # Refused before taking anything: no session made, no place in the queue.
             assert store.counts()["frozen"] == before["frozen"] and store.waiting == 0

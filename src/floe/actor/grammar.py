@@ -11,12 +11,13 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from floe.actor.actor import Actor, Reply, builtin_guest
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError
-from floe.wasm import GuestError, GuestReportedError
+from floe.wasm import GuestError, GuestModule, GuestReportedError
 
 GRAMMAR_EXPORT = "floe_grammar_version"
 STATUS_HEADER = 20  # the guest refused a header (a lone NUL: after reading the vocabulary)
@@ -128,7 +129,7 @@ class SchemaCheck:
     model), so a request that cannot be answered is refused without waiting for a slot. One check at a
     time; each starts from the guest's state after reading the vocabulary (read once, ~1 s)."""
 
-    def __init__(self, engine: Engine, module, *, deadline_s: float = 30.0) -> None:
+    def __init__(self, engine: Engine, module: str | Path | GuestModule, *, deadline_s: float = 30.0) -> None:
         self.engine, self.module, self.deadline_s = engine, module, deadline_s
         self._lock = threading.Lock()
         self._actor: Actor | None = None
