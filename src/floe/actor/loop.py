@@ -86,6 +86,7 @@ RIDE_ROWS = 256
 TOKEN_CALL_S = 5.0
 STEP_CALL_S = 0.25
 ARRIVAL_WAIT_S = 0.05  # the most an arriving turn waits for the one before it (EngineLoop.arriving)
+ARRIVALS = 1  # arriving turns' on_message at once (EngineLoop.arriving)
 IDLE_EXIT_S = 5.0  # the loop's thread ends after this long without turns (the next turn starts one)
 
 
@@ -199,7 +200,7 @@ class EngineLoop:
         self.wait_s = 0.0  # of which waiting for launched forwards (the rest: the host's work)
         self.launch_s = 0.0  # of which in Engine.launch_batch (on the CPU: the forward itself)
         self.phase_s = dict.fromkeys(("prefill", "results", "launch", "guests", "end"), 0.0)  # of step_s
-        self._arrival = threading.Lock()  # see arriving()
+        self._arrival = threading.BoundedSemaphore(ARRIVALS)  # see arriving()
         _ALL_LOOPS.add(self)
 
     # ---- the caller's side ------------------------------------------------------------------------
@@ -239,9 +240,10 @@ class EngineLoop:
     @contextlib.contextmanager
     def arriving(self):
         """Held around an arriving turn's on_message (its caller's thread, Actor._turn): arrivals take
-        turns, so that 16 of them at once do not each hand the GIL to the others at every call into
-        Wasmtime (each call releases it), which made every arrival wait for all. Bounded: a turn waits
-        at most ARRIVAL_WAIT_S for the one before it (a slow guest delays others' arrival no longer)."""
+        turns (ARRIVALS at once), so that 16 of them at once do not each hand the GIL to the others at
+        every call into Wasmtime (each call releases it), which made every arrival wait for all.
+        Bounded: a turn waits at most ARRIVAL_WAIT_S for the one before it (a slow guest delays
+        others' arrival no longer)."""
         held = self._arrival.acquire(timeout=ARRIVAL_WAIT_S)
         try:
             yield

@@ -1,0 +1,102 @@
+"""What a burst of arriving sessions costs the host before its first tokens: one message's on_message
+(the chat guest renders and tokenizes its prompt and queues it) timed alone and profiled by host call,
+then S actors sending at once through one engine loop (TTFT, on_message's wall time) with 1, 2 and 4
+arrivals let in at once (floe.actor.loop.ARRIVALS). A one-layer 64-wide model, so the forward costs
+little and the host's share shows.
+
+    python bench/probes/arrival_cost.py [--device cpu|cuda] [--sessions 64] [--tokens 16] [--rounds 3]
+        [--arrivals 1 2 4] [--switch-ms 5]
+
+--switch-ms: the interpreter's switch interval (sys.setswitchinterval, 5 ms by default): the longest a
+thread that wants the GIL waits for one that holds it without blocking.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from cpu_batch import actors_run, message  # noqa: E402
+
+from floe.actor import Actor, EngineLoop  # noqa: E402
+from floe.actor import loop as engine_loop  # noqa: E402
+from floe.engine import Engine  # noqa: E402
+from floe.model.config import ModelConfig  # noqa: E402
+from floe.model.synthetic import random_checkpoint  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sessions", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--arrivals", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--switch-ms", type=float, nargs="+", default=[5.0])
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.tokenizer:
+        from floe.model.hf_folder import tokenizer_from_folder
+
+        tok = tokenizer_from_folder(Path(args.tokenizer), {})
+    else:
+        from floe.model import load_checkpoint
+
+        tok = load_checkpoint().tokenizer
+    config = ModelConfig(arch="llama", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                         vocab_size=tok.vocab_size, context_length=1024, name="tiny")
+    device = torch.device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    engine = Engine(random_checkpoint(config, tok, dtype=dtype, device=device), device=device,
+                    dtype="float32" if device.type == "cpu" else "bfloat16", max_seq_len=512,
+                    n_slots=args.sessions)
+    engine.warm_up()
+    texts = [message(tok, i, 64) for i in range(args.sessions)]
+    alone(engine, texts)
+    actors_run(engine, texts[:2], 2, batch=True)
+    for switch_ms in args.switch_ms:
+        sys.setswitchinterval(switch_ms / 1e3)
+        for arrivals in args.arrivals:
+            engine_loop.ARRIVALS = arrivals
+            runs = [actors_run(engine, texts, args.tokens, batch=True) for _ in range(args.rounds)]
+            print(f"{args.sessions} at once, {arrivals} arriving at a time, switch {switch_ms:g} ms: "
+                  "TTFT p50 " + ", ".join(f"{r['ttft_ms']:.1f}" for r in runs) + " ms; on_message p50 "
+                  + ", ".join(f"{r['prepare_ms']:.1f}" for r in runs) + " ms, last "
+                  + ", ".join(f"{r['prepare_max_ms']:.1f}" for r in runs) + " ms; tok/s "
+                  + ", ".join(f"{r['tok_s']:.0f}" for r in runs), flush=True)
+
+
+def alone(engine: Engine, texts: list[str]) -> None:
+    """Each message's on_message, one at a time (the loop idle): its wall time, and a profile."""
+    loop = EngineLoop(engine)
+    actors = [Actor(engine, loop=loop, seed=i) for i in range(len(texts))]
+    actors[0].send(texts[0], max_tokens=1)
+    prepare = []
+    profile = cProfile.Profile()
+    for actor, text in zip(actors[1:], texts[1:], strict=True):
+        profile.enable()
+        stats = actor.send(text, max_tokens=1).stats
+        profile.disable()
+        prepare.append(stats.prepared - stats.started)
+    for actor in actors:
+        actor.close()
+    n = len(prepare)
+    print(f"one message's on_message alone: p50 {1e3 * statistics.median(prepare):.3f} ms "
+          f"(min {1e3 * min(prepare):.3f}); cProfile, ms a message (cumulative, own, calls):")
+    stats = pstats.Stats(profile)
+    top = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])
+    for (file, line, name), (_, calls, tottime, cumtime, _) in top[:30]:
+        print(f"  {1e3 * cumtime / n:7.3f} {1e3 * tottime / n:7.3f} {calls / n:5.1f}  "
+              f"{Path(file).name}:{line}({name})")
+
+
+if __name__ == "__main__":
+    main()
