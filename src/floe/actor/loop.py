@@ -201,6 +201,8 @@ class EngineLoop:
         self.launch_s = 0.0  # of which in Engine.launch_batch (on the CPU: the forward itself)
         self.phase_s = dict.fromkeys(("prefill", "results", "launch", "guests", "end"), 0.0)  # of step_s
         self._arrival = threading.BoundedSemaphore(ARRIVALS)  # see arriving()
+        self.arriving_now = 0  # arriving turns holding it
+        self._arrivals_counted = threading.Lock()
         _ALL_LOOPS.add(self)
 
     # ---- the caller's side ------------------------------------------------------------------------
@@ -245,10 +247,15 @@ class EngineLoop:
         Bounded: a turn waits at most ARRIVAL_WAIT_S for the one before it (a slow guest delays
         others' arrival no longer)."""
         held = self._arrival.acquire(timeout=ARRIVAL_WAIT_S)
+        if held:
+            with self._arrivals_counted:
+                self.arriving_now += 1
         try:
             yield
         finally:
             if held:
+                with self._arrivals_counted:
+                    self.arriving_now -= 1
                 self._arrival.release()
 
     @property
