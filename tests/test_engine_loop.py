@@ -8,6 +8,7 @@ import torch
 from guests_wat import v2_chooser, v2_guest
 
 from floe.actor import Actor, EngineLoop
+from floe.actor import loop as engine_loop
 from floe.engine import SamplingParams
 from floe.wasm import (
     GuestDeadlineExceeded,
@@ -61,6 +62,18 @@ def test_concurrent_actors_share_steps_and_answer_exactly_as_alone(tiny_engine):
     # (a turn's last token is appended only if the turn goes on: not at max_tokens)
     appended = [len(r.stats.token_ids) - (r.stats.finish_reason == "length") for r in replies]
     assert loop.rows == sum(appended) and loop.steps <= max(appended) + len(PROMPTS)  # joins may lag
+
+
+@pytest.mark.parametrize("arrivals", [1, 4])
+def test_arrivals_let_in_together_answer_exactly_as_alone(tiny_engine, monkeypatch, arrivals):
+    """Arriving turns' on_message ARRIVALS at once (floe.actor.loop.ARRIVALS, by the machine's cores):
+    each concurrent actor's reply is still its reply alone, and no arrival turn is left held."""
+    monkeypatch.setattr(engine_loop, "ARRIVALS", arrivals)
+    expected = [alone(tiny_engine, p, 12) for p in PROMPTS]
+    loop = EngineLoop(tiny_engine)
+    replies = concurrently(tiny_engine, loop, [(None, p, 12) for p in PROMPTS])
+    assert [r.stats.token_ids for r in replies] == expected
+    assert loop.arriving_now == 0
 
 
 @pytest.mark.parametrize("bad, error", [("(unreachable)", GuestTrap),

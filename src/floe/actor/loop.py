@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -86,7 +87,10 @@ RIDE_ROWS = 256
 TOKEN_CALL_S = 5.0
 STEP_CALL_S = 0.25
 ARRIVAL_WAIT_S = 0.05  # the most an arriving turn waits for the one before it (EngineLoop.arriving)
-ARRIVALS = 1  # arriving turns' on_message at once (EngineLoop.arriving)
+# Arriving turns' on_message at once (EngineLoop.arriving): their GIL-free parts (the guest's code, the
+# tokenizer) overlap where there are cores for them. A burst of 64 on the H200 host (16 cores,
+# bench/probes/arrival_cost.py): on_message p50 61 ms with 4, 87 with 1; TTFT p50 90 vs 105-118 ms.
+ARRIVALS = max(1, min(4, (os.cpu_count() or 1) // 4))
 IDLE_EXIT_S = 5.0  # the loop's thread ends after this long without turns (the next turn starts one)
 
 

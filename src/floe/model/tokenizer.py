@@ -163,8 +163,9 @@ class Tokenizer:
     def most_text_bytes_per_token(self) -> int:
         """At least the most bytes of input text one token can stand for: the longest token's bytes,
         times 3 if a normalizer runs first (NFKC folds a 3-byte character into a 1-byte one). A text of
-        n bytes is at least n / this many tokens (a bound that needs no tokenizing). ~0.05 s once."""
-        longest = max((len(self._token_bytes(i)) for i in range(self.vocab_size)), default=1)
+        n bytes is at least n / this many tokens (a bound that needs no tokenizing). ~0.05 s once (every
+        token's bytes, kept: a server streams them)."""
+        longest = max((len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1)
         return longest * (1 if self.backend.normalizer is None else 3)
 
     def _token_bytes(self, token_id: int) -> bytes:

@@ -133,6 +133,8 @@ class ServeCore:
         self.store.on_thaw, self.store.on_freeze = self.metrics.thaw.observe, self.metrics.freeze.observe
         self.store.load_store()
         self.store.warm_up()
+        _ = self.max_text_bytes  # (a pass over the vocabulary: ~0.1 s on the H200 host, which the first
+        # request's front call paid while a burst of arrivals waited behind it for the GIL)
         self.started = time.time()
         self._closed = threading.Event()
         self._evictor = threading.Thread(target=self._evict_loop, name="floe-evict", daemon=True)
