@@ -23,7 +23,7 @@ left() { echo $((budget - ($(date +%s) - start))); }
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-NEW=/tmp/site:$PWD/src
+NEW=/tmp/site:$PWD/${NEW_SRC:-src}  # NEW_SRC: e.g. .new/src, a clean copy of a commit (ignored; carried)
 BASE=/tmp/site:$PWD/.base/src
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv
 lscpu | grep -E "Model name|^CPU\(s\)"
