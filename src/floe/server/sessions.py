@@ -38,6 +38,7 @@ from pathlib import Path
 from floe.actor import Actor, DecodeScheduler, EngineLoop, MessageStats
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError
+from floe.memory import trim_heap
 from floe.server.records import (
     SESSION_ID,
     NotASession,
@@ -873,6 +874,10 @@ class SessionStore:
             for key in swept["deleted"]:
                 report["deleted"].append(key)
                 self._forget_frozen(key)
+            # Snapshots are made and dropped whole (MBs each) on many threads: glibc keeps what they
+            # freed in its arenas (40-170 MB a churn of 100 one-shot sessions, tests/test_server_memory.py),
+            # part of the core's RSS growth in bench/soak.py. Handed back once a sweep (~5-10 ms here).
+            trim_heap()
         pinned = self.snapshots.pinned
         for key in self.snapshots.leased():
             with self.lock:
