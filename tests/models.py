@@ -1,5 +1,6 @@
-"""Tiny real models for tests: random Llama/Qwen2 written with transformers' save_pretrained, and
-tiny GGUF files written with gguf's GGUFWriter in every tensor type floe must read.
+"""Tiny real models for tests: random Llama/Mistral/Qwen2/Qwen3 written with transformers'
+save_pretrained (and as llama.cpp's converter writes them), and tiny GGUF files written with gguf's
+GGUFWriter in every tensor type floe must read.
 
 Both borrow the default model's real tokenizer (SmolLM2's 49152-token byte-level BPE).
 """
@@ -27,12 +28,15 @@ def tokenizer_fields() -> dict:
 
 
 def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_llama3: bool = False,
-                   shard: bool = True) -> Path:
-    """A random transformers model of `arch` ("llama", "qwen2" or "qwen3") saved as safetensors shards.
-    qwen3's head_dim (32) is not hidden_size / heads (16), as in Qwen3-0.6B (128 vs 64)."""
+                   shard: bool = True, sliding_window: int | None = None) -> Path:
+    """A random transformers model of `arch` ("llama", "mistral", "qwen2" or "qwen3") saved as
+    safetensors shards. qwen3's head_dim (32) is not hidden_size / heads (16), as in Qwen3-0.6B (128
+    vs 64); mistral's attention sees the last `sliding_window` positions (None: all)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -52,6 +56,10 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
                     "original_max_position_embeddings": 64}
         config = LlamaConfig(**common, rope_parameters=rope)
         cls = LlamaForCausalLM
+    elif arch == "mistral":
+        config = MistralConfig(**common, sliding_window=sliding_window,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        cls = MistralForCausalLM
     elif arch == "qwen2":
         config = Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
         cls = Qwen2ForCausalLM
@@ -73,7 +81,7 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
     return folder
 
 
-# transformers' names of a Qwen3 layer's tensors -> llama.cpp's (convert_hf_to_gguf: no Q/K permutation)
+# transformers' names of a layer's tensors -> llama.cpp's (convert_hf_to_gguf)
 _GGUF_LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
@@ -83,7 +91,7 @@ _GGUF_LAYER_NAMES = {
 
 
 def gguf_name(hf_name: str) -> str:
-    """llama.cpp's name of a transformers Qwen3 tensor."""
+    """llama.cpp's name of a transformers tensor."""
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     if hf_name in top:
@@ -93,26 +101,37 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
 
 
-def write_qwen3_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
-    """The transformers Qwen3 model in `folder` as llama.cpp's converter writes it: general.architecture
-    qwen3, its qwen3.* keys (attention.key_length: the explicit head_dim), matrices in `qtype`, norms F32."""
+# model_type -> the general.architecture llama.cpp's converter writes (MistralForCausalLM: LlamaModel)
+_GGUF_ARCH = {"qwen3": "qwen3", "mistral": "llama"}
+
+
+def convert_to_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
+    """The transformers model in `folder` (qwen3 or mistral) as llama.cpp's converter writes it:
+    qwen3 with its qwen3.* keys (attention.key_length: the explicit head_dim); mistral as
+    general.architecture llama, Q/K rows permuted (rotary pairs adjacent), its window as
+    llama.attention.sliding_window. Matrices in `qtype`, norms F32."""
     import json
 
     from safetensors import safe_open
 
     cfg = json.loads((folder / "config.json").read_text())
-    writer = GGUFWriter(path, "qwen3")
-    writer.add_name("tiny-test-qwen3")
+    arch = _GGUF_ARCH[cfg["model_type"]]
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+    writer = GGUFWriter(path, arch)
+    writer.add_name(f"tiny-test-{cfg['model_type']}")
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("sliding_window") is not None:
+        writer.add_sliding_window(cfg["sliding_window"])
     for key, value in tokenizer_fields().items():
         _add_field(writer, key, value)
     tensors = {}
@@ -120,6 +139,9 @@ def write_qwen3_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
         with safe_open(str(shard), framework="np") as f:
             tensors.update((name, f.get_tensor(name).astype(np.float32)) for name in f.keys())
     for name, w in sorted(tensors.items()):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = n_heads if "q_proj" in name else n_kv
+            w = permute_rotary_rows(torch.from_numpy(w), heads).numpy()
         quantize_it = w.ndim == 2 and qtype != Q.F32
         writer.add_tensor(gguf_name(name), quantize(w, qtype) if quantize_it else w,
                           raw_dtype=qtype if quantize_it else None)

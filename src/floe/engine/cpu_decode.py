@@ -76,25 +76,26 @@ def norm(x: Tensor, rows: list[Tensor], weight: Tensor, eps: float, zero: Tensor
 
 
 def attend(rot: Tensor, v: Tensor, out: list[Tensor], slots: list[int], positions: list[int],
-           k_cache: Tensor, v_cache: Tensor, n_heads: int, group: int) -> None:
+           k_cache: Tensor, v_cache: Tensor, n_heads: int, group: int, window: int = 0) -> None:
     """Per row b: write its k (rot[b]'s last heads, rotated) and v [B, n_kv, head_dim] at positions[b]
     of its slot's cache [n_slots, n_kv, seq, head_dim], then attend its q (rot[b]'s first n_heads,
-    rotated and scaled) over that slot's first positions[b] + 1 positions into out[b]
-    [n_kv, group, head_dim]."""
+    rotated and scaled) over that slot's first positions[b] + 1 positions (window > 0: the last
+    `window` of them) into out[b] [n_kv, group, head_dim]."""
     n_kv, head_dim = v.shape[1], v.shape[2]
     for b in range(len(slots)):
         length, rb = positions[b] + 1, rot.select(0, b)
+        first = max(0, length - window) if window > 0 else 0
         k_slot, v_slot = k_cache.select(0, slots[b]), v_cache.select(0, slots[b])
         k_slot.select(1, positions[b]).copy_(rb.narrow(0, n_heads, n_kv))
         v_slot.select(1, positions[b]).copy_(v.select(0, b))
         scores = torch.bmm(rb.narrow(0, 0, n_heads).view(n_kv, group, head_dim),
-                           k_slot.narrow(1, 0, length).transpose(1, 2))
-        torch.bmm(torch.softmax(scores, dim=-1), v_slot.narrow(1, 0, length), out=out[b])
+                           k_slot.narrow(1, first, length - first).transpose(1, 2))
+        torch.bmm(torch.softmax(scores, dim=-1), v_slot.narrow(1, first, length - first), out=out[b])
 
 
 def attend_ops(y: Tensor, rotary: Tensor, row_scale: Tensor, att_rows: list[Tensor], slots: list[int],
                positions: list[int], k_cache: Tensor, v_cache: Tensor, n_heads: int, n_kv: int,
-               head_dim: int) -> None:
+               head_dim: int, window: int = 0) -> None:
     """`attend` after rotary, in PyTorch's ops, from a layer's qkv rows y [B, (n_heads + 2 n_kv)
     head_dim]: rotary for all Q and K heads of a row in one product (Q's rows also carry the
     attention scale), then the cache write and attention per row."""
@@ -104,7 +105,7 @@ def attend_ops(y: Tensor, rotary: Tensor, row_scale: Tensor, att_rows: list[Tens
     if rot.dtype != k_cache.dtype:
         rot = rot.to(k_cache.dtype)
     v = y.narrow(1, qk_size, n_kv * head_dim).view(rows, n_kv, head_dim)
-    attend(rot, v, att_rows, slots, positions, k_cache, v_cache, n_heads, n_heads // n_kv)
+    attend(rot, v, att_rows, slots, positions, k_cache, v_cache, n_heads, n_heads // n_kv, window)
 
 
 def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Tensor, slots: list[int],
@@ -113,7 +114,7 @@ def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Te
                   qk_norms: list[Tensor], k_caches: list[Tensor], v_caches: list[Tensor], att: Tensor,
                   att_rows: list[Tensor],
                   n_heads: int, n_kv: int, head_dim: int, ffn_dim: int, zero: Tensor,
-                  native_ops: bool, cos: Tensor, sin: Tensor) -> None:
+                  native_ops: bool, cos: Tensor, sin: Tensor, window: int) -> None:
     """Every layer of one decode step of B rows, updating the fp32 residual rows x [B, dim] (x_rows:
     its rows, views) in place.
 
@@ -127,6 +128,7 @@ def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Te
     views; zero: a float32 [1] of 0 (addcmul's base). native_ops: RMSNorm, and rotary, the cache
     write and attention, by floe's operators (`torch.ops.floe.rms_norm_rows`, `torch.ops.floe.attend`;
     float32 throughout) from the tables cos, sin [seq, head_dim]; rotary and row_scale then go unused.
+    window > 0: a row attends over the last `window` positions only (Mistral; PyTorch's ops only).
     """
     for i in range(len(k_caches)):
         k_cache, v_cache, j = k_caches[i], v_caches[i], 4 * i
@@ -140,7 +142,7 @@ def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Te
             torch.ops.floe.attend(y, cos, sin, k_cache, v_cache, slots, positions, n_heads, att)
         else:
             attend_ops(y, rotary, row_scale, att_rows, slots, positions, k_cache, v_cache, n_heads, n_kv,
-                       head_dim)
+                       head_dim, window)
         o_dtype = input_dtype(weights[j + 1], repeats[j + 1])
         x.add_(project(att.to(o_dtype), weights[j + 1], scales[j + 1], repeats[j + 1]))
         gate_up = project(norm(x, x_rows, norms[2 * i + 1], eps, zero, inputs[2 * i + 1], native_ops),
@@ -225,9 +227,14 @@ class CpuDecoder:
         # floe's operators for RMSNorm and attention where floe's kernels are loaded (a native
         # projection) and the norms, their outputs and the cache are float32; else PyTorch's ops
         # (`native_ops` chooses, for tests)
+        # The window, where it is shorter than the cache (0: none); floe's attend operator attends
+        # over every written position, so a window runs PyTorch's ops.
+        self.window = c.sliding_window if c.window_limits(cache.max_seq_len) else 0
         if native_ops is None:
-            native_ops = any(r < 0 for r in self.repeats) and all(
+            native_ops = any(r < 0 for r in self.repeats) and self.window == 0 and all(
                 t.dtype == torch.float32 for t in (cache.k, *self.norms, *self.inputs, model.norm.weight))
+        if native_ops and self.window:
+            raise ValueError("floe's attend operator has no sliding window: native_ops must be False")
         self.native_ops = native_ops
         self.k_caches = [cache.k[i] for i in range(c.n_layers)]
         self.v_caches = [cache.v[i] for i in range(c.n_layers)]
@@ -272,7 +279,7 @@ class CpuDecoder:
         self.run_layers(x, x_rows, rotary, self.row_scale, slots, positions, c.norm_eps, self.norms, inputs,
                         self.weights, self.scales, self.repeats, self.qkv_bias, self.qk_norms, self.k_caches,
                         self.v_caches, att, att_rows, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim,
-                        self.zero, self.native_ops, m.cos, m.sin)
+                        self.zero, self.native_ops, m.cos, m.sin, self.window)
         h = self.norm(x, x_rows, m.norm.weight, c.norm_eps, self.zero, head_input,
                       self.native_ops and head_input.dtype == torch.float32)
         weight, scales, repeat = self.head

@@ -1,4 +1,5 @@
-"""The Llama-family transformer (Llama, Llama-3, SmolLM2, Qwen2, Qwen3) in plain PyTorch, gpt-fast style."""
+"""The Llama-family transformer (Llama, Llama-3, SmolLM2, Mistral, Qwen2, Qwen3) in plain PyTorch, gpt-fast
+style."""
 
 from __future__ import annotations
 
@@ -41,15 +42,20 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-def prompt_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, start: int) -> Tensor:
+def prompt_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, start: int,
+                     window: int | None = None) -> Tensor:
     """Causal attention of T queries q [n_heads, T, hd] at positions start.. over one slot's cache
-    (k_cache/v_cache [n_kv, S, hd], its first start + T positions written): [T, n_heads * hd]."""
+    (k_cache/v_cache [n_kv, S, hd], its first start + T positions written): [T, n_heads * hd].
+    window: each query sees only the last `window` positions, itself included (None: all)."""
     t, end = q.shape[1], start + q.shape[1]
-    keys, values = k_cache[None, :, :end], v_cache[None, :, :end]
-    if start == 0:
+    first = 0 if window is None else max(0, start - window + 1)  # the first key any query sees
+    keys, values = k_cache[None, :, first:end], v_cache[None, :, first:end]
+    if start == 0 and (window is None or end <= window):
         y = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, enable_gqa=True)
-    else:  # appending to an existing prefix: query i sees keys 0..start+i
-        mask = torch.ones(t, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+    else:  # query i (position start + i) sees keys start + i - window < j <= start + i
+        mask = torch.ones(t, end - first, dtype=torch.bool, device=q.device).tril(diagonal=start - first)
+        if window is not None:
+            mask = mask.triu(diagonal=start - first - window + 1)
         y = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=True)
     return y[0].transpose(0, 1).reshape(t, q.shape[0] * q.shape[2])
 
@@ -83,6 +89,7 @@ class Attention(nn.Module):
         # Qwen3: q and k each RMS-normalised per head before rotary (one weight [head_dim] each).
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
+        self.window = c.sliding_window  # Mistral: a query sees the last `window` positions only
 
     def forward(self, x: Tensor, rope: list[tuple[Tensor, Tensor]], k_layer: Tensor, v_layer: Tensor,
                 segments: list[Segment]) -> Tensor:
@@ -107,9 +114,10 @@ class Attention(nn.Module):
             k_cache[:, start:end] = k
             v_cache[:, start:end] = v.view(t, self.n_kv_heads, self.head_dim).transpose(0, 1)
             if t == 1:
-                ys.append(self._decode_attention(q, k_cache[:, :end], v_cache[:, :end]))
+                first = 0 if self.window is None else max(0, end - self.window)
+                ys.append(self._decode_attention(q, k_cache[:, first:end], v_cache[:, first:end]))
             else:
-                ys.append(prompt_attention(q, k_cache, v_cache, start))
+                ys.append(prompt_attention(q, k_cache, v_cache, start, self.window))
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
         return project(self.wo, y, splits)
 

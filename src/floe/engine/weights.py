@@ -45,14 +45,23 @@ class LogitsHead(nn.Module):
         return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
 
 
-def check_backend(c: ModelConfig, backend: str) -> None:
+def check_backend(c: ModelConfig, backend: str, max_seq_len: int) -> None:
     """Raise UnsupportedModel, naming the architecture, where `backend` ("cpu", "cuda", "webgpu")
-    has no step for something the model computes; before any weight is read."""
+    has no step for something the model computes in a context of max_seq_len positions; before any
+    weight is read."""
     # WebGPU's shaders repeat the attention math without the per-head q/k norm; the module forward,
     # the CPU's lean step and CUDA's graph and Triton steps apply it (transformer.norm_heads).
     if c.qk_norm and backend == "webgpu":
         raise UnsupportedModel(f"{c.arch} models (per-head q/k norm) do not run on WebGPU in this version: "
                                "floe's WGSL decode step does not apply that norm; use --device cpu or cuda")
+    # A sliding window shorter than the context: the CPU's module forward and lean step mask it; CUDA's
+    # graph and Triton steps and WebGPU's shaders attend over every written position.
+    if c.window_limits(max_seq_len) and backend != "cpu":
+        raise UnsupportedModel(
+            f"{c.arch} models with sliding-window attention (a window of {c.sliding_window} positions, "
+            f"shorter than this engine's context of {max_seq_len}) run on the CPU only in this version: "
+            f"floe's {backend} steps attend over the whole context; use --device cpu, or a context of "
+            f"at most {c.sliding_window} positions (--context, Engine(max_seq_len=...))")
 
 
 @dataclass
@@ -75,7 +84,7 @@ def load_model(checkpoint: Checkpoint, max_seq_len: int, device: torch.device, d
     keep a dense copy for long inputs."""
     if weights not in WEIGHTS:
         raise FloeError(f"weights {weights!r}: choose 'dense' or 'native'")
-    check_backend(checkpoint.config, device.type)
+    check_backend(checkpoint.config, device.type, max_seq_len)
     kernel = None
     if weights == "native":
         if device.type != "cpu":

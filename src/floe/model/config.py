@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Architectures that RMS-normalise each head's q and k (over head_dim, before rotary): Qwen3.
 QK_NORM_ARCHITECTURES = frozenset({"qwen3"})
 
@@ -43,12 +43,20 @@ class ModelConfig:
     name: str = ""
     # Per-dimension divisors of the rotary frequencies, when the file ships them (GGUF rope_freqs).
     rope_freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
+    # Sliding-window attention (Mistral): a query sees the last `sliding_window` positions, itself
+    # included. None: the whole context.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    def window_limits(self, max_seq_len: int) -> bool:
+        """Whether the sliding window is shorter than a context of max_seq_len positions (else every
+        query sees every earlier position anyway)."""
+        return self.sliding_window is not None and self.sliding_window < max_seq_len
 
     @property
     def qk_norm(self) -> bool:
@@ -76,7 +84,10 @@ class ModelConfig:
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys), the config part of the model fingerprint."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = dataclasses.asdict(self)
+        if fields["sliding_window"] is None:  # absent, as before the field: earlier fingerprints hold
+            del fields["sliding_window"]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     def inv_freq(self) -> torch.Tensor:
         """Rotary inverse frequencies, float64, shape [head_dim // 2]."""

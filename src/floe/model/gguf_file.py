@@ -181,6 +181,8 @@ def config_from_fields(fields: dict, tensor_names: set[str], rope_freqs: np.ndar
     n_kv = key("attention.head_count_kv", n_heads)
     dim = int(key("embedding_length"))
     scaling = None
+    # Mistral's window, where the file states it (Qwen's GGUFs run without one, as in llama.cpp)
+    window = fields.get(f"{arch}.attention.sliding_window") if arch in ("llama", "mistral") else None
     if fields.get(f"{arch}.rope.scaling.type") not in (None, "none"):
         raise UnsupportedModel(f"rope scaling {fields[f'{arch}.rope.scaling.type']!r} is not supported")
     return ModelConfig(
@@ -200,6 +202,7 @@ def config_from_fields(fields: dict, tensor_names: set[str], rope_freqs: np.ndar
         tie_embeddings="output.weight" not in tensor_names,
         name=str(fields.get("general.name") or ""),
         rope_freq_factors=None if rope_freqs is None else tuple(float(x) for x in rope_freqs),
+        sliding_window=None if window is None else int(window),
     )
 
 
@@ -209,7 +212,7 @@ def canonical_name(gguf_name: str) -> str:
     m = _BLOCK.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise UnsupportedModel(f"unexpected tensor {gguf_name!r}: not a Llama/Qwen2/Qwen3 weight")
+    raise UnsupportedModel(f"unexpected tensor {gguf_name!r}: not a Llama/Mistral/Qwen2/Qwen3 weight")
 
 
 @functools.cache
@@ -293,8 +296,9 @@ def _dense(t: GGUFTensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _permuted_heads(config: ModelConfig, name: str) -> int:
-    """llama.cpp permutes the rows of Llama's Q and K projections; how many heads, 0 if not."""
-    if config.arch != "llama":
+    """llama.cpp permutes the rows of Llama's (and so Mistral's) Q and K projections; how many heads,
+    0 if not."""
+    if config.arch not in ("llama", "mistral"):
         return 0
     if name.endswith(("wq.weight", "wq.bias")):
         return config.n_heads

@@ -75,6 +75,9 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
     elif rope_type != "default":
         raise UnsupportedModel(f"rope scaling {rope_type!r} is not supported (only llama3)")
     n_heads = cfg["num_attention_heads"]
+    if cfg.get("use_sliding_window"):  # Qwen2/Qwen3: a window on some layers only
+        raise UnsupportedModel(f"{model_type} with use_sliding_window (a window on the layers past "
+                               "max_window_layers) is not supported")
     return ModelConfig(
         arch=model_type,
         dim=cfg["hidden_size"],
@@ -91,6 +94,9 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias")),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "qwen2")),
         name=name,
+        # Mistral's window (null in Mistral 7B v0.2 and later); Qwen's sliding_window is unused
+        # without use_sliding_window.
+        sliding_window=cfg.get("sliding_window") if model_type == "mistral" else None,
     )
 
 
@@ -113,7 +119,7 @@ def _canonical(name: str) -> str | None:
     m = _LAYER.fullmatch(name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise UnsupportedModel(f"unexpected tensor {name!r}: not a Llama/Qwen2/Qwen3 weight")
+    raise UnsupportedModel(f"unexpected tensor {name!r}: not a Llama/Mistral/Qwen2/Qwen3 weight")
 
 
 def tokenizer_from_folder(folder: Path, cfg: dict) -> Tokenizer:

@@ -13,7 +13,7 @@ from floe.model.config import ModelConfig
 def webgpu_cache(config: ModelConfig, max_seq_len: int, n_slots: int) -> WebGPUKVCache:
     """A KV cache in the process's WebGPU device's buffers (raises WebGPUUnavailable without one;
     UnsupportedModel for an architecture the shaders do not compute)."""
-    check_backend(config, "webgpu")
+    check_backend(config, "webgpu", max_seq_len)
     return WebGPUKVCache(gpu(), config, max_seq_len, n_slots)
 
 
