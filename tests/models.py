@@ -7,6 +7,7 @@ Both borrow the default model's real tokenizer (SmolLM2's 49152-token byte-level
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -28,15 +29,20 @@ def tokenizer_fields() -> dict:
 
 
 def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_llama3: bool = False,
-                   shard: bool = True, sliding_window: int | None = None) -> Path:
-    """A random transformers model of `arch` ("llama", "mistral", "qwen2" or "qwen3") saved as
-    safetensors shards. qwen3's head_dim (32) is not hidden_size / heads (16), as in Qwen3-0.6B (128
-    vs 64); mistral's attention sees the last `sliding_window` positions (None: all)."""
+                   shard: bool = True, sliding_window: int | None = None, partial_rotary: float = 1.0,
+                   long_rope: bool = False) -> Path:
+    """A random transformers model of `arch` ("llama", "mistral", "phi3", "qwen2" or "qwen3") saved
+    as safetensors shards. qwen3's head_dim (32) is not hidden_size / heads (16), as in Qwen3-0.6B
+    (128 vs 64); mistral's and phi3's attention sees the last `sliding_window` positions (None: all);
+    phi3 rotates the first `partial_rotary` of each head, with LongRoPE (random factors, pretrained
+    on 32 positions of 512) if `long_rope`."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -60,6 +66,16 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
         config = MistralConfig(**common, sliding_window=sliding_window,
                                rope_parameters={"rope_type": "default", "rope_theta": 1e6})
         cls = MistralForCausalLM
+    elif arch == "phi3":
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial_rotary}
+        if long_rope:
+            pairs = int(16 * partial_rotary) // 2
+            factors = np.random.default_rng(seed).uniform(1.0, 8.0, (2, pairs)).round(3).tolist()
+            rope.update(rope_type="longrope", short_factor=factors[0], long_factor=factors[1],
+                        original_max_position_embeddings=32)
+        config = Phi3Config(**common, sliding_window=sliding_window, rope_parameters=rope,
+                            original_max_position_embeddings=32 if long_rope else 512, pad_token_id=0)
+        cls = Phi3ForCausalLM
     elif arch == "qwen2":
         config = Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
         cls = Qwen2ForCausalLM
@@ -81,12 +97,35 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
     return folder
 
 
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' logits [len(ids), vocab] of one forward over ids."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' n greedy tokens after prompt, each from a forward over everything so far."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(reference_logits(model, ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+def floe_greedy(engine, prompt: list[int], n: int) -> list[int]:
+    """An engine's n greedy tokens after prompt, through its decode step (the CPU's lean step)."""
+    out = [int(engine.prefill(prompt).argmax())]
+    while len(out) < n:
+        out.append(int(engine.decode_step(out[-1]).argmax()))
+    return out
+
+
 # transformers' names of a layer's tensors -> llama.cpp's (convert_hf_to_gguf)
 _GGUF_LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused tensors, kept fused
 }
 
 
@@ -102,14 +141,17 @@ def gguf_name(hf_name: str) -> str:
 
 
 # model_type -> the general.architecture llama.cpp's converter writes (MistralForCausalLM: LlamaModel)
-_GGUF_ARCH = {"qwen3": "qwen3", "mistral": "llama"}
+_GGUF_ARCH = {"qwen3": "qwen3", "mistral": "llama", "phi3": "phi3"}
 
 
 def convert_to_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
-    """The transformers model in `folder` (qwen3 or mistral) as llama.cpp's converter writes it:
-    qwen3 with its qwen3.* keys (attention.key_length: the explicit head_dim); mistral as
+    """The transformers model in `folder` (qwen3, mistral or phi3) as llama.cpp's converter writes
+    it: qwen3 with its qwen3.* keys (attention.key_length: the explicit head_dim); mistral as
     general.architecture llama, Q/K rows permuted (rotary pairs adjacent), its window as
-    llama.attention.sliding_window. Matrices in `qtype`, norms F32."""
+    llama.attention.sliding_window; phi3 with attn_qkv and ffn_up (gate and up) fused,
+    rope.dimension_count (the partial rotary), sliding_window (0: none) and LongRoPE's
+    rope_factors_short/long tensors, attention factor and original context. Matrices in `qtype`,
+    norms F32."""
     import json
 
     from safetensors import safe_open
@@ -126,12 +168,24 @@ def convert_to_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(n_heads)
     writer.add_head_count_kv(n_kv)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    if cfg.get("head_dim"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    rope = cfg.get("rope_parameters") or {}
+    writer.add_rope_freq_base(float(cfg.get("rope_theta") or rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    if cfg.get("sliding_window") is not None:
+    if arch == "phi3":
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
+        writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+    elif cfg.get("sliding_window") is not None:
         writer.add_sliding_window(cfg["sliding_window"])
+    if rope.get("rope_type") == "longrope":
+        factor = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor)
+                                                       / math.log(cfg["original_max_position_embeddings"])))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     for key, value in tokenizer_fields().items():
         _add_field(writer, key, value)
     tensors = {}

@@ -6,7 +6,7 @@ prompt longer than it computes; backends that attend over the whole context refu
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from models import convert_to_gguf, save_hf_folder
+from models import convert_to_gguf, floe_greedy, reference_greedy, reference_logits, save_hf_folder
 
 from floe.engine import Engine
 from floe.engine.weights import check_backend
@@ -29,26 +29,6 @@ def reference(folder):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def reference_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
-
-
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(reference_logits(model, ids)[-1].argmax()))
-    return ids[len(prompt):]
-
-
-def floe_greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens through the engine's decode step (the CPU's lean step)."""
-    out = [int(engine.prefill(prompt).argmax())]
-    while len(out) < n:
-        out.append(int(engine.decode_step(out[-1]).argmax()))
-    return out
 
 
 def assert_matches(path, model, tolerance: float = 1e-4, **engine_args) -> None:

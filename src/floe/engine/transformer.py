@@ -205,10 +205,18 @@ class Transformer(nn.Module):
 
     @staticmethod
     def rotary_tables(c: ModelConfig, max_seq_len: int) -> tuple[Tensor, Tensor]:
-        """cos and sin [max_seq_len, head_dim], float32, computed in float64."""
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), c.inv_freq())
+        """cos and sin [max_seq_len, head_dim], float32, computed in float64; the rotating dimensions'
+        times LongRoPE's attention factor where the model has one (a partial rotary's others pass
+        through: cos 1, sin 0)."""
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), c.inv_freq(max_seq_len))
         angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().float(), angles.sin().float()
+        if c.rotary_scale == 1.0:
+            return angles.cos().float(), angles.sin().float()
+        half, rotating = c.head_dim // 2, (c.rotary_dim or c.head_dim) // 2
+        scale = torch.ones(half, dtype=torch.float64)
+        scale[:rotating] = c.rotary_scale
+        scale = torch.cat((scale, scale))
+        return (angles.cos() * scale).float(), (angles.sin() * scale).float()
 
     def output_weight(self) -> Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight

@@ -12,7 +12,7 @@ import torch
 import xxhash
 
 from floe.errors import NotAModel
-from floe.model.config import ModelConfig
+from floe.model.config import ModelConfig, partial_rotary_order
 from floe.model.quant import QuantizedWeight
 from floe.model.tokenizer import Tokenizer
 
@@ -154,6 +154,58 @@ def model_fingerprint(config: ModelConfig, tensors, legacy: bool = False,
         if progress:
             progress(done, total, name)
     return h.hexdigest()
+
+
+# Fused tensors a file may store (Phi-3's qkv_proj and gate_up_proj): the canonical weights they
+# stack by rows, in order. Readers split them at load; the engine stacks its own fusions again.
+FUSED_PARTS = {
+    "qkv": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
+    "gate_up": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+}
+
+
+# The canonical weights whose rows rotary reads (each head's q or k dimensions).
+ROTARY_WEIGHTS = ("wq.weight", "wk.weight", "wq.bias", "wk.bias")
+
+
+def weight_rows(c: ModelConfig, name: str) -> int:
+    """Rows of canonical layer weight `name`, a projection's (a part of FUSED_PARTS, or a Q/K bias)."""
+    module = name.rsplit(".", 1)[0]
+    if module.endswith("wq"):
+        return c.n_heads * c.head_dim
+    if module.endswith(("wk", "wv")):
+        return c.n_kv_heads * c.head_dim
+    return c.ffn_dim
+
+
+def rotary_rows(c: ModelConfig, name: str, rows: torch.Tensor) -> torch.Tensor:
+    """The stored rows `rows` (indices) of canonical weight `name` in the order the engine runs them:
+    with a partial rotary, each Q and K head's rows in partial_rotary_order; else as they are."""
+    if not c.rotary_dim or not name.endswith(ROTARY_WEIGHTS):
+        return rows
+    order = partial_rotary_order(c.head_dim, c.rotary_dim)
+    return rows.view(-1, c.head_dim)[:, order].reshape(-1)
+
+
+def fused_part_rows(c: ModelConfig, kind: str, layer: int) -> list[tuple[str, torch.Tensor]]:
+    """(canonical name, the stored rows it takes) of each part of layer `layer`'s fused `kind`
+    tensor (FUSED_PARTS), its rotary rows reordered (rotary_rows)."""
+    parts, start = [], 0
+    for part in FUSED_PARTS[kind]:
+        name, n = f"layers.{layer}.{part}", weight_rows(c, part)
+        parts.append((name, rotary_rows(c, name, torch.arange(start, start + n))))
+        start += n
+    return parts
+
+
+def take_rows(w: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """Rows `rows` of w (None: w): a view where they are consecutive, else a copy."""
+    if rows is None:
+        return w
+    first = int(rows[0])
+    if torch.equal(rows, torch.arange(first, first + len(rows))):
+        return w.narrow(0, first, len(rows))
+    return w.index_select(0, rows)
 
 
 def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 # Architectures that RMS-normalise each head's q and k (over head_dim, before rotary): Qwen3.
 QK_NORM_ARCHITECTURES = frozenset({"qwen3"})
 
@@ -22,6 +22,17 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """Phi-3's LongRoPE ("longrope", formerly "su"): per-frequency divisors, one set for contexts up
+    to the pretraining length and one beyond it, and a factor on cos and sin."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,11 @@ class ModelConfig:
     # Sliding-window attention (Mistral): a query sees the last `sliding_window` positions, itself
     # included. None: the whole context.
     sliding_window: int | None = None
+    # Partial rotary (Phi-3 with partial_rotary_factor): only each head's first rotary_dim dimensions
+    # rotate (0: all of head_dim). The readers reorder Q/K rows so the engines' half-split rotary
+    # does it (partial_rotary_order).
+    rotary_dim: int = 0
+    long_rope: LongRope | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -85,19 +101,46 @@ class ModelConfig:
     def to_json(self) -> str:
         """Canonical JSON (sorted keys), the config part of the model fingerprint."""
         fields = dataclasses.asdict(self)
-        if fields["sliding_window"] is None:  # absent, as before the field: earlier fingerprints hold
-            del fields["sliding_window"]
+        for name, unset in _LATER_FIELDS.items():
+            if fields[name] == unset:  # absent, as before the field: earlier fingerprints hold
+                del fields[name]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
-    def inv_freq(self) -> torch.Tensor:
-        """Rotary inverse frequencies, float64, shape [head_dim // 2]."""
-        half = self.head_dim // 2
-        inv = 1.0 / (self.rope_theta ** (torch.arange(0, half, dtype=torch.float64) * 2 / self.head_dim))
+    def inv_freq(self, max_seq_len: int = 0) -> torch.Tensor:
+        """Rotary inverse frequencies, float64, shape [head_dim // 2], for a context of max_seq_len
+        positions (LongRoPE's long factors past its pretraining length, as llama.cpp chooses by its
+        context). With a partial rotary, the first rotary_dim // 2 rotate and the rest are 0 (cos 1,
+        sin 0: dimensions that pass through)."""
+        rotary = self.rotary_dim or self.head_dim
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, rotary // 2, dtype=torch.float64) * 2 / rotary))
         if self.rope_freq_factors is not None:
-            return inv / torch.tensor(self.rope_freq_factors, dtype=torch.float64)
-        if self.rope_scaling is not None:
-            return _llama3_scale(inv, self.rope_scaling)
-        return inv
+            inv = inv / torch.tensor(self.rope_freq_factors, dtype=torch.float64)
+        elif self.rope_scaling is not None:
+            inv = _llama3_scale(inv, self.rope_scaling)
+        elif self.long_rope is not None:
+            r = self.long_rope
+            long = max_seq_len > r.original_max_position_embeddings
+            inv = inv / torch.tensor(r.long_factor if long else r.short_factor, dtype=torch.float64)
+        return torch.cat((inv, inv.new_zeros(self.head_dim // 2 - rotary // 2)))
+
+    @property
+    def rotary_scale(self) -> float:
+        """The factor on the rotary tables' cos and sin (LongRoPE's attention factor; else 1)."""
+        return 1.0 if self.long_rope is None else self.long_rope.attention_factor
+
+
+# Fields added after fingerprints were first recorded, and their unset values: left out of to_json
+# when unset.
+_LATER_FIELDS = {"sliding_window": None, "rotary_dim": 0, "long_rope": None}
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's Q/K rows that makes a partial rotary a half-split one: the rotary pairs
+    (i, i + rotary_dim/2) of the first rotary_dim rows moved to (i, i + head_dim/2), the rows that
+    pass through paired with each other (frequency 0). Q and K reordered alike keep every q·k."""
+    half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return torch.cat((torch.arange(half), torch.arange(rotary_dim, rotary_dim + rest),
+                      torch.arange(half, rotary_dim), torch.arange(rotary_dim + rest, head_dim)))
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:

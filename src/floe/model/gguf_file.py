@@ -17,15 +17,19 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from floe.errors import NotAModel, UnsupportedModel
 from floe.model.checkpoint import (
+    ROTARY_WEIGHTS,
     Checkpoint,
     Lazy,
     LazyWeights,
     Progress,
+    fused_part_rows,
     mapped,
     model_fingerprint,
+    rotary_rows,
+    take_rows,
     unpermute_rotary_rows,
 )
-from floe.model.config import ARCHITECTURES, ModelConfig
+from floe.model.config import ARCHITECTURES, LongRope, ModelConfig
 from floe.model.quant import QuantizedWeight, dequantized
 from floe.model.tokenizer import tokenizer_from_gguf
 
@@ -51,8 +55,9 @@ _LAYER_NAMES = {
     "ffn_down.weight": "feed_forward.w2.weight",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
-# Tensors llama.cpp writes that carry nothing floe needs (rotary tables it recomputes).
-_IGNORED = {"rope_freqs.weight"}
+# Tensors llama.cpp writes that carry nothing floe needs as a weight (rotary factors: read into the
+# config).
+_IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
@@ -164,7 +169,8 @@ class GGUFFile:
             self.tensors.append(GGUFTensor(name, qtype, shape, self.path, begin, tuple(byte_shape)))
 
 
-def config_from_fields(fields: dict, tensor_names: set[str], rope_freqs: np.ndarray | None) -> ModelConfig:
+def config_from_fields(fields: dict, tensor_names: set[str], rope_freqs: np.ndarray | None,
+                       long_factors: tuple[np.ndarray, np.ndarray] | None = None) -> ModelConfig:
     arch = fields.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedModel(
@@ -181,10 +187,13 @@ def config_from_fields(fields: dict, tensor_names: set[str], rope_freqs: np.ndar
     n_kv = key("attention.head_count_kv", n_heads)
     dim = int(key("embedding_length"))
     scaling = None
-    # Mistral's window, where the file states it (Qwen's GGUFs run without one, as in llama.cpp)
-    window = fields.get(f"{arch}.attention.sliding_window") if arch in ("llama", "mistral") else None
+    # Mistral's and Phi-3's window, where the file states it (0: none, as llama.cpp writes Phi-4's;
+    # Qwen's GGUFs run without one, as in llama.cpp)
+    window = fields.get(f"{arch}.attention.sliding_window") if arch in ("llama", "mistral", "phi3") else None
     if fields.get(f"{arch}.rope.scaling.type") not in (None, "none"):
         raise UnsupportedModel(f"rope scaling {fields[f'{arch}.rope.scaling.type']!r} is not supported")
+    head_dim = int(fields.get(f"{arch}.attention.key_length") or dim // n_heads)
+    rotary_dim = int(fields.get(f"{arch}.rope.dimension_count") or head_dim)
     return ModelConfig(
         arch=arch,
         dim=dim,
@@ -194,7 +203,7 @@ def config_from_fields(fields: dict, tensor_names: set[str], rope_freqs: np.ndar
         ffn_dim=int(key("feed_forward_length")),
         vocab_size=int(fields.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"])),
         context_length=int(key("context_length")),
-        head_dim=int(fields.get(f"{arch}.attention.key_length") or dim // n_heads),
+        head_dim=head_dim,
         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
@@ -202,8 +211,24 @@ def config_from_fields(fields: dict, tensor_names: set[str], rope_freqs: np.ndar
         tie_embeddings="output.weight" not in tensor_names,
         name=str(fields.get("general.name") or ""),
         rope_freq_factors=None if rope_freqs is None else tuple(float(x) for x in rope_freqs),
-        sliding_window=None if window is None else int(window),
+        sliding_window=int(window) if window else None,
+        rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
+        long_rope=_long_rope(fields, arch, long_factors),
     )
+
+
+def _long_rope(fields: dict, arch: str, factors: tuple[np.ndarray, np.ndarray] | None) -> LongRope | None:
+    """Phi-3's LongRoPE as llama.cpp's converter writes it: rope_factors_short/long tensors, the
+    attention factor and the pretraining length in the metadata."""
+    if factors is None:
+        return None
+    short, long = factors
+    original = fields.get(f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise NotAModel(f"GGUF metadata lacks {arch}.rope.scaling.original_context_length beside its "
+                        "rope_factors_long/short")
+    return LongRope(tuple(float(x) for x in short), tuple(float(x) for x in long), int(original),
+                    float(fields.get(f"{arch}.rope.scaling.attn_factor", 1.0)))
 
 
 def canonical_name(gguf_name: str) -> str:
@@ -212,7 +237,25 @@ def canonical_name(gguf_name: str) -> str:
     m = _BLOCK.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise UnsupportedModel(f"unexpected tensor {gguf_name!r}: not a Llama/Mistral/Qwen2/Qwen3 weight")
+    raise UnsupportedModel(f"unexpected tensor {gguf_name!r}: not a Llama/Mistral/Phi-3/Qwen2/Qwen3 weight")
+
+
+def _parts(config: ModelConfig, t: GGUFTensor) -> list[tuple[str, torch.Tensor | None]]:
+    """The canonical weights tensor t holds, each with the stored rows it takes in the engine's order
+    (None: all as stored): Llama's Q/K rows un-permuted; Phi-3's fused attn_qkv and ffn_up (gate and
+    up, 2 x feed_forward_length rows) split."""
+    m = _BLOCK.fullmatch(t.name)
+    if m and m.group(2) == "attn_qkv.weight":
+        return fused_part_rows(config, "qkv", int(m.group(1)))
+    if m and m.group(2) == "ffn_up.weight" and t.shape[0] == 2 * config.ffn_dim:
+        return fused_part_rows(config, "gate_up", int(m.group(1)))
+    name = canonical_name(t.name)
+    heads = _permuted_heads(config, name)
+    if heads:
+        return [(name, unpermute_rotary_rows(torch.arange(t.shape[0]), heads))]
+    if config.rotary_dim and name.endswith(ROTARY_WEIGHTS):
+        return [(name, rotary_rows(config, name, torch.arange(t.shape[0])))]
+    return [(name, None)]
 
 
 @functools.cache
@@ -237,20 +280,22 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None = None) 
         if not _readable(t.qtype):
             raise UnsupportedModel(f"tensor {t.name} uses quantization {t.qtype.name}, which gguf cannot "
                                    "dequantize")
-    rope_freqs = tensors.get("rope_freqs.weight")
-    config = config_from_fields(reader.fields, set(tensors), None if rope_freqs is None else
-                                dequantized(rope_freqs.data, rope_freqs.qtype.name, rope_freqs.shape,
-                                            torch.float32).numpy())
+    def floats(name: str) -> np.ndarray | None:
+        t = tensors.get(name)
+        return None if t is None else dequantized(t.data, t.qtype.name, t.shape, torch.float32).numpy()
+
+    long_factors = (floats("rope_factors_short.weight"), floats("rope_factors_long.weight"))
+    config = config_from_fields(reader.fields, set(tensors), floats("rope_freqs.weight"),
+                                None if long_factors[0] is None or long_factors[1] is None else long_factors)
     todo = [t for t in reader.tensors if t.name not in _IGNORED]
     weights, quantized = {}, {}
     for t in todo:
-        name = canonical_name(t.name)
-        heads = _permuted_heads(config, name)
-        if t.qtype.name not in _FLOATS and len(t.shape) == 2:
-            quantized[name] = functools.partial(_quantized, t, heads)
-            weights[name] = functools.partial(_from_quantized, quantized[name])
-        else:
-            weights[name] = functools.partial(_dense, t, heads)
+        for name, rows in _parts(config, t):
+            if t.qtype.name not in _FLOATS and len(t.shape) == 2:
+                quantized[name] = functools.partial(_quantized, t, rows)
+                weights[name] = functools.partial(_from_quantized, quantized[name])
+            else:
+                weights[name] = functools.partial(_dense, t, rows)
     missing = [n for n in config.qk_norm_weights() if n not in weights]
     if missing:
         raise NotAModel(f"{path}: {config.arch} normalises q and k per head, but the file lacks {missing[0]}")
@@ -272,27 +317,29 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None = None) 
     return checkpoint
 
 
-def _quantized(t: GGUFTensor, heads: int) -> QuantizedWeight:
-    """A block-quantized matrix as the file stores it (a view of its mapping), rows un-permuted (a
-    copy of the blocks) where llama.cpp permutes them."""
+def _quantized(t: GGUFTensor, rows: torch.Tensor | None) -> QuantizedWeight:
+    """A block-quantized matrix as the file stores it (a view of its mapping), only rows `rows` in
+    that order where given (a copy of their blocks: llama.cpp's Q/K permutation undone, a fused
+    tensor's part)."""
     q = QuantizedWeight(t.qtype.name, t.shape, t.data, file=(t.path, t.offset))
-    return q.rows(unpermute_rotary_rows(torch.arange(t.shape[0]), heads)) if heads else q
+    return q if rows is None else q.rows(rows)
 
 
 def _from_quantized(quantized, dtype: torch.dtype) -> torch.Tensor:
     return quantized().dequantize(dtype)
 
 
-def _dense(t: GGUFTensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """A float (or 1-D) tensor in `dtype`: where the file stores it so (F32 for float32, BF16 for
-    bfloat16), the file's values as they are (a view of its mapping, see `mapped`), else converted."""
+def _dense(t: GGUFTensor, rows: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A float (or 1-D) tensor in `dtype`, its rows `rows` only where given (take_rows): where the
+    file stores it so (F32 for float32, BF16 for bfloat16), the file's values as they are (a view of
+    its mapping, see `mapped`), else converted."""
     as_stored = (t.qtype.name, dtype) in (("F32", torch.float32), ("BF16", torch.bfloat16))
     if as_stored:
         raw = t.data.view(np.float32 if dtype == torch.float32 else np.int16).reshape(t.shape)
         w = mapped(torch.from_numpy(raw).view(dtype))
     else:
         w = dequantized(t.data, t.qtype.name, t.shape, dtype)
-    return unpermute_rotary_rows(w, heads) if heads else w
+    return take_rows(w, rows)
 
 
 def _permuted_heads(config: ModelConfig, name: str) -> int:

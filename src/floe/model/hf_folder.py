@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from pathlib import Path
 
@@ -12,8 +13,19 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
 from floe.errors import NotAModel, UnsupportedModel
-from floe.model.checkpoint import Checkpoint, LazyWeights, Progress, mapped, model_fingerprint
-from floe.model.config import ARCHITECTURES, ModelConfig, RopeScaling
+from floe.model.checkpoint import (
+    ROTARY_WEIGHTS,
+    Checkpoint,
+    LazyWeights,
+    Progress,
+    fused_part_rows,
+    mapped,
+    model_fingerprint,
+    rotary_rows,
+    take_rows,
+    weight_rows,
+)
+from floe.model.config import ARCHITECTURES, LongRope, ModelConfig, RopeScaling
 from floe.model.tokenizer import Tokenizer
 
 _GLOBAL_NAMES = {
@@ -37,6 +49,8 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
 }
+# Fused tensors (Phi-3), split by rows at load (checkpoint.FUSED_PARTS).
+_FUSED_NAMES = {"self_attn.qkv_proj.weight": "qkv", "mlp.gate_up_proj.weight": "gate_up"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq")
 # safetensors' dtype names as torch names them (Checkpoint.file_type).
@@ -64,7 +78,7 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
     # transformers >= 5 nests rope settings in rope_parameters; older configs use rope_theta/rope_scaling.
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    scaling = None
+    scaling, long_rope = None, None
     if rope_type == "llama3":
         scaling = RopeScaling(
             float(rope["factor"]),
@@ -72,9 +86,13 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
             float(rope["high_freq_factor"]),
             int(rope["original_max_position_embeddings"]),
         )
+    elif rope_type in ("longrope", "su") and model_type == "phi3":
+        long_rope = _long_rope(cfg, rope)
     elif rope_type != "default":
-        raise UnsupportedModel(f"rope scaling {rope_type!r} is not supported (only llama3)")
+        raise UnsupportedModel(f"rope scaling {rope_type!r} is not supported (llama3; longrope for phi3)")
     n_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+    partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
     if cfg.get("use_sliding_window"):  # Qwen2/Qwen3: a window on some layers only
         raise UnsupportedModel(f"{model_type} with use_sliding_window (a window on the layers past "
                                "max_window_layers) is not supported")
@@ -87,17 +105,31 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
         ffn_dim=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"],
         context_length=cfg.get("max_position_embeddings", 2048),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+        head_dim=head_dim,
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0),
         rope_scaling=scaling,
+        long_rope=long_rope,
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias")),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "qwen2")),
         name=name,
-        # Mistral's window (null in Mistral 7B v0.2 and later); Qwen's sliding_window is unused
-        # without use_sliding_window.
-        sliding_window=cfg.get("sliding_window") if model_type == "mistral" else None,
+        # Mistral's and Phi-3's window (null in Mistral 7B v0.2 and later); Qwen's sliding_window is
+        # unused without use_sliding_window.
+        sliding_window=cfg.get("sliding_window") if model_type in ("mistral", "phi3") else None,
     )
+
+
+def _long_rope(cfg: dict, rope: dict) -> LongRope:
+    """Phi-3's LongRoPE, as transformers computes it (_compute_longrope_parameters)."""
+    original = int(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                   or cfg["max_position_embeddings"])
+    factor = rope.get("factor") or cfg["max_position_embeddings"] / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRope(tuple(float(x) for x in rope["short_factor"]),
+                    tuple(float(x) for x in rope["long_factor"]), original, float(attention))
 
 
 def _shards(folder: Path) -> list[Path]:
@@ -111,15 +143,22 @@ def _shards(folder: Path) -> list[Path]:
     return shards
 
 
-def _canonical(name: str) -> str | None:
+def _parts(name: str, c: ModelConfig) -> list[tuple[str, torch.Tensor | None]]:
+    """The canonical weights a stored tensor holds, each with the stored rows it takes (None: all):
+    one for most, none for an ignored one, each part of a fused one (Phi-3's qkv and gate+up)."""
     if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+        return [(_GLOBAL_NAMES[name], None)]
     if _IGNORED.fullmatch(name):
-        return None
+        return []
     m = _LAYER.fullmatch(name)
+    if m and m.group(2) in _FUSED_NAMES:
+        return fused_part_rows(c, _FUSED_NAMES[m.group(2)], int(m.group(1)))
     if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise UnsupportedModel(f"unexpected tensor {name!r}: not a Llama/Mistral/Qwen2/Qwen3 weight")
+        canonical = f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+        if c.rotary_dim and canonical.endswith(ROTARY_WEIGHTS):  # a partial rotary's Q/K order
+            return [(canonical, rotary_rows(c, canonical, torch.arange(weight_rows(c, canonical))))]
+        return [(canonical, None)]
+    raise UnsupportedModel(f"unexpected tensor {name!r}: not a Llama/Mistral/Phi-3/Qwen2/Qwen3 weight")
 
 
 def tokenizer_from_folder(folder: Path, cfg: dict) -> Tokenizer:
@@ -168,13 +207,14 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, progress: Progress | None =
             with safe_open(str(shard), framework="pt") as handle:
                 for name in handle.keys():
                     names[name] = shard
-                    if _canonical(name) is not None:
+                    if _parts(name, config):
                         stored_type = handle.get_slice(name).get_dtype()
                         kinds.add(_DTYPES.get(stored_type, stored_type.lower()))
     except (SafetensorError, OSError) as e:
         raise NotAModel(f"cannot read safetensors in {folder}: {e}") from e
-    todo = sorted((name, shard) for name, shard in names.items() if _canonical(name) is not None)
-    weights = {_canonical(name): functools.partial(_tensor, shard, name) for name, shard in todo}
+    todo = sorted((name, shard) for name, shard in names.items() if _parts(name, config))
+    weights = {canonical: functools.partial(_tensor, shard, name, rows=rows)
+               for name, shard in todo for canonical, rows in _parts(name, config)}
     if config.tie_embeddings:
         weights.pop("output.weight", None)
     elif "output.weight" not in weights:
@@ -201,12 +241,15 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, progress: Progress | None =
     return checkpoint
 
 
-def _tensor(shard: Path, name: str, dtype: torch.dtype | None) -> torch.Tensor:
-    """Tensor `name` of `shard` in `dtype` (None: as stored, for the fingerprint). safetensors maps the
-    file and hands out views of its mapping (kept where the dtype matches: see `mapped`); each read
-    opens its own, so the pages a read touched leave this process's memory with its last view."""
+def _tensor(shard: Path, name: str, dtype: torch.dtype | None,
+            rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Tensor `name` of `shard` in `dtype` (None: as stored, for the fingerprint), its rows `rows`
+    only where given (take_rows). safetensors maps the file and hands out views of its mapping (kept
+    where the dtype matches: see `mapped`); each read opens its own, so the pages a read touched
+    leave this process's memory with its last view."""
     with safe_open(str(shard), framework="pt") as handle:
         t = handle.get_tensor(name)
     if dtype is None:
         return t
+    t = take_rows(t, rows)
     return mapped(t) if t.dtype == dtype else t.to(dtype)
