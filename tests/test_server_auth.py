@@ -356,6 +356,21 @@ def test_anonymous_sessions_are_bounded_per_key(engine, tmp_path):
         s.stop()
 
 
+def test_forgetting_a_one_shot_session_never_frozen_touches_no_file(engine, tmp_path):
+    """An anonymous session that was never frozen is in no tier and holds no lease: forgetting it
+    (past max_anonymous) leaves the store's folder alone (it took a lease, a file written and removed
+    with its lock file left behind, on the path of the request that pushed it out)."""
+    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, keys=(ALICE,),
+                                max_anonymous=1))
+    try:
+        first = say(s.url, ALICE, [{"role": "user", "content": "Name a colour."}]).model_extra["session_id"]
+        say(s.url, ALICE, [{"role": "user", "content": "Name a fruit."}])
+        assert first not in listed(s.url, ALICE)
+        assert not [p.name for p in tmp_path.rglob("*") if first in p.name]
+    finally:
+        s.stop()
+
+
 def test_floe_serve_takes_keys_from_its_flags_and_the_environment(tmp_path):
     """`floe serve --api-key A` with FLOE_API_KEYS=B: both keys are served (the HTTP front, a process
     of its own, has them), no key is a 401, and the start line says how many keys there are."""

@@ -1036,8 +1036,10 @@ class SessionStore:
         with self.lock:
             if self.sessions.get(session.key) is not session:
                 return False
-        try:
-            self.snapshots.delete(session.key)
+        try:  # (a one-shot session never frozen is in no tier and holds no lease: nothing to delete — the
+            # store's delete would take a lease first, a file written and removed on the arrival's path)
+            if session.persist or self.snapshots.has(session.key):
+                self.snapshots.delete(session.key)
         except LeaseHeld as e:
             raise SessionLeased(session.id, e) from None
         if session.actor is not None:

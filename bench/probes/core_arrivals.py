@@ -1,0 +1,113 @@
+"""Where a burst's time goes in `floe serve`'s engine core, without HTTP: S threads open and run a chat
+each at once (ServeCore.open, then ServeCore.run, as the core's connection does), several rounds on one
+core, each phase timed per request: open (validate, take the session: new, forget the owner's oldest
+anonymous ones past --max-anonymous, go live: a spare actor, a free slot or an idle session frozen),
+then the turn until its first text, then the rest. A one-layer 64-wide model, so the forward costs
+little and the host's share shows.
+
+    python bench/probes/core_arrivals.py [--device cpu|cuda] [--sessions 64] [--slots 64] [--rounds 4]
+        [--max-anonymous 64] [--tokens 16] [--tokenizer DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from cpu_batch import message  # noqa: E402
+
+from floe.engine import Engine  # noqa: E402
+from floe.model.config import ModelConfig  # noqa: E402
+from floe.model.synthetic import random_checkpoint  # noqa: E402
+from floe.server.core import ServeCore  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sessions", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--max-anonymous", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.tokenizer:
+        from floe.model.hf_folder import tokenizer_from_folder
+
+        tok = tokenizer_from_folder(Path(args.tokenizer), {})
+    else:
+        from floe.model import load_checkpoint
+
+        tok = load_checkpoint().tokenizer
+    config = ModelConfig(arch="llama", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                         vocab_size=tok.vocab_size, context_length=1024, name="tiny")
+    device = torch.device(args.device)
+    cpu = device.type == "cpu"
+    weights = random_checkpoint(config, tok, dtype=torch.float32 if cpu else torch.bfloat16, device=device)
+    engine = Engine(weights, device=device, dtype="float32" if cpu else "bfloat16", max_seq_len=512,
+                    n_slots=args.slots)
+    engine.warm_up()
+    core = ServeCore(engine, snapshots=tempfile.mkdtemp(prefix="floe-arrivals-"), model_id="tiny",
+                     max_anonymous=args.max_anonymous, max_waiting=args.sessions, wait_seconds=60)
+    try:
+        for r in range(args.rounds):
+            rows = burst(core, [message(tok, 1000 * r + i, 64) for i in range(args.sessions)], args.tokens)
+            errors = [x["error"] for x in rows if "error" in x]
+            if errors:
+                print(f"round {r + 1}: {len(errors)} errors, e.g. {errors[0]}")
+            opened = sorted(x["open"] for x in rows if "open" in x)
+            first = sorted(x["first"] for x in rows if x.get("first") is not None)
+            print(f"round {r + 1}: {args.sessions} at once into {args.slots} slots: open p50 "
+                  f"{1e3 * statistics.median(opened):.1f} ms (max {1e3 * opened[-1]:.1f}), first text p50 "
+                  f"{1e3 * statistics.median(first):.1f} ms (max {1e3 * first[-1]:.1f}); core: "
+                  f"{core.store.counts()}",
+                  flush=True)
+    finally:
+        core.close()
+
+
+def burst(core: ServeCore, texts: list[str], tokens: int) -> list[dict]:
+    """Every text as a chat of its own, all at once: per request its seconds to open and to first text."""
+    rows = [{} for _ in texts]
+    start = threading.Barrier(len(texts))
+
+    def one(i: int) -> None:
+        start.wait()
+        t0 = time.perf_counter()
+        try:
+            run(i, t0)
+        except Exception as e:  # noqa: BLE001 - counted, the round goes on
+            rows[i]["error"] = f"{type(e).__name__}: {e}"
+
+    def run(i: int, t0: float) -> None:
+        chat = core.open({"model": "tiny", "messages": [{"role": "user", "content": texts[i]}],
+                          "max_tokens": tokens, "stream": True, "owner": ""})
+        rows[i]["open"] = time.perf_counter() - t0
+        rows[i]["first"] = None
+
+        def on_text(piece: str) -> None:
+            if rows[i]["first"] is None:
+                rows[i]["first"] = time.perf_counter() - t0
+
+        core.run(chat, on_text)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows
+
+
+if __name__ == "__main__":
+    main()
