@@ -107,7 +107,13 @@ def test_backends_without_the_window_refuse_it_by_name(folder, backend):
     check_backend(c, backend, WINDOW)  # a context no longer than the window: the window never applies
 
 
-def test_webgpu_engine_refuses_a_windowed_mistral(folder):
+def test_a_webgpu_engine_refuses_a_windowed_mistral_before_reading_a_weight(folder, monkeypatch):
+    import floe.engine.engine
+
+    def read(*args, **kwargs):
+        raise AssertionError("weights were read before the refusal")
+
+    monkeypatch.setattr(floe.engine.engine, "load_model", read)
     with pytest.raises(UnsupportedModel, match="sliding-window"):
         Engine(load_checkpoint(folder), device="webgpu", max_seq_len=64)
 

@@ -14,7 +14,7 @@ from floe.engine.int4 import DENSE_FROM_ROWS
 from floe.engine.kvcache import KVCache
 from floe.engine.sampling import Draw, SamplingParams, finish_draw, start_draw, top_ks
 from floe.engine.slots import SlotPool
-from floe.engine.weights import load_model
+from floe.engine.weights import check_backend, load_model
 from floe.errors import ContextOverflow, FloeError
 from floe.model.checkpoint import Checkpoint
 
@@ -125,6 +125,7 @@ class Engine:
             raise FloeError("device 'webgpu' runs float32 or float16 dense weights (--weights fp32 or f16)")
         if weights == "f16" and not webgpu:
             raise FloeError("--weights f16 is WebGPU's storage (--device webgpu); on cuda choose bf16")
+        check_backend(self.config, self.backend, self.max_seq_len)  # before any weight is read
         # WebGPU: the host model is float32; the decoder stores its matrices as f16 where asked.
         loaded = load_model(checkpoint, self.max_seq_len, self.device, self.dtype,
                             "dense" if webgpu else weights, native_kernel, prefill_copy)
