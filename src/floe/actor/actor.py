@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from floe.actor.abi import IMPORT_MODULE, LOG_LINES_KEPT, SUPPORTED_ABI_VERSIONS, HostABI
-from floe.actor.loop import END_REASONS, EngineLoop, engine_loop, in_engine_loop
+from floe.actor.loop import EngineLoop, engine_loop, in_engine_loop
 from floe.actor.scheduler import DecodeScheduler
+from floe.actor.turn import END_REASONS
 from floe.engine import Engine, SamplingParams
 from floe.engine.kvcache import PendingLoad
 from floe.errors import FloeError
