@@ -2,7 +2,8 @@
 "frame;frame;… count" line per stack) summed per function, own and inclusive, for the stacks that pass
 through a given frame (default: the engine loop's thread, `EngineLoop._loop (floe/actor/loop.py…)`).
 
-    python bench/probes/stacks.py OUT/serve64_pyspy.txt [--through "EngineLoop._loop (floe/actor/loop.py"] [--top 40]
+    python bench/probes/stacks.py OUT/serve64_pyspy.txt [--top 40]
+        [--through "EngineLoop._loop (floe/actor/loop.py"]
 
 Prints each function's share of the selected samples: own (the innermost frame) and inclusive (anywhere
 in the stack, counted once a stack).
