@@ -16,7 +16,7 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from floe.errors import FloeError, UnsupportedModel
@@ -127,7 +127,8 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The exact bytes a token stands for (byte-level BPE: possibly part of a character).
+        """The exact bytes a token stands for (possibly part of a character: byte-level BPE's, or
+        SentencePiece's byte fallback; SentencePiece's "▁" is a space).
 
         Ids past the tokenizer's vocabulary (models often pad their embedding table) stand for nothing
         (and are not kept: a guest's ids cannot grow the cache past the vocabulary).
@@ -173,9 +174,19 @@ class Tokenizer:
         if added is not None:
             return added.encode()
         text = self.backend.id_to_token(token_id) or ""
+        if self._sentencepiece:
+            byte = _BYTE_TOKEN.fullmatch(text)
+            return bytes([int(byte[1], 16)]) if byte else text.replace("\u2581", " ").encode()
         if text.translate(_BYTE_LEVEL_DELETE):  # a character outside the byte-level alphabet: not one
             return text.encode()
         return text.translate(_BYTE_LEVEL_BYTES).encode("latin-1")
+
+    @cached_property
+    def _sentencepiece(self) -> bool:
+        """Whether tokens are spelled as SentencePiece's (a space as "▁", a byte of byte fallback as
+        "<0x0A>"), not in byte-level BPE's alphabet: the decoder says which."""
+        decoder = self.backend.decoder
+        return decoder is not None and "ByteFallback" in decoder.__getstate__().decode()
 
     @cached_property
     def _added(self) -> dict[int, str]:
@@ -322,6 +333,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 # text is not byte-level).
 _BYTE_LEVEL_BYTES = {ord(c): chr(b) for b, c in _bytes_to_unicode().items()}
 _BYTE_LEVEL_DELETE = dict.fromkeys(_BYTE_LEVEL_BYTES)
+# A byte of SentencePiece's byte fallback, as its token is spelled.
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _compile_template(source: str) -> jinja2.Template:
@@ -350,11 +363,15 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 def tokenizer_from_gguf(fields: dict) -> Tokenizer:
-    """Build the tokenizer from GGUF `tokenizer.ggml.*` metadata (byte-level BPE)."""
+    """Build the tokenizer from GGUF `tokenizer.ggml.*` metadata: byte-level BPE (`gpt2`) or
+    SentencePiece (`llama`)."""
     kind = fields.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece_from_gguf(fields)
     if kind != "gpt2":
         raise UnsupportedModel(
-            f"tokenizer model {kind!r} is not supported (floe reads byte-level BPE, 'gpt2')"
+            f"tokenizer model {kind!r} is not supported (floe reads byte-level BPE, 'gpt2', and "
+            f"SentencePiece, 'llama')"
         )
     pre_name = fields.get("tokenizer.ggml.pre", "default")
     if pre_name not in _PRE_TOKENIZERS:
@@ -363,24 +380,83 @@ def tokenizer_from_gguf(fields: dict) -> Tokenizer:
         )
     make_pre, ignore_merges = _PRE_TOKENIZERS[pre_name]
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
-    types: list[int] = fields.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     backend = HFTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
     backend.pre_tokenizer = make_pre()
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(
-        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
-    )
+    _add_gguf_tokens(backend, fields, ())
+    return _gguf_tokenizer(backend, fields, add_bos=False)
+
+
+# Architectures whose SentencePiece tokenizer.json prepends "▁" in a normalizer (before every piece of
+# text, even one that starts with a space or follows a special token) rather than with Metaspace (to
+# the text's start only, where it does not start with a space): transformers' GGUF loader decides by
+# the architecture, as nothing in the file says which (its phi3_tokenizer).
+_PREPEND_BY_NORMALIZER = frozenset({"phi3"})
+
+
+def _sentencepiece_from_gguf(fields: dict) -> Tokenizer:
+    """A SentencePiece vocabulary (Llama-2, Mistral, Phi-3) as transformers' GGUF loader builds it: a
+    BPE whose merges are every split of a token into two tokens, ranked by the token's score, with
+    byte fallback to the `<0xNN>` tokens; spaces spelled "▁", and one prepended."""
+    arch = fields.get("general.architecture")
+    if arch in ("gemma", "gemma2", "gemma3"):
+        raise UnsupportedModel(f"the SentencePiece tokenizer of architecture {arch!r} is not supported")
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in fields:
+        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    else:
+        merges = merges_by_score(vocab, dict(zip(tokens, fields["tokenizer.ggml.scores"], strict=True)))
+    backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True))
+    prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+    if arch in _PREPEND_BY_NORMALIZER:
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                   normalizers.Replace(" ", "\u2581")])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+    named = [fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")]
+    _add_gguf_tokens(backend, fields, [i for i in named if i is not None and 0 <= i < len(tokens)])
+    # Files written before the flag existed: llama.cpp adds BOS to a SentencePiece vocabulary.
+    return _gguf_tokenizer(backend, fields, add_bos=True)
+
+
+def merges_by_score(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges for a vocabulary of scored tokens (SentencePiece): every split of a token into two
+    tokens, best score first (then the longer left part, then the longer right part), as
+    transformers' generate_merges orders them. ~0.1 s for 32,000 tokens."""
+    merges = []
+    for token, score in scores.items():
+        splits = [(token[:k], token[k:]) for k in range(1, len(token))]
+        splits = [(a, b) for a, b in splits if a in vocab and b in vocab]
+        merges += [(score, a, b) for a, b in sorted(splits, key=lambda s: (vocab[s[0]], vocab[s[1]]))]
+    merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(a, b) for _, a, b in merges]
+
+
+def _add_gguf_tokens(backend: HFTokenizer, fields: dict, named: Sequence[int]) -> None:
+    """Control tokens (and the `named` ids: BOS, EOS, ...) as special tokens, user-defined ones as added
+    tokens, so that their text in a prompt is read as that one token."""
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    types: list[int] = fields.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    special = sorted({*named, *(i for i, t in enumerate(types) if t == _CONTROL)})
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
     backend.add_tokens(
         [AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
     )
+
+
+def _gguf_tokenizer(backend: HFTokenizer, fields: dict, *, add_bos: bool) -> Tokenizer:
     eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                "tokenizer.ggml.eom_token_id") if k in fields]
     return Tokenizer(
         backend,
         bos_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_ids=eos,
-        add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", add_bos)),
         chat_template=fields.get("tokenizer.chat_template"),
     )

@@ -1,0 +1,205 @@
+"""SentencePiece tokenizers from GGUF metadata (`tokenizer.ggml.model` "llama": Llama-2, Mistral, Phi-3)
+against transformers' GGUF tokenizer, on a tiny vocabulary written as llama.cpp's converter writes one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gguf import GGUFWriter
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers, trainers
+
+from floe.errors import UnsupportedModel
+from floe.model.gguf_file import GGUFFile
+from floe.model.tokenizer import merges_by_score, tokenizer_from_gguf
+
+# What the vocabulary is learned from: it holds no emoji, no Hangul and no tab, so those fall back to bytes.
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Hello world, hello there! How are you today?",
+    "def f(x):\n    return x * 2\n", "naïve café façade, Ångström", "日本語のテキストと中文字符",
+    "In 2024, 12345 people paid 3.14 each.", "Capital of France? Paris. And of Italy? Rome.",
+]
+
+# (Mistral-7B-Instruct-v0.1's chat template.)
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token + ' ' }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+
+TEXTS = [
+    "Hello world, how are you?",
+    "In 2024, 12345 people paid $3.14 each; 1000000 > 999,999.",
+    "naïve café façade — “quotes”, Ångström",
+    "日本語のテキストと中文字符和한국어",
+    "family: 👨‍👩‍👧‍👦 flags 🇫🇷 skin 👍🏽",
+    "def f(x):\n\treturn {'a': [x**2 for x in range(10)]}  # comment\n",
+    "runs    of     spaces\n\n\n   and\t\ttabs   ",
+    "\n\nleading newlines",
+    "embedded [INST] user turn [/INST] and </s> and <s> tokens",
+    " starts with a space",
+    "  two spaces",
+    "",
+    "   ",
+    "<0x41> is text, not a byte",
+]
+
+
+def write_sentencepiece_gguf(path: Path, arch: str = "llama", *, space_prefix: bool | None = None) -> Path:
+    """A GGUF holding only a SentencePiece vocabulary, laid out as Llama-2's: <unk>, <s>, </s>, the 256
+    byte tokens <0x00>..<0xFF>, then pieces scored by rank (a SentencePiece BPE's scores), learned
+    here from CORPUS; then Mistral's [INST] and [/INST] as control tokens."""
+    learner = HFTokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.Metaspace()
+    learner.train_from_iterator(CORPUS * 10, trainers.BpeTrainer(vocab_size=500, show_progress=False))
+    learned = learner.get_vocab()
+    pieces = sorted(learned, key=learned.get) + ["▁▁", "▁▁▁▁"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces, "[INST]", "[/INST]"]
+    writer = GGUFWriter(path, arch)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces) + [3, 3])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    if space_prefix is not None:
+        writer.add_add_space_prefix(space_prefix)
+    writer.add_chat_template(MISTRAL_TEMPLATE)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module", params=["llama", "phi3"])
+def pair(request, tmp_path_factory):
+    """(floe's tokenizer, transformers' tokenizer) of one tiny SentencePiece GGUF of an architecture."""
+    from transformers import AutoTokenizer
+
+    path = write_sentencepiece_gguf(tmp_path_factory.mktemp(request.param) / "spm.gguf", request.param)
+    ours = tokenizer_from_gguf(GGUFFile(path).fields)
+    return ours, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_ids_equal_transformers_gguf_tokenizer(text, pair):
+    ours, reference = pair
+    assert ours.encode(text, add_bos=False) == reference(text, add_special_tokens=False).input_ids
+    assert ours.encode(text) == reference(text).input_ids  # with BOS, as the file says (add_bos_token)
+    assert ours.encode_many([text]) == [reference(text, add_special_tokens=False).input_ids]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decoding_equals_transformers(text, pair):
+    ours, reference = pair
+    ids = reference(text).input_ids
+    assert ours.decode(ids) == reference.decode(ids)
+    assert ours.decode(ids, skip_special=True) == reference.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("text", [t for t in TEXTS if not t.startswith(" ")])
+def test_decoding_round_trips(text, pair):
+    """Except text that starts with a space (one is prepended only where none is, and one is stripped
+    from every decoding, as transformers does) and, with Phi-3's normalizer, text after a special token
+    (which gets a space of its own)."""
+    ours, _ = pair
+    if ours.backend.normalizer is not None and "[INST]" in text:
+        pytest.skip("Phi-3 prepends a space to the text after a special token")
+    assert ours.decode(ours.encode(text, add_bos=False)) == text
+
+
+def test_characters_outside_the_vocabulary_fall_back_to_their_bytes(pair):
+    ours, _ = pair
+    ids = ours.encode("한👍", add_bos=False)
+    pieces = [ours.token_text(i) for i in ids]
+    assert pieces[1:] == [f"<0x{b:02X}>" for b in "한👍".encode()] and pieces[0] == "▁"
+    learned = [ours.token_text(i) for i in ours.encode("日本語のテキスト", add_bos=False)]
+    assert learned == ["▁日本語のテキス", "ト"]
+
+
+@pytest.mark.parametrize("text", [t for t in TEXTS if "[INST]" not in t and "<s>" not in t])
+def test_tokens_bytes_join_to_the_text_and_its_prepended_space(text, pair):
+    """token_bytes (what a guest reads and a stream carries) spells "▁" as a space and <0xNN> as that
+    byte: a text's tokens join to its UTF-8, after the space SentencePiece prepends (a character split
+    into byte tokens is whole again only when its bytes are joined)."""
+    ours, _ = pair
+    joined = b"".join(ours.token_bytes(i) for i in ours.encode(text, add_bos=False))
+    prepends = ours.backend.normalizer is not None or not text.startswith(" ")
+    assert joined == ((" " + text) if text and prepends else text).encode()
+
+
+def test_every_token_stands_for_its_sentencepiece_bytes(pair):
+    ours, _ = pair
+    assert [ours.token_bytes(i) for i in range(3, 259)] == [bytes([b]) for b in range(256)]
+    for i in range(259, ours.vocab_size):
+        text = ours.token_text(i)
+        assert ours.token_bytes(i) == text.replace("▁", " ").encode(), text
+    assert ours.token_bytes(ours.backend.token_to_id("▁▁▁▁")) == b"    "
+    assert ours.token_bytes(ours.vocab_size) == b""
+
+
+def test_special_tokens_are_control_tokens_and_bos_eos_unk(pair):
+    ours, _ = pair
+    inst, end = ours.backend.token_to_id("[INST]"), ours.backend.token_to_id("[/INST]")
+    assert ours.special_ids == {0, 1, 2, inst, end}
+    assert ours.bos_id == 1 and ours.eos_ids == (2,) and ours.add_bos is True
+    ours.fill_reply_bytes()
+    assert all(ours.reply_bytes(i) == b"" for i in ours.special_ids)
+    assert ours.reply_bytes(3 + 0x0A) == b"\n"
+
+
+CONVERSATION = [
+    {"role": "user", "content": "Capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy? 🇮🇹"},
+]
+
+
+@pytest.mark.parametrize("messages", [CONVERSATION, CONVERSATION[:1]])
+def test_mistral_chat_template_renders_and_tokenizes_like_transformers(messages, pair):
+    ours, reference = pair
+    rendered = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.render_chat(messages) == rendered
+    assert rendered.startswith("<s>[INST] Capital of France? [/INST]")
+    expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+    assert ours.encode_chat(messages) == expected
+    assert expected.count(1) == 1  # the template's BOS, once
+
+
+def test_merges_are_transformers_merges_from_scores(pair):
+    from transformers.tokenization_utils_base import generate_merges
+
+    ours, _ = pair
+    vocab = ours.backend.get_vocab()
+    scores = {t: -float(i) for t, i in sorted(vocab.items(), key=lambda t: t[1])}
+    assert merges_by_score(vocab, scores) == generate_merges(vocab, scores)
+
+
+def test_a_file_without_the_space_prefix_prepends_none(tmp_path):
+    """`tokenizer.ggml.add_space_prefix` false (llama.cpp reads it; transformers' GGUF loader does not):
+    no "▁" is prepended and none is stripped, so every text round-trips."""
+    path = write_sentencepiece_gguf(tmp_path / "spm.gguf", space_prefix=False)
+    tok = tokenizer_from_gguf(GGUFFile(path).fields)
+    assert tok.token_text(tok.encode("Hello", add_bos=False)[0]) != "▁Hello"
+    for text in TEXTS:
+        ids = tok.encode(text, add_bos=False)
+        assert tok.decode(ids) == text
+        if not tok.special_ids.intersection(ids):
+            assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_other_tokenizer_models_are_refused_by_name():
+    with pytest.raises(UnsupportedModel, match="'t5'"):
+        tokenizer_from_gguf({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(UnsupportedModel, match="'gemma'"):
+        tokenizer_from_gguf({"tokenizer.ggml.model": "llama", "general.architecture": "gemma",
+                             "tokenizer.ggml.tokens": ["a"]})
