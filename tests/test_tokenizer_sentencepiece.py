@@ -59,11 +59,20 @@ def write_sentencepiece_gguf(path: Path, arch: str = "llama", *, space_prefix: b
     learned = learner.get_vocab()
     pieces = sorted(learned, key=learned.get) + ["▁▁", "▁▁▁▁"]
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces, "[INST]", "[/INST]"]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [3, 3]
+    return write_vocabulary_gguf(path, arch, tokens, scores, types, space_prefix=space_prefix)
+
+
+def write_vocabulary_gguf(path: Path, arch: str, tokens: list[str], scores: list[float], types: list[int],
+                          *, space_prefix: bool | None = None) -> Path:
+    """A GGUF of a SentencePiece vocabulary's fields as llama.cpp's converter names them (BOS 1, EOS 2,
+    UNK 0, BOS added), with Mistral's chat template."""
     writer = GGUFWriter(path, arch)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0])
-    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces) + [3, 3])
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
@@ -203,3 +212,33 @@ def test_other_tokenizer_models_are_refused_by_name():
     with pytest.raises(UnsupportedModel, match="'gemma'"):
         tokenizer_from_gguf({"tokenizer.ggml.model": "llama", "general.architecture": "gemma",
                              "tokenizer.ggml.tokens": ["a"]})
+
+
+def test_token_ids_equal_sentencepiece_itself(tmp_path):
+    """A real SentencePiece BPE model (byte fallback, identity normalization, no collapsing of spaces: as
+    Llama-2's), written to a GGUF as llama.cpp's converter reads its pieces, gives SentencePiece's ids —
+    but for text that starts with a space, where SentencePiece prepends "▁" anyway and the
+    Metaspace that transformers' GGUF loader (and floe) use does not — and for text of control tokens,
+    which SentencePiece does not read."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 10), model_writer=model, model_type="bpe", vocab_size=500,
+        byte_fallback=True, character_coverage=1.0, remove_extra_whitespaces=False, split_digits=True,
+        normalization_rule_name="identity", allow_whitespace_only_pieces=True,
+        control_symbols=["[INST]", "[/INST]"], minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    ids = range(sp.get_piece_size())
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i)
+             else 5 if sp.is_unused(i) else 1 for i in ids]
+    path = write_vocabulary_gguf(tmp_path / "sp.gguf", "llama", [sp.id_to_piece(i) for i in ids],
+                                 [sp.get_score(i) for i in ids], types)
+    tok = tokenizer_from_gguf(GGUFFile(path).fields)
+    plain = [t for t in TEXTS if not tok.special_ids.intersection(tok.encode(t, add_bos=False))]
+    assert len(plain) == len(TEXTS) - 1
+    for text in plain:
+        expected = sp.encode(text)
+        assert tok.encode(text, add_bos=False) == sp.encode(text[1:] if text.startswith(" ") else text)
+        assert tok.decode(expected) == sp.decode(expected), text
