@@ -290,6 +290,8 @@ def _add_field(writer: GGUFWriter, key: str, value) -> None:
         writer.add_token_types(value)
     elif key == "tokenizer.ggml.merges":
         writer.add_token_merges(value)
+    elif key == "tokenizer.ggml.scores":
+        writer.add_token_scores(value)
     elif isinstance(value, bool):
         writer.add_bool(key, value)
     elif isinstance(value, int):

@@ -242,3 +242,23 @@ def test_token_ids_equal_sentencepiece_itself(tmp_path):
         expected = sp.encode(text)
         assert tok.encode(text, add_bos=False) == sp.encode(text[1:] if text.startswith(" ") else text)
         assert tok.decode(expected) == sp.decode(expected), text
+
+
+def test_a_gguf_model_with_a_sentencepiece_vocabulary_loads_and_runs(tmp_path, monkeypatch):
+    """A whole Llama GGUF (weights and the vocabulary, as Llama-2's or Mistral's) loads, and its chat
+    prompt runs through the engine (a file floe refused at its tokenizer before)."""
+    import models
+
+    from floe.engine import Engine
+    from floe.model import load_checkpoint
+
+    vocabulary = GGUFFile(write_sentencepiece_gguf(tmp_path / "spm.gguf")).fields
+    fields = {k: v for k, v in vocabulary.items() if k.startswith("tokenizer.")}
+    monkeypatch.setattr(models, "tokenizer_fields", lambda: fields)
+    monkeypatch.setattr(models, "VOCAB", len(fields["tokenizer.ggml.tokens"]))  # the embedding's rows
+    checkpoint = load_checkpoint(models.write_gguf(tmp_path / "model.gguf", [models.Q.Q8_0], dim=64))
+    tok = checkpoint.tokenizer
+    assert tok.encode("Hello world") == tokenizer_from_gguf(fields).encode("Hello world")
+    assert tok.encode("Hello world")[0] == 1 and tok.chat_template == MISTRAL_TEMPLATE
+    logits = Engine(checkpoint, max_seq_len=64).prefill(tok.encode_chat(CONVERSATION))
+    assert logits.shape[-1] == tok.vocab_size and bool(logits.isfinite().all())
