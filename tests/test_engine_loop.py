@@ -440,8 +440,9 @@ def test_streamed_special_tokens_carry_no_text(tiny_engine):
 
 
 def test_a_guest_looping_in_on_end_fails_only_its_own_message_within_the_loops_call_bound(tiny_engine):
-    """on_end runs in the engine loop, like on_token: every other turn waits for it, so it has
-    on_token's bound (token_call_s), not its message's deadline. Here the message could run 10 s."""
+    """on_end keeps on_token's bound (the loop's step_call_s once warm), not its message's deadline,
+    though it runs in the caller's thread once the turn's rows are done. Here the message could run
+    10 s; the other turns answer as each alone."""
     import wasmtime
 
     loops_at_end = wasmtime.wat2wasm("""

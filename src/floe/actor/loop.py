@@ -172,6 +172,8 @@ class EngineLoop:
             turn.abandoned = True  # must outlive the turn
             self._wait_out(turn)
             raise
+        if turn.error is None and turn.calls_on_end:
+            turn.error = self._on_end(turn)
         if turn.error is not None:
             raise turn.error
         return turn.end
@@ -623,6 +625,10 @@ class EngineLoop:
                 turn.next_token = token
 
     def _end(self, turn: Turn) -> None:
+        """The turn's end, its rows all taken: its caller is woken, and calls its guest's on_end
+        (_on_end) in its own thread: the other turns' next step does not wait for it (the chat
+        guest's, which detokenizes the whole reply, held every other row ~1.5 ms a turn on the H200
+        host)."""
         actor = turn.actor
         error = None
         if actor.closed:
@@ -631,20 +637,25 @@ class EngineLoop:
             error = GuestCancelled("the actor was closed during its message")
         elif turn.end == END_CANCELLED and time.monotonic() > turn.deadline and not actor.stop_requested:
             error = GuestDeadlineExceeded(f"the message ran past its {actor.deadline_s:g} s deadline")
-        elif actor.guest.has_function("on_end"):
-            try:
-                status = self._guest_call(turn, "on_end", turn.end)
-                if status != 0:
-                    error = GuestReportedError(f"guest reported error {status} at the end of its turn",
-                                               status)
-            except BaseException as e:  # noqa: BLE001
-                error = e
+        else:
+            turn.calls_on_end = actor.guest.has_function("on_end")
         self._finish(turn, turn.end, error)
 
+    def _on_end(self, turn: Turn) -> BaseException | None:
+        """Its guest's on_end, in the caller's thread once the loop is done with the turn: what failed
+        it, if anything. It keeps the loop's bound on a call (ABI.md), as when the loop made it."""
+        try:
+            status = self._guest_call(turn, "on_end", turn.end)
+        except BaseException as e:  # noqa: BLE001 - the message's failure
+            return e
+        if status != 0:
+            return GuestReportedError(f"guest reported error {status} at the end of its turn", status)
+        return None
+
     def _guest_call(self, turn: Turn, name: str, *args: int) -> int:
-        """A guest export called from the loop: every other turn waits for it, so it may take at most
-        token_call_s while the loop is cold, step_call_s once warm (and no longer than its message's
-        deadline)."""
+        """A guest export called for the loop (on_token; on_end, in the caller's thread): every other
+        turn may wait for it, so it may take at most token_call_s while the loop is cold, step_call_s
+        once warm (and no longer than its message's deadline)."""
         bound = self.step_call_s if self.warm else self.token_call_s
         seconds = min(turn.deadline - time.monotonic(), bound)
         try:

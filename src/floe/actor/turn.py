@@ -51,6 +51,7 @@ class Turn:
     end: int | None = None  # why it ended (END_*), once it has
     error: BaseException | None = None
     abandoned: bool = False  # its caller stopped waiting (Ctrl-C): end it at the next step
+    calls_on_end: bool = False  # ended well: its caller calls its guest's on_end (EngineLoop._on_end)
     done: threading.Event = field(default_factory=threading.Event)
     woken: threading.Event | None = None  # its caller's, set at its end too (run's `deliver`)
     abi: HostABI = field(init=False)
