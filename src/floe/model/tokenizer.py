@@ -275,13 +275,25 @@ class Tokenizer:
         ids, at = [], 0
         for a, b in spans:
             if at < a:
-                ids += self.encode(text[at:a], add_bos=False)
+                ids += self._encode_template_piece(text[at:a], at)
             if a < b:
-                ids += self._plain.encode(text[a:b], add_special_tokens=False).ids
+                plain = self._plain if a == 0 else self._plain_continuing
+                ids += plain.encode(text[a:b], add_special_tokens=False).ids
             at = b
         if at < len(text):
-            ids += self.encode(text[at:], add_bos=False)
+            ids += self._encode_template_piece(text[at:], at)
         return ids
+
+    def _encode_template_piece(self, piece: str, start: int) -> list[int]:
+        """The ids of the template's text `piece` at `start` in a rendered conversation. Past the start,
+        the text before its first special token continues the text before it: SentencePiece prepends
+        no "▁" to it (as the whole text's tokenization would not)."""
+        if start == 0:
+            return self.encode(piece, add_bos=False)
+        first = self._specials.search(piece) if self._specials is not None else None
+        cut = len(piece) if first is None else first.start()
+        head = self._plain_continuing.encode(piece[:cut], add_special_tokens=False).ids if cut else []
+        return head + (self.encode(piece[cut:], add_bos=False) if cut < len(piece) else [])
 
     @cached_property
     def special_ids(self) -> frozenset[int]:
@@ -305,8 +317,30 @@ class Tokenizer:
         plain.encode_special_tokens = True
         return plain
 
+    @cached_property
+    def _plain_continuing(self) -> HFTokenizer:
+        """_plain for text that continues a text: a SentencePiece tokenizer prepends no "▁" to its start
+        (Metaspace's prepend_scheme "never", no Prepend normalizer); any other tokenizer is _plain."""
+        spec = json.loads(self.backend.to_str())
+        for pre in _parts(spec.get("pre_tokenizer"), "pretokenizers"):
+            if pre.get("type") == "Metaspace":
+                pre["prepend_scheme"] = "never"
+        for norm in _parts(spec.get("normalizer"), "normalizers"):
+            if norm.get("type") == "Prepend":
+                norm["prepend"] = ""
+        plain = HFTokenizer.from_str(json.dumps(spec))
+        plain.encode_special_tokens = True
+        return plain
+
     def _special_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+def _parts(spec: dict | None, key: str) -> list[dict]:
+    """A tokenizer.json normalizer's or pre-tokenizer's steps: itself, or a Sequence's `key` list."""
+    if spec is None:
+        return []
+    return spec[key] if spec.get("type") == "Sequence" else [spec]
 
 
 def _text(message: dict) -> bool:
