@@ -320,3 +320,17 @@ def test_a_gguf_model_with_a_sentencepiece_vocabulary_loads_and_runs(tmp_path, m
     assert tok.encode("Hello world")[0] == 1 and tok.chat_template == MISTRAL_TEMPLATE
     logits = Engine(checkpoint, max_seq_len=64).prefill(tok.encode_chat(CONVERSATION))
     assert logits.shape[-1] == tok.vocab_size and bool(logits.isfinite().all())
+
+
+def test_a_text_stream_keeps_the_words_spaces(pair):
+    """generate()'s TextStream streams each token's bytes: a SentencePiece reply keeps its word spaces
+    (decoding ids one at a time stripped a leading space each: "Hello world" came out "Helloworld"),
+    and a character split into byte tokens comes out whole, never as U+FFFD."""
+    from floe.engine.generate import TextStream
+
+    ours, _ = pair
+    text = "Hello world, how are you? 日本語 and 🚀"
+    stream = TextStream(ours)
+    deltas = [stream.push(i) for i in ours.encode(text, add_bos=False)] + [stream.flush()]
+    assert "".join(deltas) == " " + text
+    assert all("\ufffd" not in d for d in deltas)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,28 +26,20 @@ def generate_step(engine: Engine, prompt_ids: Sequence[int], sampler: Sampler,
 
 
 class TextStream:
-    """Turns token ids into text deltas, holding back a token that ends inside a UTF-8 character.
-
-    Byte-level BPE decodes to the concatenation of each token's bytes, so decoding only the ids
-    since the last complete character gives the same text as decoding everything, in O(1) a token.
-    """
+    """Turns token ids into text deltas: each token's exact bytes (Tokenizer.token_bytes) through an
+    incremental UTF-8 decoder, which holds back a token that ends inside a character. O(1) a token,
+    and right for every tokenizer: decoding ids one at a time dropped SentencePiece's word spaces
+    (its decoder strips a leading one each time: "Hello world" streamed as "Helloworld")."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.pending: list[int] = []
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, token: int) -> str:
-        self.pending.append(token)
-        text = self.tokenizer.decode(self.pending)
-        if text.endswith("\ufffd") and len(self.pending) < 4:  # a UTF-8 character spans <= 4 bytes
-            return ""
-        self.pending.clear()
-        return text
+        return self.utf8.decode(self.tokenizer.token_bytes(token))
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.pending)
-        self.pending.clear()
-        return text
+        return self.utf8.decode(b"", final=True)
 
 
 @dataclass
