@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -66,9 +67,14 @@ EXPORTS = {1: {"alloc": 1, "on_message": 2}, 2: {"alloc": 1, "on_message": 2, "o
 OPTIONAL_EXPORTS = {1: {"on_history": 3}, 2: {"on_history": 3, "on_end": 1}}
 
 
+@functools.cache
+def _guests_folder() -> Path:
+    return Path(str(resources.files("floe.guests")))  # (a tenth of making an actor, asked each time)
+
+
 def builtin_guest(name: str) -> Path:
     """Path of a guest shipped inside the package (`chat`, `constrained`, `probe`)."""
-    path = Path(str(resources.files("floe.guests") / f"{name}.wasm"))
+    path = _guests_folder() / f"{name}.wasm"
     if not path.is_file():
         raise GuestLoadError(f"no built-in guest named {name!r} (looked for {path})")
     return path
