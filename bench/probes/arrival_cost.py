@@ -20,16 +20,13 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from cpu_batch import actors_run, message  # noqa: E402
+from tiny import tiny_engine, tokenizer  # noqa: E402
 
 from floe.actor import Actor, EngineLoop  # noqa: E402
 from floe.actor import loop as engine_loop  # noqa: E402
 from floe.engine import Engine  # noqa: E402
-from floe.model.config import ModelConfig  # noqa: E402
-from floe.model.synthetic import random_checkpoint  # noqa: E402
 
 
 def main() -> None:
@@ -42,23 +39,8 @@ def main() -> None:
     ap.add_argument("--switch-ms", type=float, nargs="+", default=[5.0])
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    if args.tokenizer:
-        from floe.model.hf_folder import tokenizer_from_folder
-
-        tok = tokenizer_from_folder(Path(args.tokenizer), {})
-    else:
-        from floe.model import load_checkpoint
-
-        tok = load_checkpoint().tokenizer
-    config = ModelConfig(arch="llama", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                         vocab_size=tok.vocab_size, context_length=1024, name="tiny")
-    device = torch.device(args.device)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    engine = Engine(random_checkpoint(config, tok, dtype=dtype, device=device), device=device,
-                    dtype="float32" if device.type == "cpu" else "bfloat16", max_seq_len=512,
-                    n_slots=args.sessions)
-    engine.warm_up()
+    tok = tokenizer(args.tokenizer)
+    engine = tiny_engine(tok, args.sessions, args.device)
     texts = [message(tok, i, 64) for i in range(args.sessions)]
     alone(engine, texts)
     actors_run(engine, texts[:2], 2, batch=True)

@@ -19,14 +19,10 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from cpu_batch import message  # noqa: E402
+from tiny import tiny_engine, tokenizer  # noqa: E402
 
-from floe.engine import Engine  # noqa: E402
-from floe.model.config import ModelConfig  # noqa: E402
-from floe.model.synthetic import random_checkpoint  # noqa: E402
 from floe.server.core import ServeCore  # noqa: E402
 
 
@@ -40,23 +36,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    if args.tokenizer:
-        from floe.model.hf_folder import tokenizer_from_folder
-
-        tok = tokenizer_from_folder(Path(args.tokenizer), {})
-    else:
-        from floe.model import load_checkpoint
-
-        tok = load_checkpoint().tokenizer
-    config = ModelConfig(arch="llama", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                         vocab_size=tok.vocab_size, context_length=1024, name="tiny")
-    device = torch.device(args.device)
-    cpu = device.type == "cpu"
-    weights = random_checkpoint(config, tok, dtype=torch.float32 if cpu else torch.bfloat16, device=device)
-    engine = Engine(weights, device=device, dtype="float32" if cpu else "bfloat16", max_seq_len=512,
-                    n_slots=args.slots)
-    engine.warm_up()
+    tok = tokenizer(args.tokenizer)
+    engine = tiny_engine(tok, args.slots, args.device)
     core = ServeCore(engine, snapshots=tempfile.mkdtemp(prefix="floe-arrivals-"), model_id="tiny",
                      max_anonymous=args.max_anonymous, max_waiting=args.sessions, wait_seconds=60)
     try:

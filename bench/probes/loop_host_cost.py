@@ -18,18 +18,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from cpu_batch import actors_run, message  # noqa: E402
+from tiny import tiny_engine, tokenizer  # noqa: E402
 
 from floe.actor import loop as engine_loop  # noqa: E402
 
 SORT_CUM = os.environ.get("SORT") == "cum"
 TOP = int(os.environ.get("TOP", "20"))
 from floe.engine import Engine  # noqa: E402
-from floe.model.config import ModelConfig  # noqa: E402
-from floe.model.synthetic import random_checkpoint  # noqa: E402
 
 
 def main() -> None:
@@ -39,19 +36,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the native / row-by-row comparison")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    if args.tokenizer:
-        from floe.model.hf_folder import tokenizer_from_folder
-
-        tok = tokenizer_from_folder(Path(args.tokenizer), {})
-    else:
-        from floe.model import load_checkpoint
-
-        tok = load_checkpoint().tokenizer
-    config = ModelConfig(arch="llama", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                         vocab_size=tok.vocab_size, context_length=1024, name="tiny")
-    weights = random_checkpoint(config, tok, dtype=torch.float32)
-    engine = Engine(weights, max_seq_len=512, n_slots=args.sessions)
+    tok = tokenizer(args.tokenizer)
+    engine = tiny_engine(tok, args.sessions)
     texts = [message(tok, i, 64) for i in range(args.sessions)]
     actors_run(engine, texts[:2], 4, batch=True)
     asking_ab(engine, texts, args)
