@@ -215,15 +215,18 @@ def test_the_interpreter_exits_cleanly_while_guests_run_in_daemon_threads():
         import threading, time
         from guests_wat import calls_host, v2_guest
         from models import tiny_engine
-        from floe.actor import Actor
+        from floe.actor import Actor, EngineLoop
         from floe.wasm import guest_calls_running
         engine = tiny_engine(n_slots=2)
+        # (the loop's bound on a warm guest call, 0.25 s, could end the v2 guest's endless on_token
+        # before the exit on a loaded machine: this test is about the exit, not that bound)
+        loop = EngineLoop(engine, token_call_s=60, step_call_s=60)
         v1 = calls_host("(i32.store (i32.const 4096) (i32.const 17))"
                         "(drop (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))"
                         "(loop $l (drop (call $sample (i32.const 0))) (br $l)) (i32.const 0)")
         v2 = v2_guest("(loop $l (drop (call $sample (i32.const 0))) (br $l))", after=2)
         for wasm in (v1, v2):
-            actor = Actor(engine, wasm, deadline_s=60)
+            actor = Actor(engine, wasm, deadline_s=60, loop=loop)
             threading.Thread(target=actor.send, args=("x",), daemon=True).start()
         while guest_calls_running() < 2:
             time.sleep(0.01)
