@@ -162,3 +162,19 @@ def test_the_plain_pytorch_peer_computes_what_floe_computes(default_checkpoint):
         for p, t in enumerate(ids):
             theirs = peer(torch.tensor([t]), torch.tensor([p]))
     torch.testing.assert_close(theirs, engine.prefill(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_server_bounds_onednns_kernel_cache_unless_told(monkeypatch):
+    """bound_kernel_caches (floe serve, a Ray replica) caps oneDNN's per-shape kernel cache, which grew a
+    server's RSS with every new prompt length; a capacity the environment sets is kept."""
+    import os
+
+    from floe.engine import bound_kernel_caches
+    from floe.engine.engine import ONEDNN_PRIMITIVES
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    bound_kernel_caches()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_PRIMITIVES)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
+    bound_kernel_caches()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"

@@ -305,8 +305,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise FloeError(f"floe serve needs fastapi and uvicorn ({e.name} is missing): "
                         "pip install floe") from e
-    from floe.engine import Engine, parse_device
+    from floe.engine import Engine, bound_kernel_caches, parse_device
 
+    bound_kernel_caches()  # (before the model's first matmul: a server sees many prompt lengths)
     device = parse_device(args.device)
     if args.max_sessions < 1 or args.idle_seconds <= 0 or args.max_anonymous < 1:
         raise FloeError("--max-sessions and --max-anonymous must be >= 1 and --idle-seconds > 0")

@@ -25,11 +25,12 @@ class Replica:
                  **options) -> None:
         import torch
 
-        from floe.engine import Engine
+        from floe.engine import Engine, bound_kernel_caches
         from floe.model import load_checkpoint
         from floe.server.core import ServeCore
         from floe.server.sessions import snapshot_store
 
+        bound_kernel_caches()
         torch.set_num_threads(threads)
         self.name = name
         checkpoint = load_checkpoint(model)
