@@ -97,6 +97,9 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
     return folder
 
 
+REFERENCE_IDS = [1, 504, 3575, 282, 4649, 314, 7042, 30, 17, 42, 9000, 31000] * 4  # 48 positions
+
+
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     """transformers' logits [len(ids), vocab] of one forward over ids."""
     with torch.no_grad():
@@ -117,6 +120,23 @@ def floe_greedy(engine, prompt: list[int], n: int) -> list[int]:
     while len(out) < n:
         out.append(int(engine.decode_step(out[-1]).argmax()))
     return out
+
+
+def assert_matches_transformers(path, model, tolerance: float = 1e-4, *, max_seq_len: int = 128,
+                                ids: list[int] = REFERENCE_IDS, prompt_len: int = 20, n_new: int = 8) -> None:
+    """An engine over the checkpoint at `path` gives transformers' `model`'s fp32 logits over `ids` (cut to
+    max_seq_len) within `tolerance`, and its n_new greedy tokens after ids[:prompt_len]."""
+    from floe.engine import Engine
+    from floe.model import load_checkpoint
+
+    engine = Engine(load_checkpoint(path), max_seq_len=max_seq_len)
+    ids = ids[:max_seq_len]
+    ref = reference_logits(model, ids)
+    ours = engine.prefill(ids, all_logits=True)
+    assert ref.abs().max() > 0.5  # the comparison means something
+    assert (ours - ref).abs().max().item() <= tolerance
+    engine.kv_truncate(0)
+    assert floe_greedy(engine, ids[:prompt_len], n_new) == reference_greedy(model, ids[:prompt_len], n_new)
 
 
 # transformers' names of a layer's tensors -> llama.cpp's (convert_hf_to_gguf)

@@ -6,7 +6,8 @@ prompt longer than it computes; backends that attend over the whole context refu
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from models import convert_to_gguf, floe_greedy, reference_greedy, reference_logits, save_hf_folder
+from models import assert_matches_transformers as assert_matches
+from models import convert_to_gguf, save_hf_folder
 
 from floe.engine import Engine
 from floe.engine.weights import check_backend
@@ -29,16 +30,6 @@ def reference(folder):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def assert_matches(path, model, tolerance: float = 1e-4, **engine_args) -> None:
-    engine = Engine(load_checkpoint(path), max_seq_len=128, **engine_args)
-    ref = reference_logits(model, IDS)
-    ours = engine.prefill(IDS, all_logits=True)
-    assert ref.abs().max() > 0.5  # the comparison means something
-    assert (ours - ref).abs().max().item() <= tolerance
-    engine.kv_truncate(0)
-    assert floe_greedy(engine, PROMPT, N_NEW) == reference_greedy(model, PROMPT, N_NEW)
 
 
 def test_mistral_config_from_an_hf_folder(folder):

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from models import convert_to_gguf, floe_greedy, reference_greedy, reference_logits, save_hf_folder
+from models import assert_matches_transformers as assert_matches
+from models import convert_to_gguf, reference_logits, save_hf_folder
 
 from floe.engine import Engine
 from floe.engine.weights import check_backend
@@ -40,17 +41,6 @@ def long_folder(tmp_path_factory):
     """LongRoPE: pretrained on 32 positions, extended to 512; no window."""
     return save_hf_folder(tmp_path_factory.mktemp("phi3-long"), "phi3", tie=False, partial_rotary=0.5,
                           long_rope=True, seed=1)
-
-
-def assert_matches(path, model, tolerance: float = 1e-4, max_seq_len: int = 128) -> None:
-    engine = Engine(load_checkpoint(path), max_seq_len=max_seq_len)
-    ids = IDS[:max_seq_len]
-    ref = reference_logits(model, ids)
-    ours = engine.prefill(ids, all_logits=True)
-    assert ref.abs().max() > 0.5  # the comparison means something
-    assert (ours - ref).abs().max().item() <= tolerance
-    engine.kv_truncate(0)
-    assert floe_greedy(engine, PROMPT, N_NEW) == reference_greedy(model, PROMPT, N_NEW)
 
 
 def test_phi3_config_from_an_hf_folder(folder, long_folder):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
+from models import assert_matches_transformers as assert_matches
 from models import convert_to_gguf, save_hf_folder
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -31,36 +32,6 @@ def reference(folder):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def reference_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
-
-
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(reference_logits(model, ids)[-1].argmax()))
-    return ids[len(prompt):]
-
-
-def floe_greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens through the engine's decode step (the CPU's lean step)."""
-    out = [int(engine.prefill(prompt).argmax())]
-    while len(out) < n:
-        out.append(int(engine.decode_step(out[-1]).argmax()))
-    return out
-
-
-def assert_matches(path, model, tolerance: float = 1e-4, **engine_args) -> None:
-    engine = Engine(load_checkpoint(path), max_seq_len=128, **engine_args)
-    ref = reference_logits(model, IDS)
-    ours = engine.prefill(IDS, all_logits=True)
-    assert ref.abs().max() > 0.5  # the comparison means something
-    assert (ours - ref).abs().max().item() <= tolerance
-    engine.kv_truncate(0)
-    assert floe_greedy(engine, PROMPT, N_NEW) == reference_greedy(model, PROMPT, N_NEW)
 
 
 def test_qwen3_config_from_an_hf_folder(folder):
