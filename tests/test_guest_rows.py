@@ -4,6 +4,7 @@ failure (a trap, its deadline, a result that is not an i32), the rows after a fa
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -48,8 +49,8 @@ def test_each_row_gets_its_own_choice_and_answer():
     if not on_a_guest_thread(lambda: guest_rows.usable(echo)):
         pytest.skip("no native loop here (no C++ compiler, or epochs not ticking natively)")
     answers = on_a_guest_thread(lambda: guest_rows.call_rows(
-        echo, "on_token", [choice_address(g) for g in echo], [10, 20, 30, 40, -5], [1.0] * 5,
-        [lambda: None] * 5))
+        echo, "on_token", [choice_address(g) for g in echo], [10, 20, 30, 40, -5], [math.inf] * 5,
+        1.0, [lambda: None] * 5))[0]
     assert answers == [11, 21, 31, 41, -4]
     assert [int(g.region.numpy(64, 1, np.int32)[0]) for g in echo] == [10, 20, 30, 40, -5]
 
@@ -65,13 +66,40 @@ def test_a_failing_row_fails_alone_and_the_rows_after_it_are_called(bad, error, 
     if not on_a_guest_thread(lambda: guest_rows.usable(guests)):
         pytest.skip("no native loop here")
     answers = on_a_guest_thread(lambda: guest_rows.call_rows(
-        guests, "on_token", [0] * 4, [0] * 4, [0.3] * 4, [lambda: None] * 4))
+        guests, "on_token", [0] * 4, [0] * 4, [math.inf] * 4, 0.3, [lambda: None] * 4))[0]
     assert answers[0] == 5 and answers[2:] == [5, 5]
     assert isinstance(answers[1], error) and message in str(answers[1]), answers[1]
     # and the row-by-row call says the same of the same guest
     alone = on_a_guest_thread(lambda: _raised(lambda: guests[1].call("on_token", deadline_s=0.3,
                                                                      pending=lambda: None, hold_gil=True)))
     assert type(alone) is type(answers[1]) and str(alone) == str(answers[1])
+
+
+def test_the_native_loop_judges_each_token_as_the_engine_loop_would():
+    """PLAIN: a token in the vocabulary, not the turn's last, with no row in flight or one of this
+    very token (CONFIRMED); TAKES: the host's choice. Anything else (stop, out of the vocabulary, the
+    last token, a refused row in flight, a failed call) is left to the engine loop's Python path."""
+    returns = [7, 7, -1, 100, 7, 7, 8, 7]
+    guests = [guest(f"(i32.const {t})") if t >= 0 else guest("(i32.const -1)") for t in returns]
+    guests[7] = guest("(unreachable)")
+    if not on_a_guest_thread(lambda: guest_rows.usable(guests)):
+        pytest.skip("no native loop here")
+    none = guest_rows.NONE
+    choices = [7, 3, 7, 7, 7, none, 8, 7]
+    judge = guest_rows.Judge(vocab=[100] * 8, speculated=[none, none, none, none, none, 7, 7, none],
+                             generated=[0, 0, 0, 0, 9, 0, 0, 0], max_tokens=[10] * 8)
+    answers, judged = on_a_guest_thread(lambda: guest_rows.call_rows(
+        guests, "on_token", [0] * 8, choices, [math.inf] * 8, 1.0, [lambda: None] * 8, judge))
+    assert answers[:7] == returns[:7] and isinstance(answers[7], GuestTrap)
+    P, T, C = guest_rows.PLAIN, guest_rows.TAKES, guest_rows.CONFIRMED
+    assert judged == [P | T,  # the host's choice, appended next
+                      P,  # the guest's own token
+                      0,  # stop
+                      0,  # outside the vocabulary
+                      T,  # the turn's last token (max_tokens): not appended
+                      P | C,  # the row in flight had it
+                      T,  # the row in flight had another (refused), the host's choice
+                      0]  # the call failed
 
 
 def _raised(fn):

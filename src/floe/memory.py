@@ -12,6 +12,7 @@ import ctypes.util
 import mmap
 import os
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -22,6 +23,27 @@ PAGE = mmap.PAGESIZE
 _PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
 _MAP_PRIVATE_ANON_NORESERVE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000  # MAP_NORESERVE
 _MAP_FAILED = ctypes.c_void_p(-1).value
+
+_denials = threading.local()  # regions whose growth was refused, by the thread that asked (take_denied)
+
+
+def _denied_here() -> weakref.WeakSet:
+    refused = getattr(_denials, "regions", None)
+    if refused is None:
+        refused = _denials.regions = weakref.WeakSet()
+    return refused
+
+
+def take_denied() -> list:
+    """The regions whose growth was refused on this thread since the last take (their denied_size set),
+    for a caller that resets them before its next guest calls (floe.wasm.rows). (A weak set: a thread
+    that never takes them holds no region alive, and each at most once.)"""
+    refused = getattr(_denials, "regions", None)
+    if not refused:
+        return []
+    _denials.regions = weakref.WeakSet()
+    return list(refused)
+
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -76,6 +98,7 @@ class Region:
                 raise RegionError(f"a region only grows: {new_size} < {self.size}")
             if new_size > min(self.capacity, self.limit):
                 self.denied_size = max(self.denied_size, new_size)
+                _denied_here().add(self)
                 raise RegionError(
                     f"cannot grow to {new_size} bytes: limit is {min(self.capacity, self.limit)}"
                 )

@@ -452,6 +452,8 @@ class HostABI:
             source = f"{e.device.type}, {str(e.dtype)[6:]} engine, {e.weights} weights"
             ledger.copied(f"engine→guest logits (written from {source})", copied, copied, row * copied)
         ledger.copied(CHOICE_CROSSING, choices, choices, 4 * choices)
+        if self.budget is not None:  # (charged, not checked: each choice came with a forward, counted)
+            self.budget.spent += (CALL_OVERHEAD + 4) * choices
 
     def step_target(self) -> torch.Tensor | None:
         """v2: the guest buffer each decode step's logits go to (None: the host keeps them)."""
@@ -590,11 +592,11 @@ class HostABI:
     def give_choice(self, token: int, write: bool = True, record: bool = True) -> None:
         """Write the host's choice for this step where choice_at asked (the loop calls it before
         on_token); write=False: spent here, written by the caller (floe.wasm.rows, natively);
-        record=False: the caller counts it for record_rows."""
-        self.budget.spend(4, "choice")
+        record=False: the caller counts it for record_rows (which charges the budget for it)."""
         if write:
             self.choice[0] = token
         if record:
+            self.budget.spend(4, "choice")
             self.actor.ledger.copy(CHOICE_CROSSING, 4)
 
     def stream_tokens(self, on: int) -> int:

@@ -534,12 +534,9 @@ class EngineLoop:
                 return
         for turn, token in zip(asking, tokens, strict=True):
             turn.choice = token
-            try:
-                turn.abi.give_choice(token, write, record=False)
-            except BaseException as e:  # noqa: BLE001 - fails this turn only (its budget)
-                self._finish(turn, END_CANCELLED, e)
-            else:
-                turn.choices += 1  # (recorded by Turn.record)
+            if write:
+                turn.abi.give_choice(token, record=False)
+            turn.choices += 1  # (recorded by Turn.record, which charges its budget)
 
     def _ask_guests(self, turns: list[Turn]) -> None:
         """Give each of `turns` still running its host choice and ask its guest (_ask_guest): the
@@ -556,18 +553,43 @@ class EngineLoop:
             return
         self._give_choices(asking, write=False)
         asking = [t for t in asking if t.end is None]  # (a choice that failed ended its turn)
+        guests = [t.guest for t in asking]
         for turn in asking:  # (_before_ask)
             turn.fresh = turn.abi.sampled = False
+        for turn in asking:
+            if turn.head is None:  # its first row (the choice's address is fixed for the turn)
+                guest_rows.fresh(turn.guest)
+                turn.head = guest_rows.heads([turn.guest], "on_token", [turn.abi.choice_address])[0]
         bound = self.step_call_s if self.warm else self.token_call_s
-        now = time.monotonic()
-        answers = guest_rows.call_rows(
-            [t.guest for t in asking], "on_token",
-            [t.abi.choice_address for t in asking], [t.choice or 0 for t in asking],
-            [max(0.0, min(t.deadline - now, bound)) for t in asking],
-            [t.actor.take_pending for t in asking])
+        none = guest_rows.NONE
+        answers, judged = guest_rows.call_rows(
+            guests, "on_token", (), [none if t.choice is None else t.choice for t in asking],
+            [t.deadline for t in asking], bound, [t.actor.take_pending for t in asking],
+            guest_rows.Judge([t.abi.vocab for t in asking],
+                             [none if t.speculated is None else t.speculated for t in asking],
+                             [t.generated for t in asking], [t.max_tokens for t in asking]),
+            [t.head for t in asking])
         self.native_calls += len(asking)
-        for turn, answer in zip(asking, answers, strict=True):
-            if isinstance(answer, BaseException):
+        plain, takes, confirmed = guest_rows.PLAIN, guest_rows.TAKES, guest_rows.CONFIRMED
+        for turn, answer, judgement in zip(asking, answers, judged, strict=True):
+            if judgement & plain:  # _took's common case, judged natively (floe.wasm.rows.Judge)
+                self.warm = True
+                abi = turn.abi
+                turn.takes_choice = bool(judgement & takes) and not (abi.sampled and turn.draws)
+                if judgement & confirmed:  # the row in flight is the guest's
+                    turn.refused = False
+                    turn.speculated = turn.rng_before = None
+                turn.actor.stats.on_decode(answer)
+                if abi.streams:
+                    try:
+                        abi.stream(answer)
+                    except BaseException as e:  # noqa: BLE001 - fails this turn only
+                        self._finish(turn, END_CANCELLED, e)
+                        continue
+                turn.generated += 1
+                if not judgement & confirmed:
+                    turn.next_token = answer
+            elif isinstance(answer, BaseException):
                 if isinstance(answer, GuestError):
                     turn.actor.name_last_log(answer)  # as Actor.guest_call does
                 self._finish(turn, END_CANCELLED, self._call_failure(turn, "on_token", bound, answer))

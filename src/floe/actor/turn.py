@@ -58,6 +58,7 @@ class Turn:
     guest: GuestInstance = field(init=False)
     draws: bool = field(init=False)
     target: torch.Tensor | None | bool = False  # its decode rows' logits buffer (False: not asked yet)
+    head: tuple | None = None  # its on_token row's fixed part for floe.wasm.rows (made at its first)
 
     def __post_init__(self) -> None:
         self.abi = self.actor.abi

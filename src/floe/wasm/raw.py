@@ -492,8 +492,12 @@ class Watchdog:
     `reason` says which ("deadline" or the cancellation's reason), for the caller's error.
     """
 
+    __slots__ = ("_when", "when_at", "reason", "cancelled", "interrupt", "_callback", "_context")
+
     def __init__(self, store) -> None:
-        self.deadline = float("inf")  # time.monotonic()
+        # The deadline (time.monotonic()) in a C double: floe.wasm.rows arms it natively (when_at).
+        self._when = (ctypes.c_double * 1)(float("inf"))
+        self.when_at = ctypes.addressof(self._when)
         self.reason: str | None = None
         self.cancelled: str | None = None
         self.interrupt: BaseException | None = None  # a Ctrl-C that arrived while guest code ran
@@ -501,6 +505,14 @@ class Watchdog:
         _install_deadline_callback(ctypes.cast(store.ptr(), ctypes.c_void_p), self._callback, None, None)
         self._context = store._context()
         store.set_epoch_deadline(1)
+
+    @property
+    def deadline(self) -> float:
+        return self._when[0]
+
+    @deadline.setter
+    def deadline(self, when: float) -> None:
+        self._when[0] = when
 
     def arm(self, seconds: float) -> None:
         """Before a call: its deadline, and the store's epoch deadline the next tick from now (a store

@@ -16,9 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from floe import memory
 from floe.wasm import runtime
 from floe.wasm.raw import I32, _dll, raw_call_error, signals
 from floe.wasm.runtime import GuestCancelled, GuestInstance, guest_stack
@@ -44,10 +46,10 @@ def native() -> Callable | None:
                 fn = library.floe_call_rows
                 fn.restype = ctypes.c_int64
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_int64]
+                               ctypes.c_int64, ctypes.c_double]
                 call = ctypes.cast(_dll.wasmtime_func_call, ctypes.c_void_p).value
                 deadline = ctypes.cast(_dll.wasmtime_context_set_epoch_deadline, ctypes.c_void_p).value
-                _native = lambda rows, n: fn(rows, n, call, deadline, I32)  # noqa: E731
+                _native = lambda rows, n, bound: fn(rows, n, call, deadline, I32, bound)  # noqa: E731
             except (BuildError, OSError) as e:
                 log.warning("guest calls go row by row (the native loop is not available: %s)", e)
     return _native
@@ -60,45 +62,100 @@ def usable(guests: Sequence[GuestInstance]) -> bool:
             and native() is not None)
 
 
+NONE = -(1 << 63)  # Judgement inputs: no host choice / no row in flight (csrc/call_rows.cpp)
+PLAIN, TAKES, CONFIRMED = 1, 2, 4  # what the native loop judged a returned token to be (see Judge)
+WIDTH = 16  # int64s a row (csrc/call_rows.cpp's Row)
+
+
+class Judge(NamedTuple):
+    """What the native loop judges each returned token against (the engine loop's plain case,
+    floe.actor.loop._took): per row, the vocabulary's size, the token of the turn's row in flight
+    (NONE: none), the tokens generated so far and max_tokens. Its answer, per row: PLAIN (a token in
+    the vocabulary, not the turn's last, and either no row in flight or one with this very token:
+    CONFIRMED), TAKES (it is the host's choice); 0 for anything else (stop, a bad token, the last, a
+    refused row in flight): the caller's own path judges those."""
+
+    vocab: Sequence[int]
+    speculated: Sequence[int]
+    generated: Sequence[int]
+    max_tokens: Sequence[int]
+
+
+class _Batch:
+    """The guests of one call_rows, registered as one call in flight (runtime._running): stop_all_guests
+    cancels each."""
+
+    __slots__ = ("guests",)
+
+    def __init__(self, guests: Sequence[GuestInstance]) -> None:
+        self.guests = guests
+
+    def cancel(self, reason: str) -> None:
+        for g in self.guests:
+            g.watchdog.cancel(reason)
+
+
+def heads(guests: Sequence[GuestInstance], name: str, choice_at: Sequence[int]) -> list[tuple]:
+    """Each row's fixed part for call_rows: its prepared call (context, function, results), where its
+    host choice goes, and its watchdog's deadline (the engine loop keeps one per turn: Turn.head)."""
+    return [(*g.prepared(name, 0).row, at, g.watchdog.when_at)
+            for g, at in zip(guests, choice_at, strict=True)]
+
+
+def fresh(g: GuestInstance) -> None:
+    """Before a guest's first row of a turn (as GuestInstance.call before each call): no memory growth
+    refused yet (a later failure's report), no earlier stop's reason."""
+    for region in g.regions:
+        region.denied_size = 0
+    w = g.watchdog
+    w.reason = w.interrupt = None
+
+
 def call_rows(guests: Sequence[GuestInstance], name: str, choice_at: Sequence[int], choices: Sequence[int],
-              seconds: Sequence[float], pendings: Sequence[Callable[[], BaseException | None]]) -> list:
+              deadlines: Sequence[float], bound: float,
+              pendings: Sequence[Callable[[], BaseException | None]], judge: Judge | None = None,
+              head: Sequence[tuple] | None = None) -> tuple[list, list[int]]:
     """Call export `name` (no arguments, one i32 result) of each guest in turn, first storing choices[i]
-    as an int32 at address choice_at[i] (0: none), each call within seconds[i] of its start: for each,
-    the i32 it returned or the exception GuestInstance.call would have raised. Check usable() first."""
+    (NONE: none) as an int32 at address choice_at[i] (0: none), each call within `bound` seconds of its
+    own start and before deadlines[i] (time.monotonic()): for each, the i32 it returned or the exception
+    GuestInstance.call would have raised; and, with `judge`, the native loop's judgement of each
+    returned token (Judge; 0 for a failed call). head: heads(guests, name, choice_at), where the
+    caller keeps them. Each guest's regions and watchdog are as fresh() leaves them (the caller's
+    part: once a turn). Check usable() first."""
     n = len(guests)
     out: list = [None] * n
-    if runtime._stopped is not None:
-        return [GuestCancelled(f"the guest was not run: {runtime._stopped}") for _ in guests]
-    rows = np.zeros((n, 8), np.int64)
-    rows[:, :3] = [g.prepared(name, 0).row for g in guests]
-    rows[:, 3] = choice_at
-    rows[:, 4] = choices
-    for g in guests:
-        g._before_call()
-        runtime._running[id(g.watchdog)] = g.watchdog
+    rows = np.zeros((n, WIDTH), np.int64)
+    rows[:, :5] = heads(guests, name, choice_at) if head is None else head
+    rows[:, 5] = choices
+    rows.view(np.float64)[:, 6] = deadlines
+    if judge is not None:
+        rows[:, 7:11] = np.array(judge, np.int64).T
+    for region in memory.take_denied():  # refused on this thread since (fresh(): none before a turn)
+        region.denied_size = 0
+    batch = _Batch(guests)
+    runtime._running[id(batch)] = batch
     call = native()
     start = 0
     try:
+        if runtime._stopped is not None:  # (after registering: as runtime._Running)
+            return [GuestCancelled(f"the guest was not run: {runtime._stopped}") for _ in guests], [0] * n
         with guest_stack:
             while start < n:
-                now = time.monotonic()
-                for i in range(start, n):  # (GuestInstance.call's watchdog.arm, the epoch set natively)
-                    w = guests[i].watchdog
-                    w.deadline, w.reason, w.interrupt = now + seconds[i], None, None
-                done = start + call(rows[start:].ctypes.data, n - start)
-                out[start:done] = rows[start:done, 7].tolist()
+                done = start + call(rows[start:].ctypes.data, n - start, bound)
+                out[start:done] = rows[start:done, 13].tolist()
                 if done == n:
                     break
                 g = guests[done]
+                seconds = max(0.0, min(bound, deadlines[done] - time.monotonic()))
                 try:
-                    g._raise_failure(name, raw_call_error(int(rows[done, 5]), int(rows[done, 6]),
-                                                          int(rows[done, 2])), seconds[done], pendings[done])
+                    error = raw_call_error(int(rows[done, 11]), int(rows[done, 12]), int(rows[done, 2]))
+                    g._raise_failure(name, error, seconds or bound, pendings[done])
                 except BaseException as e:  # noqa: BLE001 - this row's answer
                     out[done] = e
+                rows[done, 14] = 0
                 start = done + 1
     except BaseException as e:  # noqa: BLE001 - the thread's stack refused them (ThreadStackTooSmall)
-        return [e if r is None else r for r in out]
+        return [e if r is None else r for r in out], [0] * n
     finally:
-        for g in guests:
-            runtime._running.pop(id(g.watchdog), None)
-    return out
+        runtime._running.pop(id(batch), None)
+    return out, rows[:, 14].tolist()
