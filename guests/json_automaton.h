@@ -28,7 +28,6 @@ enum { A_OPEN = 1, A_AFTER, A_COMMA, A_DONE };
 enum { S_IN = 1, S_ESC, S_HEX, S_UTF8, S_DONE };
 enum { N_MINUS = 1, N_ZERO, N_INT, N_DOT, N_FRAC, N_E, N_ESIGN, N_EXP };
 enum { L_IN = 1 };
-#define NUM_MAX_DIGITS 16
 #define EXP_MAX_DIGITS 3
 
 static void cset_emit(cset *out, const frame *s, int d) {
@@ -41,6 +40,55 @@ static void cset_emit(cset *out, const frame *s, int d) {
     out->len += size;
 }
 
+/* A bounded number's frame: idx the digits of the part being written; aux the integer part's
+ * comparisons with the range's lo (bits 0-1) and hi (2-3), the sign (4: negative) and, in the
+ * fraction, what it must be (5-6, F_*). */
+static int bounded_can_end(const schema_node *n, const frame *f) {
+    const mag_range *r = &n->sides[f->aux >> 4 & 1];
+    if (f->state == N_ZERO || f->state == N_INT) return mag_rest(r, f->idx, f->aux & 3, f->aux >> 2 & 3, 1) == 0;
+    return f->state == N_FRAC && (f->aux >> 5 & 3) != F_NONZERO;
+}
+
+static uint32_t bounded_need(const schema_node *n, const frame *f) {
+    const mag_range *r = &n->sides[f->aux >> 4 & 1];
+    int closed = f->state == N_ZERO || f->idx >= NUM_MAX_DIGITS;
+    if (f->state == N_MINUS || f->state == N_ZERO || f->state == N_INT)
+        return (uint32_t)mag_need(r, f->idx, f->aux & 3, f->aux >> 2 & 3, closed, n->kind == SN_NUMBER);
+    if (f->state == N_DOT) return 1;
+    return (f->aux >> 5 & 3) == F_NONZERO;
+}
+
+static void consume_bounded(frame *c, int d, const schema_node *n, int b, cset *out) {
+    frame *t = &c[d - 1];
+    int digit = b >= '0' && b <= '9', neg = t->aux >> 4 & 1, number = n->kind == SN_NUMBER;
+    const mag_range *r = &n->sides[neg];
+    uint8_t s = t->state;
+    if (s == ST_START && b == '-') {
+        if (!n->sides[1].on) return;
+        t->state = N_MINUS, t->aux = 1 << 4, t->idx = 0;
+    } else if ((s == ST_START || s == N_MINUS || s == N_INT) && digit) {
+        int k = s == N_INT ? t->idx : 0, closed = (k == 0 && b == '0') || k + 1 >= NUM_MAX_DIGITS;
+        if (!r->on || k >= NUM_MAX_DIGITS) return;
+        int cl = cmp_next(t->aux & 3, k, r->lo, r->lo_len, b), ch = cmp_next(t->aux >> 2 & 3, k, r->hi, r->hi_len, b);
+        if (mag_need(r, k + 1, cl, ch, closed, number) < 0) return;
+        t->state = k == 0 && b == '0' ? N_ZERO : N_INT, t->idx = (uint16_t)(k + 1);
+        t->aux = (uint8_t)(cl | ch << 2 | neg << 4);
+    } else if ((s == N_ZERO || s == N_INT) && b == '.' && number) {
+        int k = t->idx, cl = t->aux & 3, ch = t->aux >> 2 & 3;
+        if (!mag_within(r, k, cl, ch)) return;
+        int fraction = k == r->lo_len && cl == CMP_EQ && r->strict_lo ? F_NONZERO
+                     : k == r->hi_len && ch == CMP_EQ && r->zero_at_hi ? F_ZEROS : F_FREE;
+        t->state = N_DOT, t->idx = 0, t->aux = (uint8_t)(neg << 4 | fraction << 5);
+    } else if ((s == N_DOT || s == N_FRAC) && digit) {
+        int k = s == N_DOT ? 0 : t->idx, fraction = t->aux >> 5 & 3;
+        if (k >= NUM_MAX_DIGITS || (fraction == F_ZEROS && b != '0')) return;
+        if (fraction == F_NONZERO && b != '0') fraction = F_FREE;
+        else if (fraction == F_NONZERO && k + 1 >= NUM_MAX_DIGITS) return; /* no digit left to be nonzero */
+        t->state = N_FRAC, t->idx = (uint16_t)(k + 1), t->aux = (uint8_t)(neg << 4 | fraction << 5);
+    } else return;
+    cset_emit(out, c, d);
+}
+
 static int frame_can_end(const grammar *g, const frame *f) {
     const schema_node *n = &g->nodes[f->node];
     switch (n->kind) {
@@ -48,6 +96,7 @@ static int frame_can_end(const grammar *g, const frame *f) {
     case SN_ARRAY: return f->state == A_DONE;
     case SN_STRING: return f->state == S_DONE;
     case SN_NUMBER: case SN_INTEGER:
+        if (n->sides) return bounded_can_end(n, f);
         return f->state == N_ZERO || f->state == N_INT || f->state == N_FRAC || f->state == N_EXP;
     case SN_LITERALS: return f->state == L_IN && f->pos == n->lens[f->idx];
     default: return 0;
@@ -245,7 +294,10 @@ static void ja_consume(const grammar *g, const frame *s, int d, int b, cset *out
     case SN_OBJECT: consume_object(g, c, d, n, b, out); break;
     case SN_ARRAY: consume_array(g, c, d, n, b, out); break;
     case SN_STRING: consume_string(c, d, n, b, out); break;
-    case SN_NUMBER: case SN_INTEGER: consume_number(c, d, n->kind == SN_INTEGER, b, out); break;
+    case SN_NUMBER: case SN_INTEGER:
+        if (n->sides) consume_bounded(c, d, n, b, out);
+        else consume_number(c, d, n->kind == SN_INTEGER, b, out);
+        break;
     case SN_LITERALS: consume_literal(c, d, n, b, out); break;
     }
 }
@@ -327,6 +379,7 @@ static uint32_t frame_need(const grammar *g, const frame *f) {
         return rest;
     }
     case SN_NUMBER: case SN_INTEGER:
+        if (n->sides) return bounded_need(n, f);
         return f->state == N_MINUS || f->state == N_DOT || f->state == N_E || f->state == N_ESIGN;
     case SN_LITERALS: {
         uint32_t best = 0xFFFFFFFF;

@@ -3,7 +3,7 @@
 #ifndef JSON_GRAMMAR_H
 #define JSON_GRAMMAR_H
 
-#include "json_value.h"
+#include "json_number.h"
 
 enum { SN_OBJECT, SN_ARRAY, SN_STRING, SN_NUMBER, SN_INTEGER, SN_LITERALS, SN_ANYOF };
 #define SN_UNBOUNDED 0xFFFFu
@@ -19,6 +19,7 @@ typedef struct {
     uint8_t *required;
     uint32_t min, max;    /* array: items; string: characters (SN_UNBOUNDED: no maximum) */
     uint32_t min_bytes;   /* the shortest valid value, in bytes */
+    mag_range *sides;     /* number, integer: [0] positive, [1] negative magnitudes (NULL: unbounded) */
 } schema_node;
 
 /* Nodes 0..5 of every grammar: what plain JSON mode and untyped schemas produce. */

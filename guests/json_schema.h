@@ -33,7 +33,12 @@ static int g_min_bytes(grammar *g) {
                 uint32_t v = g->nodes[s->kids[0]].min_bytes;
                 m = s->min == 0 ? 2 : v >= inf ? inf : 2 + s->min * (v + 1) - 1;
             } else if (s->kind == SN_STRING) m = 2 + s->min;
-            else if (s->kind == SN_NUMBER || s->kind == SN_INTEGER) m = 1;
+            else if ((s->kind == SN_NUMBER || s->kind == SN_INTEGER) && s->sides) {
+                for (int neg = 0; neg < 2; neg++) {
+                    int rest = s->sides[neg].on ? mag_need(&s->sides[neg], 0, CMP_EQ, CMP_EQ, 0, s->kind == SN_NUMBER) : -1;
+                    if (rest >= 0 && (uint32_t)(rest + neg) < m) m = (uint32_t)(rest + neg);
+                }
+            } else if (s->kind == SN_NUMBER || s->kind == SN_INTEGER) m = 1;
             else if (s->kind == SN_LITERALS) {
                 for (uint32_t j = 0; j < s->n; j++) if (s->lens[j] < m) m = s->lens[j];
             } else for (uint32_t j = 0; j < s->n; j++) {

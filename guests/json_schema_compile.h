@@ -10,7 +10,7 @@ static const char *const KEYWORDS_KNOWN[] = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
     "readOnly", "writeOnly", "$defs", "definitions", "additionalProperties",
     "type", "properties", "required", "items", "minItems", "maxItems", "enum", "const", "anyOf", "$ref",
-    "minLength", "maxLength", 0,
+    "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", 0,
 };
 
 static int g_schema(grammar *g, const json_value *v, char *path, uint32_t plen, int depth);
@@ -194,9 +194,66 @@ static int g_array(grammar *g, const json_value *v, char *path, uint32_t plen, i
     return node;
 }
 
+static const char *const NUMBER_BOUNDS[] = {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"};
+
+static int has_number_bounds(const json_value *v) {
+    for (int i = 0; i < 4; i++) if (json_get(v, NUMBER_BOUNDS[i])) return 1;
+    return 0;
+}
+
+/* A number or integer node; with bounds, the magnitudes each sign may take (json_number.h). */
+static int g_number(grammar *g, const json_value *v, int integer, const char *path) {
+    if (!has_number_bounds(v)) return integer ? g_node(g, SN_INTEGER) : NODE_ANY_NUMBER;
+    /* lo, hi: the tightest bounds (integers: inclusive ones; numbers: strictness aside) */
+    int64_t lo = -NUM_HUGE, hi = NUM_HUGE;
+    int lo_strict = 0, hi_strict = 0;
+    for (int i = 0; i < 4; i++) {
+        const json_value *b = json_get(v, NUMBER_BOUNDS[i]);
+        if (!b) continue;
+        json_value key = {JV_STRING, (uint32_t)floe_strlen(NUMBER_BOUNDS[i]), NUMBER_BOUNDS[i], 0, 0};
+        if (b->type != JV_NUMBER) return g_refuse(g, "a non-number bound '", &key, path);
+        int whole, strict = i % 2, upper = i >= 2;
+        int64_t x = number_floor(b->text, b->n, &whole);
+        if (!integer && !whole)
+            return g_refuse(g, "a bound of a number that is not an integer (this guest bounds numbers by "
+                               "integers, integers by any number) in '", &key, path);
+        if (integer) { /* to inclusive integer bounds */
+            if (!upper) x = strict || !whole ? x + 1 : x;
+            else x = strict && whole ? x - 1 : x;
+            strict = 0;
+        }
+        if (!upper && (x > lo || (x == lo && strict))) lo = x, lo_strict = strict;
+        if (upper && (x < hi || (x == hi && strict))) hi = x, hi_strict = strict;
+    }
+    int node = g_node(g, integer ? SN_INTEGER : SN_NUMBER);
+    mag_range *sides = node < 0 ? 0 : floe_alloc(2 * sizeof *sides);
+    if (!sides) return -1;
+    __builtin_memset(sides, 0, 2 * sizeof *sides);
+    g->nodes[node].sides = sides;
+    if (integer) {
+        if (hi >= 0) mag_set(&sides[0], lo > 0 ? lo : 0, 0, hi, 0);
+        if (lo < 0) mag_set(&sides[1], hi < -1 ? -hi : 1, 0, -lo, 0);
+    } else { /* a negative number's magnitude: below -lo, above -hi */
+        if (hi > 0 || (hi == 0 && !hi_strict))
+            mag_set(&sides[0], lo > 0 ? lo : 0, lo >= 0 && lo_strict, hi_strict ? hi - 1 : hi, !hi_strict);
+        if (lo < 0)
+            mag_set(&sides[1], hi < 0 ? -hi : 0, hi <= 0 && hi_strict, lo_strict ? -lo - 1 : -lo, !lo_strict);
+    }
+    if (!sides[0].on && !sides[1].on) {
+        g_error(g, integer ? "no integer of at most 16 digits lies within minimum/maximum at "
+                           : "no number of at most 16 integer digits lies within minimum/maximum at ", path, 0);
+        return -1;
+    }
+    return node;
+}
+
 /* One schema object under one type name. */
 static int g_typed(grammar *g, const json_value *v, const json_value *type, char *path, uint32_t plen, int depth) {
-    if (json_get(v, "enum") || json_get(v, "const")) return g_enum(g, v, type);
+    if (json_get(v, "enum") || json_get(v, "const")) {
+        if (has_number_bounds(v)) { g_error(g, "minimum/maximum beside 'enum' or 'const' (list only the values in range) at ", path, 0); return -1; }
+        return g_enum(g, v, type);
+    }
+    if (!type && has_number_bounds(v)) return g_number(g, v, 0, path);
     if (!type) {
         if (json_get(v, "properties") || json_get(v, "required")) return g_object(g, v, path, plen, depth);
         if (json_get(v, "items") || json_get(v, "minItems") || json_get(v, "maxItems")) return g_array(g, v, path, plen, depth);
@@ -213,8 +270,7 @@ static int g_typed(grammar *g, const json_value *v, const json_value *type, char
     }
     if (key_is(type, "object")) return g_object(g, v, path, plen, depth);
     if (key_is(type, "array")) return g_array(g, v, path, plen, depth);
-    if (key_is(type, "number")) return NODE_ANY_NUMBER;
-    if (key_is(type, "integer")) return g_node(g, SN_INTEGER);
+    if (key_is(type, "number") || key_is(type, "integer")) return g_number(g, v, key_is(type, "integer"), path);
     if (key_is(type, "boolean") || key_is(type, "null")) {
         static const char *const words[] = {"false", "true"}, *const null_word[] = {"null"};
         return key_is(type, "null") ? g_words(g, null_word, 1) : g_words(g, words, 2);

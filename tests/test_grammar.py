@@ -148,7 +148,7 @@ def test_plain_json_mode_answers_one_json_value(engine):
 
 @pytest.mark.parametrize("keyword, schema", [
     ("pattern", {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$"}}}),
-    ("minimum", {"type": "integer", "minimum": 3}),
+    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
     ("oneOf", {"oneOf": [{"type": "string"}, {"type": "integer"}]}),
 ])
 def test_a_schema_with_an_unsupported_keyword_is_refused_by_name(tiny_engine, keyword, schema):

@@ -124,10 +124,10 @@ def test_a_schema_the_guest_cannot_compile_is_a_400_naming_the_keyword(server, s
     error = r.json()["error"]
     assert "'pattern'" in error["message"] and error["param"] == "response_format"
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "n": {"type": "integer", "minimum": 3}}, "required": ["n"]}}}
+        "n": {"type": "array", "uniqueItems": True}}, "required": ["n"]}}}
     with pytest.raises(openai.BadRequestError) as e:
         ask(client(server.url), CAPITAL, tools=[tool], tool_choice="required")
-    assert "'minimum'" in e.value.message
+    assert "'uniqueItems'" in e.value.message
 
 
 @pytest.mark.parametrize("fields", [
