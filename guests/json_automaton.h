@@ -42,10 +42,10 @@ static void cset_emit(cset *out, const frame *s, int d) {
 
 /* A bounded number's frame: idx the digits of the part being written; aux the integer part's
  * comparisons with the range's lo (bits 0-1) and hi (2-3), the sign (4: negative) and, in the
- * fraction, what it must be (5-6, F_*). */
+ * fraction, what it must be (5-6, F_*); pos the integer part's remainder modulo multipleOf. */
 static int bounded_can_end(const schema_node *n, const frame *f) {
     const mag_range *r = &n->sides[f->aux >> 4 & 1];
-    if (f->state == N_ZERO || f->state == N_INT) return mag_rest(r, f->idx, f->aux & 3, f->aux >> 2 & 3, 1) == 0;
+    if (f->state == N_ZERO || f->state == N_INT) return mag_rest(r, f->idx, f->aux & 3, f->aux >> 2 & 3, 1, f->pos) == 0;
     return f->state == N_FRAC && (f->aux >> 5 & 3) != F_NONZERO;
 }
 
@@ -53,7 +53,7 @@ static uint32_t bounded_need(const schema_node *n, const frame *f) {
     const mag_range *r = &n->sides[f->aux >> 4 & 1];
     int closed = f->state == N_ZERO || f->idx >= NUM_MAX_DIGITS;
     if (f->state == N_MINUS || f->state == N_ZERO || f->state == N_INT)
-        return (uint32_t)mag_need(r, f->idx, f->aux & 3, f->aux >> 2 & 3, closed, n->kind == SN_NUMBER);
+        return (uint32_t)mag_need(r, f->idx, f->aux & 3, f->aux >> 2 & 3, closed, n->kind == SN_NUMBER, f->pos);
     if (f->state == N_DOT) return 1;
     return (f->aux >> 5 & 3) == F_NONZERO;
 }
@@ -70,8 +70,9 @@ static void consume_bounded(frame *c, int d, const schema_node *n, int b, cset *
         int k = s == N_INT ? t->idx : 0, closed = (k == 0 && b == '0') || k + 1 >= NUM_MAX_DIGITS;
         if (!r->on || k >= NUM_MAX_DIGITS) return;
         int cl = cmp_next(t->aux & 3, k, r->lo, r->lo_len, b), ch = cmp_next(t->aux >> 2 & 3, k, r->hi, r->hi_len, b);
-        if (mag_need(r, k + 1, cl, ch, closed, number) < 0) return;
-        t->state = k == 0 && b == '0' ? N_ZERO : N_INT, t->idx = (uint16_t)(k + 1);
+        uint32_t rem = ((s == N_INT ? t->pos : 0) * 10u + (uint32_t)(b - '0')) % r->multiple;
+        if (mag_need(r, k + 1, cl, ch, closed, number, rem) < 0) return;
+        t->state = k == 0 && b == '0' ? N_ZERO : N_INT, t->idx = (uint16_t)(k + 1), t->pos = (uint16_t)rem;
         t->aux = (uint8_t)(cl | ch << 2 | neg << 4);
     } else if ((s == N_ZERO || s == N_INT) && b == '.' && number) {
         int k = t->idx, cl = t->aux & 3, ch = t->aux >> 2 & 3;

@@ -20,6 +20,7 @@
 /* The magnitudes of one sign (on: the sign is allowed). */
 typedef struct {
     uint8_t on, strict_lo, zero_at_hi, lo_len, hi_len;
+    uint32_t multiple; /* integers: multipleOf (1: none) */
     char lo[NUM_MAX_DIGITS + 1], hi[NUM_MAX_DIGITS + 1];
 } mag_range;
 
@@ -33,33 +34,56 @@ static int cmp_next(int cmp, int k, const char *bound, int len, int b) {
     return b < bound[k] ? CMP_LT : b > bound[k] ? CMP_GT : CMP_EQ;
 }
 
-static int nines_from(const mag_range *r, int k) {
-    for (int i = k; i < r->lo_len; i++) if (r->lo[i] != '9') return 0;
-    return 1;
+static int64_t pow10(int j) {
+    int64_t p = 1;
+    while (j-- > 0) p *= 10;
+    return p;
+}
+
+/* The number written by digits[k..len). */
+static int64_t digits_from(const char *digits, int k, int len) {
+    int64_t v = 0;
+    for (int i = k; i < len; i++) v = v * 10 + (digits[i] - '0');
+    return v;
 }
 
 /* The fewest digits to add to a k-digit integer part (cl, ch: its comparison with lo's and hi's first
- * k digits) to reach a magnitude that may end the number (in [lo, hi], above lo if strict_lo); -1 if
- * none. closed: no digit may follow (after a leading 0, or at 16 digits). */
-static int mag_rest(const mag_range *r, int k, int cl, int ch, int closed) {
+ * k digits; rem: its remainder modulo the range's multiple) to reach a magnitude that may end the
+ * number (in [lo, hi], above lo if strict_lo, a multiple); -1 if none. closed: no digit may follow
+ * (after a leading 0, or at 16 digits). For each length n, the j = n - k digits to come are a number x
+ * in an interval the bounds set (lo's last j digits or more where the digits so far equal lo's, hi's or
+ * less where they equal hi's, any j digits elsewhere): is there one, and one that makes a multiple? */
+static int mag_rest(const mag_range *r, int k, int cl, int ch, int closed, uint32_t rem) {
     int top = closed ? k : NUM_MAX_DIGITS;
     for (int n = k ? k : 1; n <= top; n++) {
-        int open = n > k; /* digits still to choose: lo's own (>= lo), hi's (<= hi), or past lo */
-        int lower = n > r->lo_len || (n == r->lo_len && (cl == CMP_GT || (cl == CMP_EQ &&
-                    (!r->strict_lo || (open && !nines_from(r, k))))));
-        int upper = n < r->hi_len || (n == r->hi_len && ch != CMP_GT);
-        if (lower && upper && r->strict_lo && open && n == r->lo_len && n == r->hi_len && cl == CMP_EQ &&
-            ch == CMP_EQ && !mem_cmp(r->lo, r->hi, (size_t)n))
-            continue; /* both bounds' digits to follow and lo == hi: nothing lies above lo */
-        if (lower && upper) return n - k;
+        int j = n - k;
+        int64_t lo = k == 0 && n > 1 ? pow10(n - 1) : 0, hi = pow10(j) - 1; /* no leading zero */
+        if (n < r->lo_len || (n == r->lo_len && cl == CMP_LT)) continue;
+        if (n > r->hi_len || (n == r->hi_len && ch == CMP_GT)) continue;
+        if (n == r->lo_len && cl == CMP_EQ) {
+            int64_t at = digits_from(r->lo, k, n) + r->strict_lo;
+            if (at > lo) lo = at;
+        }
+        if (n == r->hi_len && ch == CMP_EQ) {
+            int64_t at = digits_from(r->hi, k, n);
+            if (at < hi) hi = at;
+        }
+        if (lo > hi) continue;
+        if (r->multiple > 1) { /* the least x >= lo with rem * 10^j + x a multiple */
+            int64_t m = r->multiple, shift = 1;
+            for (int i = 0; i < j; i++) shift = shift * 10 % m;
+            int64_t want = (m - (int64_t)rem * shift % m) % m, x = lo + ((want - lo % m) % m + m) % m;
+            if (x > hi) continue;
+        }
+        return j;
     }
     return -1;
 }
 
 /* The fewest bytes that end the value from there: mag_rest, or (a number above a strict lo) lo's
  * remaining digits and ".1"; -1 if neither. */
-static int mag_need(const mag_range *r, int k, int cl, int ch, int closed, int number) {
-    int best = mag_rest(r, k, cl, ch, closed);
+static int mag_need(const mag_range *r, int k, int cl, int ch, int closed, int number, uint32_t rem) {
+    int best = mag_rest(r, k, cl, ch, closed, rem);
     if (number && r->strict_lo && cl == CMP_EQ && k <= r->lo_len && (!closed || k == r->lo_len)) {
         int via_lo = r->lo_len - k + 2;
         if (best < 0 || via_lo < best) best = via_lo;

@@ -35,7 +35,7 @@ static int g_min_bytes(grammar *g) {
             } else if (s->kind == SN_STRING) m = 2 + s->min;
             else if ((s->kind == SN_NUMBER || s->kind == SN_INTEGER) && s->sides) {
                 for (int neg = 0; neg < 2; neg++) {
-                    int rest = s->sides[neg].on ? mag_need(&s->sides[neg], 0, CMP_EQ, CMP_EQ, 0, s->kind == SN_NUMBER) : -1;
+                    int rest = s->sides[neg].on ? mag_need(&s->sides[neg], 0, CMP_EQ, CMP_EQ, 0, s->kind == SN_NUMBER, 0) : -1;
                     if (rest >= 0 && (uint32_t)(rest + neg) < m) m = (uint32_t)(rest + neg);
                 }
             } else if (s->kind == SN_NUMBER || s->kind == SN_INTEGER) m = 1;

@@ -10,7 +10,7 @@ static const char *const KEYWORDS_KNOWN[] = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
     "readOnly", "writeOnly", "$defs", "definitions", "additionalProperties",
     "type", "properties", "required", "items", "minItems", "maxItems", "enum", "const", "anyOf", "$ref",
-    "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", 0,
+    "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", 0,
 };
 
 static int g_schema(grammar *g, const json_value *v, char *path, uint32_t plen, int depth);
@@ -198,12 +198,30 @@ static const char *const NUMBER_BOUNDS[] = {"minimum", "exclusiveMinimum", "maxi
 
 static int has_number_bounds(const json_value *v) {
     for (int i = 0; i < 4; i++) if (json_get(v, NUMBER_BOUNDS[i])) return 1;
+    return json_get(v, "multipleOf") != 0;
+}
+
+/* multipleOf: a whole number from 1 to 65535 (what a frame's remainder holds); 1 where v lacks it;
+ * 0 with g->error naming it otherwise. A number that is a multiple of a whole number is an integer. */
+static uint32_t g_multiple(grammar *g, const json_value *v, const char *path) {
+    const json_value *m = json_get(v, "multipleOf");
+    if (!m) return 1;
+    int whole = 0;
+    int64_t k = m->type == JV_NUMBER ? number_floor(m->text, m->n, &whole) : 0;
+    if (whole && k >= 1 && k <= 0xFFFF) return (uint32_t)k;
+    json_value key = {JV_STRING, 10, "multipleOf", 0, 0};
+    g_refuse(g, whole && k > 0xFFFF ? "a multiple above 65535 (more than this guest counts) in '"
+                                    : "a multiple that is not a positive integer (this guest writes multiples of "
+                                      "1 to 65535 only) in '", &key, path);
     return 0;
 }
 
 /* A number or integer node; with bounds, the magnitudes each sign may take (json_number.h). */
 static int g_number(grammar *g, const json_value *v, int integer, const char *path) {
     if (!has_number_bounds(v)) return integer ? g_node(g, SN_INTEGER) : NODE_ANY_NUMBER;
+    uint32_t multiple = g_multiple(g, v, path);
+    if (!multiple) return -1;
+    integer |= json_get(v, "multipleOf") != 0;
     /* lo, hi: the tightest bounds (integers: inclusive ones; numbers: strictness aside) */
     int64_t lo = -NUM_HUGE, hi = NUM_HUGE;
     int lo_strict = 0, hi_strict = 0;
@@ -239,8 +257,12 @@ static int g_number(grammar *g, const json_value *v, int integer, const char *pa
         if (lo < 0)
             mag_set(&sides[1], hi < 0 ? -hi : 0, hi <= 0 && hi_strict, lo_strict ? -lo - 1 : -lo, !lo_strict);
     }
+    for (int neg = 0; neg < 2; neg++) { /* a range may hold no multiple */
+        sides[neg].multiple = multiple;
+        if (sides[neg].on && mag_need(&sides[neg], 0, CMP_EQ, CMP_EQ, 0, !integer, 0) < 0) sides[neg].on = 0;
+    }
     if (!sides[0].on && !sides[1].on) {
-        g_error(g, integer ? "no integer of at most 16 digits lies within minimum/maximum at "
+        g_error(g, integer ? "no integer of at most 16 digits lies within minimum/maximum (a multiple of multipleOf) at "
                            : "no number of at most 16 integer digits lies within minimum/maximum at ", path, 0);
         return -1;
     }
@@ -250,7 +272,10 @@ static int g_number(grammar *g, const json_value *v, int integer, const char *pa
 /* One schema object under one type name. */
 static int g_typed(grammar *g, const json_value *v, const json_value *type, char *path, uint32_t plen, int depth) {
     if (json_get(v, "enum") || json_get(v, "const")) {
-        if (has_number_bounds(v)) { g_error(g, "minimum/maximum beside 'enum' or 'const' (list only the values in range) at ", path, 0); return -1; }
+        if (has_number_bounds(v)) {
+            g_error(g, "minimum/maximum/multipleOf beside 'enum' or 'const' (list only the values that hold) at ", path, 0);
+            return -1;
+        }
         return g_enum(g, v, type);
     }
     if (!type && has_number_bounds(v)) return g_number(g, v, 0, path);

@@ -179,6 +179,28 @@ def test_bounds_inside_objects_arrays_and_type_lists(automaton):
     drawn_values_validate(automaton, schema)
 
 
+MULTIPLES = [
+    {"multipleOf": 1}, {"multipleOf": 2}, {"multipleOf": 7}, {"multipleOf": 10}, {"multipleOf": 65535},
+    {"multipleOf": 3, "minimum": 10, "maximum": 20},
+    {"multipleOf": 5, "exclusiveMinimum": -25, "maximum": 25},
+    {"multipleOf": 12, "minimum": 100, "maximum": 120},
+    {"multipleOf": 1000, "minimum": 999, "maximum": 99999},
+    {"multipleOf": 9, "minimum": -100, "exclusiveMaximum": -8}, {"multipleOf": 4.0, "minimum": 1.5},
+]
+
+
+@pytest.mark.parametrize("bounds", MULTIPLES, ids=compact)
+@pytest.mark.parametrize("kind", ["integer", "number"])
+def test_a_multiple_of_an_integer_is_accepted_exactly_when_jsonschema_accepts_it(automaton, bounds, kind):
+    """A number that is a multiple of a whole number is an integer: written as one."""
+    schema = {"type": kind, **bounds}
+    rng = random.Random(compact(bounds))
+    texts = [t for t in integer_corpus(bounds, rng) if t != "-0" and "." not in t and "e" not in t]
+    texts += [str(rng.randrange(-200, 200) * int(bounds["multipleOf"])) for _ in range(100)]
+    agrees(automaton, schema, [t for t in texts if abs(int(t)) < 2**53])  # jsonschema divides floats
+    drawn_values_validate(automaton, schema)
+
+
 @pytest.mark.parametrize("schema, says", [
     ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer of at most 16 digits lies within"),
     ({"type": "integer", "exclusiveMinimum": 4, "exclusiveMaximum": 5}, "no integer of at most 16 digits"),
@@ -188,7 +210,12 @@ def test_bounds_inside_objects_arrays_and_type_lists(automaton):
     ({"type": "number", "exclusiveMaximum": 2.25}, "in 'exclusiveMaximum' at #"),
     ({"type": "integer", "minimum": "3"}, "a non-number bound 'minimum' at #"),
     ({"type": "integer", "exclusiveMinimum": True}, "a non-number bound 'exclusiveMinimum'"),
-    ({"enum": [1, 5, 10], "maximum": 6}, "minimum/maximum beside 'enum' or 'const'"),
+    ({"enum": [1, 5, 10], "maximum": 6}, "minimum/maximum/multipleOf beside 'enum' or 'const'"),
+    ({"type": "integer", "multipleOf": 7, "minimum": 1, "maximum": 6}, "(a multiple of multipleOf)"),
+    ({"type": "number", "multipleOf": 0.01}, "a multiple that is not a positive integer"),
+    ({"type": "integer", "multipleOf": 0}, "a multiple that is not a positive integer"),
+    ({"type": "integer", "multipleOf": -3}, "in 'multipleOf' at #"),
+    ({"type": "integer", "multipleOf": 70000}, "a multiple above 65535"),
 ])
 def test_bounds_the_guest_cannot_write_are_refused_by_name(automaton, schema, says):
     refusal = automaton.compile(schema)
