@@ -164,7 +164,7 @@ static void consume_object(const grammar *g, frame *c, int d, const schema_node 
         return;
     case O_COLON: case O_GCOLON:
         if (b != ':') return;
-        uint32_t kid = n->generic ? NODE_ANY : n->kids[t->idx];
+        uint32_t kid = n->kids[n->generic ? 0 : t->idx];
         t->idx = n->generic ? 0 : t->idx + 1;
         t->state = O_AFTER;
         ja_push(g, c, d, kid, -1, out);
@@ -182,10 +182,11 @@ static void consume_array(const grammar *g, frame *c, int d, const schema_node *
             cset_emit(out, c, d);
             return;
         }
-        uint32_t count = t->state == A_OPEN ? 1 : (uint32_t)t->idx + 1;
+        uint32_t count = t->state == A_OPEN ? 1 : (uint32_t)t->idx + 1, prefix = n->n - 1;
         t->state = A_AFTER;
-        t->idx = count_kept(n, count);
-        ja_push(g, c, d, n->kids[0], b, out);
+        /* past minItems and the prefix, without maxItems: all counts alike */
+        t->idx = (uint16_t)(n->max == SN_UNBOUNDED && count > n->min && count > prefix ? (n->min > prefix ? n->min : prefix) : count);
+        ja_push(g, c, d, array_item(n, count - 1), b, out);
     } else if (t->state == A_AFTER) {
         if (b == ',' && t->idx < n->max) { t->state = A_COMMA; cset_emit(out, c, d); }
         if (b == ']' && t->idx >= n->min) { t->state = A_DONE; cset_emit(out, c, d); }
@@ -344,7 +345,10 @@ static uint32_t frame_need(const grammar *g, const frame *f) {
     if (f->state == ST_START) return n->min_bytes;
     switch (n->kind) {
     case SN_OBJECT: {
-        if (n->generic) return f->state == O_GCOLON ? 3 : f->state == O_COMMA ? 5 : f->state == O_DONE ? 0 : 1;
+        if (n->generic) { /* any keys; each value of kids[0] */
+            uint32_t value = g->nodes[n->kids[0]].min_bytes;
+            return f->state == O_GCOLON ? value + 2 : f->state == O_COMMA ? value + 4 : f->state == O_DONE ? 0 : 1;
+        }
         uint32_t j = f->idx;
         if (f->state == O_DONE) return 0;
         if (f->state == O_AFTER) return object_rest(g, n, j);
@@ -363,13 +367,11 @@ static uint32_t frame_need(const grammar *g, const frame *f) {
         return best;
     }
     case SN_ARRAY: {
-        uint32_t item = g->nodes[n->kids[0]].min_bytes;
-        uint32_t done = f->state == A_OPEN ? 0 : f->idx + (f->state == A_COMMA);
-        uint32_t left = n->min > done ? n->min - done : 0;
         if (f->state == A_DONE) return 0;
-        if (f->state == A_OPEN) return left ? left * (item + 1) : 1;
-        if (f->state == A_COMMA) return item + left * (item + 1) + 1; /* an item now, then the rest */
-        return left * (item + 1) + 1;
+        if (f->state == A_OPEN) return n->min ? array_items_bytes(g->nodes, n, 0, n->min) : 1;
+        if (f->state == A_COMMA) /* an item now, then the rest */
+            return g->nodes[array_item(n, f->idx)].min_bytes + array_items_bytes(g->nodes, n, f->idx + 1u, n->min) + 1;
+        return array_items_bytes(g->nodes, n, f->idx, n->min) + 1;
     }
     case SN_STRING: {
         uint32_t rest = (n->min > f->idx ? n->min - f->idx : 0) + 1;

@@ -22,6 +22,25 @@ typedef struct {
     mag_range *sides;     /* number, integer: [0] positive, [1] negative magnitudes (NULL: unbounded) */
 } schema_node;
 
+/* An array's node for the item at position i (0-based): prefixItems' own, then kids[0]. */
+static uint32_t array_item(const schema_node *n, uint32_t i) {
+    return n->kids[i + 1 < n->n ? i + 1 : 0];
+}
+
+/* The fewest bytes of the items at positions [from, to), each with the comma or bracket after it. */
+static uint32_t array_items_bytes(const schema_node *nodes, const schema_node *n, uint32_t from, uint32_t to) {
+    const uint32_t inf = 0x3FFFFFFF;
+    uint32_t m = 0;
+    for (uint32_t i = from; i < to && m < inf; i++) {
+        if (i + 1 >= n->n) { /* past the prefix: every item alike */
+            uint64_t rest = (uint64_t)(to - i) * (nodes[n->kids[0]].min_bytes + 1);
+            return m + rest >= inf ? inf : m + (uint32_t)rest;
+        }
+        m += nodes[array_item(n, i)].min_bytes + 1;
+    }
+    return m >= inf ? inf : m;
+}
+
 /* Nodes 0..5 of every grammar: what plain JSON mode and untyped schemas produce. */
 enum { NODE_ANY, NODE_ANY_OBJECT, NODE_ANY_ARRAY, NODE_ANY_STRING, NODE_ANY_NUMBER, NODE_ANY_WORD };
 

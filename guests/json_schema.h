@@ -30,8 +30,8 @@ static int g_min_bytes(grammar *g) {
                         m = v >= inf ? inf : m + s->lens[j] + 1 + v + (req++ ? 1 : 0);
                     }
             } else if (s->kind == SN_ARRAY) {
-                uint32_t v = g->nodes[s->kids[0]].min_bytes;
-                m = s->min == 0 ? 2 : v >= inf ? inf : 2 + s->min * (v + 1) - 1;
+                uint32_t v = array_items_bytes(g->nodes, s, 0, s->min);
+                m = s->min == 0 ? 2 : v >= inf ? inf : 1 + v;
             } else if (s->kind == SN_STRING) m = 2 + s->min;
             else if ((s->kind == SN_NUMBER || s->kind == SN_INTEGER) && s->sides) {
                 for (int neg = 0; neg < 2; neg++) {

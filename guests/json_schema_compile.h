@@ -9,7 +9,7 @@
 static const char *const KEYWORDS_KNOWN[] = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
     "readOnly", "writeOnly", "$defs", "definitions", "additionalProperties",
-    "type", "properties", "required", "items", "minItems", "maxItems", "enum", "const", "anyOf", "$ref",
+    "type", "properties", "required", "items", "prefixItems", "minItems", "maxItems", "enum", "const", "anyOf", "$ref",
     "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", 0,
 };
 
@@ -134,6 +134,16 @@ static int g_enum(grammar *g, const json_value *v, const json_value *type) {
 static int g_object(grammar *g, const json_value *v, char *path, uint32_t plen, int depth) {
     const json_value *props = json_get(v, "properties"), *req = json_get(v, "required");
     const json_value *extra = json_get(v, "additionalProperties");
+    if (!props && !req && extra && extra->type == JV_OBJECT) { /* a map: any keys, values of one schema */
+        int node = g_node(g, SN_OBJECT);
+        if (node < 0 || !g_alloc_kids(g, node, 1, 0)) return -1;
+        g_memo(g, v, node);
+        int kid = g_schema(g, extra, path, g_path(path, plen, "/additionalProperties", 0, 0), depth + 1);
+        path[plen] = 0;
+        if (kid < 0) return -1;
+        g->nodes[node].generic = 1, g->nodes[node].kids[0] = (uint16_t)kid, g->nodes[node].n = 0;
+        return node;
+    }
     if (!props && !req && !(extra && extra->type == JV_FALSE)) return NODE_ANY_OBJECT;
     if ((props && props->type != JV_OBJECT) || (req && req->type != JV_ARRAY)) {
         g_error(g, "'properties' must be an object and 'required' an array at ", path, 0);
@@ -170,27 +180,45 @@ static int g_object(grammar *g, const json_value *v, char *path, uint32_t plen, 
     return node;
 }
 
+/* An array: kids[0] the items past the prefix, kids[1..n) prefixItems' schemas, one a position. */
 static int g_array(grammar *g, const json_value *v, char *path, uint32_t plen, int depth) {
-    const json_value *items = json_get(v, "items");
+    const json_value *items = json_get(v, "items"), *prefix = json_get(v, "prefixItems");
     if (items && items->type == JV_ARRAY) {
         json_value key = {JV_STRING, 14, "items (a list)", 0, 0};
         return g_refuse(g, "unsupported JSON Schema keyword '", &key, path);
     }
+    if (prefix && (prefix->type != JV_ARRAY || prefix->n > 0xFFFE)) {
+        g_error(g, "'prefixItems' must be an array of schemas at ", path, 0);
+        return -1;
+    }
+    uint32_t n_prefix = prefix ? prefix->n : 0;
     int node = g_node(g, SN_ARRAY);
-    if (node < 0 || !g_alloc_kids(g, node, 1, 0)) return -1;
+    if (node < 0 || !g_alloc_kids(g, node, 1 + n_prefix, 0)) return -1;
     g_memo(g, v, node);
     int64_t min = g_bound(g, v, "minItems", 0, path), max = g_bound(g, v, "maxItems", SN_UNBOUNDED, path);
     if (min < 0 || max < 0) return -1;
+    if (items && items->type == JV_FALSE && n_prefix < max) max = n_prefix; /* nothing past the prefix */
     g->nodes[node].min = (uint32_t)min, g->nodes[node].max = (uint32_t)max;
     int kid = NODE_ANY;
-    if (items) {
+    if (items && items->type != JV_FALSE) {
         kid = g_schema(g, items, path, g_path(path, plen, "/items", 0, 0), depth + 1);
         path[plen] = 0;
     }
     if (kid < 0) return -1;
     g->nodes[node].kids[0] = (uint16_t)kid;
-    g->nodes[node].n = 1;
-    if (g->nodes[node].min > g->nodes[node].max) { g_error(g, "minItems > maxItems at ", path, 0); return -1; }
+    for (uint32_t i = 0; i < n_prefix; i++) {
+        char digit[12];
+        uint32_t at = g_path(path, plen, "/prefixItems/", digit, (uint32_t)floe_itoa((int32_t)i, digit));
+        kid = g_schema(g, &prefix->items[i], path, at, depth + 1);
+        path[plen] = 0;
+        if (kid < 0) return -1;
+        g->nodes[node].kids[1 + i] = (uint16_t)kid;
+    }
+    if (g->nodes[node].min > g->nodes[node].max) {
+        g_error(g, items && items->type == JV_FALSE ? "minItems > the prefixItems that 'items': false allows at "
+                                                    : "minItems > maxItems at ", path, 0);
+        return -1;
+    }
     return node;
 }
 
@@ -281,7 +309,10 @@ static int g_typed(grammar *g, const json_value *v, const json_value *type, char
     if (!type && has_number_bounds(v)) return g_number(g, v, 0, path);
     if (!type) {
         if (json_get(v, "properties") || json_get(v, "required")) return g_object(g, v, path, plen, depth);
-        if (json_get(v, "items") || json_get(v, "minItems") || json_get(v, "maxItems")) return g_array(g, v, path, plen, depth);
+        if (json_get(v, "items") || json_get(v, "prefixItems") || json_get(v, "minItems") || json_get(v, "maxItems"))
+            return g_array(g, v, path, plen, depth);
+        const json_value *extra = json_get(v, "additionalProperties");
+        if (extra && (extra->type == JV_OBJECT || extra->type == JV_FALSE)) return g_object(g, v, path, plen, depth);
         if (!json_get(v, "minLength") && !json_get(v, "maxLength")) return NODE_ANY;
     }
     if (!type || key_is(type, "string")) {

@@ -235,3 +235,54 @@ def test_a_bound_written_with_an_exponent_or_a_fraction_of_zeros_is_read_exactly
                 continue
             assert automaton.accepts(t) == check.is_valid(json.loads(t)), (text, t)
     assert "'minimum'" in automaton.compile('{"type": "number", "minimum": 5e-1}')
+
+
+# ---- objects and arrays: additionalProperties with a schema, prefixItems -------------------------------
+
+MAPS = [  # pydantic's dict[str, X]
+    {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}},
+    {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "string"}, "maxItems": 2}},
+    {"additionalProperties": {"type": "boolean"}},
+    {"additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema", MAPS, ids=compact)
+def test_a_map_s_values_follow_additional_properties(automaton, schema):
+    texts = ['{}', '{"a":1}', '{"a":-1}', '{"a":1,"b":2}', '{"a":"x"}', '{"a":["x"]}', '{"a":["x","y","z"]}',
+             '{"a":true}', '{"":false,"b":true}', '{"a":null}']
+    agrees(automaton, schema, texts)
+    assert not automaton.accepts("[]") and not automaton.accepts("1")  # untyped too: it writes an object
+    drawn_values_validate(automaton, schema)
+
+
+TUPLES = [  # pydantic's tuple[int, str] and tuple[int, ...] with a head
+    {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "minItems": 2,
+     "maxItems": 2},
+    {"type": "array", "prefixItems": [{"type": "integer", "minimum": 5}, {"type": "boolean"}],
+     "items": False},
+    {"type": "array", "prefixItems": [{"const": "head"}], "items": {"type": "integer"}, "minItems": 3},
+    {"prefixItems": [{"type": "null"}, {"enum": ["a", "b"]}, {"type": "integer"}]},
+]
+
+
+@pytest.mark.parametrize("schema", TUPLES, ids=compact)
+def test_prefix_items_hold_at_their_positions(automaton, schema):
+    texts = ['[]', '[1]', '[5]', '[1,"a"]', '[5,true]', '[5,true,1]', '[1,"a",2]', '["head"]', '["head",1,2]',
+             '["head",1,2,3]', '["head",1,"x"]', '[null]', '[null,"a"]', '[null,"b",7]', '[null,"c"]',
+             '[null,"a",7,8]', '["a"]', '[1,2]']
+    agrees(automaton, schema, texts)
+    drawn_values_validate(automaton, schema)
+
+
+@pytest.mark.parametrize("schema, says", [
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False, "minItems": 2},
+     "minItems > the prefixItems that 'items': false allows"),
+    ({"type": "array", "prefixItems": {"type": "integer"}}, "'prefixItems' must be an array of schemas"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"uniqueItems": True}]},
+     "'uniqueItems' at #/prefixItems/1"),
+    ({"type": "object", "additionalProperties": {"oneOf": []}}, "'oneOf' at #/additionalProperties"),
+])
+def test_arrays_and_maps_the_guest_cannot_write_are_refused_by_name(automaton, schema, says):
+    refusal = automaton.compile(schema)
+    assert refusal is not None and says in refusal, refusal
