@@ -158,7 +158,9 @@ class HostABI:
         self.choice: np.ndarray | None = None  # int32 [1] in guest memory: the host's choice goes there
         self.choice_address = 0  # its address (floe.wasm.rows stores the choice there natively)
         self.streams = False  # the tokens on_token returns are streamed by the host
-        self.sampled = False  # sample() was called (the engine loop resets it before each on_token)
+        # Where sample() marks that it was called: the word of the turn's row the engine loop reads
+        # (floe.actor.turn: Turn.sampled, reset before each on_token), while a turn runs; else None.
+        self.sampled_at: tuple[memoryview, int] | None = None
         self.rendered: tuple[bytes, Rendered] | None = None  # the last chat_render, for tokenize()
 
     def begin_turn(self) -> None:
@@ -505,7 +507,9 @@ class HostABI:
         return self._run([token], logits_ptr)
 
     def sample(self, params_ptr: int) -> int:
-        self.sampled = True
+        if self.sampled_at is not None:
+            words, i = self.sampled_at
+            words[i] = 1
         if self.last_logits is None:
             raise GuestHostCallError("sample() was called before any prefill or decode in this message "
                                      "(logits are forgotten at each new message)")
@@ -610,10 +614,19 @@ class HostABI:
         """v2 with stream_tokens: the text of a token on_token returned, to the caller (as emit) —
         none for a special token (a control token's text, e.g. "<|im_start|>", is not reply text)."""
         data = self.tokenizer.reply_bytes(token)
-        self.budget.spend(len(data), "streamed text")
+        budget = self.budget
+        budget.spent += CALL_OVERHEAD + len(data)
+        if budget.spent > budget.limit:
+            budget.spend(0, "streamed text")  # (raises)
         actor = self.actor
         actor.stats.emit_calls += 1
-        text = self.utf8.decode(data)
+        if self.utf8.buffer:  # (the incremental decoder holds part of a character)
+            text = self.utf8.decode(data)
+        else:
+            try:  # (a whole token's text: as the incremental decoder would give it, without its Python)
+                text = data.decode()
+            except UnicodeDecodeError:  # (part of a character, or bytes that are none)
+                text = self.utf8.decode(data)
         if text:
             actor.stats.on_emit()
             actor.on_text(text)

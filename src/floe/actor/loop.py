@@ -44,8 +44,10 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
+
 from floe.actor.abi import LOGITS_COPIED, LOGITS_IN_PLACE, OK, host_choices
-from floe.actor.turn import END_CANCELLED, END_CONTEXT_FULL, END_LENGTH, END_STOP, FED, STOP, Turn
+from floe.actor.turn import END_CANCELLED, END_CONTEXT_FULL, END_LENGTH, END_STOP, FED, STOP, Turn, TurnTable
 from floe.engine import Engine
 from floe.engine.engine import LaunchedStep
 from floe.engine.sampling import draw_uniforms
@@ -60,6 +62,7 @@ from floe.wasm import (
     stop_all_guests,
 )
 from floe.wasm import rows as guest_rows
+from floe.wasm.rows import PLAIN, Col
 
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
@@ -124,6 +127,7 @@ class EngineLoop:
         if self.feed and not (self.overlap and engine.feeds):
             raise ValueError("feeding needs overlap and an engine that takes fed tokens (Engine.feeds)")
         self._launched: list[Launched] = []  # forwards in flight, oldest first (two when fed)
+        self.table = TurnTable(engine.cache.n_slots)  # its turns' per-token state (floe.actor.turn)
         self._cond = threading.Condition()
         self._arrived: list[Turn] = []
         self._active: list[Turn] = []
@@ -225,6 +229,8 @@ class EngineLoop:
                     if not self._cond.wait(IDLE_EXIT_S) and not self._arrived:
                         self._thread = None  # nothing holds the engine alive through this thread
                         return
+                for turn in self._arrived:  # (the turn that held its slot's row before is gone)
+                    turn.bind(self.table)
                 self._active.extend(self._arrived)
                 self._arrived.clear()
             t0 = time.perf_counter()
@@ -519,12 +525,14 @@ class EngineLoop:
     def _give_choices(self, turns: list[Turn], write: bool = True) -> None:
         """Write the host's choice into the memory of each of `turns`' guests that asked for it
         (choice_at): what its step computed (turn.choice), else drawn now, all in one batch (a
-        prompt's first token). write=False: only turn.choice is set (and counted); floe.wasm.rows
-        writes it just before the guest's call."""
+        prompt's first token). write=False: only turn.choice is set; floe.wasm.rows writes (and
+        counts) it just before the guest's call."""
         asking = [t for t in turns if t.end is None and t.abi.choice is not None]
         if not asking:
             return
         tokens = [t.choice for t in asking]
+        if not write and None not in tokens:
+            return
         if None in tokens:  # (a prompt's first token, where its step computed none)
             try:
                 tokens = host_choices([t.abi for t in asking], tokens)
@@ -534,9 +542,9 @@ class EngineLoop:
                 return
         for turn, token in zip(asking, tokens, strict=True):
             turn.choice = token
-            if write:
+            if write:  # (else floe.wasm.rows writes and counts it)
                 turn.abi.give_choice(token, record=False)
-            turn.choices += 1  # (recorded by Turn.record, which charges its budget)
+                turn.choices += 1  # (recorded by Turn.record, which charges its budget)
 
     def _ask_guests(self, turns: list[Turn]) -> None:
         """Give each of `turns` still running its host choice and ask its guest (_ask_guest): the
@@ -544,8 +552,8 @@ class EngineLoop:
         asking = [t for t in turns if t.end is None]
         if not asking:
             return
-        guests = [t.guest for t in asking]
-        if not (self.native_rows and guest_rows.usable(guests)):
+        # (a turn's guest checked at its first on_token here: Turn.head)
+        if not (self.native_rows and guest_rows.usable([t.guest for t in asking if not t.headed])):
             self._give_choices(asking)
             for turn in asking:
                 if turn.end is None:
@@ -553,54 +561,40 @@ class EngineLoop:
             return
         self._give_choices(asking, write=False)
         asking = [t for t in asking if t.end is None]  # (a choice that failed ended its turn)
-        guests = [t.guest for t in asking]
-        for turn in asking:  # (_before_ask)
-            turn.fresh = turn.abi.sampled = False
         for turn in asking:
-            if turn.head is None:  # its first row (the choice's address is fixed for the turn)
-                guest_rows.fresh(turn.guest)
-                turn.head = guest_rows.heads([turn.guest], "on_token", [turn.abi.choice_address])[0]
+            if not turn.headed:  # its first on_token here (its choice's address is fixed for the turn)
+                turn.head()
         bound = self.step_call_s if self.warm else self.token_call_s
-        none = guest_rows.NONE
-        answers, judged = guest_rows.call_rows(
-            guests, "on_token", (), [none if t.choice is None else t.choice for t in asking],
-            [t.deadline for t in asking], bound, [t.actor.take_pending for t in asking],
-            guest_rows.Judge([t.abi.vocab for t in asking],
-                             [none if t.speculated is None else t.speculated for t in asking],
-                             [t.generated for t in asking], [t.max_tokens for t in asking]),
-            [t.head for t in asking])
+        slots = np.fromiter((t.slot for t in asking), np.int64, len(asking))
+        failed = guest_rows.call_slots(self.table.array, slots, [t.guest for t in asking], "on_token", bound,
+                                       lambda k: asking[k].actor.take_pending())
         self.native_calls += len(asking)
-        plain, takes, confirmed = guest_rows.PLAIN, guest_rows.TAKES, guest_rows.CONFIRMED
-        for turn, answer, judgement in zip(asking, answers, judged, strict=True):
-            if judgement & plain:  # _took's common case, judged natively (floe.wasm.rows.Judge)
+        rows = self.table.array[slots]
+        tokens = rows[:, Col.RESULT].tolist()
+        for k, judgement in enumerate(rows[:, Col.JUDGED].tolist()):
+            turn = asking[k]
+            if judgement & PLAIN:  # taken into its row natively (floe.wasm.rows); its record and stream here
                 self.warm = True
-                abi = turn.abi
-                turn.takes_choice = bool(judgement & takes) and not (abi.sampled and turn.draws)
-                if judgement & confirmed:  # the row in flight is the guest's
-                    turn.refused = False
-                    turn.speculated = turn.rng_before = None
-                turn.actor.stats.on_decode(answer)
-                if abi.streams:
+                token = tokens[k]
+                turn.actor.stats.on_decode(token)
+                if turn.abi.streams:
                     try:
-                        abi.stream(answer)
+                        turn.abi.stream(token)
                     except BaseException as e:  # noqa: BLE001 - fails this turn only
                         self._finish(turn, END_CANCELLED, e)
-                        continue
-                turn.generated += 1
-                if not judgement & confirmed:
-                    turn.next_token = answer
-            elif isinstance(answer, BaseException):
+            elif k in failed:
+                answer = failed[k]
                 if isinstance(answer, GuestError):
                     turn.actor.name_last_log(answer)  # as Actor.guest_call does
                 self._finish(turn, END_CANCELLED, self._call_failure(turn, "on_token", bound, answer))
             else:
                 self.warm = True
-                self._took(turn, answer)
+                self._took(turn, tokens[k])
 
     def _ask_guest(self, turn: Turn) -> None:
         """Its guest's on_token: the next token (appended by the next forward, or confirming the
         speculated one), a stop, or a failure of this turn."""
-        turn.fresh = turn.abi.sampled = False
+        turn.fresh = turn.sampled = False
         try:
             token = self._guest_call(turn, "on_token")
         except BaseException as e:  # noqa: BLE001 - fails this turn only
@@ -613,7 +607,7 @@ class EngineLoop:
         abi = turn.abi
         # A guest that also drew with sample() is not speculated: the next step's draw, made at its
         # launch, would come before that sample() call in the generator (not so without overlap).
-        turn.takes_choice = token == turn.choice and not (abi.sampled and turn.draws)
+        turn.takes_choice = token == turn.choice and not (turn.sampled and turn.draws)
         confirmed = False
         if turn.speculated is not None:  # its next row is in flight with the speculated token
             confirmed = token == turn.speculated and 0 <= token < abi.vocab and (

@@ -1,12 +1,21 @@
-"""A turn: one message of one actor as the engine loop runs it (floe.actor.loop), and how a turn ends."""
+"""A turn: one message of one actor as the engine loop runs it (floe.actor.loop), and how a turn ends.
+
+A turn's per-token state (its next token, the host's choice, what it generated, ...) lives in a row of
+its engine loop's TurnTable (one row per KV slot, int64 words), where the loop's native guest calls
+(floe.wasm.rows.call_slots) read and write it without Python; Turn's properties read and write the same
+words for the loop's Python path. A turn not yet in a loop keeps its row to itself.
+"""
 
 from __future__ import annotations
 
+import struct
 import threading
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+from floe.wasm import rows as guest_rows
 
 if TYPE_CHECKING:
     from floe.actor.abi import HostABI
@@ -19,62 +28,143 @@ END_STOP, END_LENGTH, END_CONTEXT_FULL, END_CANCELLED = 0, 1, 2, 3
 END_REASONS = {END_STOP: "stop", END_LENGTH: "length", END_CONTEXT_FULL: "context_full",
                END_CANCELLED: "cancelled"}
 
+W = guest_rows.Col  # a row's words: floe.wasm.rows' layout
+NONE = guest_rows.NONE
+_DOUBLE = struct.Struct("<d")
 
-@dataclass(eq=False, slots=True)
+
+class TurnTable:
+    """The per-token state of the turns of one engine loop: one row of guest_rows.WIDTH int64 words per
+    KV slot (a turn's row is its actor's slot's), read and written by the native guest calls."""
+
+    def __init__(self, slots: int) -> None:
+        self.array = np.zeros((max(1, slots), guest_rows.WIDTH), np.int64)
+        self.words = memoryview(self.array).cast("B").cast("q")  # (scalar access: ~5x numpy's)
+
+
+def _word(col: int, optional: bool = False, flag: bool = False) -> property:
+    """A property of Turn backed by word `col` of its row (optional: NONE reads None; flag: a bool)."""
+    if flag:
+        def get(self):
+            return bool(self._words[self._base + col])
+
+        def put(self, value) -> None:
+            self._words[self._base + col] = 1 if value else 0
+    elif optional:
+        def get(self):
+            value = self._words[self._base + col]
+            return None if value == NONE else value
+
+        def put(self, value) -> None:
+            self._words[self._base + col] = NONE if value is None else value
+    else:
+        def get(self):
+            return self._words[self._base + col]
+
+        def put(self, value) -> None:
+            self._words[self._base + col] = value
+    return property(get, put)
+
+
 class Turn:
-    """One message of one actor, as the loop runs it (slots: the loop reads a dozen of its fields a
-    row-token, right after a forward has evicted them from the CPU's caches)."""
+    """One message of one actor, as the loop runs it. Its per-token state is in its TurnTable row
+    (the properties below); the rest, read once a turn or on its rarer paths, in slots."""
 
-    actor: Actor
-    max_tokens: int
-    deadline: float  # time.monotonic()
-    generated: int = 0
-    next_token: int | None = None  # to append in the next step
-    fresh: bool = False  # logits of a forward the guest has not seen yet
-    choice: int | None = None  # the host's choice for its fresh logits (argmax, or the draw asked of them)
-    takes_choice: bool = False  # its guest's last token was the host's choice
-    refused: bool = False  # its guest refused the last token its row was speculated with
-    speculated: int | None = None  # the token in flight before its guest chose it (floe.actor.loop), or FED
-    speculated_at: int = 0  # that row's position in its KV slot
-    rng_before: torch.Tensor | None = None  # its generator before a speculated row's draw (restored on undo)
-    flying: int = 0  # rows of this turn in launched forwards not yet finished (two when fed)
-    prompt: bool = True  # its prompt may still be queued (HostABI.queued_tokens is asked only then)
-    # What its decode rows crossed, counted and recorded once it ends (HostABI.record_rows): one-token
-    # forwards and their seconds, transfers ({boundary: [calls, bytes]}), logits in place or copied into
-    # the guest's buffer, host choices written to the guest.
-    rows: int = 0
-    rows_s: float = 0.0
-    moved: dict[str, list[int]] = field(default_factory=dict)
-    in_place: int = 0
-    copied: int = 0
-    choices: int = 0
-    end: int | None = None  # why it ended (END_*), once it has
-    error: BaseException | None = None
-    abandoned: bool = False  # its caller stopped waiting (Ctrl-C): end it at the next step
-    calls_on_end: bool = False  # ended well: its caller calls its guest's on_end (EngineLoop._on_end)
-    done: threading.Event = field(default_factory=threading.Event)
-    woken: threading.Event | None = None  # its caller's, set at its end too (run's `deliver`)
-    abi: HostABI = field(init=False)
-    guest: GuestInstance = field(init=False)
-    draws: bool = field(init=False)
-    target: torch.Tensor | None | bool = False  # its decode rows' logits buffer (False: not asked yet)
-    head: tuple | None = None  # its on_token row's fixed part for floe.wasm.rows (made at its first)
+    __slots__ = ("actor", "deadline", "speculated_at", "rng_before", "flying", "prompt", "rows", "rows_s",
+                 "moved", "in_place", "copied", "end", "error", "abandoned", "calls_on_end", "done",
+                 "woken", "abi", "guest", "draws", "target", "slot", "_words", "_base", "headed")
 
-    def __post_init__(self) -> None:
-        self.abi = self.actor.abi
-        self.guest = self.actor.guest
+    generated = _word(W.GENERATED)  # tokens it generated
+    max_tokens = _word(W.MAX_TOKENS)
+    next_token = _word(W.NEXT_TOKEN, optional=True)  # to append in the next step
+    fresh = _word(W.FRESH, flag=True)  # logits of a forward the guest has not seen yet
+    # the host's choice for its fresh logits (argmax, or the draw asked of them)
+    choice = _word(W.CHOICE, optional=True)
+    takes_choice = _word(W.TAKES_CHOICE, flag=True)  # its guest's last token was the host's choice
+    refused = _word(W.REFUSED, flag=True)  # its guest refused the last token its row was speculated with
+    # the token in flight before its guest chose it (floe.actor.loop), or FED
+    speculated = _word(W.SPECULATED, optional=True)
+    sampled = _word(W.SAMPLED, flag=True)  # its guest called sample() in its last on_token
+    # host choices written to the guest, not yet recorded (Turn.record)
+    choices = _word(W.CHOICES)
+
+    def __init__(self, actor: Actor, max_tokens: int, deadline: float,
+                 woken: threading.Event | None = None) -> None:
+        self.actor = actor
+        self.deadline = deadline  # time.monotonic()
+        self.speculated_at = 0  # that row's position in its KV slot
+        self.rng_before: torch.Tensor | None = None  # its generator before a speculated row's draw
+        self.flying = 0  # rows of this turn in launched forwards not yet finished (two when fed)
+        self.prompt = True  # its prompt may still be queued (HostABI.queued_tokens is asked only then)
+        # What its decode rows crossed, counted and recorded once it ends (HostABI.record_rows): one-token
+        # forwards and their seconds, transfers ({boundary: [calls, bytes]}), logits in place or copied into
+        # the guest's buffer (and host choices written to the guest: `choices`).
+        self.rows, self.rows_s, self.moved, self.in_place, self.copied = 0, 0.0, {}, 0, 0
+        self.end: int | None = None  # why it ended (END_*), once it has
+        self.error: BaseException | None = None
+        self.abandoned = False  # its caller stopped waiting (Ctrl-C): end it at the next step
+        self.calls_on_end = False  # ended well: its caller calls its guest's on_end (EngineLoop._on_end)
+        self.done = threading.Event()
+        self.woken = woken  # its caller's, set at its end too (run's `deliver`)
+        self.abi: HostABI = actor.abi
+        self.guest: GuestInstance = actor.guest
         # Its steps draw its host choice (a guest that asked for it, sampling parameters): fixed for the
         # turn (on_message asked, the request's parameters).
-        self.draws = self.abi.choice is not None and not self.actor.request.params.greedy
+        self.draws = self.abi.choice is not None and not actor.request.params.greedy
+        self.target: torch.Tensor | None | bool = False  # its decode rows' logits buffer (False: not asked)
+        self.slot = actor.slot
+        self.headed = False  # its row's call words are made (floe.wasm.rows.head, at its first on_token)
+        self._words = memoryview(np.zeros(guest_rows.WIDTH, np.int64)).cast("B").cast("q")
+        self._base = 0
+        self._reset(max_tokens)
+
+    def _reset(self, max_tokens: int) -> None:
+        w, b = self._words, self._base
+        for col in range(guest_rows.WIDTH):
+            w[b + col] = 0
+        for col in (W.CHOICE, W.SPECULATED, W.NEXT_TOKEN):
+            w[b + col] = NONE
+        w[b + W.MAX_TOKENS] = max_tokens
+        w[b + W.VOCAB] = self.abi.vocab
+        w[b + W.DRAWS] = int(self.draws)
+        w[b + W.DEADLINE] = _bits(self.deadline)
+
+    def bind(self, table: TurnTable) -> None:
+        """Its row moves to `table` (its loop's, at the row of its slot): from the loop's thread, once
+        the turn that held the slot before is gone from the loop."""
+        words, base = table.words, self.slot * guest_rows.WIDTH
+        for col in range(guest_rows.WIDTH):
+            words[base + col] = self._words[self._base + col]
+        self._words, self._base = words, base
+        self.abi.sampled_at = (words, base + W.SAMPLED)
+
+    def head(self) -> None:
+        """Its row's call words (its guest's on_token, where its host choice goes, its watchdog), made
+        at its first on_token through the native loop; its guest's regions and watchdog made fresh."""
+        guest_rows.fresh(self.guest)
+        words, base = self._words, self._base
+        for col, value in zip(range(W.CONTEXT, W.WHEN_AT + 1),
+                              guest_rows.heads([self.guest], "on_token", [self.abi.choice_address])[0],
+                              strict=True):
+            words[base + col] = value
+        words[base + W.STREAMS] = int(self.abi.streams)
+        self.headed = True
 
     def record(self) -> None:
         """Record what its decode rows crossed (counted since the last record) in its actor's stats
         and ledger."""
-        if self.rows or self.in_place or self.copied or self.choices:
-            self.abi.record_rows(self.rows, self.rows_s, self.moved, self.in_place, self.copied, self.choices)
+        choices = self.choices
+        if self.rows or self.in_place or self.copied or choices:
+            self.abi.record_rows(self.rows, self.rows_s, self.moved, self.in_place, self.copied, choices)
             self.rows, self.rows_s, self.moved, self.in_place, self.copied, self.choices = 0, 0.0, {}, 0, 0, 0
 
     def set_done(self) -> None:
+        self.abi.sampled_at = None  # (its row is the slot's next turn's from now on)
         self.done.set()
         if self.woken is not None:
             self.woken.set()
+
+
+def _bits(value: float) -> int:
+    """A float's IEEE bits as an int64 word (a double the native loop reads)."""
+    return struct.unpack("<q", _DOUBLE.pack(value))[0]

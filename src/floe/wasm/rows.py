@@ -1,11 +1,14 @@
 """One export of many guests called in one native loop: the engine loop's on_token for every turn of a
-step (csrc/call_rows.cpp, a plain shared library built on first use). A row costs the store of the
-host's choice in the guest's memory, an epoch deadline and the Wasmtime call; the Python layers that
-GuestInstance.call puts around one call (arming, context managers, ctypes conversions) are paid once
-a batch. What a row's failure raises is exactly what GuestInstance.call raises for it.
+step (csrc/call_rows.cpp, a plain shared library built on first use). Each call's state is a row of
+int64 words (Col: the engine loop keeps one per KV slot, floe.actor.turn.TurnTable). A row costs the
+store of the host's choice in the guest's memory, its watchdog's deadline, an epoch deadline and the
+Wasmtime call; the Python layers that GuestInstance.call puts around one call (arming, context
+managers, ctypes conversions) are paid once a batch. What the guest returned is judged natively (the
+engine loop's plain case) and taken into the row. What a row's failure raises is exactly what
+GuestInstance.call raises for it.
 
 Used where GuestInstance.call would hold the GIL (hold_gil): off the main thread, with epochs ticking
-natively; `call_rows` says None where it cannot run (no compiler: the caller calls row by row).
+natively; `native` says None where it cannot run (no compiler: the caller calls row by row).
 """
 
 from __future__ import annotations
@@ -31,9 +34,33 @@ _lock = threading.Lock()
 _native: Callable | None = None
 _tried = False
 
+NONE = -(1 << 63)  # a word that holds no token (csrc/call_rows.cpp)
+PLAIN, TAKES, CONFIRMED = 1, 2, 4  # Col.JUDGED: what the native loop judged a returned token to be
+
+
+class Col:
+    """The words of a row (csrc/call_rows.cpp's Row, in its order)."""
+
+    CONTEXT, FUNC, RESULTS, CHOICE_AT, WHEN_AT = 0, 1, 2, 3, 4  # the call (heads())
+    CHOICE = 5  # the host's choice, stored at CHOICE_AT before the call (NONE: none)
+    DEADLINE = 6  # the message's deadline (a double: time.monotonic())
+    # The judgement's inputs (VOCAB 0: none): the token of the row in flight (NONE: none), tokens
+    # generated so far (+1 for a plain token), max_tokens.
+    VOCAB, SPECULATED, GENERATED, MAX_TOKENS = 7, 8, 9, 10
+    ERROR, TRAP, RESULT, JUDGED = 11, 12, 13, 14  # out
+    # Taken into the row for a plain token: its next token (unless the row in flight had it), whether
+    # it was the host's choice (and no draw of the guest's own: SAMPLED, DRAWS), no refusal.
+    NEXT_TOKEN, TAKES_CHOICE, REFUSED = 15, 16, 17
+    FRESH = 18  # 0 once asked
+    DRAWS, SAMPLED, STREAMS = 19, 20, 21  # SAMPLED: 0 before each call, 1 by the guest's sample()
+    CHOICES = 22  # +1 a call that stored a choice
+
+
+WIDTH = 24  # words a row
+
 
 def native() -> Callable | None:
-    """floe_call_rows, built on first use (a second or two), or None where it cannot be built."""
+    """floe_call_slots, built on first use (a second or two), or None where it cannot be built."""
     global _native, _tried
     with _lock:
         if not _tried:
@@ -43,46 +70,28 @@ def native() -> Callable | None:
 
                 library = ctypes.PyDLL(str(build_plain("floe_call_rows", [SOURCE], [],
                                                        what="the engine loop's native guest calls")))
-                fn = library.floe_call_rows
+                fn = library.floe_call_slots
                 fn.restype = ctypes.c_int64
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_int64, ctypes.c_double]
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_double]
                 call = ctypes.cast(_dll.wasmtime_func_call, ctypes.c_void_p).value
                 deadline = ctypes.cast(_dll.wasmtime_context_set_epoch_deadline, ctypes.c_void_p).value
-                _native = lambda rows, n, bound: fn(rows, n, call, deadline, I32, bound)  # noqa: E731
+                _native = lambda table, slots, n, bound: fn(  # noqa: E731
+                    table, slots, n, call, deadline, I32, bound)
             except (BuildError, OSError) as e:
                 log.warning("guest calls go row by row (the native loop is not available: %s)", e)
     return _native
 
 
 def usable(guests: Sequence[GuestInstance]) -> bool:
-    """Whether call_rows can run these guests' calls on this thread (as GuestInstance.call with
+    """Whether the native loop can run these guests' calls on this thread (as GuestInstance.call with
     hold_gil would hold it: off the main thread, epochs ticking natively)."""
     return (threading.get_ident() != signals.main and all(g.module.runtime.native_ticks for g in guests)
             and native() is not None)
 
 
-NONE = -(1 << 63)  # Judgement inputs: no host choice / no row in flight (csrc/call_rows.cpp)
-PLAIN, TAKES, CONFIRMED = 1, 2, 4  # what the native loop judged a returned token to be (see Judge)
-WIDTH = 16  # int64s a row (csrc/call_rows.cpp's Row)
-
-
-class Judge(NamedTuple):
-    """What the native loop judges each returned token against (the engine loop's plain case,
-    floe.actor.loop._took): per row, the vocabulary's size, the token of the turn's row in flight
-    (NONE: none), the tokens generated so far and max_tokens. Its answer, per row: PLAIN (a token in
-    the vocabulary, not the turn's last, and either no row in flight or one with this very token:
-    CONFIRMED), TAKES (it is the host's choice); 0 for anything else (stop, a bad token, the last, a
-    refused row in flight): the caller's own path judges those."""
-
-    vocab: Sequence[int]
-    speculated: Sequence[int]
-    generated: Sequence[int]
-    max_tokens: Sequence[int]
-
-
 class _Batch:
-    """The guests of one call_rows, registered as one call in flight (runtime._running): stop_all_guests
+    """The guests of one call_slots, registered as one call in flight (runtime._running): stop_all_guests
     cancels each."""
 
     __slots__ = ("guests",)
@@ -96,8 +105,8 @@ class _Batch:
 
 
 def heads(guests: Sequence[GuestInstance], name: str, choice_at: Sequence[int]) -> list[tuple]:
-    """Each row's fixed part for call_rows: its prepared call (context, function, results), where its
-    host choice goes, and its watchdog's deadline (the engine loop keeps one per turn: Turn.head)."""
+    """Each row's call words (Col.CONTEXT to Col.WHEN_AT): its prepared call (context, function,
+    results), where its host choice goes, and its watchdog's deadline."""
     return [(*g.prepared(name, 0).row, at, g.watchdog.when_at)
             for g, at in zip(guests, choice_at, strict=True)]
 
@@ -111,25 +120,16 @@ def fresh(g: GuestInstance) -> None:
     w.reason = w.interrupt = None
 
 
-def call_rows(guests: Sequence[GuestInstance], name: str, choice_at: Sequence[int], choices: Sequence[int],
-              deadlines: Sequence[float], bound: float,
-              pendings: Sequence[Callable[[], BaseException | None]], judge: Judge | None = None,
-              head: Sequence[tuple] | None = None) -> tuple[list, list[int]]:
-    """Call export `name` (no arguments, one i32 result) of each guest in turn, first storing choices[i]
-    (NONE: none) as an int32 at address choice_at[i] (0: none), each call within `bound` seconds of its
-    own start and before deadlines[i] (time.monotonic()): for each, the i32 it returned or the exception
-    GuestInstance.call would have raised; and, with `judge`, the native loop's judgement of each
-    returned token (Judge; 0 for a failed call). head: heads(guests, name, choice_at), where the
-    caller keeps them. Each guest's regions and watchdog are as fresh() leaves them (the caller's
-    part: once a turn). Check usable() first."""
+def call_slots(table: np.ndarray, slots: np.ndarray, guests: Sequence[GuestInstance], name: str,
+               bound: float, pending: Callable[[int], BaseException | None]) -> dict[int, BaseException]:
+    """Call export `name` (no arguments, one i32 result) of guests[k] with row table[slots[k]] (an
+    int64 (rows, WIDTH) table; slots: int64), each within `bound` seconds of its own start and before
+    its row's deadline; each row's result, judgement and the plain token's effects are in its row.
+    The rows whose call failed: {k: the exception GuestInstance.call would have raised}; pending(k):
+    row k's host-side error, if any (Actor.take_pending). Each guest's regions and watchdog are as
+    fresh() leaves them (the caller's part: once a turn). Check usable() first."""
     n = len(guests)
-    out: list = [None] * n
-    rows = np.zeros((n, WIDTH), np.int64)
-    rows[:, :5] = heads(guests, name, choice_at) if head is None else head
-    rows[:, 5] = choices
-    rows.view(np.float64)[:, 6] = deadlines
-    if judge is not None:
-        rows[:, 7:11] = np.array(judge, np.int64).T
+    failed: dict[int, BaseException] = {}
     for region in memory.take_denied():  # refused on this thread since (fresh(): none before a turn)
         region.denied_size = 0
     batch = _Batch(guests)
@@ -138,24 +138,58 @@ def call_rows(guests: Sequence[GuestInstance], name: str, choice_at: Sequence[in
     start = 0
     try:
         if runtime._stopped is not None:  # (after registering: as runtime._Running)
-            return [GuestCancelled(f"the guest was not run: {runtime._stopped}") for _ in guests], [0] * n
+            return {k: GuestCancelled(f"the guest was not run: {runtime._stopped}") for k in range(n)}
         with guest_stack:
             while start < n:
-                done = start + call(rows[start:].ctypes.data, n - start, bound)
-                out[start:done] = rows[start:done, 13].tolist()
+                done = start + call(table.ctypes.data, slots[start:].ctypes.data, n - start, bound)
                 if done == n:
                     break
-                g = guests[done]
-                seconds = max(0.0, min(bound, deadlines[done] - time.monotonic()))
+                row = table[slots[done]]
+                seconds = max(0.0, min(bound, float(row[Col.DEADLINE:Col.DEADLINE + 1].view(np.float64)[0])
+                                       - time.monotonic()))
+                error = raw_call_error(int(row[Col.ERROR]), int(row[Col.TRAP]), int(row[Col.RESULTS]))
                 try:
-                    error = raw_call_error(int(rows[done, 11]), int(rows[done, 12]), int(rows[done, 2]))
-                    g._raise_failure(name, error, seconds or bound, pendings[done])
+                    guests[done]._raise_failure(name, error, seconds or bound, lambda k=done: pending(k))
                 except BaseException as e:  # noqa: BLE001 - this row's answer
-                    out[done] = e
-                rows[done, 14] = 0
+                    failed[done] = e
                 start = done + 1
     except BaseException as e:  # noqa: BLE001 - the thread's stack refused them (ThreadStackTooSmall)
-        return [e if r is None else r for r in out], [0] * n
+        return {k: failed.get(k, e) for k in range(n)}
     finally:
         runtime._running.pop(id(batch), None)
-    return out, rows[:, 14].tolist()
+    return failed
+
+
+class Judge(NamedTuple):
+    """call_rows' judgement inputs, per row: the vocabulary's size, the token of the turn's row in flight
+    (NONE: none), the tokens generated so far and max_tokens (Col)."""
+
+    vocab: Sequence[int]
+    speculated: Sequence[int]
+    generated: Sequence[int]
+    max_tokens: Sequence[int]
+
+
+def call_rows(guests: Sequence[GuestInstance], name: str, choice_at: Sequence[int], choices: Sequence[int],
+              deadlines: Sequence[float], bound: float,
+              pendings: Sequence[Callable[[], BaseException | None]],
+              judge: Judge | None = None) -> tuple[list, list[int]]:
+    """call_slots of rows made for this call: guest i's choices[i] (NONE: none) stored at address
+    choice_at[i] (0: none), its call before deadlines[i] (time.monotonic()) and within `bound` of its
+    start. For each: the i32 it returned or the exception GuestInstance.call would have raised; and
+    the native loop's judgement of each returned token (with `judge`; else 0s). Check usable() first."""
+    n = len(guests)
+    table = np.zeros((n, WIDTH), np.int64)
+    table[:, Col.CONTEXT:Col.WHEN_AT + 1] = heads(guests, name, choice_at)
+    table[:, Col.CHOICE] = choices
+    table.view(np.float64)[:, Col.DEADLINE] = deadlines
+    table[:, [Col.SPECULATED, Col.NEXT_TOKEN]] = NONE
+    if judge is not None:
+        for col, values in zip((Col.VOCAB, Col.SPECULATED, Col.GENERATED, Col.MAX_TOKENS), judge,
+                               strict=True):
+            table[:, col] = values
+    failed = call_slots(table, np.arange(n, dtype=np.int64), guests, name, bound, lambda k: pendings[k]())
+    answers = table[:, Col.RESULT].tolist()
+    for k, e in failed.items():
+        answers[k] = e
+    return answers, table[:, Col.JUDGED].tolist()

@@ -1,10 +1,12 @@
 // floe_call_rows: one export of many guests called in one native loop (the engine loop's on_token for
 // every turn of a step), holding the GIL throughout (it is called through ctypes.PyDLL). The Python
 // layers around each call (arming, context managers, ctypes argument conversion) cost more than the
-// call itself; here a row costs a store of the host's choice, its deadline (the watchdog's, armed here
-// from the row's own start: min(its message's deadline, now + bound)), an epoch deadline and the call, and what
-// the guest returned is judged here too (the engine loop's plain case: a token to append, or the
-// speculated token confirmed), so that Python handles only the rows that are not plain.
+// call itself. Each turn's state is a row of int64 words (floe.actor.turn.TurnTable: one per KV slot;
+// floe.wasm.rows.Col names them), read and written here: a row costs the store of the host's choice,
+// its watchdog's deadline (armed from the row's own start: min(its message's deadline, now + bound)),
+// an epoch deadline and the call; and what the guest returned is judged here (the engine loop's plain
+// case: a token to append, or the token of the row in flight confirmed) and taken into the row, so
+// that Python handles only the rows that are not plain (floe.actor.loop._took).
 // The Wasmtime C API's functions come in as pointers (the library wasmtime-py loaded): no headers, no
 // link. A row that fails (an error, a trap, a result that is not one i32) ends the loop: the caller
 // turns it into its GuestError with the Python path's own classification and calls the rest again.
@@ -26,10 +28,9 @@ enum : int64_t {
     TAKES = 2,      // the token is the host's choice (Row.choice)
     CONFIRMED = 4,  // the row in flight had this token (nothing to append)
 };
-constexpr int64_t NONE = INT64_MIN;  // Row.choice / Row.speculated: none
+constexpr int64_t NONE = INT64_MIN;  // Row.choice / speculated / next_token: none
 
-// One guest's call: 16 int64s (numpy's view of the rows is an (n, 16) int64 array). The first five
-// are fixed for a turn (floe.wasm.rows.heads), the next six its step's inputs, the last five out.
+// One turn's row: 24 int64 words (floe.wasm.rows.Col, in this order).
 struct Row {
     void* context;       // wasmtime_context_t* of the guest's store
     const void* func;    // wasmtime_func_t* of the export
@@ -37,18 +38,26 @@ struct Row {
     int32_t* choice_at;  // where the host's choice goes before the call (null: the guest asked none)
     double* when_at;     // the guest's watchdog deadline (time.monotonic()), armed before the call (null: not)
     int64_t choice;      // the host's choice (NONE: none)
-    double deadline;     // the row's message deadline (time.monotonic())
+    double deadline;     // the turn's message deadline (time.monotonic())
     int64_t vocab;       // the judgement's inputs (vocab 0: not judged)
     int64_t speculated;  // the token of the turn's row in flight (NONE: none)
-    int64_t generated;   // tokens the turn has generated
+    int64_t generated;   // tokens the turn has generated (+1 for a plain token)
     int64_t max_tokens;
     void* error;         // out: wasmtime_error_t* or null
     void* trap;          // out: wasm_trap_t* or null
     int64_t result;      // out: the i32 the call returned
     int64_t judged;      // out: PLAIN | TAKES | CONFIRMED
+    int64_t next_token;  // out for a plain token not in flight: the token (NONE: none)
+    int64_t takes_choice;  // out for a plain token: it was the host's choice and the guest drew none
+    int64_t refused;     // 0 once a row in flight is confirmed
+    int64_t fresh;       // 0 once the guest is asked
+    int64_t draws;       // the turn's steps draw its host choice
+    int64_t sampled;     // set by the guest's sample() (host call) during the call; 0 before it
+    int64_t streams;     // (the host streams its tokens: Python's part)
+    int64_t choices;     // host choices written (+1 a call with choice_at)
     int64_t reserved;
 };
-static_assert(sizeof(Row) == 128, "Row is 16 int64s");
+static_assert(sizeof(Row) == 192, "Row is 24 int64 words");
 
 static inline int64_t judge(const Row& row, int64_t token) {
     int64_t flags = token == row.choice ? TAKES : 0;
@@ -57,13 +66,19 @@ static inline int64_t judge(const Row& row, int64_t token) {
     return token == row.speculated ? (flags | PLAIN | CONFIRMED) : flags;
 }
 
+// Call rows table[slots[k]] for k in [0, n): the index of the first that failed, or n.
 __attribute__((visibility("default")))
-int64_t floe_call_rows(Row* rows, int64_t n, func_call_t call, set_deadline_t set_deadline,
-                       int64_t i32_kind, double bound) {
+int64_t floe_call_slots(Row* table, const int64_t* slots, int64_t n, func_call_t call,
+                        set_deadline_t set_deadline, int64_t i32_kind, double bound) {
     alignas(16) static thread_local unsigned char no_args[32];  // (a valid pointer for zero arguments)
-    for (int64_t i = 0; i < n; ++i) {
-        Row& row = rows[i];
-        if (row.choice_at != nullptr) *row.choice_at = static_cast<int32_t>(row.choice);
+    for (int64_t k = 0; k < n; ++k) {
+        Row& row = table[slots[k]];
+        row.fresh = 0;
+        row.sampled = 0;
+        if (row.choice_at != nullptr) {
+            *row.choice_at = static_cast<int32_t>(row.choice);
+            ++row.choices;
+        }
         if (row.when_at != nullptr) {  // (CLOCK_MONOTONIC: Python's time.monotonic() on Linux)
             timespec now;
             clock_gettime(CLOCK_MONOTONIC, &now);
@@ -74,11 +89,23 @@ int64_t floe_call_rows(Row* rows, int64_t n, func_call_t call, set_deadline_t se
         void* trap = nullptr;
         row.error = call(row.context, row.func, no_args, 0, row.results, 1, &trap);
         row.trap = trap;
-        if (row.error != nullptr || trap != nullptr) return i;
+        row.judged = 0;
+        if (row.error != nullptr || trap != nullptr) return k;
         const unsigned char* value = static_cast<const unsigned char*>(row.results);
-        if (value[0] != static_cast<unsigned char>(i32_kind)) return i;
-        row.result = *reinterpret_cast<const int32_t*>(value + 8);
-        row.judged = row.vocab > 0 ? judge(row, row.result) : 0;
+        if (value[0] != static_cast<unsigned char>(i32_kind)) return k;
+        const int64_t token = *reinterpret_cast<const int32_t*>(value + 8);
+        row.result = token;
+        if (row.vocab <= 0) continue;
+        row.judged = judge(row, token);
+        if (!(row.judged & PLAIN)) continue;  // (Python's path: floe.actor.loop._took)
+        ++row.generated;
+        row.takes_choice = (row.judged & TAKES) && !(row.sampled && row.draws);
+        if (row.judged & CONFIRMED) {
+            row.speculated = NONE;
+            row.refused = 0;
+        } else {
+            row.next_token = token;
+        }
     }
     return n;
 }
