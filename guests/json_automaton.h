@@ -213,13 +213,19 @@ static void consume_string(frame *c, int d, const schema_node *n, int b, cset *o
     int tracked = n->min > 0 || n->max != SN_UNBOUNDED;
     switch (t->state) {
     case ST_START:
-        if (b == '"') t->state = S_IN, t->idx = 0;
+        if (b == '"') t->state = S_IN, t->idx = 0, t->pos = n->dfa ? n->dfa->start : 0;
         else return;
         break;
     case S_IN:
         if (b == '"') {
-            if (t->idx < n->min) return;
-            t->state = S_DONE, t->idx = 0;
+            if (t->idx < n->min || (n->dfa && !n->dfa->accept[t->pos])) return;
+            t->state = S_DONE, t->idx = 0, t->pos = 0;
+            break;
+        }
+        if (n->dfa) { /* printable ASCII, never escaped: the DFA's bytes (lengths are refused beside it) */
+            uint16_t next = b >= RX_FIRST && b < RX_FIRST + RX_SPAN ? n->dfa->next[t->pos * RX_SPAN + (uint32_t)(b - RX_FIRST)] : RX_NONE;
+            if (next == RX_NONE) return;
+            t->pos = next;
             break;
         }
         if (b < 0x20 || b == 0x7F) return; /* control characters: JSON forbids them raw */
@@ -379,7 +385,7 @@ static uint32_t frame_need(const grammar *g, const frame *f) {
         if (f->state == S_ESC) return 1 + rest;
         if (f->state == S_HEX) return (uint32_t)(4 - f->pos) + rest;
         if (f->state == S_UTF8) return (uint32_t)(f->aux & 15) + rest;
-        return rest;
+        return n->dfa ? n->dfa->dist[f->pos] + 1u : rest;
     }
     case SN_NUMBER: case SN_INTEGER:
         if (n->sides) return bounded_need(n, f);

@@ -4,6 +4,7 @@
 #define JSON_GRAMMAR_H
 
 #include "json_number.h"
+#include "json_regex.h"
 
 enum { SN_OBJECT, SN_ARRAY, SN_STRING, SN_NUMBER, SN_INTEGER, SN_LITERALS, SN_ANYOF };
 #define SN_UNBOUNDED 0xFFFFu
@@ -20,6 +21,7 @@ typedef struct {
     uint32_t min, max;    /* array: items; string: characters (SN_UNBOUNDED: no maximum) */
     uint32_t min_bytes;   /* the shortest valid value, in bytes */
     mag_range *sides;     /* number, integer: [0] positive, [1] negative magnitudes (NULL: unbounded) */
+    rx_dfa *dfa;          /* string: its content's automaton (pattern, format); NULL: any content */
 } schema_node;
 
 /* An array's node for the item at position i (0-based): prefixItems' own, then kids[0]. */
@@ -51,6 +53,8 @@ typedef struct {
     const json_value *doc;           /* the schema, for $ref */
     const json_value **memo_of;      /* compiled schema objects, for $ref cycles */
     uint32_t *memo_node, n_memo;
+    uint32_t rx_budget;              /* DFA states its patterns and formats may still take */
+    rx_dfa *formats[8];              /* each format's DFA, made once a grammar */
     char error[512];
 } grammar;
 

@@ -32,7 +32,7 @@ static int g_min_bytes(grammar *g) {
             } else if (s->kind == SN_ARRAY) {
                 uint32_t v = array_items_bytes(g->nodes, s, 0, s->min);
                 m = s->min == 0 ? 2 : v >= inf ? inf : 1 + v;
-            } else if (s->kind == SN_STRING) m = 2 + s->min;
+            } else if (s->kind == SN_STRING) m = 2 + (s->dfa ? s->dfa->dist[s->dfa->start] : s->min);
             else if ((s->kind == SN_NUMBER || s->kind == SN_INTEGER) && s->sides) {
                 for (int neg = 0; neg < 2; neg++) {
                     int rest = s->sides[neg].on ? mag_need(&s->sides[neg], 0, CMP_EQ, CMP_EQ, 0, s->kind == SN_NUMBER, 0) : -1;
@@ -89,6 +89,7 @@ static int g_left_recursion(grammar *g) {
 static int grammar_compile(grammar *g, const char *schema, uint32_t len) {
     __builtin_memset(g, 0, sizeof *g);
     if (!g_builtins(g)) return 0;
+    g->rx_budget = RX_MAX_STATES;
     g->root = NODE_ANY;
     if (len) {
         const char *why;

@@ -10,7 +10,7 @@ static const char *const KEYWORDS_KNOWN[] = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
     "readOnly", "writeOnly", "$defs", "definitions", "additionalProperties",
     "type", "properties", "required", "items", "prefixItems", "minItems", "maxItems", "enum", "const", "anyOf", "$ref",
-    "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", 0,
+    "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", 0,
 };
 
 static int g_schema(grammar *g, const json_value *v, char *path, uint32_t plen, int depth);
@@ -222,6 +222,59 @@ static int g_array(grammar *g, const json_value *v, char *path, uint32_t plen, i
     return node;
 }
 
+/* `format`s as patterns (json_regex.h): exact for date, time, date-time (RFC 3339; February 29th in
+ * leap years only), uuid, ipv4; subsets for email, hostname (up to 3 labels), uri (scheme://host...). */
+#define RX_YEAR "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+#define RX_DATE "(" RX_YEAR "-((0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])|(0[13-9]|1[0-2])-(29|30)|(0[13578]|1[02])-31)" \
+    "|([0-9]{2}(0[48]|[2468][048]|[13579][26])|([2468][048]|[13579][26]|0[48])00)-02-29)"
+#define RX_TIME "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+#define RX_OCTET "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+#define RX_LABEL "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+#define RX_NAME "[A-Za-z0-9]+(-[A-Za-z0-9]+)*"
+#define RX_HEX4 "[0-9a-fA-F]{4}"
+static const char *const FORMATS[8][2] = {
+    {"date", "^" RX_DATE "$"},
+    {"time", "^" RX_TIME "$"},
+    {"date-time", "^" RX_DATE "T" RX_TIME "$"},
+    {"uuid", "^" RX_HEX4 RX_HEX4 "-" RX_HEX4 "-" RX_HEX4 "-" RX_HEX4 "-" RX_HEX4 RX_HEX4 RX_HEX4 "$"},
+    {"ipv4", "^" RX_OCTET "(\\." RX_OCTET "){3}$"},
+    {"email", "^[A-Za-z0-9]+([._+-][A-Za-z0-9]+)*@" RX_NAME "(\\." RX_NAME ")*\\.[A-Za-z]{2,}$"},
+    {"hostname", "^" RX_LABEL "(\\." RX_LABEL "){0,2}$"},
+    {"uri", "^[a-z][a-z0-9+.-]*://" RX_NAME "(\\." RX_NAME ")*(:[0-9]{1,5})?(/[A-Za-z0-9._~!$&'()*+,;=:@-]*)*"
+            "(\\?[A-Za-z0-9._~!$&'()*+,;=:@/?-]*)?$"},
+};
+
+static int has_string_shape(const json_value *v) { return json_get(v, "pattern") || json_get(v, "format"); }
+
+/* A string of a pattern or a format: its content's DFA. */
+static int g_shaped_string(grammar *g, const json_value *v, const char *path) {
+    const json_value *pattern = json_get(v, "pattern"), *format = json_get(v, "format");
+    if (pattern && format) { g_error(g, "'pattern' beside 'format' (this guest writes one of them) at ", path, 0); return -1; }
+    if (json_get(v, "minLength") || json_get(v, "maxLength")) {
+        g_error(g, "'minLength'/'maxLength' beside 'pattern' or 'format' (write the length into the pattern) at ", path, 0);
+        return -1;
+    }
+    const json_value *shape = pattern ? pattern : format;
+    if (shape->type != JV_STRING) { g_error(g, pattern ? "'pattern' must be a string at " : "'format' must be a string at ", path, 0); return -1; }
+    const char *text = shape->text;
+    uint32_t len = shape->n;
+    rx_dfa **cached = 0;
+    if (format) {
+        uint32_t i = 0, n = sizeof FORMATS / sizeof FORMATS[0];
+        while (i < n && !key_is(format, FORMATS[i][0])) i++;
+        if (i == n) return g_refuse(g, "unsupported JSON Schema format '", format, path);
+        text = FORMATS[i][1], len = (uint32_t)floe_strlen(text);
+        cached = &g->formats[i];
+    }
+    const char *why = 0;
+    rx_dfa *dfa = cached && *cached ? *cached : rx_compile(text, len, &g->rx_budget, &why);
+    if (cached) *cached = dfa;
+    if (!dfa) { g_error(g, why, " at ", path); return -1; }
+    int node = g_node(g, SN_STRING);
+    if (node >= 0) g->nodes[node].dfa = dfa;
+    return node;
+}
+
 static const char *const NUMBER_BOUNDS[] = {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"};
 
 static int has_number_bounds(const json_value *v) {
@@ -313,9 +366,10 @@ static int g_typed(grammar *g, const json_value *v, const json_value *type, char
             return g_array(g, v, path, plen, depth);
         const json_value *extra = json_get(v, "additionalProperties");
         if (extra && (extra->type == JV_OBJECT || extra->type == JV_FALSE)) return g_object(g, v, path, plen, depth);
-        if (!json_get(v, "minLength") && !json_get(v, "maxLength")) return NODE_ANY;
+        if (!json_get(v, "minLength") && !json_get(v, "maxLength") && !has_string_shape(v)) return NODE_ANY;
     }
     if (!type || key_is(type, "string")) {
+        if (has_string_shape(v)) return g_shaped_string(g, v, path);
         if (!json_get(v, "minLength") && !json_get(v, "maxLength")) return NODE_ANY_STRING;
         int64_t min = g_bound(g, v, "minLength", 0, path), max = g_bound(g, v, "maxLength", SN_UNBOUNDED, path);
         int node = min < 0 || max < 0 ? -1 : g_node(g, SN_STRING);

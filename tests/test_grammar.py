@@ -147,7 +147,7 @@ def test_plain_json_mode_answers_one_json_value(engine):
 
 
 @pytest.mark.parametrize("keyword, schema", [
-    ("pattern", {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$"}}}),
+    ("not", {"type": "object", "properties": {"code": {"type": "string", "not": {"const": "x"}}}}),
     ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
     ("oneOf", {"oneOf": [{"type": "string"}, {"type": "integer"}]}),
 ])
@@ -212,9 +212,9 @@ def test_floe_run_json_schema_prints_a_valid_value(tmp_path):
 
 
 def test_floe_run_json_schema_names_the_unsupported_keyword(tmp_path):
-    (tmp_path / "date.json").write_text('{"type": "string", "format": "date"}')
-    proc = floe_run("When?", "--json-schema", str(tmp_path / "date.json"), "--max-tokens", "8")
-    assert proc.returncode != 0 and "unsupported JSON Schema keyword 'format'" in proc.stderr
+    (tmp_path / "set.json").write_text('{"type": "array", "uniqueItems": true}')
+    proc = floe_run("Which?", "--json-schema", str(tmp_path / "set.json"), "--max-tokens", "8")
+    assert proc.returncode != 0 and "unsupported JSON Schema keyword 'uniqueItems'" in proc.stderr
 
 
 def test_floe_run_json_schema_refuses_a_guest_that_does_not_read_schemas(tmp_path):

@@ -286,3 +286,139 @@ def test_prefix_items_hold_at_their_positions(automaton, schema):
 def test_arrays_and_maps_the_guest_cannot_write_are_refused_by_name(automaton, schema, says):
     refusal = automaton.compile(schema)
     assert refusal is not None and says in refusal, refusal
+
+
+# ---- format --------------------------------------------------------------------------------------------
+
+WRITABLE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) not in '"\\')  # what a shaped string holds
+
+
+def mutations(text: str, rng: random.Random, alphabet: str, n: int) -> list[str]:
+    """n strings one edit (a deletion, insertion or replacement) away from text."""
+    out = []
+    for _ in range(n):
+        i = rng.randrange(len(text) + 1)
+        kind = rng.randrange(3)
+        if kind == 0 and text:
+            i = min(i, len(text) - 1)
+            out.append(text[:i] + text[i + 1:])
+        elif kind == 1:
+            out.append(text[:i] + rng.choice(alphabet) + text[i:])
+        elif text:
+            i = min(i, len(text) - 1)
+            out.append(text[:i] + rng.choice(alphabet) + text[i + 1:])
+    return out
+
+
+EXACT_FORMATS = {  # every one jsonschema accepts, bar a time's lowercase t and z and a leap second (:60)
+    "date": ["2024-02-29", "2023-02-29", "2000-02-29", "1900-02-29", "2024-04-31", "2024-12-31", "2024-13-01",
+             "0000-01-01", "0001-01-01", "2024-1-01", "24-01-01", "2024-01-32", "2024-11-30", "1600-02-29"],
+    "time": ["12:30:00Z", "23:59:59+14:00", "24:00:00Z", "12:30:00", "12:30:00.123Z", "12:30:00.Z",
+             "12:60:00Z", "00:00:00-00:00", "12:30:00+2:00", "9:30:00Z"],
+    "date-time": ["2024-02-29T12:30:00Z", "2023-02-29T12:30:00Z", "2024-01-01 12:30:00Z",
+                  "2024-01-01T12:30:00", "2024-06-30T23:59:59.5-03:30"],
+    "uuid": ["123e4567-e89b-12d3-a456-426614174000", "123E4567-E89B-12D3-A456-426614174000",
+             "123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400",
+             "g23e4567-e89b-12d3-a456-426614174000"],
+    "ipv4": ["192.168.0.1", "255.255.255.255", "256.1.1.1", "01.2.3.4", "1.2.3", "1.2.3.4.5", "0.0.0.0",
+             "1..2.3"],
+}
+SUBSET_FORMATS = {"email": ["a@b.co", "first.last+tag@mail.example.org", "no-at-sign"],
+                  "hostname": ["example.com", "a-b.c", "-bad.com", "x" * 64],
+                  "uri": ["https://example.com/a/b?q=1", "ftp://h:21/x", "no-scheme"]}
+
+
+def test_every_format_named_here_is_checked_by_jsonschema():
+    """Else the cross-checks below could not fail (jsonschema skips a format it has no checker for)."""
+    checkers = jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers
+    assert set(EXACT_FORMATS) | set(SUBSET_FORMATS) <= set(checkers)
+
+
+@pytest.mark.parametrize("fmt", EXACT_FORMATS)
+def test_a_fixed_shape_format_is_accepted_exactly_when_jsonschema_accepts_it(automaton, fmt):
+    schema = {"type": "string", "format": fmt}
+    rng = random.Random(fmt)
+    assert automaton.compile(schema) is None, automaton.compile(schema)
+    drawn = [json.loads(automaton.sample(seed, soft=0)) for seed in range(40)]
+    edits = [m for d in drawn for m in mutations(d, rng, "0123456789-:.TZ+aAg ", 6)]
+    texts = EXACT_FORMATS[fmt] + drawn + edits
+    if fmt in ("time", "date-time"):
+        texts = [t for t in texts if ":60" not in t[-12:] and "z" not in t and "t" not in t]
+    if fmt == "uuid":  # Python's UUID() drops every "-", reads the hex with int() (a sign, "_" pass)
+        texts = [t for t in texts if not set(t) - set("0123456789abcdefABCDEFg-") and t.count("-") <= 4]
+    agrees(automaton, schema, [json.dumps(t) for t in texts])
+    drawn_values_validate(automaton, schema)
+
+
+@pytest.mark.parametrize("fmt", SUBSET_FORMATS)
+def test_a_format_written_as_a_subset_writes_only_values_jsonschema_accepts(automaton, fmt):
+    schema = {"type": "string", "format": fmt}
+    values = drawn_values_validate(automaton, schema, n=80)
+    assert len(set(values)) > 40  # a subset, not one value
+    check = validator(schema)
+    for text in SUBSET_FORMATS[fmt]:  # what it writes of these, jsonschema accepts
+        assert not automaton.accepts(json.dumps(text)) or check.is_valid(text), text
+    assert automaton.accepts(json.dumps(SUBSET_FORMATS[fmt][0]))
+
+
+# ---- pattern -------------------------------------------------------------------------------------------
+
+PATTERNS = [
+    "^[A-Z]{3}$", "^[a-z0-9_]+$", "^\\d{3}-\\d{4}$", "^(foo|bar)+baz?$", "^a.c$", "abc", "^abc", "xyz$",
+    "^[^a-c]{2,4}$", "^\\w+@\\w+\\.com$", "^(?:ab|cd){1,3}$", "^(?P<year>\\d{4})-(?P<month>\\d{2})$",
+    "^[+-]?\\d+(\\.\\d+)?$", "^\\s*x\\s*$", "^[\\]a-]+$", "^a{2,}b{,2}c{3}$", "^(a|b|)c$", "^.{0,5}$",
+    "^[A-Z][a-z]*( [A-Z][a-z]*)*$", "^\\x41\\u0042[\\d\\W]$", "^ab*?c+?$", "a|^b$|c$", "^a{$", "^$",
+    "^[-a]\\.\\*\\?\\(\\)$", "^\\D\\S\\W$",
+]
+
+
+def pattern_corpus(pattern: str, automaton: Automaton, rng: random.Random) -> list[str]:
+    alphabet = sorted(set(c for c in pattern if c in WRITABLE) | set("aZ09 _-.@"))
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 12))) for _ in range(300)]
+    drawn = [automaton.sample(seed, soft=rng.randrange(0, 8)) for seed in range(30)]
+    drawn = [json.loads(d) for d in drawn]
+    return texts + drawn + [m for d in drawn for m in mutations(d, rng, alphabet, 5)]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_pattern_is_accepted_exactly_when_jsonschema_accepts_it(automaton, pattern):
+    """Over strings of the characters a shaped string holds (printable ASCII but '"' and '\\'): unanchored
+    ends match anything, as in jsonschema's re.search."""
+    schema = {"type": "string", "pattern": pattern}
+    assert automaton.compile(schema) is None, automaton.compile(schema)
+    texts = pattern_corpus(pattern, automaton, random.Random(pattern))
+    agrees(automaton, schema, [json.dumps(t) for t in texts])
+    drawn_values_validate(automaton, schema)
+
+
+@pytest.mark.parametrize("schema, says", [
+    ({"type": "string", "pattern": "^(a)\\1$"}, "a backreference (\\1...) in 'pattern' at #"),
+    ({"type": "string", "pattern": "^(?=a)a$"}, "a lookaround"),
+    ({"type": "string", "pattern": "(?<!a)b"}, "a lookaround"),
+    ({"type": "string", "pattern": "\\bword\\b"}, "a word boundary"),
+    ({"type": "string", "pattern": "(?i)abc"}, "an inline flag"),
+    ({"type": "string", "pattern": "a++"}, "a possessive quantifier"),
+    ({"type": "string", "pattern": "a**"}, "a quantifier on a quantifier"),
+    ({"type": "string", "pattern": "*a"}, "a quantifier with nothing to repeat"),
+    ({"type": "string", "pattern": "(ab"}, "a '(' without its ')'"),
+    ({"type": "string", "pattern": "ab)"}, "a ')' without its '('"),
+    ({"type": "string", "pattern": "[ab"}, "a '[' without its ']'"),
+    ({"type": "string", "pattern": "a^b"}, "'^' or '$' inside 'pattern'"),
+    ({"type": "string", "pattern": "^\"[a-z]+\"$"}, "no string this guest writes matches 'pattern'"),
+    ({"type": "string", "pattern": "^\\n$"}, "no string this guest writes matches 'pattern'"),
+    ({"type": "string", "pattern": "^é$"}, "a non-ASCII character in 'pattern'"),
+    ({"type": "string", "pattern": "^a{2000}$"}, "a repetition {m,n} past 1000"),
+    ({"type": "string", "pattern": "^(a{1000}){1000}$"}, "repeats too much"),
+    ({"type": "string", "pattern": "(a|b)*a(a|b){12}"}, "needs more than 1024 states"),
+    ({"type": "string", "pattern": "^\\q$"}, "an escape this guest does not know"),
+    ({"type": "string", "pattern": 3}, "'pattern' must be a string"),
+    ({"type": "string", "format": "ipv6"}, "unsupported JSON Schema format 'ipv6' at #"),
+    ({"type": "string", "format": "date", "pattern": "^2"}, "'pattern' beside 'format'"),
+    ({"type": "string", "format": "date", "maxLength": 10}, "'minLength'/'maxLength' beside 'pattern'"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "(a|b)*a(a|b){7}"}
+                                       for i in range(40)}},
+     "more than 16384 automaton states in all"),
+])
+def test_patterns_and_formats_the_guest_cannot_write_are_refused_by_name(automaton, schema, says):
+    refusal = automaton.compile(schema)
+    assert refusal is not None and says in refusal, refusal
