@@ -129,6 +129,22 @@ static uint16_t count_kept(const schema_node *n, uint32_t count) {
     return (uint16_t)count;
 }
 
+/* An object's count after one more property: kept only while minProperties or maxProperties can
+ * tell counts apart. */
+static uint8_t property_counted(const schema_node *n, uint8_t count) {
+    if (n->max == SN_UNBOUNDED) return (uint8_t)(count + 1u > n->min ? n->min : count + 1u);
+    return (uint8_t)(count + 1u);
+}
+
+/* Whether property j may come next, `count` written with it: enough left after it for minProperties,
+ * room for the required ones after it within maxProperties. */
+static int key_fits(const schema_node *n, uint32_t j, uint32_t count) {
+    if (count + (n->n - 1 - j) < n->min) return 0;
+    if (n->max == SN_UNBOUNDED) return 1;
+    for (uint32_t k = j + 1; k < n->n; k++) count += n->required[k];
+    return count <= n->max;
+}
+
 static void consume_object(const grammar *g, frame *c, int d, const schema_node *n, int b, cset *out) {
     frame *t = &c[d - 1];
     switch (t->state) {
@@ -136,13 +152,14 @@ static void consume_object(const grammar *g, frame *c, int d, const schema_node 
         if (b == '{') { t->state = O_OPEN; cset_emit(out, c, d); }
         return;
     case O_OPEN: case O_COMMA: case O_AFTER:
-        if (b == '}' && t->state != O_COMMA && (n->generic || first_required(n, t->idx) == (int)n->n)) {
+        if (b == '}' && t->state != O_COMMA && t->aux >= n->min && (n->generic || first_required(n, t->idx) == (int)n->n)) {
             t->state = O_DONE;
             cset_emit(out, c, d);
-        } else if (b == ',' && t->state == O_AFTER && (n->generic || t->idx < n->n)) {
+        } else if (b == ',' && t->state == O_AFTER && t->aux < n->max && (n->generic || t->idx < n->n)) {
             t->state = O_COMMA;
             cset_emit(out, c, d);
-        } else if (b == '"' && t->state != O_AFTER) {
+        } else if (b == '"' && t->state != O_AFTER && t->aux < n->max) {
+            t->aux = property_counted(n, t->aux);
             if (n->generic) {
                 t->state = O_GCOLON;
                 c[d] = (frame){NODE_ANY_STRING, S_IN, 0, 0, 0};
@@ -151,6 +168,7 @@ static void consume_object(const grammar *g, frame *c, int d, const schema_node 
             }
             uint32_t last = (uint32_t)first_required(n, t->idx);
             for (uint32_t j = t->idx; j < n->n && j <= last; j++) {
+                if (!key_fits(n, j, t->aux)) continue;
                 t->state = O_KEY, t->idx = (uint16_t)j, t->pos = 1;
                 cset_emit(out, c, d);
             }
@@ -338,12 +356,15 @@ static void cset_start(const grammar *g, cset *out) {
     ja_push(g, c, 0, g->root, -1, out);
 }
 
-/* Bytes to end an object after property k-1 (state O_AFTER at k): '}' and each required one left. */
-static uint32_t object_rest(const grammar *g, const schema_node *n, uint32_t k) {
-    uint32_t m = 1;
-    for (uint32_t j = k; !n->generic && j < n->n; j++)
-        if (n->required[j]) m += 1 + n->lens[j] + 1 + g->nodes[n->kids[j]].min_bytes;
-    return m;
+/* Bytes to end an object after property k-1 (state O_AFTER at k) with `count` written. */
+static uint32_t object_rest(const grammar *g, const schema_node *n, uint32_t k, uint32_t count) {
+    return object_rest_counted(g->nodes, n, k, count, 0);
+}
+
+/* A map (any keys, each value of kids[0]): the fewest bytes of `keys` more ,"":value and then '}'. */
+static uint32_t map_rest(const grammar *g, const schema_node *n, uint32_t count) {
+    uint32_t keys = n->min > count ? n->min - count : 0;
+    return add_sat(1, keys * (4 + g->nodes[n->kids[0]].min_bytes));
 }
 
 static uint32_t frame_need(const grammar *g, const frame *f) {
@@ -351,23 +372,29 @@ static uint32_t frame_need(const grammar *g, const frame *f) {
     if (f->state == ST_START) return n->min_bytes;
     switch (n->kind) {
     case SN_OBJECT: {
+        uint32_t count = f->aux; /* properties written, the one being written too (minProperties) */
+        if (f->state == O_DONE) return 0;
         if (n->generic) { /* any keys; each value of kids[0] */
             uint32_t value = g->nodes[n->kids[0]].min_bytes;
-            return f->state == O_GCOLON ? value + 2 : f->state == O_COMMA ? value + 4 : f->state == O_DONE ? 0 : 1;
+            if (f->state == O_GCOLON) return add_sat(value + 1, map_rest(g, n, count));
+            if (f->state == O_COMMA) return add_sat(value + 3, map_rest(g, n, count + 1));
+            if (f->state == O_OPEN && n->min > 0) return map_rest(g, n, 0) - 1; /* no comma before the first */
+            return map_rest(g, n, count);
         }
         uint32_t j = f->idx;
-        if (f->state == O_DONE) return 0;
-        if (f->state == O_AFTER) return object_rest(g, n, j);
+        if (f->state == O_AFTER) return object_rest(g, n, j, count);
         if (f->state == O_OPEN) { /* the first property needs no comma */
-            uint32_t m = object_rest(g, n, 0);
-            return first_required(n, 0) < (int)n->n ? m - 1 : m;
+            int writes;
+            uint32_t m = object_rest_counted(g->nodes, n, 0, 0, &writes);
+            return writes && m < SN_INF ? m - 1 : m;
         }
-        uint32_t value = g->nodes[n->kids[j]].min_bytes + object_rest(g, n, j + 1);
-        if (f->state == O_KEY) return n->lens[j] - f->pos + 1 + value;
-        if (f->state == O_COLON) return 1 + value;
+        uint32_t value = add_sat(g->nodes[n->kids[j]].min_bytes, object_rest(g, n, j + 1, count));
+        if (f->state == O_KEY) return add_sat(n->lens[j] - f->pos + 1, value);
+        if (f->state == O_COLON) return add_sat(1, value);
         uint32_t best = 0xFFFFFFFF, last = (uint32_t)first_required(n, j); /* O_COMMA: some key next */
         for (uint32_t k = j; k < n->n && k <= last; k++) {
-            uint32_t m = n->lens[k] + 1 + g->nodes[n->kids[k]].min_bytes + object_rest(g, n, k + 1);
+            if (!key_fits(n, k, property_counted(n, (uint8_t)count))) continue;
+            uint32_t m = add_sat(property_bytes(g->nodes, n, k) - 1, object_rest(g, n, k + 1, count + 1));
             if (m < best) best = m;
         }
         return best;

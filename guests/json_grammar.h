@@ -43,6 +43,39 @@ static uint32_t array_items_bytes(const schema_node *nodes, const schema_node *n
     return m >= inf ? inf : m;
 }
 
+#define SN_INF 0x3FFFFFFFu
+
+static uint32_t add_sat(uint32_t a, uint32_t b) { return a >= SN_INF || b >= SN_INF || a + b >= SN_INF ? SN_INF : a + b; }
+
+/* An object's property j written after a comma: ,"key":value */
+static uint32_t property_bytes(const schema_node *nodes, const schema_node *n, uint32_t j) {
+    return add_sat(n->lens[j] + 2, nodes[n->kids[j]].min_bytes);
+}
+
+/* The fewest bytes that end an object whose properties from k on are still to come, count of them
+ * written (minProperties counts them): each required one, the cheapest optional ones minProperties
+ * still asks for (each with a comma), and '}'; SN_INF if too few are left. *writes: some property must be. */
+static uint32_t object_rest_counted(const schema_node *nodes, const schema_node *n, uint32_t k, uint32_t count, int *writes) {
+    uint32_t m = 1, required = 0;
+    for (uint32_t j = k; j < n->n; j++)
+        if (n->required[j]) m = add_sat(m, property_bytes(nodes, n, j)), required++;
+    uint32_t deficit = n->min > count + required ? n->min - count - required : 0;
+    if (writes) *writes = required + deficit > 0;
+    if (!deficit) return m;
+    uint32_t cheapest[256], kept = 0; /* the `deficit` cheapest optional ones, sorted */
+    for (uint32_t j = k; j < n->n; j++) {
+        if (n->required[j]) continue;
+        uint32_t c = property_bytes(nodes, n, j), at = kept < deficit ? kept++ : deficit;
+        if (at == deficit && c >= cheapest[deficit - 1]) continue;
+        if (at == deficit) at = deficit - 1;
+        while (at > 0 && cheapest[at - 1] > c) cheapest[at] = cheapest[at - 1], at--;
+        cheapest[at] = c;
+    }
+    if (kept < deficit) return SN_INF;
+    for (uint32_t i = 0; i < deficit; i++) m = add_sat(m, cheapest[i]);
+    return m;
+}
+
 /* Nodes 0..5 of every grammar: what plain JSON mode and untyped schemas produce. */
 enum { NODE_ANY, NODE_ANY_OBJECT, NODE_ANY_ARRAY, NODE_ANY_STRING, NODE_ANY_NUMBER, NODE_ANY_WORD };
 

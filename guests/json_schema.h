@@ -21,14 +21,13 @@ static int g_min_bytes(grammar *g) {
         for (uint32_t i = 0; i < g->n_nodes; i++) {
             schema_node *s = &g->nodes[i];
             uint32_t m = inf;
-            if (s->kind == SN_OBJECT) {
-                m = 2;
-                uint32_t req = 0;
-                for (uint32_t j = 0; j < s->n && m < inf; j++)
-                    if (s->required[j]) {
-                        uint32_t v = g->nodes[s->kids[j]].min_bytes;
-                        m = v >= inf ? inf : m + s->lens[j] + 1 + v + (req++ ? 1 : 0);
-                    }
+            if (s->kind == SN_OBJECT && s->generic) {
+                uint32_t v = g->nodes[s->kids[0]].min_bytes;
+                m = s->min == 0 ? 2 : v >= inf ? inf : 1 + s->min * (4 + v);
+            } else if (s->kind == SN_OBJECT) { /* '{', the properties (with commas but the first), '}' */
+                int writes;
+                m = object_rest_counted(g->nodes, s, 0, 0, &writes);
+                m = m >= inf ? inf : m + 1 - (writes ? 1 : 0);
             } else if (s->kind == SN_ARRAY) {
                 uint32_t v = array_items_bytes(g->nodes, s, 0, s->min);
                 m = s->min == 0 ? 2 : v >= inf ? inf : 1 + v;

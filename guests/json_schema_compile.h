@@ -9,7 +9,7 @@
 static const char *const KEYWORDS_KNOWN[] = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
     "readOnly", "writeOnly", "$defs", "definitions", "additionalProperties",
-    "type", "properties", "required", "items", "prefixItems", "minItems", "maxItems", "enum", "const", "anyOf", "$ref",
+    "type", "properties", "required", "minProperties", "maxProperties", "items", "prefixItems", "minItems", "maxItems", "enum", "const", "anyOf", "$ref",
     "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", 0,
 };
 
@@ -131,17 +131,42 @@ static int g_enum(grammar *g, const json_value *v, const json_value *type) {
     return kept ? g_literals(g, kept, n) : -1;
 }
 
+/* minProperties and maxProperties into node (counted in a frame's byte: at most 254; a larger maximum
+ * bounds nothing where it is at least the properties listed); 0 with g->error naming them else. */
+static int g_property_counts(grammar *g, const json_value *v, int node, uint32_t listed, uint32_t required,
+                             const char *path) {
+    int64_t min = g_bound(g, v, "minProperties", 0, path), max = g_bound(g, v, "maxProperties", SN_UNBOUNDED, path);
+    if (min < 0 || max < 0) return 0;
+    schema_node *s = &g->nodes[node];
+    if (max > 254 && max != SN_UNBOUNDED && !s->generic && listed <= max) max = SN_UNBOUNDED;
+    const char *why = min > 254 || (max > 254 && max != SN_UNBOUNDED) ? "minProperties/maxProperties above 254 (what this guest counts) at "
+                    : min > max ? "minProperties > maxProperties at "
+                    : !s->generic && min > listed ? "minProperties above the properties listed (this guest writes no others) at "
+                    : s->generic && min > 1 ? "minProperties above 1 on an object of any keys (this guest cannot keep them distinct) at "
+                    : required > max ? "maxProperties below the required properties at " : 0;
+    if (why) { g_error(g, why, path, 0); return 0; }
+    s->min = (uint32_t)min, s->max = (uint32_t)max;
+    return 1;
+}
+
+static int has_property_counts(const json_value *v) { return json_get(v, "minProperties") || json_get(v, "maxProperties"); }
+
 static int g_object(grammar *g, const json_value *v, char *path, uint32_t plen, int depth) {
     const json_value *props = json_get(v, "properties"), *req = json_get(v, "required");
     const json_value *extra = json_get(v, "additionalProperties");
-    if (!props && !req && extra && extra->type == JV_OBJECT) { /* a map: any keys, values of one schema */
+    int map = !props && !req && extra && extra->type == JV_OBJECT;
+    if (map || (!props && !req && !(extra && extra->type == JV_FALSE) && has_property_counts(v))) {
+        /* a map (any keys, values of one schema) or any object with a count of properties */
         int node = g_node(g, SN_OBJECT);
         if (node < 0 || !g_alloc_kids(g, node, 1, 0)) return -1;
         g_memo(g, v, node);
+        g->nodes[node].generic = 1, g->nodes[node].n = 0, g->nodes[node].kids[0] = NODE_ANY;
+        if (!g_property_counts(g, v, node, 0, 0, path)) return -1;
+        if (!map) return node;
         int kid = g_schema(g, extra, path, g_path(path, plen, "/additionalProperties", 0, 0), depth + 1);
         path[plen] = 0;
         if (kid < 0) return -1;
-        g->nodes[node].generic = 1, g->nodes[node].kids[0] = (uint16_t)kid, g->nodes[node].n = 0;
+        g->nodes[node].kids[0] = (uint16_t)kid;
         return node;
     }
     if (!props && !req && !(extra && extra->type == JV_FALSE)) return NODE_ANY_OBJECT;
@@ -177,7 +202,9 @@ static int g_object(grammar *g, const json_value *v, char *path, uint32_t plen, 
         if (kid < 0) return -1;
         g->nodes[node].kids[i] = (uint16_t)kid;
     }
-    return node;
+    uint32_t required = 0;
+    for (uint32_t i = 0; i < n; i++) required += g->nodes[node].required[i];
+    return g_property_counts(g, v, node, n, required, path) ? node : -1;
 }
 
 /* An array: kids[0] the items past the prefix, kids[1..n) prefixItems' schemas, one a position. */
@@ -361,7 +388,7 @@ static int g_typed(grammar *g, const json_value *v, const json_value *type, char
     }
     if (!type && has_number_bounds(v)) return g_number(g, v, 0, path);
     if (!type) {
-        if (json_get(v, "properties") || json_get(v, "required")) return g_object(g, v, path, plen, depth);
+        if (json_get(v, "properties") || json_get(v, "required") || has_property_counts(v)) return g_object(g, v, path, plen, depth);
         if (json_get(v, "items") || json_get(v, "prefixItems") || json_get(v, "minItems") || json_get(v, "maxItems"))
             return g_array(g, v, path, plen, depth);
         const json_value *extra = json_get(v, "additionalProperties");

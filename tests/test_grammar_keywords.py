@@ -256,6 +256,34 @@ def test_a_map_s_values_follow_additional_properties(automaton, schema):
     drawn_values_validate(automaton, schema)
 
 
+ABC = {"a": {"type": "integer"}, "b": {"type": "string"}, "c": {"type": "null"}}
+COUNTED = [
+    {"type": "object", "properties": ABC, "minProperties": 2},
+    {"type": "object", "properties": ABC, "required": ["c"], "maxProperties": 2},
+    {"type": "object", "properties": ABC, "required": ["b"], "minProperties": 2, "maxProperties": 2},
+    {"type": "object", "additionalProperties": {"type": "boolean"}, "minProperties": 1, "maxProperties": 3},
+    {"type": "object", "minProperties": 1},
+    {"maxProperties": 1},
+]
+
+
+KEYED = ["{" + ",".join(p for i, p in enumerate(['"a":1', '"b":"x"', '"c":null']) if mask >> i & 1) + "}"
+         for mask in range(8)]  # every subset of the listed properties, in their order
+MAPS_TEXTS = ['{"x":true}', '{"x":true,"y":false}', '{"x":true,"y":false,"z":true}', '{"w":1,"x":2}',
+              '{"a":true,"b":true,"c":true,"d":true}', '{"x":[1]}', '{"x":{}}', '{"":null}']
+
+
+@pytest.mark.parametrize("schema", COUNTED, ids=compact)
+def test_min_and_max_properties_count_what_is_written(automaton, schema):
+    """Exactly where the guest writes such objects (the listed properties in order, or any keys of a map);
+    it writes no property an object does not list."""
+    listed = "properties" in schema
+    agrees(automaton, schema, KEYED + ([] if listed else MAPS_TEXTS))
+    for text in MAPS_TEXTS if listed else []:
+        assert not automaton.accepts(text)
+    drawn_values_validate(automaton, schema)
+
+
 TUPLES = [  # pydantic's tuple[int, str] and tuple[int, ...] with a head
     {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "minItems": 2,
      "maxItems": 2},
@@ -282,6 +310,15 @@ def test_prefix_items_hold_at_their_positions(automaton, schema):
     ({"type": "array", "prefixItems": [{"type": "integer"}, {"uniqueItems": True}]},
      "'uniqueItems' at #/prefixItems/1"),
     ({"type": "object", "additionalProperties": {"oneOf": []}}, "'oneOf' at #/additionalProperties"),
+    ({"type": "object", "properties": {"a": {}}, "minProperties": 2},
+     "minProperties above the properties listed"),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1},
+     "maxProperties below the required properties"),
+    ({"type": "object", "minProperties": 3, "maxProperties": 2}, "minProperties > maxProperties"),
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
+     "minProperties above 1 on an object of any keys (this guest cannot keep them distinct)"),
+    ({"type": "object", "minProperties": 300}, "minProperties/maxProperties above 254"),
+    ({"type": "object", "maxProperties": -1}, "'maxProperties' must be a non-negative integer"),
 ])
 def test_arrays_and_maps_the_guest_cannot_write_are_refused_by_name(automaton, schema, says):
     refusal = automaton.compile(schema)

@@ -224,7 +224,8 @@ def test_a_schema_nested_too_deep_is_a_400_naming_the_limit(server, caplog, fiel
      "refers to itself without consuming input"),
     ({"type": "string", "maxLength": -1}, "'maxLength' must be a non-negative integer"),
     ({"type": "array", "minItems": 1.5}, "'minItems' must be a non-negative integer"),
-    ({"type": "object", "minProperties": -1}, "unsupported JSON Schema keyword 'minProperties'"),
+    ({"type": "object", "minProperties": -1}, "'minProperties' must be a non-negative integer"),
+    ({"type": "array", "uniqueItems": True}, "unsupported JSON Schema keyword 'uniqueItems'"),
 ])
 def test_a_hostile_schema_is_a_400_naming_the_problem(server, caplog, schema, says):
     """A left-recursive anyOf once exhausted the guest's stack (500); a negative maxLength was accepted
