@@ -425,6 +425,52 @@ static rx_dfa *rx_determinize(rx_parser *rx, rx_frag f, uint32_t *budget, const 
     return d;
 }
 
+/* Each state's distance to acceptance (states numbered so that later ones lie nearer it, mostly: the
+ * passes walk back); transitions into states that never accept cut off. 0 if the start never accepts. */
+static int rx_distances(rx_dfa *d) {
+    uint32_t n = d->n_states;
+    for (uint32_t s = 0; s < n; s++) d->dist[s] = d->accept[s] ? 0 : RX_NONE;
+    for (int changed = 1; changed;) {
+        changed = 0;
+        for (uint32_t s = n; s-- > 0;)
+            for (uint32_t b = 0; b < RX_SPAN; b++) {
+                uint16_t t = d->next[s * RX_SPAN + b];
+                if (t != RX_NONE && d->dist[t] != RX_NONE && d->dist[t] + 1 < d->dist[s]) d->dist[s] = (uint16_t)(d->dist[t] + 1), changed = 1;
+            }
+    }
+    for (uint32_t i = 0; i < n * RX_SPAN; i++) if (d->next[i] != RX_NONE && d->dist[d->next[i]] == RX_NONE) d->next[i] = RX_NONE;
+    return d->dist[d->start] != RX_NONE;
+}
+
+/* The strings of d with min to max characters (max < 0: no maximum): d's states times a count of the
+ * bytes written (each one character: the strings are ASCII), capped at max, or at min without a max. */
+static rx_dfa *rx_with_length(const rx_dfa *d, uint32_t min, int32_t max, uint32_t *budget, const char **why) {
+    uint32_t cap = max >= 0 ? (uint32_t)max : min, ns = d->n_states;
+    uint64_t n = (uint64_t)ns * (cap + 1);
+    if (n > RX_MAX_DFA * 4 || n > *budget) {
+        *why = "'minLength'/'maxLength' beside this 'pattern' or 'format' take more than 4096 automaton states (or the schema's 16384)";
+        return 0;
+    }
+    rx_dfa *out = floe_alloc(sizeof *out);
+    uint16_t *next = floe_alloc((size_t)n * RX_SPAN * 2);
+    uint8_t *accept = floe_alloc((size_t)n);
+    uint16_t *dist = floe_alloc((size_t)n * 2);
+    if (!out || !next || !accept || !dist) { *why = "out of memory for 'pattern'"; return 0; }
+    for (uint32_t c = 0; c <= cap; c++)
+        for (uint32_t s = 0; s < ns; s++) {
+            uint32_t at = c * ns + s, to = (c < cap ? c + 1 : cap) * ns;
+            accept[at] = (uint8_t)(d->accept[s] && c >= min);
+            for (uint32_t b = 0; b < RX_SPAN; b++) {
+                uint16_t t = d->next[s * RX_SPAN + b];
+                next[at * RX_SPAN + b] = t == RX_NONE || (max >= 0 && c == cap) ? RX_NONE : (uint16_t)(to + t);
+            }
+        }
+    *out = (rx_dfa){(uint32_t)n, d->start, next, accept, dist};
+    if (!rx_distances(out)) { *why = "no string of minLength to maxLength characters matches this 'pattern' or 'format'"; return 0; }
+    *budget -= (uint32_t)n;
+    return out;
+}
+
 /* Compiles pattern text (UTF-8 bytes) into a DFA; NULL with *why naming what was refused. */
 static rx_dfa *rx_compile(const char *text, uint32_t len, uint32_t *budget, const char **why) {
     if (!rx_work.nodes) rx_work.nodes = floe_alloc(RX_MAX_NFA * sizeof(rx_node));

@@ -277,10 +277,9 @@ static int has_string_shape(const json_value *v) { return json_get(v, "pattern")
 static int g_shaped_string(grammar *g, const json_value *v, const char *path) {
     const json_value *pattern = json_get(v, "pattern"), *format = json_get(v, "format");
     if (pattern && format) { g_error(g, "'pattern' beside 'format' (this guest writes one of them) at ", path, 0); return -1; }
-    if (json_get(v, "minLength") || json_get(v, "maxLength")) {
-        g_error(g, "'minLength'/'maxLength' beside 'pattern' or 'format' (write the length into the pattern) at ", path, 0);
-        return -1;
-    }
+    int64_t min = g_bound(g, v, "minLength", 0, path), max = g_bound(g, v, "maxLength", SN_UNBOUNDED, path);
+    if (min < 0 || max < 0) return -1;
+    if (min > max) { g_error(g, "minLength > maxLength at ", path, 0); return -1; }
     const json_value *shape = pattern ? pattern : format;
     if (shape->type != JV_STRING) { g_error(g, pattern ? "'pattern' must be a string at " : "'format' must be a string at ", path, 0); return -1; }
     const char *text = shape->text;
@@ -296,6 +295,8 @@ static int g_shaped_string(grammar *g, const json_value *v, const char *path) {
     const char *why = 0;
     rx_dfa *dfa = cached && *cached ? *cached : rx_compile(text, len, &g->rx_budget, &why);
     if (cached) *cached = dfa;
+    if (dfa && (min > 0 || max != SN_UNBOUNDED))
+        dfa = rx_with_length(dfa, (uint32_t)min, max == SN_UNBOUNDED ? -1 : (int32_t)max, &g->rx_budget, &why);
     if (!dfa) { g_error(g, why, " at ", path); return -1; }
     int node = g_node(g, SN_STRING);
     if (node >= 0) g->nodes[node].dfa = dfa;
