@@ -443,7 +443,8 @@ def test_min_and_max_length_beside_a_pattern_or_format_hold_exactly(automaton, s
     assert automaton.compile(schema) is None, automaton.compile(schema)
     texts = pattern_corpus(shape.get("pattern", "0123456789-@."), automaton, random.Random(compact(shape)))
     if shape.get("format") == "email":  # a subset: only what it writes must validate
-        assert not [t for t in texts if automaton.accepts(json.dumps(t)) and not validator(schema).is_valid(t)]
+        check = validator(schema)
+        assert not [t for t in texts if automaton.accepts(json.dumps(t)) and not check.is_valid(t)]
     else:
         agrees(automaton, schema, [json.dumps(t) for t in texts + ["2024-02-29", "2023-02-29", "2024-2-29"]])
     drawn_values_validate(automaton, schema)
@@ -472,8 +473,8 @@ def test_min_and_max_length_beside_a_pattern_or_format_hold_exactly(automaton, s
     ({"type": "string", "pattern": 3}, "'pattern' must be a string"),
     ({"type": "string", "format": "ipv6"}, "unsupported JSON Schema format 'ipv6' at #"),
     ({"type": "string", "format": "date", "pattern": "^2"}, "'pattern' beside 'format'"),
-    ({"type": "string", "format": "date", "maxLength": 9}, "no string of minLength to maxLength characters matches"),
-    ({"type": "string", "pattern": "^a+$", "maxLength": 5000}, "beside this 'pattern' or 'format' take more than 4096"),
+    ({"type": "string", "format": "date", "maxLength": 9}, "no string of minLength to maxLength characters"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 5000}, "'pattern' or 'format' take more than 4096"),
     ({"type": "string", "pattern": "^a+$", "minLength": 3, "maxLength": 2}, "minLength > maxLength at #"),
     ({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "(a|b)*a(a|b){7}"}
                                        for i in range(40)}},
