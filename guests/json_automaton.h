@@ -240,9 +240,13 @@ static void consume_string(frame *c, int d, const schema_node *n, int b, cset *o
             t->state = S_DONE, t->idx = 0, t->pos = 0;
             break;
         }
-        if (n->dfa) { /* printable ASCII, never escaped: the DFA's bytes (lengths are refused beside it) */
+        if (n->dfa) { /* printable ASCII, never escaped: the DFA's bytes (minLength is in the DFA) */
             uint16_t next = b >= RX_FIRST && b < RX_FIRST + RX_SPAN ? n->dfa->next[t->pos * RX_SPAN + (uint32_t)(b - RX_FIRST)] : RX_NONE;
             if (next == RX_NONE) return;
+            if (n->max != SN_UNBOUNDED) { /* maxLength: the shortest match from there must still fit */
+                if ((uint32_t)t->idx + 1 + n->dfa->dist[next] > n->max) return;
+                t->idx++;
+            }
             t->pos = next;
             break;
         }

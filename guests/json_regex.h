@@ -443,12 +443,13 @@ static int rx_distances(rx_dfa *d) {
 }
 
 /* The strings of d with min to max characters (max < 0: no maximum): d's states times a count of the
- * bytes written (each one character: the strings are ASCII), capped at max, or at min without a max. */
+ * bytes written (each one character: the strings are ASCII), capped at max, or at min without a max.
+ * (The grammar asks for min only: a frame counts up to maxLength, cheaper than states for each count.) */
 static rx_dfa *rx_with_length(const rx_dfa *d, uint32_t min, int32_t max, uint32_t *budget, const char **why) {
     uint32_t cap = max >= 0 ? (uint32_t)max : min, ns = d->n_states;
     uint64_t n = (uint64_t)ns * (cap + 1);
     if (n > RX_MAX_DFA * 4 || n > *budget) {
-        *why = "'minLength'/'maxLength' beside this 'pattern' or 'format' take more than 4096 automaton states (or the schema's 16384)";
+        *why = "'minLength' beside this 'pattern' or 'format' takes more than 4096 automaton states (or the schema's 16384)";
         return 0;
     }
     rx_dfa *out = floe_alloc(sizeof *out);

@@ -295,11 +295,12 @@ static int g_shaped_string(grammar *g, const json_value *v, const char *path) {
     const char *why = 0;
     rx_dfa *dfa = cached && *cached ? *cached : rx_compile(text, len, &g->rx_budget, &why);
     if (cached) *cached = dfa;
-    if (dfa && (min > 0 || max != SN_UNBOUNDED))
-        dfa = rx_with_length(dfa, (uint32_t)min, max == SN_UNBOUNDED ? -1 : (int32_t)max, &g->rx_budget, &why);
+    if (dfa && min > 0) dfa = rx_with_length(dfa, (uint32_t)min, -1, &g->rx_budget, &why); /* counts to min */
+    if (dfa && max != SN_UNBOUNDED && dfa->dist[dfa->start] > max) /* a maximum: the frame counts */
+        why = "no string of minLength to maxLength characters matches this 'pattern' or 'format'", dfa = 0;
     if (!dfa) { g_error(g, why, " at ", path); return -1; }
     int node = g_node(g, SN_STRING);
-    if (node >= 0) g->nodes[node].dfa = dfa;
+    if (node >= 0) g->nodes[node].dfa = dfa, g->nodes[node].max = (uint32_t)max;
     return node;
 }
 
