@@ -62,7 +62,7 @@ from floe.wasm import (
     stop_all_guests,
 )
 from floe.wasm import rows as guest_rows
-from floe.wasm.rows import PLAIN, Col
+from floe.wasm.rows import NONE, PLAIN, Col
 
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
@@ -355,17 +355,20 @@ class EngineLoop:
         two a step, would otherwise stop every other turn's feeding for as long as it lasts)."""
         if not (self.feed and len(self._launched) == 1):
             return None
-        flight = self._launched[0]
-        if any(t.fresh for t in self._live()):
+        flight, table = self._launched[0], self.table.array
+        live = self._live()
+        if table[np.fromiter((t.slot for t in live), np.int64, len(live)), Col.FRESH].any():
             return None
         fed = [t for t in flight.turns if t.end is None]
-        if not fed or not all(
-                t.takes_choice and not t.refused and t.flying == 1 and t.speculated is None
-                and t.next_token is None
-                and t not in flight.void and t.generated + 1 < t.max_tokens for t in fed):
+        if not fed or any(t.flying != 1 for t in fed) or (flight.void and any(t in flight.void for t in fed)):
             return None
-        for turn in fed:
-            turn.speculated = FED
+        slots = np.fromiter((t.slot for t in fed), np.int64, len(fed))
+        rows = table[slots]
+        if not ((rows[:, Col.TAKES_CHOICE] != 0) & (rows[:, Col.REFUSED] == 0)
+                & (rows[:, Col.SPECULATED] == NONE) & (rows[:, Col.NEXT_TOKEN] == NONE)
+                & (rows[:, Col.GENERATED] + 1 < rows[:, Col.MAX_TOKENS])).all():
+            return None
+        table[slots, Col.SPECULATED] = FED
         if flight.riding:
             self.fed_past_prompts += len(fed)
         return fed
@@ -470,8 +473,22 @@ class EngineLoop:
                 turn.end = END_CONTEXT_FULL
             else:
                 turn.fresh = True
-        n, e = len(turns), self.engine
-        moved = [m for m in (e.input_transfer(1, n), e.output_transfer(1, n)) if m is not None] if n else []
+        n = len(turns)
+        moved = self._moved(n) if n else []
+        if n and not void and all(t.end is None and t.target is None for t in turns) and not any(
+                isinstance(r, BaseException) for r in results):  # the common case, in the table at once
+            for turn, result in zip(turns, results, strict=True):
+                turn.flying -= 1
+                turn.abi.last_logits = result  # (HostABI.keep_logits of a turn that asked for none)
+            slots = np.fromiter((t.slot for t in turns), np.int64, n)
+            table = self.table.array
+            table[slots, Col.ROWS] += 1
+            self.table.doubles[slots, Col.ROWS_S] += seconds
+            for calls, nbytes, size in moved:
+                table[slots, calls] += 1
+                table[slots, nbytes] += size
+            table[slots, Col.FRESH] = 1
+            return
         for turn, position, result in zip(turns, positions, results, strict=True):
             turn.flying -= 1
             if turn in void:
@@ -497,14 +514,20 @@ class EngineLoop:
                     turn.copied += 1
                 turn.rows += 1
                 turn.rows_s += seconds
-                for name, nbytes in moved:
-                    crossed = turn.moved.get(name)
-                    if crossed is None:
-                        turn.moved[name] = [1, nbytes]
-                    else:
-                        crossed[0] += 1
-                        crossed[1] += nbytes
+                turn.count_moved(moved)
                 turn.fresh = True
+
+    def _moved(self, n: int) -> list[tuple[int, int, int]]:
+        """What one decode row of an n-row step moved: (calls word, bytes word, bytes) of each
+        transfer (Engine.input_transfer / output_transfer), their names kept in the table."""
+        e, out = self.engine, []
+        transfers = ((e.input_transfer(1, n), Col.IN_CALLS, Col.IN_BYTES),
+                     (e.output_transfer(1, n), Col.OUT_CALLS, Col.OUT_BYTES))
+        for i, (transfer, calls, nbytes) in enumerate(transfers):
+            if transfer is not None:
+                self.table.moved_names[i] = transfer[0]
+                out.append((calls, nbytes, transfer[1]))
+        return out
 
     def _truncate(self, turn: Turn, position: int) -> None:
         """Undo `turn`'s rows from `position` on (a row in flight writes past the cache's end: the

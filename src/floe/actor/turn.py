@@ -8,7 +8,6 @@ words for the loop's Python path. A turn not yet in a loop keeps its row to itse
 
 from __future__ import annotations
 
-import struct
 import threading
 from typing import TYPE_CHECKING
 
@@ -30,7 +29,6 @@ END_REASONS = {END_STOP: "stop", END_LENGTH: "length", END_CONTEXT_FULL: "contex
 
 W = guest_rows.Col  # a row's words: floe.wasm.rows' layout
 NONE = guest_rows.NONE
-_DOUBLE = struct.Struct("<d")
 
 
 class TurnTable:
@@ -39,7 +37,16 @@ class TurnTable:
 
     def __init__(self, slots: int) -> None:
         self.array = np.zeros((max(1, slots), guest_rows.WIDTH), np.int64)
-        self.words = memoryview(self.array).cast("B").cast("q")  # (scalar access: ~5x numpy's)
+        self.doubles = self.array.view(np.float64)  # (the double words: DEADLINE, ROWS_S)
+        self.words, self.dwords = _views(self.array)  # (scalar access: ~5x numpy's)
+        # The boundaries Col.IN_* and Col.OUT_* count (Engine.input_transfer / output_transfer's names)
+        self.moved_names: list[str | None] = [None, None]
+
+
+def _views(array: np.ndarray) -> tuple[memoryview, memoryview]:
+    """int64 and float64 scalar views of an int64 array's words."""
+    raw = memoryview(array).cast("B")
+    return raw.cast("q"), raw.cast("d")
 
 
 def _word(col: int, optional: bool = False, flag: bool = False) -> property:
@@ -66,13 +73,23 @@ def _word(col: int, optional: bool = False, flag: bool = False) -> property:
     return property(get, put)
 
 
+def _double(col: int) -> property:
+    """A property of Turn backed by word `col` of its row, a double."""
+    def get(self) -> float:
+        return self._dwords[self._base + col]
+
+    def put(self, value: float) -> None:
+        self._dwords[self._base + col] = value
+    return property(get, put)
+
+
 class Turn:
     """One message of one actor, as the loop runs it. Its per-token state is in its TurnTable row
     (the properties below); the rest, read once a turn or on its rarer paths, in slots."""
 
-    __slots__ = ("actor", "deadline", "speculated_at", "rng_before", "flying", "prompt", "rows", "rows_s",
-                 "moved", "in_place", "copied", "end", "error", "abandoned", "calls_on_end", "done",
-                 "woken", "abi", "guest", "draws", "target", "slot", "_words", "_base", "headed")
+    __slots__ = ("actor", "deadline", "speculated_at", "rng_before", "flying", "prompt", "end", "error",
+                 "abandoned", "calls_on_end", "done", "woken", "abi", "guest", "draws", "target", "slot",
+                 "_words", "_dwords", "_base", "_moved_names", "headed")
 
     generated = _word(W.GENERATED)  # tokens it generated
     max_tokens = _word(W.MAX_TOKENS)
@@ -85,7 +102,13 @@ class Turn:
     # the token in flight before its guest chose it (floe.actor.loop), or FED
     speculated = _word(W.SPECULATED, optional=True)
     sampled = _word(W.SAMPLED, flag=True)  # its guest called sample() in its last on_token
-    # host choices written to the guest, not yet recorded (Turn.record)
+    # What its decode rows crossed, counted and recorded once it ends (HostABI.record_rows): one-token
+    # forwards and their seconds, transfers (moved()), logits in place or copied into the guest's
+    # buffer, host choices written to the guest.
+    rows = _word(W.ROWS)
+    rows_s = _double(W.ROWS_S)
+    in_place = _word(W.IN_PLACE)
+    copied = _word(W.COPIED)
     choices = _word(W.CHOICES)
 
     def __init__(self, actor: Actor, max_tokens: int, deadline: float,
@@ -96,10 +119,6 @@ class Turn:
         self.rng_before: torch.Tensor | None = None  # its generator before a speculated row's draw
         self.flying = 0  # rows of this turn in launched forwards not yet finished (two when fed)
         self.prompt = True  # its prompt may still be queued (HostABI.queued_tokens is asked only then)
-        # What its decode rows crossed, counted and recorded once it ends (HostABI.record_rows): one-token
-        # forwards and their seconds, transfers ({boundary: [calls, bytes]}), logits in place or copied into
-        # the guest's buffer (and host choices written to the guest: `choices`).
-        self.rows, self.rows_s, self.moved, self.in_place, self.copied = 0, 0.0, {}, 0, 0
         self.end: int | None = None  # why it ended (END_*), once it has
         self.error: BaseException | None = None
         self.abandoned = False  # its caller stopped waiting (Ctrl-C): end it at the next step
@@ -114,8 +133,9 @@ class Turn:
         self.target: torch.Tensor | None | bool = False  # its decode rows' logits buffer (False: not asked)
         self.slot = actor.slot
         self.headed = False  # its row's call words are made (floe.wasm.rows.head, at its first on_token)
-        self._words = memoryview(np.zeros(guest_rows.WIDTH, np.int64)).cast("B").cast("q")
+        self._words, self._dwords = _views(np.zeros(guest_rows.WIDTH, np.int64))
         self._base = 0
+        self._moved_names: list[str | None] = [None, None]
         self._reset(max_tokens)
 
     def _reset(self, max_tokens: int) -> None:
@@ -127,7 +147,7 @@ class Turn:
         w[b + W.MAX_TOKENS] = max_tokens
         w[b + W.VOCAB] = self.abi.vocab
         w[b + W.DRAWS] = int(self.draws)
-        w[b + W.DEADLINE] = _bits(self.deadline)
+        self._dwords[b + W.DEADLINE] = self.deadline
 
     def bind(self, table: TurnTable) -> None:
         """Its row moves to `table` (its loop's, at the row of its slot): from the loop's thread, once
@@ -135,7 +155,8 @@ class Turn:
         words, base = table.words, self.slot * guest_rows.WIDTH
         for col in range(guest_rows.WIDTH):
             words[base + col] = self._words[self._base + col]
-        self._words, self._base = words, base
+        self._words, self._dwords, self._base = words, table.dwords, base
+        self._moved_names = table.moved_names
         self.abi.sampled_at = (words, base + W.SAMPLED)
 
     def head(self) -> None:
@@ -150,13 +171,32 @@ class Turn:
         words[base + W.STREAMS] = int(self.abi.streams)
         self.headed = True
 
+    def moved(self) -> dict[str, list[int]]:
+        """The transfers its decode rows made: {boundary: [calls, bytes]}."""
+        w, b, out = self._words, self._base, {}
+        words = ((W.IN_CALLS, W.IN_BYTES), (W.OUT_CALLS, W.OUT_BYTES))
+        for name, (calls, nbytes) in zip(self._moved_names, words, strict=True):
+            if name is not None and w[b + calls]:
+                out[name] = [w[b + calls], w[b + nbytes]]
+        return out
+
+    def count_moved(self, moved: list[tuple[int, int, int]]) -> None:
+        """One more decode row's transfers: (calls word, bytes word, bytes) each (EngineLoop._moved)."""
+        w, b = self._words, self._base
+        for calls, nbytes, n in moved:
+            w[b + calls] += 1
+            w[b + nbytes] += n
+
     def record(self) -> None:
         """Record what its decode rows crossed (counted since the last record) in its actor's stats
         and ledger."""
-        choices = self.choices
-        if self.rows or self.in_place or self.copied or choices:
-            self.abi.record_rows(self.rows, self.rows_s, self.moved, self.in_place, self.copied, choices)
-            self.rows, self.rows_s, self.moved, self.in_place, self.copied, self.choices = 0, 0.0, {}, 0, 0, 0
+        rows, in_place, copied, choices = self.rows, self.in_place, self.copied, self.choices
+        if rows or in_place or copied or choices:
+            self.abi.record_rows(rows, self.rows_s, self.moved(), in_place, copied, choices)
+            w, b = self._words, self._base
+            for col in (W.ROWS, W.ROWS_S, W.IN_CALLS, W.IN_BYTES, W.OUT_CALLS, W.OUT_BYTES, W.IN_PLACE,
+                        W.COPIED, W.CHOICES):
+                w[b + col] = 0  # (0.0 as a double: the same bits)
 
     def set_done(self) -> None:
         self.abi.sampled_at = None  # (its row is the slot's next turn's from now on)
@@ -164,7 +204,3 @@ class Turn:
         if self.woken is not None:
             self.woken.set()
 
-
-def _bits(value: float) -> int:
-    """A float's IEEE bits as an int64 word (a double the native loop reads)."""
-    return struct.unpack("<q", _DOUBLE.pack(value))[0]

@@ -54,9 +54,13 @@ class Col:
     FRESH = 18  # 0 once asked
     DRAWS, SAMPLED, STREAMS = 19, 20, 21  # SAMPLED: 0 before each call, 1 by the guest's sample()
     CHOICES = 22  # +1 a call that stored a choice
+    # The engine loop's own (not read here): its decode rows' forwards and their seconds (a double),
+    # the transfers they made (calls and bytes, host→device and device→host: TurnTable.moved_names),
+    # their logits computed in place in the guest's buffer or copied there.
+    ROWS, ROWS_S, IN_CALLS, IN_BYTES, OUT_CALLS, OUT_BYTES, IN_PLACE, COPIED = 23, 24, 25, 26, 27, 28, 29, 30
 
 
-WIDTH = 24  # words a row
+WIDTH = 32  # words a row
 
 
 def native() -> Callable | None:

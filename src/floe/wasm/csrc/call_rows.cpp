@@ -30,7 +30,7 @@ enum : int64_t {
 };
 constexpr int64_t NONE = INT64_MIN;  // Row.choice / speculated / next_token: none
 
-// One turn's row: 24 int64 words (floe.wasm.rows.Col, in this order).
+// One turn's row: 32 int64 words (floe.wasm.rows.Col, in this order).
 struct Row {
     void* context;       // wasmtime_context_t* of the guest's store
     const void* func;    // wasmtime_func_t* of the export
@@ -55,9 +55,9 @@ struct Row {
     int64_t sampled;     // set by the guest's sample() (host call) during the call; 0 before it
     int64_t streams;     // (the host streams its tokens: Python's part)
     int64_t choices;     // host choices written (+1 a call with choice_at)
-    int64_t reserved;
+    int64_t loop[9];     // the engine loop's own (floe.wasm.rows.Col.ROWS ...)
 };
-static_assert(sizeof(Row) == 192, "Row is 24 int64 words");
+static_assert(sizeof(Row) == 256, "Row is 32 int64 words");
 
 static inline int64_t judge(const Row& row, int64_t token) {
     int64_t flags = token == row.choice ? TAKES : 0;
