@@ -6,9 +6,10 @@
 
 /* Keywords that change nothing the grammar must enforce (annotations and containers of definitions),
  * then those it implements. Anything else is refused by name. */
+#define N_ANNOTATIONS 13
 static const char *const KEYWORDS_KNOWN[] = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-    "readOnly", "writeOnly", "$defs", "definitions", "additionalProperties",
+    "readOnly", "writeOnly", "$defs", "definitions", "discriminator", "additionalProperties", "oneOf", "allOf",
     "type", "properties", "required", "minProperties", "maxProperties", "items", "prefixItems", "minItems", "maxItems", "enum", "const", "anyOf", "$ref",
     "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", 0,
 };
@@ -37,6 +38,16 @@ static int g_refuse(grammar *g, const char *what, const json_value *key, const c
     for (const char *p = path; *p && len + 1 < sizeof g->error; p++) g->error[len++] = *p;
     g->error[len] = 0;
     return -1;
+}
+
+/* A keyword of v beside `word` that constrains (not an annotation), or NULL. */
+static const json_value *g_constraint_beside(const json_value *v, const char *word) {
+    for (uint32_t i = 0; i < v->n; i++) {
+        int k = 0;
+        while (k < N_ANNOTATIONS && !key_is(&v->keys[i], KEYWORDS_KNOWN[k])) k++;
+        if (k == N_ANNOTATIONS && !key_is(&v->keys[i], word)) return &v->keys[i];
+    }
+    return 0;
 }
 
 static int g_check_keywords(grammar *g, const json_value *v, const char *path) {
@@ -420,13 +431,14 @@ static int g_typed(grammar *g, const json_value *v, const json_value *type, char
 /* A choice: anyOf's schemas, or one schema under each name of a type list. */
 static int g_choice(grammar *g, const json_value *v, const json_value *list, int is_types, char *path,
                     uint32_t plen, int depth) {
-    if (list->type != JV_ARRAY || !list->n) { g_error(g, "'anyOf' and a type list must be non-empty arrays at ", path, 0); return -1; }
+    if (list->type != JV_ARRAY || !list->n) { g_error(g, "'anyOf', 'oneOf' and a type list must be non-empty arrays at ", path, 0); return -1; }
+    const char *segment = list == json_get(v, "oneOf") ? "/oneOf/" : "/anyOf/";
     int node = g_node(g, SN_ANYOF);
     if (node < 0 || !g_alloc_kids(g, node, list->n, 0)) return -1;
     g_memo(g, v, node);
     for (uint32_t i = 0; i < list->n; i++) {
         char digit[12];
-        uint32_t at = g_path(path, plen, "/anyOf/", digit, (uint32_t)floe_itoa((int32_t)i, digit));
+        uint32_t at = g_path(path, plen, segment, digit, (uint32_t)floe_itoa((int32_t)i, digit));
         if (is_types && list->items[i].type != JV_STRING) { g_error(g, "a type list of non-strings at ", path, 0); return -1; }
         int kid = is_types ? g_typed(g, v, &list->items[i], path, plen, depth)
                            : g_schema(g, &list->items[i], path, at, depth + 1);
@@ -437,6 +449,62 @@ static int g_choice(grammar *g, const json_value *v, const json_value *list, int
     return node;
 }
 
+/* Whether no JSON value is written by both nodes: different types, literal sets apart, or objects with
+ * a property both require whose values are apart (a discriminator). */
+static int family_of(const schema_node *n) {
+    return n->kind == SN_OBJECT ? 0 : n->kind == SN_ARRAY ? 1 : n->kind == SN_STRING ? 2
+         : n->kind == SN_NUMBER || n->kind == SN_INTEGER ? 3 : -1;
+}
+
+static int literal_family(const char *text) {
+    return *text == '{' ? 0 : *text == '[' ? 1 : *text == '"' ? 2 : *text == 't' || *text == 'f' ? 4 : *text == 'n' ? 5 : 3;
+}
+
+static int g_disjoint(const grammar *g, uint32_t a, uint32_t b, int depth) {
+    const schema_node *x = &g->nodes[a], *y = &g->nodes[b];
+    if (depth > 8) return 0;
+    if (x->kind == SN_ANYOF || y->kind == SN_ANYOF) {
+        const schema_node *c = x->kind == SN_ANYOF ? x : y;
+        uint32_t other = x->kind == SN_ANYOF ? b : a;
+        for (uint32_t i = 0; i < c->n; i++) if (!g_disjoint(g, c->kids[i], other, depth + 1)) return 0;
+        return 1;
+    }
+    if (x->kind == SN_LITERALS && y->kind == SN_LITERALS) {
+        for (uint32_t i = 0; i < x->n; i++)
+            for (uint32_t j = 0; j < y->n; j++)
+                if (x->lens[i] == y->lens[j] && !mem_cmp(x->texts[i], y->texts[j], x->lens[i])) return 0;
+        return 1;
+    }
+    if (x->kind == SN_LITERALS || y->kind == SN_LITERALS) { /* literals none of the other's type */
+        const schema_node *l = x->kind == SN_LITERALS ? x : y, *t = x->kind == SN_LITERALS ? y : x;
+        for (uint32_t i = 0; i < l->n; i++) if (literal_family(l->texts[i]) == family_of(t)) return 0;
+        return 1;
+    }
+    if (family_of(x) != family_of(y)) return 1;
+    if (x->kind != SN_OBJECT || x->generic || y->generic) return 0;
+    for (uint32_t i = 0; i < x->n; i++)
+        for (uint32_t j = 0; j < y->n; j++)
+            if (x->required[i] && y->required[j] && x->lens[i] == y->lens[j] &&
+                !mem_cmp(x->texts[i], y->texts[j], x->lens[i]) && g_disjoint(g, x->kids[i], y->kids[j], depth + 1))
+                return 1;
+    return 0;
+}
+
+/* oneOf: an anyOf whose alternatives the compiler proves apart (no value matches two), else refused. */
+static int g_one_of(grammar *g, const json_value *v, const json_value *list, char *path, uint32_t plen, int depth) {
+    int node = g_choice(g, v, list, 0, path, plen, depth);
+    if (node < 0) return -1;
+    const schema_node *s = &g->nodes[node];
+    for (uint32_t i = 0; i < s->n; i++)
+        for (uint32_t j = i + 1; j < s->n; j++)
+            if (!g_disjoint(g, s->kids[i], s->kids[j], 0)) {
+                g_error(g, "'oneOf' whose alternatives this guest cannot prove apart (it needs different types, "
+                           "different const/enum values, or a required property with those: a discriminator) at ", path, 0);
+                return -1;
+            }
+    return node;
+}
+
 static int g_schema(grammar *g, const json_value *v, char *path, uint32_t plen, int depth) {
     if (depth > 64) { g_error(g, "the schema nests (or refers) deeper than 64 at ", path, 0); return -1; }
     if (v->type == JV_TRUE) return NODE_ANY;
@@ -444,6 +512,31 @@ static int g_schema(grammar *g, const json_value *v, char *path, uint32_t plen, 
     for (uint32_t i = 0; i < g->n_memo; i++) if (g->memo_of[i] == v) return (int)g->memo_node[i];
     if (g_check_keywords(g, v, path)) return -1;
     const json_value *ref = json_get(v, "$ref"), *any = json_get(v, "anyOf"), *type = json_get(v, "type");
+    const json_value *one = json_get(v, "oneOf"), *all = json_get(v, "allOf");
+    const char *alone = ref ? "$ref" : one ? "oneOf" : all ? "allOf" : 0;
+    const json_value *beside = alone ? g_constraint_beside(v, alone) : 0;
+    if (beside) { /* a keyword this guest would not apply: refused by name */
+        char what[200];
+        uint32_t n = 0;
+        const char *parts[] = {"unsupported JSON Schema keyword '", 0, "' beside '", alone, "' at "};
+        for (int i = 0; i < 5; i++) {
+            if (!parts[i]) for (uint32_t j = 0; j < beside->n && j < 60; j++) what[n++] = beside->text[j];
+            else for (const char *p = parts[i]; *p; p++) what[n++] = *p;
+        }
+        what[n] = 0;
+        g_error(g, what, path, 0);
+        return -1;
+    }
+    if (all) { /* allOf of one schema (pydantic v1 wraps a $ref so) is that schema */
+        if (all->type != JV_ARRAY || all->n != 1) {
+            json_value key = {JV_STRING, 31, "allOf (of more than one schema)", 0, 0};
+            return g_refuse(g, "unsupported JSON Schema keyword '", &key, path);
+        }
+        int node = g_schema(g, &all->items[0], path, g_path(path, plen, "/allOf/0", 0, 0), depth + 1);
+        path[plen] = 0;
+        return node;
+    }
+    if (one) return g_one_of(g, v, one, path, plen, depth);
     if (ref) {
         const json_value *target = g_resolve(g, ref);
         if (!target) { g_error(g, "a $ref this guest cannot resolve (only '#...' pointers) at ", path, 0); return -1; }

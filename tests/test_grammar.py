@@ -149,7 +149,7 @@ def test_plain_json_mode_answers_one_json_value(engine):
 @pytest.mark.parametrize("keyword, schema", [
     ("not", {"type": "object", "properties": {"code": {"type": "string", "not": {"const": "x"}}}}),
     ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
-    ("oneOf", {"oneOf": [{"type": "string"}, {"type": "integer"}]}),
+    ("if", {"if": {"type": "string"}, "then": {"minLength": 2}}),
 ])
 def test_a_schema_with_an_unsupported_keyword_is_refused_by_name(tiny_engine, keyword, schema):
     with grammar_actor(tiny_engine) as actor:

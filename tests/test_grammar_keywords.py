@@ -309,7 +309,7 @@ def test_prefix_items_hold_at_their_positions(automaton, schema):
     ({"type": "array", "prefixItems": {"type": "integer"}}, "'prefixItems' must be an array of schemas"),
     ({"type": "array", "prefixItems": [{"type": "integer"}, {"uniqueItems": True}]},
      "'uniqueItems' at #/prefixItems/1"),
-    ({"type": "object", "additionalProperties": {"oneOf": []}}, "'oneOf' at #/additionalProperties"),
+    ({"type": "object", "additionalProperties": {"not": {}}}, "'not' at #/additionalProperties"),
     ({"type": "object", "properties": {"a": {}}, "minProperties": 2},
      "minProperties above the properties listed"),
     ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1},
@@ -530,3 +530,64 @@ def test_default_model_replies_to_a_pydantic_schema_validate(default_engine):
     for reply in replies:
         errors = [e.message for e in check.iter_errors(reply.value)]
         assert not errors, (reply.text, errors)
+
+
+# ---- oneOf (alternatives proved apart), allOf of one schema, and what stands beside them ------------------
+
+def pet_union() -> dict:
+    """pydantic's discriminated union: oneOf of $refs, a const discriminator, a `discriminator` annotation."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int = Field(ge=0, le=9)
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        name: str
+
+    class Owner(BaseModel):
+        pet: Cat | Dog = Field(discriminator="kind")
+
+    return Owner.model_json_schema()
+
+
+ONE_OF = [
+    pet_union(),
+    {"oneOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]},
+    {"oneOf": [{"const": "a", "title": "A"}, {"const": "b"}, {"enum": [1, 2]}]},
+    {"oneOf": [
+        {"type": "object", "properties": {"t": {"const": 1}, "x": {"type": "integer"}},
+         "required": ["t", "x"]},
+        {"type": "object", "properties": {"t": {"const": 2}, "y": {"type": "string"}}, "required": ["t"]}]},
+    {"allOf": [{"$ref": "#/$defs/n"}], "description": "pydantic v1",
+     "$defs": {"n": {"type": "integer", "minimum": 3}}},
+]
+
+
+@pytest.mark.parametrize("schema", ONE_OF, ids=lambda s: compact(s)[:60])
+def test_one_of_apart_and_all_of_one_are_accepted_exactly_when_jsonschema_accepts_them(automaton, schema):
+    texts = ['"a"', '"b"', '"c"', "1", "2", "3", "-4", "null", "true", '{"t":1,"x":5}', '{"t":2}',
+             '{"t":2,"y":"q"}', '{"t":1}', '{"t":3}', '{"pet":{"kind":"cat","lives":3}}',
+             '{"pet":{"kind":"cat","lives":10}}', '{"pet":{"kind":"dog","name":"Rex"}}',
+             '{"pet":{"kind":"dog"}}', '{"pet":{"kind":"cow","name":"x"}}']
+    agrees(automaton, schema, texts)
+    drawn_values_validate(automaton, schema)
+
+
+@pytest.mark.parametrize("schema, says", [
+    ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "'oneOf' whose alternatives this guest cannot"),
+    ({"oneOf": [{"type": "object", "properties": {"t": {"const": 1}}},
+                {"type": "object", "properties": {"t": {"const": 2}}}]}, "cannot prove apart"),  # t optional
+    ({"oneOf": [{"enum": ["a", "b"]}, {"const": "b"}]}, "cannot prove apart"),
+    ({"oneOf": [{"type": "string"}, {"const": "x"}]}, "cannot prove apart"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "keyword 'allOf (of more than one schema)'"),
+    ({"allOf": [{"type": "integer"}], "maximum": 3}, "keyword 'maximum' beside 'allOf' at #"),
+    ({"$ref": "#/$defs/s", "maxLength": 3, "$defs": {"s": {"type": "string"}}}, "'maxLength' beside '$ref'"),
+    ({"oneOf": [{"type": "string"}], "anyOf": [{"type": "string"}]}, "'anyOf' beside 'oneOf'"),
+])
+def test_combinations_the_guest_cannot_keep_are_refused_by_name(automaton, schema, says):
+    refusal = automaton.compile(schema)
+    assert refusal is not None and says in refusal, refusal
