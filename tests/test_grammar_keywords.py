@@ -591,3 +591,44 @@ def test_one_of_apart_and_all_of_one_are_accepted_exactly_when_jsonschema_accept
 def test_combinations_the_guest_cannot_keep_are_refused_by_name(automaton, schema, says):
     refusal = automaton.compile(schema)
     assert refusal is not None and says in refusal, refusal
+
+
+# ---- through the guest: masks over the real vocabulary, whatever the logits ---------------------------
+
+MASKED = {
+    "bounds": {"type": "object", "properties": {"n": {"type": "integer", "minimum": -20, "maximum": 300},
+                                                "x": {"type": "number", "exclusiveMinimum": 0, "maximum": 5},
+                                                "k": {"type": "integer", "multipleOf": 7, "minimum": 10}},
+               "required": ["n", "x", "k"]},
+    "formats": {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                                 "t": {"type": "string", "format": "date-time"},
+                                                 "u": {"type": "string", "format": "uuid"},
+                                                 "c": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"}},
+                "required": ["d", "t", "u", "c"]},
+    "shapes": {"type": "object", "properties": {"pair": {"type": "array", "prefixItems": [{"type": "integer"},
+                                                                                         {"type": "boolean"}],
+                                                         "items": False, "minItems": 2},
+                                                "map": {"type": "object", "additionalProperties": {"type": "integer"},
+                                                        "maxProperties": 2},
+                                                "a": {"type": "null"}, "b": {"type": "null"}},
+               "required": ["pair", "map"], "minProperties": 3},
+}
+
+
+@pytest.mark.parametrize("name", MASKED)
+def test_the_guest_s_replies_validate_whatever_the_logits_even_near_max_tokens(automaton, tiny_engine, name):
+    """A random model's logits favour nothing: the mask over real tokens (and need() near max_tokens)
+    alone makes every reply valid, down to the tightest max_tokens that holds a value (the shortest value's
+    bytes: a token is at least one)."""
+    from floe.actor import grammar_actor, send_json
+    from floe.engine import SamplingParams
+
+    schema, check = MASKED[name], validator(MASKED[name])
+    assert automaton.compile(schema) is None
+    shortest = automaton.min_bytes()
+    with grammar_actor(tiny_engine, seed=11) as actor:
+        for max_tokens in (250, shortest + 20, shortest + 3, shortest):
+            reply = send_json(actor, "x", schema, instruct=False, fresh=True, max_tokens=max_tokens,
+                              params=SamplingParams(temperature=1.5))
+            assert reply.reply.stats.generated_tokens <= max_tokens
+            assert not [e.message for e in check.iter_errors(reply.value)], reply.text
