@@ -605,13 +605,11 @@ MASKED = {
                                                  "u": {"type": "string", "format": "uuid"},
                                                  "c": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"}},
                 "required": ["d", "t", "u", "c"]},
-    "shapes": {"type": "object", "properties": {"pair": {"type": "array", "prefixItems": [{"type": "integer"},
-                                                                                         {"type": "boolean"}],
-                                                         "items": False, "minItems": 2},
-                                                "map": {"type": "object", "additionalProperties": {"type": "integer"},
-                                                        "maxProperties": 2},
-                                                "a": {"type": "null"}, "b": {"type": "null"}},
-               "required": ["pair", "map"], "minProperties": 3},
+    "shapes": {"type": "object", "required": ["pair", "map"], "minProperties": 3, "properties": {
+        "pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "boolean"}], "items": False,
+                 "minItems": 2},
+        "map": {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 2},
+        "a": {"type": "null"}, "b": {"type": "null"}}},
 }
 
 
