@@ -87,7 +87,7 @@ typedef struct {
     const json_value **memo_of;      /* compiled schema objects, for $ref cycles */
     uint32_t *memo_node, n_memo;
     uint32_t rx_budget;              /* DFA states its patterns and formats may still take */
-    rx_dfa *formats[8];              /* each format's DFA, made once a grammar */
+    rx_dfa *formats[10];             /* each format's DFA, made once a grammar */
     char error[512];
 } grammar;
 

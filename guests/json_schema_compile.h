@@ -261,7 +261,8 @@ static int g_array(grammar *g, const json_value *v, char *path, uint32_t plen, i
 }
 
 /* `format`s as patterns (json_regex.h): exact for date, time, date-time (RFC 3339; February 29th in
- * leap years only), uuid, ipv4; subsets for email, hostname (up to 3 labels), uri (scheme://host...). */
+ * leap years only), uuid, ipv4; subsets for email, hostname (up to 3 labels), uri (scheme://host...),
+ * duration (ISO 8601, whole numbers), ipv6 (the full form of 8 groups). */
 #define RX_YEAR "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 #define RX_DATE "(" RX_YEAR "-((0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])|(0[13-9]|1[0-2])-(29|30)|(0[13578]|1[02])-31)" \
     "|([0-9]{2}(0[48]|[2468][048]|[13579][26])|([2468][048]|[13579][26]|0[48])00)-02-29)"
@@ -270,7 +271,9 @@ static int g_array(grammar *g, const json_value *v, char *path, uint32_t plen, i
 #define RX_LABEL "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 #define RX_NAME "[A-Za-z0-9]+(-[A-Za-z0-9]+)*"
 #define RX_HEX4 "[0-9a-fA-F]{4}"
-static const char *const FORMATS[8][2] = {
+#define RX_HEX16 "[0-9a-fA-F]{1,4}"
+#define RX_DUR_TIME "T([0-9]+H([0-9]+M)?([0-9]+S)?|[0-9]+M([0-9]+S)?|[0-9]+S)"
+static const char *const FORMATS[10][2] = {
     {"date", "^" RX_DATE "$"},
     {"time", "^" RX_TIME "$"},
     {"date-time", "^" RX_DATE "T" RX_TIME "$"},
@@ -278,6 +281,8 @@ static const char *const FORMATS[8][2] = {
     {"ipv4", "^" RX_OCTET "(\\." RX_OCTET "){3}$"},
     {"email", "^[A-Za-z0-9]+([._+-][A-Za-z0-9]+)*@" RX_NAME "(\\." RX_NAME ")*\\.[A-Za-z]{2,}$"},
     {"hostname", "^" RX_LABEL "(\\." RX_LABEL "){0,2}$"},
+    {"duration", "^P(([0-9]+Y([0-9]+M)?([0-9]+D)?|[0-9]+M([0-9]+D)?|[0-9]+D)(" RX_DUR_TIME ")?|" RX_DUR_TIME "|[0-9]+W)$"},
+    {"ipv6", "^" RX_HEX16 "(:" RX_HEX16 "){7}$"},
     {"uri", "^[a-z][a-z0-9+.-]*://" RX_NAME "(\\." RX_NAME ")*(:[0-9]{1,5})?(/[A-Za-z0-9._~!$&'()*+,;=:@-]*)*"
             "(\\?[A-Za-z0-9._~!$&'()*+,;=:@/?-]*)?$"},
 };
