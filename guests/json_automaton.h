@@ -40,13 +40,14 @@ static void cset_emit(cset *out, const frame *s, int d) {
     out->len += size;
 }
 
-/* A bounded number's frame: idx the digits of the part being written; aux the integer part's
- * comparisons with the range's lo (bits 0-1) and hi (2-3), the sign (4: negative) and, in the
- * fraction, what it must be (5-6, F_*); pos the integer part's remainder modulo multipleOf. */
+/* A bounded number's frame: idx the digits of the part being written; aux, in the integer part, its
+ * comparisons with the range's lo (bits 0-1) and hi (2-3); in the fraction, its comparisons with lo's and
+ * hi's fraction digits (0-1, 2-3) and whether they bind (5, 6); the sign (4: negative); pos the integer
+ * part's remainder modulo multipleOf. */
 static int bounded_can_end(const schema_node *n, const frame *f) {
     const mag_range *r = &n->sides[f->aux >> 4 & 1];
     if (f->state == N_ZERO || f->state == N_INT) return mag_rest(r, f->idx, f->aux & 3, f->aux >> 2 & 3, 1, f->pos) == 0;
-    return f->state == N_FRAC && (f->aux >> 5 & 3) != F_NONZERO;
+    return f->state == N_FRAC && frac_rest(r, f->idx, f->aux & 3, f->aux >> 2 & 3, f->aux >> 5 & 1, f->aux >> 6 & 1) == 0;
 }
 
 static uint32_t bounded_need(const schema_node *n, const frame *f) {
@@ -54,8 +55,7 @@ static uint32_t bounded_need(const schema_node *n, const frame *f) {
     int closed = f->state == N_ZERO || f->idx >= NUM_MAX_DIGITS;
     if (f->state == N_MINUS || f->state == N_ZERO || f->state == N_INT)
         return (uint32_t)mag_need(r, f->idx, f->aux & 3, f->aux >> 2 & 3, closed, n->kind == SN_NUMBER, f->pos);
-    if (f->state == N_DOT) return 1;
-    return (f->aux >> 5 & 3) == F_NONZERO;
+    return (uint32_t)frac_rest(r, f->state == N_DOT ? 0 : f->idx, f->aux & 3, f->aux >> 2 & 3, f->aux >> 5 & 1, f->aux >> 6 & 1);
 }
 
 static void consume_bounded(frame *c, int d, const schema_node *n, int b, cset *out) {
@@ -77,15 +77,19 @@ static void consume_bounded(frame *c, int d, const schema_node *n, int b, cset *
     } else if ((s == N_ZERO || s == N_INT) && b == '.' && number) {
         int k = t->idx, cl = t->aux & 3, ch = t->aux >> 2 & 3;
         if (!mag_within(r, k, cl, ch)) return;
-        int fraction = k == r->lo_len && cl == CMP_EQ && r->strict_lo ? F_NONZERO
-                     : k == r->hi_len && ch == CMP_EQ && r->zero_at_hi ? F_ZEROS : F_FREE;
-        t->state = N_DOT, t->idx = 0, t->aux = (uint8_t)(neg << 4 | fraction << 5);
+        int la = k == r->lo_len && cl == CMP_EQ && r->lo_open, ha = k == r->hi_len && ch == CMP_EQ && r->hi_fraction;
+        if (frac_rest(r, 0, CMP_EQ, CMP_EQ, la, ha) < 0) return;
+        t->state = N_DOT, t->idx = 0, t->aux = (uint8_t)(neg << 4 | la << 5 | ha << 6);
     } else if ((s == N_DOT || s == N_FRAC) && digit) {
-        int k = s == N_DOT ? 0 : t->idx, fraction = t->aux >> 5 & 3;
-        if (k >= NUM_MAX_DIGITS || (fraction == F_ZEROS && b != '0')) return;
-        if (fraction == F_NONZERO && b != '0') fraction = F_FREE;
-        else if (fraction == F_NONZERO && k + 1 >= NUM_MAX_DIGITS) return; /* no digit left to be nonzero */
-        t->state = N_FRAC, t->idx = (uint16_t)(k + 1), t->aux = (uint8_t)(neg << 4 | fraction << 5);
+        int k = s == N_DOT ? 0 : t->idx, la = t->aux >> 5 & 1, ha = t->aux >> 6 & 1;
+        int clf = t->aux & 3, chf = t->aux >> 2 & 3;
+        if (k >= NUM_MAX_DIGITS) return;
+        if (la) clf = frac_cmp_next(clf, k, r->lo_frac, r->lo_frac_len, b);
+        if (ha) chf = frac_cmp_next(chf, k, r->hi_frac, r->hi_frac_len, b);
+        if (frac_rest(r, k + 1, clf, chf, la, ha) < 0) return;
+        if (la && clf == CMP_GT) la = 0, clf = 0; /* past lo for good: forget it (states repeat) */
+        if (ha && chf == CMP_LT) ha = 0, chf = 0;
+        t->state = N_FRAC, t->idx = (uint16_t)(k + 1), t->aux = (uint8_t)(clf | chf << 2 | neg << 4 | la << 5 | ha << 6);
     } else return;
     cset_emit(out, c, d);
 }

@@ -348,26 +348,30 @@ static int g_number(grammar *g, const json_value *v, int integer, const char *pa
     uint32_t multiple = g_multiple(g, v, path);
     if (!multiple) return -1;
     integer |= json_get(v, "multipleOf") != 0;
-    /* lo, hi: the tightest bounds (integers: inclusive ones; numbers: strictness aside) */
+    /* integers: inclusive integer bounds (lo, hi); numbers: decimal ones with their strictness */
     int64_t lo = -NUM_HUGE, hi = NUM_HUGE;
-    int lo_strict = 0, hi_strict = 0;
+    decimal dlo, dhi;
+    int has_lo = 0, has_hi = 0, lo_strict = 0, hi_strict = 0;
     for (int i = 0; i < 4; i++) {
         const json_value *b = json_get(v, NUMBER_BOUNDS[i]);
         if (!b) continue;
         json_value key = {JV_STRING, (uint32_t)floe_strlen(NUMBER_BOUNDS[i]), NUMBER_BOUNDS[i], 0, 0};
         if (b->type != JV_NUMBER) return g_refuse(g, "a non-number bound '", &key, path);
-        int whole, strict = i % 2, upper = i >= 2;
-        int64_t x = number_floor(b->text, b->n, &whole);
-        if (!integer && !whole)
-            return g_refuse(g, "a bound of a number that is not an integer (this guest bounds numbers by "
-                               "integers, integers by any number) in '", &key, path);
+        int strict = i % 2, upper = i >= 2, whole;
         if (integer) { /* to inclusive integer bounds */
+            int64_t x = number_floor(b->text, b->n, &whole);
             if (!upper) x = strict || !whole ? x + 1 : x;
             else x = strict && whole ? x - 1 : x;
-            strict = 0;
+            if (!upper && x > lo) lo = x;
+            if (upper && x < hi) hi = x;
+            continue;
         }
-        if (!upper && (x > lo || (x == lo && strict))) lo = x, lo_strict = strict;
-        if (upper && (x < hi || (x == hi && strict))) hi = x, hi_strict = strict;
+        decimal x;
+        if (!number_decimal(b->text, b->n, &x))
+            return g_refuse(g, "a bound with more than 16 fraction digits (more than this guest writes) in '", &key, path);
+        int c = upper ? (has_hi ? decimal_cmp(&x, &dhi) : -1) : (has_lo ? decimal_cmp(&x, &dlo) : 1);
+        if (!upper && (c > 0 || (c == 0 && strict))) dlo = x, has_lo = 1, lo_strict = strict;
+        if (upper && (c < 0 || (c == 0 && strict))) dhi = x, has_hi = 1, hi_strict = strict;
     }
     int node = g_node(g, integer ? SN_INTEGER : SN_NUMBER);
     mag_range *sides = node < 0 ? 0 : floe_alloc(2 * sizeof *sides);
@@ -375,15 +379,21 @@ static int g_number(grammar *g, const json_value *v, int integer, const char *pa
     __builtin_memset(sides, 0, 2 * sizeof *sides);
     g->nodes[node].sides = sides;
     if (integer) {
-        if (hi >= 0) mag_set(&sides[0], lo > 0 ? lo : 0, 0, hi, 0);
-        if (lo < 0) mag_set(&sides[1], hi < -1 ? -hi : 1, 0, -lo, 0);
-    } else { /* a negative number's magnitude: below -lo, above -hi */
-        if (hi > 0 || (hi == 0 && !hi_strict))
-            mag_set(&sides[0], lo > 0 ? lo : 0, lo >= 0 && lo_strict, hi_strict ? hi - 1 : hi, !hi_strict);
-        if (lo < 0)
-            mag_set(&sides[1], hi < 0 ? -hi : 0, hi <= 0 && hi_strict, lo_strict ? -lo - 1 : -lo, !lo_strict);
+        if (hi >= 0) mag_set(&sides[0], lo > 0 ? lo : 0, hi);
+        if (lo < 0) mag_set(&sides[1], hi < -1 ? -hi : 1, -lo);
+    } else { /* a negative number's magnitude lies below -lo and above -hi */
+        decimal zero, mlo = dlo, mhi = dhi;
+        __builtin_memset(&zero, 0, sizeof zero);
+        mlo.neg = mhi.neg = 0;
+        int hi_zero = has_hi && !dhi.whole && !dhi.frac_len;
+        if (!has_hi || (!dhi.neg && !hi_zero) || (hi_zero && !hi_strict))
+            mag_set_number(&sides[0], has_lo && !dlo.neg ? &dlo : &zero, has_lo && !dlo.neg && lo_strict,
+                           has_hi ? &dhi : 0, hi_strict);
+        if (!has_lo || dlo.neg)
+            mag_set_number(&sides[1], has_hi && dhi.neg ? &mhi : &zero, has_hi && (dhi.neg || hi_zero) && hi_strict,
+                           has_lo ? &mlo : 0, lo_strict);
     }
-    for (int neg = 0; neg < 2; neg++) { /* a range may hold no multiple */
+    for (int neg = 0; neg < 2; neg++) { /* a range may hold no multiple, or only a fraction none is */
         sides[neg].multiple = multiple;
         if (sides[neg].on && mag_need(&sides[neg], 0, CMP_EQ, CMP_EQ, 0, !integer, 0) < 0) sides[neg].on = 0;
     }

@@ -4,6 +4,7 @@ and every value drawn from the automaton at random validates. The compiler and a
 (tests/grammar_check.c, built here with the guests' compiler); one end-to-end run samples the default
 model through floe.actor.send_json."""
 
+import decimal
 import importlib.util
 import json
 import random
@@ -140,11 +141,20 @@ NUMBER_BOUNDS = [
     {"minimum": -1, "maximum": 1}, {"exclusiveMinimum": -3, "maximum": 3},
     {"minimum": 5, "exclusiveMaximum": 6}, {"exclusiveMinimum": 5, "maximum": 6},
     {"minimum": -12, "exclusiveMaximum": -2}, {"minimum": 100}, {"maximum": 1e2},
+    {"minimum": 0.5}, {"exclusiveMinimum": 0.25, "maximum": 0.75}, {"minimum": 2.25, "exclusiveMaximum": 2.5},
+    {"exclusiveMinimum": -1.5, "exclusiveMaximum": 1.5}, {"minimum": -0.001, "maximum": 0.001},
+    {"minimum": 99.99, "maximum": 100.01}, {"exclusiveMinimum": 0.999, "exclusiveMaximum": 1},
+    {"minimum": -7.125}, {"exclusiveMaximum": -3.5}, {"minimum": 0.1, "maximum": 0.1},
 ]
 
 
 def number_corpus(bounds: dict, rng: random.Random) -> list[str]:
     texts = []
+    for b in bounds.values():  # each bound written out, digits past it, and numbers just either side
+        plain = format(decimal.Decimal(repr(b)), "f")
+        point = plain if "." in plain else plain + "."
+        texts += [plain] + [point + d for d in ("0", "1", "9", "01", "99", "0001")]
+        texts += [f"{b + e:.6f}" for e in (-0.01, -0.001, -1e-6, 1e-6, 0.001, 0.01)]
     for b in [0, 1, -1, *(int(v) for v in bounds.values())]:
         for d in (-1, 0, 1):
             p = b + d
@@ -206,8 +216,11 @@ def test_a_multiple_of_an_integer_is_accepted_exactly_when_jsonschema_accepts_it
     ({"type": "integer", "exclusiveMinimum": 4, "exclusiveMaximum": 5}, "no integer of at most 16 digits"),
     ({"type": "integer", "minimum": 1e20}, "no integer of at most 16 digits"),
     ({"type": "number", "exclusiveMinimum": 3, "maximum": 3}, "no number of at most 16 integer digits"),
-    ({"type": "number", "minimum": 0.5}, "bounds numbers by integers, integers by any number) in 'minimum'"),
-    ({"type": "number", "exclusiveMaximum": 2.25}, "in 'exclusiveMaximum' at #"),
+    ({"type": "number", "minimum": 0.5, "exclusiveMaximum": 0.5}, "no number of at most 16 integer digits"),
+    ({"type": "number", "exclusiveMinimum": 0.25, "exclusiveMaximum": 0.25000000000000001},
+     "no number of at most 16 integer digits"),  # a float: the same 0.25
+    ({"type": "number", "minimum": 1e-17}, "a bound with more than 16 fraction digits"),
+    ({"type": "number", "exclusiveMaximum": 0.12345678901234567}, "this guest writes) in 'exclusiveMaximum'"),
     ({"type": "integer", "minimum": "3"}, "a non-number bound 'minimum' at #"),
     ({"type": "integer", "exclusiveMinimum": True}, "a non-number bound 'exclusiveMinimum'"),
     ({"enum": [1, 5, 10], "maximum": 6}, "minimum/maximum/multipleOf beside 'enum' or 'const'"),
@@ -234,7 +247,9 @@ def test_a_bound_written_with_an_exponent_or_a_fraction_of_zeros_is_read_exactly
             if "." in t and "integer" in text:
                 continue
             assert automaton.accepts(t) == check.is_valid(json.loads(t)), (text, t)
-    assert "'minimum'" in automaton.compile('{"type": "number", "minimum": 5e-1}')
+    assert automaton.compile('{"type": "number", "minimum": 5e-1, "maximum": 0.05E1}') is None
+    assert automaton.accepts("0.5") and automaton.accepts("0.50") and not automaton.accepts("0.51")
+    assert not automaton.accepts("0.49999") and not automaton.accepts("0")
 
 
 # ---- objects and arrays: additionalProperties with a schema, prefixItems -------------------------------
