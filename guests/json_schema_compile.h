@@ -10,7 +10,7 @@
 static const char *const KEYWORDS_KNOWN[] = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
     "readOnly", "writeOnly", "$defs", "definitions", "discriminator", "additionalProperties", "oneOf", "allOf",
-    "type", "properties", "required", "minProperties", "maxProperties", "items", "prefixItems", "minItems", "maxItems", "enum", "const", "anyOf", "$ref",
+    "type", "properties", "required", "minProperties", "maxProperties", "items", "prefixItems", "additionalItems", "minItems", "maxItems", "enum", "const", "anyOf", "$ref",
     "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", 0,
 };
 
@@ -221,9 +221,10 @@ static int g_object(grammar *g, const json_value *v, char *path, uint32_t plen, 
 /* An array: kids[0] the items past the prefix, kids[1..n) prefixItems' schemas, one a position. */
 static int g_array(grammar *g, const json_value *v, char *path, uint32_t plen, int depth) {
     const json_value *items = json_get(v, "items"), *prefix = json_get(v, "prefixItems");
-    if (items && items->type == JV_ARRAY) {
-        json_value key = {JV_STRING, 14, "items (a list)", 0, 0};
-        return g_refuse(g, "unsupported JSON Schema keyword '", &key, path);
+    const char *prefix_name = "/prefixItems/";
+    if (items && items->type == JV_ARRAY) { /* draft 7's tuple: items a list, then additionalItems */
+        if (prefix) { g_error(g, "'items' as a list beside 'prefixItems' at ", path, 0); return -1; }
+        prefix = items, items = json_get(v, "additionalItems"), prefix_name = "/items/";
     }
     if (prefix && (prefix->type != JV_ARRAY || prefix->n > 0xFFFE)) {
         g_error(g, "'prefixItems' must be an array of schemas at ", path, 0);
@@ -239,21 +240,21 @@ static int g_array(grammar *g, const json_value *v, char *path, uint32_t plen, i
     g->nodes[node].min = (uint32_t)min, g->nodes[node].max = (uint32_t)max;
     int kid = NODE_ANY;
     if (items && items->type != JV_FALSE) {
-        kid = g_schema(g, items, path, g_path(path, plen, "/items", 0, 0), depth + 1);
+        kid = g_schema(g, items, path, g_path(path, plen, prefix_name[1] == 'i' ? "/additionalItems" : "/items", 0, 0), depth + 1);
         path[plen] = 0;
     }
     if (kid < 0) return -1;
     g->nodes[node].kids[0] = (uint16_t)kid;
     for (uint32_t i = 0; i < n_prefix; i++) {
         char digit[12];
-        uint32_t at = g_path(path, plen, "/prefixItems/", digit, (uint32_t)floe_itoa((int32_t)i, digit));
+        uint32_t at = g_path(path, plen, prefix_name, digit, (uint32_t)floe_itoa((int32_t)i, digit));
         kid = g_schema(g, &prefix->items[i], path, at, depth + 1);
         path[plen] = 0;
         if (kid < 0) return -1;
         g->nodes[node].kids[1 + i] = (uint16_t)kid;
     }
     if (g->nodes[node].min > g->nodes[node].max) {
-        g_error(g, items && items->type == JV_FALSE ? "minItems > the prefixItems that 'items': false allows at "
+        g_error(g, items && items->type == JV_FALSE ? "minItems > the positions a tuple allows ('items' or 'additionalItems' false) at "
                                                     : "minItems > maxItems at ", path, 0);
         return -1;
     }

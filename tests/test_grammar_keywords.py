@@ -309,6 +309,17 @@ TUPLES = [  # pydantic's tuple[int, str] and tuple[int, ...] with a head
 ]
 
 
+DRAFT7 = "http://json-schema.org/draft-07/schema#"
+TUPLES += [  # draft 7's tuples (zod-to-json-schema's): items a list, additionalItems the rest
+    {"$schema": DRAFT7, "type": "array", "items": [{"type": "integer"}, {"type": "string"}], "minItems": 2,
+     "maxItems": 2},
+    {"$schema": DRAFT7, "type": "array", "items": [{"type": "integer", "minimum": 5}, {"type": "boolean"}],
+     "additionalItems": False},
+    {"$schema": DRAFT7, "type": "array", "items": [{"const": "head"}], "additionalItems": {"type": "integer"},
+     "minItems": 3},
+]
+
+
 @pytest.mark.parametrize("schema", TUPLES, ids=compact)
 def test_prefix_items_hold_at_their_positions(automaton, schema):
     texts = ['[]', '[1]', '[5]', '[1,"a"]', '[5,true]', '[5,true,1]', '[1,"a",2]', '["head"]', '["head",1,2]',
@@ -320,7 +331,7 @@ def test_prefix_items_hold_at_their_positions(automaton, schema):
 
 @pytest.mark.parametrize("schema, says", [
     ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False, "minItems": 2},
-     "minItems > the prefixItems that 'items': false allows"),
+     "minItems > the positions a tuple allows ('items' or 'additionalItems' false)"),
     ({"type": "array", "prefixItems": {"type": "integer"}}, "'prefixItems' must be an array of schemas"),
     ({"type": "array", "prefixItems": [{"type": "integer"}, {"uniqueItems": True}]},
      "'uniqueItems' at #/prefixItems/1"),
