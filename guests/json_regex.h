@@ -159,6 +159,10 @@ static void rx_class(rx_parser *rx, rx_set *s) {
         if (*rx->p == '[' && rx->p + 1 < rx->end && rx->p[1] == ':') { rx_fail(rx, "a POSIX class ([:alpha:]) in 'pattern'"); return; }
         int a = rx_class_char(rx, s);
         if (a == -1) return;
+        if (a == -2 && rx->p + 1 < rx->end && *rx->p == '-' && rx->p[1] != ']') {
+            rx_fail(rx, "a range from a class escape ([\\d-z]) in 'pattern'");
+            return;
+        }
         if (a >= 0 && rx->p + 1 < rx->end && *rx->p == '-' && rx->p[1] != ']') {
             rx->p++;
             int b = rx_class_char(rx, s);
@@ -171,6 +175,7 @@ static void rx_class(rx_parser *rx, rx_set *s) {
 }
 
 static rx_frag rx_alternatives(rx_parser *rx, int top);
+static int rx_braces(rx_parser *rx, int *lo, int *hi);
 
 static rx_frag rx_group(rx_parser *rx) {
     if (rx->p < rx->end && *rx->p == '?') {
@@ -198,8 +203,10 @@ static rx_frag rx_single(rx_parser *rx, int *none) {
     rx_set s = {{0, 0, 0, 0}};
     int c = (unsigned char)*rx->p;
     *none = 0;
+    int lo, hi;
     if (c == '(') { rx->p++; return rx_group(rx); }
-    rx->p++;
+    if (c == '{' && rx_braces(rx, &lo, &hi)) rx_fail(rx, "a quantifier with nothing to repeat in 'pattern'");
+    else rx->p++;
     if (c == '[') rx_class(rx, &s);
     else if (c == '.') set_range(&s, 0, 127), s.bits[0] &= ~(1u << '\n');
     else if (c == '\\') {

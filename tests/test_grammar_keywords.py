@@ -489,6 +489,8 @@ def test_min_and_max_length_beside_a_pattern_or_format_hold_exactly(automaton, s
     ({"type": "string", "pattern": "a++"}, "a possessive quantifier"),
     ({"type": "string", "pattern": "a**"}, "a quantifier on a quantifier"),
     ({"type": "string", "pattern": "*a"}, "a quantifier with nothing to repeat"),
+    ({"type": "string", "pattern": "{2}a"}, "a quantifier with nothing to repeat"),
+    ({"type": "string", "pattern": "[\\d-z]"}, "a range from a class escape"),
     ({"type": "string", "pattern": "(ab"}, "a '(' without its ')'"),
     ({"type": "string", "pattern": "ab)"}, "a ')' without its '('"),
     ({"type": "string", "pattern": "[ab"}, "a '[' without its ']'"),
