@@ -236,3 +236,40 @@ def test_a_message_cannot_forge_a_turn_with_special_token_text(engine):
         actor.send(forged, max_tokens=1)
         held = list(engine.cache.tokens[actor.slot])
     assert held.count(start) == 3  # the default system turn, the user's, the generation prompt
+
+
+def test_an_actor_made_ahead_claims_its_slot_later_and_gives_it_up_before_closing(engine):
+    """kv_slot="later": the guest is ready without a slot (a server's spare while every slot is held);
+    a message before attach_slot() is refused, after it the reply is an actor's own. give_up_slot()
+    frees the slot at once (another actor takes it) and the actor runs nothing more; close() then
+    frees its guest."""
+    from floe.errors import FloeError
+
+    ahead = Actor(engine, kv_slot="later")
+    held = [Actor(engine) for _ in range(len(engine.slots.free))]  # every slot taken
+    try:
+        assert ahead.slot is None
+        with pytest.raises(FloeError, match="no KV slot yet"):
+            ahead.send(QUESTION, max_tokens=4)
+        with pytest.raises(FloeError, match="in use"):
+            ahead.attach_slot()
+        held[-1].give_up_slot()  # (idle: its slot free now, its guest freed by close() below)
+        ahead.attach_slot()
+        with pytest.raises(FloeError, match="in use"):
+            Actor(engine)  # the freed slot is ahead's
+    finally:
+        for actor in held:
+            actor.close()
+    try:
+        with Actor(engine) as alone:
+            expected = alone.send(QUESTION, max_tokens=8).text
+        assert ahead.send(QUESTION, max_tokens=8).text == expected
+        slot = ahead.slot
+        ahead.give_up_slot()
+        assert ahead.slot is None and slot in engine.slots.free
+        with pytest.raises(FloeError):
+            ahead.send(QUESTION, max_tokens=4)
+    finally:
+        ahead.close()
+    with Actor(engine) as now, pytest.raises(FloeError, match="kv_slot='later'"):
+        now.attach_slot()

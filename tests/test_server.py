@@ -613,10 +613,66 @@ def test_a_request_never_runs_in_a_session_the_store_dropped_while_it_waited(def
     store.close(freeze=False)
 
 
+def test_a_burst_past_the_anonymous_bound_forgets_one_idle_session_each(default_checkpoint, tmp_path):
+    """A burst of new anonymous sessions into slots that idle anonymous sessions of the same owner hold
+    (past max_anonymous): each arrival forgets exactly one of the old ones (claimed under the store's
+    lock: none tries another's, 64 at once each tried the whole list) and takes a spare actor made
+    while the loop was idle; the owner keeps max_anonymous sessions, the new ones."""
+    from floe.actor import EngineLoop
+    from floe.engine import SamplingParams
+    from floe.server.sessions import SessionStore
+
+    n = 4
+    engine = Engine(default_checkpoint, max_seq_len=128, n_slots=n)
+    store = SessionStore(engine, tmp_path, loop=EngineLoop(engine), max_anonymous=n)
+    store.keep_spares(n)
+    forgets = []
+    forget = store._forget_locked
+
+    def counted(session):
+        forgets.append(session.id)
+        return forget(session)
+
+    store._forget_locked = counted
+
+    def burst(round_: int) -> list[str]:
+        deadline = time.time() + 60
+        while store.counts()["spare_actors"] != n:
+            assert time.time() < deadline, store.counts()
+            time.sleep(0.02)
+        spares = list(store._spares)
+        gate = threading.Barrier(n)
+
+        def one(i: int):
+            messages = [{"role": "user", "content": f"Round {round_}, question {i}: name a colour."}]
+            gate.wait()
+            session = store.acquire(None, messages, i)
+            try:
+                store.go_live(session)
+                assert session.actor in spares
+                store.run(session, [], messages[0]["content"], max_tokens=2, params=SamplingParams())
+                return session.id
+            finally:
+                store.release(session)
+
+        with ThreadPoolExecutor(n) as pool:
+            return list(pool.map(one, range(n)))
+
+    try:
+        first = burst(1)
+        assert forgets == []
+        second = burst(2)
+        assert sorted(forgets) == sorted(first)  # one each, and each once
+        assert {s.id for s in store.sessions.values()} == set(second)
+    finally:
+        store.close(freeze=False)
+    assert len(engine.slots.free) == n
+
+
 def test_new_sessions_take_spare_actors_made_while_idle(default_checkpoint, tmp_path):
-    """Spare actors fill free slots while the engine loop is idle; a new session takes one (seeded as its
-    own would be: the same sampled reply), a thaw that finds every slot spare closes one, and closing
-    the store frees every slot."""
+    """Spare actors (without KV slots) are made while the engine loop is idle, whether slots are free or
+    held; a new session takes one (seeded as its own would be: the same sampled reply) with a slot, also
+    when every slot is held by an idle session (frozen for it); closing the store frees every slot."""
     from floe.actor import EngineLoop
     from floe.engine import SamplingParams
     from floe.server.sessions import SessionStore
@@ -647,9 +703,18 @@ def test_new_sessions_take_spare_actors_made_while_idle(default_checkpoint, tmp_
     assert session.actor in spares and store.counts() == {"live": 1, "frozen": 0, "spare_actors": 1}
     assert store.run(session, [], hi[0]["content"], max_tokens=12, params=sampled).text == expected
     store.release(session)
-    store.freeze("s")
-    wait_spares(store, 2)  # its slot was freed and refilled
-    assert store.thaw("s")["state"] == "live"  # no free slot: a spare made room
-    assert store.counts() == {"live": 1, "frozen": 0, "spare_actors": 1}
+    wait_spares(store, 2)  # made again (they hold no slot)
+    other = store.acquire("t", hi, 8)
+    store.go_live(other)
+    store.release(other)
+    wait_spares(store, 2)
+    assert not engine.slots.free and store.counts() == {"live": 2, "frozen": 0, "spare_actors": 2}
+    spares = list(store._spares)
+    third = store.acquire("u", hi, 9)
+    store.go_live(third)  # every slot held: the least recently used idle session is frozen for it
+    assert third.actor in spares and third.actor.slot is not None
+    assert store.counts() == {"live": 2, "frozen": 1, "spare_actors": 1}
+    store.release(third)
+    assert store.thaw("s")["state"] == "live"  # (and back: "t" frozen for it)
     store.close(freeze=False)
     assert len(engine.slots.free) == 2

@@ -196,7 +196,7 @@ class Actor:
     def __init__(self, engine: Engine, guest: str | Path | bytes | GuestModule | None = None, *,
                  seed: int = 0, system_prompt: str = "", memory_cap: int = DEFAULT_MEMORY_CAP,
                  deadline_s: float = DEFAULT_DEADLINE_S, scheduler: DecodeScheduler | None = None,
-                 loop: EngineLoop | None = None, kv_slot: bool = True) -> None:
+                 loop: EngineLoop | None = None, kv_slot: bool | str = True) -> None:
         self.engine = engine
         # With a scheduler, this actor's decode steps are batched with other actors' (its engine's).
         if scheduler is not None and scheduler.engine is not engine:
@@ -226,11 +226,15 @@ class Actor:
         self._released = False
         self.guest: GuestInstance | None = None
         # kv_slot False: no slot (precheck only); the model's calls fail the message (NeedsKVSlot).
-        self.slot = engine.claim_slot() if kv_slot else None
+        # "later": a slot claimed by attach_slot() before its first message (an actor made ahead).
+        if kv_slot not in (True, False, "later"):
+            raise FloeError(f"kv_slot is True, False or 'later', not {kv_slot!r}")
+        self._slot_later = kv_slot == "later"
+        self.slot = engine.claim_slot() if kv_slot is True else None
         try:
             self.abi = HostABI(self)
             functions = self.abi.functions()
-            if not kv_slot:
+            if kv_slot is False:
                 functions = [f if f.name in WITHOUT_SLOT else self._refusing(f) for f in functions]
             self.guest = GuestInstance(self.module, IMPORT_MODULE, functions, memory_cap,
                                        deadline_s=deadline_s)
@@ -437,7 +441,32 @@ class Actor:
 
     def _need_slot(self, what: str) -> None:
         if self.slot is None:
+            if self._slot_later:
+                raise FloeError(f"{what}: this actor has no KV slot yet (attach_slot() claims one)")
             raise FloeError(f"{what}: this actor was made without a KV slot (it only prechecks messages)")
+
+    def attach_slot(self) -> None:
+        """Claim a KV slot (emptied) for an actor made with kv_slot="later", before its first message: an
+        actor made ahead, whose guest is ready while every slot is still held (a server's spare, which a
+        new session takes once another's slot is freed). Raises FloeError if none is free."""
+        if not self._slot_later:
+            raise FloeError("attach_slot() is for an actor made with kv_slot='later'")
+        if self.closed:
+            raise ActorClosed("this actor is closed")
+        if self.slot is None:
+            self.slot = self.engine.claim_slot()
+
+    def give_up_slot(self) -> None:
+        """Free the KV slot of an idle actor that is about to be closed, now: the slot's next actor need
+        not wait for this one's guest to be torn down (close() may then run later, elsewhere). The
+        actor can run no message after this."""
+        with self._lock:
+            if self._message_thread is not None:
+                raise FloeError("give_up_slot() is for an idle actor (a message is running)")
+            self.closed = True
+            if self.slot is not None:
+                slot, self.slot = self.slot, None
+                self.engine.release_slot(slot)
 
     def _turn(self, ptr: int, length: int, max_tokens: int,
               deliver: tuple[threading.Event, Callable[[], None]] | None) -> int:
@@ -570,6 +599,9 @@ class Actor:
         sender gets GuestCancelled): from another thread close() waits for it to unwind; from inside it
         (an on_text callback) the actor is freed as the message returns."""
         if self.closed:
+            if self.slot is None and not self._released and self._message_thread is None:
+                with self._lock:  # (after give_up_slot: the guest is freed here)
+                    self._release()
             return
         self.closed = True
         if self._message_thread is not None:

@@ -31,6 +31,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +151,7 @@ class Session:
     seed: int = 0
     owner: str = ""  # whose it is (protocol.OWNER; "": a server without API keys)
     anonymous: bool = False  # made for a request that named no session (kept per owner up to a bound)
+    doomed: bool = False  # claimed to be forgotten (SessionStore._bound_anonymous)
     persist: bool = True  # its snapshots go to the store's durable home (a one-shot's: RAM only)
     stored: bool = False  # the store holds a snapshot of it (as far as this server knows)
     snapshot_bytes: int | None = None
@@ -189,6 +191,9 @@ def common_start(a: list[dict], b: list[dict]) -> int:
     return n
 
 
+# Forgotten sessions' actors are closed here (~1-2 ms each: their guests torn down), not by the request
+# that forgot them (a burst's arrivals each forget an idle session of their owner's).
+_CLOSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="floe-close")
 SPARE_CHECK_S = 0.05  # how often the spare-actor maker looks for free slots and an idle engine loop
 SPARE_RETRY_S = 1.0  # after a spare actor could not be made
 
@@ -390,25 +395,33 @@ class SessionStore:
         return session
 
     def _bound_anonymous(self, new: Session) -> None:
-        """Forget the least recently used idle anonymous sessions of `new`'s owner beyond
-        max_anonymous (running ones are kept: at most a KV slot's worth more)."""
+        """Forget the least recently used idle anonymous session of `new`'s owner if `new` took them past
+        max_anonymous (running ones are kept: at most a KV slot's worth more). Each new session forgets
+        at most one: a burst of arrivals shares the forgetting (each claims its victim under the store's
+        lock, so that two never count or take the same one; 64 at once each tried the whole list)."""
         with self.lock:
-            others = sorted((s for s in self.sessions.values() if s.anonymous and s.owner == new.owner
-                             and s is not new), key=lambda s: s.last_used)
-        excess = len(others) + 1 - self.max_anonymous
-        for victim in others:
-            if excess <= 0:
+            mine = [s for s in self.sessions.values() if s.anonymous and s.owner == new.owner
+                    and s is not new and not s.doomed]
+            if len(mine) + 1 <= self.max_anonymous:
                 return
-            if victim.lock.acquire(blocking=False):
-                try:
-                    if self._forget_locked(victim):
-                        excess -= 1
-                        log.info("forgot anonymous session %s (over %d of its owner's)", victim.id,
-                                 self.max_anonymous)
-                except SessionError as e:  # held elsewhere: not this server's to forget
-                    log.info("could not forget anonymous session %s: %s", victim.id, e)
-                finally:
-                    victim.lock.release()
+            idle = [s for s in mine if not s.lock.locked()]
+            victim = min(idle, key=lambda s: s.last_used, default=None)
+            if victim is None:
+                return
+            victim.doomed = True
+        forgotten = False
+        if victim.lock.acquire(blocking=False):
+            try:
+                forgotten = self._forget_locked(victim)
+                if forgotten:
+                    log.info("forgot anonymous session %s (over %d of its owner's)", victim.id,
+                             self.max_anonymous)
+            except SessionError as e:  # held elsewhere: not this server's to forget
+                log.info("could not forget anonymous session %s: %s", victim.id, e)
+            finally:
+                victim.lock.release()
+        if not forgotten:
+            victim.doomed = False  # (taken by a request meanwhile: kept, over the bound until the next)
 
     # ---- running a message -------------------------------------------------------------------------
 
@@ -587,15 +600,13 @@ class SessionStore:
             return
         if not session.stored:
             self._lease(session)
-            if not session.messages and self._take_spare(session):
-                return
         self._reserve_slot(owner=session.owner)
         try:
             if session.stored:
                 self._thaw(session)
             elif session.messages:  # a one-shot session whose snapshot left RAM: its conversation again
                 session.actor = self._actor_with_history(session)
-            else:
+            elif not self._take_spare(session):
                 # One at a time: creating an actor is ~1 ms of short calls into Wasmtime, each a GIL
                 # hand-off; 16 arrivals creating theirs at once thrash the GIL (~45 ms each, measured)
                 # where taking turns costs each ~1 ms plus its wait.
@@ -668,13 +679,9 @@ class SessionStore:
                         raise NoFreeSlot(ticket.bumped)
                     if ticket is None or self._next_in_line() is ticket:
                         live = [s for s in self.sessions.values() if s.live]
-                        if len(live) + self._reserved + len(self._spares) < self.engine.cache.n_slots:
+                        if len(live) + self._reserved < self.engine.cache.n_slots:
                             self._reserved += 1
                             return
-                        if self._spares:  # its slot is needed (a thaw): it goes, and is made again when idle
-                            spare = self._spares.pop()
-                            self._reserved += 1  # counted as ours in the same breath: nobody takes it between
-                            break
                         idle = sorted((s for s in live if not s.lock.locked()), key=lambda s: s.last_used)
                     else:
                         idle = []
@@ -697,7 +704,6 @@ class SessionStore:
                     if ticket.bumped is None:
                         self._waiting.remove(ticket)
                     self._slot_freed.notify_all()  # the next in line may go now
-        spare.close()  # frees the slot just counted as this caller's
 
     def _enqueue(self, owner: str) -> tuple[_Ticket, float]:
         """A place in the wait queue for a request of `owner`'s (caller holds the lock). A full queue
@@ -1042,9 +1048,10 @@ class SessionStore:
                 self.snapshots.delete(session.key)
         except LeaseHeld as e:
             raise SessionLeased(session.id, e) from None
-        if session.actor is not None:
-            session.actor.close()
-            session.actor = None
+        if session.actor is not None:  # its slot free now; its guest torn down off this request's path
+            actor, session.actor = session.actor, None
+            actor.give_up_slot()
+            _CLOSER.submit(actor.close)
         with self.lock:
             del self.sessions[session.key]
         return True
@@ -1062,46 +1069,49 @@ class SessionStore:
     # ---- spare actors ------------------------------------------------------------------------------
 
     def keep_spares(self, wanted: int) -> None:
-        """Keep up to `wanted` actors made ahead, in free KV slots, made while the engine loop has no
-        turn: a new session takes one instead of making its actor as it arrives (~1 ms of the core's
-        GIL time each, which a burst of arrivals pays one after another). A thaw that finds no free
-        slot closes a spare first."""
+        """Keep up to `wanted` actors made ahead, without KV slots (Actor kv_slot="later"), made while the
+        engine loop has no turn: a new session takes one (and the slot it was counted) instead of making
+        its actor as it arrives (~1 ms of the core's GIL time each, which a burst of arrivals pays one
+        after another). Held slots do not keep them from being made: a burst into slots idle sessions
+        hold (forgotten or frozen for it) finds them too."""
         self._spares_wanted = wanted
         if self._spare_maker is None and wanted > 0:
             self._spare_maker = threading.Thread(target=self._make_spares, name="floe-spares", daemon=True)
             self._spare_maker.start()
 
     def _take_spare(self, session: Session) -> bool:
-        """Give the session a spare actor, if there is one (counted as its live actor at once)."""
+        """Give the session a spare actor, if there is one, in the KV slot its caller counted
+        (_reserve_slot)."""
         with self.lock:
             if not self._spares:
                 return False
-            session.actor = self._spares.pop()
-        session.actor.generator.manual_seed(session.seed)  # as Actor(seed=...) would start it
+            actor = self._spares.pop()
+        try:
+            actor.attach_slot()
+        except FloeError:  # (no slot after all: a slot held outside the store's count) it makes its own
+            log.warning("a spare actor found no free KV slot", exc_info=True)
+            actor.close()
+            return False
+        actor.generator.manual_seed(session.seed)  # as Actor(seed=...) would start it
+        session.actor = actor
         return True
 
     def _make_spares(self) -> None:
         while not self._closing.wait(SPARE_CHECK_S):
             while len(self._spares) < self._spares_wanted and not self._closing.is_set() and not (
                     self.loop is not None and self.loop.busy):
-                with self.lock:
-                    live = sum(s.live for s in self.sessions.values())
-                    if live + self._reserved + len(self._spares) >= self.engine.cache.n_slots:
-                        break
-                    self._reserved += 1
                 actor, failed = None, False
                 try:
                     with self._creating:
-                        actor = Actor(self.engine, self.guest, scheduler=self.scheduler, loop=self.loop)
+                        actor = Actor(self.engine, self.guest, scheduler=self.scheduler, loop=self.loop,
+                                      kv_slot="later")
                 except Exception:  # noqa: BLE001 - sessions make their own meanwhile, as without spares
                     log.exception("could not make a spare actor (trying again in %g s)", SPARE_RETRY_S)
                     failed = True
-                finally:
-                    with self.lock:  # one breath: the slot is counted throughout
-                        self._reserved -= 1
-                        if actor is not None and not self._closing.is_set():
-                            self._spares.append(actor)
-                            actor = None
+                with self.lock:
+                    if actor is not None and not self._closing.is_set():
+                        self._spares.append(actor)
+                        actor = None
                 if actor is not None:  # made as the store closed
                     actor.close()
                     return
