@@ -208,7 +208,10 @@ static void consume_array(const grammar *g, frame *c, int d, const schema_node *
         t->state = A_AFTER;
         /* past minItems and the prefix, without maxItems: all counts alike */
         t->idx = (uint16_t)(n->max == SN_UNBOUNDED && count > n->min && count > prefix ? (n->min > prefix ? n->min : prefix) : count);
-        ja_push(g, c, d, array_item(n, count - 1), b, out);
+        if (n->unique) { /* the item's literal frame is told which literals are taken (pos: a bit each) */
+            c[d] = (frame){n->kids[0], ST_START, (uint8_t)t->pos, 0, 0};
+            ja_consume(g, c, d + 1, b, out);
+        } else ja_push(g, c, d, array_item(n, count - 1), b, out);
     } else if (t->state == A_AFTER) {
         if (b == ',' && t->idx < n->max) { t->state = A_COMMA; cset_emit(out, c, d); }
         if (b == ']' && t->idx >= n->min) { t->state = A_DONE; cset_emit(out, c, d); }
@@ -308,9 +311,11 @@ static void consume_number(frame *c, int d, int integer, int b, cset *out) {
 static void consume_literal(frame *c, int d, const schema_node *n, int b, cset *out) {
     frame *t = &c[d - 1];
     uint32_t i = t->state == ST_START ? 0 : t->idx, p = t->state == ST_START ? 0 : t->pos;
-    /* Literals are sorted: those sharing the bytes so far follow idx; the first to go on with b. */
+    /* Literals are sorted: those sharing the bytes so far follow idx; the first to go on with b, not
+     * one taken (aux: a bit each, in a uniqueItems array). */
     for (uint32_t j = i; j < n->n; j++) {
         if (n->lens[j] < p || mem_cmp(n->texts[j], n->texts[i], p)) break;
+        if (j < 8 && (t->aux >> j & 1)) continue;
         if (n->lens[j] > p && (unsigned char)n->texts[j][p] == b) {
             t->state = L_IN, t->idx = (uint16_t)j, t->pos = (uint16_t)(p + 1);
             cset_emit(out, c, d);
@@ -338,9 +343,14 @@ static void ja_consume(const grammar *g, const frame *s, int d, int b, cset *out
 
 /* Byte b after configuration s[0..d): the top frame takes it, or ends and lets its parent take it. */
 static void ja_step(const grammar *g, const frame *s, int d, int b, cset *out) {
+    frame c[JA_MAX_DEPTH];
     while (d > 0) {
         ja_consume(g, s, d, b, out);
         if (!frame_can_end(g, &s[d - 1])) return;
+        if (d > 1 && g->nodes[s[d - 2].node].unique) { /* an item ends: its literal is taken */
+            if (s != c) __builtin_memcpy(c, s, (size_t)d * sizeof *c), s = c;
+            c[d - 2].pos |= (uint16_t)(1u << c[d - 1].idx);
+        }
         d--;
     }
 }
@@ -409,6 +419,12 @@ static uint32_t frame_need(const grammar *g, const frame *f) {
     }
     case SN_ARRAY: {
         if (f->state == A_DONE) return 0;
+        if (n->unique) { /* the shortest literals not taken */
+            uint32_t left = n->min > f->idx ? n->min - f->idx : 0;
+            if (f->state == A_OPEN) return n->min ? unique_items_bytes(g->nodes, n, 0, n->min) : 1;
+            if (f->state == A_COMMA) return unique_items_bytes(g->nodes, n, f->pos, left ? left : 1);
+            return unique_items_bytes(g->nodes, n, f->pos, left) + 1;
+        }
         if (f->state == A_OPEN) return n->min ? array_items_bytes(g->nodes, n, 0, n->min) : 1;
         if (f->state == A_COMMA) /* an item now, then the rest */
             return g->nodes[array_item(n, f->idx)].min_bytes + array_items_bytes(g->nodes, n, f->idx + 1u, n->min) + 1;
@@ -429,7 +445,7 @@ static uint32_t frame_need(const grammar *g, const frame *f) {
         uint32_t best = 0xFFFFFFFF;
         for (uint32_t j = f->idx; j < n->n; j++) {
             if (n->lens[j] < f->pos || mem_cmp(n->texts[j], n->texts[f->idx], f->pos)) break;
-            if (n->lens[j] - f->pos < best) best = n->lens[j] - f->pos;
+            if (!(j < 8 && (f->aux >> j & 1)) && n->lens[j] - f->pos < best) best = n->lens[j] - f->pos;
         }
         return best;
     }
@@ -438,14 +454,32 @@ static uint32_t frame_need(const grammar *g, const frame *f) {
 }
 
 /* The fewest bytes that complete the value from any reading in `c` (0: it is complete). */
+/* A uniqueItems array writing an item (its literal frame `item` on top of it): the fewest bytes of the
+ * two, for each literal the item may still become (which is then taken for the items after it). */
+static uint32_t unique_pair_need(const grammar *g, const frame *array, const frame *item) {
+    const schema_node *n = &g->nodes[array->node], *lit = &g->nodes[item->node];
+    uint32_t left = n->min > array->idx ? n->min - array->idx : 0, best = 0xFFFFFFFF;
+    for (uint32_t j = item->idx; j < lit->n; j++) {
+        if (lit->lens[j] < item->pos || mem_cmp(lit->texts[j], lit->texts[item->idx], item->pos)) break;
+        if (item->aux >> j & 1) continue;
+        uint32_t m = lit->lens[j] - item->pos + unique_items_bytes(g->nodes, n, array->pos | 1u << j, left) + 1;
+        if (m < best) best = m;
+    }
+    return best;
+}
+
 static uint32_t cset_need(const grammar *g, const cset *c) {
     uint32_t best = 0xFFFFFFFF;
     for (uint32_t at = 0; at < c->len; at += 1 + c->data[at] * sizeof(frame)) {
         uint32_t need = 0;
-        frame f;
-        for (int i = 0; i < c->data[at]; i++) {
-            __builtin_memcpy(&f, c->data + at + 1 + i * sizeof f, sizeof f);
-            need += frame_need(g, &f);
+        frame f[JA_MAX_DEPTH];
+        int d = c->data[at];
+        __builtin_memcpy(f, c->data + at + 1, (size_t)d * sizeof *f);
+        for (int i = 0; i < d; i++) {
+            if (i + 1 < d && g->nodes[f[i].node].unique && f[i].state == A_AFTER) { /* the item taken with it */
+                need += unique_pair_need(g, &f[i], &f[i + 1]);
+                i++;
+            } else need += frame_need(g, &f[i]);
         }
         if (need < best) best = need;
     }

@@ -13,6 +13,7 @@ enum { SN_OBJECT, SN_ARRAY, SN_STRING, SN_NUMBER, SN_INTEGER, SN_LITERALS, SN_AN
 typedef struct {
     uint8_t kind;
     uint8_t generic;      /* object: any keys, any values (kids[0] is the any-value node) */
+    uint8_t unique;       /* array: uniqueItems over kids[0], a literal set of at most 8 */
     uint32_t n;           /* object: properties; literals: literal texts; anyOf: alternatives */
     const char **texts;   /* object: each key as JSON text ("name" with its quotes); literals: sorted */
     uint32_t *lens;
@@ -73,6 +74,21 @@ static uint32_t object_rest_counted(const schema_node *nodes, const schema_node 
     }
     if (kept < deficit) return SN_INF;
     for (uint32_t i = 0; i < deficit; i++) m = add_sat(m, cheapest[i]);
+    return m;
+}
+
+/* A uniqueItems array's fewest bytes for `count` more items (each with the comma or bracket after it):
+ * the shortest literals not in `used` (a bit a literal); SN_INF if too few are left. */
+static uint32_t unique_items_bytes(const schema_node *nodes, const schema_node *n, uint32_t used, uint32_t count) {
+    const schema_node *lit = &nodes[n->kids[0]];
+    uint32_t m = 0;
+    for (uint32_t k = 0; k < count; k++) {
+        uint32_t best = SN_INF, at = 0;
+        for (uint32_t j = 0; j < lit->n; j++)
+            if (!(used >> j & 1) && lit->lens[j] < best) best = lit->lens[j], at = j;
+        if (best == SN_INF) return SN_INF;
+        used |= 1u << at, m += best + 1;
+    }
     return m;
 }
 

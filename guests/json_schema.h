@@ -29,7 +29,7 @@ static int g_min_bytes(grammar *g) {
                 m = object_rest_counted(g->nodes, s, 0, 0, &writes);
                 m = m >= inf ? inf : m + 1 - (writes ? 1 : 0);
             } else if (s->kind == SN_ARRAY) {
-                uint32_t v = array_items_bytes(g->nodes, s, 0, s->min);
+                uint32_t v = s->unique ? unique_items_bytes(g->nodes, s, 0, s->min) : array_items_bytes(g->nodes, s, 0, s->min);
                 m = s->min == 0 ? 2 : v >= inf ? inf : 1 + v;
             } else if (s->kind == SN_STRING) m = 2 + (s->dfa ? s->dfa->dist[s->dfa->start] : s->min);
             else if ((s->kind == SN_NUMBER || s->kind == SN_INTEGER) && s->sides) {

@@ -10,7 +10,7 @@
 static const char *const KEYWORDS_KNOWN[] = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
     "readOnly", "writeOnly", "$defs", "definitions", "discriminator", "additionalProperties", "oneOf", "allOf",
-    "type", "properties", "required", "minProperties", "maxProperties", "items", "prefixItems", "additionalItems", "minItems", "maxItems", "enum", "const", "anyOf", "$ref",
+    "type", "properties", "required", "minProperties", "maxProperties", "items", "prefixItems", "additionalItems", "uniqueItems", "minItems", "maxItems", "enum", "const", "anyOf", "$ref",
     "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", 0,
 };
 
@@ -218,6 +218,32 @@ static int g_object(grammar *g, const json_value *v, char *path, uint32_t plen, 
     return g_property_counts(g, v, node, n, required, path) ? node : -1;
 }
 
+/* uniqueItems: nothing to keep where at most one item is written; else over an enum of at most 8
+ * strings, integers, booleans or null (values equal exactly when their texts are: a frame keeps a bit
+ * for each one taken); refused by name otherwise. 1, or 0 with g->error set. */
+static int g_unique(grammar *g, const json_value *v, int node, const char *path) {
+    const json_value *u = json_get(v, "uniqueItems");
+    schema_node *s = &g->nodes[node];
+    if (!u || u->type == JV_FALSE || s->max <= 1) return 1;
+    const schema_node *lit = &g->nodes[s->kids[0]];
+    int ok = u->type == JV_TRUE && s->n == 1 && lit->kind == SN_LITERALS && lit->n <= 8;
+    for (uint32_t j = 0; ok && j < lit->n; j++)
+        for (uint32_t i = 0; i < lit->lens[j]; i++) {
+            char c = lit->texts[j][0];
+            if (c == '{' || c == '[' || ((c == '-' || (c >= '0' && c <= '9')) &&
+                (lit->texts[j][i] == '.' || lit->texts[j][i] == 'e' || lit->texts[j][i] == 'E'))) ok = 0;
+        }
+    if (!ok) {
+        g_error(g, "'uniqueItems' on items that are not an enum of at most 8 strings, integers, booleans or null "
+                   "(what this guest keeps apart) at ", path, 0);
+        return 0;
+    }
+    s->unique = 1;
+    if (s->max > lit->n) s->max = lit->n; /* no more items than distinct values */
+    if (s->min > s->max) { g_error(g, "minItems above the distinct values uniqueItems allows at ", path, 0); return 0; }
+    return 1;
+}
+
 /* An array: kids[0] the items past the prefix, kids[1..n) prefixItems' schemas, one a position. */
 static int g_array(grammar *g, const json_value *v, char *path, uint32_t plen, int depth) {
     const json_value *items = json_get(v, "items"), *prefix = json_get(v, "prefixItems");
@@ -253,6 +279,7 @@ static int g_array(grammar *g, const json_value *v, char *path, uint32_t plen, i
         if (kid < 0) return -1;
         g->nodes[node].kids[1 + i] = (uint16_t)kid;
     }
+    if (!g_unique(g, v, node, path)) return -1;
     if (g->nodes[node].min > g->nodes[node].max) {
         g_error(g, items && items->type == JV_FALSE ? "minItems > the positions a tuple allows ('items' or 'additionalItems' false) at "
                                                     : "minItems > maxItems at ", path, 0);
@@ -418,7 +445,8 @@ static int g_typed(grammar *g, const json_value *v, const json_value *type, char
     if (!type && has_number_bounds(v)) return g_number(g, v, 0, path);
     if (!type) {
         if (json_get(v, "properties") || json_get(v, "required") || has_property_counts(v)) return g_object(g, v, path, plen, depth);
-        if (json_get(v, "items") || json_get(v, "prefixItems") || json_get(v, "minItems") || json_get(v, "maxItems"))
+        if (json_get(v, "items") || json_get(v, "prefixItems") || json_get(v, "minItems") || json_get(v, "maxItems") ||
+            json_get(v, "uniqueItems"))
             return g_array(g, v, path, plen, depth);
         const json_value *extra = json_get(v, "additionalProperties");
         if (extra && (extra->type == JV_OBJECT || extra->type == JV_FALSE)) return g_object(g, v, path, plen, depth);

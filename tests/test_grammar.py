@@ -148,7 +148,7 @@ def test_plain_json_mode_answers_one_json_value(engine):
 
 @pytest.mark.parametrize("keyword, schema", [
     ("not", {"type": "object", "properties": {"code": {"type": "string", "not": {"const": "x"}}}}),
-    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
+    ("contains", {"type": "array", "items": {"type": "integer"}, "contains": {"const": 1}}),
     ("if", {"if": {"type": "string"}, "then": {"minLength": 2}}),
 ])
 def test_a_schema_with_an_unsupported_keyword_is_refused_by_name(tiny_engine, keyword, schema):
@@ -212,9 +212,9 @@ def test_floe_run_json_schema_prints_a_valid_value(tmp_path):
 
 
 def test_floe_run_json_schema_names_the_unsupported_keyword(tmp_path):
-    (tmp_path / "set.json").write_text('{"type": "array", "uniqueItems": true}')
+    (tmp_path / "set.json").write_text('{"type": "array", "contains": {"const": 1}}')
     proc = floe_run("Which?", "--json-schema", str(tmp_path / "set.json"), "--max-tokens", "8")
-    assert proc.returncode != 0 and "unsupported JSON Schema keyword 'uniqueItems'" in proc.stderr
+    assert proc.returncode != 0 and "unsupported JSON Schema keyword 'contains'" in proc.stderr
 
 
 def test_floe_run_json_schema_refuses_a_guest_that_does_not_read_schemas(tmp_path):
@@ -277,7 +277,7 @@ def test_a_max_tokens_no_value_fits_in_is_refused_saying_what_would(tiny_engine)
 def test_a_schema_is_checked_without_a_kv_slot_as_a_message_would_refuse_it(tiny_engine):
     """floe serve checks a structured request before it waits for a slot (a bad schema is a 400 however
     busy the server is): the check holds no KV slot and says what the grammar actor's message says."""
-    bad, small = {"type": "array", "uniqueItems": True}, (PERSON, 3)
+    bad, small = {"type": "array", "contains": {"const": 1}}, (PERSON, 3)
     with grammar_actor(tiny_engine) as actor:
         refusals = []
         for schema, max_tokens in ((bad, 8), small):

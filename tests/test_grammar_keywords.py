@@ -329,12 +329,44 @@ def test_prefix_items_hold_at_their_positions(automaton, schema):
     drawn_values_validate(automaton, schema)
 
 
+UNIQUE = [  # pydantic's set[Literal[...]] and set[SomeEnum]
+    {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "uniqueItems": True},
+    {"type": "array", "items": {"enum": ["a", "ab", "abc", 1, 12, True, None]}, "uniqueItems": True,
+     "minItems": 3},
+    {"type": "array", "items": {"$ref": "#/$defs/C"}, "uniqueItems": True, "maxItems": 2,
+     "$defs": {"C": {"enum": ["x", "y", "z"], "type": "string"}}},
+    {"type": "array", "items": {"type": "string"}, "uniqueItems": True, "maxItems": 1},
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},
+]
+
+
+def unique_corpus() -> list[str]:
+    values = ['"red"', '"green"', '"blue"', '"a"', '"ab"', '"abc"', "1", "12", "true", "null", '"x"', '"y"',
+              '"z"', "7"]
+    rng = random.Random(8)
+    texts = ["[" + ",".join(rng.choice(values) for _ in range(rng.randrange(1, 5))) + "]" for _ in range(400)]
+    texts.append("[]")
+    return sorted(set(texts))
+
+
+@pytest.mark.parametrize("schema", UNIQUE, ids=compact)
+def test_unique_items_over_an_enum_hold_exactly(automaton, schema):
+    agrees(automaton, schema, unique_corpus())
+    drawn_values_validate(automaton, schema)
+
+
 @pytest.mark.parametrize("schema, says", [
     ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False, "minItems": 2},
      "minItems > the positions a tuple allows ('items' or 'additionalItems' false)"),
     ({"type": "array", "prefixItems": {"type": "integer"}}, "'prefixItems' must be an array of schemas"),
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems' on items that"),
+    ({"type": "array", "items": {"enum": [1, 1.0]}, "uniqueItems": True}, "'uniqueItems' on items"),
+    ({"type": "array", "items": {"enum": list("abcdefghi")}, "uniqueItems": True}, "an enum of at most 8"),
+    ({"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True, "minItems": 3},
+     "minItems above the distinct values uniqueItems allows"),
     ({"type": "array", "prefixItems": [{"type": "integer"}, {"uniqueItems": True}]},
-     "'uniqueItems' at #/prefixItems/1"),
+     "'uniqueItems' on items that are not an enum of at most 8 strings, integers, booleans or null (what "
+     "this guest keeps apart) at #/prefixItems/1"),
     ({"type": "object", "additionalProperties": {"not": {}}}, "'not' at #/additionalProperties"),
     ({"type": "object", "properties": {"a": {}}, "minProperties": 2},
      "minProperties above the properties listed"),
@@ -640,6 +672,10 @@ MASKED = {
                  "minItems": 2},
         "map": {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 2},
         "a": {"type": "null"}, "b": {"type": "null"}}},
+    "set": {"type": "object", "required": ["tags", "few"], "properties": {
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue", "a", "ab", 1, 12]},
+                 "uniqueItems": True, "minItems": 4},
+        "few": {"type": "array", "items": {"enum": [True, False, None]}, "uniqueItems": True}}},
 }
 
 
