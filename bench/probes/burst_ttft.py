@@ -3,7 +3,7 @@
 server's admission is what is timed, not the client's parsing (the official `openai` client kept each
 of bench/serve_load.py's client processes ~95 % busy at 8 streams on the H200 host).
 
-    python bench/probes/burst_ttft.py --port 8000 [--sessions 64] [--max-tokens 128] [--rounds 3]
+    python bench/probes/burst_ttft.py --port 8000 [--sessions 64] [--max-tokens 128] [--rounds 3] [--pause S]
 
 Prints per round the TTFT p50 / p95 / max (request sent → first content chunk), the last stream's
 end and the aggregate tok/s (completion tokens from each stream's usage chunk over the round's wall).
@@ -66,10 +66,14 @@ async def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--api-key", default=None)
+    ap.add_argument("--pause", type=float, default=0.0,
+                    help="seconds between rounds (the server idle: what it does ahead of a burst)")
     args = ap.parse_args()
     model = await model_id(args.host, args.port, args.api_key)
     await chat(args.host, args.port, model, -1, 2, args.api_key)  # (the server's first request: warm)
     for r in range(args.rounds):
+        if r:
+            await asyncio.sleep(args.pause)
         t0 = time.perf_counter()
         results = await asyncio.gather(*[chat(args.host, args.port, model, i, args.max_tokens, args.api_key)
                                          for i in range(args.sessions)])

@@ -6,7 +6,7 @@ then the turn until its first text, then the rest. A one-layer 64-wide model, so
 little and the host's share shows.
 
     python bench/probes/core_arrivals.py [--device cpu|cuda] [--sessions 64] [--slots 64] [--rounds 4]
-        [--max-anonymous 64] [--tokens 16] [--tokenizer DIR]
+        [--max-anonymous 64] [--tokens 16] [--tokenizer DIR] [--pause S]
 """
 
 from __future__ import annotations
@@ -35,13 +35,17 @@ def main() -> None:
     ap.add_argument("--max-anonymous", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
+    ap.add_argument("--pause", type=float, default=2.0,
+                    help="seconds idle before each round (spare actors are made, forgotten ones closed)")
     args = ap.parse_args()
     tok = tokenizer(args.tokenizer)
     engine = tiny_engine(tok, args.slots, args.device)
     core = ServeCore(engine, snapshots=tempfile.mkdtemp(prefix="floe-arrivals-"), model_id="tiny",
                      max_anonymous=args.max_anonymous, max_waiting=args.sessions, wait_seconds=60)
+    core.keep_spares()  # as floe serve does
     try:
         for r in range(args.rounds):
+            time.sleep(args.pause)
             rows = burst(core, [message(tok, 1000 * r + i, 64) for i in range(args.sessions)], args.tokens)
             errors = [x["error"] for x in rows if "error" in x]
             if errors:

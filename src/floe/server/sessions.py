@@ -194,6 +194,8 @@ def common_start(a: list[dict], b: list[dict]) -> int:
 # Forgotten sessions' actors are closed here (~1-2 ms each: their guests torn down), not by the request
 # that forgot them (a burst's arrivals each forget an idle session of their owner's).
 _CLOSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="floe-close")
+CLOSE_LATER_MOST = 256  # forgotten actors waiting for an idle loop to be closed; past it, closed at once
+CLOSE_LATER_S = 5.0  # the longest one waits
 SPARE_CHECK_S = 0.05  # how often the spare-actor maker looks for free slots and an idle engine loop
 SPARE_RETRY_S = 1.0  # after a spare actor could not be made
 
@@ -243,6 +245,7 @@ class SessionStore:
         self._creating = threading.Lock()  # actors are made one at a time (see _ensure_live)
         self._spares: list[Actor] = []  # actors made ahead in free slots (keep_spares); guarded by lock
         self._spares_wanted = 0
+        self._closing_later: deque[Actor] = deque()  # forgotten sessions' actors (_close_later)
         self._closing = threading.Event()
         self._spare_maker: threading.Thread | None = None
         self.on_thaw, self.on_freeze = on_thaw, on_freeze
@@ -1051,7 +1054,7 @@ class SessionStore:
         if session.actor is not None:  # its slot free now; its guest torn down off this request's path
             actor, session.actor = session.actor, None
             actor.give_up_slot()
-            _CLOSER.submit(actor.close)
+            self._close_later(actor)
         with self.lock:
             del self.sessions[session.key]
         return True
@@ -1067,6 +1070,31 @@ class SessionStore:
             return {"live": live, "frozen": len(self.sessions) - live, "spare_actors": len(self._spares)}
 
     # ---- spare actors ------------------------------------------------------------------------------
+
+    def _close_later(self, actor: Actor) -> None:
+        """Close an actor that gave up its slot once the engine loop is idle (its guest's teardown, ~1-2
+        ms of the core's GIL, is not a burst's: 64 arrivals each forgetting a session paid 64 of them
+        while they arrived), or at once past CLOSE_LATER_MOST waiting or CLOSE_LATER_S."""
+        with self.lock:
+            self._closing_later.append(actor)
+            if len(self._closing_later) <= CLOSE_LATER_MOST:
+                if len(self._closing_later) == 1:
+                    _CLOSER.submit(self._close_waiting)
+                return
+            actor = self._closing_later.popleft()
+        actor.close()
+
+    def _close_waiting(self) -> None:
+        end = time.monotonic() + CLOSE_LATER_S
+        while (self.loop is not None and self.loop.busy and time.monotonic() < end
+               and not self._closing.is_set()):
+            time.sleep(SPARE_CHECK_S)
+        while True:
+            with self.lock:
+                if not self._closing_later:
+                    return
+                actor = self._closing_later.popleft()
+            actor.close()
 
     def keep_spares(self, wanted: int) -> None:
         """Keep up to `wanted` actors made ahead, without KV slots (Actor kv_slot="later"), made while the
@@ -1127,6 +1155,8 @@ class SessionStore:
             self._spare_maker.join(30)
         with self.lock:
             spares, self._spares = self._spares, []
+            spares += self._closing_later
+            self._closing_later.clear()
         for actor in spares:
             actor.close()
         for session in list(self.sessions.values()):
