@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -113,3 +114,34 @@ def _raised(fn):
 def test_not_usable_on_the_main_thread():
     g = guest("(i32.const 1)")
     assert not guest_rows.usable([g])  # (the main thread takes Ctrl-C through Python's handler)
+
+
+SPIN = """(local $i i32) (local.set $i (i32.const 0))
+    (loop $l (local.set $i (i32.add (local.get $i) (i32.const 1)))
+             (br_if $l (i32.lt_u (local.get $i) (i32.load (i32.const 128)))))
+    (i32.const 1)"""  # counts to the i32 at 128
+
+
+def test_each_row_gets_its_whole_bound_from_its_own_start():
+    """The bound is armed natively before each row's call (from that row's start), so rows that each
+    take half of it all finish: armed once for the batch, the third row here would have run out of it."""
+    probe = guest(SPIN)
+    if not on_a_guest_thread(lambda: guest_rows.usable([probe])):
+        pytest.skip("no native loop here")
+    probe.region.numpy(128, 1, np.int32)[0] = 1 << 24
+
+    def seconds_of_one() -> float:
+        t = time.perf_counter()
+        assert guest_rows.call_rows([probe], "on_token", [0], [0], [math.inf], 60.0, [lambda: None])[0] == [1]
+        return time.perf_counter() - t
+
+    one = min(on_a_guest_thread(seconds_of_one) for _ in range(3))
+    guests = [guest(SPIN) for _ in range(3)]
+    for g in guests:  # ~0.4 s a call
+        g.region.numpy(128, 1, np.int32)[0] = int((1 << 24) * 0.4 / one)
+    t = time.perf_counter()
+    answers, _ = on_a_guest_thread(lambda: guest_rows.call_rows(
+        guests, "on_token", [0] * 3, [0] * 3, [math.inf] * 3, 1.0, [lambda: None] * 3))
+    took = time.perf_counter() - t
+    assert answers == [1, 1, 1], (answers, took)
+    assert took > 1.0  # (together they ran past one bound)
