@@ -36,16 +36,30 @@ class StopText:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops
         self.longest = max(map(len, stops), default=0)
-        self.text = ""  # the reply so far (up to the stop once one matched)
+        self._text = ""  # the reply so far (up to the stop once one matched)
+        self._pieces: list[str] = []  # without stops: the pieces (joined once: += grew it at every one)
         self.sent = 0  # characters of it handed on
         self.matched = False
+
+    @property
+    def text(self) -> str:
+        """The reply so far (up to the stop once one matched)."""
+        if self._pieces:
+            self._text += "".join(self._pieces)
+            self._pieces.clear()
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._pieces.clear()
+        self._text = value
 
     def take(self, piece: str) -> str:
         if self.matched:
             return ""
         if not self.stops:
-            self.text += piece
-            self.sent = len(self.text)
+            self._pieces.append(piece)
+            self.sent += len(piece)
             return piece
         # No stop lies inside the text before this piece (it was searched): one can only end in it.
         start = max(0, len(self.text) - self.longest + 1)
