@@ -132,17 +132,21 @@ class Region:
         return (ctypes.c_ubyte * length).from_address(self.base + offset)
 
     def numpy(self, offset: int, count: int, dtype=np.uint8) -> np.ndarray:
-        """A numpy view of `count` elements of `dtype` at byte `offset`: no copy."""
+        """A numpy view of `count` elements of `dtype` at byte `offset`: no copy. (Made from the
+        reservation's bytes at an offset, not from a ctypes array of the view's length: a new length
+        made a new ctypes array type, ~4 us, at every host call with a buffer of its own size.)"""
         dt = np.dtype(dtype)
-        return np.frombuffer(self.buffer(offset, count * dt.itemsize), dtype=dt, count=count)
+        self._check_open()
+        self.check(offset, count * dt.itemsize)
+        return np.frombuffer(self._bytes, dtype=dt, count=count, offset=offset)
 
     def torch(self, offset: int, count: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A CPU tensor view of `count` elements at byte `offset`: its data_ptr is base + offset."""
-        itemsize = dtype.itemsize
+        self._check_open()
+        self.check(offset, count * dtype.itemsize)
         if count == 0:
-            self.check(offset, 0)
             return torch.empty(0, dtype=dtype)
-        return torch.frombuffer(self.buffer(offset, count * itemsize), dtype=dtype, count=count)
+        return torch.frombuffer(self._bytes, dtype=dtype, count=count, offset=offset)
 
     def cuda_tensor(self, offset: int, count: int, dtype: torch.dtype, device: torch.device | str,
                     shape: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -77,6 +77,7 @@ LOG_LINE_BYTES = 4096
 _SLOW_CALLS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="floe-host-call")
 
 
+NO_IDS = torch.empty(0, dtype=torch.long)  # nothing queued (shared: queued ids are replaced, never written)
 LOGITS_KEPT, LOGITS_IN_PLACE, LOGITS_COPIED = 0, 1, 2  # HostABI.keep_logits: which crossing
 CHOICE_CROSSING = "host→guest choice (the host's token for on_token)"
 
@@ -151,7 +152,7 @@ class HostABI:
         self.text_cap = 0
         self.version = ABI_VERSION  # the guest's, once it said
         # v2: what on_message queued for the engine loop, and where each step's logits go.
-        self.queued = torch.empty(0, dtype=torch.long)
+        self.queued = NO_IDS
         self.logits_ptr = 0
         self.preparing = False  # inside on_message (v2): prefill queues, kv_truncate allowed
         # v2 turn options on_message may set (choice_at, stream_tokens); reset at each message.
@@ -371,7 +372,7 @@ class HostABI:
         return len(self.queued)
 
     def clear_queue(self) -> None:
-        self.queued = self.queued[:0]
+        self.queued = NO_IDS
 
     def run_queued(self, chunk: int) -> int:
         """v2, for the engine loop: prefill up to `chunk` of the queued prompt ids now; a status.
@@ -385,7 +386,7 @@ class HostABI:
     def take_queued(self) -> list[int]:
         """v2, for the engine loop: all the queued prompt ids, which its next step appends (then
         took_prompt)."""
-        ids, self.queued = self.queued, self.queued[:0]
+        ids, self.queued = self.queued, NO_IDS
         return ids.tolist()
 
     def took_prompt(self, n_tokens: int, result: torch.Tensor | BaseException, seconds: float,

@@ -20,8 +20,8 @@ MAX_MODULE_BYTES = 16 << 20
 # at most: 9 sections, 13 types, 14 imports, 38 functions, 1 table of 1 element, 1 global, 8 exports,
 # no element segment, 2 data segments; the grammar guest, the largest since issue 43's keywords, 92 kB
 # of code with the largest body 17 kB and 44 locals in one function; each bound is at least 15 times
-# that (a guest in another language, with its runtime, is bigger). At a bound Wasmtime compiles a module in seconds, not minutes (docs/GUESTS.md,
-# "Module limits").
+# that (a guest in another language, with its runtime, is bigger). At a bound Wasmtime compiles a module
+# in seconds, not minutes (docs/GUESTS.md, "Module limits").
 LIMITS = {
     "sections": 1024,  # also bounds this reader's own work: custom sections are free to repeat
     "types": 65_536,
