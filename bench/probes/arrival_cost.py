@@ -18,6 +18,7 @@ import cProfile
 import pstats
 import statistics
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
@@ -27,6 +28,7 @@ from tiny import tiny_engine, tokenizer  # noqa: E402
 from floe.actor import Actor, EngineLoop  # noqa: E402
 from floe.actor import loop as engine_loop  # noqa: E402
 from floe.engine import Engine  # noqa: E402
+from floe.wasm import start_guest_thread  # noqa: E402
 
 
 def main() -> None:
@@ -57,28 +59,43 @@ def main() -> None:
 
 
 def alone(engine: Engine, texts: list[str]) -> None:
-    """Each message's on_message, one at a time (the loop idle): its wall time, and a profile."""
-    loop = EngineLoop(engine)
-    actors = [Actor(engine, loop=loop, seed=i) for i in range(len(texts))]
-    actors[0].send(texts[0], max_tokens=1)
-    prepare = []
+    """Each message's on_message, one at a time (the loop idle), on a thread as a server's: its wall
+    time without a profiler, then again under cProfile, and the profile."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(_alone(engine, texts, profiled=False)))
+    start_guest_thread(thread)
+    thread.join()
+    print(f"one message's on_message alone, on a guest thread: p50 {1e3 * statistics.median(out[0]):.3f} ms "
+          f"(min {1e3 * min(out[0]):.3f})")
     profile = cProfile.Profile()
-    for actor, text in zip(actors[1:], texts[1:], strict=True):
-        profile.enable()
-        stats = actor.send(text, max_tokens=1).stats
-        profile.disable()
-        prepare.append(stats.prepared - stats.started)
-    for actor in actors:
-        actor.close()
+    prepare = _alone(engine, texts, profile)
     n = len(prepare)
-    print(f"one message's on_message alone: p50 {1e3 * statistics.median(prepare):.3f} ms "
-          f"(min {1e3 * min(prepare):.3f}); cProfile, ms a message (cumulative, own, calls):")
+    print(f"the same under cProfile (the main thread): p50 {1e3 * statistics.median(prepare):.3f} ms "
+          f"(min {1e3 * min(prepare):.3f}); ms a message (cumulative, own, calls):")
     stats = pstats.Stats(profile)
     top = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])
     for (file, line, name), (_, calls, tottime, cumtime, _) in top[:30]:
         print(f"  {1e3 * cumtime / n:7.3f} {1e3 * tottime / n:7.3f} {calls / n:5.1f}  "
               f"{Path(file).name}:{line}({name})")
 
+
+
+def _alone(engine: Engine, texts: list[str], profiled: cProfile.Profile | bool) -> list[float]:
+    """Seconds of each on_message (the first message, which warms up, not counted)."""
+    loop = EngineLoop(engine)
+    actors = [Actor(engine, loop=loop, seed=i) for i in range(len(texts))]
+    actors[0].send(texts[0], max_tokens=1)
+    prepare = []
+    for actor, text in zip(actors[1:], texts[1:], strict=True):
+        if profiled:
+            profiled.enable()
+        stats = actor.send(text, max_tokens=1).stats
+        if profiled:
+            profiled.disable()
+        prepare.append(stats.prepared - stats.started)
+    for actor in actors:
+        actor.close()
+    return prepare
 
 if __name__ == "__main__":
     main()
