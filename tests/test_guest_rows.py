@@ -145,3 +145,32 @@ def test_each_row_gets_its_whole_bound_from_its_own_start():
     took = time.perf_counter() - t
     assert answers == [1, 1, 1], (answers, took)
     assert took > 1.0  # (together they ran past one bound)
+
+
+def test_rows_not_called_keep_no_judgement_of_an_earlier_call():
+    """A row the native loop did not call this time (every guest stopped: the process exiting) says
+    nothing: its judgement word is cleared, and its answer is the refusal."""
+    from floe.wasm import runtime
+
+    g = guest("(i32.const 5)")
+    if not on_a_guest_thread(lambda: guest_rows.usable([g])):
+        pytest.skip("no native loop here")
+    table = np.zeros((1, guest_rows.WIDTH), np.int64)
+    table[0, :5] = guest_rows.heads([g], "on_token", [0])[0]
+    table[0, [guest_rows.Col.SPECULATED, guest_rows.Col.NEXT_TOKEN]] = guest_rows.NONE
+    table[0, guest_rows.Col.VOCAB], table[0, guest_rows.Col.MAX_TOKENS] = 100, 10
+    table.view(np.float64)[0, guest_rows.Col.DEADLINE] = math.inf
+    slots = np.zeros(1, np.int64)
+
+    def call() -> dict:
+        return guest_rows.call_slots(table, slots, [g], "on_token", 1.0, lambda k: None)
+
+    first = on_a_guest_thread(call)
+    assert first == {} and table[0, guest_rows.Col.JUDGED] == guest_rows.PLAIN
+    runtime._stopped = "a test stopped every guest"
+    try:
+        again = on_a_guest_thread(call)
+    finally:
+        runtime._stopped = None
+    assert set(again) == {0} and "a test stopped every guest" in str(again[0])
+    assert table[0, guest_rows.Col.JUDGED] == 0

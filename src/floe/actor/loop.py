@@ -596,7 +596,12 @@ class EngineLoop:
         tokens = rows[:, Col.RESULT].tolist()
         for k, judgement in enumerate(rows[:, Col.JUDGED].tolist()):
             turn = asking[k]
-            if judgement & PLAIN:  # taken into its row natively (floe.wasm.rows); its record and stream here
+            if failed and k in failed:  # (its row's words are not this call's)
+                answer = failed[k]
+                if isinstance(answer, GuestError):
+                    turn.actor.name_last_log(answer)  # as Actor.guest_call does
+                self._finish(turn, END_CANCELLED, self._call_failure(turn, "on_token", bound, answer))
+            elif judgement & PLAIN:  # taken into its row natively (floe.wasm.rows): its record, its stream
                 self.warm = True
                 token = tokens[k]
                 turn.actor.stats.on_decode(token)
@@ -605,11 +610,6 @@ class EngineLoop:
                         turn.abi.stream(token)
                     except BaseException as e:  # noqa: BLE001 - fails this turn only
                         self._finish(turn, END_CANCELLED, e)
-            elif k in failed:
-                answer = failed[k]
-                if isinstance(answer, GuestError):
-                    turn.actor.name_last_log(answer)  # as Actor.guest_call does
-                self._finish(turn, END_CANCELLED, self._call_failure(turn, "on_token", bound, answer))
             else:
                 self.warm = True
                 self._took(turn, tokens[k])

@@ -134,6 +134,7 @@ def call_slots(table: np.ndarray, slots: np.ndarray, guests: Sequence[GuestInsta
     fresh() leaves them (the caller's part: once a turn). Check usable() first."""
     n = len(guests)
     failed: dict[int, BaseException] = {}
+    table[slots, Col.JUDGED] = 0  # (a row not called says nothing)
     for region in memory.take_denied():  # refused on this thread since (fresh(): none before a turn)
         region.denied_size = 0
     batch = _Batch(guests)
