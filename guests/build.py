@@ -1,7 +1,7 @@
 """Build floe guests to wasm32 with zig's clang (PyPI `ziglang`): this folder's, into the package, or
 your own C sources anywhere (floe.h is found here, whatever the current folder).
 
-    python guests/build.py [--out src/floe/guests]          # chat, constrained, grammar, probe
+    python guests/build.py [--out src/floe/guests]          # chat, complete, constrained, grammar, probe
     python guests/build.py my_guest.c [more.c …] --out .    # your own: my_guest.wasm in --out
 
 No wasi-libc: guests use only floe.h. Exports come from FLOE_EXPORT attributes; `__stack_pointer`
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-GUESTS = ("chat", "constrained", "grammar", "probe")
+GUESTS = ("chat", "complete", "constrained", "grammar", "probe")
 FLAGS = [
     "--target=wasm32-freestanding", "-O2", "-nostdlib", "-std=c11", "-Wall", "-Werror",
     "-Wno-unused-function", "-Wl,--no-entry", "-Wl,-z,stack-size=1048576", "-Wl,--strip-debug",

@@ -1,10 +1,10 @@
 """The chat service of `floe serve`'s HTTP front: OpenAI chat completions and text completions checked,
-handed to the engine core as chats (floe.server.client), and answered as one JSON body or as one
-stream of server-sent events (the one streaming bridge: `ChatService.stream`).
+handed to the engine core (floe.server.client), and answered as one JSON body or as one stream of
+server-sent events (the one streaming bridge: `ChatService.stream`).
 
-/v1/completions is a chat of one user message, the prompt: floe's actors are conversations (the chat
-guest renders the model's chat template), so a prompt is answered as the model answers a user, not
-continued as raw text (docs/SERVER.md, "Text completions").
+/v1/completions continues its prompt as raw text, as OpenAI's and llama.cpp's do: no chat template,
+no session; the core runs it on a one-shot actor of the complete guest (floe.server.completions;
+docs/SERVER.md, "Text completions").
 """
 
 from __future__ import annotations
@@ -238,8 +238,8 @@ class ChatService:
         if messages[-1]["role"] != "user":
             raise ServeError(400, "the last message must be from the user (or a tool)", param="messages")
         shape = Shape() if constraint is None or constraint.mode == "json" else ToolShape()
-        return await self._answer(body, messages, body.max_completion_tokens or body.max_tokens, shape,
-                                  request, constraint)
+        return await self._answer(body, {"messages": messages}, body.max_completion_tokens or body.max_tokens,
+                                  shape, request, constraint)
 
     async def complete(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
@@ -250,29 +250,37 @@ class ChatService:
                 raise ServeError(400, "prompt: one string (a batch of prompts is not supported)",
                                  param="prompt")
             prompt = prompt[0]
-        messages = [{"role": "user", "content": _unicode(prompt, "prompt")}]
-        return await self._answer(body, messages, body.max_tokens or 16, CompletionShape(), request)
+        if body.session_id is not None or request.headers.get("x-floe-session") is not None:
+            raise ServeError(400, "a text completion has no session (it is stateless): send no session_id "
+                                  "or X-Floe-Session", code="unsupported_parameter", param="session_id")
+        prompt = _unicode(prompt, "prompt")
+        check_text([{"role": "user", "content": prompt}], self.max_text_bytes())
+        return await self._answer(body, {"prompt": prompt}, body.max_tokens, CompletionShape(), request)
 
-    async def _answer(self, body: Sampling, messages: list[dict], max_tokens: int | None, shape: Shape,
+    async def _answer(self, body: Sampling, asked: dict, max_tokens: int | None, shape: Shape,
                       request: Request, constraint: Constraint | None = None) -> Response:
-        core_request = {
-            "messages": messages, "max_tokens": max_tokens, "temperature": body.temperature,
+        """asked: {"messages": the conversation} for a chat, {"prompt": text} for a text completion."""
+        core_request = asked | {
+            "max_tokens": max_tokens, "temperature": body.temperature,
             "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stream": body.stream,
             "session_id": request.headers.get("x-floe-session") or body.session_id,
             "owner": request.state.owner, "stop": list(checked_stops(body.stop))}
         if constraint is not None:
             core_request["structured"] = constraint.wire()
-        check_text(messages, self.max_text_bytes())
+        if "messages" in asked:
+            check_text(asked["messages"], self.max_text_bytes())
         rid, queue, ended = self.client.chat(core_request)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             kind, value = await _next(queue, gone)  # its session, or why it has none
             if kind == "error":
                 raise ServeError.from_payload(value)
-            sid = value
+            sid = value  # (None: a text completion, which has no session)
             base = {"id": f"{shape.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
-                    "model": body.model, "session_id": sid}  # the name it was asked by (an alias too)
-            headers = {"X-Floe-Session": sid}
+                    "model": body.model}  # the name it was asked by (an alias too)
+            headers = {} if sid is None else {"X-Floe-Session": sid}
+            if sid is not None:
+                base["session_id"] = sid
             if body.stream:  # the stream notices its client's departure itself (a failed send)
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 return StreamingResponse(self.stream(rid, queue, ended, base, shape, include_usage),

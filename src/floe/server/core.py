@@ -23,9 +23,10 @@ from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError, InvalidSamplingParams
 from floe.model.tokenizer import ChatTemplateError
 from floe.server import protocol
+from floe.server.completions import Completion, TextCompletions
 from floe.server.limits import check_text
 from floe.server.protocol import CALLS, ROLES, ServeError
-from floe.server.sessions import Session, SessionError, SessionStore, snapshot_store
+from floe.server.sessions import Answer, Session, SessionError, SessionStore, snapshot_store
 from floe.server.stops import checked_stops
 from floe.server.structured import Constraint, outcome
 from floe.server.structured_turns import StructuredTurns
@@ -126,6 +127,7 @@ class ServeCore:
                                   freeze_every_turn=freeze_every_turn, sweep_seconds=sweep_seconds,
                                   max_waiting=max_waiting, wait_seconds=wait_seconds)
         self.turns = StructuredTurns(self.store)
+        self.completions = TextCompletions(self.store)
         self.metrics = Metrics(self.store)
         self.loop.on_step = self.metrics.batch_rows.observe
         if self.scheduler is not None:
@@ -142,8 +144,11 @@ class ServeCore:
 
     # ---- chats -------------------------------------------------------------------------------------
 
-    def open(self, request: dict) -> Chat:
-        """Check a chat request against the engine and take its session (locked for it)."""
+    def open(self, request: dict) -> Chat | Completion:
+        """Check a chat request against the engine and take its session (locked for it); a text
+        completion's (a request with a `prompt`, no `messages`) takes nothing until it runs."""
+        if "prompt" in request:
+            return self._open_completion(request)
         structured = request.get("structured")
         constraint = None if structured is None else Constraint.from_wire(structured)
         messages, max_tokens, params, sid = self._validate(request, constraint)
@@ -172,10 +177,29 @@ class ServeCore:
             raise
         return Chat(session, history, messages[-1]["content"], max_tokens, params, seed, stops, constraint)
 
-    def run(self, chat: Chat, on_text=None, should_stop=lambda: False) -> dict:
+    def _open_completion(self, request: dict) -> Completion:
+        prompt, max_tokens = request.get("prompt"), request.get("max_tokens")
+        if not isinstance(prompt, str) or not (max_tokens is None or _int(max_tokens) > 0):
+            raise ServeError(400, "prompt must be a string and max_tokens a positive integer")
+        params = _sampling(request)
+        check_text([{"role": "user", "content": prompt}], self.max_text_bytes)  # before the tokenizer
+        seed = None if request.get("seed") in (None, -1) else params.seed
+        return self.completions.open(prompt, max_tokens, params, seed, checked_stops(request.get("stop")),
+                                     _owner(request.get("owner")))
+
+    def run(self, chat: Chat | Completion, on_text=None, should_stop=lambda: False) -> dict:
         """Run an opened chat to its end (the session is released whatever happens): its text, why it
         ended and its usage. on_text(piece): each piece of streamed text (in the engine loop's thread);
         should_stop(): the client left (the session keeps nothing of the turn)."""
+        if isinstance(chat, Completion):
+            try:
+                reply = self.completions.run(chat, on_text, should_stop)
+            except SessionError as e:  # no slot
+                raise failure(e, None) from None
+            except (GuestError, FloeError) as e:
+                raise ServeError(500, f"the text completion failed ({type(e).__name__}: {e})", "server_error",
+                                 "guest_error" if isinstance(e, GuestError) else "engine_error") from None
+            return self._result(reply, chat.max_tokens)
         try:
             if chat.constraint is not None:
                 reply = self.turns.run(chat.session, chat.history, chat.text, chat.constraint,
@@ -189,6 +213,10 @@ class ServeCore:
             raise failure(e, chat.session.id) from None
         finally:
             self.store.release(chat.session)
+        return self._result(reply, chat.max_tokens, chat.constraint)
+
+    def _result(self, reply: Answer, max_tokens: int, constraint: Constraint | None = None) -> dict:
+        """A run's answer (its text, why it ended, its usage), counted in the metrics."""
         s, m = reply.stats, self.metrics
         generated = s.generated_tokens
         m.prompt_tokens.inc(s.context_tokens)
@@ -202,10 +230,10 @@ class ServeCore:
                  "total_tokens": s.context_tokens + generated,
                  "prompt_tokens_details": {"cached_tokens": s.context_tokens - s.first_forward_tokens},
                  "prefilled_tokens": s.first_forward_tokens}
-        length = generated >= chat.max_tokens and not reply.stopped
+        length = generated >= max_tokens and not reply.stopped
         reason = "length" if length else "stop"
-        if chat.constraint is not None:  # a value the guest completed ended it; a call: tool_calls
-            reason = outcome(chat.constraint, reply.text).finish_reason
+        if constraint is not None:  # a value the guest completed ended it; a call: tool_calls
+            reason = outcome(constraint, reply.text).finish_reason
         return {"text": reply.text, "finish_reason": reason, "usage": usage}
 
     def keep_spares(self) -> None:
@@ -227,15 +255,7 @@ class ServeCore:
         sid, max_tokens = request.get("session_id"), request.get("max_tokens")
         if not (sid is None or isinstance(sid, str)) or not (max_tokens is None or _int(max_tokens) > 0):
             raise ServeError(400, "session_id must be a string and max_tokens a positive integer")
-        seed = request.get("seed")
-        seed = 0 if seed in (None, -1) else seed
-        try:
-            params = SamplingParams(float(request.get("temperature", 1.0)), _int(request.get("top_k", 0)),
-                                    float(request.get("top_p", 1.0)), _int(seed))
-        except (InvalidSamplingParams, TypeError, ValueError, OverflowError) as e:
-            # The message names its field (SamplingParams's checks do); else it was the seed's type.
-            param = next((p for p in ("temperature", "top_k", "top_p", "seed") if p in str(e)), "seed")
-            raise ServeError(400, str(e), param=param) from None
+        params = _sampling(request)
         check_text(messages, self.max_text_bytes)  # before the template or the tokenizer see it
         shown = messages if constraint is None else self.turns.prompt(messages, constraint)
         try:
@@ -365,6 +385,19 @@ def failure(e: BaseException, sid: str | None) -> ServeError:
                                f"{e}); the session was returned to its last snapshot", "server_error",
                           "guest_error")
     return ServeError(500, f"session {sid!r}: {e}", "server_error", "engine_error")
+
+
+def _sampling(request: dict) -> SamplingParams:
+    """A request's sampling parameters, checked (a 400 naming the field)."""
+    seed = request.get("seed")
+    seed = 0 if seed in (None, -1) else seed
+    try:
+        return SamplingParams(float(request.get("temperature", 1.0)), _int(request.get("top_k", 0)),
+                              float(request.get("top_p", 1.0)), _int(seed))
+    except (InvalidSamplingParams, TypeError, ValueError, OverflowError) as e:
+        # The message names its field (SamplingParams's checks do); else it was the seed's type.
+        param = next((p for p in ("temperature", "top_k", "top_p", "seed") if p in str(e)), "seed")
+        raise ServeError(400, str(e), param=param) from None
 
 
 def _owner(value) -> str:

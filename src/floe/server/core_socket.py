@@ -226,7 +226,7 @@ class CoreServer:
         def start() -> None:
             if not started[0]:
                 started[0] = True
-                conn.send(["started", rid, chat.session.id])
+                conn.send(["started", rid, None if chat.session is None else chat.session.id])
 
         if chat.constraint is None:
             start()

@@ -10,7 +10,8 @@ Front to core, objects:
   {"op": "chat", "id": N, "request": {...}}     a chat completion (core.ServeCore.open's fields, with
                                                  "owner": the caller's OWNER id, and "structured": a
                                                  structured.Constraint's wire() for response_format
-                                                 or tools)
+                                                 or tools; or a text completion: "prompt", no
+                                                 "messages")
   {"op": "cancel", "id": N}                      the client left: its row stops at the next token
   {"op": "call", "id": N, "name": NAME, "arg": A, "owner": O}
                                                  health, sessions, session, freeze, thaw, fork (A:
@@ -24,7 +25,8 @@ Core to front, lists:
   ["ok", N, value]             a call's answer
   ["error", N, error]          a call's or a chat's failure: ServeError.payload()
   ["started", N, session_id]   a chat holds its session; its text follows (a structured chat's is
-                               sent with its first text: a refused schema is an error before it)
+                               sent with its first text: a refused schema is an error before it);
+                               a text completion's session_id is null (it has none)
   ["text", [[N, text], ...]]   streamed text of every chat since the last frame (one frame a flush)
   ["data", N, B64]             an export's next bytes (base64: frames are JSON)
   ["done", N, result]          a chat's end: {"text", "finish_reason", "usage"} (an export's: {})

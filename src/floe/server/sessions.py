@@ -242,6 +242,7 @@ class SessionStore:
         self._waiting: deque[_Ticket] = deque()  # tickets, oldest first; guarded by lock
         self._slot_freed = threading.Condition(self.lock)
         self._extra_waiting = 0  # structured turns waiting for their grammar actor's slot (extra_slot)
+        self._extra_held: Counter[str] = Counter()  # extra_slot's slots held now, by owner
         self._creating = threading.Lock()  # actors are made one at a time (see _ensure_live)
         self._spares: list[Actor] = []  # actors made ahead in free slots (keep_spares); guarded by lock
         self._spares_wanted = 0
@@ -503,31 +504,36 @@ class SessionStore:
             self._drop_live(session)
 
     @contextmanager
-    def extra_slot(self, owner: str = "") -> Iterator[None]:
+    def extra_slot(self, owner: str = "", beside_session: bool = True) -> Iterator[None]:
         """A KV slot counted, for the block, for an actor of no session's (a structured turn's, whose
         session is `owner`'s): freezes the least recently used idle session if every slot is taken, and
         while all run a request, waits in the queue as a session's request does (NoFreeSlot when its
         wait ends) — unless the turns waiting so would then hold every slot but one: their sessions
-        hold theirs while they wait, and with all held so, none would ever be freed (NoFreeSlot at once)."""
+        hold theirs while they wait, and with all held so, none would ever be freed (NoFreeSlot at once).
+        beside_session False: the actor is the request's only one (a text completion's), which holds no
+        slot while it waits, so it waits as a new session's request does."""
         n_slots = self.engine.cache.n_slots
-        if n_slots < 2:  # its session holds the only one while the turn runs
+        if beside_session and n_slots < 2:  # its session holds the only one while the turn runs
             raise OneSlotOnly("structured output (response_format, tools) runs on an actor of its own "
                               "beside its session's: start floe serve with --max-sessions 2 or more")
         with self.lock:
-            wait = self._extra_waiting + 1 < n_slots
-            if wait:
+            wait = not beside_session or self._extra_waiting + 1 < n_slots
+            if wait and beside_session:
                 self._extra_waiting += 1
         try:
             self._reserve_slot(wait=wait, owner=owner)
         finally:
-            if wait:
+            if wait and beside_session:
                 with self.lock:
                     self._extra_waiting -= 1
+        with self.lock:
+            self._extra_held[owner] += 1  # (the queue's fairness counts it as the owner's)
         try:
             yield
         finally:
             with self.lock:
                 self._reserved -= 1
+                self._extra_held[owner] -= 1
                 self._slot_freed.notify_all()
 
     def _restart_guest(self, session: Session, forget_empty: bool = True) -> None:
@@ -731,11 +737,12 @@ class SessionStore:
 
     def _next_in_line(self) -> _Ticket | None:
         """The waiting request the next free slot goes to (caller holds the lock): the oldest of the
-        owner with the fewest sessions running or live, so that one key's many requests do not keep
-        another key's waiting behind them all."""
+        owner with the fewest sessions running or live (and slots held by extra_slot: structured turns,
+        text completions), so that one key's many requests do not keep another key's waiting behind
+        them all."""
         if not self._waiting:
             return None
-        holding = Counter(s.owner for s in self.sessions.values() if s.live)
+        holding = Counter(s.owner for s in self.sessions.values() if s.live) + self._extra_held
         return min(self._waiting, key=lambda t: holding[t.owner])  # (min keeps the first of equals)
 
     @property

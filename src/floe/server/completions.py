@@ -1,0 +1,98 @@
+"""Text completions of `floe serve` (/v1/completions; docs/SERVER.md, "Text completions").
+
+A prompt is continued as raw text, as OpenAI's and llama.cpp's /v1/completions continue it: no chat
+template, the model's BOS first where its tokenizer adds one, special-token text in the prompt parsed
+as its token (as llama.cpp's completion endpoint parses it). It runs in the sandbox like everything
+else, on a one-shot actor of the `complete` guest (guests/complete.c) in a KV slot counted by the
+session store for that request alone (SessionStore.extra_slot: the same slot accounting, wait queue and
+per-key fairness as a session's request), and closed after it: no session, no snapshot.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from floe.actor import Actor, builtin_guest
+from floe.engine import SamplingParams
+from floe.errors import FloeError
+from floe.server.protocol import ServeError
+from floe.server.sessions import Answer, SessionStore
+from floe.server.stops import StopText
+from floe.wasm import default_runtime
+
+
+@dataclass
+class Completion:
+    """A text completion request checked against the engine (ServeCore.open), until ServeCore.run returns."""
+
+    message: str  # what the complete guest reads: the sequence's start, a NUL, the prompt
+    max_tokens: int
+    params: SamplingParams
+    seed: int  # the request's, or a random one
+    stops: tuple[str, ...]
+    owner: str
+    session: None = None  # (a chat's Chat has its session; a completion has none)
+    constraint: None = None
+
+
+class TextCompletions:
+    """Runs text completions on one-shot actors of the complete guest, in slots `store` counts."""
+
+    def __init__(self, store: SessionStore) -> None:
+        self.store = store
+        self.engine = store.engine
+        self.module = default_runtime().compile(builtin_guest("complete"))
+        tokenizer = self.engine.tokenizer
+        self.start = ""  # the text the guest tokenizes before the prompt: the BOS token's, if one is added
+        if tokenizer.add_bos and tokenizer.bos_id is not None:
+            self.start = tokenizer.decode([tokenizer.bos_id])
+            if tokenizer.encode_many([self.start])[0] != [tokenizer.bos_id]:
+                raise FloeError(f"the BOS token's text {self.start!r} does not tokenize back to it: "
+                                "text completions cannot start a sequence with it")
+
+    def open(self, prompt: str, max_tokens: int | None, params: SamplingParams, seed: int | None,
+             stops: tuple[str, ...], owner: str) -> Completion:
+        """The completion of `prompt`, checked against the context (a 400 past it); takes no slot yet."""
+        if not prompt and not self.start:
+            raise ServeError(400, "prompt: an empty prompt gives the model nothing to continue",
+                             param="prompt")
+        n_ctx = self.engine.max_seq_len
+        bound = len(prompt.encode()) + 17  # a token stands for at least one byte; BOS and a few more
+        if bound + (max_tokens or 1024) > n_ctx:  # near the end: count exactly
+            bound = len(self.engine.tokenizer.encode(prompt))
+        room = n_ctx - bound
+        if room < 1:
+            raise ServeError(400, f"the prompt is {bound} tokens; this server's context holds {n_ctx}",
+                             code="context_length_exceeded", param="prompt")
+        max_tokens = max_tokens or min(room, 16)  # OpenAI's default for a completion: 16
+        if max_tokens > room:
+            raise ServeError(400, f"max_tokens {max_tokens} + the prompt's {bound} tokens exceed this "
+                             f"server's context of {n_ctx}", code="context_length_exceeded",
+                             param="max_tokens")
+        return Completion(f"{self.start}\0{prompt}", max_tokens, params,
+                          secrets.randbits(63) if seed is None else seed, stops, owner)
+
+    def run(self, c: Completion, on_text: Callable[[str], None] | None = None,
+            should_stop: Callable[[], bool] = lambda: False) -> Answer:
+        """Continue `c`'s prompt to an EOS, max_tokens or its first stop string (cut before it; on_text
+        never sees any part of one). should_stop(): the client left; the row stops at its next token."""
+        cut = StopText(c.stops)
+        with self.store.extra_slot(c.owner, beside_session=False):
+            actor = Actor(self.engine, self.module, seed=c.seed, loop=self.store.loop)
+            try:
+                def emit(piece: str) -> None:
+                    piece = cut.take(piece)
+                    if cut.matched or should_stop():
+                        actor.stop_requested = True
+                    if piece and on_text is not None:
+                        on_text(piece)
+
+                reply = actor.send(c.message, max_tokens=c.max_tokens, params=c.params, on_text=emit,
+                                   loop_safe=True)
+            finally:
+                actor.close()
+        if (tail := cut.rest()) and on_text is not None:  # held back for a stop string that never came
+            on_text(tail)
+        return Answer(cut.text, reply.stats, cut.matched, should_stop())
