@@ -1,4 +1,4 @@
-"""Tiny real models for tests: random Llama/Mistral/Qwen2/Qwen3 written with transformers'
+"""Tiny real models for tests: random Llama/Mistral/Phi-3/Qwen2/Qwen3/Gemma written with transformers'
 save_pretrained (and as llama.cpp's converter writes them), and tiny GGUF files written with gguf's
 GGUFWriter in every tensor type floe must read.
 
@@ -30,13 +30,20 @@ def tokenizer_fields() -> dict:
 
 def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_llama3: bool = False,
                    shard: bool = True, sliding_window: int | None = None, partial_rotary: float = 1.0,
-                   long_rope: bool = False) -> Path:
-    """A random transformers model of `arch` ("llama", "mistral", "phi3", "qwen2" or "qwen3") saved
-    as safetensors shards. qwen3's head_dim (32) is not hidden_size / heads (16), as in Qwen3-0.6B
-    (128 vs 64); mistral's and phi3's attention sees the last `sliding_window` positions (None: all);
-    phi3 rotates the first `partial_rotary` of each head, with LongRoPE (random factors, pretrained
-    on 32 positions of 512) if `long_rope`."""
+                   long_rope: bool = False, query_pre_attn_scalar: int = 32,
+                   softcaps: tuple[float | None, float | None] = (None, None)) -> Path:
+    """A random transformers model of `arch` ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma2" or
+    "gemma3_text") saved as safetensors shards. qwen3's and gemma's head_dim (32) is not hidden_size /
+    heads (16), as in Qwen3-0.6B (128 vs 64); mistral's, phi3's and gemma's attention sees the last
+    `sliding_window` positions (None: all; gemma: on its windowed layers: gemma2's 2 layers, the first;
+    gemma3_text's 6 layers, all but the last); phi3 rotates the first `partial_rotary` of each head,
+    with LongRoPE (random factors, pretrained on 32 positions of 512) if `long_rope`; gemma scales q·k
+    by query_pre_attn_scalar ** -0.5 and gemma2 soft-caps (attention, final logits) by `softcaps`."""
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -76,6 +83,20 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
         config = Phi3Config(**common, sliding_window=sliding_window, rope_parameters=rope,
                             original_max_position_embeddings=32 if long_rope else 512, pad_token_id=0)
         cls = Phi3ForCausalLM
+    elif arch in ("gemma2", "gemma3_text"):
+        gemma = dict(head_dim=32, sliding_window=sliding_window, query_pre_attn_scalar=query_pre_attn_scalar,
+                     hidden_activation="gelu_pytorch_tanh", pad_token_id=0)
+        if arch == "gemma2":
+            config = Gemma2Config(**common, **gemma, attn_logit_softcapping=softcaps[0],
+                                  final_logit_softcapping=softcaps[1],
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+            cls = Gemma2ForCausalLM
+        else:
+            rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+            config = Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, **gemma, rope_parameters=rope)
+            cls = Gemma3ForCausalLM
+        config._attn_implementation = "eager"  # transformers' SDPA attention has no soft-capping
     elif arch == "qwen2":
         config = Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
         cls = Qwen2ForCausalLM
@@ -89,6 +110,8 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if arch.startswith("gemma") and name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8)  # scores of order 1, where soft-capping bends them
     model.save_pretrained(folder, max_shard_size="2MB" if shard else "10GB")
     tokenizer_from_gguf(tokenizer_fields()).backend.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
@@ -147,21 +170,25 @@ _GGUF_LAYER_NAMES = {
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused tensors, kept fused
 }
+# Gemma's: its post_attention_layernorm follows attention; pre_feedforward_layernorm feeds the MLP
+_GGUF_GEMMA_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def gguf_name(hf_name: str) -> str:
-    """llama.cpp's name of a transformers tensor."""
+def gguf_name(hf_name: str, gemma: bool = False) -> str:
+    """llama.cpp's name of a transformers tensor (of a Gemma model's where `gemma`)."""
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     if hf_name in top:
         return top[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+    return f"blk.{layer}.{(_GGUF_GEMMA_NAMES if gemma else _GGUF_LAYER_NAMES)[module]}.{kind}"
 
 
 # model_type -> the general.architecture llama.cpp's converter writes (MistralForCausalLM: LlamaModel)
-_GGUF_ARCH = {"qwen3": "qwen3", "mistral": "llama", "phi3": "phi3"}
+_GGUF_ARCH = {"qwen3": "qwen3", "mistral": "llama", "phi3": "phi3", "gemma2": "gemma2",
+              "gemma3_text": "gemma3"}
 
 
 def convert_to_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
@@ -170,8 +197,10 @@ def convert_to_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
     general.architecture llama, Q/K rows permuted (rotary pairs adjacent), its window as
     llama.attention.sliding_window; phi3 with attn_qkv and ffn_up (gate and up) fused,
     rope.dimension_count (the partial rotary), sliding_window (0: none) and LongRoPE's
-    rope_factors_short/long tensors, attention factor and original context. Matrices in `qtype`,
-    norms F32."""
+    rope_factors_short/long tensors, attention factor and original context; gemma2 and gemma3_text
+    (general.architecture gemma3) with 1 added to every norm weight, four norms a layer, gemma2's
+    soft-capping keys, gemma3's global rotary base (its windowed layers' is llama.cpp's 10000) and
+    no query_pre_attn_scalar (llama.cpp's rule: head_dim below 27B). Matrices in `qtype`, norms F32."""
     import json
 
     from safetensors import safe_open
@@ -192,6 +221,7 @@ def convert_to_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention") or rope  # gemma3_text: the global layers' base
     writer.add_rope_freq_base(float(cfg.get("rope_theta") or rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if arch == "phi3":
@@ -200,6 +230,10 @@ def convert_to_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
         writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
     elif cfg.get("sliding_window") is not None:
         writer.add_sliding_window(cfg["sliding_window"])
+    if cfg.get("attn_logit_softcapping") is not None:
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    if cfg.get("final_logit_softcapping") is not None:
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     if rope.get("rope_type") == "longrope":
         factor = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor)
@@ -212,12 +246,15 @@ def convert_to_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
     for shard in sorted(folder.glob("*.safetensors")):
         with safe_open(str(shard), framework="np") as f:
             tensors.update((name, f.get_tensor(name).astype(np.float32)) for name in f.keys())
+    gemma = arch in ("gemma2", "gemma3")
     for name, w in sorted(tensors.items()):
+        if gemma and name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's Gemma converters store the (1 + w) the norm multiplies by
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = n_heads if "q_proj" in name else n_kv
             w = permute_rotary_rows(torch.from_numpy(w), heads).numpy()
         quantize_it = w.ndim == 2 and qtype != Q.F32
-        writer.add_tensor(gguf_name(name), quantize(w, qtype) if quantize_it else w,
+        writer.add_tensor(gguf_name(name, gemma), quantize(w, qtype) if quantize_it else w,
                           raw_dtype=qtype if quantize_it else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

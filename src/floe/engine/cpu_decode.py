@@ -33,6 +33,7 @@ from torch import Tensor
 from floe.engine.int4 import Int4Linear
 from floe.engine.kvcache import KVCache
 from floe.engine.transformer import Transformer, norm_heads, qk_norm_weight
+from floe.errors import UnsupportedModel
 
 
 def project(x: Tensor, weight: Tensor, scales: Tensor, repeat: int) -> Tensor:
@@ -196,6 +197,10 @@ class CpuDecoder:
     def __init__(self, model: Transformer, cache: KVCache, script: bool = True,
                  native_ops: bool | None = None) -> None:
         c = model.config
+        if c.llama_step_lacks():
+            raise UnsupportedModel(f"the CPU's lean decode step computes Llama's layer without "
+                                   f"{', '.join(c.llama_step_lacks())}, which {c.arch} models need: "
+                                   "run them by the module forward (Engine(fused_kernels=False))")
         self.model, self.cache, self.config = model, cache, c
         hd, half, rows = c.head_dim, c.head_dim // 2, cache.n_slots
         # Rotary of a row x is x @ R(position), R = diag(cos) + P diag(sin_signed), P the half-roll

@@ -1,5 +1,5 @@
-"""The Llama-family transformer (Llama, Llama-3, SmolLM2, Mistral, Qwen2, Qwen3) in plain PyTorch, gpt-fast
-style."""
+"""The Llama-family transformer (Llama, Llama-3, SmolLM2, Mistral, Phi-3, Qwen2, Qwen3, Gemma 2 and 3) in
+plain PyTorch, gpt-fast style."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from itertools import accumulate
 
 import torch
@@ -42,22 +43,39 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-def prompt_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, start: int,
-                     window: int | None = None) -> Tensor:
+def prompt_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, start: int, window: int | None = None,
+                     scale: float | None = None, softcap: float | None = None) -> Tensor:
     """Causal attention of T queries q [n_heads, T, hd] at positions start.. over one slot's cache
     (k_cache/v_cache [n_kv, S, hd], its first start + T positions written): [T, n_heads * hd].
-    window: each query sees only the last `window` positions, itself included (None: all)."""
+    window: each query sees only the last `window` positions, itself included (None: all); scale:
+    the factor on q·k (None: hd ** -0.5); softcap: the scores soft-capped (Gemma 2)."""
     t, end = q.shape[1], start + q.shape[1]
     first = 0 if window is None else max(0, start - window + 1)  # the first key any query sees
     keys, values = k_cache[None, :, first:end], v_cache[None, :, first:end]
-    if start == 0 and (window is None or end <= window):
-        y = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, enable_gqa=True)
+    if softcap is None and start == 0 and (window is None or end <= window):
+        y = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, enable_gqa=True,
+                                           scale=scale)
     else:  # query i (position start + i) sees keys start + i - window < j <= start + i
         mask = torch.ones(t, end - first, dtype=torch.bool, device=q.device).tril(diagonal=start - first)
         if window is not None:
             mask = mask.triu(diagonal=start - first - window + 1)
-        y = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=True)
+        if softcap is None:
+            y = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=True,
+                                               scale=scale)
+        else:  # SDPA has no soft-capping
+            y = softcapped_attention(q[None], keys, values, mask, scale or q.shape[-1] ** -0.5, softcap)
     return y[0].transpose(0, 1).reshape(t, q.shape[0] * q.shape[2])
+
+
+def softcapped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
+                         softcap: float) -> Tensor:
+    """Attention of q [1, H, T, hd] over keys/values [1, n_kv, S, hd] where mask [T, S] allows, its
+    scores softcap * tanh(scores / softcap) before the fp32 softmax, as transformers' Gemma 2 does."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = (torch.tanh(scores / softcap) * softcap).float().masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
 
 
 def norm_heads(qkv: Tensor, weight: Tensor, eps: float, heads: int, head_dim: int) -> None:
@@ -80,7 +98,7 @@ def qk_norm_weight(attention: Attention) -> Tensor | None:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         qkv_out = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
@@ -89,7 +107,11 @@ class Attention(nn.Module):
         # Qwen3: q and k each RMS-normalised per head before rotary (one weight [head_dim] each).
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
-        self.window = c.sliding_window  # Mistral: a query sees the last `window` positions only
+        # Mistral: a query sees the last `window` positions only (Gemma: on some layers)
+        self.window = c.layer_window(layer)
+        self.scale = c.attention_scale or c.head_dim**-0.5
+        self.softcap = c.attn_softcap
+        self.local_rope = c.layer_rope_theta(layer) != c.rope_theta  # Gemma 3's windowed layers
 
     def forward(self, x: Tensor, rope: list[tuple[Tensor, Tensor]], k_layer: Tensor, v_layer: Tensor,
                 segments: list[Segment]) -> Tensor:
@@ -117,7 +139,7 @@ class Attention(nn.Module):
                 first = 0 if self.window is None else max(0, end - self.window)
                 ys.append(self._decode_attention(q, k_cache[:, first:end], v_cache[:, first:end]))
             else:
-                ys.append(prompt_attention(q, k_cache, v_cache, start, self.window))
+                ys.append(prompt_attention(q, k_cache, v_cache, start, self.window, self.scale, self.softcap))
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
         return project(self.wo, y, splits)
 
@@ -128,7 +150,9 @@ class Attention(nn.Module):
         """
         group = self.n_heads // self.n_kv_heads
         qg = q.reshape(self.n_kv_heads, group, self.head_dim)
-        scores = torch.matmul(qg, keys.transpose(1, 2)).float() * self.head_dim**-0.5
+        scores = torch.matmul(qg, keys.transpose(1, 2)).float() * self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         return torch.matmul(probs, values).reshape(1, self.n_heads * self.head_dim)
 
@@ -137,26 +161,33 @@ class FeedForward(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.ffn_dim = c.ffn_dim
+        # Gemma's GeGLU: GELU (tanh approximation) on the gate where Llama has SiLU
+        self.activation = F.silu if c.activation == "silu" else partial(F.gelu, approximate="tanh")
         self.w13 = nn.Linear(c.dim, 2 * c.ffn_dim, bias=False)  # gate and up, fused
         self.w2 = nn.Linear(c.ffn_dim, c.dim, bias=False)
 
     def forward(self, x: Tensor, splits: list[int] | None = None) -> Tensor:
         gate, up = project(self.w13, x, splits).split(self.ffn_dim, dim=-1)
-        return project(self.w2, F.silu(gate) * up, splits)
+        return project(self.w2, self.activation(gate) * up, splits)
 
 
 class Block(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(c.dim, c.norm_eps)
-        self.attention = Attention(c)
+        self.attention = Attention(c, layer)
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         self.feed_forward = FeedForward(c)
+        # Gemma: each sub-layer's output normalised again before it joins the residual stream
+        self.post_attention_norm = RMSNorm(c.dim, c.norm_eps) if c.post_norms else None
+        self.post_ffn_norm = RMSNorm(c.dim, c.norm_eps) if c.post_norms else None
 
     def forward(self, x: Tensor, rope: list[tuple[Tensor, Tensor]], k_layer: Tensor, v_layer: Tensor,
                 segments: list[Segment]) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, k_layer, v_layer, segments)
-        return h + self.feed_forward(self.ffn_norm(h), [t for t, _, _ in segments])
+        a = self.attention(self.attention_norm(x), rope, k_layer, v_layer, segments)
+        h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
+        f = self.feed_forward(self.ffn_norm(h), [t for t, _, _ in segments])
+        return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
 
 
 class QuantizedEmbedding(nn.Module):
@@ -193,22 +224,27 @@ class Transformer(nn.Module):
         # Given its tensor, the table skips its random init: on the meta device that init would
         # import torch._dynamo (~40 MB of Python objects and ~1 s) only to be overwritten.
         self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim, _weight=torch.empty(c.vocab_size, c.dim))
-        self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.layers = nn.ModuleList(Block(c, i) for i in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.output = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
         # A module that replaces the plain projection to the vocabulary (e.g. packed int4 weights).
         self.head: nn.Module | None = None
         with torch.device("cpu"):  # computed, even when the module is made on meta (the engine does)
             cos, sin = self.rotary_tables(c, max_seq_len)
+            local = (None if c.rope_local_theta is None
+                     else self.rotary_tables(c, max_seq_len, c.rope_local_theta))
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        # Gemma 3's windowed layers' tables (their own base); None where every layer shares cos, sin
+        self.register_buffer("cos_local", None if local is None else local[0], persistent=False)
+        self.register_buffer("sin_local", None if local is None else local[1], persistent=False)
 
     @staticmethod
-    def rotary_tables(c: ModelConfig, max_seq_len: int) -> tuple[Tensor, Tensor]:
+    def rotary_tables(c: ModelConfig, max_seq_len: int, theta: float | None = None) -> tuple[Tensor, Tensor]:
         """cos and sin [max_seq_len, head_dim], float32, computed in float64; the rotating dimensions'
         times LongRoPE's attention factor where the model has one (a partial rotary's others pass
-        through: cos 1, sin 0)."""
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), c.inv_freq(max_seq_len))
+        through: cos 1, sin 0). theta: the rotary base (None: the config's)."""
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), c.inv_freq(max_seq_len, theta))
         angles = torch.cat((angles, angles), dim=-1)
         if c.rotary_scale == 1.0:
             return angles.cos().float(), angles.sin().float()
@@ -232,7 +268,16 @@ class Transformer(nn.Module):
         return self._logits(x if all_logits else x[-1], out)
 
     def _logits(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        """Float32 logits of the final norm of x ([dim] or [T, dim]); see forward for `out`."""
+        """Float32 logits of the final norm of x ([dim] or [T, dim]), soft-capped where the model
+        caps them (Gemma 2); see forward for `out`."""
+        logits, cap = self._head(x, out), self.config.logit_softcap
+        if cap is None:
+            return logits
+        if out is None:
+            return torch.tanh(logits / cap) * cap
+        return out.div_(cap).tanh_().mul_(cap)  # logits is out
+
+    def _head(self, x: Tensor, out: Tensor | None) -> Tensor:
         x = self.norm(x)
         if self.head is not None:
             logits = self.head(x[None] if x.ndim == 1 else x)
@@ -257,9 +302,13 @@ class Transformer(nn.Module):
     def _layers(self, tokens: Tensor, segments: list[Segment], cache: KVCache) -> Tensor:
         """The layers over the segments' rows (the residual stream out, before the final norm)."""
         rope = [(self.cos[start:start + n], self.sin[start:start + n]) for n, start, _ in segments]
+        local = rope if self.cos_local is None else [
+            (self.cos_local[start:start + n], self.sin_local[start:start + n]) for n, start, _ in segments]
         x = self.tok_embeddings(tokens)
+        if self.config.embedding_scale != 1.0:  # rounded to x's dtype first, as transformers' Gemma does
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, cache.k[i], cache.v[i], segments)
+            x = layer(x, local if layer.attention.local_rope else rope, cache.k[i], cache.v[i], segments)
         return x
 
 
@@ -330,6 +379,7 @@ def fused_state_dict(get: Callable[[str], Tensor], c: ModelConfig,
         names += [f"{p}{fused}.weight" for fused in FUSED]
         names += [p + "attention.wqkv.bias"] if c.qkv_bias else []
         names += [p + "attention.q_norm.weight", p + "attention.k_norm.weight"] if c.qk_norm else []
+        names += [p + "post_attention_norm.weight", p + "post_ffn_norm.weight"] if c.post_norms else []
     for name in names:
         if name not in skip:
             yield name, stacked(get, name)

@@ -49,6 +49,11 @@ def check_backend(c: ModelConfig, backend: str, max_seq_len: int) -> None:
     """Raise UnsupportedModel, naming the architecture, where `backend` ("cpu", "cuda", "webgpu")
     has no step for something the model computes in a context of max_seq_len positions; before any
     weight is read."""
+    # Gemma's extras (GeGLU, post-norms, soft-capping, ...): only the CPU's module forward has them.
+    lacks = c.llama_step_lacks()
+    if lacks and backend != "cpu":
+        raise UnsupportedModel(f"{c.arch} models run on the CPU only in this version: floe's {backend} steps "
+                               f"compute Llama's layer without {', '.join(lacks)}; use --device cpu")
     # WebGPU's shaders repeat the attention math without the per-head q/k norm; the module forward,
     # the CPU's lean step and CUDA's graph and Triton steps apply it (transformer.norm_heads).
     if c.qk_norm and backend == "webgpu":
@@ -109,6 +114,8 @@ def load_model(checkpoint: Checkpoint, max_seq_len: int, device: torch.device, d
     elif lookup:  # tied, and the head runs dense: the table is that head's weight
         model.load_state_dict({table: take(table)}, strict=False, assign=True)
     model.cos, model.sin = model.cos.to(device), model.sin.to(device)
+    if model.cos_local is not None:
+        model.cos_local, model.sin_local = model.cos_local.to(device), model.sin_local.to(device)
     unread = [name for name, p in model.named_parameters() if p.is_meta]
     if unread:
         raise NotAModel(f"{checkpoint.source}: no weight was read for {unread[0]}")

@@ -34,6 +34,7 @@ LAYER_WEIGHTS = (
     "feed_forward.w2.weight",  # down
 )
 QKV_BIASES = ("attention.wq.bias", "attention.wk.bias", "attention.wv.bias")
+POST_NORMS = ("post_attention_norm.weight", "post_ffn_norm.weight")  # Gemma's
 
 
 # Smaller tensors are copied out of a file's mapping: touching a mapped byte maps the page cache's
@@ -133,7 +134,8 @@ class Checkpoint:
         names = {"tok_embeddings.weight", "norm.weight"}
         if not self.config.tie_embeddings:
             names.add("output.weight")
-        per_layer = LAYER_WEIGHTS + (QKV_BIASES if self.config.qkv_bias else ())
+        per_layer = LAYER_WEIGHTS + (QKV_BIASES if self.config.qkv_bias else ()) + (
+            POST_NORMS if self.config.post_norms else ())
         for i in range(self.config.n_layers):
             names.update(f"layers.{i}.{w}" for w in per_layer)
         return names

@@ -9,9 +9,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
-# Architectures that RMS-normalise each head's q and k (over head_dim, before rotary): Qwen3.
-QK_NORM_ARCHITECTURES = frozenset({"qwen3"})
+ARCHITECTURES = ("gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3")
+# Architectures that RMS-normalise each head's q and k (over head_dim, before rotary): Qwen3, Gemma 3.
+QK_NORM_ARCHITECTURES = frozenset({"qwen3", "gemma3"})
+# Gemma's RMSNorms scale by (1 + w): their files store w, and the readers add the 1 at load (as
+# llama.cpp's converter does), so every canonical norm weight is the multiplier itself.
+UNIT_OFFSET_NORM_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -62,12 +66,56 @@ class ModelConfig:
     # does it (partial_rotary_order).
     rotary_dim: int = 0
     long_rope: LongRope | None = None
+    # Gemma 2 and 3 (each left out of the config JSON when unset; see _LATER_FIELDS):
+    # the gate's activation (gelu_tanh: GeGLU with GELU's tanh approximation),
+    activation: str = "silu"
+    # the factor on the embedding rows (Gemma: sqrt(dim); the tied head reads the table unscaled),
+    embedding_scale: float = 1.0
+    # a norm after attention and one after the feed-forward, before each joins the residual stream,
+    post_norms: bool = False
+    # the factor on q·k (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5),
+    attention_scale: float | None = None
+    # tanh soft-capping, cap * tanh(x / cap), of the attention scores and of the final logits,
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
+    # the window on every n-th layer but one: layer i is global when (i + 1) % n == 0 (Gemma 2: 2,
+    # Gemma 3: 6; 0: every layer has the window),
+    sliding_window_pattern: int = 0
+    # and the rotary base of the windowed layers (Gemma 3; None: rope_theta).
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r}: floe computes {', '.join(ACTIVATIONS)}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it attends over the whole context)."""
+        n = self.sliding_window_pattern
+        return None if n and (layer + 1) % n == 0 else self.sliding_window
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """The rotary base of layer `layer` (Gemma 3's windowed layers have their own)."""
+        local = self.rope_local_theta is not None and self.layer_window(layer) is not None
+        return self.rope_local_theta if local else self.rope_theta
+
+    def llama_step_lacks(self) -> list[str]:
+        """What this model computes beyond a Llama layer with the hooks the fused decode steps have
+        (q/k norm, bias, window): none for Llama, Mistral, Phi-3 and Qwen; Gemma's list. Only the
+        module forward runs these."""
+        lacks = [f"{self.activation} gate"] if self.activation != "silu" else []
+        lacks += ["scaled embeddings"] if self.embedding_scale != 1.0 else []
+        lacks += ["post-attention and post-feed-forward norms"] if self.post_norms else []
+        lacks += ["a query scale other than head_dim ** -0.5"] if self.attention_scale is not None else []
+        lacks += ["attention soft-capping"] if self.attn_softcap else []
+        lacks += ["logit soft-capping"] if self.logit_softcap else []
+        if self.sliding_window and self.sliding_window_pattern:
+            lacks.append("a window on some layers only")
+        lacks += ["a rotary base per layer"] if self.rope_local_theta is not None else []
+        return lacks
 
     def window_limits(self, max_seq_len: int) -> bool:
         """Whether the sliding window is shorter than a context of max_seq_len positions (else every
@@ -94,7 +142,7 @@ class ModelConfig:
             attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
         if self.qk_norm:
             attn += 2 * self.head_dim
-        layer = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        layer = attn + 3 * self.dim * self.ffn_dim + (4 if self.post_norms else 2) * self.dim
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + emb + self.dim
 
@@ -106,13 +154,14 @@ class ModelConfig:
                 del fields[name]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
-    def inv_freq(self, max_seq_len: int = 0) -> torch.Tensor:
+    def inv_freq(self, max_seq_len: int = 0, theta: float | None = None) -> torch.Tensor:
         """Rotary inverse frequencies, float64, shape [head_dim // 2], for a context of max_seq_len
         positions (LongRoPE's long factors past its pretraining length, as llama.cpp chooses by its
         context). With a partial rotary, the first rotary_dim // 2 rotate and the rest are 0 (cos 1,
-        sin 0: dimensions that pass through)."""
+        sin 0: dimensions that pass through). theta: the base (None: rope_theta)."""
         rotary = self.rotary_dim or self.head_dim
-        inv = 1.0 / (self.rope_theta ** (torch.arange(0, rotary // 2, dtype=torch.float64) * 2 / rotary))
+        exponents = torch.arange(0, rotary // 2, dtype=torch.float64) * 2 / rotary
+        inv = 1.0 / ((theta or self.rope_theta) ** exponents)
         if self.rope_freq_factors is not None:
             inv = inv / torch.tensor(self.rope_freq_factors, dtype=torch.float64)
         elif self.rope_scaling is not None:
@@ -131,7 +180,9 @@ class ModelConfig:
 
 # Fields added after fingerprints were first recorded, and their unset values: left out of to_json
 # when unset.
-_LATER_FIELDS = {"sliding_window": None, "rotary_dim": 0, "long_rope": None}
+_LATER_FIELDS = {"sliding_window": None, "rotary_dim": 0, "long_rope": None, "activation": "silu",
+                 "embedding_scale": 1.0, "post_norms": False, "attention_scale": None, "attn_softcap": None,
+                 "logit_softcap": None, "sliding_window_pattern": 0, "rope_local_theta": None}
 
 
 def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:

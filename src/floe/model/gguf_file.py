@@ -50,6 +50,8 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "attention.q_norm.weight",
     "attn_k_norm.weight": "attention.k_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
+    "post_attention_norm.weight": "post_attention_norm.weight",  # Gemma's post-norms
+    "post_ffw_norm.weight": "post_ffn_norm.weight",
     "ffn_gate.weight": "feed_forward.w1.weight",
     "ffn_up.weight": "feed_forward.w3.weight",
     "ffn_down.weight": "feed_forward.w2.weight",
@@ -189,7 +191,8 @@ def config_from_fields(fields: dict, tensor_names: set[str], rope_freqs: np.ndar
     scaling = None
     # Mistral's and Phi-3's window, where the file states it (0: none, as llama.cpp writes Phi-4's;
     # Qwen's GGUFs run without one, as in llama.cpp)
-    window = fields.get(f"{arch}.attention.sliding_window") if arch in ("llama", "mistral", "phi3") else None
+    window = (fields.get(f"{arch}.attention.sliding_window")
+              if arch in ("llama", "mistral", "phi3", "gemma2", "gemma3") else None)
     if fields.get(f"{arch}.rope.scaling.type") not in (None, "none"):
         raise UnsupportedModel(f"rope scaling {fields[f'{arch}.rope.scaling.type']!r} is not supported")
     head_dim = int(fields.get(f"{arch}.attention.key_length") or dim // n_heads)
@@ -214,6 +217,29 @@ def config_from_fields(fields: dict, tensor_names: set[str], rope_freqs: np.ndar
         sliding_window=int(window) if window else None,
         rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
         long_rope=_long_rope(fields, arch, long_factors),
+        **(_gemma(fields, arch, dim, n_heads, head_dim) if arch in ("gemma2", "gemma3") else {}),
+    )
+
+
+# Gemma's sizes whose query scale is 1/sqrt(dim / n_heads) rather than 1/sqrt(head_dim) (27B), by
+# block_count, as llama.cpp tells them apart (its GGUFs carry no query_pre_attn_scalar).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma(fields: dict, arch: str, dim: int, n_heads: int, head_dim: int) -> dict:
+    """Gemma 2 and 3's config fields as llama.cpp reads them: soft-capping from the metadata (Gemma 2),
+    the window on every 2nd (Gemma 2) or 6th (Gemma 3) layer but one, Gemma 3's windowed layers' rotary
+    base (10000 unless the file says), the query scale by size; the norms as stored (the converter
+    added Gemma's 1)."""
+    big = fields.get(f"{arch}.block_count") == _GEMMA_27B_LAYERS[arch]
+    pattern = fields.get(f"{arch}.attention.sliding_window_pattern")
+    return dict(
+        activation="gelu_tanh", embedding_scale=dim**0.5, post_norms=True,
+        attention_scale=(dim // n_heads if big else head_dim) ** -0.5,
+        attn_softcap=fields.get(f"{arch}.attn_logit_softcapping"),
+        logit_softcap=fields.get(f"{arch}.final_logit_softcapping"),
+        sliding_window_pattern=int(pattern) if isinstance(pattern, int) else 2 if arch == "gemma2" else 6,
+        rope_local_theta=None if arch == "gemma2" else float(fields.get(f"{arch}.rope.freq_base_swa", 1e4)),
     )
 
 
@@ -237,7 +263,8 @@ def canonical_name(gguf_name: str) -> str:
     m = _BLOCK.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise UnsupportedModel(f"unexpected tensor {gguf_name!r}: not a Llama/Mistral/Phi-3/Qwen2/Qwen3 weight")
+    raise UnsupportedModel(f"unexpected tensor {gguf_name!r}: not a Llama/Mistral/Phi-3/Qwen2/Qwen3/Gemma "
+                           "weight")
 
 
 def _parts(config: ModelConfig, t: GGUFTensor) -> list[tuple[str, torch.Tensor | None]]:

@@ -25,7 +25,13 @@ from floe.model.checkpoint import (
     take_rows,
     weight_rows,
 )
-from floe.model.config import ARCHITECTURES, LongRope, ModelConfig, RopeScaling
+from floe.model.config import (
+    ARCHITECTURES,
+    UNIT_OFFSET_NORM_ARCHITECTURES,
+    LongRope,
+    ModelConfig,
+    RopeScaling,
+)
 from floe.model.tokenizer import Tokenizer
 
 _GLOBAL_NAMES = {
@@ -49,6 +55,15 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
 }
+# Gemma's four norms a layer: its post_attention_layernorm follows attention (Llama's feeds the MLP).
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffn_norm.weight",
+}
+# model_type -> floe's architecture where they differ (gemma3_text: Gemma 3's text model, as in GGUF)
+_ARCHS = {"gemma3_text": "gemma3"}
 # Fused tensors (Phi-3), split by rows at load (checkpoint.FUSED_PARTS).
 _FUSED_NAMES = {"self_attn.qkv_proj.weight": "qkv", "mlp.gate_up_proj.weight": "gate_up"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -70,13 +85,20 @@ def _read_optional_json(path: Path) -> dict:
 
 def config_from_hf(cfg: dict, name: str) -> ModelConfig:
     model_type = cfg.get("model_type")
-    if model_type not in ARCHITECTURES:
+    if model_type == "gemma3":
+        raise UnsupportedModel("model_type 'gemma3' is Gemma 3's image-text model: floe runs its text model "
+                               "(a gemma3_text folder, or a GGUF of it)")
+    arch = _ARCHS.get(model_type, model_type)
+    if arch not in ARCHITECTURES:
         raise UnsupportedModel(
             f"model_type {model_type!r} ({', '.join(cfg.get('architectures') or [])}) is not supported "
             f"(floe runs: {', '.join(ARCHITECTURES)})"
         )
-    # transformers >= 5 nests rope settings in rope_parameters; older configs use rope_theta/rope_scaling.
+    # transformers >= 5 nests rope settings in rope_parameters (Gemma 3: one set per layer type); older
+    # configs use rope_theta/rope_scaling.
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    local_rope = rope.pop("sliding_attention", None)
+    rope = dict(rope.pop("full_attention", None) or rope)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     scaling, long_rope = None, None
     if rope_type == "llama3":
@@ -90,6 +112,7 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
         long_rope = _long_rope(cfg, rope)
     elif rope_type != "default":
         raise UnsupportedModel(f"rope scaling {rope_type!r} is not supported (llama3; longrope for phi3)")
+    gemma = arch in UNIT_OFFSET_NORM_ARCHITECTURES
     n_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
     partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
@@ -97,7 +120,7 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
         raise UnsupportedModel(f"{model_type} with use_sliding_window (a window on the layers past "
                                "max_window_layers) is not supported")
     return ModelConfig(
-        arch=model_type,
+        arch=arch,
         dim=cfg["hidden_size"],
         n_layers=cfg["num_hidden_layers"],
         n_heads=n_heads,
@@ -112,12 +135,45 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
         long_rope=long_rope,
         rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias")),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "qwen2")),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "qwen2" or gemma)),
         name=name,
-        # Mistral's and Phi-3's window (null in Mistral 7B v0.2 and later); Qwen's sliding_window is
-        # unused without use_sliding_window.
-        sliding_window=cfg.get("sliding_window") if model_type in ("mistral", "phi3") else None,
+        # Mistral's, Phi-3's and Gemma's window (null in Mistral 7B v0.2 and later); Qwen's
+        # sliding_window is unused without use_sliding_window.
+        sliding_window=cfg.get("sliding_window") if model_type in ("mistral", "phi3") or gemma else None,
+        **(_gemma(cfg, arch, head_dim, local_rope) if gemma else {}),
     )
+
+
+def _gemma(cfg: dict, arch: str, head_dim: int, local_rope: dict | None) -> dict:
+    """Gemma 2 and 3's config fields, as transformers reads them."""
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModel(f"{arch} with use_bidirectional_attention (an encoder) is not supported")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModel(f"{arch} with hidden_activation {cfg['hidden_activation']!r} is not supported "
+                               "(gelu_pytorch_tanh)")
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or (
+        2 if arch == "gemma2" else 6)
+    types = cfg.get("layer_types")
+    if types:  # the pattern they follow: every layer windowed but each pattern-th (0: none global)
+        pattern = types.index("full_attention") + 1 if "full_attention" in types else 0
+        if types != [_layer_type(i, pattern) for i in range(cfg["num_hidden_layers"])]:
+            raise UnsupportedModel(f"{arch} layer_types {types} are not supported: floe runs a window on "
+                                   "every layer but each n-th")
+    if local_rope and (local_rope.get("rope_type") or "default") != "default":
+        raise UnsupportedModel(f"rope scaling {local_rope['rope_type']!r} on {arch}'s windowed layers is "
+                               "not supported")
+    local_theta = (local_rope or {}).get("rope_theta") or cfg.get("rope_local_base_freq")
+    return dict(
+        activation="gelu_tanh", embedding_scale=cfg["hidden_size"] ** 0.5, post_norms=True,
+        attention_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+        attn_softcap=cfg.get("attn_logit_softcapping"), logit_softcap=cfg.get("final_logit_softcapping"),
+        sliding_window_pattern=pattern,
+        rope_local_theta=None if arch == "gemma2" else float(local_theta or 10000.0),
+    )
+
+
+def _layer_type(layer: int, pattern: int) -> str:
+    return "full_attention" if pattern and (layer + 1) % pattern == 0 else "sliding_attention"
 
 
 def _long_rope(cfg: dict, rope: dict) -> LongRope:
@@ -153,12 +209,13 @@ def _parts(name: str, c: ModelConfig) -> list[tuple[str, torch.Tensor | None]]:
     m = _LAYER.fullmatch(name)
     if m and m.group(2) in _FUSED_NAMES:
         return fused_part_rows(c, _FUSED_NAMES[m.group(2)], int(m.group(1)))
-    if m and m.group(2) in _LAYER_NAMES:
-        canonical = f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = _GEMMA_LAYER_NAMES if c.post_norms else _LAYER_NAMES
+    if m and m.group(2) in names:
+        canonical = f"layers.{m.group(1)}.{names[m.group(2)]}"
         if c.rotary_dim and canonical.endswith(ROTARY_WEIGHTS):  # a partial rotary's Q/K order
             return [(canonical, rotary_rows(c, canonical, torch.arange(weight_rows(c, canonical))))]
         return [(canonical, None)]
-    raise UnsupportedModel(f"unexpected tensor {name!r}: not a Llama/Mistral/Phi-3/Qwen2/Qwen3 weight")
+    raise UnsupportedModel(f"unexpected tensor {name!r}: not a Llama/Mistral/Phi-3/Qwen2/Qwen3/Gemma weight")
 
 
 def tokenizer_from_folder(folder: Path, cfg: dict) -> Tokenizer:
@@ -213,7 +270,10 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, progress: Progress | None =
     except (SafetensorError, OSError) as e:
         raise NotAModel(f"cannot read safetensors in {folder}: {e}") from e
     todo = sorted((name, shard) for name, shard in names.items() if _parts(name, config))
-    weights = {canonical: functools.partial(_tensor, shard, name, rows=rows)
+    # Gemma's norms scale by (1 + w): the canonical weight is that multiplier
+    shifted = config.arch in UNIT_OFFSET_NORM_ARCHITECTURES
+    weights = {canonical: functools.partial(_tensor, shard, name, rows=rows,
+                                            shift=shifted and canonical.endswith("norm.weight"))
                for name, shard in todo for canonical, rows in _parts(name, config)}
     if config.tie_embeddings:
         weights.pop("output.weight", None)
@@ -242,14 +302,17 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, progress: Progress | None =
 
 
 def _tensor(shard: Path, name: str, dtype: torch.dtype | None,
-            rows: torch.Tensor | None = None) -> torch.Tensor:
+            rows: torch.Tensor | None = None, shift: bool = False) -> torch.Tensor:
     """Tensor `name` of `shard` in `dtype` (None: as stored, for the fingerprint), its rows `rows`
-    only where given (take_rows). safetensors maps the file and hands out views of its mapping (kept
-    where the dtype matches: see `mapped`); each read opens its own, so the pages a read touched
-    leave this process's memory with its last view."""
+    only where given (take_rows); shift: 1 + the tensor, added in float32 (Gemma's norms). safetensors
+    maps the file and hands out views of its mapping (kept where the dtype matches: see `mapped`);
+    each read opens its own, so the pages a read touched leave this process's memory with its last
+    view."""
     with safe_open(str(shard), framework="pt") as handle:
         t = handle.get_tensor(name)
     if dtype is None:
         return t
     t = take_rows(t, rows)
+    if shift:
+        return (t.float() + 1.0).to(dtype)
     return mapped(t) if t.dtype == dtype else t.to(dtype)

@@ -1,0 +1,164 @@
+"""Gemma 2 and Gemma 3's text model (embeddings times sqrt(dim), (1 + w) norms, GeGLU, four norms a layer,
+q·k scaled by query_pre_attn_scalar, a window on every layer but each 2nd (Gemma 2) or 6th (Gemma 3);
+Gemma 2's attention and logit soft-capping; Gemma 3's q/k norms and its windowed layers' own rotary base)
+give transformers' logits and greedy tokens on the CPU, from a Hugging Face folder and from the same
+weights as llama.cpp writes them in GGUF; the steps without those hooks (CUDA, WebGPU, the CPU's lean
+step) refuse them by name."""
+
+import dataclasses
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from models import assert_matches_transformers as assert_matches
+from models import convert_to_gguf, save_hf_folder
+
+from floe.engine import Engine
+from floe.engine.cpu_decode import CpuDecoder
+from floe.engine.weights import check_backend
+from floe.errors import UnsupportedModel
+from floe.model import load_checkpoint
+
+WINDOW = 8
+IDS = [1, 504, 3575, 282, 4649, 314, 7042, 30, 17, 42, 9000, 31000] * 4  # 48 positions: 6 windows
+PROMPT = IDS[:20]
+SOFTCAPS = (1.0, 3.0)  # small enough to bend these tiny models' scores and logits
+
+
+def _reference(folder):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def assert_same_config(a, b):
+    """Equal but for the name and norm_eps (a float32 in GGUF)."""
+    assert a.norm_eps == pytest.approx(b.norm_eps)
+    assert dataclasses.replace(a, name="", norm_eps=0.0) == dataclasses.replace(b, name="", norm_eps=0.0)
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    """A Gemma 2 folder whose query_pre_attn_scalar (24) is not its head_dim (32)."""
+    return save_hf_folder(tmp_path_factory.mktemp("gemma2"), "gemma2", tie=True, sliding_window=WINDOW,
+                          query_pre_attn_scalar=24, softcaps=SOFTCAPS)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return save_hf_folder(tmp_path_factory.mktemp("gemma3"), "gemma3_text", tie=True, sliding_window=WINDOW)
+
+
+def test_gemma2_config_from_an_hf_folder(gemma2):
+    c = load_checkpoint(gemma2).config
+    assert (c.arch, c.activation, c.embedding_scale, c.post_norms, c.qk_norm) == (
+        "gemma2", "gelu_tanh", 8.0, True, False)
+    assert (c.attention_scale, c.attn_softcap, c.logit_softcap) == (24**-0.5, *SOFTCAPS)
+    assert [c.layer_window(i) for i in range(c.n_layers)] == [WINDOW, None]  # even layers local
+    assert '"attn_softcap":1.0' in c.to_json()  # part of the fingerprint
+
+
+def test_gemma2_hf_folder_matches_transformers(gemma2):
+    assert_matches(gemma2, _reference(gemma2))
+
+
+def test_gemma2_soft_capping_query_scale_and_window_each_matter(gemma2):
+    """Each of Gemma 2's differences left out changes the logits: the comparison above sees them."""
+    checkpoint = load_checkpoint(gemma2)
+    c = checkpoint.config
+    full = Engine(checkpoint, max_seq_len=64).prefill(IDS, all_logits=True)
+    for change in ({"attn_softcap": None}, {"logit_softcap": None}, {"attention_scale": None},
+                   {"sliding_window": None}):
+        checkpoint.config = dataclasses.replace(c, **change)
+        other = Engine(checkpoint, max_seq_len=64).prefill(IDS, all_logits=True)
+        assert (other - full).abs().max() > 1e-3, change  # 10x the tolerance compared with transformers
+
+
+def test_gemma2_gguf_matches_transformers(tmp_path):
+    """As llama.cpp writes it: norms plus 1, soft-capping keys, no query_pre_attn_scalar (the head_dim
+    below 27B, as in Gemma 2 2B and 9B): the same config as the folder's."""
+    folder = save_hf_folder(tmp_path / "hf", "gemma2", tie=True, sliding_window=WINDOW, softcaps=SOFTCAPS)
+    path = convert_to_gguf(folder, tmp_path / "gemma2.gguf")
+    assert_same_config(load_checkpoint(path).config, load_checkpoint(folder).config)
+    assert_matches(path, _reference(folder))
+
+
+def test_gemma3_config_from_an_hf_folder(gemma3):
+    c = load_checkpoint(gemma3).config
+    assert (c.arch, c.qk_norm, c.post_norms, c.attn_softcap, c.logit_softcap) == (
+        "gemma3", True, True, None, None)
+    assert [c.layer_window(i) for i in range(c.n_layers)] == [WINDOW] * 5 + [None]  # every 6th global
+    assert [c.layer_rope_theta(i) for i in range(c.n_layers)] == [10000.0] * 5 + [1e6]
+
+
+def test_gemma3_hf_folder_matches_transformers(gemma3):
+    assert_matches(gemma3, _reference(gemma3))
+
+
+def test_gemma3_local_rope_base_matters(gemma3):
+    checkpoint = load_checkpoint(gemma3)
+    full = Engine(checkpoint, max_seq_len=64).prefill(IDS, all_logits=True)
+    c = checkpoint.config
+    checkpoint.config = dataclasses.replace(c, rope_local_theta=None)
+    assert (Engine(checkpoint, max_seq_len=64).prefill(IDS, all_logits=True) - full).abs().max() > 1e-2
+
+
+def test_gemma3_gguf_matches_transformers(gemma3, tmp_path):
+    path = convert_to_gguf(gemma3, tmp_path / "gemma3.gguf")
+    assert_same_config(load_checkpoint(path).config, load_checkpoint(gemma3).config)
+    assert_matches(path, _reference(gemma3))
+
+
+def test_gemma_decode_steps_equal_one_shot_prefill(gemma2):
+    """Decode rows, a chunk appended past the window and two slots stepped together all see the
+    windows, caps and scales as the one-shot prompt does."""
+    engine = Engine(load_checkpoint(gemma2), max_seq_len=64, n_slots=2)
+    assert not engine.fused_kernels  # the module forward: the lean step has no Gemma
+    full = engine.prefill(IDS, all_logits=True)
+    engine.kv_truncate(0)
+    engine.prefill(IDS[:10])
+    engine.prefill(IDS[10:30])
+    steps = [engine.decode_step(t) for t in IDS[30:]]
+    torch.testing.assert_close(torch.stack(steps), full[30:], atol=1e-5, rtol=0)
+    engine.kv_truncate(30)
+    engine.prefill(IDS[:30], slot=1)
+    for row in engine.decode_batch([IDS[30], IDS[30]], [0, 1]):
+        torch.testing.assert_close(row, full[30], atol=1e-5, rtol=0)
+
+
+def test_native_quantized_gemma_tracks_the_dense_engine(gemma3, tmp_path):
+    """floe's int8-activation kernels for the file's Q8_0 projections, in the module forward."""
+    ckpt = load_checkpoint(convert_to_gguf(gemma3, tmp_path / "q.gguf", Q.Q8_0))
+    dense, native = Engine(ckpt, max_seq_len=64), Engine(ckpt, max_seq_len=64, weights="native")
+    assert sum(native.packed.values()) >= 6 * 4
+    full = dense.prefill(PROMPT, all_logits=True)
+    steps = [native.prefill(PROMPT[:14])] + [native.decode_step(t) for t in PROMPT[14:]]
+    for position, b in zip(range(13, len(PROMPT)), steps, strict=True):
+        a = full[position]
+        assert (a - b).norm() / a.norm() < 4e-2, position  # int8 inputs: ~5e-3 per product
+
+
+@pytest.mark.parametrize("backend", ["cuda", "webgpu"])
+def test_backends_without_gemma_refuse_it_by_name(gemma2, gemma3, backend):
+    for folder, arch in ((gemma2, "gemma2"), (gemma3, "gemma3")):
+        c = load_checkpoint(folder).config
+        with pytest.raises(UnsupportedModel, match=f"{arch} models run on the CPU only.*post-attention.*"
+                                                   "--device cpu"):
+            check_backend(c, backend, WINDOW)  # even where no window applies
+        check_backend(c, "cpu", 64)
+
+
+def test_the_lean_cpu_step_refuses_gemma_by_name(gemma2):
+    engine = Engine(load_checkpoint(gemma2), max_seq_len=64)
+    with pytest.raises(UnsupportedModel, match="lean decode step.*gelu_tanh.*gemma2.*fused_kernels=False"):
+        CpuDecoder(engine.model, engine.cache)
+    with pytest.raises(UnsupportedModel, match="gemma2 models run on the CPU by the module forward only"):
+        Engine(load_checkpoint(gemma2), max_seq_len=64, fused_kernels=True)
+
+
+def test_gemma3_image_text_folders_are_refused_by_name():
+    from floe.model.hf_folder import config_from_hf
+
+    with pytest.raises(UnsupportedModel, match="gemma3.*image-text.*gemma3_text"):
+        config_from_hf({"model_type": "gemma3", "text_config": {}}, "g")
