@@ -133,6 +133,13 @@ def test_a_prompt_as_a_list_of_one_string(server):
     assert e.value.body["param"] == "prompt"
 
 
+def test_an_empty_prompt_without_a_bos_is_a_400(server, reference):
+    assert not reference.tokenizer.add_bos  # (the default model's: the prompt would have no token)
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client(server.url), "")
+    assert e.value.body["param"] == "prompt"
+
+
 def test_a_prompt_past_the_context_is_a_clear_400(server):
     c = client(server.url)
     with pytest.raises(openai.BadRequestError) as e:

@@ -65,7 +65,10 @@ class Replica:
         except ServeError as e:
             yield ("error", e.payload())
             return
-        yield ("started", {"session_id": chat.session.id, "had": len(chat.session.messages)})
+        if chat.session is None:  # a text completion: no session
+            yield ("started", {"session_id": None, "had": 0})
+        else:
+            yield ("started", {"session_id": chat.session.id, "had": len(chat.session.messages)})
         pieces: queue.Queue = queue.Queue()
         end = object()
 

@@ -214,9 +214,10 @@ class ClusterClient:
                 if kind == "started":
                     started = True
                     sid = value["session_id"]
-                    key = session_key(request.get("owner") or "", sid)
-                    self._placed_after_failover(key, route, request, value["had"])
-                    self._place(key, route)
+                    if sid is not None:  # (None: a text completion, which has no session to place)
+                        key = session_key(request.get("owner") or "", sid)
+                        self._placed_after_failover(key, route, request, value["had"])
+                        self._place(key, route)
                     value = sid
                 queue.put_nowait((kind, value))
         except RayActorError as e:
