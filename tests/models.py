@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter
+from gguf import GGUFWriter, RopeScalingType
 from gguf.quants import GGML_QUANT_SIZES, quantize
 
 from floe.model import default_model_path
@@ -31,14 +31,16 @@ def tokenizer_fields() -> dict:
 def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_llama3: bool = False,
                    shard: bool = True, sliding_window: int | None = None, partial_rotary: float = 1.0,
                    long_rope: bool = False, query_pre_attn_scalar: int = 32,
-                   softcaps: tuple[float | None, float | None] = (None, None)) -> Path:
+                   softcaps: tuple[float | None, float | None] = (None, None),
+                   rope_linear: float | None = None) -> Path:
     """A random transformers model of `arch` ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma2" or
     "gemma3_text") saved as safetensors shards. qwen3's and gemma's head_dim (32) is not hidden_size /
     heads (16), as in Qwen3-0.6B (128 vs 64); mistral's, phi3's and gemma's attention sees the last
     `sliding_window` positions (None: all; gemma: on its windowed layers: gemma2's 2 layers, the first;
     gemma3_text's 6 layers, all but the last); phi3 rotates the first `partial_rotary` of each head,
     with LongRoPE (random factors, pretrained on 32 positions of 512) if `long_rope`; gemma scales q·k
-    by query_pre_attn_scalar ** -0.5 and gemma2 soft-caps (attention, final logits) by `softcaps`."""
+    by query_pre_attn_scalar ** -0.5 and gemma2 soft-caps (attention, final logits) by `softcaps`;
+    gemma3_text's global layers scale their rotary linearly by `rope_linear` (as Gemma 3 4B-27B)."""
     from transformers import (
         Gemma2Config,
         Gemma2ForCausalLM,
@@ -94,6 +96,8 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
         else:
             rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                     "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+            if rope_linear:
+                rope["full_attention"].update(rope_type="linear", factor=rope_linear)
             config = Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, **gemma, rope_parameters=rope)
             cls = Gemma3ForCausalLM
         config._attn_implementation = "eager"  # transformers' SDPA attention has no soft-capping
@@ -230,6 +234,9 @@ def convert_to_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
         writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
     elif cfg.get("sliding_window") is not None:
         writer.add_sliding_window(cfg["sliding_window"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     if cfg.get("attn_logit_softcapping") is not None:
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
     if cfg.get("final_logit_softcapping") is not None:

@@ -110,6 +110,22 @@ def test_gemma3_gguf_matches_transformers(gemma3, tmp_path):
     assert_matches(path, _reference(gemma3))
 
 
+def test_gemma3_linear_rope_scaling_on_its_global_layers_matches_transformers(tmp_path):
+    """Gemma 3 4B-27B: the global layers' frequencies divided by the factor, the windowed layers' not."""
+    folder = save_hf_folder(tmp_path / "hf", "gemma3_text", tie=True, sliding_window=WINDOW, rope_linear=8.0)
+    path = convert_to_gguf(folder, tmp_path / "gemma3.gguf")
+    c = load_checkpoint(folder).config
+    assert c.rope_linear_factor == 8.0
+    assert_same_config(load_checkpoint(path).config, c)
+    reference = _reference(folder)
+    assert_matches(folder, reference)
+    assert_matches(path, reference)
+    unscaled = load_checkpoint(folder)
+    unscaled.config = dataclasses.replace(c, rope_linear_factor=1.0)
+    scaled = Engine(load_checkpoint(folder), max_seq_len=64).prefill(IDS, all_logits=True)
+    assert (Engine(unscaled, max_seq_len=64).prefill(IDS, all_logits=True) - scaled).abs().max() > 1e-3
+
+
 def test_gemma_decode_steps_equal_one_shot_prefill(gemma2):
     """Decode rows, a chunk appended past the window and two slots stepped together all see the
     windows, caps and scales as the one-shot prompt does."""

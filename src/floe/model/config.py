@@ -83,6 +83,9 @@ class ModelConfig:
     sliding_window_pattern: int = 0
     # and the rotary base of the windowed layers (Gemma 3; None: rope_theta).
     rope_local_theta: float | None = None
+    # Linear rope scaling (Gemma 3 4B-27B): the global layers' frequencies divided by this factor
+    # (the windowed layers' base, rope_local_theta, is not scaled).
+    rope_linear_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -158,10 +161,13 @@ class ModelConfig:
         """Rotary inverse frequencies, float64, shape [head_dim // 2], for a context of max_seq_len
         positions (LongRoPE's long factors past its pretraining length, as llama.cpp chooses by its
         context). With a partial rotary, the first rotary_dim // 2 rotate and the rest are 0 (cos 1,
-        sin 0: dimensions that pass through). theta: the base (None: rope_theta)."""
+        sin 0: dimensions that pass through). theta: the base (None: rope_theta, with the linear
+        factor; a windowed layer's own base: without)."""
         rotary = self.rotary_dim or self.head_dim
         exponents = torch.arange(0, rotary // 2, dtype=torch.float64) * 2 / rotary
         inv = 1.0 / ((theta or self.rope_theta) ** exponents)
+        if theta is None and self.rope_linear_factor != 1.0:
+            inv = inv / self.rope_linear_factor
         if self.rope_freq_factors is not None:
             inv = inv / torch.tensor(self.rope_freq_factors, dtype=torch.float64)
         elif self.rope_scaling is not None:
@@ -182,7 +188,8 @@ class ModelConfig:
 # when unset.
 _LATER_FIELDS = {"sliding_window": None, "rotary_dim": 0, "long_rope": None, "activation": "silu",
                  "embedding_scale": 1.0, "post_norms": False, "attention_scale": None, "attn_softcap": None,
-                 "logit_softcap": None, "sliding_window_pattern": 0, "rope_local_theta": None}
+                 "logit_softcap": None, "sliding_window_pattern": 0, "rope_local_theta": None,
+                 "rope_linear_factor": 1.0}
 
 
 def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:

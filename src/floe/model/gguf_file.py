@@ -193,7 +193,10 @@ def config_from_fields(fields: dict, tensor_names: set[str], rope_freqs: np.ndar
     # Qwen's GGUFs run without one, as in llama.cpp)
     window = (fields.get(f"{arch}.attention.sliding_window")
               if arch in ("llama", "mistral", "phi3", "gemma2", "gemma3") else None)
-    if fields.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+    linear = 1.0
+    if fields.get(f"{arch}.rope.scaling.type") == "linear" and arch == "gemma3":  # its global layers only
+        linear = float(key("rope.scaling.factor"))
+    elif fields.get(f"{arch}.rope.scaling.type") not in (None, "none"):
         raise UnsupportedModel(f"rope scaling {fields[f'{arch}.rope.scaling.type']!r} is not supported")
     head_dim = int(fields.get(f"{arch}.attention.key_length") or dim // n_heads)
     rotary_dim = int(fields.get(f"{arch}.rope.dimension_count") or head_dim)
@@ -210,6 +213,7 @@ def config_from_fields(fields: dict, tensor_names: set[str], rope_freqs: np.ndar
         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
+        rope_linear_factor=linear,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         tie_embeddings="output.weight" not in tensor_names,
         name=str(fields.get("general.name") or ""),

@@ -100,7 +100,7 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
     local_rope = rope.pop("sliding_attention", None)
     rope = dict(rope.pop("full_attention", None) or rope)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    scaling, long_rope = None, None
+    scaling, long_rope, linear = None, None, 1.0
     if rope_type == "llama3":
         scaling = RopeScaling(
             float(rope["factor"]),
@@ -110,8 +110,11 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
         )
     elif rope_type in ("longrope", "su") and model_type == "phi3":
         long_rope = _long_rope(cfg, rope)
+    elif rope_type == "linear" and arch == "gemma3":  # its global layers only
+        linear = float(rope["factor"])
     elif rope_type != "default":
-        raise UnsupportedModel(f"rope scaling {rope_type!r} is not supported (llama3; longrope for phi3)")
+        raise UnsupportedModel(f"rope scaling {rope_type!r} is not supported (llama3; longrope for phi3; "
+                               "linear for gemma3)")
     gemma = arch in UNIT_OFFSET_NORM_ARCHITECTURES
     n_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
@@ -133,6 +136,7 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
         rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0),
         rope_scaling=scaling,
         long_rope=long_rope,
+        rope_linear_factor=linear,
         rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias")),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "qwen2" or gemma)),
