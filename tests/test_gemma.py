@@ -92,6 +92,29 @@ def test_gemma3_config_from_an_hf_folder(gemma3):
     assert [c.layer_rope_theta(i) for i in range(c.n_layers)] == [10000.0] * 5 + [1e6]
 
 
+def test_gemma_configs_as_older_transformers_wrote_them(gemma2, gemma3):
+    """Before layer_types and nested rope_parameters (Gemma 2 2B-27B, Gemma 3 1B on the Hub): flat
+    rope_theta, rope_local_base_freq, sliding_window_pattern and rope_scaling give the same config."""
+    import json
+
+    from floe.model.hf_folder import config_from_hf
+
+    for folder in (gemma2, gemma3):
+        cfg = json.loads((folder / "config.json").read_text())
+        rope = cfg.pop("rope_parameters")
+        old = {k: v for k, v in cfg.items() if k not in ("layer_types", "_sliding_window_pattern")}
+        if "full_attention" in rope:
+            old.update(rope_theta=rope["full_attention"]["rope_theta"], sliding_window_pattern=6,
+                       rope_local_base_freq=rope["sliding_attention"]["rope_theta"], rope_scaling=None)
+        else:
+            old.update(rope_theta=rope["rope_theta"])
+        assert config_from_hf(old, folder.name) == load_checkpoint(folder).config
+    linear = {**old, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}  # Gemma 3 4B-27B's
+    assert config_from_hf(linear, "g").rope_linear_factor == 8.0
+    other = config_from_hf({**old, "rope_local_base_freq": 20000.0, "sliding_window_pattern": 3}, "g")
+    assert (other.rope_local_theta, other.sliding_window_pattern) == (20000.0, 3)  # read, not defaults
+
+
 def test_gemma3_hf_folder_matches_transformers(gemma3):
     assert_matches(gemma3, _reference(gemma3))
 
