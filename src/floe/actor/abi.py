@@ -275,10 +275,15 @@ class HostABI:
     def _write_ids(self, ptr: int, cap: int, ids: list[int], what: str) -> int:
         self.budget.spend(4 * min(cap, len(ids)), what)
         t = time.perf_counter()
-        out = self._view(ptr, cap, torch.int32, what)
+        if ptr % 4:
+            raise GuestPointerError(f"{what}: pointer {ptr} is not 4-byte aligned")
+        try:
+            out = self.actor.region.numpy(ptr, cap, np.int32)
+        except OutOfBounds as e:
+            raise GuestPointerError(f"{what}: guest pointer {e}") from None
         n = min(cap, len(ids))
         if n:  # numpy fills from the list in one C loop (a tensor of the list first costs ~3x more)
-            out.numpy()[:n] = ids[:n]
+            out[:n] = ids[:n]
         self.actor.ledger.copy(f"host→guest {what}", 4 * n, seconds=time.perf_counter() - t)
         return len(ids)
 

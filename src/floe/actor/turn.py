@@ -43,6 +43,10 @@ class TurnTable:
         self.moved_names: list[str | None] = [None, None]
 
 
+_NEW_ROW = np.zeros(guest_rows.WIDTH, np.int64)  # a turn's row before its first step: nothing yet
+_NEW_ROW[[W.CHOICE, W.SPECULATED, W.NEXT_TOKEN]] = NONE
+
+
 def _views(array: np.ndarray) -> tuple[memoryview, memoryview]:
     """int64 and float64 scalar views of an int64 array's words."""
     raw = memoryview(array).cast("B")
@@ -89,7 +93,7 @@ class Turn:
 
     __slots__ = ("actor", "deadline", "speculated_at", "rng_before", "flying", "prompt", "end", "error",
                  "abandoned", "calls_on_end", "done", "woken", "abi", "guest", "draws", "target", "slot",
-                 "_words", "_dwords", "_base", "_moved_names", "headed")
+                 "_row", "_words", "_dwords", "_base", "_moved_names", "headed")
 
     generated = _word(W.GENERATED)  # tokens it generated
     max_tokens = _word(W.MAX_TOKENS)
@@ -133,28 +137,19 @@ class Turn:
         self.target: torch.Tensor | None | bool = False  # its decode rows' logits buffer (False: not asked)
         self.slot = actor.slot
         self.headed = False  # its row's call words are made (floe.wasm.rows.head, at its first on_token)
-        self._words, self._dwords = _views(np.zeros(guest_rows.WIDTH, np.int64))
+        self._row = _NEW_ROW.copy()  # its own until bind()
+        self._words, self._dwords = _views(self._row)
         self._base = 0
         self._moved_names: list[str | None] = [None, None]
-        self._reset(max_tokens)
-
-    def _reset(self, max_tokens: int) -> None:
-        w, b = self._words, self._base
-        for col in range(guest_rows.WIDTH):
-            w[b + col] = 0
-        for col in (W.CHOICE, W.SPECULATED, W.NEXT_TOKEN):
-            w[b + col] = NONE
-        w[b + W.MAX_TOKENS] = max_tokens
-        w[b + W.VOCAB] = self.abi.vocab
-        w[b + W.DRAWS] = int(self.draws)
-        self._dwords[b + W.DEADLINE] = self.deadline
+        w = self._words
+        w[W.MAX_TOKENS], w[W.VOCAB], w[W.DRAWS] = max_tokens, self.abi.vocab, int(self.draws)
+        self._dwords[W.DEADLINE] = deadline
 
     def bind(self, table: TurnTable) -> None:
         """Its row moves to `table` (its loop's, at the row of its slot): from the loop's thread, once
         the turn that held the slot before is gone from the loop."""
+        table.array[self.slot] = self._row
         words, base = table.words, self.slot * guest_rows.WIDTH
-        for col in range(guest_rows.WIDTH):
-            words[base + col] = self._words[self._base + col]
         self._words, self._dwords, self._base = words, table.dwords, base
         self._moved_names = table.moved_names
         self.abi.sampled_at = (words, base + W.SAMPLED)
