@@ -201,3 +201,52 @@ def test_gemma3_image_text_folders_are_refused_by_name():
 
     with pytest.raises(UnsupportedModel, match="gemma3.*image-text.*gemma3_text"):
         config_from_hf({"model_type": "gemma3", "text_config": {}}, "g")
+
+
+@pytest.fixture(scope="module")
+def gemma_vocabulary(tmp_path_factory):
+    """(floe's tokenizer, transformers') of a tiny SentencePiece vocabulary written as llama.cpp writes
+    Gemma's: tokens of spaces spelled with spaces (user-defined), scores that do not follow the file's
+    order (the merge order), a user-defined newline run, no space prefix."""
+    from test_tokenizer_sentencepiece import write_sentencepiece_gguf, write_vocabulary_gguf
+    from transformers import AutoTokenizer
+
+    from floe.model.gguf_file import GGUFFile
+    from floe.model.tokenizer import tokenizer_from_gguf
+
+    folder = tmp_path_factory.mktemp("gemma-vocabulary")
+    fields = GGUFFile(write_sentencepiece_gguf(folder / "llama.gguf")).fields
+    tokens = [t.replace("\u2581", " ") if not t.strip("\u2581") else t
+              for t in fields["tokenizer.ggml.tokens"]]
+    tokens.append("\n\n")
+    kinds = [*fields["tokenizer.ggml.token_type"], 4]
+    types = [4 if not t.strip() else k for t, k in zip(tokens, kinds, strict=True)]  # 4: user-defined
+    scores = [0.0] * 259 + [float(i) for i in range(len(tokens) - 259)]  # rising: against the merge order
+    path = write_vocabulary_gguf(folder / "gemma.gguf", "gemma2", tokens, scores, types, space_prefix=False)
+    theirs = AutoTokenizer.from_pretrained(folder, gguf_file=path.name)
+    return tokenizer_from_gguf(GGUFFile(path).fields), theirs
+
+
+GEMMA_TEXTS = ["Hello world, how are you?", "naïve café façade — “quotes”, Ångström",
+               "日本語のテキストと中文字符和한국어",
+               "def f(x):\n\treturn {'a': [x**2 for x in range(10)]}  # comment\n\n",
+               "runs    of     spaces\n\n\n   and\t\ttabs   ", " starts with a space", "  two spaces", "",
+               "embedded </s> and <s> tokens"]
+
+
+@pytest.mark.parametrize("text", GEMMA_TEXTS)
+def test_gemma_gguf_sentencepiece_equals_transformers(gemma_vocabulary, text):
+    ours, theirs = gemma_vocabulary
+    ids = ours.encode(text, add_bos=False)
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    assert ours.decode(ids) == theirs.decode(ids) == text
+    if not ours.special_ids.intersection(ids):
+        assert b"".join(ours.token_bytes(i) for i in ids) == text.encode()  # no space prepended
+
+
+def test_gemma_merges_follow_the_files_order_and_space_runs_are_one_token(gemma_vocabulary):
+    ours, _ = gemma_vocabulary
+    spaces = [ours.token_text(i) for i in ours.encode("a    b", add_bos=False)]
+    assert spaces == ["a", "\u2581\u2581\u2581\u2581", "b"]
+    learned = [ours.token_text(i) for i in ours.encode("The quick brown fox", add_bos=False)]
+    assert len(learned) <= 5, learned  # merged in the file's order (by the scores, hardly anything merges)

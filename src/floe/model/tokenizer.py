@@ -428,24 +428,38 @@ def tokenizer_from_gguf(fields: dict) -> Tokenizer:
 # the text's start only, where it does not start with a space): transformers' GGUF loader decides by
 # the architecture, as nothing in the file says which (its phi3_tokenizer).
 _PREPEND_BY_NORMALIZER = frozenset({"phi3"})
+# Architectures whose GGUF SentencePiece is Gemma's: no "▁" prepended (spaces become "▁" in a
+# normalizer), tokens of spaces stored as spaces, no merges and scores that do not follow the merge
+# order, which is the file's order: as transformers' GGUF loader builds it (its gemma_tokenizer).
+_GEMMA = frozenset({"gemma", "gemma2", "gemma3"})
 
 
 def _sentencepiece_from_gguf(fields: dict) -> Tokenizer:
-    """A SentencePiece vocabulary (Llama-2, Mistral, Phi-3) as transformers' GGUF loader builds it: a
-    BPE whose merges are every split of a token into two tokens, ranked by the token's score, with
-    byte fallback to the `<0xNN>` tokens; spaces spelled "▁", and one prepended."""
+    """A SentencePiece vocabulary (Llama-2, Mistral, Phi-3, Gemma) as transformers' GGUF loader builds
+    it: a BPE whose merges are every split of a token into two tokens, ranked by the token's score
+    (Gemma: its place in the file), with byte fallback to the `<0xNN>` tokens; spaces spelled "▁", and
+    one prepended (not Gemma)."""
     arch = fields.get("general.architecture")
-    if arch in ("gemma", "gemma2", "gemma3"):
-        raise UnsupportedModel(f"the SentencePiece tokenizer of architecture {arch!r} is not supported")
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    gemma, respelled = arch in _GEMMA, []
+    if gemma:  # "  " is looked up as "▁▁"
+        respelled = [i for i, t in enumerate(tokens) if " " in t and not t.strip()]
+        tokens = list(tokens)
+        for i in respelled:
+            tokens[i] = "\u2581" * len(tokens[i])
+        fields = {**fields, "tokenizer.ggml.tokens": tokens}
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if "tokenizer.ggml.merges" in fields:
         merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    elif gemma:
+        merges = merges_by_score(vocab, {tok: -i for i, tok in enumerate(tokens)})
     else:
         merges = merges_by_score(vocab, dict(zip(tokens, fields["tokenizer.ggml.scores"], strict=True)))
     backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True))
-    prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
-    if arch in _PREPEND_BY_NORMALIZER:
+    prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True)) and not gemma
+    if gemma:
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+    elif arch in _PREPEND_BY_NORMALIZER:
         backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
                                                    normalizers.Replace(" ", "\u2581")])
     else:
@@ -454,7 +468,8 @@ def _sentencepiece_from_gguf(fields: dict) -> Tokenizer:
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
     named = [fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")]
-    _add_gguf_tokens(backend, fields, [i for i in named if i is not None and 0 <= i < len(tokens)])
+    _add_gguf_tokens(backend, fields, [i for i in named if i is not None and 0 <= i < len(tokens)],
+                     plain=respelled)
     # Files written before the flag existed: llama.cpp adds BOS to a SentencePiece vocabulary.
     return _gguf_tokenizer(backend, fields, add_bos=True)
 
@@ -472,15 +487,19 @@ def merges_by_score(vocab: dict[str, int], scores: dict[str, float]) -> list[tup
     return [(a, b) for _, a, b in merges]
 
 
-def _add_gguf_tokens(backend: HFTokenizer, fields: dict, named: Sequence[int]) -> None:
-    """Control tokens (and the `named` ids: BOS, EOS, ...) as special tokens, user-defined ones as added
-    tokens, so that their text in a prompt is read as that one token."""
+def _add_gguf_tokens(backend: HFTokenizer, fields: dict, named: Sequence[int],
+                     plain: Sequence[int] = ()) -> None:
+    """Control tokens (and the `named` ids: BOS, EOS, ...) as special tokens, user-defined ones (but
+    those in `plain`: Gemma's space runs, which transformers leaves to the BPE) as added tokens, so
+    that their text in a prompt is read as that one token."""
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
     types: list[int] = fields.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     special = sorted({*named, *(i for i, t in enumerate(types) if t == _CONTROL)})
+    skipped = set(plain)
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
     backend.add_tokens(
-        [AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+        [AddedToken(tokens[i], normalized=False) for i, t in enumerate(types)
+         if t == _USER_DEFINED and i not in skipped]
     )
 
 
