@@ -109,7 +109,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
         # Mistral: a query sees the last `window` positions only (Gemma: on some layers)
         self.window = c.layer_window(layer)
-        self.scale = c.attention_scale or c.head_dim**-0.5
+        # Gemma's query scale; None: head_dim ** -0.5 (SDPA's own, so other models' bits are as before)
+        self.scale = c.attention_scale
         self.softcap = c.attn_softcap
         self.local_rope = c.layer_rope_theta(layer) != c.rope_theta  # Gemma 3's windowed layers
 
@@ -150,7 +151,7 @@ class Attention(nn.Module):
         """
         group = self.n_heads // self.n_kv_heads
         qg = q.reshape(self.n_kv_heads, group, self.head_dim)
-        scores = torch.matmul(qg, keys.transpose(1, 2)).float() * self.scale
+        scores = torch.matmul(qg, keys.transpose(1, 2)).float() * (self.scale or self.head_dim**-0.5)
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
