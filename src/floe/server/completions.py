@@ -82,13 +82,7 @@ class TextCompletions:
         with self.store.extra_slot(c.owner, beside_session=False):
             actor = Actor(self.engine, self.module, seed=c.seed, loop=self.store.loop)
             try:
-                def emit(piece: str) -> None:
-                    piece = cut.take(piece)
-                    if cut.matched or should_stop():
-                        actor.stop_requested = True
-                    if piece and on_text is not None:
-                        on_text(piece)
-
+                emit = cut.emitter(actor, on_text, should_stop)
                 reply = actor.send(c.message, max_tokens=c.max_tokens, params=c.params, on_text=emit,
                                    loop_safe=True)
             finally:

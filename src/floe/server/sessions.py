@@ -453,13 +453,7 @@ class SessionStore:
             for m in history:
                 actor.add_history(m["role"], m["content"])
 
-            def emit(piece: str) -> None:
-                piece = cut.take(piece)
-                if cut.matched or should_stop():
-                    actor.stop_requested = True
-                if piece and on_text is not None:
-                    on_text(piece)
-
+            emit = cut.emitter(actor, on_text, should_stop)
             reply = actor.send(text, max_tokens=max_tokens, params=params, on_text=emit,
                                loop_safe=True)  # (emit only hands the piece on: no hand-over per token)
             if (tail := cut.rest()) and on_text is not None:  # held back for a stop string that never came

@@ -3,6 +3,8 @@ handed on, streamed or not. Pure text work, run on each piece as the engine loop
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from floe.server.protocol import ServeError
 
 MAX_STOPS = 4  # as OpenAI
@@ -69,6 +71,19 @@ class StopText:
             self.text, self.matched = self.text[:min(found)], True
             return self._hand_on(len(self.text))
         return self._hand_on(len(self.text) - self._held())
+
+    def emitter(self, actor, on_text: Callable[[str], None] | None,
+                should_stop: Callable[[], bool]) -> Callable[[str], None]:
+        """An actor's on_text for a reply cut here: each piece handed on as take() allows, and the
+        actor asked to stop at a stop string or once should_stop() (the client left)."""
+        def emit(piece: str) -> None:
+            piece = self.take(piece)
+            if self.matched or should_stop():
+                actor.stop_requested = True
+            if piece and on_text is not None:
+                on_text(piece)
+
+        return emit
 
     def rest(self) -> str:
         """At the reply's end: the text still held back (no stop string came)."""
