@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -21,8 +23,45 @@ from floe.wasm import (
     start_guest_thread,
 )
 from floe.wasm import rows as guest_rows
+from floe.wasm.rows import NONE, Col
 
 MIB = 1 << 20
+
+
+class Judge(NamedTuple):
+    """call_rows' judgement inputs, per row: the vocabulary's size, the token of the turn's row in flight
+    (NONE: none), the tokens generated so far and max_tokens (Col)."""
+
+    vocab: Sequence[int]
+    speculated: Sequence[int]
+    generated: Sequence[int]
+    max_tokens: Sequence[int]
+
+
+def call_rows(guests: Sequence[GuestInstance], name: str, choice_at: Sequence[int], choices: Sequence[int],
+              deadlines: Sequence[float], bound: float,
+              pendings: Sequence[Callable[[], BaseException | None]],
+              judge: Judge | None = None) -> tuple[list, list[int]]:
+    """guest_rows.call_slots of rows made for this call (the engine loop keeps its rows in a table):
+    guest i's choices[i] (NONE: none) stored at choice_at[i] (0: none), its call before deadlines[i]
+    and within `bound` of its start. For each: the i32 it returned or the exception GuestInstance.call
+    would have raised; and the native judgement of each returned token (with `judge`; else 0s)."""
+    n = len(guests)
+    table = np.zeros((n, guest_rows.WIDTH), np.int64)
+    table[:, Col.CONTEXT:Col.WHEN_AT + 1] = guest_rows.heads(guests, name, choice_at)
+    table[:, Col.CHOICE] = choices
+    table.view(np.float64)[:, Col.DEADLINE] = deadlines
+    table[:, [Col.SPECULATED, Col.NEXT_TOKEN]] = NONE
+    if judge is not None:
+        judged = (Col.VOCAB, Col.SPECULATED, Col.GENERATED, Col.MAX_TOKENS)
+        for col, values in zip(judged, judge, strict=True):
+            table[:, col] = values
+    failed = guest_rows.call_slots(table, np.arange(n, dtype=np.int64), guests, name, bound,
+                                   lambda k: pendings[k]())
+    answers = table[:, Col.RESULT].tolist()
+    for k, e in failed.items():
+        answers[k] = e
+    return answers, table[:, Col.JUDGED].tolist()
 
 
 def guest(body: str, result: str = "i32") -> GuestInstance:
@@ -49,7 +88,7 @@ def test_each_row_gets_its_own_choice_and_answer():
     echo = [guest("(i32.add (i32.load (i32.const 64)) (i32.const 1))") for _ in range(5)]
     if not on_a_guest_thread(lambda: guest_rows.usable(echo)):
         pytest.skip("no native loop here (no C++ compiler, or epochs not ticking natively)")
-    answers = on_a_guest_thread(lambda: guest_rows.call_rows(
+    answers = on_a_guest_thread(lambda: call_rows(
         echo, "on_token", [choice_address(g) for g in echo], [10, 20, 30, 40, -5], [math.inf] * 5,
         1.0, [lambda: None] * 5))[0]
     assert answers == [11, 21, 31, 41, -4]
@@ -66,7 +105,7 @@ def test_a_failing_row_fails_alone_and_the_rows_after_it_are_called(bad, error, 
     guests = [guest(good), guest(bad, "i64" if "i64" in bad else "i32"), guest(good), guest(good)]
     if not on_a_guest_thread(lambda: guest_rows.usable(guests)):
         pytest.skip("no native loop here")
-    answers = on_a_guest_thread(lambda: guest_rows.call_rows(
+    answers = on_a_guest_thread(lambda: call_rows(
         guests, "on_token", [0] * 4, [0] * 4, [math.inf] * 4, 0.3, [lambda: None] * 4))[0]
     assert answers[0] == 5 and answers[2:] == [5, 5]
     assert isinstance(answers[1], error) and message in str(answers[1]), answers[1]
@@ -87,9 +126,9 @@ def test_the_native_loop_judges_each_token_as_the_engine_loop_would():
         pytest.skip("no native loop here")
     none = guest_rows.NONE
     choices = [7, 3, 7, 7, 7, none, 8, 7]
-    judge = guest_rows.Judge(vocab=[100] * 8, speculated=[none, none, none, none, none, 7, 7, none],
+    judge = Judge(vocab=[100] * 8, speculated=[none, none, none, none, none, 7, 7, none],
                              generated=[0, 0, 0, 0, 9, 0, 0, 0], max_tokens=[10] * 8)
-    answers, judged = on_a_guest_thread(lambda: guest_rows.call_rows(
+    answers, judged = on_a_guest_thread(lambda: call_rows(
         guests, "on_token", [0] * 8, choices, [math.inf] * 8, 1.0, [lambda: None] * 8, judge))
     assert answers[:7] == returns[:7] and isinstance(answers[7], GuestTrap)
     P, T, C = guest_rows.PLAIN, guest_rows.TAKES, guest_rows.CONFIRMED
@@ -132,7 +171,7 @@ def test_each_row_gets_its_whole_bound_from_its_own_start():
 
     def seconds_of_one() -> float:
         t = time.perf_counter()
-        assert guest_rows.call_rows([probe], "on_token", [0], [0], [math.inf], 60.0, [lambda: None])[0] == [1]
+        assert call_rows([probe], "on_token", [0], [0], [math.inf], 60.0, [lambda: None])[0] == [1]
         return time.perf_counter() - t
 
     one = min(on_a_guest_thread(seconds_of_one) for _ in range(3))
@@ -140,7 +179,7 @@ def test_each_row_gets_its_whole_bound_from_its_own_start():
     for g in guests:  # ~0.4 s a call
         g.region.numpy(128, 1, np.int32)[0] = int((1 << 24) * 0.4 / one)
     t = time.perf_counter()
-    answers, _ = on_a_guest_thread(lambda: guest_rows.call_rows(
+    answers, _ = on_a_guest_thread(lambda: call_rows(
         guests, "on_token", [0] * 3, [0] * 3, [math.inf] * 3, 1.0, [lambda: None] * 3))
     took = time.perf_counter() - t
     assert answers == [1, 1, 1], (answers, took)

@@ -148,7 +148,7 @@ class Turn:
     def bind(self, table: TurnTable) -> None:
         """Its row moves to `table` (its loop's, at the row of its slot): from the loop's thread, once
         the turn that held the slot before is gone from the loop."""
-        table.array[self.slot] = self._row
+        table.array[self.slot], self._row = self._row, None
         words, base = table.words, self.slot * guest_rows.WIDTH
         self._words, self._dwords, self._base = words, table.dwords, base
         self._moved_names = table.moved_names

@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
@@ -163,38 +162,3 @@ def call_slots(table: np.ndarray, slots: np.ndarray, guests: Sequence[GuestInsta
     finally:
         runtime._running.pop(id(batch), None)
     return failed
-
-
-class Judge(NamedTuple):
-    """call_rows' judgement inputs, per row: the vocabulary's size, the token of the turn's row in flight
-    (NONE: none), the tokens generated so far and max_tokens (Col)."""
-
-    vocab: Sequence[int]
-    speculated: Sequence[int]
-    generated: Sequence[int]
-    max_tokens: Sequence[int]
-
-
-def call_rows(guests: Sequence[GuestInstance], name: str, choice_at: Sequence[int], choices: Sequence[int],
-              deadlines: Sequence[float], bound: float,
-              pendings: Sequence[Callable[[], BaseException | None]],
-              judge: Judge | None = None) -> tuple[list, list[int]]:
-    """call_slots of rows made for this call: guest i's choices[i] (NONE: none) stored at address
-    choice_at[i] (0: none), its call before deadlines[i] (time.monotonic()) and within `bound` of its
-    start. For each: the i32 it returned or the exception GuestInstance.call would have raised; and
-    the native loop's judgement of each returned token (with `judge`; else 0s). Check usable() first."""
-    n = len(guests)
-    table = np.zeros((n, WIDTH), np.int64)
-    table[:, Col.CONTEXT:Col.WHEN_AT + 1] = heads(guests, name, choice_at)
-    table[:, Col.CHOICE] = choices
-    table.view(np.float64)[:, Col.DEADLINE] = deadlines
-    table[:, [Col.SPECULATED, Col.NEXT_TOKEN]] = NONE
-    if judge is not None:
-        for col, values in zip((Col.VOCAB, Col.SPECULATED, Col.GENERATED, Col.MAX_TOKENS), judge,
-                               strict=True):
-            table[:, col] = values
-    failed = call_slots(table, np.arange(n, dtype=np.int64), guests, name, bound, lambda k: pendings[k]())
-    answers = table[:, Col.RESULT].tolist()
-    for k, e in failed.items():
-        answers[k] = e
-    return answers, table[:, Col.JUDGED].tolist()
