@@ -2,8 +2,8 @@
 q·k scaled by query_pre_attn_scalar, a window on every layer but each 2nd (Gemma 2) or 6th (Gemma 3);
 Gemma 2's attention and logit soft-capping; Gemma 3's q/k norms and its windowed layers' own rotary base)
 give transformers' logits and greedy tokens on the CPU, from a Hugging Face folder and from the same
-weights as llama.cpp writes them in GGUF; the steps without those hooks (CUDA, WebGPU, the CPU's lean
-step) refuse them by name."""
+weights as llama.cpp writes them in GGUF; the steps without those hooks (CUDA, WebGPU) refuse them by
+name (the CPU's lean step has them: test_gemma_cpu_decode.py)."""
 
 import dataclasses
 
@@ -14,7 +14,6 @@ from models import assert_matches_transformers as assert_matches
 from models import convert_to_gguf, save_hf_folder
 
 from floe.engine import Engine
-from floe.engine.cpu_decode import CpuDecoder
 from floe.engine.weights import check_backend
 from floe.errors import UnsupportedModel
 from floe.model import load_checkpoint
@@ -153,7 +152,7 @@ def test_gemma_decode_steps_equal_one_shot_prefill(gemma2):
     """Decode rows, a chunk appended past the window and two slots stepped together all see the
     windows, caps and scales as the one-shot prompt does."""
     engine = Engine(load_checkpoint(gemma2), max_seq_len=64, n_slots=2)
-    assert not engine.fused_kernels  # the module forward: the lean step has no Gemma
+    assert engine.fused_kernels  # decode rows by the CPU's lean step
     full = engine.prefill(IDS, all_logits=True)
     engine.kv_truncate(0)
     engine.prefill(IDS[:10])
@@ -186,14 +185,6 @@ def test_backends_without_gemma_refuse_it_by_name(gemma2, gemma3, backend):
                                                    "--device cpu"):
             check_backend(c, backend, WINDOW)  # even where no window applies
         check_backend(c, "cpu", 64)
-
-
-def test_the_lean_cpu_step_refuses_gemma_by_name(gemma2):
-    engine = Engine(load_checkpoint(gemma2), max_seq_len=64)
-    with pytest.raises(UnsupportedModel, match="lean decode step.*gelu_tanh.*gemma2.*fused_kernels=False"):
-        CpuDecoder(engine.model, engine.cache)
-    with pytest.raises(UnsupportedModel, match="gemma2 models run on the CPU by the module forward only"):
-        Engine(load_checkpoint(gemma2), max_seq_len=64, fused_kernels=True)
 
 
 def test_gemma3_image_text_folders_are_refused_by_name():

@@ -77,11 +77,13 @@ def norm(x: Tensor, rows: list[Tensor], weight: Tensor, eps: float, zero: Tensor
 
 
 def attend(rot: Tensor, v: Tensor, out: list[Tensor], slots: list[int], positions: list[int],
-           k_cache: Tensor, v_cache: Tensor, n_heads: int, group: int, window: int = 0) -> None:
+           k_cache: Tensor, v_cache: Tensor, n_heads: int, group: int, window: int = 0,
+           softcap: float = 0.0) -> None:
     """Per row b: write its k (rot[b]'s last heads, rotated) and v [B, n_kv, head_dim] at positions[b]
     of its slot's cache [n_slots, n_kv, seq, head_dim], then attend its q (rot[b]'s first n_heads,
     rotated and scaled) over that slot's first positions[b] + 1 positions (window > 0: the last
-    `window` of them) into out[b] [n_kv, group, head_dim]."""
+    `window` of them; softcap > 0: the scores softcap * tanh(scores / softcap), Gemma 2) into out[b]
+    [n_kv, group, head_dim]."""
     n_kv, head_dim = v.shape[1], v.shape[2]
     for b in range(len(slots)):
         length, rb = positions[b] + 1, rot.select(0, b)
@@ -91,12 +93,14 @@ def attend(rot: Tensor, v: Tensor, out: list[Tensor], slots: list[int], position
         v_slot.select(1, positions[b]).copy_(v.select(0, b))
         scores = torch.bmm(rb.narrow(0, 0, n_heads).view(n_kv, group, head_dim),
                            k_slot.narrow(1, first, length - first).transpose(1, 2))
+        if softcap > 0.0:
+            scores = torch.tanh(scores / softcap) * softcap
         torch.bmm(torch.softmax(scores, dim=-1), v_slot.narrow(1, first, length - first), out=out[b])
 
 
 def attend_ops(y: Tensor, rotary: Tensor, row_scale: Tensor, att_rows: list[Tensor], slots: list[int],
                positions: list[int], k_cache: Tensor, v_cache: Tensor, n_heads: int, n_kv: int,
-               head_dim: int, window: int = 0) -> None:
+               head_dim: int, window: int = 0, softcap: float = 0.0) -> None:
     """`attend` after rotary, in PyTorch's ops, from a layer's qkv rows y [B, (n_heads + 2 n_kv)
     head_dim]: rotary for all Q and K heads of a row in one product (Q's rows also carry the
     attention scale), then the cache write and attention per row."""
@@ -106,53 +110,84 @@ def attend_ops(y: Tensor, rotary: Tensor, row_scale: Tensor, att_rows: list[Tens
     if rot.dtype != k_cache.dtype:
         rot = rot.to(k_cache.dtype)
     v = y.narrow(1, qk_size, n_kv * head_dim).view(rows, n_kv, head_dim)
-    attend(rot, v, att_rows, slots, positions, k_cache, v_cache, n_heads, n_heads // n_kv, window)
+    attend(rot, v, att_rows, slots, positions, k_cache, v_cache, n_heads, n_heads // n_kv, window, softcap)
 
 
-def decode_layers(x: Tensor, x_rows: list[Tensor], rotary: Tensor, row_scale: Tensor, slots: list[int],
-                  positions: list[int], eps: float, norms: list[Tensor], inputs: list[Tensor],
-                  weights: list[Tensor], scales: list[Tensor], repeats: list[int], qkv_bias: list[Tensor],
-                  qk_norms: list[Tensor], k_caches: list[Tensor], v_caches: list[Tensor], att: Tensor,
-                  att_rows: list[Tensor],
+def post_norm(y: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Gemma's norm of a sub-layer's output rows y [B, dim] before they join the residual stream, as
+    the module's RMSNorm computes it (float32 statistics); y itself where the layer has none (weight
+    empty)."""
+    if weight.numel() == 0:
+        return y
+    yf = y.float()
+    return weight * (yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)).to(y.dtype)
+
+
+def gated(gate_up: Tensor, ffn_dim: int, gelu: bool) -> Tensor:
+    """The feed-forward's gate times its up rows: SiLU's (Llama), or GELU's tanh form (Gemma's GeGLU)."""
+    gate = gate_up.narrow(1, 0, ffn_dim)
+    gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    return gate.mul_(gate_up.narrow(1, ffn_dim, ffn_dim))
+
+
+def decode_layers(x: Tensor, x_rows: list[Tensor], rotaries: list[Tensor], row_scale: Tensor,
+                  slots: list[int], positions: list[int], eps: float, norms: list[Tensor],
+                  inputs: list[Tensor], weights: list[Tensor], scales: list[Tensor], repeats: list[int],
+                  qkv_bias: list[Tensor], qk_norms: list[Tensor], post_norms: list[Tensor],
+                  k_caches: list[Tensor], v_caches: list[Tensor], att: Tensor, att_rows: list[Tensor],
                   n_heads: int, n_kv: int, head_dim: int, ffn_dim: int, zero: Tensor,
-                  native_ops: bool, cos: Tensor, sin: Tensor, window: int) -> None:
+                  native_ops: bool, tables: list[Tensor], layer_rope: list[int], windows: list[int],
+                  softcap: float, gelu: bool, q_factor: float) -> None:
     """Every layer of one decode step of B rows, updating the fp32 residual rows x [B, dim] (x_rows:
     its rows, views) in place.
 
-    Row b appends at positions[b] of KV slot slots[b]; rotary [B, head_dim, head_dim] is its
-    position's rotation. Per layer i: norms[2i], norms[2i+1] (attention, ffn) and their output
-    buffers inputs[2i], inputs[2i+1] ([B, dim]); weights/scales/repeats[4i..4i+3] the qkv, o,
+    Row b appends at positions[b] of KV slot slots[b]; rotaries[r] [B, head_dim, head_dim] is its
+    position's rotation by rotary table r (0: the model's; 1: Gemma 3's windowed layers' own base),
+    layer i using table layer_rope[i]. Per layer i: norms[2i], norms[2i+1] (attention, ffn) and their
+    output buffers inputs[2i], inputs[2i+1] ([B, dim]); weights/scales/repeats[4i..4i+3] the qkv, o,
     gate+up and down projections (see `project`); qkv_bias[i] (empty if none); qk_norms[i] the
-    layer's q and k norm weights stacked per head [n_heads + n_kv, head_dim] (empty if none); k_caches[i],
-    v_caches[i] the layer's cache [n_slots, n_kv, seq, head_dim]; att [B, n_heads * head_dim] in the
-    cache's dtype, attention's output buffer, att_rows its rows as [n_kv, n_heads / n_kv, head_dim]
-    views; zero: a float32 [1] of 0 (addcmul's base). native_ops: RMSNorm, and rotary, the cache
+    layer's q and k norm weights stacked per head [n_heads + n_kv, head_dim] (empty if none);
+    post_norms[2i], post_norms[2i+1] Gemma's norms of the attention's and the feed-forward's output
+    (empty if none); k_caches[i], v_caches[i] the layer's cache [n_slots, n_kv, seq, head_dim];
+    windows[i] > 0: its rows attend over the last windows[i] positions only (Mistral, Gemma's windowed
+    layers; PyTorch's ops only); att [B, n_heads * head_dim] in the cache's dtype, attention's output
+    buffer, att_rows its rows as [n_kv, n_heads / n_kv, head_dim] views; zero: a float32 [1] of 0
+    (addcmul's base); softcap > 0: the attention scores soft-capped (Gemma 2; PyTorch's ops only);
+    gelu: the gate is GELU's tanh form (Gemma), not SiLU. native_ops: RMSNorm, and rotary, the cache
     write and attention, by floe's operators (`torch.ops.floe.rms_norm_rows`, `torch.ops.floe.attend`;
-    float32 throughout) from the tables cos, sin [seq, head_dim]; rotary and row_scale then go unused.
-    window > 0: a row attends over the last `window` positions only (Mistral; PyTorch's ops only).
+    float32 throughout) from the tables tables[2r], tables[2r + 1] (cos, sin [seq, head_dim] of rotary
+    table r), with the queries first times q_factor (the model's attention scale over the operator's
+    1/sqrt(head_dim)); rotaries and row_scale then go unused.
     """
     for i in range(len(k_caches)):
-        k_cache, v_cache, j = k_caches[i], v_caches[i], 4 * i
+        k_cache, v_cache, j, r = k_caches[i], v_caches[i], 4 * i, layer_rope[i]
         h = norm(x, x_rows, norms[2 * i], eps, zero, inputs[2 * i], native_ops)
         y = project(h, weights[j], scales[j], repeats[j])
         if qkv_bias[i].numel() > 0:
             y = y + qkv_bias[i]
+        if y.dtype != k_cache.dtype:  # packed int4's bf16 rows: normed and rotated in the cache's dtype,
+            y = y.to(k_cache.dtype)  # as the module forward does
         if qk_norms[i].numel() > 0:  # before rotary, which both attention paths below apply
             norm_heads(y, qk_norms[i], eps, n_heads + n_kv, head_dim)
         if native_ops:
-            torch.ops.floe.attend(y, cos, sin, k_cache, v_cache, slots, positions, n_heads, att)
+            if q_factor != 1.0:
+                y.narrow(1, 0, n_heads * head_dim).mul_(q_factor)
+            torch.ops.floe.attend(y, tables[2 * r], tables[2 * r + 1], k_cache, v_cache, slots, positions,
+                                  n_heads, att)
         else:
-            attend_ops(y, rotary, row_scale, att_rows, slots, positions, k_cache, v_cache, n_heads, n_kv,
-                       head_dim, window)
+            attend_ops(y, rotaries[r], row_scale, att_rows, slots, positions, k_cache, v_cache, n_heads, n_kv,
+                       head_dim, windows[i], softcap)
         o_dtype = input_dtype(weights[j + 1], repeats[j + 1])
-        x.add_(project(att.to(o_dtype), weights[j + 1], scales[j + 1], repeats[j + 1]))
+        x.add_(post_norm(project(att.to(o_dtype), weights[j + 1], scales[j + 1], repeats[j + 1]),
+                         post_norms[2 * i], eps))
         gate_up = project(norm(x, x_rows, norms[2 * i + 1], eps, zero, inputs[2 * i + 1], native_ops),
                           weights[j + 2], scales[j + 2], repeats[j + 2])
-        gate = F.silu(gate_up.narrow(1, 0, ffn_dim)).mul_(gate_up.narrow(1, ffn_dim, ffn_dim))
+        gate = gated(gate_up, ffn_dim, gelu)
         down_dtype = input_dtype(weights[j + 3], repeats[j + 3])
         if gate.dtype != down_dtype:
             gate = gate.to(down_dtype)
-        x.add_(project(gate, weights[j + 3], scales[j + 3], repeats[j + 3]))
+        x.add_(post_norm(project(gate, weights[j + 3], scales[j + 3], repeats[j + 3]), post_norms[2 * i + 1],
+                         eps))
 
 
 def _script(fn):
@@ -204,18 +239,27 @@ class CpuDecoder:
         self.model, self.cache, self.config = model, cache, c
         hd, half, rows = c.head_dim, c.head_dim // 2, cache.n_slots
         # Rotary of a row x is x @ R(position), R = diag(cos) + P diag(sin_signed), P the half-roll
-        # permutation; Q's rows are first scaled by 1/sqrt(head_dim), the attention scale.
-        self.sin_signed = model.sin.clone()
-        self.sin_signed[:, :half] = -self.sin_signed[:, :half]
+        # permutation; Q's rows are first scaled by the attention scale (1/sqrt(head_dim) but Gemma's).
+        # Gemma 3's windowed layers rotate by tables of their own base (table 1).
+        self.tables = [model.cos, model.sin] + ([] if model.cos_local is None else [model.cos_local,
+                                                                                   model.sin_local])
+        self.sin_signed = [sin.clone() for sin in self.tables[1::2]]
+        for sin in self.sin_signed:
+            sin[:, :half] = -sin[:, :half]
+        self.layer_rope = [int(layer.attention.local_rope) for layer in model.layers]
         self.roll = torch.roll(torch.eye(hd), half, dims=1)  # x @ roll == torch.roll(x, half)
         self.row_scale = torch.ones(c.n_heads + c.n_kv_heads, 1)
-        self.row_scale[: c.n_heads] = 1 / math.sqrt(hd)
+        self.row_scale[: c.n_heads] = c.attention_scale or 1 / math.sqrt(hd)
+        # floe's attend operator scales by 1/sqrt(head_dim): Gemma's queries are first times this
+        q_factor = 1.0 if c.attention_scale is None else c.attention_scale * math.sqrt(hd)
+        self.q_factor = 1.0 if math.isclose(q_factor, 1.0, rel_tol=1e-12) else q_factor
         self.x = torch.empty(rows, c.dim)  # the residual stream, fp32 whatever the weights' dtype
         # attention's output, in the KV cache's dtype (its values' product; bf16 caches: bf16)
         self.att = torch.empty(rows, c.n_heads * hd, dtype=cache.v.dtype)
         self.zero = torch.zeros(1)
-        self.norms, self.inputs, self.qkv_bias, self.qk_norms = [], [], [], []
+        self.norms, self.inputs, self.qkv_bias, self.qk_norms, self.post_norms = [], [], [], [], []
         self.weights, self.scales, self.repeats = [], [], []
+        none = torch.empty(0)
         for layer in model.layers:
             a, f = layer.attention, layer.feed_forward
             for module in (a.wqkv, a.wo, f.w13, f.w2):
@@ -226,20 +270,28 @@ class CpuDecoder:
             self.norms += [layer.attention_norm.weight, layer.ffn_norm.weight]
             self.inputs += [self._input(a.wqkv), self._input(f.w13)]
             bias = a.wqkv.bias
-            self.qkv_bias.append(torch.empty(0) if bias is None else bias)
+            self.qkv_bias.append(none if bias is None else bias)
             qk_norm = qk_norm_weight(a)
-            self.qk_norms.append(torch.empty(0) if qk_norm is None else qk_norm)
+            self.qk_norms.append(none if qk_norm is None else qk_norm)
+            self.post_norms += [none if n is None else n.weight for n in (layer.post_attention_norm,
+                                                                          layer.post_ffn_norm)]
+        # Each layer's window, where it is shorter than the cache (0: none: every query sees every
+        # earlier position anyway).
+        limits = c.window_limits(cache.max_seq_len)
+        self.windows = [layer.attention.window if limits and layer.attention.window else 0
+                        for layer in model.layers]
+        self.softcap = c.attn_softcap or 0.0
         # floe's operators for RMSNorm and attention where floe's kernels are loaded (a native
         # projection) and the norms, their outputs and the cache are float32; else PyTorch's ops
-        # (`native_ops` chooses, for tests)
-        # The window, where it is shorter than the cache (0: none); floe's attend operator attends
-        # over every written position, so a window runs PyTorch's ops.
-        self.window = c.sliding_window if c.window_limits(cache.max_seq_len) else 0
+        # (`native_ops` chooses, for tests). floe's attend operator attends over every written
+        # position, uncapped: a window or soft-capping runs PyTorch's ops.
+        plain_attention = not any(self.windows) and not self.softcap
         if native_ops is None:
-            native_ops = any(r < 0 for r in self.repeats) and self.window == 0 and all(
+            native_ops = any(r < 0 for r in self.repeats) and plain_attention and all(
                 t.dtype == torch.float32 for t in (cache.k, *self.norms, *self.inputs, model.norm.weight))
-        if native_ops and self.window:
-            raise ValueError("floe's attend operator has no sliding window: native_ops must be False")
+        if native_ops and not plain_attention:
+            raise ValueError("floe's attend operator has no sliding window or soft-capping: native_ops must "
+                             "be False")
         self.native_ops = native_ops
         self.k_caches = [cache.k[i] for i in range(c.n_layers)]
         self.v_caches = [cache.v[i] for i in range(c.n_layers)]
@@ -270,6 +322,15 @@ class CpuDecoder:
             self._rows_views[rows] = views
         return views
 
+    def _rotaries(self, positions: list[int]) -> list[Tensor]:
+        """Each rotary table's rotation [B, head_dim, head_dim] of the rows' positions (unused by the
+        native operators: their tables are the step's)."""
+        if self.native_ops:
+            return [self.roll]
+        at = torch.tensor(positions)
+        return [torch.diag_embed(cos[at]) + self.roll * sin[at].unsqueeze(1)
+                for cos, sin in zip(self.tables[::2], self.sin_signed, strict=True)]
+
     @torch.inference_mode()
     def step(self, tokens: list[int], positions: list[int], slots: list[int],
              out: Tensor | None = None) -> Tensor:
@@ -277,20 +338,25 @@ class CpuDecoder:
         of slot slots[b] (distinct slots). With `out` (float32 [B, vocab]) they are written there."""
         c, m = self.config, self.model
         x, x_rows, inputs, att, att_rows, head_input = self._views(len(tokens))
-        x.copy_(m.tok_embeddings(torch.tensor(tokens)))
-        at = torch.tensor(positions)
-        rotary = self.roll if self.native_ops else (  # unused then
-            torch.diag_embed(m.cos[at]) + self.roll * self.sin_signed[at].unsqueeze(1))
-        self.run_layers(x, x_rows, rotary, self.row_scale, slots, positions, c.norm_eps, self.norms, inputs,
-                        self.weights, self.scales, self.repeats, self.qkv_bias, self.qk_norms, self.k_caches,
-                        self.v_caches, att, att_rows, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim,
-                        self.zero, self.native_ops, m.cos, m.sin, self.window)
+        rows = m.tok_embeddings(torch.tensor(tokens))
+        if c.embedding_scale != 1.0:  # Gemma's, rounded to the rows' dtype first, as the module does
+            rows = rows * torch.tensor(c.embedding_scale, dtype=rows.dtype)
+        x.copy_(rows)
+        self.run_layers(x, x_rows, self._rotaries(positions), self.row_scale, slots, positions, c.norm_eps,
+                        self.norms, inputs, self.weights, self.scales, self.repeats, self.qkv_bias,
+                        self.qk_norms, self.post_norms, self.k_caches, self.v_caches, att, att_rows,
+                        c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, self.zero, self.native_ops,
+                        self.tables, self.layer_rope, self.windows, self.softcap, c.activation == "gelu_tanh",
+                        self.q_factor)
         h = self.norm(x, x_rows, m.norm.weight, c.norm_eps, self.zero, head_input,
                       self.native_ops and head_input.dtype == torch.float32)
         weight, scales, repeat = self.head
         if out is not None and repeat == 0 and weight.dtype == torch.float32:
-            return torch.mm(h, weight.t(), out=out)  # straight into the caller's buffer
-        logits = self.project(h, weight, scales, repeat)
-        if self.exact_head is not None:
-            self.exact_head.exact_top(h, logits)
-        return logits.float() if out is None else out.copy_(logits)
+            logits = torch.mm(h, weight.t(), out=out)  # straight into the caller's buffer
+        else:
+            logits = self.project(h, weight, scales, repeat)
+            if self.exact_head is not None:
+                self.exact_head.exact_top(h, logits)
+            logits = logits.float() if out is None else out.copy_(logits)
+        cap = c.logit_softcap  # Gemma 2's, in place as the module forward caps its `out`
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)

@@ -16,7 +16,7 @@ from floe.engine.kvcache import KVCache
 from floe.engine.sampling import Draw, SamplingParams, finish_draw, start_draw, top_ks
 from floe.engine.slots import SlotPool
 from floe.engine.weights import check_backend, load_model
-from floe.errors import ContextOverflow, FloeError, UnsupportedModel
+from floe.errors import ContextOverflow, FloeError
 from floe.model.checkpoint import Checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -155,16 +155,10 @@ class Engine:
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.compile_decode = compile_decode
         # Fused decode: on CUDA Triton's kernels (by default wherever graphs run and Triton is
-        # installed); on the CPU the lean TorchScript step (by default, where it computes the
-        # model's layer: not Gemma's; off: the module forward).
+        # installed); on the CPU the lean TorchScript step (by default, every architecture's layer;
+        # off: the module forward).
         if fused_kernels is None:
-            fused_kernels = ((self.device.type == "cpu" and not self.config.llama_step_lacks())
-                             or (self.cuda_graphs and _has_triton()))
-        if fused_kernels and self.device.type == "cpu" and self.config.llama_step_lacks():
-            lacks = ", ".join(self.config.llama_step_lacks())
-            raise UnsupportedModel(f"{self.config.arch} models run on the CPU by the module forward only: "
-                                   f"the lean decode step has no {lacks}; leave fused kernels off "
-                                   "(fused_kernels=False, floe profile --fusion off)")
+            fused_kernels = self.device.type == "cpu" or (self.cuda_graphs and _has_triton())
         self.fused_kernels = fused_kernels
         self._decoders: dict[int, object] = {}
         self._batch = None  # the batched decode step (CUDA graphs; the CPU's lean step), made on first use

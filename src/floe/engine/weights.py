@@ -49,8 +49,8 @@ def check_backend(c: ModelConfig, backend: str, max_seq_len: int) -> None:
     """Raise UnsupportedModel, naming the architecture, where `backend` ("cpu", "cuda", "webgpu")
     has no step for something the model computes in a context of max_seq_len positions; before any
     weight is read."""
-    # Gemma's extras (GeGLU, post-norms, soft-capping, ...): only the CPU's module forward has them.
-    lacks = c.llama_step_lacks()
+    # Gemma's extras (GeGLU, post-norms, soft-capping, ...): only the CPU's steps have them.
+    lacks = c.llama_step_lacks(backend)
     if lacks and backend != "cpu":
         raise UnsupportedModel(f"{c.arch} models run on the CPU only in this version: floe's {backend} steps "
                                f"compute Llama's layer without {', '.join(lacks)}; use --device cpu")

@@ -105,10 +105,10 @@ class ModelConfig:
         local = self.rope_local_theta is not None and self.layer_window(layer) is not None
         return self.rope_local_theta if local else self.rope_theta
 
-    def llama_step_lacks(self) -> list[str]:
-        """What this model computes beyond a Llama layer with the hooks the fused decode steps have
-        (q/k norm, bias, window): none for Llama, Mistral, Phi-3 and Qwen; Gemma's list. Only the
-        module forward runs these."""
+    def beyond_llama(self) -> list[str]:
+        """What this model computes beyond a Llama layer with q/k norm, bias and window hooks: none for
+        Llama, Mistral, Phi-3 and Qwen; Gemma's extras (GeGLU, scaled embeddings, post-norms, its query
+        scale, soft-capping, a window on some layers, a rotary base per layer)."""
         lacks = [f"{self.activation} gate"] if self.activation != "silu" else []
         lacks += ["scaled embeddings"] if self.embedding_scale != 1.0 else []
         lacks += ["post-attention and post-feed-forward norms"] if self.post_norms else []
@@ -119,6 +119,12 @@ class ModelConfig:
             lacks.append("a window on some layers only")
         lacks += ["a rotary base per layer"] if self.rope_local_theta is not None else []
         return lacks
+
+    def llama_step_lacks(self, backend: str = "cpu") -> list[str]:
+        """What the fused decode step of `backend` ("cpu", "cuda", "webgpu") lacks for this model: the
+        CPU's lean step has Gemma's hooks too (nothing); CUDA's and WebGPU's steps compute Llama's layer
+        with the q/k norm, bias and window hooks only (`beyond_llama`: Gemma's list)."""
+        return [] if backend == "cpu" else self.beyond_llama()
 
     def window_limits(self, max_seq_len: int) -> bool:
         """Whether the sliding window is shorter than a context of max_seq_len positions (else every
