@@ -43,6 +43,7 @@ from floe.wasm.raw import describe, signals, trap_new
 
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
+    from floe.actor.stream import TokenStream
     from floe.model.tokenizer import Rendered
 
 ABI_VERSION = 2  # the newest this host speaks
@@ -159,6 +160,8 @@ class HostABI:
         self.choice: np.ndarray | None = None  # int32 [1] in guest memory: the host's choice goes there
         self.choice_address = 0  # its address (floe.wasm.rows stores the choice there natively)
         self.streams = False  # the tokens on_token returns are streamed by the host
+        # The message's output as token ids (Actor.send's `tokens`), or None: made into text here.
+        self.tokens_to: TokenStream | None = None
         # Where sample() marks that it was called: the word of the turn's row the engine loop reads
         # (floe.actor.turn: Turn.sampled, reset before each on_token), while a turn runs; else None.
         self.sampled_at: tuple[memoryview, int] | None = None
@@ -575,7 +578,14 @@ class HostABI:
         if (length := self._length(length)) is None:
             return ERR_BAD_ARGUMENT
         self.actor.stats.emit_calls += 1
-        text = self.utf8.decode(self._bytes(ptr, length, "emitted text"))
+        data = self._bytes(ptr, length, "emitted text")
+        if self.tokens_to is not None:  # (its text is made by the stream's reader, in order with tokens)
+            self.tokens_to.items.append(data)
+            self.tokens_to.has_bytes = True
+            if data:
+                self.actor.stats.on_emit()
+            return 1 if self.actor.stop_requested else 0
+        text = self.utf8.decode(data)
         if text:
             self.actor.stats.on_emit()
             self.actor.on_text(text)
@@ -618,7 +628,8 @@ class HostABI:
 
     def stream(self, token: int) -> None:
         """v2 with stream_tokens: the text of a token on_token returned, to the caller (as emit) —
-        none for a special token (a control token's text, e.g. "<|im_start|>", is not reply text)."""
+        none for a special token (a control token's text, e.g. "<|im_start|>", is not reply text); the
+        token itself where the message streams token ids (tokens_to)."""
         data = self.tokenizer.reply_bytes(token)
         budget = self.budget
         budget.spent += CALL_OVERHEAD + len(data)
@@ -626,6 +637,11 @@ class HostABI:
             budget.spend(0, "streamed text")  # (raises)
         actor = self.actor
         actor.stats.emit_calls += 1
+        if self.tokens_to is not None:  # the token, not its text (floe.actor.stream)
+            self.tokens_to.items.append(token)
+            if data:
+                actor.stats.on_emit()
+            return
         if self.utf8.buffer:  # (the incremental decoder holds part of a character)
             text = self.utf8.decode(data)
         else:

@@ -19,6 +19,7 @@ import torch
 from floe.actor.abi import IMPORT_MODULE, LOG_LINES_KEPT, SUPPORTED_ABI_VERSIONS, HostABI
 from floe.actor.loop import EngineLoop, engine_loop, in_engine_loop
 from floe.actor.scheduler import DecodeScheduler
+from floe.actor.stream import TokenStream, reply_bytes
 from floe.actor.turn import END_REASONS
 from floe.engine import Engine, SamplingParams
 from floe.engine.kvcache import PendingLoad
@@ -346,7 +347,8 @@ class Actor:
                     self._release()
 
     def send(self, message: str, *, max_tokens: int = 256, params: SamplingParams | None = None,
-             on_text: Callable[[str], None] | None = None, loop_safe: bool = False) -> Reply:
+             on_text: Callable[[str], None] | None = None, loop_safe: bool = False,
+             tokens: TokenStream | None = None) -> Reply:
         """Deliver one user message; the guest answers through emit(). Returns the whole reply.
 
         on_text(piece): each piece of the reply's text as it comes, called in this (the caller's)
@@ -355,6 +357,10 @@ class Actor:
         is called where the text is made, the engine loop's thread for ABI v2 (floe serve's streaming:
         no hand-over per token).
 
+        tokens: the reply's tokens (and any bytes the guest emits) go there, in order, as they come,
+        instead of text to on_text (which must then be None): the engine loop makes no text per token
+        (floe.actor.stream; floe serve's streaming). The Reply's text is made once, at the end.
+
         A trap, deadline or bad pointer raises a GuestError subclass for this message only: the
         engine and other actors carry on, and this actor's KV slot is left as the guest left it.
         """
@@ -362,6 +368,8 @@ class Actor:
             raise ActorClosed("this actor is closed")
         if max_tokens < 1:
             raise FloeError(f"max_tokens must be >= 1, got {max_tokens}")
+        if tokens is not None and on_text is not None:
+            raise FloeError("send(): a reply streamed as tokens has no on_text (its reader makes the text)")
         self._need_slot("send()")
         with self._guest_turn("send()"):
             parts: list[str] = []
@@ -392,6 +400,9 @@ class Actor:
             self.logs.clear()
             self.on_text = collect
             self.stop_requested = False
+            if tokens is not None:
+                tokens.attach(self)
+            self.abi.tokens_to = tokens
             self.abi.last_logits = None
             self.abi.utf8.reset()
             data = message.encode()
@@ -402,9 +413,13 @@ class Actor:
                 else:
                     status = self._turn(ptr, len(data), max_tokens, (woken, hand) if handing else None)
             finally:
+                self.abi.tokens_to = None
                 self.stats.wall_s = time.perf_counter() - self.stats.started
                 if self.scheduler is not None:
                     self.scheduler.leave(self.slot)
+            if tokens is not None:  # the reply's text, once (its reader made it as it came, elsewhere)
+                made = reply_bytes(tokens.items, self.engine.tokenizer.reply_bytes)
+                parts.append(self.abi.utf8.decode(made))
             tail = self.abi.utf8.decode(b"", final=True)
             if tail:
                 collect(tail)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import codecs
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length, pack, unpack
+from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length, pack, unpack, vocab_table
 
 log = logging.getLogger("floe.serve")
 UPLOAD_CHUNK = 1 << 20  # an import's bytes per frame
@@ -28,6 +29,8 @@ class CoreClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._chats: dict[int, asyncio.Queue] = {}
         self._ended: dict[int, asyncio.Event] = {}  # set when a chat's last event is queued
+        self._vocab: list[bytes] = []  # each token's reply bytes (the "vocab" call), for "ids" frames
+        self._utf8: dict[int, codecs.IncrementalDecoder] = {}  # a chat streamed as ids: its decoder
         self.streams = 0  # streamed replies being sent
         self.gone = False
         self._closing = False  # close() was called: the connection's end is not the core's loss
@@ -36,6 +39,7 @@ class CoreClient:
     async def connect(self) -> None:
         self._reader, self._writer = await asyncio.open_unix_connection(self.path)
         self._task = asyncio.create_task(self._read_loop())
+        self._vocab = vocab_table(await self.call("vocab"))
 
     async def close(self) -> None:
         self._closing = True
@@ -113,6 +117,7 @@ class CoreClient:
     def cancel(self, rid: int) -> None:
         """The chat's client left: its row stops at its next token (nothing if it has ended)."""
         self._ended.pop(rid, None)
+        self._utf8.pop(rid, None)
         if self._chats.pop(rid, None) is not None and not self.gone:
             self._send({"op": "cancel", "id": rid})
 
@@ -147,7 +152,25 @@ class CoreClient:
                 if queue is not None:
                     queue.put_nowait(("text", piece))
             return
+        if kind == "ids":  # made into text here (floe.server.protocol): the core made none per token
+            vocab, size = self._vocab, len(self._vocab)
+            for rid, items in message[1]:
+                queue = self._chats.get(rid)
+                if queue is None:
+                    continue
+                utf8 = self._utf8.get(rid)
+                if utf8 is None:
+                    utf8 = self._utf8[rid] = codecs.getincrementaldecoder("utf-8")("replace")
+                text = utf8.decode(b"".join(
+                    (vocab[i] if 0 <= i < size else b"") if type(i) is int else i.encode("latin-1")
+                    for i in items))
+                if text:
+                    queue.put_nowait(("text", text))
+            return
         rid, value = message[1], message[2]
+        utf8 = self._utf8.pop(rid, None) if kind in ("done", "error") else None
+        if utf8 is not None and (tail := utf8.decode(b"", final=True)) and rid in self._chats:
+            self._chats[rid].put_nowait(("text", tail))  # (a character the stream's end left unfinished)
         future = self._calls.pop(rid, None)
         if future is not None:
             if not future.done():

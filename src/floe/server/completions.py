@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from floe.actor import Actor, builtin_guest
+from floe.actor.stream import TokenStream
 from floe.engine import SamplingParams
 from floe.errors import FloeError
 from floe.server.protocol import ServeError
@@ -75,16 +76,24 @@ class TextCompletions:
                           secrets.randbits(63) if seed is None else seed, stops, owner)
 
     def run(self, c: Completion, on_text: Callable[[str], None] | None = None,
-            should_stop: Callable[[], bool] = lambda: False) -> Answer:
+            should_stop: Callable[[], bool] = lambda: False, tokens: TokenStream | None = None) -> Answer:
         """Continue `c`'s prompt to an EOS, max_tokens or its first stop string (cut before it; on_text
-        never sees any part of one). should_stop(): the client left; the row stops at its next token."""
+        never sees any part of one). should_stop(): the client left; the row stops at its next token.
+        tokens: the reply streamed as token ids instead of text (no stops: SessionStore.run's)."""
+        if tokens is not None and (c.stops or on_text is not None):
+            raise ValueError("a reply streamed as token ids has no stop strings and no on_text (they need "
+                             "its text)")
         cut = StopText(c.stops)
         with self.store.extra_slot(c.owner, beside_session=False):
             actor = Actor(self.engine, self.module, seed=c.seed, loop=self.store.loop)
             try:
-                emit = cut.emitter(actor, on_text, should_stop)
-                reply = actor.send(c.message, max_tokens=c.max_tokens, params=c.params, on_text=emit,
-                                   loop_safe=True)
+                if tokens is not None:
+                    reply = actor.send(c.message, max_tokens=c.max_tokens, params=c.params, tokens=tokens)
+                    cut.text = reply.text
+                else:
+                    emit = cut.emitter(actor, on_text, should_stop)
+                    reply = actor.send(c.message, max_tokens=c.max_tokens, params=c.params, on_text=emit,
+                                       loop_safe=True)
             finally:
                 actor.close()
         if (tail := cut.rest()) and on_text is not None:  # held back for a stop string that never came

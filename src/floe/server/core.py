@@ -8,6 +8,7 @@ over in one frame per flush for every stream, not with the event loop's HTTP and
 
 from __future__ import annotations
 
+import base64
 import logging
 import secrets
 import threading
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from floe.actor.stream import TokenStream
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError, InvalidSamplingParams
 from floe.model.tokenizer import ChatTemplateError
@@ -187,13 +189,16 @@ class ServeCore:
         return self.completions.open(prompt, max_tokens, params, seed, checked_stops(request.get("stop")),
                                      _owner(request.get("owner")))
 
-    def run(self, chat: Chat | Completion, on_text=None, should_stop=lambda: False) -> dict:
+    def run(self, chat: Chat | Completion, on_text=None, should_stop=lambda: False,
+            tokens: TokenStream | None = None) -> dict:
         """Run an opened chat to its end (the session is released whatever happens): its text, why it
         ended and its usage. on_text(piece): each piece of streamed text (in the engine loop's thread);
-        should_stop(): the client left (the session keeps nothing of the turn)."""
+        should_stop(): the client left (the session keeps nothing of the turn). tokens: the reply
+        streamed as token ids instead (floe.actor.stream: a chat without stop strings or a constraint;
+        its reader stops it when its client leaves)."""
         if isinstance(chat, Completion):
             try:
-                reply = self.completions.run(chat, on_text, should_stop)
+                reply = self.completions.run(chat, on_text, should_stop, tokens)
             except SessionError as e:  # no slot
                 raise failure(e, None) from None
             except (GuestError, FloeError) as e:
@@ -208,7 +213,7 @@ class ServeCore:
             else:
                 reply = self.store.run(chat.session, chat.history, chat.text, max_tokens=chat.max_tokens,
                                        params=chat.params, on_text=on_text, should_stop=should_stop,
-                                       reseed=chat.seed, stops=chat.stops)
+                                       reseed=chat.seed, stops=chat.stops, tokens=tokens)
         except (GuestError, FloeError) as e:
             raise failure(e, chat.session.id) from None
         finally:
@@ -280,6 +285,14 @@ class ServeCore:
         """The most bytes of text a conversation that fits the context can have (floe.server.limits)."""
         return self.engine.max_seq_len * self.engine.tokenizer.most_text_bytes_per_token
 
+    @cached_property
+    def _vocab(self) -> dict:
+        """The "vocab" call's answer: each token's reply bytes (floe.server.protocol), for the fronts to
+        make the text of replies streamed as token ids."""
+        tokenizer = self.engine.tokenizer
+        pieces = [tokenizer.reply_bytes(i) for i in range(tokenizer.vocab_size)]
+        return {"bytes": base64.b64encode(b"".join(pieces)).decode(), "lengths": [len(p) for p in pieces]}
+
     def _prompt_bound(self, messages: list[dict]) -> int:
         """At least the conversation's prompt tokens, without tokenizing it (the guest will, and each
         tokenization is core GIL time that the engine loop waits behind): a token stands for at least
@@ -295,6 +308,8 @@ class ServeCore:
         if name == "hello":
             return {"model_id": self.model_id, "aliases": list(self.aliases), "started": self.started,
                     "max_text_bytes": self.max_text_bytes}
+        if name == "vocab":
+            return self._vocab
         if name == "health" and isinstance(arg, dict) and not arg.get("full", True):  # a key's own view
             return {"status": "ok", "model": self.model_id, "device": str(self.engine.device),
                     "uptime_s": time.time() - self.started, "sessions": self.store.counts(_owner(owner))}

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from floe.actor.stream import TokenStream
 from floe.server import protocol
 from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length, pack, unpack
 
@@ -31,13 +32,17 @@ UPLOAD_WAIT_S = 300.0  # an import whose next chunk takes longer than this is gi
 
 
 class _Connection:
-    """One front's connection: frames out under one lock, streamed text gathered in an outbox."""
+    """One front's connection: frames out under one lock, streamed text gathered in an outbox, and
+    replies streamed as token ids (floe.actor.stream) watched until their end."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.send_lock = threading.Lock()  # frames go out whole and in order
         self.out_lock = threading.Lock()  # guards outbox (appended by the engine loop's thread)
         self.outbox: list[list] = []  # [id, text] pieces not yet sent
+        # Chats streaming token ids: id -> [its TokenStream, items sent, whether they are sent at all
+        # (else it is watched for its client's leaving only)]. Read by the flusher, under send_lock.
+        self.watched: dict[int, list] = {}
         self.running: set[int] = set()  # chats taken and not yet ended (queued or running)
         self.cancelled: set[int] = set()  # of those, the ones whose client left
         self.uploads: dict[int, queue.Queue] = {}  # imports under way: their chunks (None: the end)
@@ -46,6 +51,37 @@ class _Connection:
     def text(self, rid: int, piece: str) -> None:
         with self.out_lock:
             self.outbox.append([rid, piece])
+
+    def watch(self, rid: int, stream: TokenStream, sent: bool) -> None:
+        """Chat `rid` streams token ids into `stream`: its new ones go out at each flush (sent), and it
+        stops when its client leaves or this connection ends."""
+        with self.send_lock:
+            self.watched[rid] = [stream, 0, sent]
+        if self.closed or rid in self.cancelled:
+            stream.stop()
+
+    def unwatch(self, rid: int) -> None:
+        with self.send_lock:
+            self.watched.pop(rid, None)
+
+    def cancel(self, rid: int) -> None:
+        """Chat `rid`'s client left: its row stops at its next token."""
+        if rid in self.running:  # a cancel after the chat's end is nothing to keep
+            self.cancelled.add(rid)
+        watched = self.watched.get(rid)
+        if watched is not None:
+            watched[0].stop()
+
+    def lost(self) -> None:
+        """The front is gone: every chat streaming ids stops at its next token (the others see closed)."""
+        self.closed = True
+        for stream, _, _ in list(self.watched.values()):
+            stream.stop()
+
+    @property
+    def streaming(self) -> bool:
+        """Whether a watched chat streams ids (the flusher then looks every FLUSH_S)."""
+        return any(sent for _, _, sent in list(self.watched.values()))
 
     def send(self, value) -> None:
         """Send a frame after every piece of text gathered before it (a chat's text precedes its end).
@@ -68,6 +104,18 @@ class _Connection:
             pieces, self.outbox = self.outbox, []
         if pieces:
             self._write(pack(["text", pieces]))
+        ids = []
+        for rid, watched in self.watched.items():
+            stream, taken, sent = watched
+            items = stream.items
+            if sent and (end := len(items)) > taken:  # (appended only: a whole prefix)
+                new = items[taken:end]
+                if stream.has_bytes:  # a guest's emitted bytes: JSON carries them as latin-1 text
+                    new = [i if type(i) is int else i.decode("latin-1") for i in new]
+                ids.append([rid, new])
+                watched[1] = end
+        if ids:
+            self._write(pack(["ids", ids]))
 
     def _write(self, frame: bytes) -> None:
         if self.closed:
@@ -75,7 +123,7 @@ class _Connection:
         try:
             self.sock.sendall(frame)
         except OSError:  # the front is gone: its chats stop at their next token
-            self.closed = True
+            self.lost()
 
     def read(self):
         """The next frame's value, or None at the end of the connection."""
@@ -136,7 +184,7 @@ class CoreServer:
         except (ProtocolError, OSError) as e:
             log.error("the HTTP front's connection broke: %s", e)
         finally:
-            conn.closed = True  # its running chats stop at their next token
+            conn.lost()  # its running chats stop at their next token
             self.connections.remove(conn)
             conn.sock.close()
 
@@ -148,8 +196,7 @@ class CoreServer:
             conn.running.add(rid)
             self.pool.submit(self._chat, conn, rid, message["request"])
         elif op == "cancel":
-            if rid in conn.running:  # a cancel after the chat's end is nothing to keep
-                conn.cancelled.add(rid)
+            conn.cancel(rid)
             if rid in conn.uploads:
                 conn.uploads[rid].put(UploadStopped())
         elif op == "call" and message.get("name") in INLINE_CALLS:  # never behind the pool's waiters
@@ -230,6 +277,17 @@ class CoreServer:
 
         if chat.constraint is None:
             start()
+        should_stop = lambda: conn.closed or rid in conn.cancelled  # noqa: E731
+        if chat.constraint is None and not chat.stops:  # the reply as token ids: the front makes its text
+            tokens = TokenStream()
+            conn.watch(rid, tokens, sent=bool(request.get("stream")))
+            self._wake.set()  # (the flusher looks every FLUSH_S while it streams)
+            try:
+                result = self.core.run(chat, None, should_stop, tokens)
+                conn.send(["done", rid, result])  # (after the ids not yet sent)
+            finally:
+                conn.unwatch(rid)
+            return
         on_text = None
         if request.get("stream"):
             def on_text(piece: str) -> None:
@@ -237,13 +295,14 @@ class CoreServer:
                 conn.text(rid, piece)
                 if not self._wake.is_set():
                     self._wake.set()
-        result = self.core.run(chat, on_text, lambda: conn.closed or rid in conn.cancelled)
+        result = self.core.run(chat, on_text, should_stop)
         start()
         conn.send(["done", rid, result])
 
     def _flush_loop(self) -> None:
         while not self._closed:
-            self._wake.wait()
+            if not any(conn.streaming for conn in list(self.connections)):
+                self._wake.wait()
             self._wake.clear()
             for conn in list(self.connections):
                 conn.flush()
@@ -254,7 +313,7 @@ class CoreServer:
         self._closed = True
         self._wake.set()
         for conn in list(self.connections):
-            conn.closed = True
+            conn.lost()
             try:
                 conn.sock.shutdown(socket.SHUT_RDWR)
             except OSError:

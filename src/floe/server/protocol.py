@@ -14,6 +14,8 @@ Front to core, objects:
                                                  "messages")
   {"op": "cancel", "id": N}                      the client left: its row stops at the next token
   {"op": "call", "id": N, "name": NAME, "arg": A, "owner": O}
+                                                 hello, vocab (each token's reply bytes: {"bytes": B64
+                                                 of them all, "lengths": [...]}, by id),
                                                  health, sessions, session, freeze, thaw, fork (A:
                                                  {"id": SID, "new_id": NEW or null}), let_go, delete,
                                                  metrics (the session calls see O's sessions only)
@@ -28,12 +30,18 @@ Core to front, lists:
                                sent with its first text: a refused schema is an error before it);
                                a text completion's session_id is null (it has none)
   ["text", [[N, text], ...]]   streamed text of every chat since the last frame (one frame a flush)
+  ["ids", [[N, [T, ...]], ...]]  the same for chats streamed as token ids (floe.actor.stream: no stop
+                               strings, no constraint): T a token id, whose text is its bytes in the
+                               "vocab" call's table, or a string of bytes (latin-1) a guest emitted;
+                               a chat's items are one UTF-8 byte stream ("replace" errors), ended by
+                               its "done" or "error"
   ["data", N, B64]             an export's next bytes (base64: frames are JSON)
   ["done", N, result]          a chat's end: {"text", "finish_reason", "usage"} (an export's: {})
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import struct
@@ -44,7 +52,8 @@ MAX_REQUEST_BYTES = 8 << 20  # the front's default for a request body (floe.serv
 # of text are ~0.5 MB, tools and schemas far less; well under MAX_FRAME
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # floe serve --fronts N: where the fronts count their requests
 ROLES = ("system", "user", "assistant")
-CALLS = ("hello", "health", "sessions", "session", "freeze", "thaw", "fork", "let_go", "delete", "metrics")
+CALLS = ("hello", "vocab", "health", "sessions", "session", "freeze", "thaw", "fork", "let_go", "delete",
+         "metrics")
 # Who a request is for (floe.server.auth): "" on a server without API keys (one owner, everyone), else
 # a hash of the caller's key. Sessions belong to one owner; a request sees only its owner's.
 OWNER = re.compile(r"|[0-9a-f]{32}")  # fullmatch
@@ -100,3 +109,12 @@ def unpack(data: bytes):
         return json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"a frame that is not JSON: {e}") from None
+
+
+def vocab_table(answer: dict) -> list[bytes]:
+    """The "vocab" call's answer as each token's reply bytes, by id."""
+    data, table, at = base64.b64decode(answer["bytes"]), [], 0
+    for n in answer["lengths"]:
+        table.append(data[at:at + n])
+        at += n
+    return table

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from floe.actor import Actor, DecodeScheduler, EngineLoop, MessageStats
+from floe.actor.stream import TokenStream
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError
 from floe.memory import trim_heap
@@ -432,18 +433,22 @@ class SessionStore:
     def run(self, session: Session, history: list[dict], text: str, *, max_tokens: int,
             params: SamplingParams, on_text: Callable[[str], None] | None = None,
             should_stop: Callable[[], bool] = lambda: False, reseed: int | None = None,
-            stops: tuple[str, ...] = ()) -> Answer:
+            stops: tuple[str, ...] = (), tokens: TokenStream | None = None) -> Answer:
         """Deliver `text` to the (locked) session's actor, loading `history` first; the answer.
         reseed: restart the actor's generator from this seed first (a request's own seed: the same
         request with the same seed draws the same tokens); None: it goes on from where it was.
         stops: the reply ends before the first of these (floe.server.stops); on_text never sees any
-        part of one. should_stop(): the client left; its row stops at its next token.
+        part of one. should_stop(): the client left; its row stops at its next token. tokens: the
+        reply streamed as token ids instead of text to on_text (no stops; its reader stops it).
 
         The session keeps the turn as its client received it: the reply cut at a stop string, and
         nothing of a turn whose client left (its guest, which took more, is restarted with the
         session's conversation). A guest failure ends this request only: the actor is dropped and the
         session returns to its last snapshot (or is forgotten if it never had one).
         """
+        if tokens is not None and (stops or on_text is not None):
+            raise ValueError("a reply streamed as token ids has no stop strings and no on_text (they need "
+                             "its text)")
         self._ensure_live(session)
         actor = session.actor
         if reseed is not None:
@@ -453,11 +458,15 @@ class SessionStore:
             for m in history:
                 actor.add_history(m["role"], m["content"])
 
-            emit = cut.emitter(actor, on_text, should_stop)
-            reply = actor.send(text, max_tokens=max_tokens, params=params, on_text=emit,
-                               loop_safe=True)  # (emit only hands the piece on: no hand-over per token)
-            if (tail := cut.rest()) and on_text is not None:  # held back for a stop string that never came
-                on_text(tail)
+            if tokens is not None:
+                reply = actor.send(text, max_tokens=max_tokens, params=params, tokens=tokens)
+                cut.text = reply.text
+            else:
+                emit = cut.emitter(actor, on_text, should_stop)
+                reply = actor.send(text, max_tokens=max_tokens, params=params, on_text=emit,
+                                   loop_safe=True)  # (emit only hands the piece on: no hand-over per token)
+                if (tail := cut.rest()) and on_text is not None:  # held back for a stop string that never
+                    on_text(tail)  # came
         except BaseException:
             self._drop_live(session)
             raise

@@ -1,0 +1,122 @@
+"""floe serve streams replies as token ids (floe.actor.stream; floe.server.protocol's "ids" frames):
+the engine core makes no text per token, the HTTP front makes it from the core's vocabulary table. The
+text a client gets is the text the core's reply holds; stop strings and structured replies stay text."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from floe.engine import Engine
+from floe.server.client import CoreClient
+from floe.server.protocol import HEADER, frame_length, pack, unpack, vocab_table
+
+MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
+
+
+@pytest.fixture(scope="module")
+def core_server(default_checkpoint):
+    from floe.server.core import ServeCore
+    from floe.server.core_socket import CoreServer
+
+    folder = Path(tempfile.mkdtemp(prefix="floe-test-"))  # short: a Unix socket's path has ~100 bytes
+    core = ServeCore(Engine(default_checkpoint, max_seq_len=256, n_slots=2), snapshots=folder / "s",
+                     model_id=MODEL_ID)
+    server = CoreServer(core, folder / "core.sock")
+    yield server
+    server.close()
+    core.close()
+
+
+class Wire:
+    """A raw connection to the engine core, as a front's."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(path)
+        self.sock.settimeout(120)
+
+    def send(self, value) -> None:
+        self.sock.sendall(pack(value))
+
+    def read(self):
+        def exactly(n: int) -> bytes:
+            data = b""
+            while len(data) < n:
+                chunk = self.sock.recv(n - len(data))
+                assert chunk, "the core hung up"
+                data += chunk
+            return data
+
+        return unpack(exactly(frame_length(exactly(HEADER.size))))
+
+    def chat(self, rid: int, **request) -> list:
+        """Chat `rid`'s frames, to its "done" (and the ids/text frames' parts that are its own)."""
+        self.send({"op": "chat", "id": rid, "request": {"messages": [{"role": "user", "content": "Hi!"}],
+                                                        "temperature": 0, "max_tokens": 24, "owner": "",
+                                                        **request}})
+        out = []
+        while True:
+            frame = self.read()
+            if frame[0] in ("ids", "text"):
+                out += [(frame[0], part) for r, part in frame[1] if r == rid]
+            elif frame[1] == rid:
+                out.append((frame[0], frame[2]))
+                if frame[0] in ("done", "error"):
+                    return out
+
+
+def test_a_streamed_reply_goes_as_token_ids_whose_text_is_the_replys(core_server):
+    wire = Wire(core_server.path)
+    wire.send({"op": "call", "id": 1, "name": "vocab"})
+    kind, _, answer = wire.read()
+    vocab = vocab_table(answer)
+    tokenizer = core_server.core.engine.tokenizer
+    assert kind == "ok" and len(vocab) == tokenizer.vocab_size
+    assert all(vocab[i] == tokenizer.reply_bytes(i) for i in range(0, tokenizer.vocab_size, 97))
+    frames = wire.chat(2, stream=True)
+    kinds = [k for k, _ in frames]
+    assert kinds[0] == "started" and kinds[-1] == "done" and "text" not in kinds, frames
+    ids = [i for k, part in frames if k == "ids" for i in part]
+    assert ids and all(type(i) is int for i in ids)
+    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+    text = "".join(utf8.decode(b"".join(vocab[i] for i in part)) for k, part in frames if k == "ids")
+    done = frames[-1][1]
+    assert text + utf8.decode(b"", final=True) == done["text"]
+    assert done["usage"]["completion_tokens"] == len(ids)
+    # Not streamed: no ids go out, the answer holds the same text (greedy).
+    frames = wire.chat(3)
+    assert [k for k, _ in frames] == ["started", "done"] and frames[-1][1]["text"] == done["text"]
+    # A stop string is cut in the core, from text: text frames, and the reply stops before it.
+    cut = done["text"][len(done["text"]) // 2:][:3]
+    frames = wire.chat(4, stream=True, stop=[cut])
+    assert "ids" not in [k for k, _ in frames]
+    assert frames[-1][1]["text"] == done["text"][:done["text"].index(cut)]
+    wire.sock.close()
+
+
+def test_the_front_makes_the_text_of_ids_across_frames():
+    """A character split across tokens and frames, a special token (no bytes), an id past the table,
+    bytes a guest emitted (latin-1 text on the wire), and a character left unfinished at the end."""
+    async def run() -> list:
+        client = CoreClient("/nowhere")
+        client._vocab = [b"", b"\xc3", b"\xa9", b"a", b"\xf0\x9f"]
+        queue = asyncio.Queue()
+        client._chats[7], client._ended[7] = queue, asyncio.Event()
+        client._dispatch(["ids", [[7, [3, 1]], [8, [3]]]])  # (chat 8 is not this front's: dropped)
+        client._dispatch(["ids", [[7, [2, 0, 99, "\xc3\xa9!"]]]])
+        client._dispatch(["ids", [[7, [4]]]])
+        client._dispatch(["done", 7, {"text": "aé\u00e9!", "finish_reason": "stop"}])
+        out = []
+        while not queue.empty():
+            out.append(queue.get_nowait())
+        return out
+
+    events = asyncio.run(run())
+    assert events == [("text", "a"), ("text", "éé!"), ("text", "\ufffd"),
+                      ("done", {"text": "aé\u00e9!", "finish_reason": "stop"})]

@@ -1,0 +1,120 @@
+"""A reply streamed as token ids (Actor.send's `tokens`, floe.actor.stream): the engine loop makes no
+text per token, and what the stream holds is exactly the reply a send() with on_text gives."""
+
+import codecs
+import threading
+
+import pytest
+from guests_wat import v2_chooser
+
+from floe.actor import Actor, EngineLoop
+from floe.actor.stream import TokenStream, reply_bytes
+from floe.engine import SamplingParams
+from floe.errors import FloeError
+
+GREEDY = SamplingParams(0.0)
+PROMPTS = ["Hello there.", "Name a colour.", "What is two plus two?", "Tell me about owls."]
+
+
+def streamed_text(stream: TokenStream, tokenizer, cuts: int = 3) -> str:
+    """The stream's text as a reader makes it: in several increments, one incremental decoder."""
+    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+    items, out, taken = list(stream.items), [], 0
+    for end in [len(items) * k // cuts for k in range(1, cuts)] + [len(items)]:
+        out.append(utf8.decode(reply_bytes(items[taken:end], tokenizer.reply_bytes)))
+        taken = end
+    return "".join(out) + utf8.decode(b"", final=True)
+
+
+def test_concurrent_streams_of_ids_hold_exactly_the_replies_text_and_tokens(tiny_engine):
+    """Several actors at once through one loop, each streaming ids: each reply (text, tokens, finish)
+    equals that actor's reply with on_text, and its stream's items are its tokens, in order."""
+    loop = EngineLoop(tiny_engine)
+    expected = []
+    for i, prompt in enumerate(PROMPTS):
+        pieces = []
+        with Actor(tiny_engine, loop=loop, seed=i) as actor:
+            r = actor.send(prompt, max_tokens=24, params=GREEDY, on_text=pieces.append)
+        expected.append((r.text, r.stats.token_ids, r.stats.finish_reason))
+        assert "".join(pieces) == r.text
+    out = [None] * len(PROMPTS)
+    start = threading.Barrier(len(PROMPTS))
+
+    def work(i):
+        stream = TokenStream()
+        with Actor(tiny_engine, loop=loop, seed=i) as actor:
+            start.wait()
+            r = actor.send(PROMPTS[i], max_tokens=24, params=GREEDY, tokens=stream)
+        out[i] = (r, stream)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(PROMPTS))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for (r, stream), (text, tokens, finish) in zip(out, expected, strict=True):
+        assert (r.text, r.stats.token_ids, r.stats.finish_reason) == (text, tokens, finish)
+        assert stream.items == tokens and streamed_text(stream, tiny_engine.tokenizer) == text
+        assert r.stats.ttft_s > 0  # (its first text's time is kept as a text reply's)
+
+
+def test_emitted_bytes_and_streamed_tokens_keep_their_order(tiny_engine):
+    """A guest that emits "|" before each token it streams: the stream holds b"|" and each token, in
+    order, and its text is the text a send() with on_text gives."""
+    guest = v2_chooser(choice=True, stream=True, on_token_first=(
+        "(i32.store8 (i32.const 300) (i32.const 124))(drop (call $emit (i32.const 300) (i32.const 1)))"))
+    with Actor(tiny_engine, guest, seed=1) as actor:
+        pieces = []
+        text = actor.send("x", max_tokens=6, params=GREEDY, on_text=pieces.append).text
+    assert text.startswith("|") and text.count("|") >= 6
+    stream = TokenStream()
+    with Actor(tiny_engine, guest, seed=1) as actor:
+        r = actor.send("x", max_tokens=6, params=GREEDY, tokens=stream)
+    assert r.text == text == "".join(pieces)
+    assert stream.items[0::2] == [b"|"] * len(stream.items[0::2])
+    assert all(isinstance(t, int) for t in stream.items[1::2])
+    assert streamed_text(stream, tiny_engine.tokenizer) == text
+
+
+def test_a_character_split_across_tokens_and_special_tokens_decode_as_text_does(tiny_engine):
+    """Tokens of single bytes that make "é" only together, then a special token (no reply text):
+    the stream's reader and the reply make the same text as on_text does."""
+    tok = tiny_engine.tokenizer
+    by_bytes = {tok.token_bytes(i): i for i in range(tok.vocab_size)}
+    first, second = by_bytes[b"\xc3"], by_bytes[b"\xa9"]
+    special = tok.backend.token_to_id("<|im_start|>")
+    sequence = [first, second, special, first, second]
+    body = "".join(f"(if (i32.eq (global.get $n) (i32.const {k + 1})) (then (return (i32.const {t}))))"
+                   for k, t in enumerate(sequence))
+    guest = v2_chooser(choice=False, stream=True, counter=True, on_token_first=(
+        "(global.set $n (i32.add (global.get $n) (i32.const 1)))" + body + "(return (i32.const -1))"))
+    with Actor(tiny_engine, guest) as actor:
+        pieces = []
+        text = actor.send("x", max_tokens=8, on_text=pieces.append).text
+    stream = TokenStream()
+    with Actor(tiny_engine, guest) as actor:
+        r = actor.send("x", max_tokens=8, tokens=stream)
+    assert text == r.text == "éé" == "".join(pieces)
+    assert stream.items == sequence and streamed_text(stream, tok, cuts=5) == "éé"
+
+
+def test_a_stopped_stream_ends_its_message_and_the_actor_goes_on(tiny_engine):
+    """stop() from another thread (a client that left) ends the message at its next token; a stream
+    stopped before its message starts ends it at once; the actor answers its next message."""
+    never_stops = v2_chooser(choice=True, stream=True, on_token_first="(return (i32.const 5))")
+    with Actor(tiny_engine, never_stops, loop=EngineLoop(tiny_engine)) as actor:
+        stream = TokenStream()
+        timer = threading.Timer(0.3, stream.stop)
+        timer.start()
+        r = actor.send("x", max_tokens=tiny_engine.max_seq_len - 8, tokens=stream)
+        timer.join()
+        assert r.stats.finish_reason == "cancelled" and 0 < len(stream.items) < tiny_engine.max_seq_len - 8
+        early = TokenStream()
+        early.stop()
+        r = actor.send("x", max_tokens=50, tokens=early)
+        assert r.stats.finish_reason == "cancelled" and len(early.items) <= 1
+        assert actor.send("x", max_tokens=3).stats.generated_tokens == 3
+
+
+def test_a_reply_streams_as_tokens_or_as_text_not_both(tiny_engine):
+    with Actor(tiny_engine) as actor:
+        with pytest.raises(FloeError, match="no on_text"):
+            actor.send("x", max_tokens=2, on_text=print, tokens=TokenStream())
