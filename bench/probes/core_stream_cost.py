@@ -6,6 +6,7 @@ the tokens' rate and the frames the front read.
 
     python bench/probes/core_stream_cost.py [--sessions 64] [--tokens 64] [--rounds 3] [--tokenizer DIR]
         [--stop]    (a stop string that never matches: the reply streams as text, cut in the core)
+        [--profile] (the loop's steps under cProfile in the last round: the top functions by own time)
 
 Run it against older code with PYTHONPATH=OLD/src (the front's process inherits it).
 """
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--stop", action="store_true")
+    ap.add_argument("--profile", action="store_true")
     ap.add_argument("--front", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tag", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -82,6 +84,7 @@ def main() -> None:
     try:
         for r in range(args.rounds + 1):  # (the first warms up)
             before = dict(core.loop.stats())
+            profile = profiled(core.loop) if args.profile and r == args.rounds else None
             cpu0, t0 = time.process_time(), time.perf_counter()
             out = subprocess.run([sys.executable, __file__, "--front", server.path, "--sessions",
                                   str(args.sessions), "--tokens", str(args.tokens), "--tag", str(r)]
@@ -100,9 +103,38 @@ def main() -> None:
                   f"{1e6 * host / rows:.1f} µs a row-token; core CPU {1e6 * cpu / rows:.1f} µs a token; "
                   f"front read {got['frames']} frames {got['kinds']}, first {1e3 * got['first_s']:.0f} ms",
                   flush=True)
+            if profile is not None:
+                top(profile, rows)
     finally:
         server.close()
         core.close()
+
+
+def profiled(loop):
+    """cProfile around each of `loop`'s steps from now on."""
+    import cProfile
+
+    profile, step = cProfile.Profile(), type(loop)._step
+
+    def stepped() -> None:
+        profile.enable()
+        try:
+            step(loop)
+        finally:
+            profile.disable()
+
+    loop._step = stepped
+    return profile
+
+
+def top(profile, rows: int, n: int = 25) -> None:
+    import pstats
+
+    print(f"cProfile of the loop's steps (µs a row-token = tottime / {rows} rows):")
+    stats = pstats.Stats(profile).stats
+    for (file, line, name), (_, calls, tottime, cumtime, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]:
+        print(f"  {1e6 * tottime / rows:7.2f} own {1e6 * cumtime / rows:7.2f} cum  {calls:7d}  "
+              f"{Path(file).name}:{line}({name})")
 
 
 if __name__ == "__main__":

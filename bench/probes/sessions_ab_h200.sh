@@ -2,7 +2,8 @@
 # Issue 16 on the H200: this checkout's engine loop against an earlier one, in one device call.
 #   PART=check  tests/test_cuda.py, then `bench/sessions.py --ways engine actors` (1 16 64 sessions)
 #               and the loop's host cost (bench/probes/loop_host_cost.py) for both sources;
-#   PART=serve  `bench/sessions.py --ways serve`, the two sources taking turns (ROUNDS rounds);
+#   PART=serve  `bench/sessions.py --ways serve`, the two sources taking turns (ROUNDS rounds) at SIZES
+#               sessions (default "16 64"); PROFILE_AFTER=1: then PART=profile's py-spy run;
 #   PART=tests  tests/test_cuda.py alone;
 #   PART=profile  py-spy (a wheel in .whl) samples every process of `--ways serve --sessions 64` (this
 #               checkout): $OUT/serve64_pyspy.txt, raw stacks with their process (bench/probes/stacks.py
@@ -57,8 +58,14 @@ else
         for v in new base; do
             src=$NEW; [ $v = base ] && src=$BASE
             [ "$(left)" -gt 100 ] || break 2
-            sessions "$src" "serve_${v}_$r" --sessions 16 64 --ways serve
+            sessions "$src" "serve_${v}_$r" --sessions ${SIZES:-16 64} --ways serve
         done
     done
+    if [ -n "${PROFILE_AFTER:-}" ] && [ "$(left)" -gt 90 ]; then  # then py-spy of this checkout's serve
+        PYTHONPATH=$NEW timeout "$(left)" /tmp/site/bin/py-spy record --subprocesses --threads --nonblocking \
+            --rate "${RATE:-200}" ${PYSPY_ARGS:-} --format raw -o "$OUT/serve64_pyspy.txt" -- python3 \
+            bench/sessions.py --device cuda --shape llama-3.2-1b --tokenizer .tok --name serve64_profiled \
+            --sessions 64 --ways serve --tokens "${TOKENS:-128}"
+    fi
 fi
 echo "done in $(( $(date +%s) - start )) s"
