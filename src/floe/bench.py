@@ -91,11 +91,40 @@ def floe_row(engine: Engine) -> dict:
     return {"ms_per_token": s * 1e3, "tok_s": 1 / s, "kernels_per_token": count_kernels(step, engine.device)}
 
 
-def hf_model(engine: Engine):
-    """A transformers Llama/Qwen2 sharing the engine checkpoint's tensors (no copy)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+# transformers' classes for the architectures of the benchmark's shapes (config.KNOWN_SHAPES)
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+HF_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight"}
+HF_LAYER_NAMES = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+# Gemma's four norms: its post_attention_layernorm follows attention; pre_feedforward feeds the MLP
+HF_GEMMA_LAYER_NAMES = {**HF_LAYER_NAMES, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                        "post_attention_norm.weight": "post_attention_layernorm.weight",
+                        "post_ffn_norm.weight": "post_feedforward_layernorm.weight"}
 
-    c = engine.config
+
+def hf_config(c, dtype: torch.dtype):
+    """transformers' config of a floe ModelConfig (Llama, Qwen2, Qwen3 or Gemma 3's text model)."""
+    import transformers
+
+    if c.arch not in HF_CLASSES:
+        raise ValueError(f"no transformers peer for {c.arch} models here; run with --no-peers")
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     if c.rope_scaling is not None:
         s = c.rope_scaling
@@ -107,10 +136,15 @@ def hf_model(engine: Engine):
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position_embeddings,
         }
-    cfg_cls, model_cls = (
-        (Qwen2Config, Qwen2ForCausalLM) if c.arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
-    )
-    cfg = cfg_cls(
+    extra = {}
+    if c.arch == "gemma3":
+        full = rope if c.rope_linear_factor == 1.0 else {
+            "rope_type": "linear", "rope_theta": c.rope_theta, "factor": c.rope_linear_factor}
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta},
+                "full_attention": full}
+        extra = dict(sliding_window=c.sliding_window, query_pre_attn_scalar=round(c.attention_scale**-2),
+                     hidden_activation="gelu_pytorch_tanh", pad_token_id=0)
+    return getattr(transformers, HF_CLASSES[c.arch][0])(
         vocab_size=c.vocab_size,
         hidden_size=c.dim,
         intermediate_size=c.ffn_dim,
@@ -122,41 +156,39 @@ def hf_model(engine: Engine):
         rms_norm_eps=c.norm_eps,
         tie_word_embeddings=c.tie_embeddings,
         rope_parameters=rope,
-        torch_dtype=engine.dtype,
+        torch_dtype=dtype,
+        **extra,
     )
+
+
+def hf_model(engine: Engine):
+    """A transformers model of the engine's architecture sharing its checkpoint's tensors (no copy;
+    Gemma's norms, which transformers stores as w for its (1 + w), are w - 1)."""
+    import transformers
+
+    c = engine.config
+    cfg = hf_config(c, engine.dtype)
     with torch.device("meta"):
-        model = model_cls(cfg)
-    names = {
-        "tok_embeddings.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    }
-    layer = {
-        "attention_norm.weight": "input_layernorm.weight",
-        "attention.wq.weight": "self_attn.q_proj.weight",
-        "attention.wk.weight": "self_attn.k_proj.weight",
-        "attention.wv.weight": "self_attn.v_proj.weight",
-        "attention.wq.bias": "self_attn.q_proj.bias",
-        "attention.wk.bias": "self_attn.k_proj.bias",
-        "attention.wv.bias": "self_attn.v_proj.bias",
-        "attention.wo.weight": "self_attn.o_proj.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
-        "feed_forward.w1.weight": "mlp.gate_proj.weight",
-        "feed_forward.w3.weight": "mlp.up_proj.weight",
-        "feed_forward.w2.weight": "mlp.down_proj.weight",
-    }
+        model = getattr(transformers, HF_CLASSES[c.arch][1])(cfg)
+    gemma = c.arch == "gemma3"
+    layer = HF_GEMMA_LAYER_NAMES if gemma else HF_LAYER_NAMES
     state = {}
     for name, t in engine.checkpoint.weights.items():
+        t = t.to(engine.device, engine.dtype)
+        if gemma and name.endswith("norm.weight"):
+            t = t - 1
         if name.startswith("layers."):
             _, i, rest = name.split(".", 2)
-            state[f"model.layers.{i}.{layer[rest]}"] = t.to(engine.device, engine.dtype)
+            state[f"model.layers.{i}.{layer[rest]}"] = t
         else:
-            state[names[name]] = t.to(engine.device, engine.dtype)
+            state[HF_NAMES[name]] = t
     if c.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=False)
-    with torch.device(engine.device):  # its inv_freq buffer was built on meta above
+    with torch.device(engine.device):  # the buffers made on meta above: inv_freq, Gemma's embed_scale
         model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
+        if gemma:
+            model.model.embed_tokens.embed_scale = torch.tensor(c.embedding_scale)
     return model.eval()
 
 

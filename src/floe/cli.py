@@ -742,7 +742,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-KNOWN_SHAPE_NAMES = ("smollm2-135m", "llama-3.2-1b", "llama-3-8b", "qwen2.5-0.5b")
+KNOWN_SHAPE_NAMES = ("smollm2-135m", "llama-3.2-1b", "llama-3-8b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-1.7b",
+                     "qwen3-8b", "gemma-3-1b", "gemma-3-4b")  # config.KNOWN_SHAPES' keys
 
 
 def _cuda_present() -> bool:

@@ -223,6 +223,19 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 _LLAMA3_SCALING = RopeScaling(32.0, 1.0, 4.0, 8192)
 
+
+def _gemma3(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int,
+            context_length: int, *, window: int, name: str, rope_linear_factor: float = 1.0) -> ModelConfig:
+    """A Gemma 3 text model's config as the readers make it (head_dim 256, query_pre_attn_scalar 256, a
+    window on 5 layers of 6, local base 10000)."""
+    return ModelConfig(
+        "gemma3", dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size, context_length, head_dim=256,
+        norm_eps=1e-6, rope_theta=1000000.0, tie_embeddings=True, name=name, sliding_window=window,
+        activation="gelu_tanh", embedding_scale=dim**0.5, post_norms=True, attention_scale=256**-0.5,
+        sliding_window_pattern=6, rope_local_theta=10000.0, rope_linear_factor=rope_linear_factor,
+    )
+
+
 # Real architectures, for benchmarks with seeded random weights (no download needed).
 KNOWN_SHAPES: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
@@ -241,4 +254,20 @@ KNOWN_SHAPES: dict[str, ModelConfig] = {
         "qwen2", 896, 24, 14, 2, 4864, 151936, 32768, norm_eps=1e-6, rope_theta=1000000.0,
         qkv_bias=True, tie_embeddings=True, name="qwen2.5-0.5b",
     ),
+    # Qwen3: q/k norms, head_dim 128 whatever dim / heads
+    "qwen3-0.6b": ModelConfig(
+        "qwen3", 1024, 28, 16, 8, 3072, 151936, 40960, head_dim=128, norm_eps=1e-6, rope_theta=1000000.0,
+        tie_embeddings=True, name="qwen3-0.6b",
+    ),
+    "qwen3-1.7b": ModelConfig(
+        "qwen3", 2048, 28, 16, 8, 6144, 151936, 40960, head_dim=128, norm_eps=1e-6, rope_theta=1000000.0,
+        tie_embeddings=True, name="qwen3-1.7b",
+    ),
+    "qwen3-8b": ModelConfig(
+        "qwen3", 4096, 36, 32, 8, 12288, 151936, 40960, head_dim=128, norm_eps=1e-6, rope_theta=1000000.0,
+        name="qwen3-8b",
+    ),
+    "gemma-3-1b": _gemma3(1152, 26, 4, 1, 6912, 262144, 32768, window=512, name="gemma-3-1b"),
+    "gemma-3-4b": _gemma3(2560, 34, 8, 4, 10240, 262208, 131072, window=1024, rope_linear_factor=8.0,
+                          name="gemma-3-4b"),
 }

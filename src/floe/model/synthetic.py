@@ -1,5 +1,5 @@
 """Seeded random weights at real architectures' shapes, for benchmarks where no weights file is
-present (GPU-scale shapes such as Llama-3.2-1B and Llama-3-8B). Never a download."""
+present (GPU-scale shapes such as Llama-3.2-1B, Llama-3-8B, Qwen3-8B and Gemma-3-4B). Never a download."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from floe.model.checkpoint import LAYER_WEIGHTS, QKV_BIASES, Checkpoint
+from floe.model.checkpoint import LAYER_WEIGHTS, POST_NORMS, QKV_BIASES, Checkpoint
 from floe.model.config import KNOWN_SHAPES, ModelConfig
 from floe.model.tokenizer import Tokenizer
 
@@ -23,8 +23,11 @@ def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         "feed_forward.w1.weight": (c.ffn_dim, c.dim), "feed_forward.w3.weight": (c.ffn_dim, c.dim),
         "feed_forward.w2.weight": (c.dim, c.ffn_dim),
         "attention.wq.bias": (q,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,),
+        "attention.q_norm.weight": (c.head_dim,), "attention.k_norm.weight": (c.head_dim,),
+        "post_attention_norm.weight": (c.dim,), "post_ffn_norm.weight": (c.dim,),
     }
-    names = LAYER_WEIGHTS + (QKV_BIASES if c.qkv_bias else ())
+    names = LAYER_WEIGHTS + (QKV_BIASES if c.qkv_bias else ()) + (POST_NORMS if c.post_norms else ()) + (
+        ("attention.q_norm.weight", "attention.k_norm.weight") if c.qk_norm else ())
     shapes = {"tok_embeddings.weight": (c.vocab_size, c.dim), "norm.weight": (c.dim,)}
     if not c.tie_embeddings:
         shapes["output.weight"] = (c.vocab_size, c.dim)
