@@ -1,7 +1,8 @@
-"""Load on `floe serve` over loopback: S sessions × T turns, streamed, with the official client.
+"""Load on `floe serve` over loopback: S sessions × T turns, streamed (a raw HTTP client or the official).
 
     python bench/serve_load.py [--sessions 8] [--turns 3] [--max-tokens 32] [--device cpu]
                                [--weights native] [--shape llama-3.2-1b --tokenizer DIR]
+                               [--client raw|openai]
 
 Starts the real server in this process (uvicorn on a free loopback port), then runs every session
 in its own client thread: each turn sends the whole conversation so far with the session's id and
@@ -22,6 +23,7 @@ Writes bench/results/serve_load_<device>.json.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import atexit
 import json
 import multiprocessing
@@ -80,6 +82,11 @@ def main() -> None:
     ap.add_argument("--client-processes", type=int, default=1,
                     help="spread the sessions' clients over this many processes (one process's GIL "
                          "is a bottleneck of its own past ~16 streams: 64 users are not one process)")
+    ap.add_argument("--client", choices=["raw", "openai"], default="raw",
+                    help="the load's HTTP client: raw (asyncio and HTTP/1.1, a line read and one "
+                         "json.loads a chunk, as vLLM's benchmark_serving uses aiohttp) or the official "
+                         "openai package (its pydantic objects a chunk: at 64 streams its client "
+                         "processes, not the server, set the TTFT)")
     ap.add_argument("--temperature", type=float, default=0.0, help="the load's sampling (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=600)
@@ -241,6 +248,81 @@ def stream_turn(client: openai.OpenAI, model_id: str, messages: list[dict], max_
             "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage else None}
 
 
+async def stream_turn_raw(base_url: str, model_id: str, messages: list[dict], max_tokens: int,
+                          session_id: str, on_first=lambda: None, sampling: dict | None = None) -> dict:
+    """stream_turn's request from a raw HTTP/1.1 client (asyncio, one connection a request): the same
+    row, with each SSE line read and parsed by json.loads, no client objects."""
+    host, _, port = base_url.removeprefix("http://").partition("/")[0].partition(":")
+    body = json.dumps({"model": model_id, "messages": messages, "max_tokens": max_tokens, "stream": True,
+                       "stream_options": {"include_usage": True}, "session_id": session_id,
+                       **(sampling or {"temperature": 0})}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        sent = time.perf_counter()
+        writer.write(head + body)
+        await writer.drain()
+        status = await reader.readline()
+        if b" 200 " not in status:
+            raise RuntimeError(f"HTTP {status.decode().strip()}: {(await reader.read()).decode()[-300:]}")
+        first = last = None
+        pieces, usage = [], None
+        async for line in reader:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"the stream failed: {chunk['error']}")
+            delta = chunk["choices"][0]["delta"] if chunk.get("choices") else None
+            if delta is not None and delta.get("content") is not None and not delta.get("role"):
+                last = time.perf_counter()
+                if first is None:
+                    first = last
+                    on_first()
+                pieces.append(delta["content"])
+            usage = chunk.get("usage") or usage
+    finally:
+        writer.close()
+    n = usage["completion_tokens"] if usage else len(pieces)
+    return {"ttft_s": None if first is None else first - sent, "text": "".join(pieces),
+            "decode_tok_s": (n - 1) / (last - first) if first and last > first else None,
+            "completion_tokens": n, "prompt_tokens": usage["prompt_tokens"] if usage else None,
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"] if usage else None}
+
+
+def run_sessions_raw(args, base_url: str, model_id: str, indices: list[int], deadline: float,
+                     decoding: list) -> tuple[list[dict], list[str], float]:
+    """run_sessions with the raw client: every session a task of one event loop."""
+    rows, errors = [], []
+
+    async def session(i: int) -> None:
+        messages = []
+        for t in range(args.turns):
+            if time.time() > deadline:
+                errors.append(f"session {i}: budget exhausted before turn {t}")
+                return
+            messages.append({"role": "user", "content": first_message(i, args.prompt_tokens) if t == 0
+                             else QUESTIONS[t % len(QUESTIONS)].format(TOPICS[i % len(TOPICS)])})
+            try:
+                row = await asyncio.wait_for(stream_turn_raw(
+                    base_url, model_id, messages, args.max_tokens, f"load-{i}", on_first=decoding[i].set,
+                    sampling=sampling(args)), max(1.0, deadline - time.time()))
+            except (RuntimeError, OSError, TimeoutError, ValueError, KeyError) as e:
+                errors.append(f"session {i} turn {t}: {type(e).__name__}: {e}")
+                return
+            finally:
+                decoding[i].set()
+            messages.append({"role": "assistant", "content": row.pop("text")})
+            rows.append({"session": i, "turn": t} | row)
+
+    async def every() -> None:
+        await asyncio.gather(*(session(i) for i in indices))
+
+    asyncio.run(every())
+    return rows, errors, time.perf_counter()
+
+
 def warm_client(client: openai.OpenAI, model_id: str, session_id: str = "warm-client") -> None:
     """One throwaway request (its session deleted): the client's lazy imports and its connection."""
     client.models.list()
@@ -287,7 +369,10 @@ def client_process(args, base_url: str, model_id: str, indices: list[int], deadl
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=args.budget_s)
     warm_client(client, model_id, f"warm-client-{indices[0]}")
     ready.wait()
-    out.put(run_sessions(args, client, model_id, indices, deadline, decoding))
+    if args.client == "raw":
+        out.put(run_sessions_raw(args, base_url, model_id, indices, deadline, decoding))
+    else:
+        out.put(run_sessions(args, client, model_id, indices, deadline, decoding))
 
 
 def sampling(args) -> dict:
@@ -336,6 +421,8 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
             results = [out.get(timeout=args.budget_s) for _ in children]
             for child in children:
                 child.join(30)
+        elif args.client == "raw":
+            results = [run_sessions_raw(args, str(client.base_url), model_id, groups[0], deadline, decoding)]
         else:
             results = [run_sessions(args, client, model_id, groups[0], deadline, decoding)]
         if prober is not None:
@@ -356,7 +443,7 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
     later = [r for r in rows if r["turn"] > 0]
     probe_ttft = [p["ttft_s"] for p in probes if p["ttft_s"] is not None]
     result = about | {
-        "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens,
+        "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens, "client": args.client,
         "temperature": args.temperature, "top_p": args.top_p,
         "requests": len(rows), "errors": errors, "wall_s": wall,
         "ttft_p50_ms": 1e3 * pct(ttft, 0.5), "ttft_p95_ms": 1e3 * pct(ttft, 0.95),

@@ -1,5 +1,5 @@
 """Many sessions on one device, three ways in one run: the engine alone, actors through one engine
-loop, and `floe serve` (a child process, the official openai client) — issue 16's benchmark.
+loop, and `floe serve` (a child process; a raw HTTP client, --client openai: the official one).
 
     python bench/sessions.py --device cuda --shape llama-3.2-1b --tokenizer DIR [--sessions 1 4 16 64]
     python bench/sessions.py --device cpu [--sessions 1 8] [--threads 2]
@@ -79,7 +79,7 @@ def serve(args, sessions: int) -> dict:
            "--prompt-tokens", str(args.prompt_tokens), "--probe", str(args.probe), "--threads",
            str(args.threads), "--client-processes", str(max(1, sessions // args.client_streams)),
            "--temperature", str(args.temperature), "--top-p", str(args.top_p), "--out", str(out),
-           "--fronts", str(args.fronts)]
+           "--fronts", str(args.fronts), "--client", args.client]
     if args.shape:
         cmd += ["--shape", args.shape, "--tokenizer", args.tokenizer]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.serve_timeout_s)
@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--name", default=None)
     ap.add_argument("--fronts", type=int, default=1, help="serve: `floe serve --fronts N`")
+    ap.add_argument("--client", choices=["raw", "openai"], default="raw",
+                    help="serve: the load's HTTP client (bench/serve_load.py --client)")
     ap.add_argument("--client-streams", type=int, default=CLIENT_STREAMS,
                     help="serve: sessions one client process holds (the official client parses each "
                          "streamed chunk in Python: 8 streams kept a process ~95 %% busy on the H200 host)")

@@ -5,6 +5,8 @@
 #   PART=serve  `bench/sessions.py --ways serve`, the two sources taking turns (ROUNDS rounds) at SIZES
 #               sessions (default "16 64"); PROFILE_AFTER=1: then PART=profile's py-spy run;
 #   PART=tests  tests/test_cuda.py alone;
+#   PART=table  `bench/sessions.py` (every way) at SIZES for this checkout, then the serve way for the
+#               earlier source, TABLE_ARGS added to both (e.g. "--shape llama-3-8b");
 #   PART=profile  py-spy (a wheel in .whl) samples every process of `--ways serve --sessions 64` (this
 #               checkout): $OUT/serve64_pyspy.txt, raw stacks with their process (bench/probes/stacks.py
 #               reads them); RATE (200 a second), TOKENS (128 out), PYSPY_ARGS (e.g. --gil: only the
@@ -44,6 +46,9 @@ elif [ "${PART:-check}" = profile ]; then
         --shape llama-3.2-1b --tokenizer .tok --name serve64_profiled --sessions 64 --ways serve \
         --tokens "${TOKENS:-128}"
     cp bench/results/sessions_cuda_serve64_profiled.json "$OUT"/ 2>/dev/null
+elif [ "${PART:-check}" = table ]; then  # the whole table for this checkout, then base's serve column
+    sessions "$NEW" table_new --sessions ${SIZES:-1 16 64 128} ${TABLE_ARGS:-}
+    [ "$(left)" -gt 150 ] && sessions "$BASE" table_base --sessions ${SIZES:-1 16 64 128} --ways serve ${TABLE_ARGS:-}
 elif [ "${PART:-check}" = check ]; then
     FLOE_TEST_TOKENIZER=$PWD/.tok PYTHONPATH=$NEW timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
     for v in new base; do
