@@ -61,11 +61,11 @@ def bound_tool_calls(url: str, n: int, tool_choice: str | None) -> int:
             assert isinstance(reply.content, str) and not reply.invalid_tool_calls
             ok += 1
             continue
-        (call,) = reply.tool_calls
-        assert not reply.invalid_tool_calls
-        if tool_choice not in (None, "any"):
-            assert call["name"] == tool_choice
-        {"GetWeather": GetWeather, "BookHotel": BookHotel}[call["name"]].model_validate(call["args"])
+        assert reply.tool_calls and not reply.invalid_tool_calls
+        for call in reply.tool_calls:  # one or more: parallel_tool_calls is true by default (issue 43)
+            if tool_choice not in (None, "any"):
+                assert call["name"] == tool_choice
+            {"GetWeather": GetWeather, "BookHotel": BookHotel}[call["name"]].model_validate(call["args"])
         ok += 1
     return ok
 

@@ -64,7 +64,7 @@ class ChatRequest(Sampling):
     response_format: dict[str, Any] | None = None  # these four: floe.server.structured
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # either way a reply makes at most one call
+    parallel_tool_calls: bool | None = Field(default=None, strict=True)  # None: true, as OpenAI's default
 
 
 class CompletionRequest(Sampling):
@@ -196,8 +196,8 @@ class CompletionShape(Shape):
 
 
 class ToolShape(Shape):
-    """How a reply to a request with tools is written: a call as `tool_calls` (streamed as OpenAI's
-    deltas: the call's id and name, then its arguments in pieces), a text answer as content."""
+    """How a reply to a request with tools is written: its calls as `tool_calls` (streamed as OpenAI's
+    deltas: each call's index, id and name, then its arguments in pieces), a text answer as content."""
 
     def __init__(self) -> None:
         self.stream = ToolStream()
@@ -230,7 +230,8 @@ class ChatService:
     async def chat(self, body: ChatRequest, request: Request) -> Response:
         self.check_model(body.model)
         _refuse_unsupported(body, UNSUPPORTED)
-        constraint = structured.constraint(body.response_format, body.tools, body.tool_choice)
+        constraint = structured.constraint(body.response_format, body.tools, body.tool_choice,
+                                           body.parallel_tool_calls)
         if constraint is not None and body.stop:
             raise ServeError(400, "stop cannot end a structured reply (it would cut the JSON value)",
                              code="unsupported_parameter", param="stop")

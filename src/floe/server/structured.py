@@ -4,8 +4,10 @@ as the text messages the guests hold, and the guest's JSON replies as OpenAI con
 (whole, or streamed as deltas). Used by the HTTP front and the engine core; imports nothing heavy.
 
 A tool turn's reply is one JSON value the grammar guest writes compactly, in its schema's order:
-`{"name":"<function>","arguments":{...}}` for a call, and (tool_choice auto) a JSON string for a text
-answer: the guest decides between them by its grammar (an anyOf), not the host.
+`{"name":"<function>","arguments":{...}}` for a call, `[<call>,<call>,…]` for one or more calls
+(parallel_tool_calls, OpenAI's default), and (tool_choice auto) a JSON string for a text answer: the
+guest decides between them by its grammar (an anyOf), not the host. A named tool_choice, or
+parallel_tool_calls false, asks for exactly one call.
 """
 
 from __future__ import annotations
@@ -38,9 +40,16 @@ class Constraint:
     schema: dict | None = None  # json: the response's JSON Schema
     tools: tuple[dict, ...] = ()  # tools: the functions offered, {"name", "description", "parameters"}
     choice: str = "auto"  # tools: "auto", "required", or the one function's name
+    parallel: bool = True  # tools: a reply may make several calls (a named choice makes one)
 
     def wire(self) -> dict:
-        return {"mode": self.mode, "schema": self.schema, "tools": list(self.tools), "choice": self.choice}
+        return {"mode": self.mode, "schema": self.schema, "tools": list(self.tools), "choice": self.choice,
+                "parallel": self.parallel}
+
+    @property
+    def several(self) -> bool:
+        """Whether the reply's calls are an array (one or more) rather than one call object."""
+        return self.mode == "tools" and self.parallel and self.choice in ("auto", "required")
 
     @classmethod
     def from_wire(cls, value) -> Constraint:
@@ -54,8 +63,11 @@ class Constraint:
                 raise ServeError(400, "response_format: the schema must be an object",
                                  param="response_format")
             return cls("json", schema)
+        parallel = value.get("parallel", True)
+        if not isinstance(parallel, bool):
+            raise ServeError(400, "parallel_tool_calls: a boolean", param="parallel_tool_calls")
         return cls("tools", tools=checked_tools(value.get("tools")), choice=_choice_name(
-            value.get("choice"), value.get("tools")))
+            value.get("choice"), value.get("tools")), parallel=parallel)
 
     def guest_schema(self) -> dict | None:
         """The JSON Schema the grammar guest compiles for this reply (None: any JSON value)."""
@@ -63,14 +75,15 @@ class Constraint:
             return self.schema
         offered = self.tools if self.choice in ("auto", "required") else [
             t for t in self.tools if t["name"] == self.choice]
-        first = 1 if self.choice == "auto" else 0  # where the calls begin in the anyOf
-        roots = [f"#/anyOf/{i + first}" for i in range(len(offered))]
-        if first == 0 and len(offered) == 1:
-            roots = ["#"]  # the call is the whole schema
-        calls = [call_schema(t, root) for t, root in zip(offered, roots, strict=True)]
-        if self.choice == "auto":
-            return {"anyOf": [{"type": "string"}, *calls]}
-        return calls[0] if len(calls) == 1 else {"anyOf": calls}
+        at = "#/anyOf/1" if self.choice == "auto" else "#"  # where the call (or the array of calls) lies
+        if self.several:
+            calls = [call_schema(t, f"{at}/items/anyOf/{i}") for i, t in enumerate(offered)]
+            reply = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        elif len(offered) == 1:
+            reply = call_schema(offered[0], at)  # the call is the whole reply
+        else:
+            reply = {"anyOf": [call_schema(t, f"{at}/anyOf/{i}") for i, t in enumerate(offered)]}
+        return {"anyOf": [{"type": "string"}, reply]} if self.choice == "auto" else reply
 
 
 def call_schema(tool: dict, root: str = "#") -> dict:
@@ -100,7 +113,7 @@ def rebased(schema: dict, base: str) -> dict:
 
 # ---- the request's fields ---------------------------------------------------------------------------
 
-def constraint(response_format, tools, tool_choice) -> Constraint | None:
+def constraint(response_format, tools, tool_choice, parallel_tool_calls=None) -> Constraint | None:
     """The constraint a chat request asks for (None: a plain reply), or a 400 saying what is wrong."""
     check_nesting(response_format, "response_format")
     check_nesting(tools, "tools")
@@ -113,7 +126,7 @@ def constraint(response_format, tools, tool_choice) -> Constraint | None:
             if fmt is not None:
                 raise ServeError(400, "response_format with tools is not supported: send one of them",
                                  code="unsupported_parameter", param="response_format")
-            return Constraint("tools", tools=offered, choice=name)
+            return Constraint("tools", tools=offered, choice=name, parallel=parallel_tool_calls is not False)
     elif choice not in ("none", "auto"):
         raise ServeError(400, "tool_choice needs tools", param="tool_choice")
     return fmt
@@ -250,17 +263,19 @@ def tool_result_text(name: str, content: str) -> str:
     return f"The function {name} returned:\n{content}"
 
 
-def tools_system_text(tools: tuple[dict, ...], choice: str) -> str:
+def tools_system_text(tools: tuple[dict, ...], choice: str, parallel: bool = True) -> str:
     """The tools, shown to a model whose chat template does not take them, in a system message."""
     listed = "\n".join(json.dumps({"name": t["name"], "description": t["description"],
                                    "parameters": t["parameters"]}, ensure_ascii=False) for t in tools)
-    how = 'reply with only {"name": <the function\'s name>, "arguments": <its arguments as a JSON object>}'
+    call = '{"name": <the function\'s name>, "arguments": <its arguments as a JSON object>}'
+    if choice not in ("auto", "required"):
+        return f"You can call these functions:\n{listed}\nCall the function {choice}: reply with only {call}."
+    how = (f"reply with only a JSON array of calls, [{call}, …], one call for each thing the request needs"
+           if parallel else f"reply with only {call}")
     if choice == "auto":
-        rule = f"To call one, {how}; to answer in text instead, reply with the text as one JSON string."
-    elif choice == "required":
-        rule = f"Call one of them: {how}."
+        rule = f"To call them, {how}; to answer in text instead, reply with the text as one JSON string."
     else:
-        rule = f"Call the function {choice}: {how}."
+        rule = f"Call {'one or more' if parallel else 'one'} of them: {how}."
     return f"You can call these functions:\n{listed}\n{rule}"
 
 
@@ -268,7 +283,7 @@ def tools_system_text(tools: tuple[dict, ...], choice: str) -> str:
 
 @dataclass
 class Outcome:
-    """A structured reply read: its content (None for a call), its calls, the text the session keeps."""
+    """A structured reply read: its content (None for calls), its calls, the text the session keeps."""
 
     content: str | None
     calls: list[tuple[str, str]] = field(default_factory=list)  # (name, arguments as written)
@@ -286,9 +301,14 @@ def outcome(c: Constraint, text: str) -> Outcome:
         value = json.loads(text)
     except json.JSONDecodeError:
         return Outcome(text, kept=text, whole=False)
-    if c.mode == "tools" and isinstance(value, dict) and (head := CALL_HEAD.match(text)):
-        name, arguments = json.loads(head.group(1)), text.rstrip()[head.end():-1]  # (before its closing })
-        return Outcome(None, [(name, arguments)], call_text(name, value["arguments"]))
+    if c.mode == "tools" and isinstance(value, (dict, list)):
+        stream = ToolStream()
+        stream.feed(text)
+        stream.end()
+        if stream.calls and len(stream.calls) == (len(value) if isinstance(value, list) else 1):
+            calls = [(name, "".join(parts)) for name, parts in stream.calls]
+            kept = "\n".join(call_text(name, arguments) for name, arguments in calls)
+            return Outcome(None, calls, kept)
     if c.mode == "tools" and isinstance(value, str):
         return Outcome(value, kept=value)
     return Outcome(text, kept=text)
@@ -304,50 +324,87 @@ def tool_calls(calls: list[tuple[str, str]]) -> list[dict]:
 
 
 class ToolStream:
-    """A tool turn's streamed text as OpenAI deltas: a text answer (a JSON string) as content pieces, a
-    call as its id and name once the name is whole, then its arguments in pieces, as OpenAI sends them."""
+    """A tool turn's streamed text as OpenAI deltas: a text answer (a JSON string) as content pieces;
+    each call (one object, or the items of an array of them) as its own `index`, its id and name once
+    the name is whole, then its arguments in pieces, as OpenAI sends them. Each character is read once
+    (a reply costs linear time): a call's head is matched as it grows (it is short: a name is at most 64
+    characters), its arguments are told from its closing brace by the nesting they are at."""
 
     def __init__(self) -> None:
-        self.raw = ""
-        self.kind: str | None = None  # "text" or "call", from the first byte
-        self.sent = 0  # text: characters of content sent; call: characters of arguments sent
-        self.head = 0  # call: where its arguments begin in raw (0: the name is not whole yet)
-        self.calls = 0
-        self.decoded = 1  # text: raw[:decoded] is sent (the opening quote, then whole characters)
+        self.kind: str | None = None  # "text", "call" (one object) or "calls" (an array), from the first byte
+        self.tail = ""  # text: raw not decoded yet (at most an escape's worth, then the new piece)
+        self.opened = False  # text: its opening quote is read
         self.closed = False  # text: its closing quote has come
+        self.depth = 0  # call(s): arrays and objects open, outside strings
+        self.in_string = self.escaped = False
+        self.head: str | None = None  # a call's text while its head (up to its arguments) is not whole
+        self.in_arguments = False
+        self.calls: list[tuple[str, list[str]]] = []  # (name, pieces of arguments) of each call begun
 
     def feed(self, piece: str) -> list[dict]:
-        self.raw += piece
-        if self.kind is None and self.raw:
-            self.kind = "text" if self.raw[0] == '"' else "call"
-        return self._text() if self.kind == "text" else self._call(final=False)
+        if self.kind is None and piece:
+            self.kind = {'"': "text", "[": "calls"}.get(piece[0], "call")
+        return self._text(piece) if self.kind == "text" else self._calls(piece)
 
     def end(self) -> list[dict]:
-        return self._call(final=True) if self.kind == "call" else []
+        """What the reply's end releases: nothing (every character is sent once it is read)."""
+        return []
 
-    def _text(self) -> list[dict]:
+    def _text(self, piece: str) -> list[dict]:
         """The content decoded since the last piece: only raw past what was sent is parsed (each
         boundary lies between characters, outside any escape), so a reply costs linear time."""
         if self.closed:
             return []
-        new, used, self.closed = _string_prefix(self.raw[self.decoded:])
-        self.decoded += used
-        self.sent += len(new)
+        raw = self.tail + piece
+        if not self.opened:  # the opening quote
+            raw, self.opened = raw[1:], True
+        new, used, self.closed = _string_prefix(raw)
+        self.tail = raw[used:]
         return [{"content": new}] if new else []
 
-    def _call(self, final: bool) -> list[dict]:
-        out = []
-        if not self.head and (m := CALL_HEAD.match(self.raw)):
-            self.head, self.sent, self.calls = m.end(), m.end(), 1
-            out.append({"tool_calls": [{"index": 0, "id": call_id(), "type": "function",
-                                        "function": {"name": json.loads(m.group(1)), "arguments": ""}}]})
-        if self.head:  # the last character may be the call's closing brace: held back until the end
-            upto = len(self.raw) - 1 if final and self.raw.endswith("}") else len(self.raw) - (not final)
-            if upto > self.sent:
-                piece = self.raw[self.sent:upto]
-                out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
-                self.sent = upto
+    def _calls(self, piece: str) -> list[dict]:
+        out: list[dict] = []
+        level = 1 if self.kind == "calls" else 0  # the depth a call object opens at
+        args: list[str] = []  # this piece's characters of the current call's arguments
+        for ch in piece:
+            if self.head is not None:
+                self.head += ch
+                if ch == ":" and (m := CALL_HEAD.fullmatch(self.head)):
+                    name = json.loads(m.group(1))
+                    self.calls.append((name, []))
+                    head = {"name": name, "arguments": ""}
+                    out.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call_id(),
+                                                "type": "function", "function": head}]})
+                    self.head, self.in_arguments = None, True
+                continue
+            if self.in_string:
+                self.in_string = self.escaped or ch != '"'
+                self.escaped = not self.escaped and ch == "\\"
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+                if ch == "{" and self.depth == level + 1 and not self.in_arguments:
+                    self.head = "{"  # a call begins
+                    continue
+            elif ch in "]}":
+                self.depth -= 1
+                if self.in_arguments and self.depth == level:  # the call's own closing brace
+                    self._flush(args, out)
+                    self.in_arguments = False
+                    continue
+            if self.in_arguments:
+                args.append(ch)
+        self._flush(args, out)
         return out
+
+    def _flush(self, args: list[str], out: list[dict]) -> None:
+        """This piece's characters of the current call's arguments, as one delta."""
+        if args:
+            text = "".join(args)
+            self.calls[-1][1].append(text)
+            out.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": text}}]})
+            args.clear()
 
 
 def _string_prefix(raw: str) -> tuple[str, int, bool]:

@@ -62,7 +62,7 @@ class StructuredTurns:
         chat template does not take a `tools` list (else they are offered to the template)."""
         if c.mode != "tools" or self.tokenizer.uses_tools:
             return messages
-        text = tools_system_text(c.tools, c.choice)
+        text = tools_system_text(c.tools, c.choice, c.parallel)
         if messages and messages[0]["role"] == "system":
             return [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
         return [{"role": "system", "content": text}, *messages]
