@@ -336,6 +336,10 @@ def decode(
         eager = Engine(ckpt, device=dev, dtype=dtype, max_seq_len=2304, cuda_graphs=False)
         add("floe eager (no graph)", floe_row(eager))
         del eager
+    else:  # the lean step's own peer: the module forward on the same weights
+        plain = Engine(ckpt, device=dev, dtype=dtype, max_seq_len=2304, fused_kernels=False)
+        add("floe module forward (no lean step)", floe_row(plain))
+        del plain
     if peers:
         model = hf_model(engine)
         result["agreement_with_transformers"] = agreement(engine, model)
