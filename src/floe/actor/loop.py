@@ -117,6 +117,8 @@ class EngineLoop:
         self.token_call_s, self.step_call_s = token_call_s, min(step_call_s, token_call_s)
         self.warm = False  # an on_token call has returned: calls are bound by step_call_s
         self.native_rows = native_rows  # a step's on_token calls in one native loop (floe.wasm.rows)
+        if native_rows:  # loaded (built, once per machine) now, in the caller's thread: at the first step
+            guest_rows.native()  # it held a server's first burst ~0.3 s (importing the build tools)
         self.native_calls = 0  # on_token calls made so
         # Speculate greedy rows (module doc) where the engine's forward runs while Python goes on.
         self.overlap = (engine.overlaps and batch) if overlap is None else overlap
