@@ -4,7 +4,11 @@
  * A message may begin with a header that sets the grammar for it and for the messages after it:
  *     "\0json-schema <N>\n" then N bytes of JSON Schema, then the user's text
  *     "\0json\n" then the user's text (plain JSON mode; also the mode before any header)
- * either with " new" before its "\n": the conversation starts again with this message.
+ * either with " new" before its "\n": the conversation starts again with this message; and either with
+ * " kv <K>" last before its "\n": K bytes after the schema (before the user's text) list the token ids
+ * the KV cache holds (decimal, each followed by a space), for a conversation the host loaded into this
+ * actor's KV slot (a session's, copied): the turn then prefills only what they do not already hold.
+ * A list whose count is not the cache's length is ignored (the turn prefills everything).
  * A schema the guest cannot compile fails the message: status 21 and a log line naming the keyword.
  * A max_tokens in which no value of the schema can be written (no first token leaves room to finish
  * it) fails the message before its prompt is read: status 22 and a log line saying how many bytes
@@ -51,26 +55,55 @@ static int set_up(void) {
     return exact.bits && logits_target;
 }
 
+/* A decimal count at *p (at most 9 digits); 0 with *p unchanged if there is none. */
+static int read_count(const char **p, const char *end, uint32_t *n) {
+    const char *q = *p;
+    *n = 0;
+    for (; q < end && *q >= '0' && *q <= '9' && q - *p < 9; q++) *n = *n * 10 + (uint32_t)(*q - '0');
+    if (q == *p) return 0;
+    *p = q;
+    return 1;
+}
+
 /* The header, if any: 0 none (text unchanged), 1 plain JSON, 2 a schema at *spec, -1 malformed;
- * *fresh: the header ends with " new" (the conversation starts again with this message). */
-static int read_header(const char **text, int32_t *len, const char **spec, uint32_t *spec_len, int *fresh) {
+ * *fresh: the header ends with " new" (the conversation starts again with this message); *kv, *kv_len:
+ * the ids the KV cache holds (" kv <K>"; *kv_len 0: none given). */
+static int read_header(const char **text, int32_t *len, const char **spec, uint32_t *spec_len, int *fresh,
+                       const char **kv, uint32_t *kv_len) {
     const char *t = *text, *end = t + *len, *p = t + 5;
-    *fresh = 0;
+    *fresh = 0, *kv_len = 0;
     if (*len < 1 || t[0] != 0) return 0;
     if (end - t < 6 || mem_cmp(t + 1, "json", 4)) return -1;
     int kind = 1;
     uint32_t n = 0;
     if (end - p >= 8 && !mem_cmp(p, "-schema ", 8)) {
-        const char *digits = p += 8;
-        for (; p < end && *p >= '0' && *p <= '9' && n < 100000000; p++) n = n * 10 + (uint32_t)(*p - '0');
-        if (p == digits) return -1;
+        p += 8;
+        if (!read_count(&p, end, &n)) return -1;
         kind = 2;
     }
     if (end - p >= 4 && !mem_cmp(p, " new", 4)) *fresh = 1, p += 4;
-    if (p >= end || *p != '\n' || (uint32_t)(end - p - 1) < n) return -1;
+    if (end - p >= 4 && !mem_cmp(p, " kv ", 4) && !(p += 4, read_count(&p, end, kv_len))) return -1;
+    if (p >= end || *p != '\n' || (uint64_t)(end - p - 1) < (uint64_t)n + *kv_len) return -1;
     *spec = p + 1, *spec_len = n;
-    *text = p + 1 + n, *len = (int32_t)(end - *text);
+    *kv = p + 1 + n;
+    *text = p + 1 + n + *kv_len, *len = (int32_t)(end - *text);
     return kind;
+}
+
+/* The ids the KV cache holds, as the header listed them: the conversation's history, if their count is
+ * the cache's length (else none: the turn prefills everything); 0 if the list is malformed. */
+static int take_kv_ids(const char *list, uint32_t len) {
+    const char *p = list, *end = list + len;
+    history.len = 0;
+    uint32_t count = 0;
+    for (const char *q = list; q < end; q++) count += *q == ' ';
+    if (!reserve_ids(&history, count ? count : 1)) return 0;
+    for (uint32_t id; p < end; p++) {
+        if (!read_count(&p, end, &id) || p >= end || *p != ' ') return history.len = 0, 0;
+        history.data[history.len++] = (int32_t)id;
+    }
+    if (history.len != (uint32_t)floe_kv_len()) history.len = 0;
+    return 1;
 }
 
 static int same_spec(const char *spec, uint32_t len) {
@@ -188,13 +221,13 @@ static int fits_max_tokens(void) {
 
 FLOE_EXPORT(on_message) int32_t on_message(const char *text, int32_t len) {
     if (!ready && !(ready = set_up())) { floe_log_str("grammar: out of memory for the vocabulary"); return STATUS_VOCAB; }
-    const char *spec = 0;
-    uint32_t spec_len = 0;
+    const char *spec = 0, *kv = 0;
+    uint32_t spec_len = 0, kv_len = 0;
     int fresh;
-    int kind = read_header(&text, &len, &spec, &spec_len, &fresh);
-    if (kind < 0) {
-        floe_log_str("grammar: a message starting with NUL must be \\0json[ new]\\n or "
-                     "\\0json-schema <bytes>[ new]\\n<schema>");
+    int kind = read_header(&text, &len, &spec, &spec_len, &fresh, &kv, &kv_len);
+    if (kind < 0 || (kv_len && !take_kv_ids(kv, kv_len))) {
+        floe_log_str("grammar: a message starting with NUL must be \\0json[ new][ kv <bytes>]\\n or "
+                     "\\0json-schema <bytes>[ new][ kv <bytes>]\\n<schema><ids, each and a space>");
         return STATUS_HEADER;
     }
     int32_t status = use_grammar(kind, spec, spec_len);

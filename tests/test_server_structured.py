@@ -35,6 +35,7 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 24}},
                    "required": ["zone"]}}}
 TOOLS = [WEATHER, TIME]
+BY_NAME_OF_TOOLS = {t["function"]["name"]: t for t in TOOLS}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -338,6 +339,51 @@ def test_a_session_takes_plain_and_structured_turns_and_keeps_its_cache(server):
     assert after.usage.prompt_tokens_details.cached_tokens >= plain.usage.prompt_tokens
     assert stored(server, "mixed") == [*messages, {"role": "assistant",
                                                    "content": after.choices[0].message.content}]
+
+
+def reply_message(r) -> dict:
+    """A reply's message as its client sends it back."""
+    return r.choices[0].message.model_dump(exclude_none=True)
+
+
+def tool_results(r) -> list[dict]:
+    return [{"role": "tool", "tool_call_id": call.id, "content": '{"ok": true}'}
+            for call in r.choices[0].message.tool_calls]
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "tools"])
+def test_a_second_structured_turn_reuses_the_cache_of_the_conversation_before_it(server, kind):
+    """Each structured turn once prefilled the whole conversation on its grammar actor: now it loads a
+    copy of what the session's cache (or its last structured turn's) holds and prefills only the rest."""
+    c, extra = client(server.url), {"extra_body": {"session_id": f"cached-{kind}"}}
+    fields = ({"response_format": {"type": "json_schema", "json_schema": {"name": "capital", "schema": CITY}}}
+              if kind == "json_schema" else {"tools": TOOLS, "tool_choice": "required"})
+    messages = [{"role": "user", "content": "Name a big city."}]
+    plain = ask(c, messages, max_tokens=16, **extra)
+    messages += [reply_message(plain), *ASK_WEATHER]
+    first = ask(c, messages, **fields, **extra)  # after a plain turn: the session's own cache
+    assert first.usage.prompt_tokens_details.cached_tokens >= plain.usage.prompt_tokens
+    messages.append(reply_message(first))
+    messages += tool_results(first) if kind == "tools" else CAPITAL
+    second = ask(c, messages, **fields, **extra)  # after a structured turn: that turn's cache
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert second.usage.prefilled_tokens < second.usage.prompt_tokens - first.usage.prompt_tokens + 8
+    if kind == "json_schema":
+        assert valid(json.loads(second.choices[0].message.content), CITY)
+    else:
+        assert {call.function.name for call in second.choices[0].message.tool_calls} <= set(BY_NAME_OF_TOOLS)
+
+
+def test_the_context_check_counts_the_tools_text(server):
+    """A conversation that fits the context alone but not with its tools shown is a 400 before it
+    takes a slot (the tools' descriptions are ~1,500 tokens; the server's context is 1,024)."""
+    wordy = {"type": "function", "function": {"name": "wordy", "description": "word " * 1500,
+                                              "parameters": schema_of(TIME)}}
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL_ID, "messages": CAPITAL, "tools": [wordy], "tool_choice": "required",
+        "max_tokens": 16})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
 # ---- streaming deltas, piece by piece ----------------------------------------------------------------

@@ -7,6 +7,14 @@ the session keeps exactly what its client received, and its next plain message p
 turn. Grammar actors start from one primed state (the guest's vocabulary index read once per server,
 ~1 s; a restore is ~10 ms of memory copy) instead of reading the vocabulary each turn.
 
+A structured turn reuses the KV cache as a plain turn does: its actor's slot is loaded with a copy of
+what the session's KV cache holds (a memory copy, not a forward), and the guest is told those token ids
+(its header's " kv" list), so it prefills only what they lack. After a structured turn the session's
+own slot does not hold it (the chat guest takes it as history); so the grammar actor's KV prefix, its ids
+and the conversation as it rendered it (the user's text with the schema or tools shown, the reply as
+written) are kept for the session's next structured turn (at most a slot's worth of tokens in all,
+the least recently used dropped first).
+
 A schema the guest cannot compile, or a max_tokens no value of it fits in, is refused (400) before the
 request takes a session or a slot: a grammar actor without a KV slot checks it (SchemaCheck, ~1 ms), so
 a bad request gets its 400 however busy the server is, and costs no slot.
@@ -15,7 +23,11 @@ a bad request gets its 400 however busy the server is, and costs no slot.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 
 from floe.actor import Actor, ActorState, builtin_guest
 from floe.actor.grammar import (
@@ -24,10 +36,10 @@ from floe.actor.grammar import (
     SchemaCheck,
     SchemaUnsupported,
     budget_refusal,
-    grammar_message,
     instructed,
     reported,
     schema_refusal,
+    schema_text,
 )
 from floe.engine import SamplingParams
 from floe.errors import FloeError
@@ -35,6 +47,25 @@ from floe.server.protocol import ServeError
 from floe.server.sessions import Answer, Session, SessionStore
 from floe.server.structured import Constraint, outcome, tools_system_text
 from floe.wasm import GuestError, default_runtime
+
+
+@dataclass
+class HeldKV:
+    """A KV prefix to load into a grammar actor's slot: its token ids, k and v per layer."""
+
+    ids: list[int]
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+
+@dataclass
+class LastTurn:
+    """What a session's last structured turn left: the session's messages then, the same conversation as
+    the grammar actor rendered it, and its KV prefix (a copy)."""
+
+    raw: list[dict]
+    shown: list[dict]
+    kv: HeldKV
 
 
 class StructuredTurns:
@@ -47,6 +78,8 @@ class StructuredTurns:
         self._primed: ActorState | None = None
         self._priming = threading.Lock()
         self.schemas = SchemaCheck(store.engine, self.module)
+        self._last: OrderedDict[str, LastTurn] = OrderedDict()  # by session key, least recent first
+        self._last_lock = threading.Lock()
 
     def check(self, c: Constraint, max_tokens: int) -> None:
         """A ServeError (400) if the grammar guest would refuse `c`'s schema or `max_tokens` for it;
@@ -57,26 +90,25 @@ class StructuredTurns:
     def close(self) -> None:
         self.schemas.close()
 
-    def conversation(self, messages: list[dict], c: Constraint) -> list[dict]:
-        """`messages` as the grammar actor holds them: with the tools in a system message, where the
-        chat template does not take a `tools` list (else they are offered to the template)."""
-        if c.mode != "tools" or self.tokenizer.uses_tools:
-            return messages
-        text = tools_system_text(c.tools, c.choice, c.parallel)
-        if messages and messages[0]["role"] == "system":
-            return [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
-        return [{"role": "system", "content": text}, *messages]
-
-    def message(self, text: str, c: Constraint) -> str:
-        """The user's message as the grammar guest reads it: the grammar's header first; a response
-        format also shows the model its schema (the mask enforces it either way)."""
-        return grammar_message(text, c.guest_schema(), instruct=c.mode == "json")
+    def shown(self, text: str, c: Constraint) -> str:
+        """The user's text as the grammar actor shows it to the model: a response format's schema after
+        it, or the tools where the chat template does not take a `tools` list (else the template shows
+        them). In the user's message, not a system message: the conversation before it renders as the
+        session's KV cache holds it, so the turn reuses that cache. (The mask enforces either way.)"""
+        if c.mode == "json":
+            return instructed(text, c.guest_schema())
+        if self.tokenizer.uses_tools:
+            return text
+        return f"{text}\n\n{tools_system_text(c.tools, c.choice, c.parallel)}"
 
     def prompt(self, messages: list[dict], c: Constraint) -> list[dict]:
-        """The whole conversation the grammar actor renders for `messages` (the last the user's)."""
-        text = messages[-1]["content"]
-        shown = instructed(text, c.guest_schema()) if c.mode == "json" else text
-        return [*self.conversation(messages[:-1], c), {"role": "user", "content": shown}]
+        """The conversation the grammar actor renders for `messages` (the last the user's), for the
+        context check: with the tools' text also where the template takes them (the check renders no
+        tools; the template's own wording around them is not counted)."""
+        text = self.shown(messages[-1]["content"], c)
+        if c.mode == "tools" and self.tokenizer.uses_tools:
+            text = f"{text}\n\n{tools_system_text(c.tools, c.choice, c.parallel)}"
+        return [*messages[:-1], {"role": "user", "content": text}]
 
     def run(self, session: Session, history: list[dict], text: str, c: Constraint, *, max_tokens: int,
             params: SamplingParams, seed: int | None, on_text: Callable[[str], None] | None = None,
@@ -84,25 +116,74 @@ class StructuredTurns:
         """Answer the (locked, live) session's user message `text`, after `history`, under `c`; the
         session keeps the turn as its client receives it (nothing of it if the client left). A schema
         the guest cannot compile is a 400 naming the keyword; the session is left as it was."""
-        store = self.store
-        conversation = self.conversation([*session.messages, *history], c)
+        store, shown = self.store, self.shown(text, c)
         try:
             with store.extra_slot(session.owner):
+                before, held = self._held(session)
+                conversation = [*before, *history]
                 actor = self._actor()
                 try:
-                    reply = self._send(actor, session, conversation, self.message(text, c), c,
+                    loaded = self._load(actor, held)
+                    reply = self._send(actor, session, conversation, self._message(shown, c, loaded), c,
                                        max_tokens, params, seed, on_text, should_stop)
+                    left = should_stop()
+                    if not left:
+                        turn = [*history, {"role": "user", "content": text},
+                                {"role": "assistant", "content": outcome(c, reply.text).kept}]
+                        as_shown = [*conversation, {"role": "user", "content": shown},
+                                    {"role": "assistant", "content": reply.text}]
+                        self._keep(session, LastTurn([*session.messages, *turn], as_shown, _copy(actor)))
                 finally:
                     actor.close()
         except BaseException:
             store.abandon(session)
             raise
-        left = should_stop()
         if not left:
-            kept = outcome(c, reply.text).kept
-            store.append(session, [*history, {"role": "user", "content": text},
-                                   {"role": "assistant", "content": kept}])
+            store.append(session, turn)
         return Answer(reply.text, reply.stats, False, left)
+
+    def _held(self, session: Session) -> tuple[list[dict], HeldKV]:
+        """The conversation so far as the turn's actor shows it, and the KV prefix to load for it: the
+        session's last structured turn's, if nothing came since; else the session's own slot's."""
+        with self._last_lock:
+            last = self._last.get(session.key)
+            if last is not None and last.raw == session.messages:
+                self._last.move_to_end(session.key)
+                return last.shown, last.kv
+        cache, slot = self.store.engine.cache, session.actor.slot
+        k, v = cache.export(slot)
+        return session.messages, HeldKV(list(cache.tokens[slot]), k, v)
+
+    def _load(self, actor: Actor, held: HeldKV) -> list[int]:
+        """The actor's (empty) slot holds `held`'s KV prefix, copied; the ids it holds, for the guest."""
+        cache = self.store.engine.cache
+        if not held.ids or len(held.ids) != held.k[0].shape[1]:
+            return []  # (not the prefix its ids say: nothing is loaded, the guest prefills all)
+        load = cache.start_load(held.k, held.v)
+        load.into(actor.slot, held.ids)
+        if cache.k.device.type == "cuda":  # the engine loop's stream reads it next
+            torch.cuda.current_stream(cache.k.device).synchronize()
+        for boundary, nbytes in load.copies:
+            actor.ledger.copy(boundary, nbytes)
+        return held.ids
+
+    def _keep(self, session: Session, last: LastTurn) -> None:
+        """Keep `last` for the session's next structured turn: at most a slot's worth of tokens in all."""
+        with self._last_lock:
+            self._last.pop(session.key, None)
+            self._last[session.key] = last
+            held = sum(len(t.kv.ids) for t in self._last.values())
+            while held > self.store.engine.max_seq_len and len(self._last) > 1:
+                held -= len(self._last.popitem(last=False)[1].kv.ids)
+
+    def _message(self, shown: str, c: Constraint, ids: list[int]) -> str:
+        """The message the grammar guest reads: its header (the schema; the ids its KV cache holds, if
+        any: docs/GUESTS.md), then the user's text as shown."""
+        schema = schema_text(c.guest_schema())
+        listed = "".join(f"{i} " for i in ids)
+        head = "\0json" if schema is None else f"\0json-schema {len(schema.encode())}"
+        kv = f" kv {len(listed)}" if listed else ""
+        return f"{head}{kv}\n{schema or ''}{listed}{shown}"
 
     def _send(self, actor: Actor, session: Session, conversation: list[dict], message: str, c: Constraint,
               max_tokens: int, params: SamplingParams, seed: int | None, on_text, should_stop):
@@ -144,6 +225,13 @@ class StructuredTurns:
             actor.close()
             raise
         return actor
+
+
+def _copy(actor: Actor) -> HeldKV:
+    """A copy of the actor's KV prefix and its ids (its slot is freed once the turn ends)."""
+    cache = actor.engine.cache
+    k, v = cache.export(actor.slot)
+    return HeldKV(list(cache.tokens[actor.slot]), [t.clone() for t in k], [t.clone() for t in v])
 
 
 def _refused(c: Constraint, refusal: FloeError) -> ServeError:
