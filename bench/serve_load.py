@@ -87,6 +87,8 @@ def main() -> None:
                          "json.loads a chunk, as vLLM's benchmark_serving uses aiohttp) or the official "
                          "openai package (its pydantic objects a chunk: at 64 streams its client "
                          "processes, not the server, set the TTFT)")
+    ap.add_argument("--anonymous", action="store_true", help="requests without a session_id (one turn)")
+    ap.add_argument("--tag", default="", help="a prefix of the sessions' ids (runs against one --url)")
     ap.add_argument("--temperature", type=float, default=0.0, help="the load's sampling (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=600)
@@ -230,7 +232,8 @@ def stream_turn(client: openai.OpenAI, model_id: str, messages: list[dict], max_
     pieces, usage = [], None
     for chunk in client.chat.completions.create(
             model=model_id, messages=messages, max_tokens=max_tokens, **(sampling or {"temperature": 0}),
-            stream=True, stream_options={"include_usage": True}, extra_body={"session_id": session_id}):
+            stream=True, stream_options={"include_usage": True},
+            extra_body={} if session_id is None else {"session_id": session_id}):
         delta = chunk.choices[0].delta if chunk.choices else None
         # A token's chunk, even of no text (random weights pick ids past the tokenizer's vocabulary,
         # which stand for nothing); the first chunk only says the role.
@@ -254,8 +257,8 @@ async def stream_turn_raw(base_url: str, model_id: str, messages: list[dict], ma
     row, with each SSE line read and parsed by json.loads, no client objects."""
     host, _, port = base_url.removeprefix("http://").partition("/")[0].partition(":")
     body = json.dumps({"model": model_id, "messages": messages, "max_tokens": max_tokens, "stream": True,
-                       "stream_options": {"include_usage": True}, "session_id": session_id,
-                       **(sampling or {"temperature": 0})}).encode()
+                       "stream_options": {"include_usage": True}, **(sampling or {"temperature": 0}),
+                       **({} if session_id is None else {"session_id": session_id})}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: "
             f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     reader, writer = await asyncio.open_connection(host, int(port))
@@ -306,8 +309,8 @@ def run_sessions_raw(args, base_url: str, model_id: str, indices: list[int], dea
                              else QUESTIONS[t % len(QUESTIONS)].format(TOPICS[i % len(TOPICS)])})
             try:
                 row = await asyncio.wait_for(stream_turn_raw(
-                    base_url, model_id, messages, args.max_tokens, f"load-{i}", on_first=decoding[i].set,
-                    sampling=sampling(args)), max(1.0, deadline - time.time()))
+                    base_url, model_id, messages, args.max_tokens, session_name(args, i),
+                    on_first=decoding[i].set, sampling=sampling(args)), max(1.0, deadline - time.time()))
             except (RuntimeError, OSError, TimeoutError, ValueError, KeyError) as e:
                 errors.append(f"session {i} turn {t}: {type(e).__name__}: {e}")
                 return
@@ -346,7 +349,7 @@ def run_sessions(args, client: openai.OpenAI, model_id: str, indices: list[int],
             messages.append({"role": "user", "content": first_message(i, args.prompt_tokens) if t == 0
                              else QUESTIONS[t % len(QUESTIONS)].format(TOPICS[i % len(TOPICS)])})
             try:
-                row = stream_turn(client, model_id, messages, args.max_tokens, f"load-{i}",
+                row = stream_turn(client, model_id, messages, args.max_tokens, session_name(args, i),
                                   on_first=decoding[i].set, sampling=sampling(args))
             except openai.APIError as e:
                 errors.append(f"session {i} turn {t}: {e}")
@@ -373,6 +376,11 @@ def client_process(args, base_url: str, model_id: str, indices: list[int], deadl
         out.put(run_sessions_raw(args, base_url, model_id, indices, deadline, decoding))
     else:
         out.put(run_sessions(args, client, model_id, indices, deadline, decoding))
+
+
+def session_name(args, i: int) -> str | None:
+    """Session i's id (None with --anonymous: a one-turn request without one)."""
+    return None if args.anonymous else f"load-{args.tag}{i}"
 
 
 def sampling(args) -> dict:
