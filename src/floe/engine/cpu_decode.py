@@ -150,9 +150,9 @@ def decode_layers(x: Tensor, x_rows: list[Tensor], rotaries: list[Tensor], row_s
     post_norms[2i], post_norms[2i+1] Gemma's norms of the attention's and the feed-forward's output
     (empty if none); k_caches[i], v_caches[i] the layer's cache [n_slots, n_kv, seq, head_dim];
     windows[i] > 0: its rows attend over the last windows[i] positions only (Mistral, Gemma's windowed
-    layers; PyTorch's ops only); att [B, n_heads * head_dim] in the cache's dtype, attention's output
+    layers); att [B, n_heads * head_dim] in the cache's dtype, attention's output
     buffer, att_rows its rows as [n_kv, n_heads / n_kv, head_dim] views; zero: a float32 [1] of 0
-    (addcmul's base); softcap > 0: the attention scores soft-capped (Gemma 2; PyTorch's ops only);
+    (addcmul's base); softcap > 0: the attention scores soft-capped (Gemma 2);
     gelu: the gate is GELU's tanh form (Gemma), not SiLU. native_ops: RMSNorm, and rotary, the cache
     write and attention, by floe's operators (`torch.ops.floe.rms_norm_rows`, `torch.ops.floe.attend`;
     float32 throughout) from the tables tables[2r], tables[2r + 1] (cos, sin [seq, head_dim] of rotary
@@ -173,7 +173,7 @@ def decode_layers(x: Tensor, x_rows: list[Tensor], rotaries: list[Tensor], row_s
             if q_factor != 1.0:
                 y.narrow(1, 0, n_heads * head_dim).mul_(q_factor)
             torch.ops.floe.attend(y, tables[2 * r], tables[2 * r + 1], k_cache, v_cache, slots, positions,
-                                  n_heads, att)
+                                  n_heads, att, windows[i], softcap)
         else:
             attend_ops(y, rotaries[r], row_scale, att_rows, slots, positions, k_cache, v_cache, n_heads, n_kv,
                        head_dim, windows[i], softcap)
@@ -281,17 +281,12 @@ class CpuDecoder:
         self.windows = [layer.attention.window if limits and layer.attention.window else 0
                         for layer in model.layers]
         self.softcap = c.attn_softcap or 0.0
-        # floe's operators for RMSNorm and attention where floe's kernels are loaded (a native
-        # projection) and the norms, their outputs and the cache are float32; else PyTorch's ops
-        # (`native_ops` chooses, for tests). floe's attend operator attends over every written
-        # position, uncapped: a window or soft-capping runs PyTorch's ops.
-        plain_attention = not any(self.windows) and not self.softcap
+        # floe's operators for RMSNorm and attention (windows and caps included) where floe's kernels
+        # are loaded (a native projection) and the norms, their outputs and the cache are float32;
+        # else PyTorch's ops (`native_ops` chooses, for tests)
         if native_ops is None:
-            native_ops = any(r < 0 for r in self.repeats) and plain_attention and all(
+            native_ops = any(r < 0 for r in self.repeats) and all(
                 t.dtype == torch.float32 for t in (cache.k, *self.norms, *self.inputs, model.norm.weight))
-        if native_ops and not plain_attention:
-            raise ValueError("floe's attend operator has no sliding window or soft-capping: native_ops must "
-                             "be False")
         self.native_ops = native_ops
         self.k_caches = [cache.k[i] for i in range(c.n_layers)]
         self.v_caches = [cache.v[i] for i in range(c.n_layers)]

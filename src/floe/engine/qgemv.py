@@ -87,7 +87,8 @@ _schema.define("gemv_q(Tensor x, Tensor blocks, int kernel) -> Tensor")
 _schema.define("dequant_q(Tensor blocks, int k, ScalarType dtype, int kernel) -> Tensor")
 _schema.define("top_candidates(Tensor y, Tensor bound, Tensor spread) -> Tensor[]")  # exact_top's
 _schema.define("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-               "int[] slots, int[] positions, int n_heads, Tensor(c!) out) -> ()")  # csrc/qdot/attend.cpp
+               "int[] slots, int[] positions, int n_heads, Tensor(c!) out, int window=0, float softcap=0.0) "
+               "-> ()")  # csrc/qdot/attend.cpp
 _schema.define("rms_norm_rows(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()")  # and this
 
 _lock = threading.Lock()

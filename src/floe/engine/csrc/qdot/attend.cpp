@@ -1,9 +1,10 @@
 // A decode step's attention for B rows on the CPU, as one operator a layer:
-// torch.ops.floe.attend(qkv, cos, sin, k_cache, v_cache, slots, positions, n_heads, out); and the
-// step's RMSNorm over its rows, torch.ops.floe.rms_norm_rows(x, weight, eps, out).
+// torch.ops.floe.attend(qkv, cos, sin, k_cache, v_cache, slots, positions, n_heads, out, window,
+// softcap); and the step's RMSNorm over its rows, torch.ops.floe.rms_norm_rows(x, weight, eps, out).
 // Per row b: its K and V heads (rotary on K) are written at positions[b] of slot slots[b]'s cache, and
 // each of its Q heads (scaled by 1/sqrt(head_dim), rotated) attends over that slot's first
-// positions[b] + 1 positions into out[b]. PyTorch's ops for the same thing (a rotary product, two
+// positions[b] + 1 positions (window > 0: the last `window` of them, Mistral's and Gemma's windowed
+// layers; softcap > 0: each score softcap * tanh(score / softcap) first, Gemma 2) into out[b]. PyTorch's ops for the same thing (a rotary product, two
 // small bmm and a softmax a row and layer, views and copies into the cache) cost ~25 us each of
 // dispatch and small-matrix set-up; here a step's attention is one call a layer, its heads split over
 // the threads (a row's KV head and the query heads that share it). Every row is computed alone, in the
@@ -36,11 +37,12 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t h
 }
 
 // The `group` query heads q [group, HD] that share one KV head, over `len` positions of its K and V
-// [len, HD]: softmax(K q) V into out [group, HD]; scores: scratch of group * len floats. K and V are
-// read once for the group; with HD known when compiled, a head's output stays in registers.
+// [len, HD]: softmax(K q) V into out [group, HD] (softcap > 0: the scores capped first); scores:
+// scratch of group * len floats. K and V are read once for the group; with HD known when compiled, a
+// head's output stays in registers.
 template <int64_t HD>
 inline void heads(const float* q, int64_t group, const float* k, const float* v, int64_t len, int64_t hd,
-                  float* scores, float* out) {
+                  float softcap, float* scores, float* out) {
   const int64_t d = HD > 0 ? HD : hd;
   for (int64_t t = 0; t < len; ++t) {
     const float* kt = k + t * d;
@@ -49,7 +51,7 @@ inline void heads(const float* q, int64_t group, const float* k, const float* v,
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t j = 0; j < d; ++j) s += qg[j] * kt[j];
-      scores[g * len + t] = s;
+      scores[g * len + t] = softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -72,10 +74,11 @@ inline void heads(const float* q, int64_t group, const float* k, const float* v,
 }
 
 FLOE_CLONES void attend_group(const float* q, int64_t group, const float* k, const float* v, int64_t len,
-                              int64_t hd, float* scores, float* out) {
-  if (hd == 64) return heads<64>(q, group, k, v, len, hd, scores, out);
-  if (hd == 128) return heads<128>(q, group, k, v, len, hd, scores, out);
-  heads<0>(q, group, k, v, len, hd, scores, out);  // head_dim <= 1024 (checked)
+                              int64_t hd, float softcap, float* scores, float* out) {
+  if (hd == 64) return heads<64>(q, group, k, v, len, hd, softcap, scores, out);
+  if (hd == 128) return heads<128>(q, group, k, v, len, hd, softcap, scores, out);
+  if (hd == 256) return heads<256>(q, group, k, v, len, hd, softcap, scores, out);  // Gemma's
+  heads<0>(q, group, k, v, len, hd, softcap, scores, out);  // head_dim <= 1024 (checked)
 }
 
 void check_f32(const at::Tensor& t, int64_t dim, const char* what) {
@@ -84,10 +87,10 @@ void check_f32(const at::Tensor& t, int64_t dim, const char* what) {
 }
 
 // qkv float32 [B, (n_heads + 2 n_kv) hd]: each row's Q heads, K heads, V heads; cos, sin [seq, hd];
-// k_cache, v_cache [n_slots, n_kv, seq, hd]; out [B, n_heads hd].
+// k_cache, v_cache [n_slots, n_kv, seq, hd]; out [B, n_heads hd]; window, softcap: 0 for none.
 void attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
             const at::Tensor& v_cache, at::IntArrayRef slots, at::IntArrayRef positions, int64_t n_heads,
-            const at::Tensor& out) {
+            const at::Tensor& out, int64_t window, double softcap) {
   check_f32(qkv, 2, "qkv");
   check_f32(cos, 2, "cos");
   check_f32(sin, 2, "sin");
@@ -103,6 +106,7 @@ void attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
               "k_cache, v_cache, cos and sin do not match (head_dim: even, at most 1024)");
   TORCH_CHECK(static_cast<int64_t>(slots.size()) == rows && static_cast<int64_t>(positions.size()) == rows,
               "one slot and one position a row");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap: 0 (none) or positive");
   for (int64_t b = 0; b < rows; ++b) {
     TORCH_CHECK(slots[b] >= 0 && slots[b] < k_cache.size(0), "slot ", slots[b], " is not in the cache");
     TORCH_CHECK(positions[b] >= 0 && positions[b] < std::min(seq, cos.size(0)), "position ", positions[b],
@@ -124,12 +128,14 @@ void attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
     }
   }
   // One item a row and KV head: its group of query heads (consecutive in q and out).
+  const float cap = static_cast<float>(softcap);
   floe::parallel_for(0, rows * n_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * seq);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / n_kv, h = i % n_kv, at = slots[b] * slot_size + h * seq * hd;
-      const int64_t first = (b * n_heads + h * group) * hd;
-      attend_group(&q[first], group, kc + at, vc + at, positions[b] + 1, hd, scores.data(), o + first);
+      const int64_t b = i / n_kv, h = i % n_kv, length = positions[b] + 1;
+      const int64_t from = window > 0 ? std::max<int64_t>(0, length - window) : 0;  // the first key seen
+      const int64_t at = slots[b] * slot_size + (h * seq + from) * hd, first = (b * n_heads + h * group) * hd;
+      attend_group(&q[first], group, kc + at, vc + at, length - from, hd, cap, scores.data(), o + first);
     }
   });
 }
