@@ -1,0 +1,150 @@
+"""Where each request of a burst spends its time before its first token, inside `floe serve`'s engine
+core: the real core and CoreServer in this process, the real HTTP front as its own process, and the load
+from bench/serve_load.py --url (raw client, 8 processes). Each chat's moments are recorded by wrappers:
+received (the core's reading thread), its chat thread started, ServeCore.open done, its turn handed to
+the engine loop (on_message done: EngineLoop.run), its first token id sent to the front (the ids frame).
+
+    python bench/probes/arrival_timeline.py --device cuda --shape llama-3.2-1b --tokenizer DIR
+        [--sessions 64] [--prompt-tokens 64] [--rounds 2] [--anonymous]
+    python bench/probes/arrival_timeline.py --device cpu --sessions 16     (the default model)
+
+Prints per round, for each stage, p50 and max over the requests (ms), and each stage's start relative
+to the burst's first arrival: whether the requests are admitted together or one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shape", default=None)
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--sessions", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--anonymous", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    import serve_load
+
+    from floe.server import core_socket
+    from floe.server.core import ServeCore
+    from floe.server.core_socket import CoreServer
+
+    ns = argparse.Namespace(switch_interval_ms=None, threads=args.threads, device=args.device, weights=None,
+                            shape=args.shape, tokenizer=args.tokenizer, sessions=args.sessions * args.rounds,
+                            probe=0)
+    engine, model_id, folder, _ = serve_load.make_engine(ns)
+    core = ServeCore(engine, snapshots=folder, model_id=model_id, idle_seconds=3600)
+    core.keep_spares()
+    times: dict[tuple[int, int], dict[str, float]] = {}  # (connection, rid) -> stage -> perf_counter
+    local = threading.local()
+    lock = threading.Lock()
+
+    def mark(key, stage: str) -> None:
+        if key is not None:
+            with lock:
+                times.setdefault(key, {}).setdefault(stage, time.perf_counter())
+
+    dispatch, chat, pack_ = CoreServer._dispatch, CoreServer._chat, core_socket.pack
+    open_, run_ = ServeCore.open, type(core.loop).run
+
+    def w_dispatch(self, conn, message):
+        if isinstance(message, dict) and message.get("op") == "chat":
+            mark((id(conn), message.get("id")), "received")
+        return dispatch(self, conn, message)
+
+    def w_chat(self, conn, rid, request):
+        local.key = (id(conn), rid)
+        mark(local.key, "thread")
+        try:
+            return chat(self, conn, rid, request)
+        finally:
+            local.key = None
+
+    def w_open(self, request):
+        try:
+            return open_(self, request)
+        finally:
+            mark(getattr(local, "key", None), "opened")
+
+    def w_run(self, actor, *a, **k):
+        mark(getattr(local, "key", None), "handed")
+        return run_(self, actor, *a, **k)
+
+    def w_pack(value):
+        if isinstance(value, list) and value and value[0] == "ids":
+            conns = [c for c in list(server.connections)]
+            for rid, _ in value[1]:
+                for c in conns:  # (which connection's frame this is: the rid's own)
+                    if (id(c), rid) in times:
+                        mark((id(c), rid), "first_id")
+        return pack_(value)
+
+    CoreServer._dispatch, CoreServer._chat, ServeCore.open = w_dispatch, w_chat, w_open
+    type(core.loop).run = w_run
+    core_socket.pack = w_pack
+    server = CoreServer(core)
+    port = serve_load.free_port()
+    front = subprocess.Popen([sys.executable, "-m", "floe.server.app", "--socket", server.path, "--port",
+                              str(port)], env=os.environ | {"FLOE_API_KEYS": ""})
+    try:
+        import urllib.request
+
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.2)
+        for r in range(args.rounds):
+            times.clear()
+            cmd = [sys.executable, str(HERE.parent / "serve_load.py"), "--url", f"http://127.0.0.1:{port}",
+                   "--device", args.device, "--sessions", str(args.sessions), "--turns", "1", "--max-tokens",
+                   str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens), "--client-processes",
+                   str(max(1, args.sessions // 8)), "--tag", f"r{r}-", "--out", os.devnull]
+            out = subprocess.run(cmd + ["--anonymous"] * args.anonymous, capture_output=True, text=True)
+            print(f"round {r + 1}: " + " ".join(line for line in out.stdout.splitlines() if "TTFT" in line))
+            timed = sorted((v for v in times.values() if "first_id" in v and "received" in v),
+                           key=lambda v: v["received"])
+            report(timed[-args.sessions:])  # (not the client's warm-up requests)
+    finally:
+        front.terminate()
+        front.wait(30)
+        server.close()
+        core.close()
+
+
+def report(rows: list[dict[str, float]]) -> None:
+    if not rows:
+        print("  no request was timed")
+        return
+    t0 = min(r["received"] for r in rows)
+    stages = [("received", "thread"), ("thread", "opened"), ("opened", "handed"), ("handed", "first_id")]
+    print(f"  {len(rows)} requests; stage: p50 / max ms (its start after the first arrival: p50 / max ms)")
+    for a, b in stages:
+        spans = [1e3 * (r[b] - r[a]) for r in rows if a in r and b in r]
+        starts = [1e3 * (r[a] - t0) for r in rows if a in r]
+        print(f"  {a:>9} → {b:<9} {statistics.median(spans):7.1f} / {max(spans):7.1f}    "
+              f"(from {statistics.median(starts):6.1f} / {max(starts):6.1f})")
+    ends = [1e3 * (r["first_id"] - t0) for r in rows]
+    print(f"  first token id sent: p50 {statistics.median(ends):.1f} ms, max {max(ends):.1f} ms after the "
+          "first arrival")
+
+
+if __name__ == "__main__":
+    main()
