@@ -31,6 +31,15 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from test_grammar import PROMPTS, SCHEMAS, replies, valid  # noqa: E402  (the tests' five schemas)
 
 OUT = Path(__file__).parent / "results" / "grammar_cpu.json"
+# Issue 43's keywords as pydantic writes them (ge/le/gt, constr(pattern=…), UUID, EmailStr, date,
+# conlist(min_length, max_length)): the bench's sixth schema.
+KEYWORDS = {"type": "object", "properties": {
+    "id": {"type": "string", "format": "uuid"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "score": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "email": {"type": "string", "format": "email"}, "born": {"type": "string", "format": "date"},
+    "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3}},
+    "required": ["id", "age", "score", "email", "born", "code", "tags"]}
 
 
 def ms_per_token(stats) -> float:
@@ -49,7 +58,7 @@ def walks(reply) -> int:
 
 
 def one_schema(engine: Engine, actor: Actor, name: str, schema: dict | None, repeats: int) -> dict:
-    prompt = PROMPTS.get(name, "Describe your day.")
+    prompt = PROMPTS.get(name, "Make a customer record." if schema is KEYWORDS else "Describe your day.")
     started = time.perf_counter()
     cold = send_json(actor, prompt, schema, fresh=True, max_tokens=160).reply
     cold_s = time.perf_counter() - started
@@ -99,7 +108,7 @@ def main() -> None:
     result = {"model": engine.checkpoint.name, "weights": engine.weights, "kernel": engine.native_kernel,
               "threads": args.threads, "vocabulary": vocabulary_read_s(engine), "schemas": []}
     with grammar_actor(engine) as actor:
-        for name, schema in [*SCHEMAS.items(), ("plain JSON", None)]:
+        for name, schema in [*SCHEMAS.items(), ("new keywords", KEYWORDS), ("plain JSON", None)]:
             result["schemas"].append(one_schema(engine, actor, name, schema, args.repeats))
     print(f"{engine.checkpoint.name}, {engine.weights} weights ({engine.native_kernel}), "
           f"{args.threads} threads; vocabulary read once per actor: "

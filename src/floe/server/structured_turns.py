@@ -151,6 +151,8 @@ class StructuredTurns:
                 self._last.move_to_end(session.key)
                 return last.shown, last.kv
         cache, slot = self.store.engine.cache, session.actor.slot
+        if slot is None:
+            return session.messages, HeldKV([], [], [])
         k, v = cache.export(slot)
         return session.messages, HeldKV(list(cache.tokens[slot]), k, v)
 
