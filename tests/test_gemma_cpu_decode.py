@@ -121,12 +121,13 @@ def test_several_slots_rows_in_one_lean_step_equal_the_module_forward_alone(fold
     assert calls == [3] * 12  # one lean step a turn, over the three rows
 
 
-def test_actors_through_the_engine_loop_answer_as_the_module_forward_alone(tmp_path):
+@pytest.mark.parametrize("arch,caps", [("gemma2", (1.0, 3.0)), ("gemma3_text", (None, None))])
+def test_actors_through_the_engine_loop_answer_as_the_module_forward_alone(tmp_path, arch, caps):
     """Concurrent actors share the loop's lean steps (several rows a step) and each answers what it
     would alone through the module forward (greedy)."""
     from floe.actor import EngineLoop
 
-    folder = save_hf_folder(tmp_path, "gemma3_text", tie=True, sliding_window=WINDOW)
+    folder = save_hf_folder(tmp_path, arch, tie=True, sliding_window=WINDOW, softcaps=caps)
     (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     checkpoint = load_checkpoint(folder)
     prompts = ["Hello there.", "Name a colour, any colour you like.", "What is two plus two?"]
