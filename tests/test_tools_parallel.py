@@ -8,6 +8,7 @@ import json
 import time
 
 import openai
+import pytest
 from langchain_openai import ChatOpenAI
 from test_grammar import valid
 from test_server import MODEL_ID, client
@@ -86,12 +87,9 @@ def test_each_tool_choice_with_several_tools(server):  # noqa: F811
 
 
 def test_parallel_tool_calls_must_be_a_boolean(server):  # noqa: F811
-    try:
+    with pytest.raises(openai.BadRequestError) as e:
         ask(client(server.url), BOTH, tools=TOOLS, parallel_tool_calls="yes")
-    except openai.BadRequestError as e:
-        assert "parallel_tool_calls" in str(e.body)
-    else:
-        raise AssertionError("parallel_tool_calls 'yes' was accepted")
+    assert "parallel_tool_calls" in str(e.value.body)
 
 
 def test_a_reply_of_several_calls_is_kept_one_call_a_line():
