@@ -393,6 +393,26 @@ def test_a_disk_lease_is_not_flushed_and_one_a_crash_emptied_is_taken_over(tmp_p
         leases.acquire("k", "server-c", 60)
 
 
+def test_a_disk_lease_write_leaves_no_temporary_and_a_dead_writers_is_cleaned(tmp_path):
+    """A lease record goes in place through one temporary file (no folder, no second lock): none is
+    left beside the record; one a writer killed mid-write left is removed by clean_stale, and never
+    while a live writer holds the lease's turn."""
+    from floe.snapshot.atomic import clean_stale, path_lock, temp_name
+    from floe.snapshot.lease import FileLeases
+
+    leases = FileLeases(tmp_path)
+    lease, _ = leases.acquire("k", "server-a", 60)
+    leases.renew(lease, 60)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".floe-lock")) == ["k.lease"]
+    turn = tmp_path / "k.lease.cas"
+    dead = tmp_path / temp_name(turn)
+    dead.write_bytes(b"half a rec")  # what a writer killed before its rename leaves
+    with path_lock(turn):  # a live writer's turn: its temporary is not stale
+        assert clean_stale(tmp_path) == [] and dead.exists()
+    assert clean_stale(tmp_path) == [dead] and not dead.exists()
+    assert leases.holder("k")[0] == "server-a"
+
+
 def test_a_home_budget_per_group_deletes_only_the_group_that_grew(tmp_path, s3, bucket, frozen):
     """A server's budget is each owner's (group = the key's owner): Alice's fourth session deletes her
     own oldest, never Bob's; without groups the budget is shared and Bob's oldest goes first."""

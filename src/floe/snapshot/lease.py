@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from floe.snapshot.atomic import path_lock, replace_file
+from floe.snapshot.atomic import path_lock, replace_held
 from floe.snapshot.errors import LeaseHeld, LeaseLost, StoreUnavailable
 
 LEASE_SUFFIX = ".lease"
@@ -161,8 +161,8 @@ class FileLeases(Leases):
         remove it)."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Its own lock, not the file's writers' one (replace_file takes that, and it is not reentrant).
-        with path_lock(path.with_name(path.name + ".cas")):
+        turn = path.with_name(path.name + ".cas")  # the lease's writers take turns on this lock
+        with path_lock(turn):
             current = self._read(key)
             if (current[1] if current is not None else None) != etag:
                 return False
@@ -172,7 +172,7 @@ class FileLeases(Leases):
                 # Not flushed to disk: a hold with an expiry needs only the atomic replace (every
                 # process sees the old record or the new one); a crash that empties it ends its
                 # holder too. Two fsyncs a new session were most of `floe serve`'s time to open one.
-                replace_file(path, lambda tmp: tmp.write_bytes(lease.record()), durable=False)
+                replace_held(path, lease.record(), turn)
             return True
 
     def _create(self, key: str, lease: Lease) -> str | None:
