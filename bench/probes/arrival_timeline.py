@@ -5,7 +5,7 @@ received (the core's reading thread), its chat thread started, ServeCore.open do
 the engine loop (on_message done: EngineLoop.run), its first token id sent to the front (the ids frame).
 
     python bench/probes/arrival_timeline.py --device cuda --shape llama-3.2-1b --tokenizer DIR
-        [--sessions 64] [--prompt-tokens 64] [--rounds 2] [--anonymous]
+        [--sessions 64] [--prompt-tokens 64] [--rounds 2] [--anonymous] [--ride-rows N]
     python bench/probes/arrival_timeline.py --device cpu --sessions 16     (the default model)
 
 Prints per round, for each stage, p50 and max over the requests (ms), and each stage's start relative
@@ -38,8 +38,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--anonymous", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ride-rows", type=int, default=None,
+                    help="prompt rows a CUDA decode step takes along (loop.RIDE_ROWS, graphs' MIXED_ROWS)")
     args = ap.parse_args()
     import serve_load
+
+    if args.ride_rows:
+        from floe.actor import loop as engine_loop
+        from floe.engine.cuda_graph import BatchGraphDecoder
+
+        engine_loop.RIDE_ROWS = BatchGraphDecoder.MIXED_ROWS = args.ride_rows
 
     from floe.server import core_socket
     from floe.server.core import ServeCore
