@@ -7,7 +7,10 @@ This path runs the same mathematics as `Transformer.forward` with about half the
 module calls, RMSNorm as a dot product and one fused multiply into a preallocated buffer of the
 next projection's input dtype, rotary for all Q and K heads as one small matrix product (with the
 attention scale folded in), batched attention over grouped heads, and the residual stream updated
-in place. It reads the model's own weights; nothing is copied.
+in place. It reads the model's own weights; nothing is copied. What architectures add to Llama's layer
+is data the step takes, empty or zero where a model has none: Q/K/V biases (Qwen2), q/k norms (Qwen3,
+Gemma 3), a window per layer (Mistral, Gemma), and Gemma's post norms, GeGLU flag, query scale, score
+and logit caps, scaled embeddings and per-layer rotary tables.
 
 Rows share what is shared: each projection runs once over the B rows, so its weights are read from
 memory once a step, not once a row; what differs per row (its slot, its position, its length of
