@@ -7,6 +7,7 @@ the tokens' rate and the frames the front read.
     python bench/probes/core_stream_cost.py [--sessions 64] [--tokens 64] [--rounds 3] [--tokenizer DIR]
         [--stop]    (a stop string that never matches: the reply streams as text, cut in the core)
         [--profile] (the loop's steps under cProfile in the last round: the top functions by own time)
+        [--named]   (each chat a named session: session_id)
 
 Run it against older code with PYTHONPATH=OLD/src (the front's process inherits it).
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
-def front(path: str, sessions: int, tokens: int, stop: bool, tag: int) -> None:
+def front(path: str, sessions: int, tokens: int, stop: bool, tag: int, named: bool) -> None:
     """The reading front: every chat at once, then read to every one's end; a JSON line of counts."""
     from floe.server.protocol import HEADER, frame_length, pack, unpack
 
@@ -41,19 +42,24 @@ def front(path: str, sessions: int, tokens: int, stop: bool, tag: int) -> None:
                    "temperature": 0, "stream": True, "owner": ""}
         if stop:
             request["stop"] = ["\u2603never\u2603"]
+        if named:
+            request["session_id"] = f"named-{tag}-{i}"
         sock.sendall(pack({"op": "chat", "id": i + 1, "request": request}))
     left, frames, kinds = sessions, 0, {}
-    first = None
+    first: dict[int, float] = {}
     while left:
         data = buf.read(frame_length(buf.read(HEADER.size)))
         frame = unpack(data)
         frames += 1
         kinds[frame[0]] = kinds.get(frame[0], 0) + 1
-        if frame[0] in ("ids", "text") and first is None:
-            first = time.perf_counter() - t0
+        if frame[0] in ("ids", "text"):
+            now = time.perf_counter() - t0
+            for rid, _ in frame[1]:
+                first.setdefault(rid, now)
         if frame[0] in ("done", "error"):
             left -= 1
-    print(json.dumps({"seconds": time.perf_counter() - t0, "first_s": first, "frames": frames,
+    ttft = sorted(first.values())
+    print(json.dumps({"seconds": time.perf_counter() - t0, "first_s": ttft[len(ttft) // 2], "frames": frames,
                       "kinds": kinds}), flush=True)
 
 
@@ -64,12 +70,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--stop", action="store_true")
+    ap.add_argument("--named", action="store_true", help="each chat a named session (session_id)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--front", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tag", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.front:
-        return front(args.front, args.sessions, args.tokens, args.stop, args.tag)
+        return front(args.front, args.sessions, args.tokens, args.stop, args.tag, args.named)
     sys.path.insert(0, str(HERE))
     from tiny import tiny_engine, tokenizer
 
@@ -88,7 +95,7 @@ def main() -> None:
             cpu0, t0 = time.process_time(), time.perf_counter()
             out = subprocess.run([sys.executable, __file__, "--front", server.path, "--sessions",
                                   str(args.sessions), "--tokens", str(args.tokens), "--tag", str(r)]
-                                 + ["--stop"] * args.stop,
+                                 + ["--stop"] * args.stop + ["--named"] * args.named,
                                  capture_output=True, text=True, env=os.environ, check=True)
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
             after = core.loop.stats()
@@ -101,7 +108,7 @@ def main() -> None:
                 continue
             print(f"round {r}: {rows} row-tokens in {wall:.2f} s ({rows / wall:,.0f} tok/s); loop host "
                   f"{1e6 * host / rows:.1f} µs a row-token; core CPU {1e6 * cpu / rows:.1f} µs a token; "
-                  f"front read {got['frames']} frames {got['kinds']}, first {1e3 * got['first_s']:.0f} ms",
+                  f"front read {got['frames']} frames {got['kinds']}, TTFT p50 {1e3 * got['first_s']:.0f} ms",
                   flush=True)
             if profile is not None:
                 top(profile, rows)
