@@ -157,7 +157,7 @@ def test_a_conversation_longer_than_the_context_could_hold_is_refused_without_to
         raise AssertionError("the tokenizer ran for a text that cannot fit")
 
     text = "z" * (core.max_text_bytes + 1)
-    for name in ("encode", "encode_chat", "render_chat", "encode_many"):
+    for name in ("encode", "encode_chat", "render_chat", "encode_many", "encode_plain"):
         monkeypatch.setattr(tokenizer, name, forbidden)
     with pytest.raises(ServeError) as e:  # the core's own check (it trusts no front)
         core._validate({"messages": [{"role": "user", "content": text}], "max_tokens": 2})

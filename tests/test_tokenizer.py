@@ -112,6 +112,37 @@ def test_ordinary_conversations_tokenize_exactly_as_the_whole_text(messages, def
     assert tok.encode_chat(messages) == tok.encode(tok.render_chat(messages), add_bos=False)
 
 
+def test_plain_encoding_holds_the_gil_for_short_texts_and_equals_the_batch_encoder(default_checkpoint):
+    """encode_plain: the same ids as encode_many (special-token text recognised, unicode, long texts); a
+    text up to GIL_HELD_CHARS is tokenized without the batch encoder (which releases the GIL)."""
+    from floe.model import tokenizer as tokenizer_module
+
+    tok = default_checkpoint.tokenizer
+    short = "<|im_start|>user\nCafé 😀 naïve — 12345  spaces\t<|im_end|>\n"
+    long = (short + "plain words and more words ") * (tokenizer_module.GIL_HELD_CHARS // 40 + 1)
+    assert len(short) <= tokenizer_module.GIL_HELD_CHARS < len(long)
+    assert [tok.encode_plain(t) for t in (short, long)] == tok.encode_many([short, long])
+    batch, used = tok.backend.encode_batch, []
+
+    class Watched:  # the backend, its batch encoder counted
+        def __getattr__(self, name):
+            return getattr(tok_backend, name)
+
+        def encode_batch(self, *a, **k):
+            used.append(len(a[0][0]))
+            return batch(*a, **k)
+
+    tok_backend = tok.backend
+    tok.backend = Watched()
+    try:
+        tok.encode_plain(short)
+        assert used == []
+        tok.encode_plain(long)
+        assert used == [len(long)]
+    finally:
+        tok.backend = tok_backend
+
+
 def test_a_template_that_changes_contents_refuses_special_token_text(default_checkpoint):
     """Where the template transforms a content (here: trims it), the spans cannot be trusted: a
     content with special-token text is then refused rather than read as those tokens."""

@@ -308,7 +308,7 @@ class HostABI:
             rendered = self.rendered[1]  # its contents never make special tokens (encode_rendered)
             encode = lambda: self.tokenizer.encode_rendered(rendered)  # noqa: E731
         else:
-            encode = lambda: self.tokenizer.encode_many([text])[0]  # noqa: E731
+            encode = lambda: self.tokenizer.encode_plain(text)  # noqa: E731
         if text_len <= INLINE_TOKENIZE_BYTES:  # short: here (a thread hop costs more than it)
             ids = encode()
             self.budget.check_time("tokenize")
