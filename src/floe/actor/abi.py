@@ -21,25 +21,33 @@ import math
 import struct
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from floe.engine.sampling import SamplingParams, draw_uniforms, sample_rows, sample_token
+from floe.actor.budget import (  # noqa: F401 - the limits are the ABI's too (tests, docs read them here)
+    BUDGET_PER_CAP,
+    CALL_OVERHEAD,
+    FORWARDS_PER_CONTEXT,
+    FORWARDS_PER_TOKEN,
+    HOST_MEMORY_PER_CAP,
+    INLINE_TOKENIZE_BYTES,
+    MIN_TEXT_CAP,
+    TEXT_BYTES_PER_TOKEN,
+    TEXT_CAP_PER_CAP,
+    HostBudget,
+)
+from floe.engine.sampling import SamplingParams, sample_token
 from floe.errors import ContextOverflow, InvalidSamplingParams
 from floe.memory import OutOfBounds
 from floe.wasm import (
-    GuestBudgetExceeded,
-    GuestCancelled,
-    GuestDeadlineExceeded,
     GuestError,
     GuestHostCallError,
     GuestPointerError,
     HostFunction,
 )
-from floe.wasm.raw import describe, signals, trap_new
+from floe.wasm.raw import describe, trap_new
 
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
@@ -60,78 +68,14 @@ SAMPLING = struct.Struct("<fif4x")  # temperature, top_k, top_p, (reserved)
 REQUEST = struct.Struct("<IfifQ8x")  # max_tokens, temperature, top_k, top_p, seed, (reserved)
 _MASK32 = 0xFFFFFFFF
 
-# Host work one message may ask for, beyond guest instructions (docs/ABI.md, "Limits").
-BUDGET_PER_CAP = 4  # bytes the host handles for one message: at most this many times the memory cap
-# Tokens one message may run through the model (prefill + decode calls): this many contexts (a guest
-# may truncate and prefill again) and this many times its max_tokens.
-FORWARDS_PER_CONTEXT, FORWARDS_PER_TOKEN = 4, 2
-CALL_OVERHEAD = 64  # bytes charged per host call on top of its data (each call costs the host objects)
-TEXT_BYTES_PER_TOKEN = 32  # tokenize / chat_render input: at most this many bytes per token of context
-MIN_TEXT_CAP = 64 << 10  # ... but never less than 64 KiB
-TEXT_CAP_PER_CAP = 64  # ... and at most 1/64 of the memory cap (tokenizing holds ~500 B per input byte)
-HOST_MEMORY_PER_CAP = 16  # what the above bound: the host holds at most ~this x the cap for a message
 MAX_IDS_PER_CALL = 1 << 16  # detokenize
 LOG_LINES_KEPT = 64
 LOG_LINE_BYTES = 4096
-
-# tokenize runs here, so a long one can be left behind at the deadline (the tokenizer releases the GIL).
-_SLOW_CALLS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="floe-host-call")
-
 
 NO_IDS = torch.empty(0, dtype=torch.long)  # nothing queued (shared: queued ids are replaced, never written)
 LOGITS_KEPT, LOGITS_IN_PLACE, LOGITS_COPIED = 0, 1, 2  # HostABI.keep_logits: which crossing
 CHOICE_CROSSING = "host→guest choice (the host's token for on_token)"
 
-
-class HostBudget:
-    """What one message may still ask of the host: time (the guest's watchdog: deadline and
-    cancellation), bytes handled (text tokenized, rendered, emitted, logged; ids moved) and tokens
-    forwarded through the model (prefill and decode calls)."""
-
-    def __init__(self, watchdog, limit: int, forward_limit: int | None = None) -> None:
-        self.watchdog = watchdog
-        self.limit = limit
-        self.spent = 0
-        self.forward_limit, self.forwarded = forward_limit, 0
-
-    def forward(self, n_tokens: int, call: str) -> None:
-        """Count n_tokens the guest asks the model to run; past the message's share of the device (a
-        guest that re-prefills or decodes without end) its budget error, not its deadline's minutes."""
-        self.forwarded += n_tokens
-        if self.forward_limit is not None and self.forwarded > self.forward_limit:
-            raise GuestBudgetExceeded(
-                f"the guest asked the model to run more than {self.forward_limit} tokens in one message "
-                f"({FORWARDS_PER_CONTEXT}x the context + {FORWARDS_PER_TOKEN}x max_tokens; at {call})")
-
-    def check_time(self, call: str) -> None:
-        signals.deliver()  # a Ctrl-C that came during guest code: raised here, in the host call's try
-        reason = self.watchdog.expired()
-        if reason == "deadline":
-            raise GuestDeadlineExceeded(f"the message ran past its deadline (in host call {call})")
-        if reason is not None:
-            raise GuestCancelled(f"the message was stopped: {reason} (in host call {call})")
-
-    def spend(self, nbytes: int, call: str) -> None:
-        self.spent += CALL_OVERHEAD + nbytes
-        if self.spent > self.limit:
-            raise GuestBudgetExceeded(
-                f"the guest asked the host to handle more than {self.limit >> 20} MiB in one message "
-                f"({BUDGET_PER_CAP}x its memory cap; at {call})")
-
-    def wait(self, fn: Callable[[], object], call: str) -> object:
-        """fn() in a worker thread, waited for only until the deadline or a cancellation (the work
-        left behind is bounded by the call's size cap)."""
-        future = _SLOW_CALLS.submit(fn)
-        while True:
-            try:
-                return future.result(timeout=0.01)
-            except TimeoutError:
-                self.check_time(call)
-
-
-# Texts up to this size are tokenized in the calling thread (~1 ms at most); longer ones in a worker
-# that the message's deadline can walk away from.
-INLINE_TOKENIZE_BYTES = 16 << 10
 
 
 def _i32(word: int) -> int:
@@ -659,38 +603,6 @@ class HostABI:
         line = self._bytes(ptr, length, "log")[:LOG_LINE_BYTES].decode("utf-8", "replace")
         self.actor.logs.append(line)  # a deque: the last LOG_LINES_KEPT lines
         return OK
-
-
-def host_choices(abis: list[HostABI], known: list[int | None]) -> list[int]:
-    """v2: the host's choice for each turn's fresh logits, for guests that asked for it (choice_at):
-    `known` where the step that made the logits computed it (its argmax for a greedy request, or the
-    draw asked of it: Engine.launch_batch's draws), else the argmax, or a draw with the request's
-    parameters from the actor's generator (one uniform) — every such draw in one batch, one readback.
-    -3 for logits nothing can be drawn from (NaN, +inf, all -inf)."""
-    tokens = list(known)
-    draws = []
-    for i, abi in enumerate(abis):
-        params = abi.actor.request.params
-        if tokens[i] is not None:
-            continue
-        if params.greedy:
-            tokens[i] = sample_token(abi.last_logits, params, abi.actor.generator)
-        else:
-            draws.append(i)
-    if draws:
-        t = time.perf_counter()
-        # On one device: a guest's own buffer (logits in its memory) is on the CPU, the engine's are not.
-        device = abis[draws[0]].engine.device
-        logits = torch.stack([abis[i].last_logits.to(device) for i in draws])
-        drawn = sample_rows(logits, [abis[i].actor.request.params for i in draws],
-                            draw_uniforms([abis[i].actor.generator for i in draws]))
-        seconds = (time.perf_counter() - t) / len(draws)
-        for i, token in zip(draws, drawn, strict=True):
-            tokens[i] = token
-            if logits.device.type != "cpu":
-                abis[i].actor.ledger.copy(f"sampled token {logits.device.type}→host (readback, with the "
-                                          "step's other draws)", 8, seconds=seconds)
-    return tokens
 
 
 def _samplable(logits: torch.Tensor) -> bool:

@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from floe.actor.abi import LOGITS_COPIED, LOGITS_IN_PLACE, OK, host_choices
+from floe.actor.abi import LOGITS_COPIED, LOGITS_IN_PLACE, OK
+from floe.actor.choices import host_choices
 from floe.actor.turn import END_CANCELLED, END_CONTEXT_FULL, END_LENGTH, END_STOP, FED, STOP, Turn, TurnTable
 from floe.engine import Engine
 from floe.engine.engine import LaunchedStep
