@@ -106,8 +106,8 @@ def replace_file(target: Path, save: Callable[[Path], None], durable: bool = Tru
 def replace_held(target: Path, data: bytes, turn: Path) -> None:
     """Put `data` at `target` atomically (every reader sees the old file or the new one; not durable,
     as replace_file's durable=False) for a writer that holds path_lock(turn) already (a lease's
-    compare-and-swap): one temporary file beside it, named as `turn`'s temporaries are (the next
-    holder of that lock, or clean_stale, removes it if this writer dies). No temporary folder and no
+    compare-and-swap): one temporary file beside it, named as `turn`'s temporaries are (clean_stale
+    removes it if this writer dies, never while that lock is held). No temporary folder and no
     second lock: a new session's lease was ~20 calls into the filesystem, each a GIL hand-off, which a
     burst of 64 new sessions made one after another (~80-150 ms of a named session's open)."""
     tmp = target.with_name(temp_name(turn))
