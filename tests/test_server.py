@@ -627,20 +627,20 @@ def test_a_burst_past_the_anonymous_bound_forgets_one_idle_session_each(default_
     store = SessionStore(engine, tmp_path, loop=EngineLoop(engine), max_anonymous=n)
     store.keep_spares(n)
     forgets = []
-    forget = store._forget_locked
+    forget = store.lifecycle.forget_locked
 
     def counted(session):
         forgets.append(session.id)
         return forget(session)
 
-    store._forget_locked = counted
+    store.lifecycle.forget_locked = counted
 
     def burst(round_: int) -> list[str]:
         deadline = time.time() + 60
         while store.counts()["spare_actors"] != n:
             assert time.time() < deadline, store.counts()
             time.sleep(0.02)
-        spares = list(store._spares)
+        spares = list(store.spares.ready)
         gate = threading.Barrier(n)
 
         def one(i: int):
@@ -697,7 +697,7 @@ def test_new_sessions_take_spare_actors_made_while_idle(default_checkpoint, tmp_
     store = SessionStore(engine, tmp_path / "spares", loop=loop)
     store.keep_spares(2)
     wait_spares(store, 2)
-    spares = list(store._spares)
+    spares = list(store.spares.ready)
     session = store.acquire("s", hi, 7)
     store.go_live(session)
     assert session.actor in spares and store.counts() == {"live": 1, "frozen": 0, "spare_actors": 1}
@@ -709,7 +709,7 @@ def test_new_sessions_take_spare_actors_made_while_idle(default_checkpoint, tmp_
     store.release(other)
     wait_spares(store, 2)
     assert not engine.slots.free and store.counts() == {"live": 2, "frozen": 0, "spare_actors": 2}
-    spares = list(store._spares)
+    spares = list(store.spares.ready)
     third = store.acquire("u", hi, 9)
     store.go_live(third)  # every slot held: the least recently used idle session is frozen for it
     assert third.actor in spares and third.actor.slot is not None

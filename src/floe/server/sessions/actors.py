@@ -1,0 +1,47 @@
+"""Making a server's actors: its guest on its engine, one at a time."""
+
+from __future__ import annotations
+
+import threading
+
+from floe.actor import Actor, DecodeScheduler, EngineLoop
+from floe.engine import Engine, SamplingParams
+
+
+class ActorMaker:
+    """Actors of one guest on one engine (batched by `scheduler` for v1 guests, stepped by `loop` for
+    v2 guests), made one at a time: creating an actor is ~1 ms of short calls into Wasmtime, each a GIL
+    hand-off; 16 arrivals creating theirs at once thrash the GIL (~45 ms each, measured) where taking
+    turns costs each ~1 ms plus its wait."""
+
+    def __init__(self, engine: Engine, guest: str | None, scheduler: DecodeScheduler | None,
+                 loop: EngineLoop | None) -> None:
+        self.engine, self.guest, self.scheduler, self.loop = engine, guest, scheduler, loop
+        self.one_at_a_time = threading.Lock()
+
+    def new(self, seed: int = 0, kv_slot: bool | str = True) -> Actor:
+        """A fresh actor (kv_slot "later": without a KV slot, floe.actor.Actor.attach_slot)."""
+        with self.one_at_a_time:
+            return Actor(self.engine, self.guest, seed=seed, scheduler=self.scheduler, loop=self.loop,
+                         kv_slot=kv_slot)
+
+    def with_history(self, messages: list[dict], seed: int) -> Actor:
+        """A new actor holding a conversation (prefilled in full)."""
+        actor = self.new(seed)
+        try:
+            for m in messages:
+                actor.add_history(m["role"], m["content"])
+        except BaseException:
+            actor.close()
+            raise
+        return actor
+
+    def warm_up(self) -> None:
+        """Throwaway two-token turns in a fresh actor, greedy and sampled: compile the guest module and
+        the chat template, start the engine loop and load the sampling kernels, which a server's first
+        request would otherwise wait for (~0.3 s on the H200 host), and which the loop's bound on a
+        warm guest call (floe.actor.loop.STEP_CALL_S) leaves no room for."""
+        with Actor(self.engine, self.guest, scheduler=self.scheduler, loop=self.loop) as actor:
+            for params in (SamplingParams(), SamplingParams(temperature=0.7, top_k=40, top_p=0.9)):
+                actor.send("Hello.", max_tokens=2, params=params)
+        self.engine.tokenizer.fill_reply_bytes()  # (the engine loop streams each token's in one lookup)
