@@ -120,3 +120,76 @@ def test_the_front_makes_the_text_of_ids_across_frames():
     events = asyncio.run(run())
     assert events == [("text", "a"), ("text", "éé!"), ("text", "\ufffd"),
                       ("done", {"text": "aé\u00e9!", "finish_reason": "stop"})]
+
+
+LOUD = """
+(module
+  (import "floe" "prefill" (func $prefill (param i32 i32 i32) (result i32)))
+  (import "floe" "emit" (func $emit (param i32 i32) (result i32)))
+  (import "floe" "stream_tokens" (func $stream_tokens (param i32) (result i32)))
+  (memory (export "memory") 40)
+  (global $n (mut i32) (i32.const 0))
+  (global $big (mut i32) (i32.const 0))
+  (func (export "floe_abi_version") (result i32) (i32.const 2))
+  (func (export "alloc") (param i32) (result i32) (i32.const 8192))
+  (func (export "on_message") (param i32 i32) (result i32)
+    (global.set $n (i32.const 0))
+    (global.set $big (i32.eq (i32.load8_u (local.get 0)) (i32.const 98)))
+    (if (call $stream_tokens (i32.const 1)) (then (return (i32.const 12))))
+    (i32.store (i32.const 4096) (i32.const 17))
+    (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))
+  (func (export "on_token") (result i32)
+    (global.set $n (i32.add (global.get $n) (i32.const 1)))
+    (if (i32.and (global.get $big) (i32.eq (global.get $n) (i32.const 2)))
+      (then (memory.fill (i32.const 65536) (i32.const 97) (i32.const 2000000))
+            (drop (call $emit (i32.const 65536) (i32.const 2000000)))))
+    (if (i32.gt_u (global.get $n) (i32.const 6)) (then (return (i32.const -1))))
+    (i32.const 5)))
+"""
+
+
+def test_a_guests_output_past_a_frame_ends_its_own_reply_not_the_connections(default_checkpoint, tmp_path,
+                                                                             monkeypatch):
+    """A guest that emits 2 MB between two flushes (frames here capped at 1 MiB): its reply ends with a
+    500 output_too_large, streamed as ids or as text (a stop string); another reply streaming beside it
+    on the same connection ends well, and the connection takes the next chat."""
+    import wasmtime
+
+    from floe.server import protocol
+    from floe.server.core import ServeCore
+    from floe.server.core_socket import CoreServer
+
+    guest = tmp_path / "loud.wasm"
+    guest.write_bytes(wasmtime.wat2wasm(LOUD))
+    folder = Path(tempfile.mkdtemp(prefix="floe-test-"))
+    core = ServeCore(Engine(default_checkpoint, max_seq_len=64, n_slots=3), snapshots=folder / "s",
+                     model_id=MODEL_ID, guest=str(guest))
+    server = CoreServer(core, folder / "core.sock")
+    monkeypatch.setattr(protocol, "MAX_FRAME", 1 << 20)
+    try:
+        wire = Wire(server.path)
+
+        def chat(rid: int, text: str, **extra) -> None:
+            wire.send({"op": "chat", "id": rid, "request": {"messages": [{"role": "user", "content": text}],
+                                                            "max_tokens": 8, "owner": "", "stream": True,
+                                                            **extra}})
+
+        chat(1, "big one")
+        chat(2, "small one")
+        chat(3, "big, cut as text", stop=["zzz"])
+        ends = {}
+        while len(ends) < 3:
+            frame = wire.read()
+            if frame[0] in ("done", "error"):
+                ends[frame[1]] = frame
+        for rid in (1, 3):
+            assert ends[rid][0] == "error" and ends[rid][2]["code"] == "output_too_large", ends[rid]
+        assert ends[2][0] == "done" and ends[2][2]["finish_reason"] in ("stop", "length")
+        chat(4, "small again")
+        while (frame := wire.read())[0] not in ("done", "error"):
+            pass
+        assert frame[:2] == ["done", 4]
+        wire.sock.close()
+    finally:
+        server.close()
+        core.close()

@@ -46,6 +46,7 @@ class _Connection:
         self.running: set[int] = set()  # chats taken and not yet ended (queued or running)
         self.cancelled: set[int] = set()  # of those, the ones whose client left
         self.uploads: dict[int, queue.Queue] = {}  # imports under way: their chunks (None: the end)
+        self.overflowed: set[int] = set()  # chats whose streamed output could not be sent (_write_parts)
         self.closed = False
 
     def text(self, rid: int, piece: str) -> None:
@@ -103,7 +104,7 @@ class _Connection:
         with self.out_lock:
             pieces, self.outbox = self.outbox, []
         if pieces:
-            self._write(pack(["text", pieces]))
+            self._write_parts("text", pieces)
         ids = []
         for rid, watched in self.watched.items():
             stream, taken, sent = watched
@@ -115,7 +116,28 @@ class _Connection:
                 ids.append([rid, new])
                 watched[1] = end
         if ids:
-            self._write(pack(["ids", ids]))
+            self._write_parts("ids", ids)
+
+    def _write_parts(self, kind: str, parts: list[list]) -> None:
+        """One frame of every chat's [id, output] part; past a frame's limit (a guest that emitted tens
+        of MB between two flushes) a frame each, and a chat whose own part cannot go in a frame ends with
+        an error (its output stops; the connection's other chats go on)."""
+        try:
+            self._write(pack([kind, parts]))
+            return
+        except ServeError:
+            pass
+        for part in parts:
+            try:
+                self._write(pack([kind, [part]]))
+            except ServeError:
+                self.overflowed.add(part[0])
+                log.warning("chat %s: its output between two flushes is past a frame's limit: it is ended",
+                            part[0])
+                self.cancelled.add(part[0])  # (its session keeps nothing of the turn, as a client's leaving)
+                watched = self.watched.get(part[0])
+                if watched is not None:
+                    watched[0].stop()
 
     def _write(self, frame: bytes) -> None:
         if self.closed:
@@ -263,6 +285,7 @@ class CoreServer:
         finally:
             conn.running.discard(rid)
             conn.cancelled.discard(rid)
+            conn.overflowed.discard(rid)
 
     def _run_chat(self, conn: _Connection, rid: int, request: dict) -> None:
         chat = self.core.open(request)  # its session is locked from here until run() returns
@@ -284,7 +307,7 @@ class CoreServer:
             self._wake.set()  # (the flusher looks every FLUSH_S while it streams)
             try:
                 result = self.core.run(chat, None, should_stop, tokens)
-                conn.send(["done", rid, result])  # (after the ids not yet sent)
+                conn.send(self._end_of(conn, rid, result))  # (after the ids not yet sent)
             finally:
                 conn.unwatch(rid)
             return
@@ -297,7 +320,18 @@ class CoreServer:
                     self._wake.set()
         result = self.core.run(chat, on_text, should_stop)
         start()
-        conn.send(["done", rid, result])
+        conn.send(self._end_of(conn, rid, result))
+
+    @staticmethod
+    def _end_of(conn: _Connection, rid: int, result: dict) -> list:
+        """A chat's last frame: done with its result, or the error of an output too large to stream."""
+        if rid not in conn.overflowed:
+            return ["done", rid, result]
+        conn.overflowed.discard(rid)
+        error = ServeError(500, "the guest's output between two flushes was larger than a frame "
+                           f"({protocol.MAX_FRAME >> 20} MiB): the reply was ended", "server_error",
+                           "output_too_large")
+        return ["error", rid, error.payload()]
 
     def _flush_loop(self) -> None:
         while not self._closed:
@@ -305,7 +339,10 @@ class CoreServer:
                 self._wake.wait()
             self._wake.clear()
             for conn in list(self.connections):
-                conn.flush()
+                try:
+                    conn.flush()
+                except Exception:  # noqa: BLE001 - a bug here must not stop every stream for good
+                    log.exception("flushing a front's streamed output failed")
             time.sleep(FLUSH_S)
 
     def close(self) -> None:
