@@ -32,7 +32,9 @@ def test_the_layers_hold():
 @pytest.mark.parametrize("module, imports", [("memory.py", "floe.server.app"),
                                              ("engine/slots.py", "floe.actor.actor"),
                                              ("wasm/raw.py", "floe.model.tokenizer"),
-                                             ("profile.py", "floe.memory")])
+                                             ("profile.py", "floe.memory"),
+                                             ("server/sessions/registry.py",
+                                              "floe.server.sessions.lifecycle")])
 def test_a_lower_layer_importing_a_higher_one_breaks_a_contract(tmp_path, module, imports):
     shutil.copytree(ROOT / "src" / "floe", tmp_path / "floe",
                     ignore=shutil.ignore_patterns("__pycache__", "*.wasm", "csrc", "shaders"))
