@@ -98,6 +98,7 @@ class Launched(NamedTuple):
     started: float  # time.perf_counter()
     positions: list[int]  # each decode row's position in its turn's slot
     void: set[Turn]  # turns whose row here was undone while it ran (its results are not theirs)
+    slots: np.ndarray  # each decode row's slot (int64): its turn's row of the table
 
 
 class EngineLoop:
@@ -365,7 +366,8 @@ class EngineLoop:
         fed = [t for t in flight.turns if t.end is None]
         if not fed or any(t.flying != 1 for t in fed) or (flight.void and any(t in flight.void for t in fed)):
             return None
-        slots = np.fromiter((t.slot for t in fed), np.int64, len(fed))
+        slots = (flight.slots if len(fed) == len(flight.turns)
+                 else np.fromiter((t.slot for t in fed), np.int64, len(fed)))
         rows = table[slots]
         if not ((rows[:, Col.TAKES_CHOICE] != 0) & (rows[:, Col.REFUSED] == 0)
                 & (rows[:, Col.SPECULATED] == NONE) & (rows[:, Col.NEXT_TOKEN] == NONE)
@@ -436,7 +438,7 @@ class EngineLoop:
         t0 = time.perf_counter()
         step = self.engine.launch_batch(tokens, slots, prompts, draws)
         self.launch_s += time.perf_counter() - t0
-        self._launched.append(Launched(step, turns, riding, t0, positions, set()))
+        self._launched.append(Launched(step, turns, riding, t0, positions, set(), np.array(slots, np.int64)))
         self.fed += tokens.count(None)
         for turn, position in zip(turns, positions, strict=True):
             if turn.speculated is not None:
@@ -454,7 +456,7 @@ class EngineLoop:
         held before)."""
         if not self._launched:
             return
-        launched, turns, riding, t0, positions, void = self._launched.pop(0)
+        launched, turns, riding, t0, positions, void, slots = self._launched.pop(0)
         t1 = time.perf_counter()
         results = self.engine.finish_batch(launched)
         self.wait_s += time.perf_counter() - t1
@@ -483,7 +485,6 @@ class EngineLoop:
             for turn, result in zip(turns, results, strict=True):
                 turn.flying -= 1
                 turn.abi.last_logits = result  # (HostABI.keep_logits of a turn that asked for none)
-            slots = np.fromiter((t.slot for t in turns), np.int64, n)
             table = self.table.array
             table[slots, Col.ROWS] += 1
             self.table.doubles[slots, Col.ROWS_S] += seconds

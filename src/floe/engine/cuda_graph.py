@@ -175,7 +175,7 @@ class BatchGraphDecoder:
         self.model, self.cache = model, cache
         dev = model.tok_embeddings.weight.device
         self.device = dev
-        n_slots = cache.n_slots
+        n_slots = self.n_slots = cache.n_slots  # (fixed; kept: a property read ~5 times a row a step)
         powers = range(1, max(1, n_slots - 1).bit_length() + 1)
         self.sizes = sorted({1} | {min(2**i, n_slots) for i in powers})  # padded row counts
         # Decode rows plus prompt rows riding along (mixed): powers of two past n_slots.
@@ -306,7 +306,7 @@ class BatchGraphDecoder:
         host = self.draw_in[turn].numpy()
         host[:, :n] = rows, temps, top_p, ks, uniforms
         # Padding rows: the spare logits row, drawn plainly; nobody reads them.
-        host[:, n:size] = [[self.cache.n_slots], [1.0], [1.0], [self.slot_logits.shape[1]], [0.5]]
+        host[:, n:size] = [[self.n_slots], [1.0], [1.0], [self.slot_logits.shape[1]], [0.5]]
         self.dev_draw_in.copy_(self.draw_in[turn], non_blocking=True)
         self._draw_copied[turn].record()
         graph = self.draw_graphs.get(size)
@@ -321,13 +321,13 @@ class BatchGraphDecoder:
 
     def row(self, slot: int) -> int:
         """The row of slot_logits / host_argmax holding `slot`'s latest logits (n_slots: the spare)."""
-        return slot if slot == self.cache.n_slots else slot + self._half[slot] * (self.cache.n_slots + 1)
+        return slot if slot == self.n_slots else slot + self._half[slot] * (self.n_slots + 1)
 
     def _next_rows(self, dests: list[int]) -> list[int]:
         """The rows a step writes for these slots' logits: each slot's other row (which becomes its
         latest); the spare row stays."""
         for slot in dests:
-            if slot != self.cache.n_slots:
+            if slot != self.n_slots:
                 self._half[slot] ^= 1
         return [self.row(slot) for slot in dests]
 
@@ -383,7 +383,7 @@ class BatchGraphDecoder:
         host_rows = self.prompt_host_rows if long else self.host_rows
         turn, self._in_turn = self._in_turn, self._in_turn ^ 1
         self._in_copied[turn].synchronize()  # the copy out of this buffer, two replays ago, is done
-        fill_rows(host_rows[turn], size, tokens, positions, slots, rows, self.cache.n_slots, feeds)
+        fill_rows(host_rows[turn], size, tokens, positions, slots, rows, self.n_slots, feeds)
         dev.copy_(host[turn], non_blocking=True)
         self._in_copied[turn].record()
         graph = self.graphs.get((size, bucket, prefill))
