@@ -138,8 +138,8 @@ def top(profile, rows: int, n: int = 25) -> None:
     import pstats
 
     print(f"cProfile of the loop's steps (µs a row-token = tottime / {rows} rows):")
-    stats = pstats.Stats(profile).stats
-    for (file, line, name), (_, calls, tottime, cumtime, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]:
+    stats = sorted(pstats.Stats(profile).stats.items(), key=lambda kv: -kv[1][2])
+    for (file, line, name), (_, calls, tottime, cumtime, _) in stats[:n]:
         print(f"  {1e6 * tottime / rows:7.2f} own {1e6 * cumtime / rows:7.2f} cum  {calls:7d}  "
               f"{Path(file).name}:{line}({name})")
 
