@@ -305,8 +305,7 @@ def run_sessions_raw(args, base_url: str, model_id: str, indices: list[int], dea
             if time.time() > deadline:
                 errors.append(f"session {i}: budget exhausted before turn {t}")
                 return
-            messages.append({"role": "user", "content": first_message(i, args.prompt_tokens) if t == 0
-                             else QUESTIONS[t % len(QUESTIONS)].format(TOPICS[i % len(TOPICS)])})
+            messages.append(user_turn(args, i, t))
             try:
                 row = await asyncio.wait_for(stream_turn_raw(
                     base_url, model_id, messages, args.max_tokens, session_name(args, i),
@@ -346,8 +345,7 @@ def run_sessions(args, client: openai.OpenAI, model_id: str, indices: list[int],
             if time.time() > deadline:
                 errors.append(f"session {i}: budget exhausted before turn {t}")
                 return
-            messages.append({"role": "user", "content": first_message(i, args.prompt_tokens) if t == 0
-                             else QUESTIONS[t % len(QUESTIONS)].format(TOPICS[i % len(TOPICS)])})
+            messages.append(user_turn(args, i, t))
             try:
                 row = stream_turn(client, model_id, messages, args.max_tokens, session_name(args, i),
                                   on_first=decoding[i].set, sampling=sampling(args))
@@ -376,6 +374,12 @@ def client_process(args, base_url: str, model_id: str, indices: list[int], deadl
         out.put(run_sessions_raw(args, base_url, model_id, indices, deadline, decoding))
     else:
         out.put(run_sessions(args, client, model_id, indices, deadline, decoding))
+
+
+def user_turn(args, i: int, t: int) -> dict:
+    """Session i's user message at turn t."""
+    return {"role": "user", "content": first_message(i, args.prompt_tokens) if t == 0
+            else QUESTIONS[t % len(QUESTIONS)].format(TOPICS[i % len(TOPICS)])}
 
 
 def session_name(args, i: int) -> str | None:
