@@ -43,20 +43,21 @@ def held_bytes(store: SessionStore) -> int:
     return sum(memoryview(held[0]).nbytes for e in pinned.entries() if (held := pinned.get(e.key)))
 
 
-def churn(store: SessionStore, engine, actors, n: int, seed: int) -> None:
+def churn(store: SessionStore, engine, actors, n: int, seed: int) -> int:
     """n one-shot sessions frozen into the store from THREADS threads (a third thawed again), the
-    tier's accounting checked after each."""
+    tier's accounting checked after each; returns the bytes frozen."""
     snapshots, rng = store.snapshots, random.Random(seed)
 
-    def one(i: int) -> None:
+    def one(i: int) -> int:
         key = f"anon-{seed}-{i}"
-        snapshots.freeze(key, rng.choice(actors), persist=False)
+        made = snapshots.freeze(key, rng.choice(actors), persist=False)["bytes"]
         if i % 3 == 0 and snapshots.pinned.has(key):
             snapshots.thaw(key, engine).close()
         assert snapshots.pinned.nbytes <= BUDGET
+        return made
 
     with ThreadPoolExecutor(THREADS) as pool:
-        list(pool.map(one, range(n)))
+        return sum(pool.map(one, range(n)))
 
 
 def test_the_ram_tier_holds_within_its_budget_while_one_shot_sessions_churn_through_it(engine, actors,
@@ -72,15 +73,18 @@ def test_the_ram_tier_holds_within_its_budget_while_one_shot_sessions_churn_thro
 
 
 def test_the_upkeep_hands_back_what_churned_snapshots_freed_and_the_rss_stays_flat(engine, actors, tmp_path):
-    """Measured here: each churn of 100 left 40-170 MB of freed snapshot buffers in glibc's arenas (0 MB
-    handed back without the upkeep's heap trim); the RSS after each upkeep stayed flat."""
+    """Measured here: each churn of 100 (~1 GB of snapshots made) left 40-170 MB of freed snapshot buffers
+    in glibc's arenas (0 MB handed back without the upkeep's heap trim); the RSS after each upkeep stayed
+    within 50 MB here, 136 MB over two rounds on CI's machine (arenas' fragmentation settles slowly)."""
     store = SessionStore(engine, snapshot_store(tmp_path, pinned_bytes=BUDGET), sweep_seconds=0)
-    settled = []
+    settled, made = [], 0
     for seed in range(3):
-        churn(store, engine, actors, 100, seed=seed)
+        made = churn(store, engine, actors, 100, seed=seed)
         churned = rss_bytes()
         store.maintain()
         settled.append(rss_bytes())
         assert churned - settled[-1] > 16 << 20, f"the upkeep gave back {(churned - settled[-1]) >> 20} MB"
-    # Flat within the noise (±50 MB here); snapshots kept past the tier's budget would add ~1 GB a round.
-    assert max(settled) - settled[0] < 128 << 20, f"RSS after each upkeep (MB): {[r >> 20 for r in settled]}"
+    # Snapshots kept past the tier's budget would add a round's bytes (~1 GB) each round; fragmentation
+    # left in the arenas adds a small part of them.
+    assert max(settled) - settled[0] < made // 4, \
+        f"RSS after each upkeep (MB): {[r >> 20 for r in settled]}, a round made {made >> 20} MB of snapshots"
