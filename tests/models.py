@@ -32,7 +32,8 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
                    shard: bool = True, sliding_window: int | None = None, partial_rotary: float = 1.0,
                    long_rope: bool = False, query_pre_attn_scalar: int = 32,
                    softcaps: tuple[float | None, float | None] = (None, None),
-                   rope_linear: float | None = None) -> Path:
+                   rope_linear: float | None = None, vocab_size: int = VOCAB,
+                   picks: list[int] | None = None) -> Path:
     """A random transformers model of `arch` ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma2" or
     "gemma3_text") saved as safetensors shards. qwen3's and gemma's head_dim (32) is not hidden_size /
     heads (16), as in Qwen3-0.6B (128 vs 64); mistral's, phi3's and gemma's attention sees the last
@@ -40,7 +41,9 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
     gemma3_text's 6 layers, all but the last); phi3 rotates the first `partial_rotary` of each head,
     with LongRoPE (random factors, pretrained on 32 positions of 512) if `long_rope`; gemma scales q·k
     by query_pre_attn_scalar ** -0.5 and gemma2 soft-caps (attention, final logits) by `softcaps`;
-    gemma3_text's global layers scale their rotary linearly by `rope_linear` (as Gemma 3 4B-27B)."""
+    gemma3_text's global layers scale their rotary linearly by `rope_linear` (as Gemma 3 4B-27B).
+    picks: the only token ids the model's greedy choice can be (the others' output rows are zero, so
+    their logit 0 is below the best of these random ones; untied embeddings)."""
     from transformers import (
         Gemma2Config,
         Gemma2ForCausalLM,
@@ -60,7 +63,7 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
 
     from floe.model.tokenizer import tokenizer_from_gguf
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
     if arch == "llama":
@@ -116,6 +119,12 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
                 p.add_(torch.randn_like(p) * 0.1)
             if arch.startswith("gemma") and name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(8)  # scores of order 1, where soft-capping bends them
+    if picks is not None:
+        assert not tie, "picks zero output rows: the embedding must be the model's own"
+        with torch.no_grad():
+            silent = torch.ones(vocab_size, dtype=torch.bool)
+            silent[picks] = False
+            model.lm_head.weight[silent] = 0
     model.save_pretrained(folder, max_shard_size="2MB" if shard else "10GB")
     tokenizer_from_gguf(tokenizer_fields()).backend.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
@@ -195,7 +204,7 @@ _GGUF_ARCH = {"qwen3": "qwen3", "mistral": "llama", "phi3": "phi3", "gemma2": "g
               "gemma3_text": "gemma3"}
 
 
-def convert_to_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
+def convert_to_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tokenizer: dict | None = None) -> Path:
     """The transformers model in `folder` (qwen3, mistral or phi3) as llama.cpp's converter writes
     it: qwen3 with its qwen3.* keys (attention.key_length: the explicit head_dim); mistral as
     general.architecture llama, Q/K rows permuted (rotary pairs adjacent), its window as
@@ -204,7 +213,8 @@ def convert_to_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
     rope_factors_short/long tensors, attention factor and original context; gemma2 and gemma3_text
     (general.architecture gemma3) with 1 added to every norm weight, four norms a layer, gemma2's
     soft-capping keys, gemma3's global rotary base (its windowed layers' is llama.cpp's 10000) and
-    no query_pre_attn_scalar (llama.cpp's rule: head_dim below 27B). Matrices in `qtype`, norms F32."""
+    no query_pre_attn_scalar (llama.cpp's rule: head_dim below 27B). Matrices in `qtype`, norms F32.
+    tokenizer: its tokenizer.* fields (default: SmolLM2's)."""
     import json
 
     from safetensors import safe_open
@@ -247,7 +257,7 @@ def convert_to_gguf(folder: Path, path: Path, qtype: Q = Q.F32) -> Path:
                                                        / math.log(cfg["original_max_position_embeddings"])))
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    for key, value in tokenizer_fields().items():
+    for key, value in (tokenizer or tokenizer_fields()).items():
         _add_field(writer, key, value)
     tensors = {}
     for shard in sorted(folder.glob("*.safetensors")):

@@ -197,8 +197,12 @@ class Actor:
     def __init__(self, engine: Engine, guest: str | Path | bytes | GuestModule | None = None, *,
                  seed: int = 0, system_prompt: str = "", memory_cap: int = DEFAULT_MEMORY_CAP,
                  deadline_s: float = DEFAULT_DEADLINE_S, scheduler: DecodeScheduler | None = None,
-                 loop: EngineLoop | None = None, kv_slot: bool | str = True) -> None:
+                 loop: EngineLoop | None = None, kv_slot: bool | str = True,
+                 continues_text: bool = False) -> None:
         self.engine = engine
+        # A reply starts as the tokenizer's decode of its tokens would (no SentencePiece space at its
+        # start); a text that continues another (continues_text: a completion's) keeps its first space.
+        self.continues_text = continues_text
         # With a scheduler, this actor's decode steps are batched with other actors' (its engine's).
         if scheduler is not None and scheduler.engine is not engine:
             raise FloeError("the decode scheduler drives another engine than this actor's")
@@ -361,6 +365,9 @@ class Actor:
         instead of text to on_text (which must then be None): the engine loop makes no text per token
         (floe.actor.stream; floe serve's streaming). The Reply's text is made once, at the end.
 
+        The reply's text starts as the tokenizer's decode of its tokens does: without the space a
+        SentencePiece decoder drops (Tokenizer.strips_leading_space), but in an actor that continues_text.
+
         A trap, deadline or bad pointer raises a GuestError subclass for this message only: the
         engine and other actors carry on, and this actor's KV slot is left as the guest left it.
         """
@@ -377,8 +384,13 @@ class Actor:
             handing = on_text is not None and not loop_safe and self.abi_version >= 2
             pieces: deque[str] = deque()
             woken = threading.Event()
+            starting = [not self.continues_text and self.engine.tokenizer.strips_leading_space]
 
             def collect(text: str) -> None:
+                if starting[0] and text:
+                    starting[0] = False
+                    if text[0] == " " and not (text := text[1:]):
+                        return
                 parts.append(text)
                 if handing:
                     pieces.append(text)
@@ -419,7 +431,7 @@ class Actor:
                     self.scheduler.leave(self.slot)
             if tokens is not None:  # the reply's text, once (its reader made it as it came, elsewhere)
                 made = reply_bytes(tokens.items, self.engine.tokenizer.reply_bytes)
-                parts.append(self.abi.utf8.decode(made))
+                collect(self.abi.utf8.decode(made))  # (on_text is None: it keeps the text, its start cut)
             tail = self.abi.utf8.decode(b"", final=True)
             if tail:
                 collect(tail)

@@ -31,6 +31,8 @@ class CoreClient:
         self._ended: dict[int, asyncio.Event] = {}  # set when a chat's last event is queued
         self._vocab: list[bytes] = []  # each token's reply bytes (the "vocab" call), for "ids" frames
         self._utf8: dict[int, codecs.IncrementalDecoder] = {}  # a chat streamed as ids: its decoder
+        self._strips = False  # whether a chat's reply drops the space it starts with (the "vocab" call)
+        self._starting: set[int] = set()  # the chats whose reply has made no text yet, where it drops one
         self.streams = 0  # streamed replies being sent
         self.gone = False
         self._closing = False  # close() was called: the connection's end is not the core's loss
@@ -39,7 +41,8 @@ class CoreClient:
     async def connect(self) -> None:
         self._reader, self._writer = await asyncio.open_unix_connection(self.path)
         self._task = asyncio.create_task(self._read_loop())
-        self._vocab = vocab_table(await self.call("vocab"))
+        answer = await self.call("vocab")
+        self._vocab, self._strips = vocab_table(answer), bool(answer.get("strips_leading_space"))
 
     async def close(self) -> None:
         self._closing = True
@@ -65,7 +68,10 @@ class CoreClient:
         """Start a chat: its id, the queue of its events (("started", session id), then ("text",
         piece)s when streamed, then ("done", result) or ("error", payload) at any point) and an
         event set once its last one is queued."""
-        return self._open({"op": "chat", "request": request})
+        rid, queue, ended = self._open({"op": "chat", "request": request})
+        if self._strips and "prompt" not in request:  # (a text completion continues its prompt: it keeps it)
+            self._starting.add(rid)
+        return rid, queue, ended
 
     def _open(self, message: dict) -> tuple[int, asyncio.Queue, asyncio.Event]:
         rid = next(self._ids)
@@ -118,6 +124,7 @@ class CoreClient:
         """The chat's client left: its row stops at its next token (nothing if it has ended)."""
         self._ended.pop(rid, None)
         self._utf8.pop(rid, None)
+        self._starting.discard(rid)
         if self._chats.pop(rid, None) is not None and not self.gone:
             self._send({"op": "cancel", "id": rid})
 
@@ -140,6 +147,7 @@ class CoreClient:
                 ended.set()
             self._calls.clear()
             self._chats.clear()
+            self._starting.clear()
             self._ended.clear()
             if not self._closing:
                 self.on_lost()
@@ -164,11 +172,16 @@ class CoreClient:
                 text = utf8.decode(b"".join(
                     (vocab[i] if 0 <= i < size else b"") if type(i) is int else i.encode("latin-1")
                     for i in items))
+                if text and rid in self._starting:  # (as the core's reply text: Actor.send)
+                    self._starting.discard(rid)
+                    text = text[1:] if text[0] == " " else text
                 if text:
                     queue.put_nowait(("text", text))
             return
         rid, value = message[1], message[2]
         utf8 = self._utf8.pop(rid, None) if kind in ("done", "error") else None
+        if kind in ("done", "error"):
+            self._starting.discard(rid)
         if utf8 is not None and (tail := utf8.decode(b"", final=True)) and rid in self._chats:
             self._chats[rid].put_nowait(("text", tail))  # (a character the stream's end left unfinished)
         future = self._calls.pop(rid, None)

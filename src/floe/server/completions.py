@@ -85,7 +85,7 @@ class TextCompletions:
                              "its text)")
         cut = StopText(c.stops)
         with self.store.extra_slot(c.owner, beside_session=False):
-            actor = Actor(self.engine, self.module, seed=c.seed, loop=self.store.loop)
+            actor = Actor(self.engine, self.module, seed=c.seed, loop=self.store.loop, continues_text=True)
             try:
                 if tokens is not None:
                     reply = actor.send(c.message, max_tokens=c.max_tokens, params=c.params, tokens=tokens)

@@ -288,10 +288,12 @@ class ServeCore:
     @cached_property
     def _vocab(self) -> dict:
         """The "vocab" call's answer: each token's reply bytes (floe.server.protocol), for the fronts to
-        make the text of replies streamed as token ids."""
+        make the text of replies streamed as token ids, and whether a chat's reply drops the space its
+        text starts with (Tokenizer.strips_leading_space; Actor.send's text drops it too)."""
         tokenizer = self.engine.tokenizer
         pieces = [tokenizer.reply_bytes(i) for i in range(tokenizer.vocab_size)]
-        return {"bytes": base64.b64encode(b"".join(pieces)).decode(), "lengths": [len(p) for p in pieces]}
+        return {"bytes": base64.b64encode(b"".join(pieces)).decode(), "lengths": [len(p) for p in pieces],
+                "strips_leading_space": tokenizer.strips_leading_space}
 
     def _prompt_bound(self, messages: list[dict]) -> int:
         """At least the conversation's prompt tokens, without tokenizing it (the guest will, and each
