@@ -213,3 +213,40 @@ def test_rows_not_called_keep_no_judgement_of_an_earlier_call():
         runtime._stopped = None
     assert set(again) == {0} and "a test stopped every guest" in str(again[0])
     assert table[0, guest_rows.Col.JUDGED] == 0
+
+
+def test_a_plain_token_is_decoded_and_streamed_natively_within_the_budgets_room():
+    """A row with a decoded-ids buffer and a TokenStream's buffer: each plain token goes into both,
+    charged CALL_OVERHEAD + its reply bytes (a special token: none, and no text) and counted; the token
+    that would go past the budget's room is not taken (Python's stream raises the budget's error)."""
+    from floe.actor.budget import CALL_OVERHEAD
+    from floe.actor.stream import TokenStream
+
+    # Each call returns its counter (2, 3, 4, ...): token 3 has no reply bytes, the others 5 each.
+    g = guest("(i32.store (i32.const 0) (i32.add (i32.load (i32.const 0)) (i32.const 1)))"
+              "(i32.add (i32.load (i32.const 0)) (i32.const 1))")
+    if not on_a_guest_thread(lambda: guest_rows.usable([g])):
+        pytest.skip("no native loop here")
+    lengths = np.full(16, 5, np.int32)
+    lengths[3] = 0
+    decoded, stream = np.zeros(16, np.int32), TokenStream()
+    stream.reserve(16)
+    table = np.zeros((1, guest_rows.WIDTH), np.int64)
+    table[0, Col.CONTEXT:Col.WHEN_AT + 1] = guest_rows.heads([g], "on_token", [0])[0]
+    table[0, [Col.CHOICE, Col.SPECULATED, Col.NEXT_TOKEN]] = NONE
+    table.view(np.float64)[0, Col.DEADLINE] = math.inf
+    table[0, [Col.VOCAB, Col.GENERATED, Col.MAX_TOKENS]] = 16, 0, 16
+    table[0, Col.DECODED_AT], table[0, Col.REPLY_LEN_AT] = decoded.ctypes.data, lengths.ctypes.data
+    table[0, Col.STREAM_IDS_AT], table[0, Col.STREAM_N_AT] = stream.ids.ctypes.data, stream.count.ctypes.data
+    table[0, Col.ROOM] = 3 * CALL_OVERHEAD + 10  # tokens 2 (5 bytes), 3 (none) and 4 (5): not 5
+    judged = []
+    for _ in range(4):
+        on_a_guest_thread(lambda: guest_rows.call_slots(table, np.zeros(1, np.int64), [g], "on_token", 1.0,
+                                                        lambda k: None))
+        judged.append(int(table[0, Col.JUDGED]) & guest_rows.PLAIN)
+    assert judged == [guest_rows.PLAIN] * 3 + [0] and int(table[0, Col.RESULT]) == 5
+    assert decoded[:table[0, Col.N_DECODED]].tolist() == stream.items == [2, 3, 4]
+    assert table[0, Col.STREAMED] == 3 * CALL_OVERHEAD + 10 and table[0, Col.GENERATED] == 3
+    assert (table[0, Col.EMIT_CALLS], table[0, Col.EMITS]) == (3, 2)
+    first, last = table.view(np.float64)[0, [Col.FIRST_TEXT, Col.LAST_TEXT]]
+    assert 0 < first <= last <= time.perf_counter()

@@ -3,6 +3,7 @@ text per token, and what the stream holds is exactly the reply a send() with on_
 
 import codecs
 import threading
+import time
 
 import pytest
 from guests_wat import v2_chooser
@@ -118,3 +119,42 @@ def test_a_reply_streams_as_tokens_or_as_text_not_both(tiny_engine):
     with Actor(tiny_engine) as actor:
         with pytest.raises(FloeError, match="no on_text"):
             actor.send("x", max_tokens=2, on_text=print, tokens=TokenStream())
+
+
+def ids_streamed(engine, monkeypatch, native: bool) -> tuple[list, list[int], EngineLoop]:
+    """PROMPTS[:2] streamed as ids through a loop, natively or row by row: each reply's text, tokens,
+    stream, counts of streamed tokens and of those with text, budget spent and finish; the tokens
+    Python's stream() saw."""
+    from floe.actor.abi import HostABI
+    from floe.actor.turn import Turn
+    from floe.wasm import rows as guest_rows
+
+    streamed, spent = [], []
+    with monkeypatch.context() as m:
+        stream_fn, settle = HostABI.stream, Turn.settle
+        m.setattr(HostABI, "stream", lambda abi, token: (streamed.append(token), stream_fn(abi, token)))
+        m.setattr(Turn, "settle", lambda turn: (settle(turn), spent.append(turn.abi.budget.spent)))
+        if not native:
+            m.setattr(guest_rows, "usable", lambda guests: False)
+        loop, out = EngineLoop(engine), []
+        for i, prompt in enumerate(PROMPTS[:2]):
+            stream = TokenStream()
+            with Actor(engine, loop=loop, seed=i) as actor:
+                r = actor.send(prompt, max_tokens=20, params=GREEDY, tokens=stream)
+            s = r.stats
+            out.append((r.text, s.token_ids, stream.items, s.emit_calls, s.emits, spent[-1], s.finish_reason))
+            assert 0 < s.started < s.first_text <= s.last_text <= time.perf_counter()
+    return out, streamed, loop
+
+
+def test_ids_taken_natively_count_as_pythons_stream_counts_them(tiny_engine, monkeypatch):
+    """The engine loop's native calls take a plain token into the turn's decoded ids and its reply's
+    stream without Python (floe.wasm.rows): the reply, its tokens, its stream, the counts of its
+    streamed tokens and their text, its budget's charge and its times are those of the row-by-row path,
+    and Python's stream() runs only for the tokens that are not plain (the last, at max_tokens)."""
+    rows, row_streamed, row_loop = ids_streamed(tiny_engine, monkeypatch, native=False)
+    assert row_loop.native_calls == 0 and len(row_streamed) == sum(len(r[1]) for r in rows)
+    native, streamed, loop = ids_streamed(tiny_engine, monkeypatch, native=True)
+    if loop.native_calls == 0:
+        pytest.skip("no native loop here")
+    assert native == rows and len(streamed) <= len(rows)  # (each reply's last token, if any)

@@ -300,12 +300,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
 
         from floe.server.auth import OPERATOR_KEYS_ENV, BadApiKey, api_keys
-        from floe.server.core import ServeCore
         from floe.server.core_socket import listen, serve
     except ImportError as e:
         raise FloeError(f"floe serve needs fastapi and uvicorn ({e.name} is missing): "
                         "pip install floe") from e
-    from floe.engine import Engine, bound_kernel_caches, parse_device
+    from floe.engine import bound_kernel_caches, parse_device
 
     bound_kernel_caches()  # (before the model's first matmul: a server sees many prompt lengths)
     device = parse_device(args.device)
@@ -331,30 +330,93 @@ def cmd_serve(args: argparse.Namespace) -> int:
     listener = listen(args.host, args.port)  # a port in use: an error now, not after the model loads
     _threads(args, args.device, reserve=fronts)
     weights = args.weights or ("native" if device.type == "cpu" else "bf16")
+    access = (f"{len(keys)} API key{'s' * (len(keys) > 1)}, each seeing its own sessions" if keys else
+              "open: no API keys, anyone who reaches the port uses and manages every session")
+    specs = _serve_models(args)
+    if specs is not None:  # several models (or named ones): loaded on demand (floe.server.models)
+        core = _model_router(args, specs, device, weights)
+        print(f"floe serve: {len(specs)} models ({', '.join(core.models)}) on {device} ({weights} weights), "
+              f"{fronts} HTTP front{'s' * (fronts > 1)}, {args.max_sessions} live sessions each; {access}; "
+              f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    else:
+        checkpoint = _load_with_progress(_one_model(args), "float32", quiet=False)
+        model_id, *aliases = args.model_id or [checkpoint.source.stem]
+        core = _serve_core(args, checkpoint, device, weights, _serve_store(args), model_id, aliases)
+        batching = "batched decode" if core.scheduler is not None else "decode in turns"
+        print(f"floe serve: {model_id} on {device} ({weights} weights, {batching}), {fronts} HTTP front"
+              f"{'s' * (fronts > 1)}, {args.max_sessions} live sessions × "
+              f"{core.engine.max_seq_len} tokens, snapshots in {args.snapshots} "
+              f"({len(core.store.sessions)} sessions found); {access}; http://{args.host}:{args.port}/v1",
+              file=sys.stderr, flush=True)
+    return serve(core, listener=listener, log_level=args.log_level, keys=keys, fronts=fronts,
+                 operator_keys=operators,
+                 cors_origins=tuple(args.cors_origin), max_request_bytes=args.max_request_bytes)
+
+
+def _one_model(args: argparse.Namespace) -> str | None:
+    if args.models or len(args.model or []) > 1:
+        raise FloeError("floe serve --ray serves one model (--model PATH)")
+    return args.model[0] if args.model else None
+
+
+def _serve_core(args: argparse.Namespace, checkpoint, device, weights: str, store, model_id: str,
+                aliases=()):
+    """The engine core of one model (its engine warmed up) as `floe serve`'s flags describe it."""
+    from floe.engine import Engine
+    from floe.server.core import ServeCore
+
     dtype, kind = WEIGHTS[weights]
-    checkpoint = _load_with_progress(args.model, "float32", quiet=False)
     engine = Engine(checkpoint, device=device, dtype=dtype, max_seq_len=args.context,
                     n_slots=args.max_sessions, weights=kind)
     print(f"floe serve: warming up {args.max_sessions} KV slots …", file=sys.stderr, flush=True)
     engine.warm_up()
-    model_id, *aliases = args.model_id or [checkpoint.source.stem]
-    core = ServeCore(engine, snapshots=_serve_store(args), model_id=model_id, aliases=aliases,
+    return ServeCore(engine, snapshots=store, model_id=model_id, aliases=aliases,
                      idle_seconds=args.idle_seconds, guest=args.guest, max_anonymous=args.max_anonymous,
                      batching={"auto": None, "on": True, "off": False}[args.batching],
                      kv_dtype=args.kv_dtype, persist_anonymous=args.persist_anonymous,
                      freeze_every_turn=args.freeze_every_turn, sweep_seconds=args.sweep_seconds,
                      max_waiting=args.queue, wait_seconds=args.queue_wait)
-    batching = "batched decode" if core.scheduler is not None else "decode in turns"
-    access = (f"{len(keys)} API key{'s' * (len(keys) > 1)}, each seeing its own sessions" if keys else
-              "open: no API keys, anyone who reaches the port uses and manages every session")
-    print(f"floe serve: {model_id} on {device} ({weights} weights, {batching}), {fronts} HTTP front"
-          f"{'s' * (fronts > 1)}, {args.max_sessions} live sessions × "
-          f"{engine.max_seq_len} tokens, snapshots in {args.snapshots} "
-          f"({len(core.store.sessions)} sessions found); {access}; http://{args.host}:{args.port}/v1",
-          file=sys.stderr, flush=True)
-    return serve(core, listener=listener, log_level=args.log_level, keys=keys, fronts=fronts,
-                 operator_keys=operators,
-                 cors_origins=tuple(args.cors_origin), max_request_bytes=args.max_request_bytes)
+
+
+def _serve_models(args: argparse.Namespace):
+    """The models of `--model NAME=PATH ...` and `--models DIR`, or None for one unnamed `--model`
+    (a server of one model, as before)."""
+    from floe.server.models import model_specs, models_in
+
+    values = args.model or []
+    if not args.models and len(values) <= 1 and not any("=" in v for v in values):
+        return None
+    if args.model_id:
+        raise FloeError("--model-id names the one model of a server; with several, --model NAME=PATH "
+                        "names each")
+    try:
+        specs = model_specs(values) + (models_in(args.models) if args.models else [])
+        model_specs(f"{s.name}=" for s in specs)  # (a name given twice, also across --models)
+    except ValueError as e:
+        raise FloeError(f"--model / --models: {e}") from None
+    if not specs:
+        raise FloeError(f"--models {args.models}: no GGUF file or Hugging Face folder in it")
+    for spec in specs:
+        if spec.path is not None and not Path(spec.path).expanduser().exists():
+            raise FloeError(f"--model {spec.name}={spec.path}: no such file or folder")
+    return specs
+
+
+def _model_router(args: argparse.Namespace, specs, device, weights: str):
+    """The engine cores of several models, each made when a request first names it (floe.server.models):
+    each model's sessions in a folder (or prefix) of its own under --snapshots."""
+    from floe.server.models import ModelRouter
+
+    if args.max_loaded is not None and args.max_loaded < 1:
+        raise FloeError("--max-loaded must be >= 1")
+
+    def load(spec, store):
+        checkpoint = _load_with_progress(spec.path, "float32", quiet=False)
+        return _serve_core(args, checkpoint, device, weights, store, spec.name)
+
+    stores = [(spec, _serve_store(args, spec.name)) for spec in specs]
+    say = lambda text: print(f"floe serve: {text}", file=sys.stderr, flush=True)  # noqa: E731
+    return ModelRouter(stores, load, keep_alive=args.keep_alive, max_loaded=args.max_loaded, say=say)
 
 
 def _serve_ray(args: argparse.Namespace, keys: tuple[str, ...], operators: tuple[str, ...]) -> int:
@@ -371,7 +433,7 @@ def _serve_ray(args: argparse.Namespace, keys: tuple[str, ...], operators: tuple
     return serve_cluster(None if args.ray == "local" else args.ray, args.replicas, args.snapshots,
                          host=args.host, port=args.port, log_level=args.log_level, keys=keys,
                          operator_keys=operators,
-                         cors_origins=tuple(args.cors_origin), model=args.model, context=args.context,
+                         cors_origins=tuple(args.cors_origin), model=_one_model(args), context=args.context,
                          slots=args.max_sessions, threads=args.threads or 1, lease_s=args.lease_seconds,
                          device=args.device, gpus=0 if args.device == "cpu" else 1,
                          idle_seconds=args.idle_seconds, max_anonymous=args.max_anonymous,
@@ -379,15 +441,17 @@ def _serve_ray(args: argparse.Namespace, keys: tuple[str, ...], operators: tuple
                          freeze_every_turn=args.durability != "idle", sweep_seconds=args.sweep_seconds)
 
 
-def _serve_store(args: argparse.Namespace):
-    """The session store `floe serve`'s --snapshots and lifecycle flags describe."""
+def _serve_store(args: argparse.Namespace, model: str | None = None):
+    """The session store `floe serve`'s --snapshots and lifecycle flags describe (of one of several
+    models: its folder, or prefix, under --snapshots)."""
     from floe.server.sessions import snapshot_store
     from floe.snapshot import SnapshotError
 
     if args.lease_seconds <= 0 or args.sweep_seconds <= 0:
         raise FloeError("--lease-seconds and --sweep-seconds must be > 0")
     try:
-        return snapshot_store(args.snapshots, idle_seconds=args.idle_seconds, pinned_bytes=args.pinned_bytes,
+        where = args.snapshots if model is None else f"{args.snapshots.rstrip('/')}/{model}"
+        return snapshot_store(where, idle_seconds=args.idle_seconds, pinned_bytes=args.pinned_bytes,
                               pinned_ttl_s=args.pinned_ttl, ttl_s=args.snapshot_ttl,
                               budget_bytes=args.snapshot_budget, cache=args.snapshot_cache,
                               lease_s=args.lease_seconds)
@@ -651,7 +715,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible server whose conversations are actors")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--model", help=MODEL_HELP)
+    serve.add_argument("--model", action="append", metavar="[NAME=]PATH",
+                       help=MODEL_HELP + "; again, as NAME=PATH, for several models, each loaded when a "
+                       "request first names it")
+    serve.add_argument("--models", metavar="DIR", help="serve every GGUF file and Hugging Face folder in DIR "
+                       "(named by file or folder), each loaded when a request first names it")
+    serve.add_argument("--keep-alive", type=_seconds, default=None, metavar="S",
+                       help="with several models: a model with no live sessions and no request for S "
+                            "seconds is unloaded (default: kept; a request's keep_alive sets its model's)")
+    serve.add_argument("--max-loaded", type=int, default=None, metavar="N",
+                       help="with several models: at most N loaded at once; loading one more unloads the "
+                            "least recently used (its live sessions frozen first)")
     serve.add_argument("--model-id", action="append", metavar="NAME",
                        help="the model name clients send (default: the file's name); again for aliases "
                             "(many tools hard-code a name), '*' to accept any")

@@ -524,8 +524,7 @@ class HostABI:
         self.actor.stats.emit_calls += 1
         data = self._bytes(ptr, length, "emitted text")
         if self.tokens_to is not None:  # (its text is made by the stream's reader, in order with tokens)
-            self.tokens_to.items.append(data)
-            self.tokens_to.has_bytes = True
+            self.tokens_to.emit(data)
             if data:
                 self.actor.stats.on_emit()
             return 1 if self.actor.stop_requested else 0
@@ -575,14 +574,11 @@ class HostABI:
         none for a special token (a control token's text, e.g. "<|im_start|>", is not reply text); the
         token itself where the message streams token ids (tokens_to)."""
         data = self.tokenizer.reply_bytes(token)
-        budget = self.budget
-        budget.spent += CALL_OVERHEAD + len(data)
-        if budget.spent > budget.limit:
-            budget.spend(0, "streamed text")  # (raises)
+        self.budget.spend(len(data), "streamed text")
         actor = self.actor
         actor.stats.emit_calls += 1
         if self.tokens_to is not None:  # the token, not its text (floe.actor.stream)
-            self.tokens_to.items.append(token)
+            self.tokens_to.append(token)
             if data:
                 actor.stats.on_emit()
             return

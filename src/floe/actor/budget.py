@@ -34,6 +34,20 @@ class HostBudget:
         self.limit = limit
         self.spent = 0
         self.forward_limit, self.forwarded = forward_limit, 0
+        self._row: tuple | None = None  # (words, room, streamed) while the engine loop streams natively
+
+    def bind(self, words, room: int, streamed: int) -> None:
+        """Tokens the engine loop's native calls stream (floe.wasm.rows) are charged to words[streamed],
+        within words[room]: what this budget had left now, lowered by each spend() from here on."""
+        words[room], words[streamed] = self.limit - self.spent, 0
+        self._row = (words, room, streamed)
+
+    def unbind(self) -> None:
+        """The native charges, into spent."""
+        if self._row is not None:
+            words, _, streamed = self._row
+            self.spent += words[streamed]
+            self._row = None
 
     def forward(self, n_tokens: int, call: str) -> None:
         """Count n_tokens the guest asks the model to run; past the message's share of the device (a
@@ -53,8 +67,14 @@ class HostBudget:
             raise GuestCancelled(f"the message was stopped: {reason} (in host call {call})")
 
     def spend(self, nbytes: int, call: str) -> None:
-        self.spent += CALL_OVERHEAD + nbytes
-        if self.spent > self.limit:
+        n = CALL_OVERHEAD + nbytes
+        self.spent += n
+        total = self.spent
+        if self._row is not None:
+            words, room, streamed = self._row
+            words[room] -= n
+            total += words[streamed]
+        if total > self.limit:
             raise GuestBudgetExceeded(
                 f"the guest asked the host to handle more than {self.limit >> 20} MiB in one message "
                 f"({BUDGET_PER_CAP}x its memory cap; at {call})")

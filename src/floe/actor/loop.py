@@ -596,27 +596,28 @@ class EngineLoop:
         failed = guest_rows.call_slots(self.table.array, slots, [t.guest for t in asking], "on_token", bound,
                                        lambda k: asking[k].actor.take_pending())
         self.native_calls += len(asking)
+        if len(failed) < len(asking):
+            self.warm = True
         rows = self.table.array[slots]
-        tokens = rows[:, Col.RESULT].tolist()
-        for k, judgement in enumerate(rows[:, Col.JUDGED].tolist()):
+        judged = rows[:, Col.JUDGED]
+        # A plain token was taken whole into its row natively (floe.wasm.rows): its decoded id, and its
+        # stream where the reply streams ids (Turn.head). Python sees the rest: failures (judged 0),
+        # other tokens, and plain ones whose text it streams.
+        python = ((judged & PLAIN) == 0) | ((rows[:, Col.STREAMS] != 0) & (rows[:, Col.STREAM_N_AT] == 0))
+        for k in np.flatnonzero(python).tolist():
             turn = asking[k]
             if failed and k in failed:  # (its row's words are not this call's)
                 answer = failed[k]
                 if isinstance(answer, GuestError):
                     turn.actor.name_last_log(answer)  # as Actor.guest_call does
                 self._finish(turn, END_CANCELLED, self._call_failure(turn, "on_token", bound, answer))
-            elif judgement & PLAIN:  # taken into its row natively (floe.wasm.rows): its record, its stream
-                self.warm = True
-                token = tokens[k]
-                turn.actor.stats.on_decode(token)
-                if turn.abi.streams:
-                    try:
-                        turn.abi.stream(token)
-                    except BaseException as e:  # noqa: BLE001 - fails this turn only
-                        self._finish(turn, END_CANCELLED, e)
+            elif judged[k] & PLAIN:
+                try:
+                    turn.abi.stream(int(rows[k, Col.RESULT]))
+                except BaseException as e:  # noqa: BLE001 - fails this turn only
+                    self._finish(turn, END_CANCELLED, e)
             else:
-                self.warm = True
-                self._took(turn, tokens[k])
+                self._took(turn, int(rows[k, Col.RESULT]))
 
     def _ask_guest(self, turn: Turn) -> None:
         """Its guest's on_token: the next token (appended by the next forward, or confirming the
@@ -654,7 +655,7 @@ class EngineLoop:
             self._finish(turn, END_CANCELLED, GuestResultError(
                 f"on_token returned token {token}, outside the vocabulary [0, {abi.vocab})"))
         else:
-            turn.actor.stats.on_decode(token)
+            turn.decode(token)
             if abi.streams:
                 try:
                     abi.stream(token)

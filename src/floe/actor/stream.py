@@ -2,7 +2,8 @@
 
 `floe serve` streams many replies at once: making each token's text (its bytes, the UTF-8 decoder, the
 stop-string cut, the hand-over) in the engine loop's thread cost every other row its share of the GIL
-each step. A TokenStream takes the tokens instead; whoever reads it (the serve core's flusher, which
+each step. A TokenStream takes the tokens instead — the engine loop's native guest calls write them into
+its id buffer without Python (floe.wasm.rows) — and whoever reads it (the serve core's flusher, which
 sends them to the HTTP front processes) turns them into text elsewhere.
 """
 
@@ -10,25 +11,79 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
 
+Mark = tuple[int, int]  # what a reader has taken of a stream: (ids, emitted byte strings)
+
 
 class TokenStream:
-    """A reply's output in order: each token on_token returned (an int, a token id: its text is the
-    tokenizer's reply_bytes) and the bytes a guest emit()s (bytes), appended by the message's threads.
-    Together they are the reply's UTF-8 bytes, decoded as one stream ("replace" errors), as the text a
-    send() without it hands to on_text. `items` only grows while the message runs: another thread reads
-    `items[taken:]` and sees whole items. stop(): the message ends at its next token (its client left),
-    whenever it is called."""
+    """A reply's output in order: each token on_token returned (a token id: its text is the tokenizer's
+    reply_bytes) and the bytes a guest emit()s. Together they are the reply's UTF-8 bytes, decoded as
+    one stream ("replace" errors), as the text a send() without it hands to on_text.
 
-    __slots__ = ("items", "has_bytes", "stopped", "_actor")
+    The ids are `ids[:count[0]]` (int32; count an int64 word the engine loop's native calls advance);
+    each emitted byte string is kept with the number of ids streamed before it. Both only grow while the
+    message runs: another thread reads them with read(). stop(): the message ends at its next token (its
+    client left), whenever it is called."""
+
+    __slots__ = ("ids", "count", "emitted", "stopped", "_actor")
 
     def __init__(self) -> None:
-        self.items: list[int | bytes] = []
-        self.has_bytes = False  # whether a guest emitted bytes into it (else items are all token ids)
+        self.ids = np.empty(64, np.int32)
+        self.count = np.zeros(1, np.int64)
+        self.emitted: list[tuple[int, bytes]] = []
         self.stopped = False
         self._actor: Actor | None = None
+
+    @property
+    def has_bytes(self) -> bool:
+        """Whether a guest emitted bytes into it (else its items are all token ids)."""
+        return bool(self.emitted)
+
+    def reserve(self, n: int) -> None:
+        """Room for n more ids without moving the buffer (before native calls write into it)."""
+        need = int(self.count[0]) + n
+        if need > len(self.ids):
+            grown = np.empty(max(need, 2 * len(self.ids)), np.int32)
+            grown[:len(self.ids)] = self.ids
+            self.ids = grown
+
+    def append(self, token: int) -> None:
+        """One more token id (the engine loop's Python path; its native calls write ids[count] themselves)."""
+        n = int(self.count[0])
+        if n == len(self.ids):
+            self.reserve(1)
+        self.ids[n] = token
+        self.count[0] = n + 1
+
+    def emit(self, data: bytes) -> None:
+        """Bytes a guest emitted, after the ids streamed so far."""
+        self.emitted.append((int(self.count[0]), data))
+
+    def read(self, mark: Mark = (0, 0)) -> tuple[list[int | bytes], Mark]:
+        """The items after `mark` (ints: ids; bytes: emitted) in order, and the mark after them."""
+        taken, emits = mark
+        n = int(self.count[0])
+        m = len(self.emitted)  # (after: one emitted since is at >= n, and the ids before it are written)
+        if m == emits:
+            return (self.ids[taken:n].tolist() if n > taken else []), (max(n, taken), m)
+        out: list[int | bytes] = []
+        for at, data in self.emitted[emits:m]:
+            if at > taken:
+                out.extend(self.ids[taken:at].tolist())
+                taken = at
+            out.append(data)
+        if n > taken:
+            out.extend(self.ids[taken:n].tolist())
+        return out, (max(n, taken), m)
+
+    @property
+    def items(self) -> list[int | bytes]:
+        """Every item so far, in order."""
+        return self.read()[0]
 
     def stop(self) -> None:
         self.stopped = True

@@ -93,7 +93,7 @@ class Turn:
 
     __slots__ = ("actor", "deadline", "speculated_at", "rng_before", "flying", "prompt", "end", "error",
                  "abandoned", "calls_on_end", "done", "woken", "abi", "guest", "draws", "target", "slot",
-                 "_row", "_words", "_dwords", "_base", "_moved_names", "headed")
+                 "_row", "_words", "_dwords", "_base", "_moved_names", "headed", "decoded", "streaming")
 
     generated = _word(W.GENERATED)  # tokens it generated
     max_tokens = _word(W.MAX_TOKENS)
@@ -141,8 +141,13 @@ class Turn:
         self._words, self._dwords = _views(self._row)
         self._base = 0
         self._moved_names: list[str | None] = [None, None]
+        # The ids on_token returned, in order (a plain one written by the native calls): the message's
+        # stats' decoded ids once it ends (settle()).
+        self.decoded = np.empty(max_tokens + 1, np.int32)
+        self.streaming = False  # its reply's ids are streamed by the native calls (head())
         w = self._words
         w[W.MAX_TOKENS], w[W.VOCAB], w[W.DRAWS] = max_tokens, self.abi.vocab, int(self.draws)
+        w[W.DECODED_AT] = self.decoded.ctypes.data
         self._dwords[W.DEADLINE] = deadline
 
     def bind(self, table: TurnTable) -> None:
@@ -164,7 +169,45 @@ class Turn:
                               strict=True):
             words[base + col] = value
         words[base + W.STREAMS] = int(self.abi.streams)
+        stream, abi = self.abi.tokens_to, self.abi
+        if stream is not None and abi.streams and abi.budget is not None:  # its ids streamed natively too
+            stream.reserve(self.max_tokens + 1)
+            words[base + W.STREAM_IDS_AT] = stream.ids.ctypes.data
+            words[base + W.STREAM_N_AT] = stream.count.ctypes.data
+            words[base + W.REPLY_LEN_AT] = abi.tokenizer.reply_lengths(abi.vocab).ctypes.data
+            abi.budget.bind(words, base + W.ROOM, base + W.STREAMED)
+            self.streaming = True
         self.headed = True
+
+    def decode(self, token: int) -> None:
+        """A token on_token returned that the native calls did not take (the Python path)."""
+        w, i = self._words, self._base + W.N_DECODED
+        n = w[i]
+        self.decoded[n] = token
+        w[i] = n + 1
+
+    def settle(self) -> None:
+        """What the native calls took into its row goes to its message's stats (and budget): its decoded
+        ids, and its streamed ids' counts, times and bytes."""
+        w, b, stats = self._words, self._base, self.actor.stats
+        n = w[b + W.N_DECODED]
+        if n:
+            stats.decoded.extend(self.decoded[:n].tolist())
+            w[b + W.N_DECODED] = 0
+        if not self.streaming:
+            return
+        self.streaming = False
+        stats.emit_calls += w[b + W.EMIT_CALLS]
+        stats.emits += w[b + W.EMITS]
+        first, last = self._dwords[b + W.FIRST_TEXT], self._dwords[b + W.LAST_TEXT]
+        if first and (not stats.first_text or first < stats.first_text):
+            stats.first_text = first
+        stats.last_text = max(stats.last_text, last)
+        if self.abi.budget is not None:
+            self.abi.budget.unbind()
+        for col in (W.STREAM_IDS_AT, W.STREAM_N_AT, W.REPLY_LEN_AT, W.ROOM, W.STREAMED, W.EMIT_CALLS, W.EMITS,
+                    W.FIRST_TEXT, W.LAST_TEXT):
+            w[b + col] = 0
 
     def moved(self) -> dict[str, list[int]]:
         """The transfers its decode rows made: {boundary: [calls, bytes]}."""
@@ -194,6 +237,7 @@ class Turn:
                 w[b + col] = 0  # (0.0 as a double: the same bits)
 
     def set_done(self) -> None:
+        self.settle()
         self.abi.sampled_at = None  # (its row is the slot's next turn's from now on)
         self.done.set()
         if self.woken is not None:

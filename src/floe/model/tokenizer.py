@@ -15,6 +15,7 @@ from typing import NamedTuple
 import jinja2
 import jinja2.ext
 import jinja2.meta
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -105,6 +106,8 @@ class Tokenizer:
         self.chat_template = chat_template
         self._bytes: dict[int, bytes] = {}  # token_bytes of the ids asked for so far
         self._reply_bytes: dict[int, bytes] = {}  # reply_bytes of the ids asked for so far
+        self._reply_lengths: np.ndarray | None = None
+        self._replaced_lengths: list[np.ndarray] = []
 
     @cached_property
     def vocab_size(self) -> int:
@@ -166,11 +169,24 @@ class Tokenizer:
                 self._reply_bytes[token_id] = data
         return data
 
+    def reply_lengths(self, n: int) -> np.ndarray:
+        """len(reply_bytes(i)) of every id below n (at least the vocabulary: a model's may be larger,
+        its ids past the tokenizer's have no text), int32, made once (the engine loop's native calls
+        charge and count streamed tokens with it)."""
+        lengths = self._reply_lengths
+        if lengths is None or len(lengths) < n:
+            if lengths is not None:  # (a row may still point into it: kept)
+                self._replaced_lengths.append(lengths)
+            lengths = np.zeros(max(n, self.vocab_size), np.int32)
+            for i in range(self.vocab_size):
+                lengths[i] = len(self.reply_bytes(i))
+            self._reply_lengths = lengths
+        return lengths
+
     def fill_reply_bytes(self) -> None:
         """reply_bytes of every token, worked out now (a server's start-up: 0.1-0.5 s), so that no
         streamed token pays for its first time."""
-        for i in range(self.vocab_size):
-            self.reply_bytes(i)
+        self.reply_lengths(self.vocab_size)
 
     @cached_property
     def most_text_bytes_per_token(self) -> int:
@@ -192,16 +208,6 @@ class Tokenizer:
         if text.translate(_BYTE_LEVEL_DELETE):  # a character outside the byte-level alphabet: not one
             return text.encode()
         return text.translate(_BYTE_LEVEL_BYTES).encode("latin-1")
-
-    @cached_property
-    def strips_leading_space(self) -> bool:
-        """Whether decode() drops one space at the start of a text (the SentencePiece decoders of
-        Llama-2, Mistral and Phi-3: the space their encoding prepends). A reply's text then starts
-        without one (Actor.send; the serve front's text of replies streamed as ids), as transformers'
-        decode of its tokens does; byte-level BPE and Gemma keep it."""
-        decoder = self.backend.decoder
-        spaced = "\u2581a" if self._sentencepiece else "\u0120a"  # (" a" as the decoder reads tokens)
-        return decoder is not None and decoder.decode([spaced]) == "a"
 
     @cached_property
     def _sentencepiece(self) -> bool:

@@ -49,6 +49,8 @@ from floe.server.protocol import METRICS_ENV, ServeError
 
 if TYPE_CHECKING:
     from floe.engine import Engine
+    from floe.server.core import ServeCore
+    from floe.server.models import ModelRouter
     from floe.snapshot.store import SnapshotStore
 
 log = logging.getLogger("floe.serve")
@@ -118,6 +120,7 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         hello = await client.call("hello")
         app.state.model_id, app.state.started = hello["model_id"], hello["started"]
         app.state.aliases = tuple(hello["aliases"])
+        app.state.models = tuple(hello.get("models", ()))  # several models (floe.server.models): their names
         app.state.max_text_bytes = hello.get("max_text_bytes")  # a router's replicas may not say
         try:
             yield
@@ -179,20 +182,28 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
                                   "FLOE_OPERATOR_KEYS or --operator-key-file", code="operator_only")
 
     def _model(name: str) -> dict:
-        known = (app.state.model_id, *app.state.aliases)
+        known = app.state.models or (app.state.model_id, *app.state.aliases)
         if name not in known and "*" not in known:
-            raise ServeError(404, f"the model {name!r} does not exist; this server serves "
+            shown = repr(name[:64]) + ("…" if len(name) > 64 else "")  # a 10 KB name is not echoed whole
+            raise ServeError(404, f"the model {shown} does not exist; this server serves "
                                   f"{', '.join(map(repr, known))}", code="model_not_found", param="model")
         return {"id": name, "object": "model", "created": int(app.state.started), "owned_by": "floe"}
 
     @app.get("/v1/models")
     async def models():
+        if app.state.models:  # several: each with whether it is loaded now
+            return {"object": "list", "data": await client.call("models")}
         return {"object": "list", "data": [_model(name) for name in (app.state.model_id, *app.state.aliases)
                                            if name != "*"]}
 
     @app.get("/v1/models/{name:path}")
-    async def model(name: str):
-        return _model(name)
+    async def model(name: str, request: Request):
+        # The whole path's: Starlette's match ends before a final newline ("tiny\n" matched "tiny")
+        name = request.scope["path"].partition("/v1/models/")[2]
+        described = _model(name)
+        if app.state.models:
+            return next(m for m in await client.call("models") if m["id"] == name)
+        return described
 
     @app.get("/metrics")
     async def prometheus(request: Request):
@@ -275,11 +286,20 @@ def create_app(engine: Engine, *, snapshots: Path | str | SnapshotStore, model_i
     `snapshots` (a folder, a URL, or a SnapshotStore), which a restart reads back; the app's shutdown
     freezes the live ones. core_options: ServeCore's (kv_dtype, persist_anonymous, ...)."""
     from floe.server.core import ServeCore
-    from floe.server.core_socket import CoreServer
 
     core = ServeCore(engine, snapshots=snapshots, model_id=model_id, idle_seconds=idle_seconds,
                      guest=guest, batching=batching, aliases=aliases, max_anonymous=max_anonymous,
                      **core_options)
+    return app_of(core, keys=keys, cors_origins=cors_origins, max_request_bytes=max_request_bytes,
+                  operator_keys=operator_keys)
+
+
+def app_of(core: ServeCore | ModelRouter, *, keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
+           max_request_bytes: int = MAX_REQUEST_BYTES, operator_keys: tuple[str, ...] = ()) -> FastAPI:
+    """The front and an engine core (one model's, or several models' router: floe.server.models) in
+    this process; the app's shutdown closes the core (create_app's)."""
+    from floe.server.core_socket import CoreServer
+
     core.keep_spares()
     server = CoreServer(core)  # its socket in a private temporary folder
 

@@ -56,6 +56,7 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     session_id: str | None = None
+    keep_alive: float | str | None = None  # Ollama's: how long its model stays loaded idle (server.models)
 
 
 class ChatRequest(Sampling):
@@ -265,7 +266,9 @@ class ChatService:
             "max_tokens": max_tokens, "temperature": body.temperature,
             "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stream": body.stream,
             "session_id": request.headers.get("x-floe-session") or body.session_id,
-            "owner": request.state.owner, "stop": list(checked_stops(body.stop))}
+            "owner": request.state.owner, "stop": list(checked_stops(body.stop)), "model": body.model}
+        if body.keep_alive is not None:
+            core_request["keep_alive"] = body.keep_alive
         if constraint is not None:
             core_request["structured"] = constraint.wire()
         if "messages" in asked:

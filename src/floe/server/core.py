@@ -241,6 +241,16 @@ class ServeCore:
             reason = outcome(constraint, reply.text).finish_reason
         return {"text": reply.text, "finish_reason": reason, "usage": usage}
 
+    @property
+    def pool_threads(self) -> int:
+        """Threads the core's socket needs for chats and calls: running chats (each holds a thread for its
+        whole reply), the ones waiting for a slot (the store's queue) and a few being refused."""
+        return self.engine.cache.n_slots + self.store.max_waiting + 8
+
+    def streams_ids(self, chat: Chat | Completion) -> bool:
+        """Whether a chat's reply may go to the front as token ids (its table is this engine's)."""
+        return True
+
     def keep_spares(self) -> None:
         """Keep actors made ahead in free KV slots (SessionStore.keep_spares): new sessions find theirs."""
         self.store.keep_spares(self.engine.cache.n_slots)

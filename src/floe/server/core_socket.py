@@ -40,8 +40,9 @@ class _Connection:
         self.send_lock = threading.Lock()  # frames go out whole and in order
         self.out_lock = threading.Lock()  # guards outbox (appended by the engine loop's thread)
         self.outbox: list[list] = []  # [id, text] pieces not yet sent
-        # Chats streaming token ids: id -> [its TokenStream, items sent, whether they are sent at all
-        # (else it is watched for its client's leaving only)]. Read by the flusher, under send_lock.
+        # Chats streaming token ids: id -> [its TokenStream, the mark of what was sent (TokenStream.read),
+        # whether they are sent at all (else it is watched for its client's leaving only)]. Read by the
+        # flusher, under send_lock.
         self.watched: dict[int, list] = {}
         self.running: set[int] = set()  # chats taken and not yet ended (queued or running)
         self.cancelled: set[int] = set()  # of those, the ones whose client left
@@ -57,7 +58,7 @@ class _Connection:
         """Chat `rid` streams token ids into `stream`: its new ones go out at each flush (sent), and it
         stops when its client leaves or this connection ends."""
         with self.send_lock:
-            self.watched[rid] = [stream, 0, sent]
+            self.watched[rid] = [stream, (0, 0), sent]
         if self.closed or rid in self.cancelled:
             stream.stop()
 
@@ -108,13 +109,13 @@ class _Connection:
         ids = []
         for rid, watched in self.watched.items():
             stream, taken, sent = watched
-            items = stream.items
-            if sent and (end := len(items)) > taken:  # (appended only: a whole prefix)
-                new = items[taken:end]
+            if not sent:
+                continue
+            new, watched[1] = stream.read(taken)  # (appended only: what came since, whole)
+            if new:
                 if stream.has_bytes:  # a guest's emitted bytes: JSON carries them as latin-1 text
                     new = [i if type(i) is int else i.decode("latin-1") for i in new]
                 ids.append([rid, new])
-                watched[1] = end
         if ids:
             self._write_parts("ids", ids)
 

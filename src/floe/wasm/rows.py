@@ -57,9 +57,15 @@ class Col:
     # the transfers they made (calls and bytes, host→device and device→host: TurnTable.moved_names),
     # their logits computed in place in the guest's buffer or copied there.
     ROWS, ROWS_S, IN_CALLS, IN_BYTES, OUT_CALLS, OUT_BYTES, IN_PLACE, COPIED = 23, 24, 25, 26, 27, 28, 29, 30
+    # A plain token taken natively (0 / null: not): where the turn's decoded ids go and how many there
+    # are; where its reply's streamed ids go (a TokenStream's buffer and count) and each token's reply
+    # bytes; the budget's room for them and what they were charged; their count, those with text, and
+    # the first and last of these (doubles, time.perf_counter()).
+    DECODED_AT, N_DECODED, STREAM_IDS_AT, STREAM_N_AT, REPLY_LEN_AT = 32, 33, 34, 35, 36
+    ROOM, STREAMED, EMIT_CALLS, EMITS, FIRST_TEXT, LAST_TEXT = 37, 38, 39, 40, 41, 42
 
 
-WIDTH = 32  # words a row
+WIDTH = 48  # words a row
 
 
 def native() -> Callable | None:

@@ -6,7 +6,9 @@
 // its watchdog's deadline (armed from the row's own start: min(its message's deadline, now + bound)),
 // an epoch deadline and the call; and what the guest returned is judged here (the engine loop's plain
 // case: a token to append, or the token of the row in flight confirmed) and taken into the row, so
-// that Python handles only the rows that are not plain (floe.actor.loop._took).
+// that Python handles only the rows that are not plain (floe.actor.loop._took): a plain token goes into
+// its turn's decoded ids and, where the reply streams token ids (floe.actor.stream.TokenStream), into
+// the stream, charged to the message's host budget and counted as Python's stream would count it.
 // The Wasmtime C API's functions come in as pointers (the library wasmtime-py loaded): no headers, no
 // link. A row that fails (an error, a trap, a result that is not one i32) ends the loop: the caller
 // turns it into its GuestError with the Python path's own classification and calls the rest again.
@@ -29,6 +31,7 @@ enum : int64_t {
     CONFIRMED = 4,  // the row in flight had this token (nothing to append)
 };
 constexpr int64_t NONE = INT64_MIN;  // Row.choice / speculated / next_token: none
+constexpr int64_t CALL_OVERHEAD = 64;  // bytes a streamed token costs the budget beyond its text (floe.actor.budget)
 
 // One turn's row: 32 int64 words (floe.wasm.rows.Col, in this order).
 struct Row {
@@ -56,14 +59,51 @@ struct Row {
     int64_t streams;     // (the host streams its tokens: Python's part)
     int64_t choices;     // host choices written (+1 a call with choice_at)
     int64_t loop[9];     // the engine loop's own (floe.wasm.rows.Col.ROWS ...)
+    int32_t* decoded_at;   // the turn's decoded ids (room for max_tokens): a plain token goes at n_decoded
+    int64_t n_decoded;
+    int32_t* stream_ids_at;  // the reply's TokenStream (null: Python streams, or nothing streams):
+    int64_t* stream_n_at;    // its ids (room reserved for the turn) and their count
+    const int32_t* reply_len_at;  // each token's reply bytes (the budget's charge, and whether it is text)
+    int64_t room;        // the budget's room for streamed tokens: what Python had not spent at bind
+    int64_t streamed;    // charged here for streamed tokens (CALL_OVERHEAD + its reply bytes each)
+    int64_t emit_calls;  // streamed tokens (MessageStats.emit_calls)
+    int64_t emits;       // ... of them with reply text (MessageStats.emits)
+    double first_text;   // the first and last of those (CLOCK_MONOTONIC: time.perf_counter), 0: none
+    double last_text;
+    int64_t spare[5];
 };
-static_assert(sizeof(Row) == 256, "Row is 32 int64 words");
+static_assert(sizeof(Row) == 384, "Row is 48 int64 words");
 
 static inline int64_t judge(const Row& row, int64_t token) {
     int64_t flags = token == row.choice ? TAKES : 0;
     if (token < 0 || token >= row.vocab || row.generated + 1 >= row.max_tokens) return flags;
+    if (row.stream_n_at != nullptr && row.streamed + CALL_OVERHEAD + row.reply_len_at[token] > row.room)
+        return flags;  // (past the budget: Python's stream raises its error)
     if (row.speculated == NONE) return flags | PLAIN;
     return token == row.speculated ? (flags | PLAIN | CONFIRMED) : flags;
+}
+
+static inline double monotonic() {  // (CLOCK_MONOTONIC: Python's time.monotonic() and perf_counter() on Linux)
+    timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
+}
+
+// A plain token taken: into the turn's decoded ids, and streamed where its reply streams ids natively.
+static inline void take(Row& row, int64_t token) {
+    if (row.decoded_at != nullptr) row.decoded_at[row.n_decoded++] = static_cast<int32_t>(token);
+    if (row.stream_n_at == nullptr) return;
+    const int64_t bytes = row.reply_len_at[token];
+    row.streamed += CALL_OVERHEAD + bytes;
+    const int64_t n = *row.stream_n_at;
+    row.stream_ids_at[n] = static_cast<int32_t>(token);
+    *row.stream_n_at = n + 1;
+    ++row.emit_calls;
+    if (bytes > 0) {
+        ++row.emits;
+        row.last_text = monotonic();
+        if (row.first_text == 0.0) row.first_text = row.last_text;
+    }
 }
 
 // Call rows table[slots[k]] for k in [0, n): the index of the first that failed, or n.
@@ -79,10 +119,8 @@ int64_t floe_call_slots(Row* table, const int64_t* slots, int64_t n, func_call_t
             *row.choice_at = static_cast<int32_t>(row.choice);
             ++row.choices;
         }
-        if (row.when_at != nullptr) {  // (CLOCK_MONOTONIC: Python's time.monotonic() on Linux)
-            timespec now;
-            clock_gettime(CLOCK_MONOTONIC, &now);
-            double until = static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec) + bound;
+        if (row.when_at != nullptr) {
+            const double until = monotonic() + bound;
             *row.when_at = until < row.deadline ? until : row.deadline;
         }
         set_deadline(row.context, 1);  // the next epoch tick asks the guest's watchdog
@@ -99,6 +137,7 @@ int64_t floe_call_slots(Row* table, const int64_t* slots, int64_t n, func_call_t
         row.judged = judge(row, token);
         if (!(row.judged & PLAIN)) continue;  // (Python's path: floe.actor.loop._took)
         ++row.generated;
+        take(row, token);
         row.takes_choice = (row.judged & TAKES) && !(row.sampled && row.draws);
         if (row.judged & CONFIRMED) {
             row.speculated = NONE;

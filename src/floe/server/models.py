@@ -1,0 +1,388 @@
+"""Several models in one `floe serve` (docs/SERVER.md, "Several models"): each model its own engine core
+(floe.server.core.ServeCore: engine, engine loop, session store) made when a request first names it
+and closed after its idle time or to make room; a request's `model` picks the core.
+
+`ModelRouter` answers the engine core's socket (floe.server.core_socket) as one ServeCore does. Each
+model keeps its sessions' snapshot store while it is not loaded (its sessions frozen there), so a
+session is bound to its model: naming it on another model is a 409, never a silent mix.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from floe.server.core import ServeCore
+from floe.server.protocol import ServeError
+from floe.server.records import SESSION_ID, session_key
+from floe.snapshot.store import SnapshotStore
+
+log = logging.getLogger("floe.serve")
+MODEL_NAME = SESSION_ID  # letters, digits, `_ . -`, the first a letter or digit, at most 128: never a path
+SHOWN = 64  # the most characters of a name a message repeats (a 10 KB name is not echoed whole)
+DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)?")
+UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+class ModelLoadFailed(ServeError):
+    def __init__(self, name: str, e: BaseException) -> None:
+        super().__init__(500, f"the model {name!r} could not be loaded: {type(e).__name__}: {e}",
+                         "server_error", "model_load_failed")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model `floe serve` offers: the name requests use, and its GGUF file or Hugging Face folder
+    (None: the default model)."""
+
+    name: str
+    path: str | None
+
+
+def model_specs(values: Iterable[str]) -> list[ModelSpec]:
+    """`--model NAME=PATH` values (a bare PATH is named by its file or folder). Raises ValueError
+    naming a name that is not one or is given twice."""
+    specs = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep:
+            name, path = Path(value).stem, value
+        specs.append(ModelSpec(checked_name(name), path or None))
+    names = [s.name for s in specs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"a model name given twice: {sorted(n for n in names if names.count(n) > 1)[0]!r}")
+    return specs
+
+
+def models_in(folder: str | Path) -> list[ModelSpec]:
+    """`--models DIR`: every GGUF file (named by its stem) and Hugging Face folder (a folder with
+    config.json, named by the folder) in `folder`, by name."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder")
+    specs = [ModelSpec(p.stem if p.is_file() else p.name, str(p)) for p in sorted(folder.iterdir())
+             if (p.is_file() and p.suffix == ".gguf") or (p.is_dir() and (p / "config.json").is_file())]
+    return [ModelSpec(checked_name(s.name), s.path) for s in specs]
+
+
+def checked_name(name: str) -> str:
+    if not MODEL_NAME.fullmatch(name):
+        raise ValueError(f"model name {shown(name)}: letters, digits and `_ . -` (the first a letter or "
+                         "digit), at most 128")
+    return name
+
+
+def shown(name) -> str:
+    """A name as a message repeats it: its first SHOWN characters, control characters escaped."""
+    text = str(name)
+    return repr(text[:SHOWN]) + ("…" if len(text) > SHOWN else "")
+
+
+def keep_alive_seconds(value) -> float:
+    """A request's `keep_alive` (Ollama's): seconds, or a duration ("30s", "5m", "1h"); negative: for
+    ever (math.inf). Raises a 400 for anything else."""
+    if isinstance(value, bool):
+        value = "?"
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := DURATION.fullmatch(value.strip())):
+        seconds = float(m[1]) * UNITS[m[2]]
+    elif isinstance(value, str) and value.strip().startswith("-"):
+        seconds = -1.0
+    else:
+        raise ServeError(400, f"keep_alive {shown(value)}: seconds, or a duration such as \"5m\"",
+                         param="keep_alive")
+    return math.inf if seconds < 0 else seconds
+
+
+class ServedModel:
+    """One model of the server: its core while loaded, its sessions' store always, and its use."""
+
+    def __init__(self, spec: ModelSpec, snapshots: SnapshotStore) -> None:
+        self.spec, self.snapshots = spec, snapshots
+        self.core: ServeCore | None = None
+        self.lock = threading.Lock()  # one load or unload of this model at a time
+        self.users = 0  # requests and calls holding the core now (never unloaded under them)
+        self.last_used = time.monotonic()
+        self.keep_alive: float | None = None  # the last request's keep_alive, seconds (None: the server's)
+        self.load_seconds = 0.0  # the last load's
+        self.loads = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def holds(self, owner: str, sid: str) -> bool:
+        """Whether `owner`'s session `sid` is this model's (registered while loaded, or in its store)."""
+        key = session_key(owner, sid)
+        core = self.core
+        if core is not None:
+            with core.store.lock:
+                if key in core.store.sessions:
+                    return True
+        return self.snapshots.has(key)
+
+    def describe(self) -> dict:
+        core = self.core
+        return {"id": self.name, "object": "model", "owned_by": "floe", "loaded": core is not None,
+                "load_seconds": self.load_seconds if self.loads else None,
+                "sessions": None if core is None else core.store.counts()}
+
+
+@dataclass
+class Routed:
+    """A chat or completion opened on one model's core (ModelRouter.open), until ModelRouter.run."""
+
+    chat: object  # the core's Chat or Completion
+    model: ServedModel
+
+    @property
+    def session(self):
+        return self.chat.session
+
+    @property
+    def constraint(self):
+        return self.chat.constraint
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return self.chat.stops
+
+
+class ModelRouter:
+    """ServeCore's surface over several models, each loaded by `load(spec, snapshots)` when a request
+    first names it (the first model at start). keep_alive: seconds a loaded model with no live
+    sessions and no request stays loaded (None: for ever; a request's keep_alive sets its model's);
+    max_loaded: models loaded at once (None: any), loading one more unloads the least recently used
+    idle one (its live sessions frozen into its store first). say(text): progress for the server's log.
+    """
+
+    def __init__(self, models: list[tuple[ModelSpec, SnapshotStore]],
+                 load: Callable[[ModelSpec, SnapshotStore], ServeCore], *, keep_alive: float | None = None,
+                 max_loaded: int | None = None, say: Callable[[str], None] = log.info) -> None:
+        if not models:
+            raise ValueError("no models to serve")
+        if max_loaded is not None and max_loaded < 1:
+            raise ValueError(f"max_loaded must be >= 1, not {max_loaded}")
+        self.models = {spec.name: ServedModel(spec, store) for spec, store in models}
+        self.first = next(iter(self.models.values()))
+        self.load_core, self.keep_alive, self.max_loaded, self.say = load, keep_alive, max_loaded, say
+        self.lock = threading.Lock()  # guards each model's users and core across models
+        self.started = time.time()
+        self._ids_ok: dict[str, bool] = {}  # per model: its tokens are the front's vocab's (streams ids)
+        self.take(self.first)
+        self.release(self.first)
+        self._vocab = self.first.core._vocab  # the front's table ("vocab"), whichever models load later
+        self._pool_threads = self.first.core.pool_threads
+        self._closed = threading.Event()
+        self._unloader = threading.Thread(target=self._unload_loop, name="floe-unload", daemon=True)
+        self._unloader.start()
+
+    # ---- which model -------------------------------------------------------------------------------
+
+    def model(self, name) -> ServedModel:
+        """The model a request names: a 404 naming the ones there are (a name echoed cut short)."""
+        served = self.models.get(name) if isinstance(name, str) else None
+        if served is None:
+            raise ServeError(404, f"the model {shown(name)} does not exist; this server serves "
+                                  f"{', '.join(map(repr, self.models))}", code="model_not_found",
+                             param="model")
+        return served
+
+    def take(self, served: ServedModel) -> ServeCore:
+        """`served`'s core, loaded if it is not (making room under max_loaded), held until release()."""
+        with served.lock:
+            with self.lock:
+                served.users += 1
+                served.last_used = time.monotonic()
+                core = served.core
+            if core is not None:
+                return core
+            try:
+                self._make_room(served)
+                started = time.perf_counter()
+                self.say(f"loading model {served.name} ({served.spec.path or 'the default model'}) …")
+                core = self.load_core(served.spec, served.snapshots)
+                core.keep_spares()
+            except BaseException as e:
+                self.release(served)
+                if isinstance(e, ServeError):
+                    raise
+                log.exception("loading model %s failed", served.name)
+                raise ModelLoadFailed(served.name, e) from None
+            served.load_seconds, served.loads = time.perf_counter() - started, served.loads + 1
+            with self.lock:
+                served.core = core
+            self.say(f"model {served.name} loaded in {served.load_seconds:.2f} s")
+            return core
+
+    def release(self, served: ServedModel) -> None:
+        with self.lock:
+            served.users -= 1
+            served.last_used = time.monotonic()
+
+    def _make_room(self, loading: ServedModel) -> None:
+        """Unload the least recently used idle models until `loading` fits max_loaded (a 503 if every
+        loaded model is in use)."""
+        while self.max_loaded is not None:
+            with self.lock:
+                loaded = [m for m in self.models.values() if m.core is not None and m is not loading]
+                if len(loaded) < self.max_loaded:
+                    return
+                idle = [m for m in loaded if m.users == 0]
+                victim = min(idle, key=lambda m: m.last_used, default=None)
+            if victim is None:
+                raise ServeError(503, f"every loaded model ({self.max_loaded}, --max-loaded) is running "
+                                      f"requests; {loading.name!r} loads once one is idle", "server_error",
+                                 "server_busy")
+            self.unload(victim, "to make room for " + loading.name)
+
+    def unload(self, served: ServedModel, why: str) -> bool:
+        """Close `served`'s core (its live sessions frozen into its store first) unless a request holds
+        it; whether it was unloaded."""
+        with served.lock:
+            with self.lock:
+                core = served.core
+                if core is None or served.users:
+                    return False
+                served.core = None
+            started = time.perf_counter()
+            core.close()  # freezes every live session into the model's store, stops its evictor
+            self.say(f"model {served.name} unloaded ({why}) in {time.perf_counter() - started:.2f} s")
+            return True
+
+    def _unload_loop(self) -> None:
+        while not self._closed.wait(0.25):
+            now = time.monotonic()
+            for served in list(self.models.values()):
+                keep = served.keep_alive if served.keep_alive is not None else self.keep_alive
+                core = served.core
+                if (keep is None or keep == math.inf or core is None or served.users
+                        or now - served.last_used < keep or core.store.counts()["live"]):
+                    continue
+                try:
+                    self.unload(served, f"idle {keep:g} s")
+                except Exception:  # noqa: BLE001 - keep unloading the others; the error is logged
+                    log.exception("unloading model %s failed", served.name)
+
+    # ---- ServeCore's surface (floe.server.core_socket) ----------------------------------------------
+
+    @property
+    def pool_threads(self) -> int:
+        """Threads the socket's pool needs: every loaded model's running and waiting chats."""
+        return len(self.models) * self._pool_threads
+
+    def open(self, request: dict) -> Routed:
+        served = self.model(request.get("model"))
+        if "keep_alive" in request:
+            served.keep_alive = keep_alive_seconds(request["keep_alive"])
+        sid = request.get("session_id")
+        if isinstance(sid, str) and MODEL_NAME.fullmatch(sid):
+            self._refuse_elsewhere(served, request.get("owner"), sid)
+        core = self.take(served)
+        try:
+            return Routed(core.open(request), served)
+        except BaseException:
+            self.release(served)
+            raise
+
+    def _refuse_elsewhere(self, served: ServedModel, owner, sid: str) -> None:
+        """A 409 if `owner`'s session `sid` belongs to another model than `served`."""
+        if not isinstance(owner, str):
+            return  # (the core refuses it)
+        for other in self.models.values():
+            if other is not served and other.holds(owner, sid):
+                raise ServeError(409, f"session {sid!r} belongs to the model {other.name!r}; ask that "
+                                      f"model (or use a new session for {served.name!r})",
+                                 code="session_model_mismatch", param="model")
+
+    def run(self, routed: Routed, on_text=None, should_stop=lambda: False, tokens=None) -> dict:
+        core = routed.model.core
+        try:
+            return core.run(routed.chat, on_text, should_stop, tokens)
+        finally:
+            self.release(routed.model)
+
+    def streams_ids(self, routed: Routed) -> bool:
+        """Whether the chat's reply can go to the front as token ids: its model's tokens are the front's
+        table's (models with another tokenizer stream text)."""
+        name = routed.model.name
+        if name not in self._ids_ok:
+            self._ids_ok[name] = routed.model.core._vocab == self._vocab
+        return self._ids_ok[name]
+
+    def keep_spares(self) -> None:
+        for served in self.models.values():
+            if (core := served.core) is not None:
+                core.keep_spares()
+
+    def call(self, name: str, arg=None, owner=None):
+        if name == "hello":
+            return {"model_id": self.first.name, "aliases": [], "models": list(self.models),
+                    "started": self.started,
+                    "max_text_bytes": None}  # (each model's own: its core checks it)
+        if name == "vocab":
+            return self._vocab
+        if name == "models":
+            return [m.describe() | {"created": int(self.started)} for m in self.models.values()]
+        if name in ("health", "metrics"):
+            return self._health(arg, owner) if name == "health" else self._metrics()
+        if name == "sessions":
+            return [s | {"model": m.name} for m in self._loaded() for s in m.core.call(name, arg, owner)]
+        sid = arg.get("id") if name == "fork" and isinstance(arg, dict) else arg
+        return self._on_session_model(sid, owner, lambda core: core.call(name, arg, owner))
+
+    def _on_session_model(self, sid, owner, work: Callable[[ServeCore], object]):
+        """`work` on the core of the model that holds `owner`'s session `sid` (loaded for it); none
+        holds it: on the first model's (whose answer is then the core's 404 or 400)."""
+        served = self.first
+        if isinstance(sid, str) and isinstance(owner, str) and MODEL_NAME.fullmatch(sid):
+            served = next((m for m in self.models.values() if m.holds(owner, sid)), self.first)
+        core = self.take(served)
+        try:
+            return work(core)
+        finally:
+            self.release(served)
+
+    def _loaded(self) -> list[ServedModel]:
+        return [m for m in self.models.values() if m.core is not None]
+
+    def _health(self, arg, owner) -> dict:
+        full = not (isinstance(arg, dict) and not arg.get("full", True))
+        models = {}
+        for m in self.models.values():
+            core = m.core
+            models[m.name] = {"loaded": core is not None}
+            if core is not None:
+                models[m.name] |= core.call("health", arg, owner) if full else {
+                    "sessions": core.call("health", arg, owner)["sessions"]}
+        return {"status": "ok", "model": self.first.name, "uptime_s": time.time() - self.started,
+                "models": models}
+
+    def _metrics(self) -> str:
+        return "".join(m.core.call("metrics") for m in self._loaded()[:1])
+
+    def export(self, sid, owner) -> Iterator[memoryview]:
+        return self._on_session_model(sid, owner, lambda core: core.export(sid, owner))
+
+    def import_(self, sid, owner, chunks: Iterable) -> dict:
+        return self._on_session_model(sid, owner, lambda core: core.import_(sid, owner, chunks))
+
+    def close(self) -> None:
+        """Stop unloading and close every loaded model (their live sessions frozen)."""
+        if not self._closed.is_set():
+            self._closed.set()
+            self._unloader.join(30)
+            for served in self.models.values():
+                core, served.core = served.core, None
+                if core is not None:
+                    core.close()
+
+
+__all__ = ["ModelRouter", "ModelSpec", "ServedModel", "model_specs", "models_in"]
