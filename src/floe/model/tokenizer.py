@@ -210,6 +210,16 @@ class Tokenizer:
         return text.translate(_BYTE_LEVEL_BYTES).encode("latin-1")
 
     @cached_property
+    def strips_leading_space(self) -> bool:
+        """Whether decode() drops one space at the start of a text (the SentencePiece decoders of
+        Llama-2, Mistral and Phi-3: the space their encoding prepends). A reply's text then starts
+        without one (Actor.send; the serve front's text of replies streamed as ids), as transformers'
+        decode of its tokens does; byte-level BPE and Gemma keep it."""
+        decoder = self.backend.decoder
+        spaced = "\u2581a" if self._sentencepiece else "\u0120a"  # (" a" as the decoder reads tokens)
+        return decoder is not None and decoder.decode([spaced]) == "a"
+
+    @cached_property
     def _sentencepiece(self) -> bool:
         """Whether tokens are spelled as SentencePiece's (a space as "▁", a byte of byte fallback as
         "<0x0A>"), not in byte-level BPE's alphabet: the decoder says which."""
