@@ -24,9 +24,11 @@ from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length
 
 if TYPE_CHECKING:
     from floe.server.core import ServeCore
+    from floe.server.models import ModelRouter
 
 log = logging.getLogger("floe.serve")
-INLINE_CALLS = ("hello", "health", "sessions", "session", "metrics")  # answered in the reading thread
+# answered in the reading thread
+INLINE_CALLS = ("hello", "health", "sessions", "session", "metrics", "models")
 FLUSH_S = 0.002  # after a flush of streamed text, the next waits this long: its frame gathers more
 UPLOAD_WAIT_S = 300.0  # an import whose next chunk takes longer than this is given up
 
@@ -174,16 +176,14 @@ class CoreServer:
     chats and calls run in a pool of threads (a chat's thread waits while the engine loop steps it),
     and a flusher thread sends each connection's streamed text."""
 
-    def __init__(self, core: ServeCore, path: str | Path | None = None) -> None:
+    def __init__(self, core: ServeCore | ModelRouter, path: str | Path | None = None) -> None:
         self._folder = None if path is not None else tempfile.mkdtemp(prefix="floe-serve-")  # 0700
         self.core, self.path = core, str(path if path is not None else Path(self._folder) / "core.sock")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(self.path)
         os.chmod(self.path, 0o600)
         self.sock.listen()
-        # Every running chat holds a thread for its whole reply; calls (freeze, thaw) need some too.
-        # Running chats, the ones waiting for a slot (SessionStore's queue) and a few being refused.
-        self.pool = ThreadPoolExecutor(core.engine.cache.n_slots + core.store.max_waiting + 8, "floe-chat")
+        self.pool = ThreadPoolExecutor(core.pool_threads, "floe-chat")  # (a running chat holds one)
         self.connections: list[_Connection] = []
         self._wake = threading.Event()  # text is waiting in an outbox
         self._closed = False
@@ -302,7 +302,8 @@ class CoreServer:
         if chat.constraint is None:
             start()
         should_stop = lambda: conn.closed or rid in conn.cancelled  # noqa: E731
-        if chat.constraint is None and not chat.stops:  # the reply as token ids: the front makes its text
+        # The reply as token ids (the front makes its text) where the front's table is its model's
+        if chat.constraint is None and not chat.stops and self.core.streams_ids(chat):
             tokens = TokenStream()
             conn.watch(rid, tokens, sent=bool(request.get("stream")))
             self._wake.set()  # (the flusher looks every FLUSH_S while it streams)
@@ -386,7 +387,8 @@ def _answer_error(conn: _Connection, rid: int, e: Exception, what: str) -> None:
     conn.send(["error", rid, e.payload()])
 
 
-def serve(core: ServeCore, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "warning",
           keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
           max_request_bytes: int = protocol.MAX_REQUEST_BYTES, fronts: int = 1,
           listener: socket.socket | None = None, operator_keys: tuple[str, ...] = (),
