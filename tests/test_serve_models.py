@@ -5,17 +5,23 @@ against the real app (front and core, as `floe serve` runs them), compared with 
 
 from __future__ import annotations
 
+import gc
+import signal
+import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
 
 import httpx
 import openai
+import psutil
 import pytest
 from gguf import GGMLQuantizationType as Q
 from models import write_gguf
-from test_server import ThreadServer
+from test_server import ThreadServer, free_port, start_serve
 
 from floe.engine import Engine
+from floe.memory import rss_bytes
 from floe.model import load_checkpoint
 from floe.server.app import app_of, create_app
 from floe.server.core import ServeCore
@@ -146,3 +152,111 @@ def test_hostile_model_names_are_refused_and_load_nothing(server, name):
     # resolved by the client)
     assert listing.status_code in (400, 404) and len(listing.text) < 1000
     assert loaded(server.url) == before
+
+
+def turn(url: str, model: str, session: str, messages: list[dict], text: str, **extra) -> str:
+    """One greedy turn of `session` on `model`: its reply, appended to `messages` with the question."""
+    messages.append({"role": "user", "content": text})
+    r = client(url).chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=12,
+                                            extra_body={"session_id": session, **extra})
+    messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    return r.choices[0].message.content
+
+
+def wait_for(condition, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "it never happened"
+        time.sleep(0.1)
+
+
+def test_an_idle_model_is_unloaded_its_memory_released_and_its_session_continues(
+        model_files, default_checkpoint, references, tmp_path):
+    """keep_alive 1 s, sessions frozen after 0.5 s idle: tiny-a loads for a turn, is unloaded (its engine
+    collected, the process's RSS back down by most of what the load added), and its session's next turn
+    loads it again and answers as an uninterrupted one-model server's."""
+    expected = conversation(references["tiny-a"].url, "tiny-a", "ref-idle")
+    s = router_server({"smol": None, "tiny-a": model_files["tiny-a"]}, default_checkpoint, tmp_path,
+                      idle_seconds=0.5, keep_alive=1.0)
+    try:
+        gc.collect()
+        before = rss_bytes()
+        messages = []
+        replies = [turn(s.url, "tiny-a", "idle", messages, TURNS[0])]
+        engine = weakref.ref(s.router.models["tiny-a"].core.engine)
+        loaded_rss = rss_bytes()
+        wait_for(lambda: not loaded(s.url)["tiny-a"])
+        wait_for(lambda: gc.collect() is not None and engine() is None, 30)  # (its loop's thread ends idle)
+        gc.collect()
+        after = rss_bytes()
+        assert after < loaded_rss - (loaded_rss - before) / 2, (before, loaded_rss, after)
+        replies.append(turn(s.url, "tiny-a", "idle", messages, TURNS[1]))
+        assert replies == expected and s.router.models["tiny-a"].loads == 2
+    finally:
+        s.stop()
+
+
+def test_a_request_keep_alive_sets_its_model_idle_time(model_files, default_checkpoint, tmp_path):
+    s = router_server(model_files, default_checkpoint, tmp_path, idle_seconds=0.5)  # kept for ever
+    try:
+        messages = []
+        turn(s.url, "tiny-a", "kept", messages, "Hi", keep_alive="10m")
+        turn(s.url, "tiny-b", "gone", [], "Hi", keep_alive=0)
+        wait_for(lambda: not loaded(s.url)["tiny-b"])
+        assert loaded(s.url) == {"smol": True, "tiny-a": True, "tiny-b": False}
+        with pytest.raises(openai.BadRequestError) as e:
+            turn(s.url, "tiny-a", "kept", messages, "Hi", keep_alive="soon")
+        assert e.value.param == "keep_alive"
+    finally:
+        s.stop()
+
+
+def test_one_model_loaded_at_a_time_alternating_requests_answer_and_sessions_thaw(
+        model_files, default_checkpoint, references, tmp_path):
+    """--max-loaded 1: each request for the other model unloads the one loaded (its live session frozen
+    first); alternating turns of two sessions answer as uninterrupted one-model servers' do, and requests
+    for both models at once all answer (a load waits for the loaded model's request to end)."""
+    expected = {name: conversation(references[name].url, name, f"ref-max-{name}")
+                for name in ("tiny-a", "tiny-b")}
+    s = router_server(model_files, default_checkpoint, tmp_path, max_loaded=1)
+    try:
+        messages = {"tiny-a": [], "tiny-b": []}
+        replies = {"tiny-a": [], "tiny-b": []}
+        for text in TURNS:
+            for name in ("tiny-a", "tiny-b"):
+                replies[name].append(turn(s.url, name, f"max-{name}", messages[name], text))
+                assert [m for m, up in loaded(s.url).items() if up] == [name]
+        assert replies == expected
+        assert s.router.models["tiny-a"].loads == 2 and s.router.models["tiny-b"].loads == 2
+        with ThreadPoolExecutor(4) as pool:
+            runs = {(name, i): pool.submit(conversation, s.url, name, f"both-{name}-{i}")
+                    for i in range(2) for name in ("tiny-a", "tiny-b")}
+            assert all(run.result() == expected[name] for (name, _), run in runs.items())
+    finally:
+        s.stop()
+
+
+def test_floe_serve_loads_a_named_model_on_demand_and_unloads_it_idle(model_files, tmp_path):
+    """The command: `--model NAME=PATH` twice (`smol=`: the default model), --keep-alive; the process's
+    RSS falls back once the on-demand model is unloaded, and its log says so."""
+    port = free_port()
+    proc = start_serve(tmp_path, port, "--model", "smol=", "--model", f"tiny-a={model_files['tiny-a']}",
+                       "--keep-alive", "1")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        rss = psutil.Process(proc.pid).memory_info
+        base = rss().rss
+        assert loaded(url) == {"smol": True, "tiny-a": False}
+        r = client(url).chat.completions.create(model="tiny-a", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=4, temperature=0)
+        assert r.model == "tiny-a"
+        up = rss().rss
+        wait_for(lambda: not loaded(url)["tiny-a"])  # (its session frozen after --idle-seconds 0.5)
+        wait_for(lambda: rss().rss < up - (up - base) / 2, 30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+        log = proc.stderr.read()
+        assert "loading model tiny-a" in log and "model tiny-a unloaded (idle 1 s)" in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()

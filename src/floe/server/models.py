@@ -9,15 +9,18 @@ session is bound to its model: naming it on another model is a 409, never a sile
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from floe.memory import trim_heap
 from floe.server.core import ServeCore
 from floe.server.protocol import ServeError
 from floe.server.records import SESSION_ID, session_key
@@ -160,12 +163,14 @@ class ModelRouter:
     first names it (the first model at start). keep_alive: seconds a loaded model with no live
     sessions and no request stays loaded (None: for ever; a request's keep_alive sets its model's);
     max_loaded: models loaded at once (None: any), loading one more unloads the least recently used
-    idle one (its live sessions frozen into its store first). say(text): progress for the server's log.
+    idle one (its live sessions frozen into its store first; every loaded one in use: the load waits
+    for one, at most wait_seconds, then a 503). say(text): progress for the server's log.
     """
 
     def __init__(self, models: list[tuple[ModelSpec, SnapshotStore]],
                  load: Callable[[ModelSpec, SnapshotStore], ServeCore], *, keep_alive: float | None = None,
-                 max_loaded: int | None = None, say: Callable[[str], None] = log.info) -> None:
+                 max_loaded: int | None = None, wait_seconds: float = 30.0,
+                 say: Callable[[str], None] = log.info) -> None:
         if not models:
             raise ValueError("no models to serve")
         if max_loaded is not None and max_loaded < 1:
@@ -174,12 +179,15 @@ class ModelRouter:
         self.first = next(iter(self.models.values()))
         self.load_core, self.keep_alive, self.max_loaded, self.say = load, keep_alive, max_loaded, say
         self.lock = threading.Lock()  # guards each model's users and core across models
+        self.idle = threading.Condition(self.lock)  # notified when a model's last user lets it go
+        self.wait_seconds = wait_seconds
         self.started = time.time()
         self._ids_ok: dict[str, bool] = {}  # per model: its tokens are the front's vocab's (streams ids)
         self.take(self.first)
         self.release(self.first)
         self._vocab = self.first.core._vocab  # the front's table ("vocab"), whichever models load later
         self._pool_threads = self.first.core.pool_threads
+        self._released: list[weakref.ref] = []  # engines unloaded and not yet collected
         self._closed = threading.Event()
         self._unloader = threading.Thread(target=self._unload_loop, name="floe-unload", daemon=True)
         self._unloader.start()
@@ -226,21 +234,26 @@ class ModelRouter:
         with self.lock:
             served.users -= 1
             served.last_used = time.monotonic()
+            if not served.users:
+                self.idle.notify_all()
 
     def _make_room(self, loading: ServedModel) -> None:
-        """Unload the least recently used idle models until `loading` fits max_loaded (a 503 if every
-        loaded model is in use)."""
+        """Unload the least recently used idle models until `loading` fits max_loaded (every loaded model
+        in use: wait for one to be let go, at most wait_seconds, then a 503)."""
+        deadline = time.monotonic() + self.wait_seconds
         while self.max_loaded is not None:
             with self.lock:
-                loaded = [m for m in self.models.values() if m.core is not None and m is not loading]
-                if len(loaded) < self.max_loaded:
-                    return
-                idle = [m for m in loaded if m.users == 0]
-                victim = min(idle, key=lambda m: m.last_used, default=None)
-            if victim is None:
-                raise ServeError(503, f"every loaded model ({self.max_loaded}, --max-loaded) is running "
-                                      f"requests; {loading.name!r} loads once one is idle", "server_error",
-                                 "server_busy")
+                while True:
+                    loaded = [m for m in self.models.values() if m.core is not None and m is not loading]
+                    if len(loaded) < self.max_loaded:
+                        return
+                    victim = min((m for m in loaded if not m.users), key=lambda m: m.last_used, default=None)
+                    if victim is not None:
+                        break
+                    if not self.idle.wait(deadline - time.monotonic()):
+                        raise ServeError(503, f"every loaded model ({self.max_loaded}, --max-loaded) is "
+                                              f"running requests; {loading.name!r} loads once one is idle",
+                                         "server_error", "server_busy")
             self.unload(victim, "to make room for " + loading.name)
 
     def unload(self, served: ServedModel, why: str) -> bool:
@@ -254,11 +267,23 @@ class ModelRouter:
                 served.core = None
             started = time.perf_counter()
             core.close()  # freezes every live session into the model's store, stops its evictor
+            self._released.append(weakref.ref(core.engine))  # (its memory: _collect)
             self.say(f"model {served.name} unloaded ({why}) in {time.perf_counter() - started:.2f} s")
             return True
 
+    def _collect(self) -> None:
+        """Collect unloaded engines (cycles hold them; the engine loop's thread lets go after its idle
+        exit, floe.actor.loop.IDLE_EXIT_S) and hand their freed heap pages back: the RSS falls back."""
+        gc.collect()
+        alive = [ref for ref in self._released if ref() is not None]
+        if len(alive) < len(self._released):
+            trim_heap()
+        self._released = alive
+
     def _unload_loop(self) -> None:
         while not self._closed.wait(0.25):
+            if self._released:
+                self._collect()
             now = time.monotonic()
             for served in list(self.models.values()):
                 keep = served.keep_alive if served.keep_alive is not None else self.keep_alive
