@@ -25,6 +25,7 @@ import torch
 from cpu_decode import TEXT, machine, measure_bandwidth_gb_s
 
 from floe.actor import Actor, EngineLoop
+from floe.actor.stream import TokenStream
 from floe.bench import decode_bytes, together
 from floe.engine import Engine, SamplingParams
 from floe.model import load_checkpoint
@@ -59,11 +60,14 @@ def engine_run(engine: Engine, prompts: list[list[int]], steps: int, batched: bo
 
 
 def actors_run(engine: Engine, messages: list[str], max_tokens: int, batch: bool,
-               params: SamplingParams = GREEDY) -> dict:
-    """Every message sent by its own actor (chat guest) at once through one engine loop."""
+               params: SamplingParams = GREEDY, ids: bool = False) -> dict:
+    """Every message sent by its own actor (chat guest) at once through one engine loop; ids: each
+    reply streamed as token ids (a TokenStream, as `floe serve` streams), else as text."""
     loop = EngineLoop(engine, batch=batch)
     actors = [Actor(engine, loop=loop, seed=i) for i in range(len(messages))]
-    replies, wall = together([lambda a=a, m=m: a.send(m, max_tokens=max_tokens, params=params).stats
+    streams = (lambda: {"tokens": TokenStream()}) if ids else dict
+    replies, wall = together([lambda a=a, m=m: a.send(m, max_tokens=max_tokens, params=params,
+                                                      **streams()).stats
                               for a, m in zip(actors, messages, strict=True)])
     for actor in actors:
         actor.close()

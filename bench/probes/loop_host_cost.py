@@ -2,7 +2,9 @@
 little), S chat-guest actors through one EngineLoop, the loop's phases per step, and where the
 loop thread's time goes (cProfile of its steps, the top functions by own time).
 
-    python bench/probes/loop_host_cost.py [--sessions 64] [--tokens 64] [--tokenizer DIR] [--rounds 3]
+    python bench/probes/loop_host_cost.py [--sessions 64] [--tokens 64] [--tokenizer DIR] [--rounds 3] [--ids]
+
+--ids: each reply streamed as token ids (a TokenStream, as `floe serve` streams), not as text.
 
 First, asking the guests alone (EngineLoop._ask_guests: host choices, on_token, what it returned),
 µs a row, with the step's calls in one native loop (floe.wasm.rows) and row by row, taking turns.
@@ -35,13 +37,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the native / row-by-row comparison")
+    ap.add_argument("--ids", action="store_true", help="replies streamed as token ids, not text")
     args = ap.parse_args()
     tok = tokenizer(args.tokenizer)
     engine = tiny_engine(tok, args.sessions)
     texts = [message(tok, i, 64) for i in range(args.sessions)]
-    actors_run(engine, texts[:2], 4, batch=True)
+    actors_run(engine, texts[:2], 4, batch=True, ids=args.ids)
     asking_ab(engine, texts, args)
-    s = actors_run(engine, texts, args.tokens, batch=True)["engine_loop"]
+    s = actors_run(engine, texts, args.tokens, batch=True, ids=args.ids)["engine_loop"]
     steps = s["steps"]
     print(f"{args.sessions} actors: {steps} steps, {1e3 * s['step_s'] / steps:.2f} ms a step, "
           f"{1e6 * s['step_s'] / s['rows']:.1f} µs a row-token; phases (ms a step): "
@@ -61,7 +64,7 @@ def main() -> None:
 
     engine_loop.EngineLoop._step = profiled
     try:
-        rows = actors_run(engine, texts, args.tokens, batch=True)["engine_loop"]["rows"]
+        rows = actors_run(engine, texts, args.tokens, batch=True, ids=args.ids)["engine_loop"]["rows"]
     finally:
         engine_loop.EngineLoop._step = step
     print(f"cProfile of the loop's steps ({rows} row-tokens; µs a row-token = tottime / rows):")
@@ -91,7 +94,7 @@ def asking_ab(engine: Engine, texts: list[str], args) -> None:
             for way in spent:
                 guest_rows.usable = usable if way == "native" else (lambda guests: False)
                 timed.seconds, timed.rows = 0.0, 0
-                actors_run(engine, texts, args.tokens, batch=True)
+                actors_run(engine, texts, args.tokens, batch=True, ids=args.ids)
                 spent[way].append(1e6 * timed.seconds / max(timed.rows, 1))
     finally:
         engine_loop.EngineLoop._ask_guests, guest_rows.usable = ask, usable
