@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 16 on the H200: this checkout's engine loop against an earlier one, in one device call.
-#   PART=check  tests/test_cuda.py, then `bench/sessions.py --ways engine actors` (1 16 64 sessions)
-#               and the loop's host cost (bench/probes/loop_host_cost.py) for both sources;
+#   PART=check  tests/test_cuda.py, then the loop's host cost (bench/probes/loop_host_cost.py, LOOP_ARGS
+#               e.g. --ids, LOOP_ROUNDS rounds) for both sources taking turns, then `bench/sessions.py
+#               --ways engine actors` (SIZES, default 1 16 64) for this checkout;
 #   PART=serve  `bench/sessions.py --ways serve`, the two sources taking turns (ROUNDS rounds) at SIZES
 #               sessions (default "16 64"); PROFILE_AFTER=1: then PART=profile's py-spy run;
 #   PART=tests  tests/test_cuda.py alone;
@@ -51,13 +52,15 @@ elif [ "${PART:-check}" = table ]; then  # the whole table for this checkout, th
     [ "$(left)" -gt 150 ] && sessions "$BASE" table_base --sessions ${SIZES:-1 16 64 128} --ways serve ${TABLE_ARGS:-}
 elif [ "${PART:-check}" = check ]; then
     FLOE_TEST_TOKENIZER=$PWD/.tok PYTHONPATH=$NEW timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
-    for v in new base; do
-        src=$NEW; [ $v = base ] && src=$BASE
-        PYTHONPATH=$src timeout 60 python3 bench/probes/loop_host_cost.py --sessions 64 --tokens 64 \
-            --tokenizer .tok > "$OUT/loop_host_cost_$v.txt" 2>&1
-        head -1 "$OUT/loop_host_cost_$v.txt"; grep -E "_ask_guest|runtime.py.*\(call\)" "$OUT/loop_host_cost_$v.txt"
+    for r in $(seq 1 "${LOOP_ROUNDS:-1}"); do
+        for v in new base; do
+            src=$NEW; [ $v = base ] && src=$BASE
+            PYTHONPATH=$src timeout 60 python3 bench/probes/loop_host_cost.py --sessions 64 --tokens 64 \
+                --tokenizer .tok ${LOOP_ARGS:-} > "$OUT/loop_host_cost_${v}_$r.txt" 2>&1
+            head -4 "$OUT/loop_host_cost_${v}_$r.txt"
+        done
     done
-    [ "$(left)" -gt 120 ] && sessions "$NEW" new_engine_actors --sessions 1 16 64 --ways engine actors
+    [ "$(left)" -gt 120 ] && sessions "$NEW" new_engine_actors --sessions ${SIZES:-1 16 64} --ways engine actors
 else
     for r in $(seq 1 "${ROUNDS:-2}"); do
         for v in new base; do
