@@ -6,6 +6,7 @@ against the real app (front and core, as `floe serve` runs them), compared with 
 from __future__ import annotations
 
 import gc
+import re
 import signal
 import time
 import weakref
@@ -260,3 +261,32 @@ def test_floe_serve_loads_a_named_model_on_demand_and_unloads_it_idle(model_file
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def metrics(url: str) -> dict[tuple, float]:
+    """/metrics' samples by (name, its labels as a sorted tuple of (label, value))."""
+    text = httpx.get(url + "/metrics", timeout=60).text
+    samples = {}
+    for m in re.finditer(r"^(\w+)(?:\{(.*)\})? (\S+)$", text, re.M):
+        labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', m[2] or "")))
+        samples[m[1], labels] = float(m[3])
+    return samples
+
+
+def test_metrics_per_model(server):
+    before = metrics(server.url)
+    r = client(server.url).chat.completions.create(
+        model="tiny-a", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0)
+    after = metrics(server.url)
+    a = (("model", "tiny-a"),)
+    for kind, n in (("generated", r.usage.completion_tokens), ("prompt", r.usage.prompt_tokens)):
+        key = ("floe_model_tokens_total", (("kind", kind), *a))
+        assert after[key] - before.get(key, 0) == n
+    assert after["floe_model_loaded", a] == 1 and after["floe_model_loads_total", a] == 1
+    assert after["floe_model_load_seconds", a] > 0
+    assert after["floe_model_sessions", (*a, ("state", "live"))] >= 1
+    key = ("floe_generated_tokens_total", a)  # the core's own metrics, labelled by model
+    assert after[key] - before.get(key, 0) == r.usage.completion_tokens
+    assert ("floe_generated_tokens_total", (("model", "smol"),)) in after
+    health = httpx.get(server.url + "/health", timeout=60).json()
+    assert health["models"]["tiny-a"]["loaded"] and health["models"]["tiny-a"]["sessions"]["live"] >= 1

@@ -20,6 +20,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
 from floe.memory import trim_heap
 from floe.server.core import ServeCore
 from floe.server.protocol import ServeError
@@ -116,6 +119,7 @@ class ServedModel:
         self.keep_alive: float | None = None  # the last request's keep_alive, seconds (None: the server's)
         self.load_seconds = 0.0  # the last load's
         self.loads = 0
+        self.tokens = {"prompt": 0, "generated": 0}  # of its answered requests, across its loads
 
     @property
     def name(self) -> str:
@@ -158,6 +162,46 @@ class Routed:
         return self.chat.stops
 
 
+class ModelMetrics:
+    """The router's /metrics (a prometheus_client collector): each model's state (loaded, load time,
+    loads, sessions, tokens: floe_model_*), and each loaded model's core metrics labelled `model`."""
+
+    def __init__(self, router: ModelRouter) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Metric]:
+        models = list(self.router.models.values())
+        families: dict[str, Metric] = {}
+        for m in models:  # the cores' own (floe_ttft_seconds, ...), one family a name across models
+            if (core := m.core) is not None:
+                for family in core.metrics.registry.collect():
+                    into = families.setdefault(family.name, Metric(family.name, family.documentation,
+                                                                   family.type, family.unit))
+                    into.samples += [s._replace(labels={"model": m.name, **s.labels}) for s in family.samples]
+        yield from families.values()
+        loaded = GaugeMetricFamily("floe_model_loaded", "Whether the model's engine is loaded",
+                                   labels=["model"])
+        load_s = GaugeMetricFamily("floe_model_load_seconds", "The model's last load (reading its weights, "
+                                   "building and warming its engine and core)", labels=["model"])
+        loads = CounterMetricFamily("floe_model_loads", "Times the model was loaded", labels=["model"])
+        sessions = GaugeMetricFamily("floe_model_sessions", "The loaded model's sessions by state",
+                                     labels=["model", "state"])
+        tokens = CounterMetricFamily("floe_model_tokens", "Tokens of the model's answered requests, across "
+                                     "its loads", labels=["model", "kind"])
+        for m in models:
+            core = m.core
+            loaded.add_metric([m.name], float(core is not None))
+            load_s.add_metric([m.name], m.load_seconds)
+            loads.add_metric([m.name], m.loads)
+            if core is not None:
+                counts = core.store.counts()
+                for state in ("live", "frozen"):
+                    sessions.add_metric([m.name, state], counts[state])
+            for kind, n in m.tokens.items():
+                tokens.add_metric([m.name, kind], n)
+        yield from (loaded, load_s, loads, sessions, tokens)
+
+
 class ModelRouter:
     """ServeCore's surface over several models, each loaded by `load(spec, snapshots)` when a request
     first names it (the first model at start). keep_alive: seconds a loaded model with no live
@@ -187,6 +231,8 @@ class ModelRouter:
         self.release(self.first)
         self._vocab = self.first.core._vocab  # the front's table ("vocab"), whichever models load later
         self._pool_threads = self.first.core.pool_threads
+        self.registry = CollectorRegistry()
+        self.registry.register(ModelMetrics(self))
         self._released: list[weakref.ref] = []  # engines unloaded and not yet collected
         self._closed = threading.Event()
         self._unloader = threading.Thread(target=self._unload_loop, name="floe-unload", daemon=True)
@@ -328,11 +374,15 @@ class ModelRouter:
                                  code="session_model_mismatch", param="model")
 
     def run(self, routed: Routed, on_text=None, should_stop=lambda: False, tokens=None) -> dict:
-        core = routed.model.core
+        served = routed.model
         try:
-            return core.run(routed.chat, on_text, should_stop, tokens)
+            result = served.core.run(routed.chat, on_text, should_stop, tokens)
         finally:
-            self.release(routed.model)
+            self.release(served)
+        with self.lock:
+            served.tokens["prompt"] += result["usage"]["prompt_tokens"]
+            served.tokens["generated"] += result["usage"]["completion_tokens"]
+        return result
 
     def streams_ids(self, routed: Routed) -> bool:
         """Whether the chat's reply can go to the front as token ids: its model's tokens are the front's
@@ -391,7 +441,7 @@ class ModelRouter:
                 "models": models}
 
     def _metrics(self) -> str:
-        return "".join(m.core.call("metrics") for m in self._loaded()[:1])
+        return generate_latest(self.registry).decode()
 
     def export(self, sid, owner) -> Iterator[memoryview]:
         return self._on_session_model(sid, owner, lambda core: core.export(sid, owner))
