@@ -26,7 +26,7 @@ from floe.memory import rss_bytes
 from floe.model import load_checkpoint
 from floe.server.app import app_of, create_app
 from floe.server.core import ServeCore
-from floe.server.models import ModelRouter, ModelSpec
+from floe.server.models import ModelRouter, ModelSpec, model_specs, models_in
 from floe.server.sessions import snapshot_store
 
 pytestmark = pytest.mark.slow  # three engines and their servers
@@ -136,8 +136,14 @@ def test_a_session_asked_on_another_model_is_refused(server):
                 extra_body={"session_id": "bound"})
         assert e.value.code == "session_model_mismatch" and "'smol'" in e.value.message, step
         httpx.post(f"{server.url}/v1/sessions/bound/freeze", timeout=60).raise_for_status()
+    turn(server.url, "tiny-a", "other", [], "Hi")
     listed = {s["id"]: s["model"] for s in httpx.get(f"{server.url}/v1/sessions", timeout=60).json()["data"]}
-    assert listed["bound"] == "smol"
+    assert listed["bound"] == "smol" and listed["other"] == "tiny-a"
+    fork = httpx.post(f"{server.url}/v1/sessions/bound/fork", json={"id": "other"}, timeout=60)
+    assert fork.status_code == 409 and fork.json()["error"]["code"] == "session_exists"  # (tiny-a's id)
+    for sid in ("bound", "other"):  # each session's routes reach its own model's core
+        snapshot = httpx.get(f"{server.url}/v1/sessions/{sid}/snapshot", timeout=60)
+        assert snapshot.status_code == 200 and len(snapshot.content) > 1000
     assert conversation(server.url, "smol", "bound")  # (its own model goes on with it)
 
 
@@ -290,3 +296,19 @@ def test_metrics_per_model(server):
     assert ("floe_generated_tokens_total", (("model", "smol"),)) in after
     health = httpx.get(server.url + "/health", timeout=60).json()
     assert health["models"]["tiny-a"]["loaded"] and health["models"]["tiny-a"]["sessions"]["live"] >= 1
+
+
+def test_model_names_from_flags_and_a_folder(tmp_path, model_files):
+    a, b = model_files["tiny-a"], model_files["tiny-b"]
+    assert model_specs(["smol=", f"a={a}", b]) == [ModelSpec("smol", None), ModelSpec("a", a),
+                                                   ModelSpec("tiny-b", b)]
+    for bad in (["../x=/tmp/x.gguf"], ["a=x", "a=y"], [".hidden=x"], ["x" * 200 + "=x"], ["a\n=x"]):
+        with pytest.raises(ValueError):
+            model_specs(bad)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "not-a-model").mkdir()
+    (tmp_path / "m.gguf").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+    assert models_in(tmp_path) == [ModelSpec("hf", str(tmp_path / "hf")),
+                                   ModelSpec("m", str(tmp_path / "m.gguf"))]

@@ -125,15 +125,17 @@ class ServedModel:
     def name(self) -> str:
         return self.spec.name
 
+    def registered(self, owner: str, sid: str) -> bool:
+        """Whether `owner`'s session `sid` is registered in this model's loaded core (no I/O)."""
+        core = self.core
+        if core is None:
+            return False
+        with core.store.lock:
+            return session_key(owner, sid) in core.store.sessions
+
     def holds(self, owner: str, sid: str) -> bool:
         """Whether `owner`'s session `sid` is this model's (registered while loaded, or in its store)."""
-        key = session_key(owner, sid)
-        core = self.core
-        if core is not None:
-            with core.store.lock:
-                if key in core.store.sessions:
-                    return True
-        return self.snapshots.has(key)
+        return self.registered(owner, sid) or self.snapshots.has(session_key(owner, sid))
 
     def describe(self) -> dict:
         core = self.core
@@ -365,10 +367,12 @@ class ModelRouter:
 
     def _refuse_elsewhere(self, served: ServedModel, owner, sid: str) -> None:
         """A 409 if `owner`'s session `sid` belongs to another model than `served`."""
-        if not isinstance(owner, str):
-            return  # (the core refuses it)
-        for other in self.models.values():
-            if other is not served and other.holds(owner, sid):
+        if not isinstance(owner, str) or served.registered(owner, sid):
+            return  # (the core refuses a bad owner); a session registered here is this model's: the
+            # other models' stores are asked only for a session this model has not seen (no I/O a turn)
+        others = [m for m in self.models.values() if m is not served]
+        for other in sorted(others, key=lambda m: not m.registered(owner, sid)):  # (no I/O first)
+            if other.holds(owner, sid):
                 raise ServeError(409, f"session {sid!r} belongs to the model {other.name!r}; ask that "
                                       f"model (or use a new session for {served.name!r})",
                                  code="session_model_mismatch", param="model")
@@ -410,15 +414,25 @@ class ModelRouter:
             return self._health(arg, owner) if name == "health" else self._metrics()
         if name == "sessions":
             return [s | {"model": m.name} for m in self._loaded() for s in m.core.call(name, arg, owner)]
-        sid = arg.get("id") if name == "fork" and isinstance(arg, dict) else arg
+        sid = arg
+        if name == "fork" and isinstance(arg, dict):
+            sid, new_id = arg.get("id"), arg.get("new_id")
+            if isinstance(new_id, str) and isinstance(owner, str) and MODEL_NAME.fullmatch(new_id):
+                if held := next((m for m in self.models.values() if m.holds(owner, new_id)), None):
+                    raise ServeError(409, f"session {new_id!r} exists (a session of the model "
+                                          f"{held.name!r}); fork into a new id", code="session_exists")
         return self._on_session_model(sid, owner, lambda core: core.call(name, arg, owner))
 
-    def _on_session_model(self, sid, owner, work: Callable[[ServeCore], object]):
-        """`work` on the core of the model that holds `owner`'s session `sid` (loaded for it); none
-        holds it: on the first model's (whose answer is then the core's 404 or 400)."""
-        served = self.first
+    def _session_model(self, sid, owner) -> ServedModel:
+        """The model that holds `owner`'s session `sid`; none holds it: the first (whose core then
+        answers its 404 or 400)."""
         if isinstance(sid, str) and isinstance(owner, str) and MODEL_NAME.fullmatch(sid):
-            served = next((m for m in self.models.values() if m.holds(owner, sid)), self.first)
+            return next((m for m in self.models.values() if m.holds(owner, sid)), self.first)
+        return self.first
+
+    def _on_session_model(self, sid, owner, work: Callable[[ServeCore], object]):
+        """`work` on the core of the model that holds `owner`'s session `sid` (loaded for it)."""
+        served = self._session_model(sid, owner)
         core = self.take(served)
         try:
             return work(core)
@@ -444,7 +458,21 @@ class ModelRouter:
         return generate_latest(self.registry).decode()
 
     def export(self, sid, owner) -> Iterator[memoryview]:
-        return self._on_session_model(sid, owner, lambda core: core.export(sid, owner))
+        """The session's snapshot bytes; its model stays loaded until they are sent (or dropped)."""
+        served = self._session_model(sid, owner)
+        core = self.take(served)
+        try:
+            chunks = core.export(sid, owner)
+        except BaseException:
+            self.release(served)
+            raise
+
+        def held() -> Iterator[memoryview]:
+            try:
+                yield from chunks
+            finally:
+                self.release(served)
+        return held()
 
     def import_(self, sid, owner, chunks: Iterable) -> dict:
         return self._on_session_model(sid, owner, lambda core: core.import_(sid, owner, chunks))
