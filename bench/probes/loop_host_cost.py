@@ -6,7 +6,7 @@ loop thread's time goes (cProfile of its steps, the top functions by own time).
 
 --ids: each reply streamed as token ids (a TokenStream, as `floe serve` streams), not as text.
 
-First, asking the guests alone (EngineLoop._ask_guests: host choices, on_token, what it returned),
+First, asking the guests alone (GuestCalls.ask: host choices, on_token, what it returned),
 µs a row, with the step's calls in one native loop (floe.wasm.rows) and row by row, taking turns.
 """
 
@@ -25,6 +25,7 @@ from cpu_batch import actors_run, message  # noqa: E402
 from tiny import tiny_engine, tokenizer  # noqa: E402
 
 from floe.actor import loop as engine_loop  # noqa: E402
+from floe.actor.calls import GuestCalls  # noqa: E402
 
 SORT_CUM = os.environ.get("SORT") == "cum"
 TOP = int(os.environ.get("TOP", "20"))
@@ -76,10 +77,10 @@ def main() -> None:
 
 
 def asking_ab(engine: Engine, texts: list[str], args) -> None:
-    """µs a row of EngineLoop._ask_guests, native loop vs row by row, `args.rounds` rounds each."""
+    """µs a row of GuestCalls.ask, native loop vs row by row, `args.rounds` rounds each."""
     from floe.wasm import rows as guest_rows
 
-    ask, usable = engine_loop.EngineLoop._ask_guests, guest_rows.usable
+    ask, usable = GuestCalls.ask, guest_rows.usable
     spent = {"native": [], "row by row": []}
 
     def timed(self, turns) -> None:
@@ -88,7 +89,7 @@ def asking_ab(engine: Engine, texts: list[str], args) -> None:
         timed.seconds += time.perf_counter() - t
         timed.rows += len(turns)
 
-    engine_loop.EngineLoop._ask_guests = timed
+    GuestCalls.ask = timed
     try:
         for _ in range(args.rounds):
             for way in spent:
@@ -97,7 +98,7 @@ def asking_ab(engine: Engine, texts: list[str], args) -> None:
                 actors_run(engine, texts, args.tokens, batch=True, ids=args.ids)
                 spent[way].append(1e6 * timed.seconds / max(timed.rows, 1))
     finally:
-        engine_loop.EngineLoop._ask_guests, guest_rows.usable = ask, usable
+        GuestCalls.ask, guest_rows.usable = ask, usable
     for way, us in spent.items():
         print(f"asking the guests, {way}: " + ", ".join(f"{u:.1f}" for u in us) + " µs a row")
 

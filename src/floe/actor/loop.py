@@ -47,23 +47,19 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from floe.actor.abi import LOGITS_COPIED, LOGITS_IN_PLACE, OK
-from floe.actor.choices import host_choices
-from floe.actor.turn import END_CANCELLED, END_CONTEXT_FULL, END_LENGTH, END_STOP, FED, STOP, Turn, TurnTable
+from floe.actor.calls import GuestCalls
+from floe.actor.turn import END_CANCELLED, END_CONTEXT_FULL, FED, Turn, TurnTable
 from floe.engine import Engine
 from floe.engine.engine import LaunchedStep
 from floe.engine.sampling import draw_uniforms
 from floe.errors import ContextOverflow
 from floe.wasm import (
     GuestDeadlineExceeded,
-    GuestError,
-    GuestReportedError,
-    GuestResultError,
     guest_calls_running,
     start_guest_thread,
     stop_all_guests,
 )
-from floe.wasm import rows as guest_rows
-from floe.wasm.rows import NONE, PLAIN, Col
+from floe.wasm.rows import NONE, Col
 
 if TYPE_CHECKING:
     from floe.actor.actor import Actor
@@ -116,12 +112,6 @@ class EngineLoop:
                  feed: bool | None = None, step_call_s: float = STEP_CALL_S,
                  native_rows: bool = True) -> None:
         self.engine, self.prefill_chunk, self.on_step, self.batch = engine, prefill_chunk, on_step, batch
-        self.token_call_s, self.step_call_s = token_call_s, min(step_call_s, token_call_s)
-        self.warm = False  # an on_token call has returned: calls are bound by step_call_s
-        self.native_rows = native_rows  # a step's on_token calls in one native loop (floe.wasm.rows)
-        if native_rows:  # loaded (built, once per machine) now, in the caller's thread: at the first step
-            guest_rows.native()  # it held a server's first burst ~0.3 s (importing the build tools)
-        self.native_calls = 0  # on_token calls made so
         # Speculate greedy rows (module doc) where the engine's forward runs while Python goes on.
         self.overlap = (engine.overlaps and batch) if overlap is None else overlap
         if self.overlap and not engine.logits_outlive_next_step:  # guests read them during the next one
@@ -132,6 +122,7 @@ class EngineLoop:
             raise ValueError("feeding needs overlap and an engine that takes fed tokens (Engine.feeds)")
         self._launched: list[Launched] = []  # forwards in flight, oldest first (two when fed)
         self.table = TurnTable(engine.cache.n_slots)  # its turns' per-token state (floe.actor.turn)
+        self.calls = GuestCalls(self.table, token_call_s, step_call_s, native_rows, self._refuse)
         self._cond = threading.Condition()
         self._arrived: list[Turn] = []
         self._active: list[Turn] = []
@@ -181,7 +172,7 @@ class EngineLoop:
             self._wait_out(turn)
             raise
         if turn.error is None and turn.calls_on_end:
-            turn.error = self._on_end(turn)
+            turn.error = self.calls.on_end(turn)
         if turn.error is not None:
             raise turn.error
         return turn.end
@@ -204,6 +195,16 @@ class EngineLoop:
                 with self._arrivals_counted:
                     self.arriving_now -= 1
                 self._arrival.release()
+
+    @property
+    def warm(self) -> bool:
+        """Whether an on_token call has returned (guest calls are then bound by step_call_s)."""
+        return self.calls.warm
+
+    @property
+    def native_calls(self) -> int:
+        """on_token calls made in the native loop so far."""
+        return self.calls.native_calls
 
     @property
     def busy(self) -> bool:
@@ -279,7 +280,7 @@ class EngineLoop:
             for turn in (*flight.turns, *flight.riding):
                 turn.flying = 0
         for turn in self._active:
-            self._finish(turn, END_CANCELLED, error)
+            turn.finish(END_CANCELLED, error)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -317,22 +318,21 @@ class EngineLoop:
             if turn.speculated == FED:  # its next row was fed the choice as the device made it
                 token = self.engine.fed_token(slot)
                 if token is None:  # which token was fed is not known (an engine that kept no record
-                    self.undone += 1  # of it): that row is undone, and its guest asked as any
-                    self._undo(turn)
+                    self._refuse(turn)  # of it): that row is undone, and its guest asked as any
                 else:
                     turn.fresh = False
                     turn.speculated = token
         # A fed step launched already: a fresh turn without a row in it (a prompt that rode in the
         # forward just taken, a fed row undone above) is asked first, and its token joins the next launch.
         speculated = [t for t in fresh if t.speculated is not None or (fed is None and self._speculate(t))]
-        self._ask_guests([t for t in fresh if t.speculated is None])
+        self.calls.ask([t for t in fresh if t.speculated is None])
         t2 = time.perf_counter()
         # The device idles from the end of the last forward to this launch: only what the launch
         # needs comes before it; speculated turns' bookkeeping and guests come after.
         if fed is None:
             self._launch([t for t in self._live() if t.next_token is not None], riding)
         t3 = time.perf_counter()
-        self._ask_guests(speculated)  # while the device computes their next logits
+        self.calls.ask(speculated)  # while the device computes their next logits
         t4 = time.perf_counter()
         for turn in self._active:
             if turn.end is None or turn.done.is_set() or turn.flying:
@@ -386,7 +386,7 @@ class EngineLoop:
         try:
             status = abi.run_queued(self.prefill_chunk)
         except BaseException as e:  # noqa: BLE001 - fails this turn only
-            self._finish(turn, END_CANCELLED, e)
+            turn.finish(END_CANCELLED, e)
             return
         if status != OK:
             turn.end = END_CONTEXT_FULL
@@ -472,7 +472,7 @@ class EngineLoop:
             try:
                 status = turn.actor.abi.took_prompt(len(ids), result, seconds, len(ids) + len(turns))
             except BaseException as e:  # noqa: BLE001 - fails this turn only
-                self._finish(turn, END_CANCELLED, e)
+                turn.finish(END_CANCELLED, e)
                 continue
             if status != OK:
                 turn.end = END_CONTEXT_FULL
@@ -503,14 +503,14 @@ class EngineLoop:
             elif isinstance(result, ContextOverflow):
                 turn.end = END_CONTEXT_FULL
             elif failed:
-                self._finish(turn, END_CANCELLED, result)
+                turn.finish(END_CANCELLED, result)
             else:
                 try:  # the logits now (the next forward overwrites the engine's buffer)
                     if turn.target is False:
                         turn.target = turn.abi.step_target()
                     kept = turn.abi.keep_logits(result, turn.target, record=False)
                 except BaseException as e:  # noqa: BLE001 - a bad logits buffer fails this turn only
-                    self._finish(turn, END_CANCELLED, e)
+                    turn.finish(END_CANCELLED, e)
                     continue
                 if kept == LOGITS_IN_PLACE:  # (counted: Turn.record)
                     turn.in_place += 1
@@ -539,6 +539,11 @@ class EngineLoop:
         slot = turn.actor.slot
         self.engine.kv_truncate(min(position, self.engine.kv_len(slot)), slot)
 
+    def _refuse(self, turn: Turn) -> None:
+        """The row `turn` was speculated with is not its guest's (counted): undone."""
+        self.undone += 1
+        self._undo(turn)
+
     def _undo(self, turn: Turn) -> None:
         """The row `turn` was speculated with (in the newest forward) is not its guest's: undone now
         (so the guest's own token goes at its position in the next forward), its results skipped, and
@@ -548,125 +553,6 @@ class EngineLoop:
         if turn.rng_before is not None:
             turn.actor.generator.set_state(turn.rng_before)
         turn.speculated = turn.rng_before = None
-
-    def _give_choices(self, turns: list[Turn], write: bool = True) -> None:
-        """Write the host's choice into the memory of each of `turns`' guests that asked for it
-        (choice_at): what its step computed (turn.choice), else drawn now, all in one batch (a
-        prompt's first token). write=False: only turn.choice is set; floe.wasm.rows writes (and
-        counts) it just before the guest's call."""
-        asking = [t for t in turns if t.end is None and t.abi.choice is not None]
-        if not asking:
-            return
-        tokens = [t.choice for t in asking]
-        if not write and None not in tokens:
-            return
-        if None in tokens:  # (a prompt's first token, where its step computed none)
-            try:
-                tokens = host_choices([t.abi for t in asking], tokens)
-            except BaseException as e:  # noqa: BLE001 - fails the turns it was for, not the engine's others
-                for turn in asking:
-                    self._finish(turn, END_CANCELLED, e)
-                return
-        for turn, token in zip(asking, tokens, strict=True):
-            turn.choice = token
-            if write:  # (else floe.wasm.rows writes and counts it)
-                turn.abi.give_choice(token, record=False)
-                turn.choices += 1  # (recorded by Turn.record, which charges its budget)
-
-    def _ask_guests(self, turns: list[Turn]) -> None:
-        """Give each of `turns` still running its host choice and ask its guest (_ask_guest): the
-        guests' calls in one native loop (floe.wasm.rows) where it can run, else one by one."""
-        asking = [t for t in turns if t.end is None]
-        if not asking:
-            return
-        # (a turn's guest checked at its first on_token here: Turn.head)
-        if not (self.native_rows and guest_rows.usable([t.guest for t in asking if not t.headed])):
-            self._give_choices(asking)
-            for turn in asking:
-                if turn.end is None:
-                    self._ask_guest(turn)
-            return
-        self._give_choices(asking, write=False)
-        asking = [t for t in asking if t.end is None]  # (a choice that failed ended its turn)
-        for turn in asking:
-            if not turn.headed:  # its first on_token here (its choice's address is fixed for the turn)
-                turn.head()
-        bound = self.step_call_s if self.warm else self.token_call_s
-        slots = np.fromiter((t.slot for t in asking), np.int64, len(asking))
-        failed = guest_rows.call_slots(self.table.array, slots, [t.guest for t in asking], "on_token", bound,
-                                       lambda k: asking[k].actor.take_pending())
-        self.native_calls += len(asking)
-        if len(failed) < len(asking):
-            self.warm = True
-        rows = self.table.array[slots]
-        judged = rows[:, Col.JUDGED]
-        # A plain token was taken whole into its row natively (floe.wasm.rows): its decoded id, and its
-        # stream where the reply streams ids (Turn.head). Python sees the rest: failures (judged 0),
-        # other tokens, and plain ones whose text it streams.
-        python = ((judged & PLAIN) == 0) | ((rows[:, Col.STREAMS] != 0) & (rows[:, Col.STREAM_N_AT] == 0))
-        for k in np.flatnonzero(python).tolist():
-            turn = asking[k]
-            if failed and k in failed:  # (its row's words are not this call's)
-                answer = failed[k]
-                if isinstance(answer, GuestError):
-                    turn.actor.name_last_log(answer)  # as Actor.guest_call does
-                self._finish(turn, END_CANCELLED, self._call_failure(turn, "on_token", bound, answer))
-            elif judged[k] & PLAIN:
-                try:
-                    turn.abi.stream(int(rows[k, Col.RESULT]))
-                except BaseException as e:  # noqa: BLE001 - fails this turn only
-                    self._finish(turn, END_CANCELLED, e)
-            else:
-                self._took(turn, int(rows[k, Col.RESULT]))
-
-    def _ask_guest(self, turn: Turn) -> None:
-        """Its guest's on_token: the next token (appended by the next forward, or confirming the
-        speculated one), a stop, or a failure of this turn."""
-        turn.fresh = turn.sampled = False
-        try:
-            token = self._guest_call(turn, "on_token")
-        except BaseException as e:  # noqa: BLE001 - fails this turn only
-            self._finish(turn, END_CANCELLED, e)
-            return
-        self._took(turn, token)
-
-    def _took(self, turn: Turn, token: int) -> None:
-        """What on_token returned: the next token, a stop, or a failure of this turn."""
-        abi = turn.abi
-        # A guest that also drew with sample() is not speculated: the next step's draw, made at its
-        # launch, would come before that sample() call in the generator (not so without overlap).
-        turn.takes_choice = token == turn.choice and not (turn.sampled and turn.draws)
-        confirmed = False
-        if turn.speculated is not None:  # its next row is in flight with the speculated token
-            confirmed = token == turn.speculated and 0 <= token < abi.vocab and (
-                turn.generated + 1 < turn.max_tokens)
-            turn.refused = not confirmed
-            if confirmed:  # the row is the guest's
-                turn.speculated = turn.rng_before = None
-            else:
-                self.undone += 1
-                self._undo(turn)
-        if token == STOP:
-            turn.end = END_STOP
-        elif token < 0:
-            self._finish(turn, END_CANCELLED, GuestResultError(
-                f"on_token returned {token} (an error: a token is >= 0, and -1 stops)"))
-        elif token >= abi.vocab:
-            self._finish(turn, END_CANCELLED, GuestResultError(
-                f"on_token returned token {token}, outside the vocabulary [0, {abi.vocab})"))
-        else:
-            turn.decode(token)
-            if abi.streams:
-                try:
-                    abi.stream(token)
-                except BaseException as e:  # noqa: BLE001 - fails this turn only
-                    self._finish(turn, END_CANCELLED, e)
-                    return
-            turn.generated += 1
-            if turn.generated >= turn.max_tokens:
-                turn.end = END_LENGTH
-            elif not confirmed:  # else the forward in flight has it
-                turn.next_token = token
 
     def _end(self, turn: Turn) -> None:
         """The turn's end, its rows all taken: its caller is woken, and calls its guest's on_end
@@ -683,53 +569,7 @@ class EngineLoop:
             error = GuestDeadlineExceeded(f"the message ran past its {actor.deadline_s:g} s deadline")
         else:
             turn.calls_on_end = actor.guest.has_function("on_end")
-        self._finish(turn, turn.end, error)
-
-    def _on_end(self, turn: Turn) -> BaseException | None:
-        """Its guest's on_end, in the caller's thread once the loop is done with the turn: what failed
-        it, if anything. It keeps the loop's bound on a call (ABI.md), as when the loop made it."""
-        try:
-            status = self._guest_call(turn, "on_end", turn.end)
-        except BaseException as e:  # noqa: BLE001 - the message's failure
-            return e
-        if status != 0:
-            return GuestReportedError(f"guest reported error {status} at the end of its turn", status)
-        return None
-
-    def _guest_call(self, turn: Turn, name: str, *args: int) -> int:
-        """A guest export called for the loop (on_token; on_end, in the caller's thread): every other
-        turn may wait for it, so it may take at most token_call_s while the loop is cold, step_call_s
-        once warm (and no longer than its message's deadline)."""
-        bound = self.step_call_s if self.warm else self.token_call_s
-        seconds = min(turn.deadline - time.monotonic(), bound)
-        try:
-            result = turn.actor.guest_call(name, *args, seconds=max(0.0, seconds))
-        except BaseException as e:
-            raise self._call_failure(turn, name, bound, e) from None
-        if name == "on_token":
-            self.warm = True
-        return result
-
-    def _call_failure(self, turn: Turn, name: str, bound: float, e: BaseException) -> BaseException:
-        """What a failed guest call of the loop fails its turn with: past the loop's bound (not the
-        message's deadline), a GuestDeadlineExceeded that says so; anything else as it is."""
-        if not isinstance(e, GuestDeadlineExceeded) or time.monotonic() >= turn.deadline:
-            return e
-        logs = turn.actor.logs  # its own bound, not the message's deadline
-        return GuestDeadlineExceeded(
-            f"guest {turn.actor.module.name}'s {name} ran past {bound:g} s, the most one "
-            "call from the engine loop may take (every other turn waits for it)"
-            + (f" (the guest's last log line: {logs[-1][:200]!r})" if logs else ""))
-
-    @staticmethod
-    def _finish(turn: Turn, end: int, error: BaseException | None) -> None:
-        """End the turn now and wake its caller, unless a launched forward still has its row: then
-        it ends (on_end is skipped for a failure) once that forward is taken."""
-        turn.end, turn.error = end, error
-        turn.record()  # what its rows crossed (a row still in flight is undone, not recorded)
-        if not turn.flying:
-            turn.set_done()
-
+        turn.finish(turn.end, error)
 
 _LOOPS: weakref.WeakKeyDictionary[Engine, EngineLoop] = weakref.WeakKeyDictionary()
 _LOOPS_LOCK = threading.Lock()

@@ -126,7 +126,7 @@ class Turn:
         self.end: int | None = None  # why it ended (END_*), once it has
         self.error: BaseException | None = None
         self.abandoned = False  # its caller stopped waiting (Ctrl-C): end it at the next step
-        self.calls_on_end = False  # ended well: its caller calls its guest's on_end (EngineLoop._on_end)
+        self.calls_on_end = False  # ended well: its caller calls its guest's on_end (GuestCalls.on_end)
         self.done = threading.Event()
         self.woken = woken  # its caller's, set at its end too (run's `deliver`)
         self.abi: HostABI = actor.abi
@@ -235,6 +235,14 @@ class Turn:
             for col in (W.ROWS, W.ROWS_S, W.IN_CALLS, W.IN_BYTES, W.OUT_CALLS, W.OUT_BYTES, W.IN_PLACE,
                         W.COPIED, W.CHOICES):
                 w[b + col] = 0  # (0.0 as a double: the same bits)
+
+    def finish(self, end: int, error: BaseException | None) -> None:
+        """End now and wake its caller, unless a launched forward still has its row: then it ends
+        (on_end is skipped for a failure) once that forward is taken (floe.actor.loop)."""
+        self.end, self.error = end, error
+        self.record()  # what its rows crossed (a row still in flight is undone, not recorded)
+        if not self.flying:
+            self.set_done()
 
     def set_done(self) -> None:
         self.settle()
