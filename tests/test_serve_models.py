@@ -50,6 +50,7 @@ def engine_of(path: str | None, default_checkpoint) -> Engine:
 def router_server(model_files, default_checkpoint, folder, **options) -> ThreadServer:
     """The app of a router over `model_files`, each model's sessions under `folder`/its name."""
     idle_seconds = options.pop("idle_seconds", 3600)
+    keys = {k: options.pop(k, ()) for k in ("keys", "operator_keys")}
 
     def load(spec: ModelSpec, store) -> ServeCore:
         return ServeCore(engine_of(spec.path, default_checkpoint), snapshots=store, model_id=spec.name,
@@ -57,7 +58,7 @@ def router_server(model_files, default_checkpoint, folder, **options) -> ThreadS
 
     stores = [(ModelSpec(name, path), snapshot_store(folder / name)) for name, path in model_files.items()]
     router = ModelRouter(stores, load, **options)
-    server = ThreadServer(app_of(router))
+    server = ThreadServer(app_of(router, **keys))
     server.router = router
     return server
 
@@ -312,3 +313,30 @@ def test_model_names_from_flags_and_a_folder(tmp_path, model_files):
     (tmp_path / "notes.txt").write_text("")
     assert models_in(tmp_path) == [ModelSpec("hf", str(tmp_path / "hf")),
                                    ModelSpec("m", str(tmp_path / "m.gguf"))]
+
+
+def test_the_operator_loads_and_unloads_a_model(model_files, default_checkpoint, references, tmp_path):
+    s = router_server({"smol": None, "tiny-a": model_files["tiny-a"]}, default_checkpoint, tmp_path,
+                      keys=("user-key", "operator-key"), operator_keys=("operator-key",))
+    try:
+        def post(path: str, key: str | None) -> httpx.Response:
+            headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+            return httpx.post(f"{s.url}/v1/models/{path}", headers=headers, timeout=120)
+
+        assert post("tiny-a/load", None).status_code == 401
+        assert post("tiny-a/load", "user-key").json()["error"]["code"] == "operator_only"
+        assert not s.router.models["tiny-a"].core
+        loaded_now = post("tiny-a/load", "operator-key")
+        assert loaded_now.status_code == 200 and loaded_now.json()["loaded"] is True
+        r = openai.OpenAI(base_url=f"{s.url}/v1", api_key="user-key", max_retries=0).chat.completions.create(
+            model="tiny-a", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert r.model == "tiny-a" and s.router.models["tiny-a"].loads == 1  # (no second load)
+        unloaded = post("tiny-a/unload", "operator-key")
+        assert unloaded.status_code == 200 and unloaded.json()["loaded"] is False
+        assert post("tiny-c/load", "operator-key").status_code == 404
+        assert post("..%2Ftiny-a/load", "operator-key").status_code in (404, 405)  # (a path: no route)
+        assert not s.router.models["tiny-a"].core
+    finally:
+        s.stop()
+    one = httpx.post(f"{references['smol'].url}/v1/models/smol/unload", timeout=60)
+    assert one.status_code == 400 and one.json()["error"]["code"] == "one_model"

@@ -205,6 +205,22 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
             return next(m for m in await client.call("models") if m["id"] == name)
         return described
 
+    @app.post("/v1/models/{name}/load")
+    async def load_model(name: str, request: Request):
+        return await model_call("load", name, request)
+
+    @app.post("/v1/models/{name}/unload")
+    async def unload_model(name: str, request: Request):
+        return await model_call("unload", name, request)
+
+    async def model_call(call: str, name: str, request: Request):
+        operator_only(request)  # (a model loaded or unloaded is every owner's)
+        if not app.state.models:
+            raise ServeError(400, "this server runs one model, loaded at its start (several: floe serve "
+                                  "--model NAME=PATH ...)", code="one_model")
+        _model(name)
+        return await client.call(call, name)
+
     @app.get("/metrics")
     async def prometheus(request: Request):
         operator_only(request)  # (every owner's requests, sessions and tokens, summed)

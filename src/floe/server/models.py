@@ -410,6 +410,8 @@ class ModelRouter:
             return self._vocab
         if name == "models":
             return [m.describe() | {"created": int(self.started)} for m in self.models.values()]
+        if name in ("load", "unload"):
+            return self._load_or_unload(name, self.model(arg))
         if name in ("health", "metrics"):
             return self._health(arg, owner) if name == "health" else self._metrics()
         if name == "sessions":
@@ -422,6 +424,17 @@ class ModelRouter:
                     raise ServeError(409, f"session {new_id!r} exists (a session of the model "
                                           f"{held.name!r}); fork into a new id", code="session_exists")
         return self._on_session_model(sid, owner, lambda core: core.call(name, arg, owner))
+
+    def _load_or_unload(self, call: str, served: ServedModel) -> dict:
+        """POST /v1/models/{id}/load or /unload: the model loaded now (as a request would load it), or
+        unloaded now (its live sessions frozen; a 409 while it runs a request)."""
+        if call == "load":
+            self.take(served)
+            self.release(served)
+        elif not self.unload(served, "asked") and served.core is not None:
+            raise ServeError(409, f"the model {served.name!r} is running requests; unload it once they "
+                                  "end", code="model_busy")
+        return served.describe() | {"created": int(self.started)}
 
     def _session_model(self, sid, owner) -> ServedModel:
         """The model that holds `owner`'s session `sid`; none holds it: the first (whose core then

@@ -19,7 +19,8 @@ Front to core, objects:
                                                  health, sessions, session, freeze, thaw, fork (A:
                                                  {"id": SID, "new_id": NEW or null}), let_go, delete,
                                                  metrics, models (a server of several models: each
-                                                 one's id and whether it is loaded; floe.server.models)
+                                                 one's id and whether it is loaded; floe.server.models),
+                                                 load, unload (A: a model's name)
                                                  (the session calls see O's sessions only)
   {"op": "export", "id": N, "arg": SID, "owner": O}   session SID's snapshot: "started", "data"s, "done"
   {"op": "import", "id": N, "arg": SID, "owner": O}   a snapshot for session SID follows: "data"s, then
@@ -55,7 +56,7 @@ MAX_REQUEST_BYTES = 8 << 20  # the front's default for a request body (floe.serv
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # floe serve --fronts N: where the fronts count their requests
 ROLES = ("system", "user", "assistant")
 CALLS = ("hello", "vocab", "health", "sessions", "session", "freeze", "thaw", "fork", "let_go", "delete",
-         "metrics", "models")
+         "metrics", "models", "load", "unload")
 # Who a request is for (floe.server.auth): "" on a server without API keys (one owner, everyone), else
 # a hash of the caller's key. Sessions belong to one owner; a request sees only its owner's.
 OWNER = re.compile(r"|[0-9a-f]{32}")  # fullmatch
