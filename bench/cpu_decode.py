@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from smoke import results, shrink
 
 from floe.bench import decode_bytes
 from floe.engine import Engine
@@ -173,7 +174,8 @@ def main() -> None:
     ap.add_argument("--kernels", default=None, help="native kernels, comma-separated (default: all here)")
     ap.add_argument("--no-dense", action="store_true", help="leave out floe fp32 and bf16")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_decode.json"))
-    args = ap.parse_args()
+    args = shrink(ap.parse_args(), prompt_tokens=16, decode_tokens=4, repeats=1)
+    args.out = results(args.out)
     torch.set_num_threads(args.threads)
 
     fp32 = load_checkpoint(args.model)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
+from smoke import results, shrink
 
 from floe.bench import wall_time
 from floe.engine import Engine, qgemv
@@ -64,18 +65,22 @@ def prompts(lengths: list[int], kernel: str, repeats: int, threads: int, name: s
     for length in lengths:
         prompt = ids[:length]
         runs = {name: floe_run(engine, prompt, []) for name, engine in what.items()}
-        runs["llama.cpp"] = llama_cpp_run(ckpt.source, threads, prompt, [])
+        try:
+            runs["llama.cpp"] = llama_cpp_run(ckpt.source, threads, prompt, [])
+        except ImportError:  # (the row goes on without its peer, as cpu_decode's)
+            print("llama-cpp-python is not installed (pip install -e '.[bench]'): peer skipped")
         times = {name: sorted(p) for name, (p, _) in interleaved(runs, repeats).items()}
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         cells = "".join(f"{ms[k]:.1f} ({t[0] * 1e3:.0f}-{t[-1] * 1e3:.0f})".rjust(22)
                         for k, t in times.items())
-        print(f"{length:>6}{cells}{ms['floe bands'] / ms['stored copy (ceiling)']:>13.2f}x"
-              f"{ms['floe bands'] / ms['llama.cpp']:>12.2f}x")
+        peer = f"{ms['floe bands'] / ms['llama.cpp']:>12.2f}x" if "llama.cpp" in ms else f"{'-':>13}"
+        print(f"{length:>6}{cells}{ms['floe bands'] / ms['stored copy (ceiling)']:>13.2f}x{peer}")
         record["prompts"][length] = {k: {"median_ms": ms[k], "runs_ms": [round(x * 1e3, 2) for x in t]}
                                      for k, t in times.items()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2))
-    print(f"wrote {RESULTS / name}.json")
+    out = results(RESULTS / f"{name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2))
+    print(f"wrote {out}")
 
 
 def projections(rows: int, threads: int) -> None:
@@ -112,6 +117,8 @@ def main() -> None:
     ap.add_argument("--kernel", default="auto", help="floe's native kernel (default: the best here)")
     ap.add_argument("--name", default="prompts", help="the JSON's name under bench/results/cpu_prefill")
     args = ap.parse_args()
+    if args.prompts:
+        args = shrink(args, prompts=[16], repeats=1)
     threads = args.threads_ or args.threads
     if args.prompts:
         torch.set_num_threads(threads)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from smoke import SMOKE, results, shrink
 
 from floe.actor import Actor, grammar_actor, send_json
 from floe.actor.grammar import instructed
@@ -57,14 +58,15 @@ def walks(reply) -> int:
     return int(line.split("mask walks ")[1].split(",")[0]) if line else -1
 
 
-def one_schema(engine: Engine, actor: Actor, name: str, schema: dict | None, repeats: int) -> dict:
+def one_schema(engine: Engine, actor: Actor, name: str, schema: dict | None, repeats: int,
+               max_tokens: int) -> dict:
     prompt = PROMPTS.get(name, "Make a customer record." if schema is KEYWORDS else "Describe your day.")
     started = time.perf_counter()
-    cold = send_json(actor, prompt, schema, fresh=True, max_tokens=160).reply
+    cold = send_json(actor, prompt, schema, fresh=True, max_tokens=max_tokens).reply
     cold_s = time.perf_counter() - started
     grammar, chat, guest_grammar, guest_chat, tokens = [], [], [], [], []
     for _ in range(repeats):
-        warm = send_json(actor, prompt, schema, fresh=True, max_tokens=160).reply
+        warm = send_json(actor, prompt, schema, fresh=True, max_tokens=max_tokens).reply
         n = warm.stats.generated_tokens
         with Actor(engine) as peer:  # the same user text, as many tokens, no grammar
             plain = peer.send(instructed(prompt, schema), max_tokens=n)
@@ -102,14 +104,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--validity", type=int, default=0, metavar="N",
                     help="sampled replies per schema to validate (0: none)")
-    args = ap.parse_args()
+    ap.add_argument("--max-tokens", type=int, default=160, help="a reply's most tokens")
+    args = shrink(ap.parse_args(), repeats=1, max_tokens=64, validity=min(ap.parse_args().validity, 1))
     torch.set_num_threads(args.threads)
     engine = Engine(load_checkpoint(), max_seq_len=2048, weights="native", n_slots=2)
     result = {"model": engine.checkpoint.name, "weights": engine.weights, "kernel": engine.native_kernel,
               "threads": args.threads, "vocabulary": vocabulary_read_s(engine), "schemas": []}
     with grammar_actor(engine) as actor:
-        for name, schema in [*SCHEMAS.items(), ("new keywords", KEYWORDS), ("plain JSON", None)]:
-            result["schemas"].append(one_schema(engine, actor, name, schema, args.repeats))
+        schemas = [*SCHEMAS.items(), ("new keywords", KEYWORDS), ("plain JSON", None)]
+        for name, schema in schemas[:1] + schemas[-1:] if SMOKE else schemas:
+            result["schemas"].append(one_schema(engine, actor, name, schema, args.repeats, args.max_tokens))
     print(f"{engine.checkpoint.name}, {engine.weights} weights ({engine.native_kernel}), "
           f"{args.threads} threads; vocabulary read once per actor: "
           f"{result['vocabulary']['vocabulary_read_s'] * 1e3:.0f} ms")
@@ -129,9 +133,10 @@ def main() -> None:
             invalid = [v for v in values if not valid(v, schema)]
             result["validity"][name] = {"replies": len(values), "invalid": len(invalid)}
             print(f"{name:16} {len(values)} sampled replies, {len(invalid)} invalid", flush=True)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {OUT}")
+    out = results(OUT)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

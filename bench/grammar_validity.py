@@ -23,6 +23,7 @@ from typing import Annotated
 
 import torch
 from pydantic import BaseModel, EmailStr, Field, ValidationError, conlist, constr
+from smoke import results, shrink
 
 from floe.actor import IncompleteJSON, grammar_actor, send_json
 from floe.engine import Engine, SamplingParams
@@ -93,7 +94,7 @@ def main() -> None:
     ap.add_argument("--replies", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=200)
-    args = ap.parse_args()
+    args = shrink(ap.parse_args(), replies=1, max_tokens=32)
     torch.set_num_threads(args.threads)
     engine = Engine(load_checkpoint(), max_seq_len=2048, weights="native", n_slots=1)
     result = {"model": engine.checkpoint.name, "replies": args.replies, "max_tokens": args.max_tokens,
@@ -121,9 +122,10 @@ def main() -> None:
         print(f"{name:8} {args.replies} replies: {refused} refused by pydantic, {unfinished} unfinished "
               f"within {args.max_tokens} tokens ({time.perf_counter() - t0:.0f} s)"
               + "".join(f"\n    {r}" for r in reasons), flush=True)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {OUT}")
+    out = results(OUT)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

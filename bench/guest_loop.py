@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import wasmtime
+from smoke import results, shrink
 
 from floe.actor import Actor
 from floe.bench import wall_time
@@ -139,10 +140,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    ap.add_argument("--calls", type=int, default=200_000, help="guest -> host calls timed a run")
+    args = shrink(ap.parse_args(), tokens=4, calls=10_000)
     torch.set_num_threads(args.threads)
 
-    calls = host_call_costs()
+    calls = host_call_costs(args.calls)
     mem = memory_modes()
     engine = Engine(load_checkpoint(), max_seq_len=1024, n_slots=2)
     paths = decode_paths(engine, args.tokens)
@@ -161,7 +163,7 @@ def main() -> None:
     print(f"  measured inside the guest path: engine {g['engine_ms_per_step']:.2f} ms/step, guest + ABI "
           f"{g['outside_engine_ms_per_step'] * 1e3:.0f} us/step "
           f"({100 * g['outside_engine_ms_per_step'] / g['engine_ms_per_step']:.2f} % of a step)")
-    out = Path(__file__).parent / "results" / "guest_loop.json"
+    out = results(Path(__file__).parent / "results" / "guest_loop.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"host_calls": calls, "memory": mem, "decode": paths}, indent=2))
 

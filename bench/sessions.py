@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from cpu_batch import actors_run, message
+from smoke import results, shrink
 
 from floe.engine import Engine, SamplingParams
 
@@ -115,7 +116,7 @@ def main() -> None:
     ap.add_argument("--client-streams", type=int, default=CLIENT_STREAMS,
                     help="serve: sessions one client process holds (the official client parses each "
                          "streamed chunk in Python: 8 streams kept a process ~95 %% busy on the H200 host)")
-    args = ap.parse_args()
+    args = shrink(ap.parse_args(), sessions=[1, 2], prompt_tokens=16, tokens=4, probe=1)
     params = SamplingParams(args.temperature, top_p=args.top_p)
     device = torch.device(args.device)
     sessions = args.sessions or ([1, 4, 16, 64] if device.type == "cuda" else [1, 8])
@@ -163,7 +164,7 @@ def main() -> None:
         print(f"{s:>8} {way:>7} {r.get('tok_s', 0):>9.1f} {share:>9} {stream:>8.1f} "
               f"{r.get('ttft_ms', 0):>9.1f} {probe:>10} {r.get('errors', '')!s:>6}")
     name = args.name or (args.shape or "default")
-    out = HERE / "results" / f"sessions_{device.type}_{name}.json"
+    out = results(HERE / "results" / f"sessions_{device.type}_{name}.json")
     out.parent.mkdir(exist_ok=True)
     about = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
              "shape": args.shape, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from smoke import results, shrink
 
 from floe import snapshot
 from floe.actor import Actor
@@ -63,7 +64,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    args = shrink(ap.parse_args(), lengths=[64])
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     engine = Engine(load_checkpoint(dtype=dtype), dtype=dtype, max_seq_len=max(args.lengths) + 256, n_slots=4)
@@ -127,7 +128,7 @@ def main() -> None:
             f"max logit err {r['int8_max_logit_error']:.3f}",
             flush=True,
         )
-    out = Path(__file__).parent / "results" / "snapshot.json"
+    out = results(Path(__file__).parent / "results" / "snapshot.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"dtype": args.dtype, "threads": args.threads, "rows": rows}, indent=2))
 

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import httpx
 import openai
+from smoke import results, shrink
 
 KEYS = {"good": "soak-good-" + "7" * 32, "hostile": "soak-hostile-" + "3" * 32}
 QUESTIONS = ["Tell me about {}.", "What is it best known for?", "Summarise that in one sentence.",
@@ -56,6 +57,14 @@ CHAT = "/v1/chat/completions"
 def pct(xs: list[float], q: float) -> float | None:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
+
+
+# The hostile kinds of a smoke run (bench/smoke.py): all but the slow senders, which wait out the
+# server's 10-30 s deadlines.
+SMOKE_KINDS = ("oversized_body", "text_past_the_bytes_bound", "text_past_the_context",
+               "nested_tool_arguments", "nested_body", "left_recursive_schema", "negative_max_length",
+               "reasoning_effort", "temperature_true", "malformed_json", "disconnect_mid_stream",
+               "long_streams", "other_keys_session", "wrong_key")
 
 
 def free_port() -> int:
@@ -435,7 +444,7 @@ def probe_idle(hostile: Hostile) -> dict[str, dict]:
         status = kind()
         return kind.__name__, {"status": status, "detail": hostile.local.detail}
 
-    kinds = [k for k in hostile.kinds() if k.__name__ != "long_streams"]
+    kinds = [k for k in hostile.kinds(hostile.args.hostile_kinds) if k.__name__ != "long_streams"]
     with ThreadPoolExecutor(len(kinds)) as pool:
         return dict(pool.map(one, kinds))
 
@@ -557,7 +566,9 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=60, help="RSS growth is measured from this far in")
     ap.add_argument("--sample-s", type=float, default=5, help="RSS sampling interval")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = shrink(ap.parse_args(), sessions=2, minutes=0.15, baseline_minutes=0.1, turns=2, max_tokens=4,
+                  long_streams=1, long_tokens=8, warmup_s=2, sample_s=1, queue_wait=30, hostile_rate=2.0,
+                  hostile_kinds=",".join(SMOKE_KINDS))
     folder = Path(tempfile.mkdtemp(prefix="floe-soak-"))
     server, port, model_id, log = start_server(args, folder)
     print(f"floe serve pid {server.pid} on port {port} ({model_id}); log {log}", flush=True)
@@ -602,7 +613,8 @@ def main() -> None:
     print(f"TTFT p95 ratio hostile/baseline: {result['ttft_p95_ratio']}; goals: {json.dumps(goals)}; "
           f"server exit after SIGTERM: {exit_status}; "
           f"{len(result['server_log_findings'])} log lines with errors")
-    out = Path(args.out or Path(__file__).parent / "results" / f"soak_{datetime.date.today():%Y-%m-%d}.json")
+    default = Path(__file__).parent / "results" / f"soak_{datetime.date.today():%Y-%m-%d}.json"
+    out = results(args.out or default)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
     print(f"wrote {out} (server log kept in {log})")

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from smoke import results, shrink
 
 from floe.actor import Actor
 from floe.engine import Engine, copyhash
@@ -168,7 +169,8 @@ def main() -> None:
     ap.add_argument("--shape", default=None, help="seeded random bf16 weights at this shape (CUDA runs)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder for --shape")
     ap.add_argument("--tiers", nargs="+", default=["pinned", "disk", "s3"], choices=["pinned", "disk", "s3"])
-    args = ap.parse_args()
+    args = shrink(ap.parse_args(), lengths=[64], repeats=1)
+    args.out = results(args.out)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     seq = max(args.lengths) + 64
