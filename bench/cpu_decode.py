@@ -102,7 +102,13 @@ def floe_engines(fp32, args, n: int, fp32_engine: Engine) -> dict[str, Engine]:
     """One engine per native kernel asked for, then (unless --no-dense) floe fp32 and bf16."""
     from floe.engine import qgemv
 
-    kernels = args.kernels.split(",") if args.kernels else [*qgemv.runnable(), "int4pack"]
+    here = [*qgemv.runnable(), "int4pack"]
+    asked = args.kernels.split(",") if args.kernels else here
+    kernels = [k for k in asked if k in here]
+    for k in sorted(set(asked) - set(here)):  # (a command written for another CPU runs the rest)
+        print(f"the {k} kernel does not run on this CPU: left out")
+    if not kernels:
+        raise SystemExit(f"none of the kernels asked for runs on this CPU (here: {', '.join(here)})")
     engines = {f"floe native ({k})": Engine(fp32, max_seq_len=n, weights="native", native_kernel=k)
                for k in kernels}
     if not args.no_dense:
