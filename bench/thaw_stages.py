@@ -25,7 +25,8 @@ from floe.actor import Actor
 from floe.engine import Engine
 from floe.model.hf_folder import tokenizer_from_folder
 from floe.model.synthetic import random_checkpoint
-from floe.snapshot import Snapshot, _digests, _map_safetensors, checksum_v1
+from floe.snapshot import Snapshot, checksum_v1
+from floe.snapshot.file import _digests, _map_safetensors
 
 
 def timed(fn, n: int = 5):
