@@ -205,7 +205,8 @@ def test_an_idle_model_is_unloaded_its_memory_released_and_its_session_continues
 
 
 def test_a_request_keep_alive_sets_its_model_idle_time(model_files, default_checkpoint, tmp_path):
-    s = router_server(model_files, default_checkpoint, tmp_path, idle_seconds=0.5)  # kept for ever
+    s = router_server(model_files, default_checkpoint, tmp_path, idle_seconds=0.5,  # kept for ever, and
+                      memory_budget=64 << 30)  # a budget that holds them all
     try:
         messages = []
         turn(s.url, "tiny-a", "kept", messages, "Hi", keep_alive="10m")
@@ -219,14 +220,16 @@ def test_a_request_keep_alive_sets_its_model_idle_time(model_files, default_chec
         s.stop()
 
 
+@pytest.mark.parametrize("limit", [{"max_loaded": 1}, {"memory_budget": 1}], ids=["max_loaded", "budget"])
 def test_one_model_loaded_at_a_time_alternating_requests_answer_and_sessions_thaw(
-        model_files, default_checkpoint, references, tmp_path):
-    """--max-loaded 1: each request for the other model unloads the one loaded (its live session frozen
-    first); alternating turns of two sessions answer as uninterrupted one-model servers' do, and requests
-    for both models at once all answer (a load waits for the loaded model's request to end)."""
+        model_files, default_checkpoint, references, tmp_path, limit):
+    """--max-loaded 1, or a memory budget that holds one model (here: none; alone, a model loads): each
+    request for the other model unloads the one loaded (its live session frozen first); alternating
+    turns of two sessions answer as uninterrupted one-model servers' do, and requests for both models at
+    once all answer (a load waits for the loaded model's request to end)."""
     expected = {name: conversation(references[name].url, name, f"ref-max-{name}")
                 for name in ("tiny-a", "tiny-b")}
-    s = router_server(model_files, default_checkpoint, tmp_path, max_loaded=1)
+    s = router_server(model_files, default_checkpoint, tmp_path, **limit)
     try:
         messages = {"tiny-a": [], "tiny-b": []}
         replies = {"tiny-a": [], "tiny-b": []}
@@ -236,6 +239,7 @@ def test_one_model_loaded_at_a_time_alternating_requests_answer_and_sessions_tha
                 assert [m for m, up in loaded(s.url).items() if up] == [name]
         assert replies == expected
         assert s.router.models["tiny-a"].loads == 2 and s.router.models["tiny-b"].loads == 2
+        assert client(s.url).models.retrieve("tiny-b").model_extra["bytes"] > 0  # (measured at its load)
         with ThreadPoolExecutor(4) as pool:
             runs = {(name, i): pool.submit(conversation, s.url, name, f"both-{name}-{i}")
                     for i in range(2) for name in ("tiny-a", "tiny-b")}

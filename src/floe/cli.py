@@ -405,6 +405,7 @@ def _serve_models(args: argparse.Namespace):
 def _model_router(args: argparse.Namespace, specs, device, weights: str):
     """The engine cores of several models, each made when a request first names it (floe.server.models):
     each model's sessions in a folder (or prefix) of its own under --snapshots."""
+    from floe.memory import rss_bytes
     from floe.server.models import ModelRouter
 
     if args.max_loaded is not None and args.max_loaded < 1:
@@ -416,7 +417,13 @@ def _model_router(args: argparse.Namespace, specs, device, weights: str):
 
     stores = [(spec, _serve_store(args, spec.name)) for spec in specs]
     say = lambda text: print(f"floe serve: {text}", file=sys.stderr, flush=True)  # noqa: E731
-    return ModelRouter(stores, load, keep_alive=args.keep_alive, max_loaded=args.max_loaded, say=say)
+    footprint = rss_bytes  # (a model's bytes: what the process grew by while it loaded)
+    if device.type == "cuda":
+        import torch
+
+        footprint = lambda: torch.cuda.memory_allocated(device)  # noqa: E731
+    return ModelRouter(stores, load, keep_alive=args.keep_alive, max_loaded=args.max_loaded,
+                       memory_budget=args.memory_budget, footprint=footprint, say=say)
 
 
 def _serve_ray(args: argparse.Namespace, keys: tuple[str, ...], operators: tuple[str, ...]) -> int:
@@ -726,6 +733,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-loaded", type=int, default=None, metavar="N",
                        help="with several models: at most N loaded at once; loading one more unloads the "
                             "least recently used (its live sessions frozen first)")
+    serve.add_argument("--memory-budget", type=_bytes, default=None, metavar="BYTES",
+                       help="with several models: the most their engines may take together (on a GPU its "
+                            "memory, else RAM; each measured at its load); loading one more unloads the "
+                            "least recently used until it fits")
     serve.add_argument("--model-id", action="append", metavar="NAME",
                        help="the model name clients send (default: the file's name); again for aliases "
                             "(many tools hard-code a name), '*' to accept any")

@@ -23,7 +23,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from floe.memory import trim_heap
+from floe.memory import rss_bytes, trim_heap
 from floe.server.core import ServeCore
 from floe.server.protocol import ServeError
 from floe.server.records import SESSION_ID, session_key
@@ -90,6 +90,17 @@ def shown(name) -> str:
     return repr(text[:SHOWN]) + ("…" if len(text) > SHOWN else "")
 
 
+def weights_bytes(path: str | None) -> int:
+    """The bytes of a model's weights files (a GGUF file, a folder's safetensors; None: the default
+    model's): what its load will take at least, before it was measured."""
+    from floe.model import default_model_path
+
+    p = Path(path).expanduser() if path is not None else default_model_path()
+    if p.is_dir():
+        return sum(f.stat().st_size for f in p.glob("*.safetensors"))
+    return p.stat().st_size if p.exists() else 0
+
+
 def keep_alive_seconds(value) -> float:
     """A request's `keep_alive` (Ollama's): seconds, or a duration ("30s", "5m", "1h"); negative: for
     ever (math.inf). Raises a 400 for anything else."""
@@ -118,6 +129,7 @@ class ServedModel:
         self.last_used = time.monotonic()
         self.keep_alive: float | None = None  # the last request's keep_alive, seconds (None: the server's)
         self.load_seconds = 0.0  # the last load's
+        self.nbytes: int | None = None  # what its last load took (the router's footprint: RAM or device)
         self.loads = 0
         self.tokens = {"prompt": 0, "generated": 0}  # of its answered requests, across its loads
 
@@ -140,7 +152,7 @@ class ServedModel:
     def describe(self) -> dict:
         core = self.core
         return {"id": self.name, "object": "model", "owned_by": "floe", "loaded": core is not None,
-                "load_seconds": self.load_seconds if self.loads else None,
+                "load_seconds": self.load_seconds if self.loads else None, "bytes": self.nbytes,
                 "sessions": None if core is None else core.store.counts()}
 
 
@@ -210,12 +222,15 @@ class ModelRouter:
     sessions and no request stays loaded (None: for ever; a request's keep_alive sets its model's);
     max_loaded: models loaded at once (None: any), loading one more unloads the least recently used
     idle one (its live sessions frozen into its store first; every loaded one in use: the load waits
-    for one, at most wait_seconds, then a 503). say(text): progress for the server's log.
+    for one, at most wait_seconds, then a 503); memory_budget: the same for the loaded models' bytes,
+    each model's measured by `footprint()` (the process's RSS; on a GPU its allocated bytes) before and
+    after its load (at least its weights files' size). say(text): progress for the server's log.
     """
 
     def __init__(self, models: list[tuple[ModelSpec, SnapshotStore]],
                  load: Callable[[ModelSpec, SnapshotStore], ServeCore], *, keep_alive: float | None = None,
-                 max_loaded: int | None = None, wait_seconds: float = 30.0,
+                 max_loaded: int | None = None, memory_budget: int | None = None,
+                 footprint: Callable[[], int] = rss_bytes, wait_seconds: float = 30.0,
                  say: Callable[[str], None] = log.info) -> None:
         if not models:
             raise ValueError("no models to serve")
@@ -226,7 +241,7 @@ class ModelRouter:
         self.load_core, self.keep_alive, self.max_loaded, self.say = load, keep_alive, max_loaded, say
         self.lock = threading.Lock()  # guards each model's users and core across models
         self.idle = threading.Condition(self.lock)  # notified when a model's last user lets it go
-        self.wait_seconds = wait_seconds
+        self.wait_seconds, self.memory_budget, self.footprint = wait_seconds, memory_budget, footprint
         self.started = time.time()
         self._ids_ok: dict[str, bool] = {}  # per model: its tokens are the front's vocab's (streams ids)
         self.take(self.first)
@@ -262,10 +277,13 @@ class ModelRouter:
                 return core
             try:
                 self._make_room(served)
-                started = time.perf_counter()
+                started, before = time.perf_counter(), self.footprint()
                 self.say(f"loading model {served.name} ({served.spec.path or 'the default model'}) …")
                 core = self.load_core(served.spec, served.snapshots)
                 core.keep_spares()
+                # (at least its weights' size: the growth misses memory an unloaded model freed and the
+                # heap had not handed back yet)
+                served.nbytes = max(self.footprint() - before, weights_bytes(served.spec.path))
             except BaseException as e:
                 self.release(served)
                 if isinstance(e, ServeError):
@@ -275,7 +293,7 @@ class ModelRouter:
             served.load_seconds, served.loads = time.perf_counter() - started, served.loads + 1
             with self.lock:
                 served.core = core
-            self.say(f"model {served.name} loaded in {served.load_seconds:.2f} s")
+            self.say(f"model {served.name} loaded in {served.load_seconds:.2f} s ({served.nbytes >> 20} MiB)")
             return core
 
     def release(self, served: ServedModel) -> None:
@@ -285,23 +303,34 @@ class ModelRouter:
             if not served.users:
                 self.idle.notify_all()
 
+    def _fits(self, loading: ServedModel, loaded: list[ServedModel]) -> bool:
+        """Whether `loading` fits beside `loaded`: max_loaded, and memory_budget (the loaded models'
+        measured bytes and `loading`'s: measured at its last load, else its weights' size); alone, a
+        model always loads."""
+        if self.max_loaded is not None and len(loaded) >= self.max_loaded:
+            return False
+        if self.memory_budget is None or not loaded:
+            return True
+        wanted = loading.nbytes if loading.nbytes is not None else weights_bytes(loading.spec.path)
+        return sum(m.nbytes or 0 for m in loaded) + wanted <= self.memory_budget
+
     def _make_room(self, loading: ServedModel) -> None:
-        """Unload the least recently used idle models until `loading` fits max_loaded (every loaded model
-        in use: wait for one to be let go, at most wait_seconds, then a 503)."""
+        """Unload the least recently used idle models until `loading` fits (_fits; every loaded model in
+        use: wait for one to be let go, at most wait_seconds, then a 503)."""
         deadline = time.monotonic() + self.wait_seconds
-        while self.max_loaded is not None:
+        while True:
             with self.lock:
                 while True:
                     loaded = [m for m in self.models.values() if m.core is not None and m is not loading]
-                    if len(loaded) < self.max_loaded:
+                    if self._fits(loading, loaded):
                         return
                     victim = min((m for m in loaded if not m.users), key=lambda m: m.last_used, default=None)
                     if victim is not None:
                         break
                     if not self.idle.wait(deadline - time.monotonic()):
-                        raise ServeError(503, f"every loaded model ({self.max_loaded}, --max-loaded) is "
-                                              f"running requests; {loading.name!r} loads once one is idle",
-                                         "server_error", "server_busy")
+                        raise ServeError(503, f"every loaded model ({len(loaded)}) is running requests; "
+                                              f"{loading.name!r} loads once one is idle (--max-loaded, "
+                                              "--memory-budget)", "server_error", "server_busy")
             self.unload(victim, "to make room for " + loading.name)
 
     def unload(self, served: ServedModel, why: str) -> bool:
