@@ -344,3 +344,40 @@ def test_the_operator_loads_and_unloads_a_model(model_files, default_checkpoint,
         s.stop()
     one = httpx.post(f"{references['smol'].url}/v1/models/smol/unload", timeout=60)
     assert one.status_code == 400 and one.json()["error"]["code"] == "one_model"
+
+
+def test_a_model_of_another_tokenizer_streams_its_text_as_a_one_model_server_does(
+        default_checkpoint, tmp_path):
+    """The front's token table is the first model's: a model with a SentencePiece vocabulary (whose
+    decode drops a reply's first space) streams text instead, the same text, streamed or not, as a
+    one-model server of it gives."""
+    from models import convert_to_gguf, save_hf_folder
+    from test_tokenizer_sentencepiece import write_sentencepiece_gguf
+
+    from floe.model.gguf_file import GGUFFile
+
+    spm = GGUFFile(write_sentencepiece_gguf(tmp_path / "vocabulary.gguf", "llama")).fields
+    fields = {k: v for k, v in spm.items() if k.startswith("tokenizer.")}
+    tokens = fields["tokenizer.ggml.tokens"]
+    picks = [i for i, t in enumerate(tokens) if t.startswith("\u2581") and len(t) > 1]
+    save_hf_folder(tmp_path / "hf", "mistral", tie=False, vocab_size=len(tokens), picks=picks)
+    path = str(convert_to_gguf(tmp_path / "hf", tmp_path / "sp.gguf", tokenizer=fields))
+    one = ThreadServer(create_app(engine_of(path, default_checkpoint), model_id="sp",
+                                  snapshots=tmp_path / "one", idle_seconds=3600))
+    s = router_server({"smol": None, "sp": path}, default_checkpoint, tmp_path / "several")
+    try:
+        def texts(url: str) -> list[str]:
+            c, messages = client(url), [{"role": "user", "content": "Hello there, how are you?"}]
+            plain = c.chat.completions.create(model="sp", messages=messages, max_tokens=10, temperature=0)
+            streamed = c.chat.completions.create(model="sp", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True)
+            return [plain.choices[0].message.content,
+                    "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)]
+
+        expected = texts(one.url)
+        assert expected[0] == expected[1] and not expected[0].startswith(" ")
+        assert texts(s.url) == expected
+        assert s.router._ids_ok == {"sp": False}  # (text, not ids: its tokens are not the front's table's)
+    finally:
+        s.stop()
+        one.stop()
