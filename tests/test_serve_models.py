@@ -198,6 +198,11 @@ def test_an_idle_model_is_unloaded_its_memory_released_and_its_session_continues
         gc.collect()
         after = rss_bytes()
         assert after < loaded_rss - (loaded_rss - before) / 2, (before, loaded_rss, after)
+        listed = httpx.get(f"{s.url}/v1/sessions", timeout=60).json()["data"]  # (read from its store)
+        assert [(x["id"], x["model"], x["state"], x["messages"]) for x in listed] == [
+            ("idle", "tiny-a", "frozen", 2)]
+        one = httpx.get(f"{s.url}/v1/sessions/idle", timeout=60).json()
+        assert one["state"] == "frozen" and one["snapshot_bytes"] > 0 and not loaded(s.url)["tiny-a"]
         replies.append(turn(s.url, "tiny-a", "idle", messages, TURNS[1]))
         assert replies == expected and s.router.models["tiny-a"].loads == 2
     finally:
@@ -257,7 +262,9 @@ def test_floe_serve_loads_a_named_model_on_demand_and_unloads_it_idle(model_file
     url = f"http://127.0.0.1:{port}"
     try:
         rss = psutil.Process(proc.pid).memory_info
-        base = rss().rss
+        health = lambda: httpx.get(url + "/health", timeout=60).json()["models"]["smol"]  # noqa: E731
+        wait_for(lambda: health()["sessions"]["spare_actors"] == 4)  # (settled: the first model's spares
+        base = rss().rss  # made, which the RSS below must not count as the second model's)
         assert loaded(url) == {"smol": True, "tiny-a": False}
         r = client(url).chat.completions.create(model="tiny-a", messages=[{"role": "user", "content": "Hi"}],
                                                 max_tokens=4, temperature=0)

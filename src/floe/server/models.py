@@ -26,7 +26,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from floe.memory import rss_bytes, trim_heap
 from floe.server.core import ServeCore
 from floe.server.protocol import ServeError
-from floe.server.records import SESSION_ID, session_key
+from floe.server.records import SESSION_ID, NotASession, session_key, split_key
+from floe.server.sessions.registry import SessionRegistry
+from floe.snapshot import SnapshotError
 from floe.snapshot.store import SnapshotStore
 
 log = logging.getLogger("floe.serve")
@@ -123,6 +125,7 @@ class ServedModel:
 
     def __init__(self, spec: ModelSpec, snapshots: SnapshotStore) -> None:
         self.spec, self.snapshots = spec, snapshots
+        self._reader = SessionRegistry(snapshots)  # reads its sessions' records while it is not loaded
         self.core: ServeCore | None = None
         self.lock = threading.Lock()  # one load or unload of this model at a time
         self.users = 0  # requests and calls holding the core now (never unloaded under them)
@@ -148,6 +151,23 @@ class ServedModel:
     def holds(self, owner: str, sid: str) -> bool:
         """Whether `owner`'s session `sid` is this model's (registered while loaded, or in its store)."""
         return self.registered(owner, sid) or self.snapshots.has(session_key(owner, sid))
+
+    def stored_sessions(self, owner: str) -> list[dict]:
+        """`owner`'s sessions in this model's store, described from their snapshots' headers (while the
+        model is not loaded: all of them are frozen)."""
+        found = []
+        for entry in sorted(self.snapshots.home.entries(), key=lambda e: e.key):
+            named = split_key(entry.key)
+            if named is None or named[0] != owner:
+                continue
+            try:
+                session = self._reader.read(entry.key)
+            except (SnapshotError, NotASession):
+                continue  # (named in the log when the model loads)
+            session.snapshot_bytes = entry.nbytes
+            session.last_used = time.monotonic() - max(0.0, time.time() - entry.used_at)
+            found.append(session.describe())
+        return found
 
     def describe(self) -> dict:
         core = self.core
@@ -443,8 +463,13 @@ class ModelRouter:
             return self._load_or_unload(name, self.model(arg))
         if name in ("health", "metrics"):
             return self._health(arg, owner) if name == "health" else self._metrics()
-        if name == "sessions":
-            return [s | {"model": m.name} for m in self._loaded() for s in m.core.call(name, arg, owner)]
+        if name == "sessions":  # a model not loaded: its frozen sessions, from its store's headers
+            return [s | {"model": m.name} for m in self.models.values()
+                    for s in (m.core.call(name, arg, owner) if m.core else m.stored_sessions(owner))]
+        if name == "session" and isinstance(arg, str) and isinstance(owner, str):
+            served = self._session_model(arg, owner)
+            if served.core is None and served.holds(owner, arg):  # (read, not loaded for a look)
+                return next(s for s in served.stored_sessions(owner) if s["id"] == arg)
         sid = arg
         if name == "fork" and isinstance(arg, dict):
             sid, new_id = arg.get("id"), arg.get("new_id")
