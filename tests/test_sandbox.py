@@ -625,7 +625,7 @@ def test_a_guest_that_ignores_its_consumer_leaving_is_stopped_soon_after(tiny_en
     """A v1 guest that goes on emitting after emit answered "stop" (its stream's consumer left) is
     stopped STOP_GRACE_S later, not at its message deadline (300 s here): its slot and the core are
     free again, and the actor answers its next message."""
-    from floe.actor.actor import STOP_GRACE_S
+    from floe.actor.host import STOP_GRACE_S
 
     ignores = guest("(loop $forever (drop (call $emit (i32.const 16) (i32.const 2))) (br $forever)) "
                     "(i32.const 0)")

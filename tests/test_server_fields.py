@@ -7,7 +7,7 @@ import httpx
 import pytest
 from test_server import CONTEXT, MODEL_ID, ThreadServer
 
-from floe.actor.actor import MessageStats
+from floe.actor.host import MessageStats
 from floe.engine import Engine
 from floe.server.app import create_app
 

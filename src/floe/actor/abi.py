@@ -38,6 +38,7 @@ from floe.actor.budget import (  # noqa: F401 - the limits are the ABI's too (te
     TEXT_CAP_PER_CAP,
     HostBudget,
 )
+from floe.actor.host import LOG_LINES_KEPT  # noqa: F401 - (the ABI's limit: tests read it here)
 from floe.engine.sampling import SamplingParams, sample_token
 from floe.errors import ContextOverflow, InvalidSamplingParams
 from floe.memory import OutOfBounds
@@ -50,7 +51,7 @@ from floe.wasm import (
 from floe.wasm.raw import describe, trap_new
 
 if TYPE_CHECKING:
-    from floe.actor.actor import Actor
+    from floe.actor.host import GuestHost
     from floe.actor.stream import TokenStream
     from floe.model.tokenizer import Rendered
 
@@ -69,7 +70,6 @@ REQUEST = struct.Struct("<IfifQ8x")  # max_tokens, temperature, top_k, top_p, se
 _MASK32 = 0xFFFFFFFF
 
 MAX_IDS_PER_CALL = 1 << 16  # detokenize
-LOG_LINES_KEPT = 64
 LOG_LINE_BYTES = 4096
 
 NO_IDS = torch.empty(0, dtype=torch.long)  # nothing queued (shared: queued ids are replaced, never written)
@@ -86,7 +86,7 @@ def _i32(word: int) -> int:
 class HostABI:
     """The `floe` import module for one actor. Holds per-message state (the last logits)."""
 
-    def __init__(self, actor: Actor) -> None:
+    def __init__(self, actor: GuestHost) -> None:
         self.actor = actor
         self.engine = actor.engine
         self.tokenizer = actor.engine.tokenizer

@@ -62,7 +62,7 @@ from floe.wasm import (
 from floe.wasm.rows import NONE, Col
 
 if TYPE_CHECKING:
-    from floe.actor.actor import Actor
+    from floe.actor.host import GuestHost
 
 log = logging.getLogger("floe.actor")
 
@@ -143,7 +143,7 @@ class EngineLoop:
 
     # ---- the caller's side ------------------------------------------------------------------------
 
-    def run(self, actor: Actor, max_tokens: int, deadline: float,
+    def run(self, actor: GuestHost, max_tokens: int, deadline: float,
             deliver: tuple[threading.Event, Callable[[], None]] | None = None) -> int:
         """Run the turn `actor`'s on_message has just queued, until it ends; why it ended (END_*).
         Raises what failed it (a GuestError of its guest, an engine error). deliver: (an event, a
@@ -382,7 +382,7 @@ class EngineLoop:
         return [t for t in self._active if t.end is None]
 
     def _prefill(self, turn: Turn) -> None:
-        abi = turn.actor.abi
+        abi = turn.abi
         try:
             status = abi.run_queued(self.prefill_chunk)
         except BaseException as e:  # noqa: BLE001 - fails this turn only
@@ -400,9 +400,9 @@ class EngineLoop:
         if turn.speculated is not None or not (self.overlap and turn.takes_choice
                                                and turn.generated + 1 < turn.max_tokens):
             return False
-        if turn.choice is None or not 0 <= turn.choice < turn.actor.abi.vocab:
+        if turn.choice is None or not 0 <= turn.choice < turn.abi.vocab:
             return False
-        if turn.choice in turn.actor.abi.tokenizer.eos_ids:  # the chat guests stop there: no row to undo
+        if turn.choice in turn.abi.tokenizer.eos_ids:  # the chat guests stop there: no row to undo
             return False
         turn.fresh = False
         turn.next_token = turn.speculated = turn.choice
@@ -470,7 +470,7 @@ class EngineLoop:
             if turn.end is not None:
                 continue  # its prompt stays in the cache, as a prefill before a cancellation leaves it
             try:
-                status = turn.actor.abi.took_prompt(len(ids), result, seconds, len(ids) + len(turns))
+                status = turn.abi.took_prompt(len(ids), result, seconds, len(ids) + len(turns))
             except BaseException as e:  # noqa: BLE001 - fails this turn only
                 turn.finish(END_CANCELLED, e)
                 continue

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from floe.actor.actor import Actor
+    from floe.actor.host import GuestHost
 
 Mark = tuple[int, int]  # what a reader has taken of a stream: (ids, emitted byte strings)
 
@@ -36,7 +36,7 @@ class TokenStream:
         self.count = np.zeros(1, np.int64)
         self.emitted: list[tuple[int, bytes]] = []
         self.stopped = False
-        self._actor: Actor | None = None
+        self._actor: GuestHost | None = None
 
     @property
     def has_bytes(self) -> bool:
@@ -91,7 +91,7 @@ class TokenStream:
         if actor is not None:
             actor.stop_requested = True
 
-    def attach(self, actor: Actor) -> None:
+    def attach(self, actor: GuestHost) -> None:
         """The message `actor` is about to run writes here (after it cleared stop_requested)."""
         self._actor = actor
         if self.stopped:  # (stopped before: the message stops at once)

@@ -18,7 +18,7 @@ from floe.wasm import rows as guest_rows
 
 if TYPE_CHECKING:
     from floe.actor.abi import HostABI
-    from floe.actor.actor import Actor
+    from floe.actor.host import GuestHost
     from floe.wasm import GuestInstance
 
 STOP = -1  # what on_token returns to end the turn
@@ -115,7 +115,7 @@ class Turn:
     copied = _word(W.COPIED)
     choices = _word(W.CHOICES)
 
-    def __init__(self, actor: Actor, max_tokens: int, deadline: float,
+    def __init__(self, actor: GuestHost, max_tokens: int, deadline: float,
                  woken: threading.Event | None = None) -> None:
         self.actor = actor
         self.deadline = deadline  # time.monotonic()

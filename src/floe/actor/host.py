@@ -1,0 +1,164 @@
+"""The host side of one guest instance — what its host calls (floe.actor.abi) and the engine loop
+(floe.actor.loop) use of an actor: its engine, guest and KV slot, its RNG, the message it runs (the
+request, stats, ledger, logs, where its text goes, whether it was asked to stop) and the guest calls
+made within it. Actor (floe.actor.actor) is a GuestHost with the API on top: the layers below it name
+this, never the Actor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from floe.engine import Engine, SamplingParams
+from floe.memory import Region
+from floe.profile import Ledger
+from floe.wasm import GuestError, GuestInstance, GuestModule
+
+LOG_LINES_KEPT = 64  # a guest's log lines kept (the last ones)
+STOP_GRACE_S = 2.0  # a guest asked to stop that goes on is stopped this much later (stop_requested)
+
+
+@dataclass
+class Request:
+    """What one message asks of the guest; the guest reads it through `request()`."""
+
+    max_tokens: int = 256
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class MessageStats:
+    prompt_tokens: int = 0  # tokens prefilled (beyond what the KV cache already held)
+    context_tokens: int = 0  # the whole prompt: tokens in the KV cache after the first forward
+    first_forward_tokens: int = 0  # tokens the first forward computed (≥ 1 even if all were cached)
+    sampled: list[int] = field(default_factory=list)  # non-EOS tokens the host sampled
+    decoded: list[int] = field(default_factory=list)  # tokens the guest fed back one at a time
+    forward_s: float = 0.0  # time in the engine
+    forwards: int = 0
+    started: float = 0.0
+    prepared: float = 0.0  # ABI v2: on_message returned, its prompt queued for the engine loop
+    first_text: float = 0.0
+    last_text: float = 0.0
+    emits: int = 0
+    emit_calls: int = 0  # one per token for floe's guests, whatever the text
+    wall_s: float = 0.0  # the whole message, guest and engine
+    finish_reason: str = ""  # ABI v2: why the engine loop ended the turn (stop, length, context_full, …)
+
+    @property
+    def outside_engine_s(self) -> float:
+        """Time in the guest and the host ABI: the price of the sandbox for this message."""
+        return max(0.0, self.wall_s - self.forward_s)
+
+    def on_forward(self, n_tokens: int, seconds: float, kv_len: int = 0) -> None:
+        if self.forwards == 0:
+            self.context_tokens, self.first_forward_tokens = kv_len, n_tokens
+        self.forwards += 1
+        self.forward_s += seconds
+        if n_tokens > 1:
+            self.prompt_tokens += n_tokens
+
+    def on_sample(self, token: int, is_eos: bool) -> None:
+        if not is_eos:
+            self.sampled.append(token)
+
+    def on_decode(self, token: int) -> None:
+        self.decoded.append(token)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The reply's tokens: what the host sampled, or (for a guest that samples itself) what it
+        decoded, plus its last choice when that was not fed back."""
+        return self.sampled if self.sampled else self.decoded
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens the reply generated. ABI v2 (the engine loop ran the turn: finish_reason): every token
+        on_token returned, whatever the guest emitted (its emits are text, not tokens: counted, they
+        made 18 of max_tokens 16, and 2 of a turn that generated none)."""
+        if self.finish_reason:
+            return len(self.decoded)
+        return len(self.sampled) if self.sampled else max(len(self.decoded), self.emit_calls)
+
+    def on_emit(self) -> None:
+        now = time.perf_counter()
+        self.emits += 1
+        if not self.first_text:
+            self.first_text = now
+        self.last_text = now
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_text - self.started if self.first_text else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        span = self.last_text - self.first_text
+        return (self.generated_tokens - 1) / span if self.generated_tokens > 1 and span > 0 else 0.0
+
+
+class GuestHost:
+    """One guest instance's host side (the module doc). `abi` is its HostABI, set by Actor."""
+
+    def __init__(self, engine: Engine, module: GuestModule, deadline_s: float, system_prompt: str,
+                 seed: int) -> None:
+        self.engine = engine
+        self.module = module
+        self.deadline_s = deadline_s
+        self.system_prompt = system_prompt
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(seed)
+        self.request = Request()
+        self.stats = MessageStats()
+        self.ledger = Ledger()
+        self.logs: deque[str] = deque(maxlen=LOG_LINES_KEPT)
+        self.pending_error: BaseException | None = None
+        self._message_thread: int | None = None  # the thread running a guest call, while it runs
+        self.stop_requested = False
+        self.on_text: Callable[[str], None] = lambda text: None
+        self.closed = False
+        self.guest: GuestInstance | None = None
+        self.slot: int | None = None
+        self.scheduler = None  # (v1: a DecodeScheduler batching its decode steps with others')
+        self.abi = None
+
+    @property
+    def region(self) -> Region:
+        return self.guest.region
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether this message was asked to stop (its consumer left, a stop sequence, a close): the
+        guest sees it (emit answers 1) and must return; one that goes on (a v1 guest still calling
+        decode) is stopped STOP_GRACE_S later instead of running to its deadline."""
+        return self._stop_requested
+
+    @stop_requested.setter
+    def stop_requested(self, value: bool) -> None:
+        self._stop_requested = value
+        if value and self._message_thread is not None:
+            self.guest.wind_down(STOP_GRACE_S)
+
+    def take_pending(self) -> BaseException | None:
+        error, self.pending_error = self.pending_error, None
+        return error
+
+    def name_last_log(self, e: GuestError) -> None:
+        if self.logs and e.args:
+            e.args = (f"{e.args[0]} (the guest's last log line: {self.logs[-1]!r})", *e.args[1:])
+
+    def guest_call(self, name: str, *args: int, seconds: float) -> int:
+        """For the engine loop: call a guest export within the running message (its budget), for at
+        most `seconds`, holding the GIL through the guest's code (GuestInstance.call: the loop's
+        thread, which every turn waits for, waits for no other thread)."""
+        if self.abi.budget is None:
+            raise RuntimeError(f"{name}: the engine loop calls a guest only within its message")
+        try:
+            return self.guest.call(name, *args, deadline_s=seconds, pending=self.take_pending, hold_gil=True)
+        except GuestError as e:
+            self.name_last_log(e)
+            raise
