@@ -203,6 +203,11 @@ def test_an_idle_model_is_unloaded_its_memory_released_and_its_session_continues
             ("idle", "tiny-a", "frozen", 2)]
         one = httpx.get(f"{s.url}/v1/sessions/idle", timeout=60).json()
         assert one["state"] == "frozen" and one["snapshot_bytes"] > 0 and not loaded(s.url)["tiny-a"]
+        wait_for(lambda: not any(loaded(s.url).values()))  # (the first model too: idle, no session)
+        for sid, status in (("nobody", 404), ("-bad", 400)):  # answered without loading a model for it
+            for call in (httpx.get, httpx.delete):
+                assert call(f"{s.url}/v1/sessions/{sid}", timeout=60).status_code == status
+        assert not any(loaded(s.url).values())
         replies.append(turn(s.url, "tiny-a", "idle", messages, TURNS[1]))
         assert replies == expected and s.router.models["tiny-a"].loads == 2
     finally:

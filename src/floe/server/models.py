@@ -24,10 +24,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from floe.memory import rss_bytes, trim_heap
-from floe.server.core import ServeCore
+from floe.server.core import ServeCore, failure
 from floe.server.protocol import ServeError
 from floe.server.records import SESSION_ID, NotASession, session_key, split_key
+from floe.server.sessions import SessionError, UnknownSession
 from floe.server.sessions.registry import SessionRegistry
+from floe.server.sessions.session import checked_id
 from floe.snapshot import SnapshotError
 from floe.snapshot.store import SnapshotStore
 
@@ -467,8 +469,11 @@ class ModelRouter:
             return [s | {"model": m.name} for m in self.models.values()
                     for s in (m.core.call(name, arg, owner) if m.core else m.stored_sessions(owner))]
         if name == "session" and isinstance(arg, str) and isinstance(owner, str):
+            # Answered in the socket's reading thread (core_socket.INLINE_CALLS): no model's lock, no load
             served = self._session_model(arg, owner)
-            if served.core is None and served.holds(owner, arg):  # (read, not loaded for a look)
+            if (core := served.core) is not None:
+                return core.call(name, arg, owner)
+            if served.holds(owner, arg):  # (read, not loaded for a look)
                 return next(s for s in served.stored_sessions(owner) if s["id"] == arg)
         sid = arg
         if name == "fork" and isinstance(arg, dict):
@@ -490,16 +495,25 @@ class ModelRouter:
                                   "end", code="model_busy")
         return served.describe() | {"created": int(self.started)}
 
-    def _session_model(self, sid, owner) -> ServedModel:
-        """The model that holds `owner`'s session `sid`; none holds it: the first (whose core then
-        answers its 404 or 400)."""
+    def _session_model(self, sid, owner, makes: bool = False) -> ServedModel:
+        """The model that holds `owner`'s session `sid`. None holds it: the first, if it is loaded or
+        the call `makes` the session (an import), whose core answers (a 404 or 400 if it makes none);
+        else that 404 or 400 without loading a model for it."""
         if isinstance(sid, str) and isinstance(owner, str) and MODEL_NAME.fullmatch(sid):
-            return next((m for m in self.models.values() if m.holds(owner, sid)), self.first)
-        return self.first
+            held = next((m for m in self.models.values() if m.holds(owner, sid)), None)
+            if held is not None:
+                return held
+        if makes or self.first.core is not None:
+            return self.first
+        try:
+            checked_id(sid)
+        except SessionError as e:
+            raise failure(e, None) from None
+        raise failure(UnknownSession(f"no session {sid!r}"), None)
 
-    def _on_session_model(self, sid, owner, work: Callable[[ServeCore], object]):
+    def _on_session_model(self, sid, owner, work: Callable[[ServeCore], object], makes: bool = False):
         """`work` on the core of the model that holds `owner`'s session `sid` (loaded for it)."""
-        served = self._session_model(sid, owner)
+        served = self._session_model(sid, owner, makes)
         core = self.take(served)
         try:
             return work(core)
@@ -542,7 +556,7 @@ class ModelRouter:
         return held()
 
     def import_(self, sid, owner, chunks: Iterable) -> dict:
-        return self._on_session_model(sid, owner, lambda core: core.import_(sid, owner, chunks))
+        return self._on_session_model(sid, owner, lambda core: core.import_(sid, owner, chunks), makes=True)
 
     def close(self) -> None:
         """Stop unloading and close every loaded model (their live sessions frozen)."""
