@@ -50,7 +50,7 @@ from floe.actor.abi import LOGITS_COPIED, LOGITS_IN_PLACE, OK
 from floe.actor.calls import GuestCalls
 from floe.actor.turn import END_CANCELLED, END_CONTEXT_FULL, FED, Turn, TurnTable
 from floe.engine import Engine
-from floe.engine.engine import LaunchedStep
+from floe.engine.batch import LaunchedStep
 from floe.engine.sampling import draw_uniforms
 from floe.errors import ContextOverflow
 from floe.wasm import (
