@@ -1,0 +1,249 @@
+"""ServeCore's surface over several models (floe.server.models): a request's `model` picks the engine
+core it runs on, a session's calls go to the model that holds it (loaded for them by the residency)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from floe.memory import rss_bytes
+from floe.server.core import ServeCore, failure
+from floe.server.models.metrics import ModelMetrics
+from floe.server.models.residency import Residency
+from floe.server.models.served import ServedModel
+from floe.server.models.specs import MODEL_NAME, ModelSpec, keep_alive_seconds, shown
+from floe.server.protocol import ServeError
+from floe.server.sessions import SessionError, UnknownSession
+from floe.server.sessions.session import checked_id
+from floe.snapshot.store import SnapshotStore
+
+log = logging.getLogger("floe.serve")
+
+
+@dataclass
+class Routed:
+    """A chat or completion opened on one model's core (ModelRouter.open), until ModelRouter.run."""
+
+    chat: object  # the core's Chat or Completion
+    model: ServedModel
+
+    @property
+    def session(self):
+        return self.chat.session
+
+    @property
+    def constraint(self):
+        return self.chat.constraint
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return self.chat.stops
+
+
+class ModelRouter:
+    """ServeCore's surface over several models, each loaded by `load(spec, snapshots)` when a request
+    first names it (the first model at start); which are loaded: Residency (its options: keep_alive,
+    max_loaded, memory_budget, footprint, wait_seconds, say). A request's keep_alive sets its model's."""
+
+    def __init__(self, models: list[tuple[ModelSpec, SnapshotStore]],
+                 load: Callable[[ModelSpec, SnapshotStore], ServeCore], *, keep_alive: float | None = None,
+                 max_loaded: int | None = None, memory_budget: int | None = None,
+                 footprint: Callable[[], int] = rss_bytes, wait_seconds: float = 30.0,
+                 say: Callable[[str], None] = log.info) -> None:
+        if not models:
+            raise ValueError("no models to serve")
+        self.models = {spec.name: ServedModel(spec, store) for spec, store in models}
+        self.first = next(iter(self.models.values()))
+        self.started = time.time()
+        self.residency = Residency(self.models, load, keep_alive=keep_alive, max_loaded=max_loaded,
+                                   memory_budget=memory_budget, footprint=footprint,
+                                   wait_seconds=wait_seconds, say=say)
+        self._ids_ok: dict[str, bool] = {}  # per model: its tokens are the front's vocab's (streams ids)
+        core = self.residency.take(self.first)
+        self.residency.release(self.first)
+        self._vocab = core._vocab  # the front's table ("vocab"), whichever models load later
+        self._pool_threads = core.pool_threads
+        self.registry = CollectorRegistry()
+        self.registry.register(ModelMetrics(lambda: list(self.models.values())))
+
+    # ---- which model -------------------------------------------------------------------------------
+
+    def model(self, name) -> ServedModel:
+        """The model a request names: a 404 naming the ones there are (a name echoed cut short)."""
+        served = self.models.get(name) if isinstance(name, str) else None
+        if served is None:
+            raise ServeError(404, f"the model {shown(name)} does not exist; this server serves "
+                                  f"{', '.join(map(repr, self.models))}", code="model_not_found",
+                             param="model")
+        return served
+
+    # ---- ServeCore's surface (floe.server.core_socket) ----------------------------------------------
+
+    @property
+    def pool_threads(self) -> int:
+        """Threads the socket's pool needs: every loaded model's running and waiting chats."""
+        return len(self.models) * self._pool_threads
+
+    def open(self, request: dict) -> Routed:
+        served = self.model(request.get("model"))
+        if "keep_alive" in request:
+            served.keep_alive = keep_alive_seconds(request["keep_alive"])
+        sid = request.get("session_id")
+        if isinstance(sid, str) and MODEL_NAME.fullmatch(sid):
+            self._refuse_elsewhere(served, request.get("owner"), sid)
+        core = self.residency.take(served)
+        try:
+            return Routed(core.open(request), served)
+        except BaseException:
+            self.residency.release(served)
+            raise
+
+    def _refuse_elsewhere(self, served: ServedModel, owner, sid: str) -> None:
+        """A 409 if `owner`'s session `sid` belongs to another model than `served`."""
+        if not isinstance(owner, str) or served.registered(owner, sid):
+            return  # (the core refuses a bad owner); a session registered here is this model's: the
+            # other models' stores are asked only for a session this model has not seen (no I/O a turn)
+        others = [m for m in self.models.values() if m is not served]
+        for other in sorted(others, key=lambda m: not m.registered(owner, sid)):  # (no I/O first)
+            if other.holds(owner, sid):
+                raise ServeError(409, f"session {sid!r} belongs to the model {other.name!r}; ask that "
+                                      f"model (or use a new session for {served.name!r})",
+                                 code="session_model_mismatch", param="model")
+
+    def run(self, routed: Routed, on_text=None, should_stop=lambda: False, tokens=None) -> dict:
+        served = routed.model
+        try:
+            result = served.core.run(routed.chat, on_text, should_stop, tokens)
+        finally:
+            self.residency.release(served)
+        with self.residency.lock:
+            served.tokens["prompt"] += result["usage"]["prompt_tokens"]
+            served.tokens["generated"] += result["usage"]["completion_tokens"]
+        return result
+
+    def streams_ids(self, routed: Routed) -> bool:
+        """Whether the chat's reply can go to the front as token ids: its model's tokens are the front's
+        table's (models with another tokenizer stream text)."""
+        name = routed.model.name
+        if name not in self._ids_ok:
+            self._ids_ok[name] = routed.model.core._vocab == self._vocab
+        return self._ids_ok[name]
+
+    def keep_spares(self) -> None:
+        for served in self.models.values():
+            if (core := served.core) is not None:
+                core.keep_spares()
+
+    def call(self, name: str, arg=None, owner=None):
+        if name == "hello":
+            return {"model_id": self.first.name, "aliases": [], "models": list(self.models),
+                    "started": self.started,
+                    "max_text_bytes": None}  # (each model's own: its core checks it)
+        if name == "vocab":
+            return self._vocab
+        if name == "models":
+            return [m.describe() | {"created": int(self.started)} for m in self.models.values()]
+        if name in ("load", "unload"):
+            return self._load_or_unload(name, self.model(arg))
+        if name in ("health", "metrics"):
+            return self._health(arg, owner) if name == "health" else self._metrics()
+        if name == "sessions":  # a model not loaded: its frozen sessions, from its store's headers
+            return [s | {"model": m.name} for m in self.models.values()
+                    for s in (m.core.call(name, arg, owner) if m.core else m.stored_sessions(owner))]
+        if name == "session" and isinstance(arg, str) and isinstance(owner, str):
+            # Answered in the socket's reading thread (core_socket.INLINE_CALLS): no model's lock, no load
+            served = self._session_model(arg, owner)
+            if (core := served.core) is not None:
+                return core.call(name, arg, owner)
+            if served.holds(owner, arg):  # (read, not loaded for a look)
+                return next(s for s in served.stored_sessions(owner) if s["id"] == arg)
+        sid = arg
+        if name == "fork" and isinstance(arg, dict):
+            sid, new_id = arg.get("id"), arg.get("new_id")
+            if isinstance(new_id, str) and isinstance(owner, str) and MODEL_NAME.fullmatch(new_id):
+                if held := next((m for m in self.models.values() if m.holds(owner, new_id)), None):
+                    raise ServeError(409, f"session {new_id!r} exists (a session of the model "
+                                          f"{held.name!r}); fork into a new id", code="session_exists")
+        return self._on_session_model(sid, owner, lambda core: core.call(name, arg, owner))
+
+    def _load_or_unload(self, call: str, served: ServedModel) -> dict:
+        """POST /v1/models/{id}/load or /unload: the model loaded now (as a request would load it), or
+        unloaded now (its live sessions frozen; a 409 while it runs a request)."""
+        if call == "load":
+            self.residency.take(served)
+            self.residency.release(served)
+        elif not self.residency.unload(served, "asked") and served.core is not None:
+            raise ServeError(409, f"the model {served.name!r} is running requests; unload it once they "
+                                  "end", code="model_busy")
+        return served.describe() | {"created": int(self.started)}
+
+    def _session_model(self, sid, owner, makes: bool = False) -> ServedModel:
+        """The model that holds `owner`'s session `sid`. None holds it: the first, if it is loaded or
+        the call `makes` the session (an import), whose core answers (a 404 or 400 if it makes none);
+        else that 404 or 400 without loading a model for it."""
+        if isinstance(sid, str) and isinstance(owner, str) and MODEL_NAME.fullmatch(sid):
+            held = next((m for m in self.models.values() if m.holds(owner, sid)), None)
+            if held is not None:
+                return held
+        if makes or self.first.core is not None:
+            return self.first
+        try:
+            checked_id(sid)
+        except SessionError as e:
+            raise failure(e, None) from None
+        raise failure(UnknownSession(f"no session {sid!r}"), None)
+
+    def _on_session_model(self, sid, owner, work: Callable[[ServeCore], object], makes: bool = False):
+        """`work` on the core of the model that holds `owner`'s session `sid` (loaded for it)."""
+        served = self._session_model(sid, owner, makes)
+        core = self.residency.take(served)
+        try:
+            return work(core)
+        finally:
+            self.residency.release(served)
+
+    def _loaded(self) -> list[ServedModel]:
+        return [m for m in self.models.values() if m.core is not None]
+
+    def _health(self, arg, owner) -> dict:
+        full = not (isinstance(arg, dict) and not arg.get("full", True))
+        models = {}
+        for m in self.models.values():
+            core = m.core
+            models[m.name] = {"loaded": core is not None}
+            if core is not None:
+                models[m.name] |= core.call("health", arg, owner) if full else {
+                    "sessions": core.call("health", arg, owner)["sessions"]}
+        return {"status": "ok", "model": self.first.name, "uptime_s": time.time() - self.started,
+                "models": models}
+
+    def _metrics(self) -> str:
+        return generate_latest(self.registry).decode()
+
+    def export(self, sid, owner) -> Iterator[memoryview]:
+        """The session's snapshot bytes; its model stays loaded until they are sent (or dropped)."""
+        served = self._session_model(sid, owner)
+        core = self.residency.take(served)
+        try:
+            chunks = core.export(sid, owner)
+        except BaseException:
+            self.residency.release(served)
+            raise
+
+        def held() -> Iterator[memoryview]:
+            try:
+                yield from chunks
+            finally:
+                self.residency.release(served)
+        return held()
+
+    def import_(self, sid, owner, chunks: Iterable) -> dict:
+        return self._on_session_model(sid, owner, lambda core: core.import_(sid, owner, chunks), makes=True)
+
+    def close(self) -> None:
+        """Stop unloading and close every loaded model (their live sessions frozen)."""
+        self.residency.close()

@@ -1,0 +1,82 @@
+"""One model of a server of several (floe.server.models): its engine core while loaded, its sessions'
+snapshot store always, and what it did (loads, bytes, tokens)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from floe.server.models.specs import ModelSpec
+from floe.server.protocol import ServeError
+from floe.server.records import NotASession, session_key, split_key
+from floe.server.sessions.registry import SessionRegistry
+from floe.snapshot import SnapshotError
+from floe.snapshot.store import SnapshotStore
+
+if TYPE_CHECKING:
+    from floe.server.core import ServeCore
+
+
+class ModelLoadFailed(ServeError):
+    def __init__(self, name: str, e: BaseException) -> None:
+        super().__init__(500, f"the model {name!r} could not be loaded: {type(e).__name__}: {e}",
+                         "server_error", "model_load_failed")
+
+
+
+class ServedModel:
+    """One model of the server: its core while loaded, its sessions' store always, and its use."""
+
+    def __init__(self, spec: ModelSpec, snapshots: SnapshotStore) -> None:
+        self.spec, self.snapshots = spec, snapshots
+        self._reader = SessionRegistry(snapshots)  # reads its sessions' records while it is not loaded
+        self.core: ServeCore | None = None
+        self.lock = threading.Lock()  # one load or unload of this model at a time
+        self.users = 0  # requests and calls holding the core now (never unloaded under them)
+        self.last_used = time.monotonic()
+        self.keep_alive: float | None = None  # the last request's keep_alive, seconds (None: the server's)
+        self.load_seconds = 0.0  # the last load's
+        self.nbytes: int | None = None  # what its last load took (the router's footprint: RAM or device)
+        self.loads = 0
+        self.tokens = {"prompt": 0, "generated": 0}  # of its answered requests, across its loads
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def registered(self, owner: str, sid: str) -> bool:
+        """Whether `owner`'s session `sid` is registered in this model's loaded core (no I/O)."""
+        core = self.core
+        if core is None:
+            return False
+        with core.store.lock:
+            return session_key(owner, sid) in core.store.sessions
+
+    def holds(self, owner: str, sid: str) -> bool:
+        """Whether `owner`'s session `sid` is this model's (registered while loaded, or in its store)."""
+        return self.registered(owner, sid) or self.snapshots.has(session_key(owner, sid))
+
+    def stored_sessions(self, owner: str) -> list[dict]:
+        """`owner`'s sessions in this model's store, described from their snapshots' headers (while the
+        model is not loaded: all of them are frozen)."""
+        found = []
+        for entry in sorted(self.snapshots.home.entries(), key=lambda e: e.key):
+            named = split_key(entry.key)
+            if named is None or named[0] != owner:
+                continue
+            try:
+                session = self._reader.read(entry.key)
+            except (SnapshotError, NotASession):
+                continue  # (named in the log when the model loads)
+            session.snapshot_bytes = entry.nbytes
+            session.last_used = time.monotonic() - max(0.0, time.time() - entry.used_at)
+            found.append(session.describe())
+        return found
+
+    def describe(self) -> dict:
+        core = self.core
+        return {"id": self.name, "object": "model", "owned_by": "floe", "loaded": core is not None,
+                "load_seconds": self.load_seconds if self.loads else None, "bytes": self.nbytes,
+                "sessions": None if core is None else core.store.counts()}
+
