@@ -393,3 +393,14 @@ def test_a_model_of_another_tokenizer_streams_its_text_as_a_one_model_server_doe
     finally:
         s.stop()
         one.stop()
+
+
+def test_a_text_completion_runs_on_its_model(server, references):
+    def complete(url: str, model: str, stream: bool = False) -> str:
+        r = client(url).completions.create(model=model, prompt="The capital of France is", max_tokens=8,
+                                           temperature=0, stream=stream)
+        return "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+
+    for name in ("smol", "tiny-b"):
+        expected = complete(references[name].url, name)
+        assert complete(server.url, name) == expected == complete(server.url, name, stream=True), name
