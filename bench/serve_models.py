@@ -1,0 +1,215 @@
+"""Several models in one `floe serve` (issue 44): what loading a model on demand costs its request, what
+the router costs a loaded model, and two models' sessions at once against one model's alone.
+
+    python bench/serve_models.py [--device cpu] [--model PATH | --shape llama-3.2-1b] [--repeats 3]
+                                 [--sessions 4] [--max-tokens 32] [--context 1024]
+
+1. load-and-first-token: `floe serve --model a=PATH --model b=COPY` (b a copy of the file: evicting it
+   leaves a's cached); b's first request after b was unloaded (POST /v1/models/b/unload), its file in
+   the page cache, and cold (evicted with posix_fadvise DONTNEED first: what an unprivileged process
+   can do; the kernel may keep pages), --repeats each, alternated.
+2. a loaded model's request through the router against a one-model `floe serve` of the same file,
+   both running, requests alternated: time to first token and to a --max-tokens reply, medians.
+3. --sessions streams on model a alone, then on a and b at once: aggregate generated tokens/s.
+
+Each server is a `floe serve` process (its engine core and HTTP front as in production). --shape NAME
+first writes a random Llama model of that shape (floe.model.config.KNOWN_SHAPES; the default model's
+tokenizer, so its vocabulary) as a Hugging Face folder of bf16 safetensors in a temporary folder.
+Writes bench/results/serve_models_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(flags: list[str], folder: Path, args) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "floe.cli", "serve", "--port", str(port), "--snapshots",
+                             str(folder), "--context", str(args.context), "--device", args.device,
+                             "--max-sessions", str(max(4, 2 * args.sessions)), *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + 600
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise SystemExit(f"floe serve did not start: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+
+
+def reply(url: str, model: str, max_tokens: int, text: str = "Tell me about Paris.") -> tuple:
+    """One streamed chat: seconds to its first content, to its end, and its tokens."""
+    started, first, usage = time.perf_counter(), None, 0
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=600, json={
+            "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: ") and '"content"' in line:
+                first = time.perf_counter() - started
+            if line.startswith("data: {") and '"usage": {' in line:
+                usage = json.loads(line[6:])["usage"]["completion_tokens"]
+    return first, time.perf_counter() - started, usage
+
+
+def evict(path: Path) -> None:
+    for f in ([path] if path.is_file() else sorted(path.iterdir())):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def unload(url: str, model: str) -> None:
+    while (r := httpx.post(f"{url}/v1/models/{model}/unload", timeout=600)).status_code == 409:
+        time.sleep(0.05)  # (its last request is ending)
+    r.raise_for_status()
+
+
+def load_and_first_token(url: str, copy: Path, repeats: int) -> dict:
+    times: dict[str, list[float]] = {"cached": [], "cold": []}
+    reply(url, "b", 1)  # (the first load of b reads its file: neither case)
+    for i in range(2 * repeats):
+        kind = "cold" if i % 2 else "cached"
+        unload(url, "b")
+        time.sleep(6)  # its engine collected (the engine loop's thread lets go after 5 s idle)
+        if kind == "cold":
+            evict(copy)
+        times[kind].append(reply(url, "b", 1)[0])
+    return {k: {"median_s": statistics.median(v), "all_s": v} for k, v in times.items()}
+
+
+def router_cost(router: str, single: str, single_id: str, args) -> dict:
+    runs: dict[str, list[tuple]] = {"router": [], "one_model": []}
+    ways = [("router", router, "a"), ("one_model", single, single_id)]
+    for _, url, model in ways:
+        reply(url, model, args.max_tokens)
+    for i in range(10 * args.repeats):
+        for name, url, model in (ways if i % 2 else ways[::-1]):
+            runs[name].append(reply(url, model, args.max_tokens))
+    return {name: {"ttft_ms": 1e3 * statistics.median(r[0] for r in rs),
+                   "reply_ms": 1e3 * statistics.median(r[1] for r in rs)} for name, rs in runs.items()}
+
+
+def aggregate(url: str, models: list[str], sessions: int, max_tokens: int) -> float:
+    """Generated tokens/s of `sessions` streams on each of `models`, all at once."""
+    jobs = [(m, f"Tell me about topic {i} of {m}.") for m in models for i in range(sessions)]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        tokens = sum(r[2] for r in pool.map(lambda job: reply(url, job[0], max_tokens, job[1]), jobs))
+    return tokens / (time.perf_counter() - started)
+
+
+def random_model(shape: str, folder: Path) -> Path:
+    """A random Llama model of `shape` as a Hugging Face folder (bf16 safetensors), the default model's
+    tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from floe.model import default_model_path
+    from floe.model.config import KNOWN_SHAPES
+    from floe.model.gguf_file import GGUFFile
+    from floe.model.tokenizer import tokenizer_from_gguf
+
+    c = KNOWN_SHAPES[shape]
+    tokenizer = tokenizer_from_gguf(GGUFFile(default_model_path()).fields)
+    config = LlamaConfig(hidden_size=c.dim, num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
+                         num_key_value_heads=c.n_kv_heads, intermediate_size=c.ffn_dim,
+                         vocab_size=tokenizer.vocab_size, max_position_embeddings=8192,
+                         rms_norm_eps=c.norm_eps,
+                         tie_word_embeddings=c.tie_embeddings, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def report(result: dict) -> None:
+    """The table, and the JSON in bench/results/."""
+    lt, lm, tm = result["load_and_first_token"], result["loaded_model"], result["two_models"]
+    print(f"{result['model']} on {result['device']}")
+    print(f"  load-and-first-token  cached {lt['cached']['median_s']:.3f} s, "
+          f"cold {lt['cold']['median_s']:.3f} s")
+    for name, r in lm.items():
+        print(f"  loaded, {name:9s}  TTFT {r['ttft_ms']:.1f} ms, {result['max_tokens']}-token reply "
+              f"{r['reply_ms']:.1f} ms")
+    ratio = tm["both_tok_s"] / tm["one_alone_tok_s"]
+    print(f"  {result['sessions']} sessions a model: one alone {tm['one_alone_tok_s']:.0f} tok/s, "
+          f"two at once {tm['both_tok_s']:.0f} tok/s together ({ratio:.2f}x)")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"serve_models_{result['device']}.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: the default "
+                    "model)")
+    ap.add_argument("--shape", default=None, help="a random model of this shape instead (e.g. llama-3.2-1b)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sessions", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--context", type=int, default=1024)
+    args = ap.parse_args()
+    from floe.model import default_model_path
+
+    work = Path(tempfile.mkdtemp(prefix="floe-serve-models-"))
+    procs = []
+    try:
+        source = Path(args.model) if args.model else default_model_path()
+        if args.shape:
+            source = random_model(args.shape, work / "model")
+        copy = work / f"copy{source.suffix}"
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, copy)
+        router, router_url = serve(["--model", f"a={source}", "--model", f"b={copy}"], work / "s1", args)
+        procs.append(router)
+        single, single_url = serve(["--model", str(source), "--model-id", "one"], work / "s2", args)
+        procs.append(single)
+        result = {"device": args.device, "model": args.shape or source.name, "sessions": args.sessions,
+                  "max_tokens": args.max_tokens,
+                  "load_and_first_token": load_and_first_token(router_url, copy, args.repeats),
+                  "loaded_model": router_cost(router_url, single_url, "one", args)}
+        single.terminate()
+        reply(router_url, "b", 1)  # (b loaded again)
+        alone = aggregate(router_url, ["a"], args.sessions, args.max_tokens)
+        both = aggregate(router_url, ["a", "b"], args.sessions, args.max_tokens)
+        result["two_models"] = {"one_alone_tok_s": alone, "both_tok_s": both}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(60)
+        shutil.rmtree(work, ignore_errors=True)
+    report(result)
+
+if __name__ == "__main__":
+    main()
