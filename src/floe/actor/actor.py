@@ -287,6 +287,7 @@ class Actor(GuestHost):
             self.stop_requested = False
             if tokens is not None:
                 tokens.attach(self)
+                self.engine.tokenizer.reply_lengths(self.abi.vocab)  # (made here once, not in the loop)
             self.abi.tokens_to = tokens
             self.abi.last_logits = None
             self.abi.utf8.reset()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -108,6 +109,7 @@ class Tokenizer:
         self._reply_bytes: dict[int, bytes] = {}  # reply_bytes of the ids asked for so far
         self._reply_lengths: np.ndarray | None = None
         self._replaced_lengths: list[np.ndarray] = []
+        self._lengths_lock = threading.Lock()
 
     @cached_property
     def vocab_size(self) -> int:
@@ -174,14 +176,18 @@ class Tokenizer:
         its ids past the tokenizer's have no text), int32, made once (the engine loop's native calls
         charge and count streamed tokens with it)."""
         lengths = self._reply_lengths
-        if lengths is None or len(lengths) < n:
-            if lengths is not None:  # (a row may still point into it: kept)
-                self._replaced_lengths.append(lengths)
-            lengths = np.zeros(max(n, self.vocab_size), np.int32)
-            for i in range(self.vocab_size):
-                lengths[i] = len(self.reply_bytes(i))
-            self._reply_lengths = lengths
-        return lengths
+        if lengths is not None and len(lengths) >= n:
+            return lengths
+        with self._lengths_lock:  # (made once: a row may point into an array; a replaced one is kept)
+            lengths = self._reply_lengths
+            if lengths is None or len(lengths) < n:
+                if lengths is not None:
+                    self._replaced_lengths.append(lengths)
+                lengths = np.zeros(max(n, self.vocab_size), np.int32)
+                for i in range(self.vocab_size):
+                    lengths[i] = len(self.reply_bytes(i))
+                self._reply_lengths = lengths
+            return lengths
 
     def fill_reply_bytes(self) -> None:
         """reply_bytes of every token, worked out now (a server's start-up: 0.1-0.5 s), so that no
