@@ -404,3 +404,20 @@ def test_a_text_completion_runs_on_its_model(server, references):
     for name in ("smol", "tiny-b"):
         expected = complete(references[name].url, name)
         assert complete(server.url, name) == expected == complete(server.url, name, stream=True), name
+
+
+def test_a_new_session_asked_on_two_models_at_once_is_made_on_one(server):
+    """Eight ids, each asked for on tiny-a and tiny-b at the same moment: each is made on one model, and
+    the other request is refused (409), never both made."""
+    def ask(model: str, sid: str) -> int:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
+            "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "session_id": sid})
+        return r.status_code
+
+    with ThreadPoolExecutor(16) as pool:
+        runs = {(sid, model): pool.submit(ask, model, sid)
+                for sid in (f"race-{i}" for i in range(8)) for model in ("tiny-a", "tiny-b")}
+        codes = {key: run.result() for key, run in runs.items()}
+    for sid in {sid for sid, _ in codes}:
+        assert sorted(codes[sid, m] for m in ("tiny-a", "tiny-b")) == [200, 409], (sid, codes)

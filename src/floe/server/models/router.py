@@ -4,6 +4,7 @@ core it runs on, a session's calls go to the model that holds it (loaded for the
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from floe.server.models.residency import Residency
 from floe.server.models.served import ServedModel
 from floe.server.models.specs import MODEL_NAME, ModelSpec, keep_alive_seconds, shown
 from floe.server.protocol import ServeError
+from floe.server.records import session_key
 from floe.server.sessions import SessionError, UnknownSession
 from floe.server.sessions.session import checked_id
 from floe.snapshot.store import SnapshotStore
@@ -30,6 +32,7 @@ class Routed:
 
     chat: object  # the core's Chat or Completion
     model: ServedModel
+    claim: str | None = None  # the named session's store key, claimed for this request (ModelRouter._claim)
 
     @property
     def session(self):
@@ -42,6 +45,19 @@ class Routed:
     @property
     def stops(self) -> tuple[str, ...]:
         return self.chat.stops
+
+
+@dataclass
+class Claim:
+    """A named session's model, as requests routed it, and its requests running now."""
+
+    model: ServedModel
+    running: int = 0
+
+
+def mismatch(sid: str, owner: ServedModel, asked: ServedModel) -> ServeError:
+    return ServeError(409, f"session {sid!r} belongs to the model {owner.name!r}; ask that model (or use a "
+                           f"new session for {asked.name!r})", code="session_model_mismatch", param="model")
 
 
 class ModelRouter:
@@ -62,6 +78,8 @@ class ModelRouter:
         self.residency = Residency(self.models, load, keep_alive=keep_alive, max_loaded=max_loaded,
                                    memory_budget=memory_budget, footprint=footprint,
                                    wait_seconds=wait_seconds, say=say)
+        self._claims: dict[str, Claim] = {}  # named sessions' models, by store key (_claim)
+        self._claims_lock = threading.Lock()
         self._ids_ok: dict[str, bool] = {}  # per model: its tokens are the front's vocab's (streams ids)
         core = self.residency.take(self.first)
         self.residency.release(self.first)
@@ -92,15 +110,42 @@ class ModelRouter:
         served = self.model(request.get("model"))
         if "keep_alive" in request:
             served.keep_alive = keep_alive_seconds(request["keep_alive"])
-        sid = request.get("session_id")
-        if isinstance(sid, str) and MODEL_NAME.fullmatch(sid):
-            self._refuse_elsewhere(served, request.get("owner"), sid)
-        core = self.residency.take(served)
+        claim = self._claim(served, request.get("owner"), request.get("session_id"))
         try:
-            return Routed(core.open(request), served)
+            core = self.residency.take(served)
+        except BaseException:
+            self._unclaim(claim)
+            raise
+        try:
+            return Routed(core.open(request), served, claim)
         except BaseException:
             self.residency.release(served)
+            self._unclaim(claim)
             raise
+
+    def _claim(self, served: ServedModel, owner, sid) -> str | None:
+        """Claim `owner`'s named session `sid` for `served` for a request (its store key, for _unclaim;
+        None: no named session): a 409 if it belongs to another model. Checked and claimed in one step,
+        so two requests that make a session of the same id on two models at once cannot both run."""
+        if not (isinstance(owner, str) and isinstance(sid, str) and MODEL_NAME.fullmatch(sid)):
+            return None  # (the core refuses what is not an id or an owner)
+        key = session_key(owner, sid)
+        with self._claims_lock:
+            claim = self._claims.get(key)
+            if claim is not None and claim.model is not served:
+                if claim.running or claim.model.holds(owner, sid):
+                    raise mismatch(sid, claim.model, served)
+                claim = None  # (that model no longer holds it: deleted, or never made)
+            if claim is None:
+                self._refuse_elsewhere(served, owner, sid)  # (store I/O: once an id, under the lock)
+                claim = self._claims[key] = Claim(served)
+            claim.running += 1
+        return key
+
+    def _unclaim(self, key: str | None) -> None:
+        if key is not None:
+            with self._claims_lock:
+                self._claims[key].running -= 1
 
     def _refuse_elsewhere(self, served: ServedModel, owner, sid: str) -> None:
         """A 409 if `owner`'s session `sid` belongs to another model than `served`."""
@@ -110,9 +155,7 @@ class ModelRouter:
         others = [m for m in self.models.values() if m is not served]
         for other in sorted(others, key=lambda m: not m.registered(owner, sid)):  # (no I/O first)
             if other.holds(owner, sid):
-                raise ServeError(409, f"session {sid!r} belongs to the model {other.name!r}; ask that "
-                                      f"model (or use a new session for {served.name!r})",
-                                 code="session_model_mismatch", param="model")
+                raise mismatch(sid, other, served)
 
     def run(self, routed: Routed, on_text=None, should_stop=lambda: False, tokens=None) -> dict:
         served = routed.model
@@ -120,6 +163,7 @@ class ModelRouter:
             result = served.core.run(routed.chat, on_text, should_stop, tokens)
         finally:
             self.residency.release(served)
+            self._unclaim(routed.claim)
         with self.residency.lock:
             served.tokens["prompt"] += result["usage"]["prompt_tokens"]
             served.tokens["generated"] += result["usage"]["completion_tokens"]
