@@ -358,11 +358,10 @@ def test_the_operator_loads_and_unloads_a_model(model_files, default_checkpoint,
     assert one.status_code == 400 and one.json()["error"]["code"] == "one_model"
 
 
-def test_a_model_of_another_tokenizer_streams_its_text_as_a_one_model_server_does(
-        default_checkpoint, tmp_path):
-    """The front's token table is the first model's: a model with a SentencePiece vocabulary (whose
-    decode drops a reply's first space) streams text instead, the same text, streamed or not, as a
-    one-model server of it gives."""
+def test_a_model_of_another_tokenizer_answers_as_a_one_model_server_does(default_checkpoint, tmp_path):
+    """A model with a SentencePiece vocabulary (whose decode drops a reply's first space) beside the
+    first model's byte-level BPE: its replies stream as token ids made into text with its own table
+    (the front's CoreClient.table), the same text, streamed or not, as a one-model server of it gives."""
     from models import convert_to_gguf, save_hf_folder
     from test_tokenizer_sentencepiece import write_sentencepiece_gguf
 
@@ -389,7 +388,7 @@ def test_a_model_of_another_tokenizer_streams_its_text_as_a_one_model_server_doe
         expected = texts(one.url)
         assert expected[0] == expected[1] and not expected[0].startswith(" ")
         assert texts(s.url) == expected
-        assert s.router._ids_ok == {"sp": False}  # (text, not ids: its tokens are not the front's table's)
+        assert s.router._ids_ok == {}  # (ids with its own table: never the text fallback)
     finally:
         s.stop()
         one.stop()

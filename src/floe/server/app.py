@@ -266,7 +266,7 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         except ClientDisconnect:
             return Response(status_code=499)  # nobody reads it; nothing was stored
 
-    service = ChatService(client, _model, lambda: app.state.max_text_bytes)
+    service = ChatService(client, _model, lambda: app.state.max_text_bytes, lambda: bool(app.state.models))
 
     async def counted(answer) -> Response:
         """A chat service call's response, counted by its status (a client that left: 499)."""

@@ -222,11 +222,15 @@ class ChatService:
 
     check_model(name): raises the 404 for a model name this server does not serve. max_text_bytes(): the
     most bytes of text a conversation may have (floe.server.limits.check_text; None: no bound known).
+    several(): whether the server has several models (floe.server.models): a reply's token ids are
+    made into text with its model's table (CoreClient.table).
     """
 
     def __init__(self, client: CoreClient, check_model: Callable[[str], Any],
-                 max_text_bytes: Callable[[], int | None] = lambda: None) -> None:
+                 max_text_bytes: Callable[[], int | None] = lambda: None,
+                 several: Callable[[], bool] = lambda: False) -> None:
         self.client, self.check_model, self.max_text_bytes = client, check_model, max_text_bytes
+        self.several = several
 
     async def chat(self, body: ChatRequest, request: Request) -> Response:
         self.check_model(body.model)
@@ -273,6 +277,9 @@ class ChatService:
             core_request["structured"] = constraint.wire()
         if "messages" in asked:
             check_text(asked["messages"], self.max_text_bytes())
+        if self.several():  # (its model loads here if it is not loaded: the request waits for it anyway)
+            await self.client.table(body.model)
+            core_request["table"] = body.model
         rid, queue, ended = self.client.chat(core_request)
         gone = asyncio.ensure_future(_disconnected(request))
         try:

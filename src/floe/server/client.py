@@ -33,6 +33,10 @@ class CoreClient:
         self._utf8: dict[int, codecs.IncrementalDecoder] = {}  # a chat streamed as ids: its decoder
         self._strips = False  # whether a chat's reply drops the space it starts with (the "vocab" call)
         self._starting: set[int] = set()  # the chats whose reply has made no text yet, where it drops one
+        # A server of several models (floe.server.models): each model's (table, strips) by name, and the
+        # chats streamed with one that is not the core's own ("vocab" without a model)
+        self._tables: dict[str, tuple[list[bytes], bool]] = {}
+        self._table_of: dict[int, list[bytes]] = {}
         self.streams = 0  # streamed replies being sent
         self.gone = False
         self._closing = False  # close() was called: the connection's end is not the core's loss
@@ -64,12 +68,23 @@ class CoreClient:
         self._calls[rid] = future = asyncio.get_running_loop().create_future()
         return await future
 
+    async def table(self, model: str) -> None:
+        """Have `model`'s token table (a server of several models: the "vocab" call of that model, once),
+        for chats that name it as their "table"."""
+        if model not in self._tables:
+            answer = await self.call("vocab", model)
+            self._tables[model] = vocab_table(answer), bool(answer.get("strips_leading_space"))
+
     def chat(self, request: dict) -> tuple[int, asyncio.Queue, asyncio.Event]:
         """Start a chat: its id, the queue of its events (("started", session id), then ("text",
         piece)s when streamed, then ("done", result) or ("error", payload) at any point) and an
-        event set once its last one is queued."""
+        event set once its last one is queued. A request's "table": the model whose token table
+        (table()) makes the text of its ids."""
         rid, queue, ended = self._open({"op": "chat", "request": request})
-        if self._strips and "prompt" not in request:  # (a text completion continues its prompt: it keeps it)
+        strips = self._strips
+        if (table := self._tables.get(request.get("table"))) is not None:
+            self._table_of[rid], strips = table
+        if strips and "prompt" not in request:  # (a text completion continues its prompt: it keeps it)
             self._starting.add(rid)
         return rid, queue, ended
 
@@ -125,6 +140,7 @@ class CoreClient:
         self._ended.pop(rid, None)
         self._utf8.pop(rid, None)
         self._starting.discard(rid)
+        self._table_of.pop(rid, None)
         if self._chats.pop(rid, None) is not None and not self.gone:
             self._send({"op": "cancel", "id": rid})
 
@@ -148,6 +164,7 @@ class CoreClient:
             self._calls.clear()
             self._chats.clear()
             self._starting.clear()
+            self._table_of.clear()
             self._ended.clear()
             if not self._closing:
                 self.on_lost()
@@ -161,11 +178,12 @@ class CoreClient:
                     queue.put_nowait(("text", piece))
             return
         if kind == "ids":  # made into text here (floe.server.protocol): the core made none per token
-            vocab, size = self._vocab, len(self._vocab)
             for rid, items in message[1]:
                 queue = self._chats.get(rid)
                 if queue is None:
                     continue
+                vocab = self._table_of.get(rid, self._vocab)
+                size = len(vocab)
                 utf8 = self._utf8.get(rid)
                 if utf8 is None:
                     utf8 = self._utf8[rid] = codecs.getincrementaldecoder("utf-8")("replace")
@@ -182,6 +200,7 @@ class CoreClient:
         utf8 = self._utf8.pop(rid, None) if kind in ("done", "error") else None
         if kind in ("done", "error"):
             self._starting.discard(rid)
+            self._table_of.pop(rid, None)
         if utf8 is not None and (tail := utf8.decode(b"", final=True)) and rid in self._chats:
             self._chats[rid].put_nowait(("text", tail))  # (a character the stream's end left unfinished)
         future = self._calls.pop(rid, None)

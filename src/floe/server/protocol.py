@@ -11,11 +11,13 @@ Front to core, objects:
                                                  "owner": the caller's OWNER id, and "structured": a
                                                  structured.Constraint's wire() for response_format
                                                  or tools; or a text completion: "prompt", no
-                                                 "messages")
+                                                 "messages"; several models: "model", and "table":
+                                                 the model whose vocab makes its ids' text)
   {"op": "cancel", "id": N}                      the client left: its row stops at the next token
   {"op": "call", "id": N, "name": NAME, "arg": A, "owner": O}
                                                  hello, vocab (each token's reply bytes: {"bytes": B64
-                                                 of them all, "lengths": [...]}, by id),
+                                                 of them all, "lengths": [...]}, by id; A: a model's
+                                                 name, several models, else null),
                                                  health, sessions, session, freeze, thaw, fork (A:
                                                  {"id": SID, "new_id": NEW or null}), let_go, delete,
                                                  metrics, models (a server of several models: each

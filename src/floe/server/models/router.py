@@ -33,6 +33,7 @@ class Routed:
     chat: object  # the core's Chat or Completion
     model: ServedModel
     claim: str | None = None  # the named session's store key, claimed for this request (ModelRouter._claim)
+    table: bool = False  # the front makes its text of ids with its model's table (CoreClient.table)
 
     @property
     def session(self):
@@ -117,7 +118,7 @@ class ModelRouter:
             self._unclaim(claim)
             raise
         try:
-            return Routed(core.open(request), served, claim)
+            return Routed(core.open(request), served, claim, request.get("table") == served.name)
         except BaseException:
             self.residency.release(served)
             self._unclaim(claim)
@@ -172,6 +173,8 @@ class ModelRouter:
     def streams_ids(self, routed: Routed) -> bool:
         """Whether the chat's reply can go to the front as token ids: its model's tokens are the front's
         table's (models with another tokenizer stream text)."""
+        if routed.table:
+            return True
         name = routed.model.name
         if name not in self._ids_ok:
             self._ids_ok[name] = routed.model.core._vocab == self._vocab
@@ -187,6 +190,11 @@ class ModelRouter:
             return {"model_id": self.first.name, "aliases": [], "models": list(self.models),
                     "started": self.started,
                     "max_text_bytes": None}  # (each model's own: its core checks it)
+        if name == "vocab" and isinstance(arg, str):  # a model's own table (loaded for it)
+            served = self.model(arg)
+            core = self.residency.take(served)
+            self.residency.release(served)
+            return core._vocab
         if name == "vocab":
             return self._vocab
         if name == "models":
