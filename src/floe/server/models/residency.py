@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from floe.server.core import ServeCore
 
 log = logging.getLogger("floe.serve")
+COLLECT_S = 60.0  # how long after an unload the residency collects (4 times a second) for its engine
 
 
 class Residency:
@@ -46,7 +47,8 @@ class Residency:
         self.lock = threading.Lock()  # guards each model's users and core across models
         self.idle = threading.Condition(self.lock)  # notified when a model's last user lets it go
         self.wait_seconds, self.memory_budget, self.footprint = wait_seconds, memory_budget, footprint
-        self._released: list[weakref.ref] = []  # engines unloaded and not yet collected
+        # Engines unloaded and not yet collected: (the engine, its model's name, when to stop looking)
+        self._released: list[tuple[weakref.ref, str, float]] = []
         self._closed = threading.Event()
         self._unloader = threading.Thread(target=self._unload_loop, name="floe-unload", daemon=True)
         self._unloader.start()
@@ -129,7 +131,7 @@ class Residency:
                 served.core = None
             started = time.perf_counter()
             core.close()  # freezes every live session into the model's store, stops its evictor
-            self._released.append(weakref.ref(core.engine))  # (its memory: _collect)
+            self._released.append((weakref.ref(core.engine), served.name, time.monotonic() + COLLECT_S))
             self.say(f"model {served.name} unloaded ({why}) in {time.perf_counter() - started:.2f} s")
             return True
 
@@ -137,10 +139,14 @@ class Residency:
         """Collect unloaded engines (cycles hold them; the engine loop's thread lets go after its idle
         exit, floe.actor.loop.IDLE_EXIT_S) and hand their freed heap pages back: the RSS falls back."""
         gc.collect()
-        alive = [ref for ref in self._released if ref() is not None]
+        alive = [r for r in self._released if r[0]() is not None]
         if len(alive) < len(self._released):
             trim_heap()
-        self._released = alive
+        now = time.monotonic()
+        for _, name, _ in (r for r in alive if r[2] < now):  # (a leak: say so, and stop collecting for it)
+            log.warning("the engine of model %s is still referenced %g s after its unload: its memory "
+                        "stays", name, COLLECT_S)
+        self._released = [r for r in alive if r[2] >= now]
 
     def _unload_loop(self) -> None:
         while not self._closed.wait(0.25):
