@@ -309,28 +309,19 @@ class EngineLoop:
         t1 = time.perf_counter()
         fed = self._feedable()
         if fed is not None:  # the next forward now, before the one in flight is finished
-            self._launch([*fed, *(t for t in self._live() if t.next_token is not None)], riding)
+            self._launch([*fed, *self._with_next_token()], riding)
         self._take_results()
-        fresh = [t for t in self._live() if t.fresh]
-        for turn in fresh:  # what the step computed: the argmax, or the draw its launch asked for
-            slot = turn.actor.slot
-            turn.choice = self.engine.drawn_token(slot) if turn.draws else self.engine.greedy_token(slot)
-            if turn.speculated == FED:  # its next row was fed the choice as the device made it
-                token = self.engine.fed_token(slot)
-                if token is None:  # which token was fed is not known (an engine that kept no record
-                    self._refuse(turn)  # of it): that row is undone, and its guest asked as any
-                else:
-                    turn.fresh = False
-                    turn.speculated = token
+        fresh, slots = self._fresh()
         # A fed step launched already: a fresh turn without a row in it (a prompt that rode in the
         # forward just taken, a fed row undone above) is asked first, and its token joins the next launch.
-        speculated = [t for t in fresh if t.speculated is not None or (fed is None and self._speculate(t))]
-        self.calls.ask([t for t in fresh if t.speculated is None])
+        ahead = self._speculate(slots) if fed is None else self.table.array[slots, Col.SPECULATED] != NONE
+        speculated = [fresh[k] for k in np.flatnonzero(ahead).tolist()]
+        self.calls.ask([fresh[k] for k in np.flatnonzero(~ahead).tolist()])
         t2 = time.perf_counter()
         # The device idles from the end of the last forward to this launch: only what the launch
         # needs comes before it; speculated turns' bookkeeping and guests come after.
         if fed is None:
-            self._launch([t for t in self._live() if t.next_token is not None], riding)
+            self._launch(self._with_next_token(), riding)
         t3 = time.perf_counter()
         self.calls.ask(speculated)  # while the device computes their next logits
         t4 = time.perf_counter()
@@ -381,6 +372,12 @@ class EngineLoop:
     def _live(self) -> list[Turn]:
         return [t for t in self._active if t.end is None]
 
+    def _with_next_token(self) -> list[Turn]:
+        """The live turns with a next token to append."""
+        live = self._live()
+        slots = np.fromiter((t.slot for t in live), np.int64, len(live))
+        return [live[k] for k in np.flatnonzero(self.table.array[slots, Col.NEXT_TOKEN] != NONE).tolist()]
+
     def _prefill(self, turn: Turn) -> None:
         abi = turn.abi
         try:
@@ -393,20 +390,51 @@ class EngineLoop:
         elif not abi.queued_tokens:
             turn.fresh = True
 
-    def _speculate(self, turn: Turn) -> bool:
-        """Whether to launch `turn`'s next forward with the host's choice before asking its guest
-        (module doc): its guest took the host's choice last time, and the token would be appended
-        (not its last one, which max_tokens ends unappended)."""
-        if turn.speculated is not None or not (self.overlap and turn.takes_choice
-                                               and turn.generated + 1 < turn.max_tokens):
-            return False
-        if turn.choice is None or not 0 <= turn.choice < turn.abi.vocab:
-            return False
-        if turn.choice in turn.abi.tokenizer.eos_ids:  # the chat guests stop there: no row to undo
-            return False
-        turn.fresh = False
-        turn.next_token = turn.speculated = turn.choice
-        return True
+    def _fresh(self) -> tuple[list[Turn], np.ndarray]:
+        """The live turns with fresh logits and their slots, each given its host choice: what its step
+        computed (the argmax, or the draw its launch asked for); a fed row's token, now known, is its
+        speculated one (a row whose fed token is not known is undone: its guest is asked as any)."""
+        live = self._live()
+        if not live:
+            return [], np.zeros(0, np.int64)
+        table = self.table.array
+        slots = np.fromiter((t.slot for t in live), np.int64, len(live))
+        ks = np.flatnonzero(table[slots, Col.FRESH]).tolist()
+        fresh, slots = [live[k] for k in ks], slots[ks]
+        if not fresh:
+            return fresh, slots
+        choices = self.engine.choices(slots.tolist(), [t.draws for t in fresh])
+        table[slots, Col.CHOICE] = [NONE if c is None else c for c in choices]
+        for k in np.flatnonzero(table[slots, Col.SPECULATED] == FED).tolist():
+            turn = fresh[k]  # its next row was fed the choice as the device made it
+            token = self.engine.fed_token(turn.slot)
+            if token is None:  # which token was fed is not known (an engine that kept no record of it)
+                self._refuse(turn)
+            else:
+                turn.fresh = False
+                turn.speculated = token
+        return fresh, slots
+
+    def _speculate(self, slots: np.ndarray) -> np.ndarray:
+        """Which of these fresh rows have their next forward launched with the host's choice before
+        their guest is asked (module doc): those speculated already, and those whose guest took the
+        host's choice last time where the token would be appended (not its last one, which max_tokens
+        ends unappended; not an end-of-sequence token, where the chat guests stop: no row to undo)."""
+        table = self.table.array
+        rows = table[slots]
+        ahead = rows[:, Col.SPECULATED] != NONE
+        if not self.overlap:
+            return ahead
+        choice = rows[:, Col.CHOICE]
+        now = (~ahead & (rows[:, Col.TAKES_CHOICE] != 0)
+               & (rows[:, Col.GENERATED] + 1 < rows[:, Col.MAX_TOKENS])
+               & (choice >= 0) & (choice < self.engine.config.vocab_size)
+               & ~np.isin(choice, self.engine.tokenizer.eos_ids))
+        if now.any():
+            going = slots[now]
+            table[going, Col.FRESH] = 0
+            table[going, Col.NEXT_TOKEN] = table[going, Col.SPECULATED] = choice[now]
+        return ahead | now
 
     def _launch(self, turns: list[Turn], riding: list[Turn] = ()) -> None:
         """Launch one forward for every turn with a next token and the whole queued prompt of each
@@ -423,8 +451,13 @@ class EngineLoop:
                 self._take_results()
             return
         # A fed turn's token is its slot's own choice from the forward in flight (None: Engine.feeds).
-        tokens = [None if t.speculated == FED else t.next_token for t in turns]
-        slots = [t.actor.slot for t in turns]
+        table = self.table.array
+        at = np.fromiter((t.slot for t in turns), np.int64, len(turns))
+        speculated = table[at, Col.SPECULATED]
+        tokens = table[at, Col.NEXT_TOKEN].tolist()
+        for k in np.flatnonzero(speculated == FED).tolist():
+            tokens[k] = None
+        slots = at.tolist()
         lengths = self.engine.cache.lengths
         positions = [lengths[slot] for slot in slots]
         prompts = [(t.abi.take_queued(), t.actor.slot) for t in riding]
@@ -438,12 +471,12 @@ class EngineLoop:
         t0 = time.perf_counter()
         step = self.engine.launch_batch(tokens, slots, prompts, draws)
         self.launch_s += time.perf_counter() - t0
-        self._launched.append(Launched(step, turns, riding, t0, positions, set(), np.array(slots, np.int64)))
+        self._launched.append(Launched(step, turns, riding, t0, positions, set(), at))
         self.fed += tokens.count(None)
-        for turn, position in zip(turns, positions, strict=True):
-            if turn.speculated is not None:
-                turn.speculated_at = position
-            turn.next_token = None
+        for k in np.flatnonzero(speculated != NONE).tolist():
+            turns[k].speculated_at = positions[k]
+        table[at, Col.NEXT_TOKEN] = NONE
+        for turn in turns:
             turn.flying += 1
         for turn in riding:
             turn.next_token, turn.prompt = None, False

@@ -129,21 +129,21 @@ class BatchedSteps:
                 draws: list[tuple[int, SamplingParams, float]],
                 sources: dict[int, tuple[int | None, bool, int | None]]) -> LaunchedStep:
         step = LaunchedStep(tokens, slots, [None] * len(slots), prompts=list(prompts))
-        for slot in slots:
-            self._drawn.pop(slot, None)
-            self._fed.pop(slot, None)
+        for forgotten in (self._drawn, self._fed):
+            if forgotten:
+                for slot in slots:
+                    forgotten.pop(slot, None)
         mixed = self._ride_along(step, step.prompts)
         if not self._batch_graphs and (len(slots) == 1 or not self.batched_decode):
             step.results[:] = [self._step_or_error(t, s) for t, s in zip(tokens, slots, strict=True)]
             self._start_draws(step, draws)
             return step
-        for i, token in enumerate(tokens):
-            try:
-                if token is not None:
-                    self._check_ids([token])
+        vocab = self.config.vocab_size
+        for i, token in enumerate(tokens):  # (_check_ids' test and error, without a call a row)
+            if token is None or 0 <= token < vocab:
                 step.rows.append(i)
-            except FloeError as e:
-                step.results[i] = e
+            else:
+                step.results[i] = FloeError(f"token id {token} is out of range [0, {vocab})")
         with self._step_lock:
             starts = {}
             for i in list(step.rows):
@@ -449,6 +449,11 @@ class BatchedSteps:
         """The argmax of `slot`'s latest logits if the forward that made them computed it (a batched
         decode step does, on the device, so greedy sampling needs no launch or sync); else None."""
         return self._greedy.get(slot)
+
+    def choices(self, slots: list[int], draws: list[bool]) -> list[int | None]:
+        """Each slot's drawn_token where draws, else its greedy_token (the engine loop's fresh rows)."""
+        drawn, greedy = self._drawn, self._greedy
+        return [drawn.get(s) if d else greedy.get(s) for s, d in zip(slots, draws, strict=True)]
 
     def _step_or_error(self, token: int, slot: int) -> Tensor | FloeError:
         try:
