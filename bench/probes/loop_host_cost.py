@@ -68,8 +68,12 @@ def main() -> None:
         rows = actors_run(engine, texts, args.tokens, batch=True, ids=args.ids)["engine_loop"]["rows"]
     finally:
         engine_loop.EngineLoop._step = step
-    print(f"cProfile of the loop's steps ({rows} row-tokens; µs a row-token = tottime / rows):")
     stats = pstats.Stats(profile)
+    calls = sum(v[1] for v in stats.stats.values())
+    python = sum(v[1] for (file, _, _), v in stats.stats.items() if not file.startswith("~"))
+    # (a count, not a time: the same on a busy machine as on an idle one)
+    print(f"calls a row-token in the loop's steps: {calls / rows:.1f} (Python functions {python / rows:.1f})")
+    print(f"cProfile of the loop's steps ({rows} row-tokens; µs a row-token = tottime / rows):")
     for (file, line, name), (_, calls, tottime, cumtime, _) in sorted(
             stats.stats.items(), key=lambda kv: -kv[1][2 if not SORT_CUM else 3])[:TOP]:
         print(f"  {1e6 * tottime / rows:7.1f} own {1e6 * cumtime / rows:7.1f} cum  {calls:7d}  "
