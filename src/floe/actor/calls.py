@@ -79,7 +79,7 @@ class GuestCalls:
             if not turn.headed:  # its first on_token here (its choice's address is fixed for the turn)
                 turn.head()
         bound = self.step_call_s if self.warm else self.token_call_s
-        slots = np.fromiter((t.slot for t in asking), np.int64, len(asking))
+        slots = np.array([t.slot for t in asking], np.int64)
         failed = guest_rows.call_slots(self.table.array, slots, [t.guest for t in asking], "on_token", bound,
                                        lambda k: asking[k].actor.take_pending())
         self.native_calls += len(asking)

@@ -352,13 +352,13 @@ class EngineLoop:
             return None
         flight, table = self._launched[0], self.table.array
         live = self._live()
-        if table[np.fromiter((t.slot for t in live), np.int64, len(live)), Col.FRESH].any():
+        if table[np.array([t.slot for t in live], np.int64), Col.FRESH].any():
             return None
         fed = [t for t in flight.turns if t.end is None]
         if not fed or any(t.flying != 1 for t in fed) or (flight.void and any(t in flight.void for t in fed)):
             return None
         slots = (flight.slots if len(fed) == len(flight.turns)
-                 else np.fromiter((t.slot for t in fed), np.int64, len(fed)))
+                 else np.array([t.slot for t in fed], np.int64))
         rows = table[slots]
         if not ((rows[:, Col.TAKES_CHOICE] != 0) & (rows[:, Col.REFUSED] == 0)
                 & (rows[:, Col.SPECULATED] == NONE) & (rows[:, Col.NEXT_TOKEN] == NONE)
@@ -375,7 +375,7 @@ class EngineLoop:
     def _with_next_token(self) -> list[Turn]:
         """The live turns with a next token to append."""
         live = self._live()
-        slots = np.fromiter((t.slot for t in live), np.int64, len(live))
+        slots = np.array([t.slot for t in live], np.int64)
         return [live[k] for k in np.flatnonzero(self.table.array[slots, Col.NEXT_TOKEN] != NONE).tolist()]
 
     def _prefill(self, turn: Turn) -> None:
@@ -398,7 +398,7 @@ class EngineLoop:
         if not live:
             return [], np.zeros(0, np.int64)
         table = self.table.array
-        slots = np.fromiter((t.slot for t in live), np.int64, len(live))
+        slots = np.array([t.slot for t in live], np.int64)
         ks = np.flatnonzero(table[slots, Col.FRESH]).tolist()
         fresh, slots = [live[k] for k in ks], slots[ks]
         if not fresh:
@@ -452,7 +452,7 @@ class EngineLoop:
             return
         # A fed turn's token is its slot's own choice from the forward in flight (None: Engine.feeds).
         table = self.table.array
-        at = np.fromiter((t.slot for t in turns), np.int64, len(turns))
+        at = np.array([t.slot for t in turns], np.int64)
         speculated = table[at, Col.SPECULATED]
         tokens = table[at, Col.NEXT_TOKEN].tolist()
         for k in np.flatnonzero(speculated == FED).tolist():
