@@ -16,7 +16,7 @@ from floe.actor.choices import host_choices
 from floe.actor.turn import END_CANCELLED, END_LENGTH, END_STOP, STOP, Turn, TurnTable
 from floe.wasm import GuestDeadlineExceeded, GuestError, GuestReportedError, GuestResultError
 from floe.wasm import rows as guest_rows
-from floe.wasm.rows import PLAIN, Col
+from floe.wasm.rows import NONE, PLAIN, Col
 
 
 class GuestCalls:
@@ -44,9 +44,10 @@ class GuestCalls:
         asking = [t for t in turns if t.end is None and t.abi.choice is not None]
         if not asking:
             return
-        tokens = [t.choice for t in asking]
-        if not write and None not in tokens:
+        known = self.table.array[[t.slot for t in asking], Col.CHOICE]
+        if not write and not (known == NONE).any():
             return
+        tokens = [None if c == NONE else c for c in known.tolist()]
         if None in tokens:  # (a prompt's first token, where its step computed none)
             try:
                 tokens = host_choices([t.abi for t in asking], tokens)

@@ -420,8 +420,8 @@ class EngineLoop(Speculation):
                 turn.fresh = True
         n = len(turns)
         moved = self._moved(n) if n else []
-        if n and not void and all(t.end is None and t.target is None for t in turns) and not any(
-                isinstance(r, BaseException) for r in results):  # the common case, in the table at once
+        if n and not void and all([t.end is None and t.target is None for t in turns]) and not any(
+                [isinstance(r, BaseException) for r in results]):  # the common case, in the table at once
             for turn, result in zip(turns, results, strict=True):
                 turn.flying -= 1
                 turn.abi.last_logits = result  # (HostABI.keep_logits of a turn that asked for none)
