@@ -38,6 +38,7 @@ from floe.actor.budget import (  # noqa: F401 - the limits are the ABI's too (te
     TEXT_CAP_PER_CAP,
     HostBudget,
 )
+from floe.actor.guest_io import _MASK32, GuestIO, _i32
 from floe.actor.host import LOG_LINES_KEPT  # noqa: F401 - (the ABI's limit: tests read it here)
 from floe.engine.sampling import SamplingParams, sample_token
 from floe.errors import ContextOverflow, InvalidSamplingParams
@@ -67,7 +68,6 @@ ERR_BAD_ARGUMENT = -3
 MESSAGE = struct.Struct("<4I")  # role_ptr, role_len, content_ptr, content_len
 SAMPLING = struct.Struct("<fif4x")  # temperature, top_k, top_p, (reserved)
 REQUEST = struct.Struct("<IfifQ8x")  # max_tokens, temperature, top_k, top_p, seed, (reserved)
-_MASK32 = 0xFFFFFFFF
 
 MAX_IDS_PER_CALL = 1 << 16  # detokenize
 LOG_LINE_BYTES = 4096
@@ -78,12 +78,7 @@ CHOICE_CROSSING = "host→guest choice (the host's token for on_token)"
 
 
 
-def _i32(word: int) -> int:
-    word &= _MASK32
-    return word - (1 << 32) if word & 0x80000000 else word
-
-
-class HostABI:
+class HostABI(GuestIO):
     """The `floe` import module for one actor. Holds per-message state (the last logits)."""
 
     def __init__(self, actor: GuestHost) -> None:
@@ -178,61 +173,6 @@ class HostABI:
                 return trap_new(describe(actor.pending_error))
 
         return call
-
-    def _length(self, value: int) -> int | None:
-        """An i32 length or count; None (the call answers ERR_BAD_ARGUMENT) when negative."""
-        value = _i32(value)
-        return None if value < 0 else value
-
-    def _struct(self, ptr: int, layout: struct.Struct, align: int, what: str) -> bytes:
-        if ptr % align:
-            raise GuestPointerError(f"{what}: pointer {ptr} is not {align}-byte aligned")
-        return self._bytes(ptr, layout.size, what)
-
-    def _bytes(self, ptr: int, length: int, what: str) -> bytes:
-        self.budget.spend(length, what)
-        t = time.perf_counter()
-        try:
-            data = self.actor.region.read(ptr, length)
-        except OutOfBounds as e:
-            raise GuestPointerError(f"{what}: guest pointer {e}") from None
-        self.actor.ledger.copy(f"guest→host {what}", length, seconds=time.perf_counter() - t)
-        return data
-
-    def _view(self, ptr: int, count: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        itemsize = dtype.itemsize
-        if ptr % itemsize:
-            raise GuestPointerError(f"{what}: pointer {ptr} is not {itemsize}-byte aligned")
-        try:
-            return self.actor.region.torch(ptr, count, dtype)
-        except OutOfBounds as e:
-            raise GuestPointerError(f"{what}: guest pointer {e}") from None
-
-    def _write(self, ptr: int, cap: int, data: bytes, what: str) -> None:
-        n = min(cap, len(data))
-        self.budget.spend(n, what)
-        t = time.perf_counter()
-        try:
-            self.actor.region.check(ptr, cap)
-            self.actor.region.write(ptr, data[:n])
-        except OutOfBounds as e:
-            raise GuestPointerError(f"{what}: guest pointer {e}") from None
-        self.actor.ledger.copy(f"host→guest {what}", n, seconds=time.perf_counter() - t)
-
-    def _write_ids(self, ptr: int, cap: int, ids: list[int], what: str) -> int:
-        self.budget.spend(4 * min(cap, len(ids)), what)
-        t = time.perf_counter()
-        if ptr % 4:
-            raise GuestPointerError(f"{what}: pointer {ptr} is not 4-byte aligned")
-        try:
-            out = self.actor.region.numpy(ptr, cap, np.int32)
-        except OutOfBounds as e:
-            raise GuestPointerError(f"{what}: guest pointer {e}") from None
-        n = min(cap, len(ids))
-        if n:  # numpy fills from the list in one C loop (a tensor of the list first costs ~3x more)
-            out[:n] = ids[:n]
-        self.actor.ledger.copy(f"host→guest {what}", 4 * n, seconds=time.perf_counter() - t)
-        return len(ids)
 
     # ---- the ABI ----------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Wasmtime set-up: guest linear memory backed by floe Regions, raw host functions, limits, traps."""
 
-from floe.wasm.raw import trap_handlers_kept
+from floe.wasm.process import trap_handlers_kept
 from floe.wasm.runtime import (
     GuestBudgetExceeded,
     GuestCancelled,

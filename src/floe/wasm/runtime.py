@@ -21,6 +21,7 @@ from wasmtime import FuncType, Instance, Linker, Module, Store, Trap, ValType, W
 from floe.errors import FloeError
 from floe.memory import Region
 from floe.wasm import shape
+from floe.wasm.process import thread_stack_bytes
 from floe.wasm.raw import (
     NUMERIC,
     EpochTimer,
@@ -35,7 +36,6 @@ from floe.wasm.raw import (
     global_kind,
     set_global_bits,
     signals,
-    thread_stack_bytes,
 )
 
 EPOCH_TICK_S = 0.01  # deadline granularity
