@@ -11,10 +11,10 @@
 // destination first). A destination of 0 only hashes. `done[t]` becomes 1 (release order, after
 // the stores are visible) once tensor t is in place and its digest written, so a caller can start
 // using it while the other tensors are still copying.
-// xxhash.h is the xxHash library (BSD 2-clause, see xxhash.LICENSE), included whole.
+// third_party/xxhash/xxhash.h is the xxHash library (BSD 2-clause, see its LICENSE), included whole.
 
 #define XXH_INLINE_ALL
-#include "xxhash.h"
+#include "third_party/xxhash/xxhash.h"
 
 #include <pthread.h>
 
