@@ -238,6 +238,7 @@ def test_a_plain_token_is_decoded_and_streamed_natively_within_the_budgets_room(
     table[0, [Col.VOCAB, Col.GENERATED, Col.MAX_TOKENS]] = 16, 0, 16
     table[0, Col.DECODED_AT], table[0, Col.REPLY_LEN_AT] = decoded.ctypes.data, lengths.ctypes.data
     table[0, Col.STREAM_IDS_AT], table[0, Col.STREAM_N_AT] = stream.ids.ctypes.data, stream.count.ctypes.data
+    table[0, Col.DECODED_CAP], table[0, Col.STREAM_CAP] = len(decoded), len(stream.ids)
     table[0, Col.ROOM] = 3 * CALL_OVERHEAD + 10  # tokens 2 (5 bytes), 3 (none) and 4 (5): not 5
     judged = []
     for _ in range(4):
@@ -250,3 +251,11 @@ def test_a_plain_token_is_decoded_and_streamed_natively_within_the_budgets_room(
     assert (table[0, Col.EMIT_CALLS], table[0, Col.EMITS]) == (3, 2)
     first, last = table.view(np.float64)[0, [Col.FIRST_TEXT, Col.LAST_TEXT]]
     assert 0 < first <= last <= time.perf_counter()
+    # Room in the budget, none in a buffer: not taken either (Python's path grows it), nothing written.
+    table[0, Col.ROOM] = 1 << 30
+    for cap in (Col.DECODED_CAP, Col.STREAM_CAP):
+        full, table[0, cap] = int(table[0, cap]), 3
+        on_a_guest_thread(lambda: guest_rows.call_slots(table, np.zeros(1, np.int64), [g], "on_token", 1.0,
+                                                        lambda k: None))
+        assert int(table[0, Col.JUDGED]) & guest_rows.PLAIN == 0 and stream.items == [2, 3, 4]
+        table[0, cap] = full

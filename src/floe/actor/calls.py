@@ -149,6 +149,8 @@ class GuestCalls:
                 except BaseException as e:  # noqa: BLE001 - fails this turn only
                     turn.finish(END_CANCELLED, e)
                     return
+                if turn.streaming:  # (its stream may have grown: the native calls write where it is now)
+                    turn.stream_moved()
             turn.generated += 1
             if turn.generated >= turn.max_tokens:
                 turn.end = END_LENGTH

@@ -143,11 +143,12 @@ class Turn:
         self._moved_names: list[str | None] = [None, None]
         # The ids on_token returned, in order (a plain one written by the native calls): the message's
         # stats' decoded ids once it ends (settle()).
-        self.decoded = np.empty(max_tokens + 1, np.int32)
+        # (room for every token it can generate: past the context's end none is appended)
+        self.decoded = np.empty(min(max_tokens, actor.engine.max_seq_len) + 1, np.int32)
         self.streaming = False  # its reply's ids are streamed by the native calls (head())
         w = self._words
         w[W.MAX_TOKENS], w[W.VOCAB], w[W.DRAWS] = max_tokens, self.abi.vocab, int(self.draws)
-        w[W.DECODED_AT] = self.decoded.ctypes.data
+        w[W.DECODED_AT], w[W.DECODED_CAP] = self.decoded.ctypes.data, len(self.decoded)
         self._dwords[W.DEADLINE] = deadline
 
     def bind(self, table: TurnTable) -> None:
@@ -171,8 +172,8 @@ class Turn:
         words[base + W.STREAMS] = int(self.abi.streams)
         stream, abi = self.abi.tokens_to, self.abi
         if stream is not None and abi.streams and abi.budget is not None:  # its ids streamed natively too
-            stream.reserve(self.max_tokens + 1)
-            words[base + W.STREAM_IDS_AT] = stream.ids.ctypes.data
+            stream.reserve(len(self.decoded))
+            self.stream_moved()
             words[base + W.STREAM_N_AT] = stream.count.ctypes.data
             words[base + W.REPLY_LEN_AT] = abi.tokenizer.reply_lengths(abi.vocab).ctypes.data
             abi.budget.bind(words, base + W.ROOM, base + W.STREAMED)
@@ -181,10 +182,19 @@ class Turn:
 
     def decode(self, token: int) -> None:
         """A token on_token returned that the native calls did not take (the Python path)."""
-        w, i = self._words, self._base + W.N_DECODED
-        n = w[i]
+        w, b = self._words, self._base
+        n = w[b + W.N_DECODED]
+        if n == len(self.decoded):  # (full: never by the context's bound; grown, and the row told)
+            self.decoded = np.concatenate([self.decoded, np.empty(len(self.decoded), np.int32)])
+            w[b + W.DECODED_AT], w[b + W.DECODED_CAP] = self.decoded.ctypes.data, len(self.decoded)
         self.decoded[n] = token
-        w[i] = n + 1
+        w[b + W.N_DECODED] = n + 1
+
+    def stream_moved(self) -> None:
+        """Its reply's TokenStream buffer as it is now (head(); after Python's stream grew it)."""
+        stream = self.abi.tokens_to
+        self._words[self._base + W.STREAM_IDS_AT] = stream.ids.ctypes.data
+        self._words[self._base + W.STREAM_CAP] = len(stream.ids)
 
     def settle(self) -> None:
         """What the native calls took into its row goes to its message's stats (and budget): its decoded
@@ -206,7 +216,7 @@ class Turn:
         if self.abi.budget is not None:
             self.abi.budget.unbind()
         for col in (W.STREAM_IDS_AT, W.STREAM_N_AT, W.REPLY_LEN_AT, W.ROOM, W.STREAMED, W.EMIT_CALLS, W.EMITS,
-                    W.FIRST_TEXT, W.LAST_TEXT):
+                    W.FIRST_TEXT, W.LAST_TEXT, W.STREAM_CAP):
             w[b + col] = 0
 
     def moved(self) -> dict[str, list[int]]:

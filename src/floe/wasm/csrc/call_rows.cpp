@@ -70,15 +70,19 @@ struct Row {
     int64_t emits;       // ... of them with reply text (MessageStats.emits)
     double first_text;   // the first and last of those (CLOCK_MONOTONIC: time.perf_counter), 0: none
     double last_text;
-    int64_t spare[5];
+    int64_t decoded_cap;  // the room of decoded_at and of stream_ids_at (ids): a full one is Python's
+    int64_t stream_cap;
+    int64_t spare[3];
 };
 static_assert(sizeof(Row) == 384, "Row is 48 int64 words");
 
 static inline int64_t judge(const Row& row, int64_t token) {
     int64_t flags = token == row.choice ? TAKES : 0;
     if (token < 0 || token >= row.vocab || row.generated + 1 >= row.max_tokens) return flags;
-    if (row.stream_n_at != nullptr && row.streamed + CALL_OVERHEAD + row.reply_len_at[token] > row.room)
-        return flags;  // (past the budget: Python's stream raises its error)
+    if (row.decoded_at != nullptr && row.n_decoded >= row.decoded_cap) return flags;
+    if (row.stream_n_at != nullptr && (*row.stream_n_at >= row.stream_cap
+                                       || row.streamed + CALL_OVERHEAD + row.reply_len_at[token] > row.room))
+        return flags;  // (full, or past the budget: Python's path grows it, or its stream raises the error)
     if (row.speculated == NONE) return flags | PLAIN;
     return token == row.speculated ? (flags | PLAIN | CONFIRMED) : flags;
 }
