@@ -158,3 +158,21 @@ def test_ids_taken_natively_count_as_pythons_stream_counts_them(tiny_engine, mon
     if loop.native_calls == 0:
         pytest.skip("no native loop here")
     assert native == rows and len(streamed) <= len(rows)  # (each reply's last token, if any)
+
+
+def test_a_turns_decoded_ids_grow_past_their_room_and_the_row_points_at_the_new_buffer(tiny_engine):
+    """Turn.decode (the Python path) past the buffer's room (never reached by the context's bound):
+    the ids grow, the row's words name the new buffer and its room, and settle() hands them all over."""
+    from floe.actor.turn import Turn
+    from floe.wasm.rows import Col
+
+    with Actor(tiny_engine) as actor:
+        turn = Turn(actor, max_tokens=2, deadline=time.monotonic() + 60)
+        room = len(turn.decoded)
+        for token in range(room + 4):
+            turn.decode(token)
+        row = turn._row
+        assert len(turn.decoded) > room and row[Col.DECODED_CAP] == len(turn.decoded)
+        assert row[Col.DECODED_AT] == turn.decoded.ctypes.data and row[Col.N_DECODED] == room + 4
+        turn.settle()
+        assert actor.stats.decoded == list(range(room + 4)) and row[Col.N_DECODED] == 0
