@@ -38,7 +38,7 @@ from floe.actor.budget import (  # noqa: F401 - the limits are the ABI's too (te
     TEXT_CAP_PER_CAP,
     HostBudget,
 )
-from floe.actor.guest_io import _MASK32, GuestIO, _i32
+from floe.actor.guest_io import MASK32, GuestIO, as_i32
 from floe.actor.host import LOG_LINES_KEPT  # noqa: F401 - (the ABI's limit: tests read it here)
 from floe.engine.sampling import SamplingParams, sample_token
 from floe.errors import ContextOverflow, InvalidSamplingParams
@@ -159,10 +159,10 @@ class HostABI(GuestIO):
                     raise GuestHostCallError(f"host function {name} called outside a message (from a "
                                              "start function?): floe answers guests only within a call")
                 self.budget.check_time(name)
-                args = [raw[2 * i] & _MASK32 for i in range(n_params)]
+                args = [raw[2 * i] & MASK32 for i in range(n_params)]
                 result = fn(*args)
                 if n_results:
-                    raw[0] = result & _MASK32
+                    raw[0] = result & MASK32
                 return 0
             except BaseException as e:  # noqa: BLE001 - becomes a trap, re-raised by the actor
                 if isinstance(e, (GuestError, KeyboardInterrupt, SystemExit)):
@@ -393,7 +393,7 @@ class HostABI(GuestIO):
     def decode(self, token: int, logits_ptr: int) -> int:
         if self.version >= 2:
             raise GuestHostCallError("decode() is ABI v1; a v2 guest returns its next token from on_token")
-        token = _i32(token)
+        token = as_i32(token)
         if not 0 <= token < self.vocab:
             return ERR_BAD_TOKEN
         self.actor.stats.on_decode(token)
@@ -452,7 +452,7 @@ class HostABI(GuestIO):
     def kv_truncate(self, n: int) -> int:
         if self.version >= 2 and (not self.preparing or len(self.queued)):
             return ERR_BAD_ARGUMENT  # v2: only in on_message, before prefill queues anything
-        n = _i32(n)
+        n = as_i32(n)
         if not 0 <= n <= self.engine.kv_len(self.actor.slot):
             return ERR_BAD_ARGUMENT
         self.engine.kv_truncate(n, self.actor.slot)

@@ -13,11 +13,11 @@ import torch
 from floe.memory import OutOfBounds
 from floe.wasm import GuestPointerError
 
-_MASK32 = 0xFFFFFFFF
+MASK32 = 0xFFFFFFFF  # an i32 word as the raw calling convention carries it
 
 
-def _i32(word: int) -> int:
-    word &= _MASK32
+def as_i32(word: int) -> int:
+    word &= MASK32
     return word - (1 << 32) if word & 0x80000000 else word
 
 
@@ -26,7 +26,7 @@ class GuestIO:
 
     def _length(self, value: int) -> int | None:
         """An i32 length or count; None (the call answers ERR_BAD_ARGUMENT) when negative."""
-        value = _i32(value)
+        value = as_i32(value)
         return None if value < 0 else value
 
     def _struct(self, ptr: int, layout: struct.Struct, align: int, what: str) -> bytes:

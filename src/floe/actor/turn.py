@@ -93,7 +93,7 @@ class Turn:
 
     __slots__ = ("actor", "deadline", "speculated_at", "rng_before", "flying", "prompt", "end", "error",
                  "abandoned", "calls_on_end", "done", "woken", "abi", "guest", "draws", "target", "slot",
-                 "_row", "_words", "_dwords", "_base", "_moved_names", "headed", "decoded", "streaming")
+                 "_row", "_words", "_dwords", "_base", "_moved_names", "headed", "decoded")
 
     generated = _word(W.GENERATED)  # tokens it generated
     max_tokens = _word(W.MAX_TOKENS)
@@ -145,7 +145,6 @@ class Turn:
         # stats' decoded ids once it ends (settle()).
         # (room for every token it can generate: past the context's end none is appended)
         self.decoded = np.empty(min(max_tokens, actor.engine.max_seq_len) + 1, np.int32)
-        self.streaming = False  # its reply's ids are streamed by the native calls (head())
         w = self._words
         w[W.MAX_TOKENS], w[W.VOCAB], w[W.DRAWS] = max_tokens, self.abi.vocab, int(self.draws)
         w[W.DECODED_AT], w[W.DECODED_CAP] = self.decoded.ctypes.data, len(self.decoded)
@@ -177,7 +176,6 @@ class Turn:
             words[base + W.STREAM_N_AT] = stream.count.ctypes.data
             words[base + W.REPLY_LEN_AT] = abi.tokenizer.reply_lengths(abi.vocab).ctypes.data
             abi.budget.bind(words, base + W.ROOM, base + W.STREAMED)
-            self.streaming = True
         self.headed = True
 
     def decode(self, token: int) -> None:
@@ -189,6 +187,11 @@ class Turn:
             w[b + W.DECODED_AT], w[b + W.DECODED_CAP] = self.decoded.ctypes.data, len(self.decoded)
         self.decoded[n] = token
         w[b + W.N_DECODED] = n + 1
+
+    @property
+    def streaming(self) -> bool:
+        """Whether its reply's ids are streamed by the native calls (head(), until settle())."""
+        return self._words[self._base + W.STREAM_N_AT] != 0
 
     def stream_moved(self) -> None:
         """Its reply's TokenStream buffer as it is now (head(); after Python's stream grew it)."""
@@ -206,7 +209,6 @@ class Turn:
             w[b + W.N_DECODED] = 0
         if not self.streaming:
             return
-        self.streaming = False
         stats.emit_calls += w[b + W.EMIT_CALLS]
         stats.emits += w[b + W.EMITS]
         first, last = self._dwords[b + W.FIRST_TEXT], self._dwords[b + W.LAST_TEXT]
