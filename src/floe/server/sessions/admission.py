@@ -29,8 +29,9 @@ class _Ticket:
 class SlotAdmission:
     """The KV slots of `engine` counted for the sessions of `registry` (under its lock). Requests wait
     for a slot while every slot runs one, first come first served: at most max_waiting, each at most
-    wait_seconds (then a 503 with Retry-After, as when the queue is full). make_room(session): freeze
-    the session if it is idle and live (True if its slot is free now); set by the session store."""
+    wait_seconds (then a 503 with Retry-After, as when the queue is full). make_room(session): free
+    the session's slot if it is idle and live (frozen, or forgotten past its owner's bound of anonymous
+    sessions; True if its slot is free now); set by the session store."""
 
     def __init__(self, registry: SessionRegistry, engine: Engine, max_waiting: int = 8,
                  wait_seconds: float = 30.0) -> None:

@@ -141,20 +141,13 @@ class SessionLifecycle:
 
     # ---- freezing ----------------------------------------------------------------------------------
 
-    def freeze_if_idle(self, victim: Session) -> bool:
-        """Freeze `victim` if no request holds it and it is live: True if its slot is free now."""
-        if not victim.lock.acquire(blocking=False):
-            return False
+    def freeze_live_locked(self, victim: Session) -> bool:
+        """Freeze the (locked, live) `victim` for its KV slot: True (its slot is free now)."""
         try:
-            if not victim.live:
-                return False
-            try:
-                self.freeze_locked(victim)
-            except SessionLeased:
-                pass  # taken over: its actor is closed, its slot free
-            return True
-        finally:
-            victim.lock.release()
+            self.freeze_locked(victim)
+        except SessionLeased:
+            pass  # taken over: its actor is closed, its slot free
+        return True
 
     def freeze_locked(self, session: Session, close: bool = True) -> dict:
         """Put the session's snapshot into the store, then (`close`) close its actor (caller holds

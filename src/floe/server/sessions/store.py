@@ -85,7 +85,7 @@ class SessionStore:
         self.lifecycle = SessionLifecycle(self.registry, self.admission, self.spares, self.actors,
                                           idle_seconds=idle_seconds, kv_dtype=kv_dtype)
         self.lifecycle.on_thaw, self.lifecycle.on_freeze = on_thaw, on_freeze
-        self.admission.make_room = self.lifecycle.freeze_if_idle
+        self.admission.make_room = self._make_room
         self.upkeep = StoreUpkeep(self.lifecycle, sweep_seconds)
         self.transfers = SessionTransfers(self.lifecycle)
         self.rollbacks = 0  # conversations branched from an earlier turn (pending)
@@ -243,31 +243,61 @@ class SessionStore:
     def _bound_anonymous(self, new: Session) -> None:
         """Forget the least recently used idle anonymous session of `new`'s owner if `new` took them past
         max_anonymous (running ones are kept: at most a KV slot's worth more). Each new session forgets
-        at most one: a burst of arrivals shares the forgetting (each claims its victim under the store's
-        lock, so that two never count or take the same one; 64 at once each tried the whole list)."""
+        at most one: a burst of arrivals shares the forgetting. Each claims its victim by taking its lock
+        under the store's lock, so that two never count or take the same one (64 at once each tried the
+        whole list); one that another arrival is freezing for its slot meanwhile is forgotten there
+        instead (_make_room), so each arrival still takes one away."""
         with self.lock:
-            mine = [s for s in self.sessions.values() if s.anonymous and s.owner == new.owner
-                    and s is not new and not s.doomed]
+            mine = self._anonymous(new.owner, but=new)
             if len(mine) + 1 <= self.max_anonymous:
                 return
-            idle = [s for s in mine if not s.lock.locked()]
-            victim = min(idle, key=lambda s: s.last_used, default=None)
+            victim = next((s for s in sorted(mine, key=lambda s: s.last_used)  # (not one just made)
+                           if s.messages and s.lock.acquire(blocking=False)), None)
             if victim is None:
                 return
-            victim.doomed = True
-        forgotten = False
-        if victim.lock.acquire(blocking=False):
-            try:
-                forgotten = self.lifecycle.forget_locked(victim)
-                if forgotten:
-                    log.info("forgot anonymous session %s (over %d of its owner's)", victim.id,
-                             self.max_anonymous)
-            except SessionError as e:  # held elsewhere: not this server's to forget
-                log.info("could not forget anonymous session %s: %s", victim.id, e)
-            finally:
-                victim.lock.release()
-        if not forgotten:
-            victim.doomed = False  # (taken by a request meanwhile: kept, over the bound until the next)
+            victim.doomed = True  # (not counted by another arrival while this one forgets it)
+        try:
+            self._forget_over_bound(victim)
+        finally:
+            victim.lock.release()
+
+    def _make_room(self, victim: Session) -> bool:
+        """Free the KV slot of `victim` if no request holds it and it is live (the admission's choice for
+        an arrival that found every slot taken): True if its slot is free now. An anonymous session past
+        its owner's max_anonymous is forgotten (it would be at the next arrival) rather than frozen: no
+        snapshot written for it, and an arrival that could not claim it (held here) is not left over."""
+        if not victim.lock.acquire(blocking=False):
+            return False
+        try:
+            if not victim.live:
+                return False
+            with self.lock:
+                victim.doomed = (victim.anonymous
+                                 and len(self._anonymous(victim.owner)) > self.max_anonymous)
+            if victim.doomed and self._forget_over_bound(victim):
+                return True
+            return self.lifecycle.freeze_live_locked(victim)
+        finally:
+            victim.lock.release()
+
+    def _anonymous(self, owner: str, but: Session | None = None) -> list[Session]:
+        """`owner`'s anonymous sessions, less `but` and those another thread is forgetting (caller holds
+        the store's lock)."""
+        return [s for s in self.sessions.values()
+                if s.anonymous and s.owner == owner and s is not but and not s.doomed]
+
+    def _forget_over_bound(self, victim: Session) -> bool:
+        """Forget the (locked, doomed) anonymous session past its owner's bound: True if it is gone."""
+        try:
+            if self.lifecycle.forget_locked(victim):
+                log.info("forgot anonymous session %s (over %d of its owner's)", victim.id,
+                         self.max_anonymous)
+                return True
+        except SessionError as e:  # held elsewhere: not this server's to forget
+            log.info("could not forget anonymous session %s: %s", victim.id, e)
+        finally:
+            victim.doomed = False  # (a session not forgotten stays, over the bound until the next)
+        return False
 
     def go_live(self, session: Session) -> None:
         """Give the (locked) session a live actor now: thawed, or made, in a KV slot (freezing an idle
