@@ -259,3 +259,44 @@ def test_a_plain_token_is_decoded_and_streamed_natively_within_the_budgets_room(
                                                         lambda k: None))
         assert int(table[0, Col.JUDGED]) & guest_rows.PLAIN == 0 and stream.items == [2, 3, 4]
         table[0, cap] = full
+
+
+def test_a_call_goes_unchecked_once_wasmtime_has_checked_its_type():
+    """An export's first call goes through Wasmtime's type check; once it returned an i32 the type is
+    known and later calls skip the check (raw values), in Python and in the native loop alike, with the
+    same answers. One that returned something else is checked (and refused) at every call."""
+    from floe.wasm.raw import RAW_RESULTS
+
+    echo = guest("(i32.add (i32.load (i32.const 64)) (i32.const 1))")
+    call = echo.prepared("on_token", 0)
+    assert not call.raw and not call.row[2] & RAW_RESULTS
+    answers = []
+    for choice in (41, -7, 2**31 - 1):
+        echo.region.numpy(64, 1, np.int32)[0] = choice
+        answers.append(on_a_guest_thread(lambda: echo.call("on_token", deadline_s=1.0, pending=lambda: None,
+                                                           hold_gil=True)))
+        assert call.raw and call.row[2] & RAW_RESULTS
+    assert answers == [42, -6, -(2**31)]  # (an i32's wrap, as before)
+
+    wide = guest("(i64.const 7)", "i64")
+    for _ in range(2):
+        e = on_a_guest_thread(lambda: _raised(lambda: wide.call("on_token", deadline_s=1.0,
+                                                                pending=lambda: None)))
+        assert isinstance(e, GuestLoadError) and "i64" in str(e)
+        assert not wide.prepared("on_token", 0).raw
+
+    fresh = [guest("(i32.add (i32.load (i32.const 64)) (i32.const 1))") for _ in range(2)]
+    if not on_a_guest_thread(lambda: guest_rows.usable(fresh)):
+        pytest.skip("no native loop here")
+    table = np.zeros((2, guest_rows.WIDTH), np.int64)
+    table[:, Col.CONTEXT:Col.WHEN_AT + 1] = guest_rows.heads(fresh, "on_token",
+                                                             [choice_address(g) for g in fresh])
+    table.view(np.float64)[:, Col.DEADLINE] = math.inf
+    table[:, [Col.SPECULATED, Col.NEXT_TOKEN]] = NONE
+    slots = np.arange(2, dtype=np.int64)
+    for choices in ([10, 20], [30, -40]):
+        table[:, Col.CHOICE] = choices
+        failed = on_a_guest_thread(lambda: guest_rows.call_slots(table, slots, fresh, "on_token", 1.0,
+                                                                 lambda k: None))
+        assert failed == {} and table[:, Col.RESULT].tolist() == [c + 1 for c in choices]
+        assert (table[:, Col.RESULTS] & RAW_RESULTS).all()  # (learned at the first call)

@@ -27,7 +27,7 @@ from tiny import tiny_engine, tokenizer  # noqa: E402
 from floe.actor import loop as engine_loop  # noqa: E402
 from floe.actor.calls import GuestCalls  # noqa: E402
 
-SORT_CUM = os.environ.get("SORT") == "cum"
+SORT = {"own": 2, "cum": 3, "calls": 1}[os.environ.get("SORT", "own")]  # the profile's order
 TOP = int(os.environ.get("TOP", "20"))
 from floe.engine import Engine  # noqa: E402
 
@@ -75,7 +75,7 @@ def main() -> None:
     print(f"calls a row-token in the loop's steps: {calls / rows:.1f} (Python functions {python / rows:.1f})")
     print(f"cProfile of the loop's steps ({rows} row-tokens; µs a row-token = tottime / rows):")
     for (file, line, name), (_, calls, tottime, cumtime, _) in sorted(
-            stats.stats.items(), key=lambda kv: -kv[1][2 if not SORT_CUM else 3])[:TOP]:
+            stats.stats.items(), key=lambda kv: -kv[1][SORT])[:TOP]:
         print(f"  {1e6 * tottime / rows:7.1f} own {1e6 * cumtime / rows:7.1f} cum  {calls:7d}  "
               f"{Path(file).name}:{line}({name})")
 

@@ -307,15 +307,29 @@ _func_call = _dll.wasmtime_func_call  # (typed by wasmtime's bindings; their wra
 # Python; only safe where epochs tick without Python (EpochTimer), or a runaway guest would hang them.
 _func_call_holding_gil = ctypes.PYFUNCTYPE(_func_call.restype, *_func_call.argtypes)(
     ("wasmtime_func_call", _dll))
+# A call of a function whose type is known to be the call's (PreparedCall learns it from its first
+# checked call): Wasmtime's checked call looks the function's type up and compares it with the
+# arguments' each time (~250 ns a call on a Xeon VM; unchecked ~20 ns: bench/probes/wasm_call_cost.py).
+_func_call_unchecked = _dll.wasmtime_func_call_unchecked
+_func_call_unchecked_holding_gil = ctypes.PYFUNCTYPE(
+    _func_call_unchecked.restype, *_func_call_unchecked.argtypes)(("wasmtime_func_call_unchecked", _dll))
+# PreparedCall.row's results address | this: its function's type is known, () -> i32; call_rows.cpp
+# calls it unchecked, its raw result at that address (what a checked call's result buffer holds room for)
+RAW_RESULTS = 1
 
 
 class PreparedCall:
     """Calls of one export with n_args i32 arguments, expecting exactly one i32 result (a function of
     another signature is refused by Wasmtime: RawCallError, trap=False). Its C arrays and pointers are
     made once: the engine loop calls each row's on_token once a step, and building them each time was
-    a third of that call. Valid while its store lives (GuestInstance drops them when it closes)."""
+    a third of that call. Valid while its store lives (GuestInstance drops them when it closes).
+    Once a call went through Wasmtime's type check and returned an i32, the export's type is known
+    ((i32 x n_args) -> i32: a type never changes) and later calls are unchecked (`raw`): arguments and
+    result in one array of raw values. (Its type is not asked of Wasmtime: the C API aborts the process
+    on a v128 in it.)"""
 
-    __slots__ = ("_func", "_context", "_ref", "_n", "_params", "_results", "_trap", "_trap_ref", "row")
+    __slots__ = ("_func", "_context", "_ref", "_n", "_params", "_results", "_trap", "_trap_ref", "row",
+                 "raw", "_raw")
 
     def __init__(self, store, func, n_args: int) -> None:
         self._func = func  # (kept alive: _ref points into it)
@@ -327,8 +341,10 @@ class PreparedCall:
             param.kind = I32
         self._results = (ffi.wasmtime_val_t * 1)()
         self._new_trap()
+        self.raw = False
+        self._raw = (ffi.wasmtime_val_raw_t * max(1, n_args))()
         # (context, function, results) addresses: a row of floe_call_rows (floe.wasm.rows), which calls
-        # an export of no arguments without Python in between
+        # an export of no arguments without Python in between (unchecked once its type is known)
         self.row = (ctypes.cast(self._context, ctypes.c_void_p).value, ctypes.addressof(func._func),
                     ctypes.addressof(self._results))
 
@@ -340,21 +356,33 @@ class PreparedCall:
         """The call; hold_gil: without releasing the GIL (see _func_call_holding_gil)."""
         if len(args) != self._n:
             raise RawCallError(f"called with {len(args)} arguments, prepared for {self._n}", False)
-        params = self._params
-        for i, a in enumerate(args):
-            params[i].of.i32 = a  # (a ctypes int32 field wraps, as the guest's i32 would)
-        results = self._results
-        call = _func_call_holding_gil if hold_gil else _func_call
-        error = call(self._context, self._ref, params, self._n, results, 1, self._trap_ref)
+        if self.raw:
+            raw = self._raw
+            for i, a in enumerate(args):
+                raw[i].i32 = a  # (a ctypes int32 field wraps, as the guest's i32 would)
+            call = _func_call_unchecked_holding_gil if hold_gil else _func_call_unchecked
+            error = call(self._context, self._ref, raw, max(1, self._n), self._trap_ref)
+        else:
+            params = self._params
+            for i, a in enumerate(args):
+                params[i].of.i32 = a
+            call = _func_call_holding_gil if hold_gil else _func_call
+            error = call(self._context, self._ref, params, self._n, self._results, 1, self._trap_ref)
         if error:
             raise RawCallError(_message(error, ffi.wasmtime_error_delete, ffi.wasmtime_error_message), False)
         if self._trap:
             trap = self._trap
             self._new_trap()  # (the next call's starts null)
             raise RawCallError(_message(trap, ffi.wasm_trap_delete, ffi.wasm_trap_message), True)
+        if self.raw:
+            return self._raw[0].i32
+        results = self._results
         if results[0].kind != I32:
             raise RawCallError(f"returned a {KIND_NAMES.get(results[0].kind, results[0].kind)}, not an i32",
                                False)
+        self.raw = True  # (its type is the call's: checked by Wasmtime just now)
+        context, func, out = self.row
+        self.row = (context, func, out | RAW_RESULTS)
         return results[0].of.i32
 
 
@@ -367,6 +395,8 @@ def raw_call_error(error: int, trap: int, results: int) -> RawCallError:
     if trap:
         return RawCallError(_message(ctypes.cast(trap, ctypes.POINTER(ffi.wasm_trap_t)),
                                      ffi.wasm_trap_delete, ffi.wasm_trap_message), True)
+    if results & RAW_RESULTS:  # (an unchecked call returns what its type says: an i32)
+        return RawCallError("failed without an error or a trap", False)
     kind = ffi.wasmtime_val_t.from_address(results).kind
     return RawCallError(f"returned a {KIND_NAMES.get(kind, kind)}, not an i32", False)
 

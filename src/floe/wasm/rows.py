@@ -83,11 +83,12 @@ def native() -> Callable | None:
                 fn = library.floe_call_slots
                 fn.restype = ctypes.c_int64
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_double]
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double]
                 call = ctypes.cast(_dll.wasmtime_func_call, ctypes.c_void_p).value
+                unchecked = ctypes.cast(_dll.wasmtime_func_call_unchecked, ctypes.c_void_p).value
                 deadline = ctypes.cast(_dll.wasmtime_context_set_epoch_deadline, ctypes.c_void_p).value
                 _native = lambda table, slots, n, bound: fn(  # noqa: E731
-                    table, slots, n, call, deadline, I32, bound)
+                    table, slots, n, call, unchecked, deadline, I32, bound)
             except (BuildError, OSError) as e:
                 log.warning("guest calls go row by row (the native loop is not available: %s)", e)
     return _native

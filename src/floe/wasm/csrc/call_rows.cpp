@@ -21,6 +21,8 @@ extern "C" {
 
 typedef void* (*func_call_t)(void* context, const void* func, const void* args, size_t nargs,
                              void* results, size_t nresults, void** trap);
+typedef void* (*func_call_unchecked_t)(void* context, const void* func, void* args_and_results,
+                                       size_t n, void** trap);
 typedef void (*set_deadline_t)(void* context, uint64_t ticks_beyond_current);
 
 // Row.judged: what the returned token is for the engine loop (floe.wasm.rows, floe.actor.loop._took).
@@ -31,13 +33,15 @@ enum : int64_t {
     CONFIRMED = 4,  // the row in flight had this token (nothing to append)
 };
 constexpr int64_t NONE = INT64_MIN;  // Row.choice / speculated / next_token: none
+constexpr uintptr_t RAW_RESULTS = 1;  // (floe.wasm.raw.RAW_RESULTS)
 constexpr int64_t CALL_OVERHEAD = 64;  // bytes a streamed token costs the budget beyond its text (floe.actor.budget)
 
 // One turn's row: 32 int64 words (floe.wasm.rows.Col, in this order).
 struct Row {
     void* context;       // wasmtime_context_t* of the guest's store
     const void* func;    // wasmtime_func_t* of the export
-    void* results;       // wasmtime_val_t[1]: kind (uint8) at 0, the value at 8
+    uintptr_t results;   // wasmtime_val_t[1]: kind (uint8) at 0, the value at 8; | RAW_RESULTS once the
+                         // function's type is known to be () -> i32: called unchecked, its raw i32 at 0
     int32_t* choice_at;  // where the host's choice goes before the call (null: the guest asked none)
     double* when_at;     // the guest's watchdog deadline (time.monotonic()), armed before the call (null: not)
     int64_t choice;      // the host's choice (NONE: none)
@@ -113,7 +117,8 @@ static inline void take(Row& row, int64_t token) {
 // Call rows table[slots[k]] for k in [0, n): the index of the first that failed, or n.
 __attribute__((visibility("default")))
 int64_t floe_call_slots(Row* table, const int64_t* slots, int64_t n, func_call_t call,
-                        set_deadline_t set_deadline, int64_t i32_kind, double bound) {
+                        func_call_unchecked_t call_unchecked, set_deadline_t set_deadline, int64_t i32_kind,
+                        double bound) {
     alignas(16) static thread_local unsigned char no_args[32];  // (a valid pointer for zero arguments)
     for (int64_t k = 0; k < n; ++k) {
         Row& row = table[slots[k]];
@@ -129,13 +134,24 @@ int64_t floe_call_slots(Row* table, const int64_t* slots, int64_t n, func_call_t
         }
         set_deadline(row.context, 1);  // the next epoch tick asks the guest's watchdog
         void* trap = nullptr;
-        row.error = call(row.context, row.func, no_args, 0, row.results, 1, &trap);
+        int64_t token;
+        if (row.results & RAW_RESULTS) {  // (its type known: Wasmtime's check at each call skipped)
+            void* raw = reinterpret_cast<void*>(row.results & ~RAW_RESULTS);
+            row.error = call_unchecked(row.context, row.func, raw, 1, &trap);
+            token = *static_cast<const int32_t*>(raw);
+        } else {
+            void* results = reinterpret_cast<void*>(row.results);
+            row.error = call(row.context, row.func, no_args, 0, results, 1, &trap);
+            const unsigned char* value = static_cast<const unsigned char*>(results);
+            token = NONE;  // (not an i32)
+            if (row.error == nullptr && trap == nullptr && value[0] == static_cast<unsigned char>(i32_kind)) {
+                token = *reinterpret_cast<const int32_t*>(value + 8);
+                row.results |= RAW_RESULTS;  // () -> i32, as Wasmtime just checked: unchecked from now on
+            }
+        }
         row.trap = trap;
         row.judged = 0;
-        if (row.error != nullptr || trap != nullptr) return k;
-        const unsigned char* value = static_cast<const unsigned char*>(row.results);
-        if (value[0] != static_cast<unsigned char>(i32_kind)) return k;
-        const int64_t token = *reinterpret_cast<const int32_t*>(value + 8);
+        if (row.error != nullptr || trap != nullptr || token == NONE) return k;
         row.result = token;
         if (row.vocab <= 0) continue;
         row.judged = judge(row, token);
