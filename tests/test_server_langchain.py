@@ -9,7 +9,10 @@ from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 from test_server import MODEL_ID
+from test_server_openai import stored
 from test_server_structured import server  # noqa: F401 - the module's server fixture
+
+from floe.server.structured import call_text
 
 CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Delhi", "Quito", "Rome", "Seoul", "Accra",
           "Hanoi", "Dublin", "Havana", "Nairobi", "Vienna", "Manila", "Bogota", "Prague", "Perth", "Doha"]
@@ -87,6 +90,65 @@ def test_a_tool_result_goes_back_through_langchain(server):  # noqa: F811
     answer = model(server.url, 0).invoke([question, asked, ToolMessage("Snow, -3 degrees.",
                                                                       tool_call_id=call["id"])])
     assert isinstance(answer.content, str) and answer.content
+
+
+BOTH = "What is the weather in Paris? Then book two nights there."
+BOUND = {"GetWeather": GetWeather, "BookHotel": BookHotel}
+
+
+def greedy(url: str, **extra) -> ChatOpenAI:
+    return ChatOpenAI(base_url=f"{url}/v1", api_key="unused", model=MODEL_ID, temperature=0, max_tokens=128,
+                      max_retries=0, timeout=300, extra_body=extra or None)
+
+
+def valid_calls(reply) -> list[tuple[str, dict]]:
+    """A reply's tool calls, each validated by the Pydantic model of the tool it names."""
+    assert not reply.invalid_tool_calls
+    assert len({call["id"] for call in reply.tool_calls}) == len(reply.tool_calls)
+    for call in reply.tool_calls:
+        BOUND[call["name"]].model_validate(call["args"])
+    return [(call["name"], call["args"]) for call in reply.tool_calls]
+
+
+def test_bind_tools_with_two_tools_makes_both_calls_in_one_reply(server):  # noqa: F811
+    """issue 43's acceptance: two tools bound, a prompt that needs both, two valid calls in one reply."""
+    llm = greedy(server.url).bind_tools([GetWeather, BookHotel], tool_choice="any")
+    calls = valid_calls(llm.invoke(BOTH))
+    assert [name for name, _ in calls] == ["GetWeather", "BookHotel"]
+    assert all(args["city"] == "Paris" for _, args in calls)
+
+
+def test_two_calls_streamed_through_langchain_add_up_to_the_reply(server):  # noqa: F811
+    llm = greedy(server.url).bind_tools([GetWeather, BookHotel], tool_choice="any")
+    chunks = list(llm.stream(BOTH))
+    assert len({c["index"] for chunk in chunks for c in chunk.tool_call_chunks}) == 2
+    whole = chunks[0]
+    for chunk in chunks[1:]:
+        whole += chunk
+    assert valid_calls(whole) == valid_calls(llm.invoke(BOTH))
+
+
+def test_parallel_tool_calls_false_makes_one_call_through_langchain(server):  # noqa: F811
+    for i in range(2):
+        llm = model(server.url, i).bind_tools([GetWeather, BookHotel], tool_choice="any",
+                                              parallel_tool_calls=False)
+        assert len(valid_calls(llm.invoke(BOTH))) == 1
+
+
+def test_two_tool_results_go_back_through_langchain_and_the_session_keeps_both(server):  # noqa: F811
+    question = HumanMessage(BOTH)
+    asked = greedy(server.url, session_id="two-calls").bind_tools([GetWeather, BookHotel],
+                                                                  tool_choice="any").invoke([question])
+    calls = valid_calls(asked)
+    results = [ToolMessage(f"result {i}", tool_call_id=call["id"]) for i, call in enumerate(asked.tool_calls)]
+    answer = greedy(server.url, session_id="two-calls").invoke([question, asked, *results])
+    assert isinstance(answer.content, str) and answer.content
+    assert stored(server, "two-calls") == [
+        {"role": "user", "content": BOTH},
+        {"role": "assistant", "content": "\n".join(call_text(name, args) for name, args in calls)},
+        *({"role": "user", "content": f"The function {name} returned:\nresult {i}"}
+          for i, (name, _) in enumerate(calls)),
+        {"role": "assistant", "content": answer.content}]
 
 
 @pytest.mark.slow

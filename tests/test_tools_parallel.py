@@ -4,8 +4,9 @@ driven by the official `openai` client (and LangChain's bind_tools) against a re
 
 from __future__ import annotations
 
+import itertools
 import json
-import time
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -14,6 +15,7 @@ from test_grammar import valid
 from test_server import MODEL_ID, client
 from test_server_structured import TOOLS, ask, schema_of, server  # noqa: F401 - the module's server fixture
 
+from floe.server import structured
 from floe.server.structured import Constraint, ToolStream, constraint, outcome
 
 BOTH = [{"role": "user", "content": "I need two things: the weather in Paris (celsius) and the local time "
@@ -102,26 +104,58 @@ def test_a_reply_of_several_calls_is_kept_one_call_a_line():
     assert read.finish_reason == "tool_calls"
 
 
-def feed_by_character(raw: str) -> float:
-    """Seconds to stream `raw` one character at a time (the best of three)."""
-    best = float("inf")
-    for _ in range(3):
-        stream, start = ToolStream(), time.perf_counter()
-        for ch in raw:
-            stream.feed(ch)
-        best = min(best, time.perf_counter() - start)
-    return best
+TWO_CALLS = ('[{"name":"get_weather","arguments":{"city":"P}a],r\\"is","unit":"celsius"}},'
+             '{"name":"get_time","arguments":{"zone":"Asia/Tokyo"}}]')
 
 
-def test_tool_stream_reads_each_character_once():
-    """It once re-parsed everything it had read at each piece: eight times the text cost ~64 times
-    the time. Now eight times the text costs about eight times (bounded at 24 for a noisy machine)."""
+def test_two_streamed_calls_are_the_same_however_the_text_is_split():
+    """Every split of an array of two calls into three pieces (one through `},{` too) gives the same
+    calls: index 0 then 1, each head (id, name) once, its arguments whole and nothing of the other's."""
+    expected = [("get_weather", '{"city":"P}a],r\\"is","unit":"celsius"}'),
+                ("get_time", '{"zone":"Asia/Tokyo"}')]
+    for cuts in itertools.combinations(range(1, len(TWO_CALLS)), 2):
+        stream, bounds = ToolStream(), (0, *cuts, len(TWO_CALLS))
+        deltas = [c for a, b in itertools.pairwise(bounds) for d in stream.feed(TWO_CALLS[a:b])
+                  for c in d["tool_calls"]]
+        heads = [(c["index"], c["function"]["name"]) for c in deltas if "id" in c]
+        arguments = ["".join(c["function"]["arguments"] for c in deltas if c["index"] == i) for i in (0, 1)]
+        assert heads == [(0, "get_weather"), (1, "get_time")], cuts
+        assert list(zip([name for _, name in heads], arguments, strict=True)) == expected, cuts
+        assert [c["index"] for c in deltas] == sorted(c["index"] for c in deltas), cuts
+
+
+def test_tool_stream_reads_each_character_once(monkeypatch):
+    """It once re-parsed everything it had read at each piece: eight times the text cost ~64 times the
+    work. Counted as the characters it hands its parsers (json.loads, a call's head pattern), fed one
+    character at a time, eight times the text now costs eight times the work (no clock involved)."""
+    handed = []
+    head, loads = structured.CALL_HEAD, json.loads
+
+    class CountingHead:
+        def fullmatch(self, text):
+            handed.append(len(text))
+            return head.fullmatch(text)
+
+    monkeypatch.setattr(structured, "CALL_HEAD", CountingHead())
+    monkeypatch.setattr(structured, "json", SimpleNamespace(  # the module's json, not everyone's
+        loads=lambda text: (handed.append(len(text)), loads(text))[1], dumps=json.dumps,
+        JSONDecodeError=json.JSONDecodeError))
+
+    def work(raw: str) -> tuple[int, list[dict]]:
+        stream, handed[:] = ToolStream(), []
+        deltas = [d for ch in raw for d in stream.feed(ch)]
+        return sum(handed), deltas
+
     call = '{"name":"get_weather","arguments":{"city":"Paris \\"' + "x" * 40 + '","unit":"celsius"}}'
-    small, large = "[" + ",".join([call] * 50) + "]", "[" + ",".join([call] * 400) + "]"
-    stream = ToolStream()
-    deltas = [d for ch in large for d in stream.feed(ch)]
-    assert len(stream.calls) == 400 and {len(d["tool_calls"]) for d in deltas} == {1}
-    assert feed_by_character(large) < 24 * feed_by_character(small)
+    answer = "Caf\u00e9 \"quoted\" 😀 \\ line\n"
+    for small, large in (("[" + ",".join([call] * 50) + "]", "[" + ",".join([call] * 400) + "]"),
+                         (json.dumps(answer * 50), json.dumps(answer * 400))):
+        (cost, _), (cost_8x, deltas) = work(small), work(large)
+        assert 0 < cost_8x <= 8 * cost + 64
+    assert "".join(d["content"] for d in deltas) == answer * 400
+    _, deltas = work("[" + ",".join([call] * 400) + "]")
+    assert {len(d["tool_calls"]) for d in deltas} == {1}
+    assert len({d["tool_calls"][0]["index"] for d in deltas}) == 400
 
 
 def test_langchain_bind_tools_with_two_tools_makes_both_calls(server):  # noqa: F811
