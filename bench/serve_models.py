@@ -136,7 +136,7 @@ def random_model(shape: str, folder: Path) -> Path:
     from floe.model import default_model_path
     from floe.model.config import KNOWN_SHAPES
     from floe.model.gguf_file import GGUFFile
-    from floe.model.tokenizer import tokenizer_from_gguf
+    from floe.model.gguf_tokenizer import tokenizer_from_gguf
 
     c = KNOWN_SHAPES[shape]
     tokenizer = tokenizer_from_gguf(GGUFFile(default_model_path()).fields)

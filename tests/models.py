@@ -61,7 +61,7 @@ def save_hf_folder(folder: Path, arch: str, *, seed: int = 0, tie: bool, rope_ll
         Qwen3ForCausalLM,
     )
 
-    from floe.model.tokenizer import tokenizer_from_gguf
+    from floe.model.gguf_tokenizer import tokenizer_from_gguf
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -379,8 +379,8 @@ def tiny_engine(n_slots: int = 8, max_seq_len: int = 512):
     to step, for tests of everything around the model."""
     from floe.engine import Engine
     from floe.model.config import ModelConfig
+    from floe.model.gguf_tokenizer import tokenizer_from_gguf
     from floe.model.synthetic import random_checkpoint
-    from floe.model.tokenizer import tokenizer_from_gguf
 
     config = ModelConfig("llama", 64, 2, 4, 2, 160, VOCAB, 512, name="tiny-test")
     checkpoint = random_checkpoint(config, tokenizer_from_gguf(GGUFFile(default_model_path()).fields),

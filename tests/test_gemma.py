@@ -203,7 +203,7 @@ def gemma_vocabulary(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from floe.model.gguf_file import GGUFFile
-    from floe.model.tokenizer import tokenizer_from_gguf
+    from floe.model.gguf_tokenizer import tokenizer_from_gguf
 
     folder = tmp_path_factory.mktemp("gemma-vocabulary")
     fields = GGUFFile(write_sentencepiece_gguf(folder / "llama.gguf")).fields

@@ -85,8 +85,8 @@ def big(tmp_path_factory) -> Path:
     from floe.model import default_model_path
     from floe.model.config import ModelConfig
     from floe.model.gguf_file import GGUFFile
+    from floe.model.gguf_tokenizer import tokenizer_from_gguf
     from floe.model.synthetic import random_checkpoint
-    from floe.model.tokenizer import tokenizer_from_gguf
 
     config = ModelConfig("llama", 256, 4, 4, 4, 512, VOCAB, 1024, name="store-test")
     checkpoint = random_checkpoint(config, tokenizer_from_gguf(GGUFFile(default_model_path()).fields),

@@ -12,7 +12,8 @@ from tokenizers import models, pre_tokenizers, trainers
 
 from floe.errors import UnsupportedModel
 from floe.model.gguf_file import GGUFFile
-from floe.model.tokenizer import Tokenizer, merges_by_score, tokenizer_from_gguf
+from floe.model.gguf_tokenizer import merges_by_score, tokenizer_from_gguf
+from floe.model.tokenizer import Tokenizer
 
 # What the vocabulary is learned from: it holds no emoji, no Hangul and no tab, so those fall back to bytes.
 CORPUS = [

@@ -1,22 +1,31 @@
-"""Reading model weights (GGUF, Hugging Face folders), config, tokenizer, chat template, fingerprint."""
+"""Reading model weights (GGUF, Hugging Face folders), config, tokenizer, chat template, fingerprint.
+
+Its names are imported when first asked for (PEP 562): `floe.model.tokenizer` alone imports no torch, so
+that floe serve's HTTP fronts (which never import torch) can render and tokenize prompts.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import importlib
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from floe.model.checkpoint import Checkpoint, Progress
+    from floe.model.config import KNOWN_SHAPES, ModelConfig, RopeScaling
+    from floe.model.default import default_model_path
+    from floe.model.load import load_checkpoint
+    from floe.model.tokenizer import ChatTemplateError, Tokenizer
 
-from floe.errors import ModelNotFound, NotAModel
-from floe.model.checkpoint import Checkpoint, Progress
-from floe.model.config import KNOWN_SHAPES, ModelConfig, RopeScaling
-from floe.model.default import default_model_path
-from floe.model.tokenizer import ChatTemplateError, Tokenizer
+_WHERE = {"KNOWN_SHAPES": "config", "ModelConfig": "config", "RopeScaling": "config",
+          "Checkpoint": "checkpoint", "Progress": "checkpoint", "default_model_path": "default",
+          "load_checkpoint": "load", "ChatTemplateError": "tokenizer", "Tokenizer": "tokenizer"}
 
 __all__ = [
     "KNOWN_SHAPES",
     "ChatTemplateError",
     "Checkpoint",
     "ModelConfig",
+    "Progress",
     "RopeScaling",
     "Tokenizer",
     "default_model_path",
@@ -24,30 +33,9 @@ __all__ = [
 ]
 
 
-def load_checkpoint(
-    path: str | Path | None = None,
-    dtype: torch.dtype = torch.float32,
-    progress: Progress | None = None,
-) -> Checkpoint:
-    """Load a GGUF file or a Hugging Face folder (config.json + safetensors), or a Hugging Face repo id
-    (`owner/name[@revision][:quant-or-file]`) from the local Hugging Face cache (floe.model.hub_cache:
-    nothing is downloaded); None: the default model."""
-    from floe.model.gguf_file import load_gguf
-    from floe.model.hf_folder import load_hf_folder
-    from floe.model.hub_cache import is_repo_id, repo_name, resolve
-
-    name = None
-    if isinstance(path, str) and is_repo_id(path):
-        name, path = repo_name(path), resolve(path)
-    p = default_model_path() if path is None else Path(path).expanduser()
-    if not p.exists():
-        raise ModelNotFound(f"no such model file or folder: {p}")
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise NotAModel(f"{p} is a folder without config.json: not a Hugging Face model folder")
-        return load_hf_folder(p, dtype, progress, name)
-    with open(p, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise NotAModel(f"{p} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-    return load_gguf(p, dtype, progress)
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'floe.model' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"floe.model.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

@@ -30,8 +30,8 @@ from floe.model.checkpoint import (
     unpermute_rotary_rows,
 )
 from floe.model.config import ARCHITECTURES, LongRope, ModelConfig
+from floe.model.gguf_tokenizer import tokenizer_from_gguf
 from floe.model.quant import QuantizedWeight, dequantized
-from floe.model.tokenizer import tokenizer_from_gguf
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "tok_embeddings.weight",
