@@ -29,15 +29,24 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 ONEDNN_PRIMITIVES = 64  # kernels oneDNN keeps per shape in a server (bound_kernel_caches)
+MATMUL_DESCRIPTORS = 64  # matmul descriptors PyTorch's ideep layer keeps per shape (bound_kernel_caches)
 
 
 def bound_kernel_caches() -> None:
-    """For a long-running server, before its first CPU matmul: oneDNN (PyTorch's CPU matmuls) keeps the
-    kernels it made for each shape, 1,024 by default, and every new prompt length makes a new set: a
-    serving process grew ~95 MB of RSS per 32 new prompt lengths, ~33 MB capped at 64 (the default model,
-    2-core VM). Shapes a server runs every step stay in the cache (it is least recently used first). An
-    ONEDNN_PRIMITIVE_CACHE_CAPACITY the environment sets is kept."""
+    """For a long-running server, before its first CPU matmul: two caches keyed by shape sit under
+    PyTorch's CPU matmuls, 1,024 entries each by default, and every new prompt length fills a set of
+    entries in both (5 matmul shapes a prompt on the default model, ~0.26 MB an entry): oneDNN's kernels
+    (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and, above them, ideep's matmul descriptors (LRU_CACHE_CAPACITY,
+    each holding its own kernels' descriptions). Uncapped, a serving process grew ~95 MB of RSS per 32 new
+    prompt lengths; with oneDNN's capped alone ~33 MB (~1 MB a length, ideep's); with both capped at 64
+    it stays within ~20 MB of its first prompts (2-core VM; tests/test_core_memory.py). Shapes a server
+    runs every step stay cached (least recently used go first); a length evicted costs, when it returns,
+    what its first prompt did. Capacities the environment sets are kept, except LRU_CACHE_CAPACITY=0,
+    which crashes ideep at its first matmul (torch 2.13): it becomes 1."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVES))
+    if os.environ.get("LRU_CACHE_CAPACITY", "").strip() == "0":
+        os.environ["LRU_CACHE_CAPACITY"] = "1"
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(MATMUL_DESCRIPTORS))
 
 
 def parse_device(name: str | torch.device) -> torch.device:
