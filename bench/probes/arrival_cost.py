@@ -1,5 +1,6 @@
 """What a burst of arriving sessions costs the host before its first tokens: one message's on_message
-(the chat guest renders and tokenizes its prompt and queues it) timed alone and profiled by host call,
+(the chat guest renders and tokenizes its prompt and queues it) timed alone, and with a prompt hint (its
+render and ids made ahead, as floe serve's HTTP front makes them: floe.server.hints), profiled by host call,
 then S actors sending at once through one engine loop (TTFT, on_message's wall time) with 1, 2 and 4
 arrivals let in at once (floe.actor.loop.ARRIVALS). A one-layer 64-wide model, so the forward costs
 little and the host's share shows.
@@ -61,12 +62,14 @@ def main() -> None:
 def alone(engine: Engine, texts: list[str]) -> None:
     """Each message's on_message, one at a time (the loop idle), on a thread as a server's: its wall
     time without a profiler, then again under cProfile, and the profile."""
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(_alone(engine, texts, profiled=False)))
-    start_guest_thread(thread)
-    thread.join()
-    print(f"one message's on_message alone, on a guest thread: p50 {1e3 * statistics.median(out[0]):.3f} ms "
-          f"(min {1e3 * min(out[0]):.3f})")
+    for hinted in (False, True):
+        out: list = []
+        thread = threading.Thread(target=lambda out=out, hinted=hinted: out.append(
+            _alone(engine, texts, False, hinted)))
+        start_guest_thread(thread)
+        thread.join()
+        print(f"one message's on_message alone, on a guest thread{', with prompt hints' * hinted}: "
+              f"p50 {1e3 * statistics.median(out[0]):.3f} ms (min {1e3 * min(out[0]):.3f})")
     profile = cProfile.Profile()
     prepare = _alone(engine, texts, profile)
     n = len(prepare)
@@ -80,16 +83,22 @@ def alone(engine: Engine, texts: list[str]) -> None:
 
 
 
-def _alone(engine: Engine, texts: list[str], profiled: cProfile.Profile | bool) -> list[float]:
-    """Seconds of each on_message (the first message, which warms up, not counted)."""
+def _alone(engine: Engine, texts: list[str], profiled: cProfile.Profile | bool,
+           hinted: bool = False) -> list[float]:
+    """Seconds of each on_message (the first message, which warms up, not counted); hinted: each with
+    its conversation's prompt hint, made before it (as the front makes it, in its own process)."""
+    tokenizer = engine.tokenizer
     loop = EngineLoop(engine)
     actors = [Actor(engine, loop=loop, seed=i) for i in range(len(texts))]
     actors[0].send(texts[0], max_tokens=1)
     prepare = []
     for actor, text in zip(actors[1:], texts[1:], strict=True):
+        hint = tokenizer.hint([{"role": "user", "content": text}]) if hinted else None
         if profiled:
             profiled.enable()
-        stats = actor.send(text, max_tokens=1).stats
+        with tokenizer.hinted(hint):
+            stats = actor.send(text, max_tokens=1).stats
+        assert hint is None or hint.used == 2, "the guest's render and tokenize took the hint"
         if profiled:
             profiled.disable()
         prepare.append(stats.prepared - stats.started)

@@ -211,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=_bytes, default=MAX_REQUEST_BYTES, metavar="BYTES",
                        help="the largest request body (8M); past it, 413 (a snapshot upload streams "
                             "and is checked by the store instead)")
+    serve.add_argument("--no-prompt-hints", dest="prompt_hints", action="store_false",
+                       help="the engine core renders and tokenizes each chat's conversation itself (by "
+                            "default the HTTP fronts do, in their own processes, and hand it over)")
     serve.add_argument("--max-anonymous", type=int, default=64, metavar="N",
                        help="sessions made without an id kept per API key (64); beyond, the least "
                             "recently used idle one is deleted")

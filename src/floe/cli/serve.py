@@ -68,7 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
     return serve(core, listener=listener, log_level=args.log_level, keys=keys, fronts=fronts,
                  operator_keys=operators,
-                 cors_origins=tuple(args.cors_origin), max_request_bytes=args.max_request_bytes)
+                 cors_origins=tuple(args.cors_origin), max_request_bytes=args.max_request_bytes,
+                 prompt_hints=args.prompt_hints)
 
 
 def _one_model(args: argparse.Namespace) -> str | None:

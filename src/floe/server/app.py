@@ -94,12 +94,14 @@ def _error(status: int, message: str, type_: str, code: str | None = None, param
 def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
                  cors_origins: tuple[str, ...] = (), on_shutdown: Callable[[], None] = lambda: None,
                  on_lost: Callable[[], None] = lambda: None, client=None,
-                 max_request_bytes: int = MAX_REQUEST_BYTES, operator_keys: tuple[str, ...] = ()) -> FastAPI:
+                 max_request_bytes: int = MAX_REQUEST_BYTES, operator_keys: tuple[str, ...] = (),
+                 prompt_hints: bool = True) -> FastAPI:
     """The ASGI app of the HTTP front, talking to the engine core at `socket_path` (or through
     `client`, an object with CoreClient's methods: floe.cluster.router's, which routes over replicas).
 
     keys: API keys (floe.server.auth; none: open). cors_origins: web origins whose pages may call it
-    (none: CORS off). on_shutdown: run (in a thread) when the app stops. on_lost: called when the
+    (none: CORS off). prompt_hints: the front renders and tokenizes each plain chat's conversation for
+    the core (floe.server.hints). on_shutdown: run (in a thread) when the app stops. on_lost: called when the
     core's connection ends. max_request_bytes: the largest request body but a snapshot upload's
     (floe.server.limits). operator_keys: keys (API keys too) that see the server's /metrics and its
     whole /health; other keys see their own sessions' counts (without keys everyone is the operator).
@@ -122,6 +124,8 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         app.state.aliases = tuple(hello["aliases"])
         app.state.models = tuple(hello.get("models", ()))  # several models (floe.server.models): their names
         app.state.max_text_bytes = hello.get("max_text_bytes")  # a router's replicas may not say
+        if prompt_hints and not app.state.models:
+            await service.hints.load(client)
         try:
             yield
         finally:
@@ -296,7 +300,7 @@ def create_app(engine: Engine, *, snapshots: Path | str | SnapshotStore, model_i
                idle_seconds: float = 300.0, guest: str | None = None, batching: bool | None = None,
                aliases: tuple[str, ...] = (), keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
                max_anonymous: int = 64, max_request_bytes: int = MAX_REQUEST_BYTES,
-               operator_keys: tuple[str, ...] = (), **core_options) -> FastAPI:
+               operator_keys: tuple[str, ...] = (), prompt_hints: bool = True, **core_options) -> FastAPI:
     """The front and the engine core of `engine` in this process (the core's socket in a private
     temporary folder): what `floe serve` runs in two, for tests and embedding. Sessions freeze into
     `snapshots` (a folder, a URL, or a SnapshotStore), which a restart reads back; the app's shutdown
@@ -307,11 +311,12 @@ def create_app(engine: Engine, *, snapshots: Path | str | SnapshotStore, model_i
                      guest=guest, batching=batching, aliases=aliases, max_anonymous=max_anonymous,
                      **core_options)
     return app_of(core, keys=keys, cors_origins=cors_origins, max_request_bytes=max_request_bytes,
-                  operator_keys=operator_keys)
+                  operator_keys=operator_keys, prompt_hints=prompt_hints)
 
 
 def app_of(core: ServeCore | ModelRouter, *, keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
-           max_request_bytes: int = MAX_REQUEST_BYTES, operator_keys: tuple[str, ...] = ()) -> FastAPI:
+           max_request_bytes: int = MAX_REQUEST_BYTES, operator_keys: tuple[str, ...] = (),
+           prompt_hints: bool = True) -> FastAPI:
     """The front and an engine core (one model's, or several models' router: floe.server.models) in
     this process; the app's shutdown closes the core (create_app's)."""
     from floe.server.core_socket import CoreServer
@@ -324,7 +329,7 @@ def app_of(core: ServeCore | ModelRouter, *, keys: tuple[str, ...] = (), cors_or
         core.close()
 
     app = create_front(server.path, keys=api_keys(keys, {}), cors_origins=cors_origins, on_shutdown=shutdown,
-                       max_request_bytes=max_request_bytes,
+                       max_request_bytes=max_request_bytes, prompt_hints=prompt_hints,
                        operator_keys=api_keys(operator_keys, {}, variable=OPERATOR_KEYS_ENV))
     app.state.core = core
     return app
@@ -345,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--cors-origin", action="append", default=[], help="a web origin that may call it")
     ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES)
+    ap.add_argument("--no-prompt-hints", dest="prompt_hints", action="store_false")
     args = ap.parse_args(argv)  # its API keys: FLOE_API_KEYS (never in argv, which `ps` shows)
     logging.basicConfig(level=args.log_level.upper(), format="floe serve (http): %(message)s")
     server: uvicorn.Server | None = None
@@ -355,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         server.should_exit = True
 
     app = create_front(args.socket, keys=api_keys(), cors_origins=tuple(args.cors_origin), on_lost=lost,
-                       max_request_bytes=args.max_request_bytes,
+                       max_request_bytes=args.max_request_bytes, prompt_hints=args.prompt_hints,
                        operator_keys=api_keys(variable=OPERATOR_KEYS_ENV))
     server = uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level))
     server.run(sockets=None if args.fd is None else [socket.socket(fileno=args.fd)])

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from floe.server import structured
 from floe.server.client import CoreClient
+from floe.server.hints import FrontHints
 from floe.server.limits import check_text
 from floe.server.protocol import ROLES, ServeError
 from floe.server.stops import checked_stops
@@ -223,7 +224,8 @@ class ChatService:
     check_model(name): raises the 404 for a model name this server does not serve. max_text_bytes(): the
     most bytes of text a conversation may have (floe.server.limits.check_text; None: no bound known).
     several(): whether the server has several models (floe.server.models): a reply's token ids are
-    made into text with its model's table (CoreClient.table).
+    made into text with its model's table (CoreClient.table). hints: the prompt hints it sends with
+    plain chats (floe.server.hints; loaded at the front's start).
     """
 
     def __init__(self, client: CoreClient, check_model: Callable[[str], Any],
@@ -231,6 +233,7 @@ class ChatService:
                  several: Callable[[], bool] = lambda: False) -> None:
         self.client, self.check_model, self.max_text_bytes = client, check_model, max_text_bytes
         self.several = several
+        self.hints = FrontHints()
 
     async def chat(self, body: ChatRequest, request: Request) -> Response:
         self.check_model(body.model)
@@ -277,6 +280,8 @@ class ChatService:
             core_request["structured"] = constraint.wire()
         if "messages" in asked:
             check_text(asked["messages"], self.max_text_bytes())
+            if constraint is None and (hint := await self.hints.make(asked["messages"])) is not None:
+                core_request["hint"] = hint
         if self.several():  # (its model loads here if it is not loaded: the request waits for it anyway)
             await self.client.table(body.model)
             core_request["table"] = body.model

@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from floe.actor.stream import TokenStream
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError, InvalidSamplingParams
-from floe.model.tokenizer import ChatTemplateError
-from floe.server import protocol
+from floe.model.tokenizer import ChatTemplateError, Hint
+from floe.server import hints, protocol
 from floe.server.completions import Completion, TextCompletions
 from floe.server.limits import check_text
 from floe.server.protocol import CALLS, ROLES, ServeError
@@ -56,6 +56,9 @@ class Metrics:
                               buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
         self.freeze = Histogram("floe_freeze_seconds", "Freezing a session", registry=r,
                                 buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
+        self.hints = Counter("floe_prompt_hints", "Chats whose conversation the HTTP front rendered and "
+                             "tokenized (floe.server.hints), by whether the guest's render and tokenize used "
+                             "it", ["used"], registry=r)
         self.batch_rows = Histogram("floe_decode_batch_rows", "Sessions advanced by one batched decode "
                                     "forward", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64))
         Gauge("floe_waiting_requests", "Requests waiting for a KV slot (every slot runs one)",
@@ -91,6 +94,7 @@ class Chat:
     seed: int | None  # the request's own seed (its session's generator restarts from it), or None
     stops: tuple[str, ...]  # the reply ends before the first of these
     constraint: Constraint | None = None  # a structured reply (response_format, tools): StructuredTurns
+    hint: Hint | None = None  # its conversation rendered and tokenized by the front (floe.server.hints)
 
 
 class ServeCore:
@@ -153,7 +157,7 @@ class ServeCore:
             return self._open_completion(request)
         structured = request.get("structured")
         constraint = None if structured is None else Constraint.from_wire(structured)
-        messages, max_tokens, params, sid = self._validate(request, constraint)
+        messages, max_tokens, params, sid, hint = self._validate(request, constraint)
         stops = checked_stops(request.get("stop"))
         if constraint is not None and stops:
             raise ServeError(400, "stop cannot end a structured reply", param="stop")
@@ -177,7 +181,8 @@ class ServeCore:
             if isinstance(e, (GuestError, FloeError)):
                 raise failure(e, session.id) from None
             raise
-        return Chat(session, history, messages[-1]["content"], max_tokens, params, seed, stops, constraint)
+        return Chat(session, history, messages[-1]["content"], max_tokens, params, seed, stops, constraint,
+                    hint)
 
     def _open_completion(self, request: dict) -> Completion:
         prompt, max_tokens = request.get("prompt"), request.get("max_tokens")
@@ -211,9 +216,12 @@ class ServeCore:
                                        max_tokens=chat.max_tokens, params=chat.params, seed=chat.seed,
                                        on_text=on_text, should_stop=should_stop)
             else:
-                reply = self.store.run(chat.session, chat.history, chat.text, max_tokens=chat.max_tokens,
-                                       params=chat.params, on_text=on_text, should_stop=should_stop,
-                                       reseed=chat.seed, stops=chat.stops, tokens=tokens)
+                with self.engine.tokenizer.hinted(chat.hint):  # (its guest renders, tokenizes in this thread)
+                    reply = self.store.run(chat.session, chat.history, chat.text, max_tokens=chat.max_tokens,
+                                           params=chat.params, on_text=on_text, should_stop=should_stop,
+                                           reseed=chat.seed, stops=chat.stops, tokens=tokens)
+                if chat.hint is not None:  # (a render and a tokenize of it: used)
+                    self.metrics.hints.labels(str(chat.hint.used >= 2).lower()).inc()
         except (GuestError, FloeError) as e:
             raise failure(e, chat.session.id) from None
         finally:
@@ -256,10 +264,11 @@ class ServeCore:
         self.store.keep_spares(self.engine.cache.n_slots)
 
     def _validate(self, request: dict, constraint: Constraint | None = None
-                  ) -> tuple[list[dict], int, SamplingParams, str | None]:
+                  ) -> tuple[list[dict], int, SamplingParams, str | None, Hint | None]:
         """The fields the front checked, checked again for type (the core trusts no peer), then
         against the engine: sampling parameters and the context (a structured turn's with what it
-        adds: the schema shown, the tools)."""
+        adds: the schema shown, the tools); and the front's hint of a plain chat's conversation, whose
+        ids count its prompt exactly (floe.server.hints)."""
         messages = request.get("messages")
         if not (isinstance(messages, list) and messages and all(
                 isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
@@ -273,9 +282,11 @@ class ServeCore:
         params = _sampling(request)
         check_text(messages, self.max_text_bytes)  # before the template or the tokenizer see it
         shown = messages if constraint is None else self.turns.prompt(messages, constraint)
+        hint = None if constraint is not None else hints.from_wire(request.get("hint"), messages,
+                                                                   self.engine.tokenizer.vocab_size)
         try:
-            prompt = self._prompt_bound(shown)
-            if prompt + (max_tokens or 1024) > self.engine.max_seq_len:  # near the end: count exactly
+            prompt = len(hint.ids) if hint is not None else self._prompt_bound(shown)
+            if hint is None and prompt + (max_tokens or 1024) > self.engine.max_seq_len:  # count exactly
                 prompt = len(self.engine.tokenizer.encode_chat(shown))
         except ChatTemplateError as e:  # e.g. a template that demands alternating roles
             raise ServeError(400, f"messages: {e}", param="messages") from None
@@ -288,7 +299,7 @@ class ServeCore:
             raise ServeError(400, f"max_tokens {max_tokens} + the conversation's {prompt} tokens exceed "
                              f"this server's context of {self.engine.max_seq_len}",
                              code="context_length_exceeded", param="max_tokens")
-        return messages, max_tokens, params, sid
+        return messages, max_tokens, params, sid, hint
 
     @cached_property
     def max_text_bytes(self) -> int:
@@ -304,6 +315,11 @@ class ServeCore:
         pieces = [tokenizer.reply_bytes(i) for i in range(tokenizer.vocab_size)]
         return {"bytes": base64.b64encode(b"".join(pieces)).decode(), "lengths": [len(p) for p in pieces],
                 "strips_leading_space": tokenizer.strips_leading_space}
+
+    @cached_property
+    def _tokenizer(self) -> dict:
+        """The "tokenizer" call's answer: the engine's tokenizer, for the fronts' prompt hints."""
+        return self.engine.tokenizer.wire()
 
     def _prompt_bound(self, messages: list[dict]) -> int:
         """At least the conversation's prompt tokens, without tokenizing it (the guest will, and each
@@ -322,6 +338,8 @@ class ServeCore:
                     "max_text_bytes": self.max_text_bytes}
         if name == "vocab":
             return self._vocab
+        if name == "tokenizer":  # (the fronts' prompt hints: floe.server.hints)
+            return self._tokenizer
         if name == "health" and isinstance(arg, dict) and not arg.get("full", True):  # a key's own view
             return {"status": "ok", "model": self.model_id, "device": str(self.engine.device),
                     "uptime_s": time.time() - self.started, "sessions": self.store.counts(_owner(owner))}

@@ -392,7 +392,7 @@ def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int =
           keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
           max_request_bytes: int = protocol.MAX_REQUEST_BYTES, fronts: int = 1,
           listener: socket.socket | None = None, operator_keys: tuple[str, ...] = (),
-          on_ready: Callable[[CoreServer], None] = lambda server: None) -> int:
+          prompt_hints: bool = True, on_ready: Callable[[CoreServer], None] = lambda server: None) -> int:
     """`floe serve` with its engine core in this process: `fronts` HTTP front processes
     (floe.server.app) share one listening socket this process binds (the kernel hands each new
     connection to one of them) and each talks to the core's socket in a private temporary folder.
@@ -401,7 +401,9 @@ def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int =
     front that lost its core: 3). keys: its API keys (handed to the fronts in their environment, never
     their command line); cors_origins: web origins that may call it; max_request_bytes: a front's
     largest request body (floe.server.limits); listener: the socket to serve on (listen()'s), else
-    host:port is bound here; operator_keys: the keys that see /metrics (in the fronts' environment).
+    host:port is bound here; operator_keys: the keys that see /metrics (in the fronts' environment);
+    prompt_hints: the fronts render and tokenize plain chats' conversations for the core
+    (floe.server.hints).
     Raises FloeError if host:port cannot be listened on."""
     import gc
     import signal
@@ -421,7 +423,7 @@ def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int =
 
     previous = signal.signal(signal.SIGTERM, stop)
     args = ["--socket", server.path, "--fd", str(listener.fileno()), "--log-level", log_level,
-            "--max-request-bytes", str(max_request_bytes),
+            "--max-request-bytes", str(max_request_bytes), *([] if prompt_hints else ["--no-prompt-hints"]),
             *(arg for origin in cors_origins for arg in ("--cors-origin", origin))]
     procs, code = [], 0
     try:

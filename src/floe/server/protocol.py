@@ -12,13 +12,17 @@ Front to core, objects:
                                                  structured.Constraint's wire() for response_format
                                                  or tools; or a text completion: "prompt", no
                                                  "messages"; several models: "model", and "table":
-                                                 the model whose vocab makes its ids' text)
+                                                 the model whose vocab makes its ids' text; "hint":
+                                                 the conversation rendered and tokenized by the
+                                                 front, floe.server.hints.wire())
   {"op": "cancel", "id": N}                      the client left: its row stops at the next token
   {"op": "call", "id": N, "name": NAME, "arg": A, "owner": O}
                                                  hello, vocab (each token's reply bytes: {"bytes": B64
                                                  of them all, "lengths": [...]}, by id; A: a model's
                                                  name, several models, else null),
-                                                 health, sessions, session, freeze, thaw, fork (A:
+                                                 tokenizer (the core's Tokenizer.wire(), for the
+                                                 prompt hints; null: none), health, sessions,
+                                                 session, freeze, thaw, fork (A:
                                                  {"id": SID, "new_id": NEW or null}), let_go, delete,
                                                  metrics, models (a server of several models: each
                                                  one's id and whether it is loaded; floe.server.models),
@@ -57,8 +61,8 @@ MAX_REQUEST_BYTES = 8 << 20  # the front's default for a request body (floe.serv
 # of text are ~0.5 MB, tools and schemas far less; well under MAX_FRAME
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # floe serve --fronts N: where the fronts count their requests
 ROLES = ("system", "user", "assistant")
-CALLS = ("hello", "vocab", "health", "sessions", "session", "freeze", "thaw", "fork", "let_go", "delete",
-         "metrics", "models", "load", "unload")
+CALLS = ("hello", "vocab", "tokenizer", "health", "sessions", "session", "freeze", "thaw", "fork", "let_go",
+         "delete", "metrics", "models", "load", "unload")
 # Who a request is for (floe.server.auth): "" on a server without API keys (one owner, everyone), else
 # a hash of the caller's key. Sessions belong to one owner; a request sees only its owner's.
 OWNER = re.compile(r"|[0-9a-f]{32}")  # fullmatch

@@ -197,6 +197,8 @@ class ModelRouter:
             return core._vocab
         if name == "vocab":
             return self._vocab
+        if name == "tokenizer":  # (no prompt hints: each model's chats are rendered by its core)
+            return None
         if name == "models":
             return [m.describe() | {"created": int(self.started)} for m in self.models.values()]
         if name in ("load", "unload"):
