@@ -148,3 +148,19 @@ def test_the_fixed_shape_draw_a_cuda_graph_holds_follows_the_same_distribution(p
     expected = reference(logits, p)
     assert torch.allclose(shares[:13], expected[:13], atol=1.5 / GRID)
     assert abs(shares[13:].sum() - expected[13:].sum()) < 1.5 / GRID
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_host_argmax_is_torchs_first_maximum_nan_included(dtype):
+    """floe.engine.sampling.host_argmax (numpy's where it can: PyTorch's CPU reduction is not vectorized)
+    picks what torch.argmax picks: the first of tied maxima, the first NaN, rows of -inf, one row or many."""
+    from floe.engine.sampling import host_argmax
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(6, 4099, generator=g).to(dtype)
+    rows[1, [7, 4000]] = 50.0  # a tie
+    rows[2, [9, 11]] = float("nan")
+    rows[3] = float("-inf")
+    rows[4, 0] = float("inf")
+    for logits in (rows, rows[:, ::2], rows[5]):
+        assert torch.as_tensor(host_argmax(logits)).tolist() == logits.argmax(-1).tolist()

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from floe.engine.int4 import DENSE_FROM_ROWS
-from floe.engine.sampling import Draw, SamplingParams, finish_draw, start_draw, top_ks
+from floe.engine.sampling import Draw, SamplingParams, finish_draw, host_argmax, start_draw, top_ks
 from floe.errors import ContextOverflow, FloeError
 
 
@@ -263,11 +263,11 @@ class BatchedSteps:
             i = source.slots.index(slot)
             result = (source.logits[source.rows.index(i)] if source.logits is not None and i in source.rows
                       else source.results[i])
-            token = int(result.argmax()) if isinstance(result, Tensor) else None
+            token = int(host_argmax(result)) if isinstance(result, Tensor) else None
         else:
             results = zip(source.prompts, source.prompt_results, strict=True)
             result = next(r for (_, s), r in results if s == slot)
-            token = int(result.argmax()) if isinstance(result, Tensor) else None
+            token = int(host_argmax(result)) if isinstance(result, Tensor) else None
         if token is None:
             raise FloeError(f"slot {slot} has no choice to feed (its latest step made no logits)")
         return min(max(token, 0), self.config.vocab_size - 1)
@@ -402,7 +402,7 @@ class BatchedSteps:
             row_slots = [step.slots[i] for i in step.rows]
             logits = step.logits
             if self.device.type == "cpu":  # one argmax for every row: greedy sampling needs no pass
-                self._greedy.update(zip(row_slots, logits.argmax(-1).tolist(), strict=True))
+                self._greedy.update(zip(row_slots, host_argmax(logits).tolist(), strict=True))
             else:
                 chunk_slots = [step.prompts[k][1] for k, _ in step.chunks]
                 with self._step_lock:
