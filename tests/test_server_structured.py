@@ -437,6 +437,55 @@ def test_tools_are_offered_to_a_chat_template_that_takes_them(default_checkpoint
     assert "Tools:" not in taking.render_chat(ASK_WEATHER)  # outside the block: none
 
 
+# A template that shows tools as Llama 3.1's does: its own wording, each tool as indented JSON.
+WORDY_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou have access to the following functions. To call a function, "
+    "respond with JSON for a function call. Only call functions you were given.\n"
+    "{% for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n")
+
+
+def test_the_context_check_counts_tools_as_the_chat_template_shows_them(default_checkpoint, tmp_path):
+    """A template that takes tools shows them in its own words, longer than floe's listing that the
+    check used to count (here 367 tokens against 276): a max_tokens that fits only without them is a 400
+    before the turn takes a slot; one that fits with them gets its call."""
+    import copy
+    import dataclasses
+
+    taking = copy.copy(default_checkpoint.tokenizer)
+    taking.__dict__.pop("_template", None)
+    taking.__dict__.pop("uses_tools", None)
+    taking.chat_template = WORDY_TOOLS_TEMPLATE
+    engine = Engine(dataclasses.replace(default_checkpoint, tokenizer=taking), max_seq_len=512, n_slots=2,
+                    weights="native")
+    props = {f"p{i}": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0},
+                                                         "b": {"type": "string"}}, "required": ["a"]}
+             for i in range(4)}
+    tool = {"type": "function", "function": {"name": "f", "description": "Does things.",
+                                             "parameters": {"type": "object", "properties": props}}}
+    messages = [{"role": "user", "content": "Call f."}]
+    with taking.offering_tools([tool]):
+        prompt = len(taking.encode_chat(messages))
+    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, idle_seconds=3600))
+    try:
+        def ask_f(max_tokens: int) -> httpx.Response:
+            return httpx.post(f"{s.url}/v1/chat/completions", timeout=120, json={
+                "model": MODEL_ID, "messages": messages, "tools": [tool], "tool_choice": "required",
+                "max_tokens": max_tokens})
+
+        r = ask_f(512 - prompt + 1)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        assert f"the conversation's {prompt} tokens" in r.json()["error"]["message"]
+        r = ask_f(512 - prompt)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == prompt
+        assert {c["function"]["name"] for c in r.json()["choices"][0]["message"]["tool_calls"]} == {"f"}
+    finally:
+        s.stop()
+
+
 def test_structured_output_on_a_one_slot_server_is_a_400_saying_what_it_needs(default_checkpoint, tmp_path):
     engine = Engine(default_checkpoint, max_seq_len=512, n_slots=1, weights="native")
     s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, idle_seconds=3600))

@@ -284,10 +284,12 @@ class ServeCore:
         shown = messages if constraint is None else self.turns.prompt(messages, constraint)
         hint = None if constraint is not None else hints.from_wire(request.get("hint"), messages,
                                                                    self.engine.tokenizer.vocab_size)
+        offered = None if constraint is None else self.turns.offered(constraint)
         try:
-            prompt = len(hint.ids) if hint is not None else self._prompt_bound(shown)
-            if hint is None and prompt + (max_tokens or 1024) > self.engine.max_seq_len:  # count exactly
-                prompt = len(self.engine.tokenizer.encode_chat(shown))
+            with self.engine.tokenizer.offering_tools(offered):  # tools counted as the template shows them
+                prompt = len(hint.ids) if hint is not None else self._prompt_bound(shown)
+                if hint is None and prompt + (max_tokens or 1024) > self.engine.max_seq_len:  # count exactly
+                    prompt = len(self.engine.tokenizer.encode_chat(shown))
         except ChatTemplateError as e:  # e.g. a template that demands alternating roles
             raise ServeError(400, f"messages: {e}", param="messages") from None
         room = self.engine.max_seq_len - prompt

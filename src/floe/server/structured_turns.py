@@ -103,12 +103,16 @@ class StructuredTurns:
 
     def prompt(self, messages: list[dict], c: Constraint) -> list[dict]:
         """The conversation the grammar actor renders for `messages` (the last the user's), for the
-        context check: with the tools' text also where the template takes them (the check renders no
-        tools; the template's own wording around them is not counted)."""
-        text = self.shown(messages[-1]["content"], c)
+        context check; rendered within `tokenizer.offering_tools(self.offered(c))`, as the actor renders
+        it, a template that takes tools counts them with its own wording around them."""
+        return [*messages[:-1], {"role": "user", "content": self.shown(messages[-1]["content"], c)}]
+
+    def offered(self, c: Constraint) -> list[dict] | None:
+        """The tools the chat template is given for `c` (OpenAI's form); None where it takes none (the
+        tools are then in the user's text: shown)."""
         if c.mode == "tools" and self.tokenizer.uses_tools:
-            text = f"{text}\n\n{tools_system_text(c.tools, c.choice, c.parallel)}"
-        return [*messages[:-1], {"role": "user", "content": text}]
+            return [{"type": "function", "function": t} for t in c.tools]
+        return None
 
     def run(self, session: Session, history: list[dict], text: str, c: Constraint, *, max_tokens: int,
             params: SamplingParams, seed: int | None, on_text: Callable[[str], None] | None = None,
@@ -202,10 +206,8 @@ class StructuredTurns:
             if on_text is not None:
                 on_text(piece)
 
-        offered = [{"type": "function", "function": t} for t in c.tools] if (
-            c.mode == "tools" and self.tokenizer.uses_tools) else None
         try:
-            with self.tokenizer.offering_tools(offered):
+            with self.tokenizer.offering_tools(self.offered(c)):
                 return actor.send(message, max_tokens=max_tokens, params=params, on_text=emit, loop_safe=True)
         except GuestError as e:  # (check() refuses these before the turn takes a slot)
             if (refusal := schema_refusal(actor, e)) is not None:
