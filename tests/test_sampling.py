@@ -36,24 +36,24 @@ PARAMS = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(2.5), Samplin
           SamplingParams(1.0, top_k=1), SamplingParams(3.0, top_p=1e-6)]
 
 
-@pytest.mark.parametrize("counted", [True, False], ids=["likely-counted", "fixed-candidates"])
+@pytest.mark.parametrize("counted", [True, False], ids=["host", "kernels"])
 @pytest.mark.parametrize("p", PARAMS, ids=str)
 def test_draws_follow_the_cut_distribution(p, counted, monkeypatch):
     import floe.engine.sampling as sampling
 
-    monkeypatch.setattr(sampling, "COUNTED", ("cpu",) if counted else ())
+    monkeypatch.setattr(sampling, "HOST_DRAWS", ("cpu",) if counted else ())
     logits = torch.tensor([2.0, 1.5, 1.4, 0.3, -0.2, -1.0, -3.0, 0.9, 1.1, -0.5])
     assert torch.allclose(grid_shares(logits, p), reference(logits, p), atol=1.5 / GRID)
 
 
-@pytest.mark.parametrize("counted", [True, False], ids=["likely-counted", "fixed-candidates"])
+@pytest.mark.parametrize("counted", [True, False], ids=["host", "kernels"])
 def test_a_flat_row_whose_nucleus_is_past_its_likely_tokens_is_still_exact(counted, monkeypatch):
     """The nucleus search looks at the likely tokens first (counted on the CPU; a fixed number of
     candidates on CUDA, tried here too); a row where those fall short of top_p (a few strong tokens
     over a long, nearly flat tail) is drawn again over all of them."""
     import floe.engine.sampling as sampling
 
-    monkeypatch.setattr(sampling, "COUNTED", ("cpu",) if counted else ())
+    monkeypatch.setattr(sampling, "HOST_DRAWS", ("cpu",) if counted else ())
     logits = torch.zeros(8192)
     logits[:3] = 12.0  # 3 tokens at ~e^12 each: ~0.983 of the mass at temperature 1; the tail holds ~0.017
     p = SamplingParams(1.0, top_p=0.995)
@@ -63,12 +63,12 @@ def test_a_flat_row_whose_nucleus_is_past_its_likely_tokens_is_still_exact(count
     assert abs(shares[3:].sum() - expected[3:].sum()) < 1.5 / GRID
 
 
-@pytest.mark.parametrize("counted", [True, False], ids=["likely-counted", "fixed-candidates"])
+@pytest.mark.parametrize("counted", [True, False], ids=["host", "kernels"])
 def test_a_row_nothing_can_be_drawn_from_gets_minus_3(counted, monkeypatch):
     """Also where its top_k is past the candidates (a row flagged to be drawn again stays -3)."""
     import floe.engine.sampling as sampling
 
-    monkeypatch.setattr(sampling, "COUNTED", ("cpu",) if counted else ())
+    monkeypatch.setattr(sampling, "HOST_DRAWS", ("cpu",) if counted else ())
     good = torch.linspace(0, 4, 3000)
     bad = [torch.full((3000,), float("-inf")), good.clone(), good.clone()]
     bad[1][7], bad[2][7] = float("nan"), float("inf")
@@ -83,7 +83,7 @@ def test_a_top_k_past_the_candidates_beside_a_top_p_row_keeps_all_its_k(monkeypa
     the top_k row still draws among its whole top k (the CUDA path's candidate count covers it)."""
     import floe.engine.sampling as sampling
 
-    monkeypatch.setattr(sampling, "COUNTED", ())
+    monkeypatch.setattr(sampling, "HOST_DRAWS", ())
     logits = torch.linspace(0, 3, 8192)  # nearly flat: ranks past 1024 carry real mass
     p_top, p_k = SamplingParams(1.0, top_p=0.9), SamplingParams(1.0, top_k=2000)
     u = (torch.arange(GRID, dtype=torch.float64) + 0.5) / GRID

@@ -78,9 +78,12 @@ def start_draw(logits: Tensor, params: Sequence[SamplingParams], uniforms: Tenso
     """sample_rows' kernels, launched on the logits' device without waiting for them: no host sync on
     CUDA (the candidates a top_p row looks at first are a fixed number there, and the rows' parameters
     go over in one copy from pinned memory — a copy from pageable memory waits for the device's queue,
-    the forward just launched included)."""
+    the forward just launched included). Host logits (HOST_DRAWS) are drawn at once, in numpy."""
     rows, vocab = logits.shape
     ks = top_ks(params, vocab)
+    if logits.device.type in HOST_DRAWS:
+        tokens = torch.from_numpy(_host_draw(logits, params, ks, uniforms))
+        return Draw(tokens, None, logits, params, uniforms)
     cut = [p.top_p < 1.0 or k < vocab for p, k in zip(params, ks, strict=True)]
     some = [i for i in range(rows) if cut[i]]
     whole = [i for i in range(rows) if not cut[i]]
@@ -146,11 +149,73 @@ def _weights(logits: Tensor, temps: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # A top_p row first looks only at its tokens at least this fraction as likely as its most likely one
-# (the CPU: a count it knows at once), or at its CANDIDATES most likely ones (CUDA: no sync to count);
-# if their mass falls short of top_p, finish_draw draws it again over all of its tokens.
+# (on the host: a count it knows at once), or at its CANDIDATES most likely ones (CUDA: no sync to
+# count); if their mass falls short of top_p, it is drawn again over all of its tokens.
 NUCLEUS_FLOOR = 2.0**-16
 CANDIDATES = 1024
-COUNTED = ("cpu",)  # devices where the likely tokens are counted first
+# Devices whose logits are drawn from on the host, row by row in numpy (_host_draw), not by PyTorch's
+# batched kernels, which on the CPU are not vectorized where numpy is: [8, 49152] at temperature 0.8
+# and top_p 0.95 took 56 ms on one thread (bench/probes/host_draw.py).
+HOST_DRAWS = ("cpu",)
+
+
+def _host_draw(logits: Tensor, params: Sequence[SamplingParams], ks: list[int],
+               uniforms: Tensor) -> np.ndarray:
+    """start_draw's tokens for host logits, each row's exactly as the kernels draw it: weights
+    exp((logits - max) / temperature) in float32, cut to the top k, then to the nucleus (the likely
+    tokens sorted first, every token where those fall short of top_p), the cumulative distribution
+    in float64 inverted at the row's uniform; ties ranked by token id. NO_DRAW for a row without a
+    finite maximum."""
+    x = logits.detach().float().numpy()
+    vocab = x.shape[-1]
+    top = x.max(-1)
+    tokens = np.full(len(x), NO_DRAW, np.int64)
+    tiny = np.finfo(np.float32).tiny
+    for i, (p, k, u) in enumerate(zip(params, ks, uniforms.tolist(), strict=True)):
+        if not np.isfinite(top[i]):
+            continue
+        w = np.exp((x[i] - top[i]) / np.float32(max(p.temperature, tiny)))
+        if k >= vocab and p.top_p >= 1.0:
+            tokens[i] = _invert_weights(w, u)
+            continue
+        ranked = np.argpartition(-w, k - 1)[:k] if k < vocab else np.flatnonzero(w >= NUCLEUS_FLOOR)
+        for whole in (False, True):
+            ranked = ranked[np.lexsort((ranked, -w[ranked]))]  # highest first, ties by id
+            values = w[ranked].astype(np.float64)
+            probs = values / (values.sum() if k < vocab else w.sum(dtype=np.float64))
+            if whole or k < vocab or probs.sum() >= p.top_p:
+                break
+            ranked = np.arange(vocab)  # (the nucleus reaches past the likely tokens: rare, a flat row)
+        kept = probs * ((np.cumsum(probs) - probs) < p.top_p)
+        tokens[i] = ranked[_invert_row(np.cumsum(kept), u)]
+    return tokens
+
+
+BLOCK = 1024  # _invert_weights' blocks
+
+
+def _invert_weights(w: np.ndarray, u: float) -> int:
+    """_invert of one row's weights (float32, >= 0, some > 0) without their whole cumulative sum (a
+    serial pass): the block the target falls in by the blocks' sums (float64), then within it."""
+    sums = np.add.reduceat(w, np.arange(0, len(w), BLOCK), dtype=np.float64)
+    ends = np.cumsum(sums)
+    total = ends[-1]
+    target = min(u * total, np.nextafter(total, 0.0))
+    b = min(int(np.searchsorted(ends, target, side="right")), len(ends) - 1)
+    block = w[b * BLOCK:(b + 1) * BLOCK]
+    cdf = np.cumsum(block, dtype=np.float64) + (ends[b - 1] if b else 0.0)
+    at = int(np.searchsorted(cdf, target, side="right"))
+    if at < len(block) and block[at] > 0:
+        return b * BLOCK + at
+    return _invert_row(np.cumsum(w, dtype=np.float64), u)  # (a block's sum rounded past its own cumsum)
+
+
+def _invert_row(cdf: np.ndarray, u: float) -> int:
+    """_invert of one row's cumulative weights (float64): the first position whose weight passes u x
+    total (below the total: u < 1)."""
+    total = cdf[-1]
+    at = int(np.searchsorted(cdf, min(u * total, np.nextafter(total, 0.0)), side="right"))
+    return min(at, len(cdf) - 1)
 
 
 def _sample_truncated(weights: Tensor, ks: list[int], k: Tensor, top_p: Tensor, u: Tensor,
@@ -161,9 +226,6 @@ def _sample_truncated(weights: Tensor, ks: list[int], k: Tensor, top_p: Tensor, 
     vocab = weights.shape[-1]
     if everything:
         k_max = vocab
-    elif weights.device.type in COUNTED:  # every row's top k, and the likely tokens of rows without top_k
-        likely = (weights >= NUCLEUS_FLOOR).sum(-1)
-        k_max = max(1, int(torch.where(k < vocab, k, likely).max()))
     else:
         k_max = min(vocab, max([CANDIDATES, *(k for k in ks if k < vocab)]))  # every top k fits
     tokens, mass = _draw_among(weights, k_max, k, top_p, u)
