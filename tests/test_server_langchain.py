@@ -1,6 +1,8 @@
 """LangChain's structured output and tool binding against a real `floe serve` on loopback (issue 18's
 acceptance: 20 of 20 each, behind -m slow; a few in the fast path): `with_structured_output` of a
-Pydantic model, `bind_tools` with tool_choice any, a named tool and auto, and a tool result sent back."""
+Pydantic model, `bind_tools` with tool_choice any, a named tool and auto, and a tool result sent back;
+issue 43's: two tools and a prompt that needs both get both calls in one reply, streamed or whole, and
+both results go back."""
 
 from __future__ import annotations
 
@@ -140,6 +142,7 @@ def test_two_tool_results_go_back_through_langchain_and_the_session_keeps_both(s
     asked = greedy(server.url, session_id="two-calls").bind_tools([GetWeather, BookHotel],
                                                                   tool_choice="any").invoke([question])
     calls = valid_calls(asked)
+    assert len(calls) == 2
     results = [ToolMessage(f"result {i}", tool_call_id=call["id"]) for i, call in enumerate(asked.tool_calls)]
     answer = greedy(server.url, session_id="two-calls").invoke([question, asked, *results])
     assert isinstance(answer.content, str) and answer.content
