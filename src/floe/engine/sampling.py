@@ -164,8 +164,8 @@ def _host_draw(logits: Tensor, params: Sequence[SamplingParams], ks: list[int],
     """start_draw's tokens for host logits, each row's exactly as the kernels draw it: weights
     exp((logits - max) / temperature) in float32, cut to the top k, then to the nucleus (the likely
     tokens sorted first, every token where those fall short of top_p), the cumulative distribution
-    in float64 inverted at the row's uniform; ties ranked by token id. NO_DRAW for a row without a
-    finite maximum."""
+    in float64 inverted at the row's uniform (tied tokens ranked as numpy's sort leaves them: the same
+    each time). NO_DRAW for a row without a finite maximum."""
     x = logits.detach().float().numpy()
     vocab = x.shape[-1]
     top = x.max(-1)
@@ -180,7 +180,7 @@ def _host_draw(logits: Tensor, params: Sequence[SamplingParams], ks: list[int],
             continue
         ranked = np.argpartition(-w, k - 1)[:k] if k < vocab else np.flatnonzero(w >= NUCLEUS_FLOOR)
         for whole in (False, True):
-            ranked = ranked[np.lexsort((ranked, -w[ranked]))]  # highest first, ties by id
+            ranked = ranked[np.argsort(-w[ranked])]  # highest first (ties as numpy's sort leaves them)
             values = w[ranked].astype(np.float64)
             probs = values / (values.sum() if k < vocab else w.sum(dtype=np.float64))
             if whole or k < vocab or probs.sum() >= p.top_p:
