@@ -6,7 +6,8 @@ upkeep does), RSS printed per round. --fixed: the same prompt every time (no new
     python bench/probes/rss_churn.py [--rounds 4] [--fixed] [--bound]
 
 --bound: floe.engine.bound_kernel_caches() first, as `floe serve` does (oneDNN's per-shape kernels
-capped). On the 2-core VM: ~95 MB a round without it, ~33 MB with it, none with --fixed.
+and ideep's matmul descriptors capped). On the 2-core VM: ~95 MB a round without it; ~33 MB with
+oneDNN's cap alone (before 5fa7d94); flat with both (475, 471, 471, 475 MB); none with --fixed.
 """
 
 from __future__ import annotations
