@@ -202,6 +202,10 @@ class Actor(GuestHost):
             self._loop = engine_loop(self.engine)
         return self._loop
 
+    def poke_loop(self) -> None:
+        if self._loop is not None:
+            self._loop.poke()
+
     def _refuse_reentry(self, what: str) -> None:
         if self._message_thread == threading.get_ident() or in_engine_loop():
             raise ActorReentrantCall(f"{what} was called from inside a message (an on_text callback); "

@@ -142,6 +142,12 @@ class GuestHost:
         self._stop_requested = value
         if value and self._message_thread is not None:
             self.guest.wind_down(STOP_GRACE_S)
+        if value:
+            self.poke_loop()
+
+    def poke_loop(self) -> None:
+        """Tell the engine loop running this actor's turns (if any) to look for turns to cancel
+        (EngineLoop.poke): Actor's."""
 
     def take_pending(self) -> BaseException | None:
         error, self.pending_error = self.pending_error, None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -109,6 +110,11 @@ class EngineLoop(Speculation):
         self._cond = threading.Condition()
         self._arrived: list[Turn] = []
         self._active: list[Turn] = []
+        # A step looks for turns to cancel (a deadline passed, a stop asked, a caller gone, an actor
+        # closed) only when one may be there: a stop or a departure pokes the loop (poke()), and no
+        # active turn's deadline is before `_soonest` (not a scan of every turn every step).
+        self._poked = False
+        self._soonest = math.inf
         self._thread: threading.Thread | None = None
         self.steps = 0  # decode forwards run
         self.rows = 0  # decode rows run in them
@@ -152,6 +158,7 @@ class EngineLoop(Speculation):
                         break
         except BaseException:  # Ctrl-C (or the caller's callback failed): the guest and its memory
             turn.abandoned = True  # must outlive the turn
+            self.poke()
             self._wait_out(turn)
             raise
         if turn.error is None and turn.calls_on_end:
@@ -219,6 +226,7 @@ class EngineLoop(Speculation):
                         return
                 for turn in self._arrived:  # (the turn that held its slot's row before is gone)
                     turn.bind(self.table)
+                    self._soonest = min(self._soonest, turn.deadline)
                 self._active.extend(self._arrived)
                 self._arrived.clear()
             t0 = time.perf_counter()
@@ -235,7 +243,7 @@ class EngineLoop(Speculation):
                             turn.error = turn.error or e
                             turn.set_done()
             self.step_s += time.perf_counter() - t0
-            self._active = [t for t in self._active if not t.done.is_set()]
+            self._active = [t for t in self._active if not t.over]
 
     def _wait_out(self, turn: Turn) -> None:
         """Wait for an abandoned turn to end, through further interrupts: until it has, the loop may
@@ -265,13 +273,29 @@ class EngineLoop(Speculation):
         for turn in self._active:
             turn.finish(END_CANCELLED, error)
 
+    def poke(self) -> None:
+        """A turn may have to be cancelled (its actor asked to stop or closed, its caller gone): the next
+        step looks (from any thread)."""
+        self._poked = True
+
+    def _cancel(self, now: float) -> None:
+        """End (cancelled) the turns past their deadline, asked to stop, abandoned or of a closed actor,
+        where one may be (poke(), _soonest)."""
+        if not self._poked and now <= self._soonest:
+            return
+        self._poked = False  # (before looking: a poke from now on is seen at the next step)
+        soonest = math.inf
+        for turn in self._active:
+            if turn.end is None:
+                if now > turn.deadline or turn.abandoned or turn.actor.stop_requested or turn.actor.closed:
+                    turn.end = END_CANCELLED
+                else:
+                    soonest = min(soonest, turn.deadline)
+        self._soonest = soonest
+
     def _step(self) -> None:
         t0 = time.perf_counter()
-        now = time.monotonic()
-        for turn in self._active:
-            if turn.end is None and (now > turn.deadline or turn.abandoned or turn.actor.stop_requested
-                                     or turn.actor.closed):
-                turn.end = END_CANCELLED
+        self._cancel(time.monotonic())
         # Prompts ride in the next decode step's launch where the engine runs them with it (CUDA: in its
         # replay) or together (the CPU: one forward for several, before the decode rows; a prompt
         # alone is prefilled with its logits computed where its guest asked).
@@ -309,7 +333,7 @@ class EngineLoop(Speculation):
         self.calls.ask(speculated)  # while the device computes their next logits
         t4 = time.perf_counter()
         for turn in self._active:
-            if turn.end is None or turn.done.is_set() or turn.flying:
+            if turn.end is None or turn.over or turn.flying:
                 continue
             if turn.error is not None:  # failed while a forward had its row: wake its caller now
                 turn.set_done()

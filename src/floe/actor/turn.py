@@ -92,8 +92,8 @@ class Turn:
     (the properties below); the rest, read once a turn or on its rarer paths, in slots."""
 
     __slots__ = ("actor", "deadline", "speculated_at", "rng_before", "flying", "prompt", "end", "error",
-                 "abandoned", "calls_on_end", "done", "woken", "abi", "guest", "draws", "target", "slot",
-                 "_row", "_words", "_dwords", "_base", "_moved_names", "headed", "decoded")
+                 "abandoned", "calls_on_end", "done", "over", "woken", "abi", "guest", "draws", "target",
+                 "slot", "_row", "_words", "_dwords", "_base", "_moved_names", "headed", "decoded")
 
     generated = _word(W.GENERATED)  # tokens it generated
     max_tokens = _word(W.MAX_TOKENS)
@@ -128,6 +128,7 @@ class Turn:
         self.abandoned = False  # its caller stopped waiting (Ctrl-C): end it at the next step
         self.calls_on_end = False  # ended well: its caller calls its guest's on_end (GuestCalls.on_end)
         self.done = threading.Event()
+        self.over = False  # done is set (read each step: an attribute, not a call)
         self.woken = woken  # its caller's, set at its end too (run's `deliver`)
         self.abi: HostABI = actor.abi
         self.guest: GuestInstance = actor.guest
@@ -259,6 +260,7 @@ class Turn:
     def set_done(self) -> None:
         self.settle()
         self.abi.sampled_at = None  # (its row is the slot's next turn's from now on)
+        self.over = True
         self.done.set()
         if self.woken is not None:
             self.woken.set()

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from floe.engine.int4 import DENSE_FROM_ROWS
 from floe.engine.sampling import Draw, SamplingParams, finish_draw, host_argmax, start_draw, top_ks
-from floe.errors import ContextOverflow, FloeError
+from floe.errors import FloeError
 
 
 @dataclass(eq=False)
@@ -146,12 +146,13 @@ class BatchedSteps:
                 step.results[i] = FloeError(f"token id {token} is out of range [0, {vocab})")
         with self._step_lock:
             starts = {}
-            for i in list(step.rows):
-                try:
-                    starts[i] = self.cache.reserve(slots[i], 1)
-                except ContextOverflow as e:
-                    step.results[i] = e
+            for i, start in zip(list(step.rows), self.cache.reserve_each([slots[i] for i in step.rows]),
+                                strict=True):
+                if start < 0:
+                    step.results[i] = self.cache.overflow(slots[i], 1)
                     step.rows.remove(i)
+                else:
+                    starts[i] = start
             chunks = self._reserve_prompts(step, mixed)
             if len(step.rows) > 1 or ((step.rows or chunks) and self._batch_graphs):  # CUDA: one row too
                 row_slots = [slots[i] for i in step.rows]

@@ -57,11 +57,27 @@ class KVCache:
         """Claim n more positions of `slot`; returns the first. Raises ContextOverflow if full."""
         start = self.lengths[slot]
         if start + n > self.max_seq_len:
-            raise ContextOverflow(
-                f"{start} tokens in context + {n} new exceed the context of {self.max_seq_len} tokens"
-            )
+            raise self.overflow(slot, n)
         self.lengths[slot] = start + n
         return start
+
+    def reserve_each(self, slots: list[int]) -> list[int]:
+        """reserve(slot, 1) of each of several distinct slots in one call (a decode step's rows: not a
+        call a row): the position claimed for each, or -1 where the slot is full (nothing claimed)."""
+        lengths, limit, starts = self.lengths, self.max_seq_len, []
+        for slot in slots:
+            start = lengths[slot]
+            if start < limit:
+                lengths[slot] = start + 1
+                starts.append(start)
+            else:
+                starts.append(-1)
+        return starts
+
+    def overflow(self, slot: int, n: int) -> ContextOverflow:
+        """The error of n more positions of `slot` past the context."""
+        return ContextOverflow(f"{self.lengths[slot]} tokens in context + {n} new exceed the context of "
+                               f"{self.max_seq_len} tokens")
 
     def truncate(self, slot: int, n: int) -> None:
         """Forget all but the first n positions of `slot`."""
