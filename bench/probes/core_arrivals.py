@@ -6,7 +6,10 @@ then the turn until its first text, then the rest. A one-layer 64-wide model, so
 little and the host's share shows.
 
     python bench/probes/core_arrivals.py [--device cpu|cuda] [--sessions 64] [--slots 64] [--rounds 4]
-        [--max-anonymous 64] [--tokens 16] [--tokenizer DIR] [--pause S]
+        [--max-anonymous 64] [--tokens 16] [--tokenizer DIR] [--pause S] [--hints]
+
+--hints: each request carries its prompt hint (floe.server.hints), made before the burst as the HTTP
+fronts make them (in their own processes): rounds alternate without and with them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from cpu_batch import message  # noqa: E402
 from tiny import tiny_engine, tokenizer  # noqa: E402
 
+from floe.server import hints  # noqa: E402
 from floe.server.core import ServeCore  # noqa: E402
 
 
@@ -37,6 +41,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
     ap.add_argument("--pause", type=float, default=2.0,
                     help="seconds idle before each round (spare actors are made, forgotten ones closed)")
+    ap.add_argument("--hints", action="store_true", help="alternate rounds without and with prompt hints")
     args = ap.parse_args()
     tok = tokenizer(args.tokenizer)
     engine = tiny_engine(tok, args.slots, args.device)
@@ -45,14 +50,19 @@ def main() -> None:
     core.keep_spares()  # as floe serve does
     try:
         for r in range(args.rounds):
+            hinted = args.hints and r % 2 == 1
+            texts = [message(tok, 1000 * r + i, 64) for i in range(args.sessions)]
+            made = [hints.wire(engine.tokenizer.hint([{"role": "user", "content": t}])) if hinted else None
+                    for t in texts]
             time.sleep(args.pause)
-            rows = burst(core, [message(tok, 1000 * r + i, 64) for i in range(args.sessions)], args.tokens)
+            rows = burst(core, texts, args.tokens, made)
             errors = [x["error"] for x in rows if "error" in x]
             if errors:
                 print(f"round {r + 1}: {len(errors)} errors, e.g. {errors[0]}")
             opened = sorted(x["open"] for x in rows if "open" in x)
             first = sorted(x["first"] for x in rows if x.get("first") is not None)
-            print(f"round {r + 1}: {args.sessions} at once into {args.slots} slots: open p50 "
+            print(f"round {r + 1}{' (hinted)' * hinted}: {args.sessions} at once into {args.slots} slots: "
+                  f"open p50 "
                   f"{1e3 * statistics.median(opened):.1f} ms (max {1e3 * opened[-1]:.1f}), first text p50 "
                   f"{1e3 * statistics.median(first):.1f} ms (max {1e3 * first[-1]:.1f}); core: "
                   f"{core.store.counts()}",
@@ -61,8 +71,9 @@ def main() -> None:
         core.close()
 
 
-def burst(core: ServeCore, texts: list[str], tokens: int) -> list[dict]:
-    """Every text as a chat of its own, all at once: per request its seconds to open and to first text."""
+def burst(core: ServeCore, texts: list[str], tokens: int, made: list[dict | None]) -> list[dict]:
+    """Every text as a chat of its own, all at once (with its prompt hint, where `made` has one): per
+    request its seconds to open and to first text."""
     rows = [{} for _ in texts]
     start = threading.Barrier(len(texts))
 
@@ -75,8 +86,11 @@ def burst(core: ServeCore, texts: list[str], tokens: int) -> list[dict]:
             rows[i]["error"] = f"{type(e).__name__}: {e}"
 
     def run(i: int, t0: float) -> None:
-        chat = core.open({"model": "tiny", "messages": [{"role": "user", "content": texts[i]}],
-                          "max_tokens": tokens, "stream": True, "owner": ""})
+        request = {"model": "tiny", "messages": [{"role": "user", "content": texts[i]}],
+                   "max_tokens": tokens, "stream": True, "owner": ""}
+        if made[i] is not None:
+            request["hint"] = made[i]
+        chat = core.open(request)
         rows[i]["open"] = time.perf_counter() - t0
         rows[i]["first"] = None
 
