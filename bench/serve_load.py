@@ -75,6 +75,9 @@ def main() -> None:
                     help="run the server in a child process, so the clients do not share its GIL")
     ap.add_argument("--serve-on", type=int, default=None, help=argparse.SUPPRESS)  # the child's port
     ap.add_argument("--fronts", type=int, default=1, help="with --server-process: HTTP front processes")
+    ap.add_argument("--no-prompt-hints", dest="prompt_hints", action="store_false",
+                    help="with --server-process: `floe serve --no-prompt-hints` (the core renders and "
+                         "tokenizes each prompt itself)")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="pad each first message to about this many prompt tokens (0: the short questions)")
     ap.add_argument("--probe", type=int, default=0,
@@ -112,7 +115,8 @@ def main() -> None:
 
         engine, model_id, folder, _ = make_engine(args)
         serve(ServeCore(engine, snapshots=folder, model_id=model_id, idle_seconds=3600, batching=BATCHING[
-            args.batching]), port=args.serve_on, log_level="error", fronts=args.fronts)
+            args.batching]), port=args.serve_on, log_level="error", fronts=args.fronts,
+            prompt_hints=args.prompt_hints)
         return
     server, about = make_server(args, free_port())
     thread = threading.Thread(target=server.run, daemon=True)

@@ -80,7 +80,8 @@ def serve(args, sessions: int) -> dict:
            "--prompt-tokens", str(args.prompt_tokens), "--probe", str(args.probe), "--threads",
            str(args.threads), "--client-processes", str(max(1, sessions // args.client_streams)),
            "--temperature", str(args.temperature), "--top-p", str(args.top_p), "--out", str(out),
-           "--fronts", str(args.fronts), "--client", args.client]
+           "--fronts", str(args.fronts), "--client", args.client,
+           *([] if args.prompt_hints else ["--no-prompt-hints"])]
     if args.shape:
         cmd += ["--shape", args.shape, "--tokenizer", args.tokenizer]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.serve_timeout_s)
@@ -111,6 +112,8 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--name", default=None)
     ap.add_argument("--fronts", type=int, default=1, help="serve: `floe serve --fronts N`")
+    ap.add_argument("--no-prompt-hints", dest="prompt_hints", action="store_false",
+                    help="serve: `floe serve --no-prompt-hints`")
     ap.add_argument("--client", choices=["raw", "openai"], default="raw",
                     help="serve: the load's HTTP client (bench/serve_load.py --client)")
     ap.add_argument("--client-streams", type=int, default=CLIENT_STREAMS,

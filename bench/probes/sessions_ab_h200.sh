@@ -6,6 +6,8 @@
 #   PART=serve  `bench/sessions.py --ways serve`, the two sources taking turns (ROUNDS rounds) at SIZES
 #               sessions (default "16 64"); PROFILE_AFTER=1: then PART=profile's py-spy run;
 #   PART=tests  tests/test_cuda.py alone;
+#   PART=hints  `bench/sessions.py --ways serve` for this checkout with and without its prompt hints
+#               (`--no-prompt-hints`), taking turns (ROUNDS rounds) at SIZES sessions (default "16 64");
 #   PART=table  `bench/sessions.py` (every way) at SIZES for this checkout, then the serve way for the
 #               earlier source, TABLE_ARGS added to both (e.g. "--shape llama-3-8b");
 #   PART=profile  py-spy (a wheel in .whl) samples every process of `--ways serve --sessions 64` (this
@@ -39,7 +41,12 @@ sessions() {  # sessions SOURCE NAME ARGS...
     cp bench/results/sessions_cuda_"$name".json "$OUT"/ 2>/dev/null
 }
 
-if [ "${PART:-check}" = tests ]; then
+if [ "${PART:-check}" = hints ]; then
+    for r in $(seq 1 "${ROUNDS:-1}"); do
+        sessions "$NEW" hints_on_$r --sessions ${SIZES:-16 64} --ways serve
+        [ "$(left)" -gt 150 ] && sessions "$NEW" hints_off_$r --sessions ${SIZES:-16 64} --ways serve --no-prompt-hints
+    done
+elif [ "${PART:-check}" = tests ]; then
     FLOE_TEST_TOKENIZER=$PWD/.tok PYTHONPATH=$NEW timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
 elif [ "${PART:-check}" = profile ]; then
     PYTHONPATH=$NEW timeout "$(left)" /tmp/site/bin/py-spy record --subprocesses --threads --nonblocking --rate "${RATE:-200}" ${PYSPY_ARGS:-} \
