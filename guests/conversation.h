@@ -3,6 +3,9 @@
  * Each message: append it, render the whole conversation with the model's chat template, tokenize,
  * keep the longest prefix the KV cache already holds, prefill only the rest, then generate with the
  * guest's own `next_token` rule until EOS, max_tokens, a full context, or the caller says stop.
+ * With CONVERSATION_TOKENIZE_REST (the grammar guest) a turn keeps every token the cache holds where the
+ * rendered conversation goes on from their bytes, and tokenizes only the text after them: a reply stays
+ * as the model wrote it (docs/GUESTS.md, "What a turn reuses").
  */
 #ifndef CONVERSATION_H
 #define CONVERSATION_H
@@ -99,19 +102,24 @@ static void log_overflow(uint32_t tokens) {
     floe_log(msg, n);
 }
 
-/* Renders and tokenizes the conversation into `prompt`; returns 0 on failure. */
-static int render_prompt(void) {
+/* Renders the conversation into `rendered`; returns its length in bytes, or -1 on failure. */
+static int32_t render_text(void) {
     /* Room for the template's text around the messages, so that one call usually renders it all. */
     uint32_t guess = 1024;
     for (uint32_t i = 0; i < n_messages; i++) guess += messages[i].content_len + 64;
-    if (!reserve_bytes(&rendered, guess)) return 0;
+    if (!reserve_bytes(&rendered, guess)) return -1;
     int32_t n = floe_chat_render(messages, (int32_t)n_messages, 1, rendered.data, (int32_t)rendered.cap);
-    if (n < 0) return 0;
+    if (n < 0) return -1;
     if ((uint32_t)n > rendered.cap) {
-        if (!reserve_bytes(&rendered, (uint32_t)n)) return 0;
+        if (!reserve_bytes(&rendered, (uint32_t)n)) return -1;
         floe_chat_render(messages, (int32_t)n_messages, 1, rendered.data, (int32_t)rendered.cap);
     }
     rendered.len = (uint32_t)n;
+    return n;
+}
+
+/* Tokenizes the rendered conversation (its n bytes) into `prompt`; returns 0 on failure. */
+static int tokenize_text(int32_t n) {
     /* A token stands for at least one byte of text (plus a few the tokenizer may add): one call. */
     if (!reserve_ids(&prompt, (uint32_t)n + 16)) return 0;
     int32_t m = floe_tokenize(rendered.data, n, prompt.data, (int32_t)prompt.cap);
@@ -122,6 +130,43 @@ static int render_prompt(void) {
     prompt.len = (uint32_t)m;
     return m > 0;
 }
+
+/* Renders and tokenizes the conversation into `prompt`; returns 0 on failure. */
+static int render_prompt(void) {
+    int32_t n = render_text();
+    return n >= 0 && tokenize_text(n);
+}
+
+/* The longest prefix of the prompt the KV cache holds. */
+static uint32_t common_prefix(void) {
+    uint32_t p = 0;
+    while (p < history.len && p < prompt.len && history.data[p] == prompt.data[p]) p++;
+    return p;
+}
+
+#ifdef CONVERSATION_TOKENIZE_REST
+/* The host's tokenization of the last render's text after the bytes of `ids` (docs/ABI.md). */
+FLOE_IMPORT(tokenize_rest) int32_t floe_tokenize_rest(const int32_t *ids, int32_t n, int32_t *out, int32_t cap);
+
+/* The prompt as the ids the KV cache holds, then the host's tokenization of the rendered text after
+ * their bytes: a reply stays as the model wrote it (its tokens, which the whole text's tokenization may
+ * split otherwise: `":` `"` where it reads `":"`), so the next turn prefills only what is new. *p: the
+ * tokens the cache holds. 0 where the text does not go on from them (an edited conversation). */
+static int tokenize_rest(uint32_t *p) {
+    uint32_t h = history.len;
+    if (!h || !reserve_ids(&prompt, h + rendered.len + 16)) return 0;
+    int32_t m = floe_tokenize_rest(history.data, (int32_t)h, prompt.data + h, (int32_t)(prompt.cap - h));
+    if (m >= 0 && (uint32_t)m > prompt.cap - h) {
+        if (!reserve_ids(&prompt, h + (uint32_t)m)) return 0;
+        m = floe_tokenize_rest(history.data, (int32_t)h, prompt.data + h, (int32_t)(prompt.cap - h));
+    }
+    if (m < 0) return 0;
+    __builtin_memcpy(prompt.data, history.data, h * sizeof(int32_t));
+    prompt.len = h + (uint32_t)m;
+    *p = h;
+    return 1;
+}
+#endif
 
 /* Adds the user's message, renders and tokenizes the conversation, and reuses the longest prefix
  * the KV cache holds: the tokens still to prefill are prompt.data[p .. prompt.len). Returns 0 and sets
@@ -136,10 +181,19 @@ static int32_t begin_turn(const char *text, int32_t len, uint32_t *start) {
         if (n > 0 && !add_message("system", rendered.data, (uint32_t)n)) return 2;
     }
     if (!add_message("user", text, (uint32_t)len)) return 2;
-    if (!render_prompt()) { floe_log_str("could not render the conversation"); return 3; }
     /* Reuse what the KV cache already holds; prefill at least one token to get fresh logits. */
-    uint32_t p = 0;
-    while (p < history.len && p < prompt.len && history.data[p] == prompt.data[p]) p++;
+    uint32_t p;
+#ifdef CONVERSATION_TOKENIZE_REST
+    int32_t n = render_text();
+    if (n < 0) { floe_log_str("could not render the conversation"); return 3; }
+    if (!tokenize_rest(&p)) {
+        if (!tokenize_text(n)) { floe_log_str("could not render the conversation"); return 3; }
+        p = common_prefix();
+    }
+#else
+    if (!render_prompt()) { floe_log_str("could not render the conversation"); return 3; }
+    p = common_prefix();
+#endif
     if (p == prompt.len) p--;
     floe_kv_truncate((int32_t)p);
     history.len = p;

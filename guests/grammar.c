@@ -20,6 +20,7 @@
  * automaton takes its bytes. A token is allowed only if the value can still be completed within
  * max_tokens; once the value is complete and nothing can extend it, the turn ends.
  */
+#define CONVERSATION_TOKENIZE_REST /* a reply stays in the KV cache as written (conversation.h) */
 #include "conversation.h"
 #include "vocab_index.h"
 

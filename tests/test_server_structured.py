@@ -374,6 +374,49 @@ def test_a_second_structured_turn_reuses_the_cache_of_the_conversation_before_it
         assert {call.function.name for call in second.choices[0].message.tool_calls} <= set(BY_NAME_OF_TOOLS)
 
 
+NEXT_QUESTIONS = ["And the capital of Italy?", "And of Spain?"]
+
+
+def structured_conversation(c: openai.OpenAI, session: str, kind: str, turns: int = 3) -> list:
+    """`turns` structured replies in one session, each request the whole conversation so far."""
+    fields = ({"response_format": {"type": "json_schema", "json_schema": {"name": "capital", "schema": CITY}}}
+              if kind == "json_schema" else {"tools": TOOLS, "tool_choice": "required"})
+    messages = list(CAPITAL if kind == "json_schema" else ASK_WEATHER)
+    replies = []
+    for i in range(turns):
+        r = ask(c, messages, **fields, extra_body={"session_id": session})
+        if kind == "json_schema":
+            assert valid(json.loads(r.choices[0].message.content), CITY)
+        else:
+            assert {call.function.name for call in r.choices[0].message.tool_calls} <= set(BY_NAME_OF_TOOLS)
+        replies.append(r)
+        messages.append(reply_message(r))
+        follow = [{"role": "user", "content": NEXT_QUESTIONS[i % 2]}]
+        messages += tool_results(r) if kind == "tools" else follow
+    return replies
+
+
+@pytest.mark.parametrize("kind", ["json_schema", pytest.param("tools", marks=pytest.mark.slow)])
+def test_each_structured_turn_reuses_the_whole_conversation_before_it(server, kind):
+    """Issue 43: a structured turn's cache holds every earlier turn, its reply as the model wrote it (its
+    tokens: the reply's text tokenized again may split otherwise, `":` `"` for `":"`, which once stopped
+    the reuse a few tokens into the reply), so a later turn prefills only the messages after it."""
+    c = client(server.url)
+    replies = structured_conversation(c, f"three-{kind}", kind)
+    for before, after in itertools.pairwise(replies):
+        held = before.usage.prompt_tokens + before.usage.completion_tokens
+        assert after.usage.prompt_tokens_details.cached_tokens >= held
+    # The same requests in a new session: the same replies (its cache holds the same ids, copied).
+    again = structured_conversation(c, f"three-{kind}-again", kind)
+    assert [said(r) for r in again] == [said(r) for r in replies]
+
+
+def said(r) -> tuple:
+    """What a reply says: its content and its calls (their ids are new each time)."""
+    message = r.choices[0].message
+    return message.content, [(t.function.name, t.function.arguments) for t in message.tool_calls or []]
+
+
 def test_the_context_check_counts_the_tools_text(server):
     """A conversation that fits the context alone but not with its tools shown is a 400 before it
     takes a slot (the tools' descriptions are ~1,500 tokens; the server's context is 1,024)."""

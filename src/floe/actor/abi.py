@@ -143,6 +143,7 @@ class HostABI(GuestIO):
             ("log", 2, 1, self.log),
             ("choice_at", 1, 1, self.choice_at),
             ("stream_tokens", 1, 1, self.stream_tokens),
+            ("tokenize_rest", 4, 1, self.tokenize_rest),
         ]
         return [HostFunction(name, n, r, self._raw(fn, n, r)) for name, n, r, fn in table]
 
@@ -199,6 +200,29 @@ class HostABI(GuestIO):
         else:  # long: in a worker, waited for only until the deadline
             ids = self.budget.wait(encode, "tokenize")
         return self._write_ids(out_ptr, out_cap, ids, "token ids")
+
+    def tokenize_rest(self, ids_ptr: int, n: int, out_ptr: int, out_cap: int) -> int:
+        """The ids of the last chat_render's text after the bytes of the `n` ids the guest keeps (its KV
+        cache's), message contents never special tokens; -3 where the text does not go on from them
+        (Tokenizer.encode_rendered_after)."""
+        n, out_cap = self._length(n), self._length(out_cap)
+        if n is None or out_cap is None or n > self.engine.max_seq_len or self.rendered is None:
+            return ERR_BAD_ARGUMENT
+        if ids_ptr % 4:
+            raise GuestPointerError(f"token ids: pointer {ids_ptr} is not 4-byte aligned")
+        kept = struct.unpack(f"<{n}i", self._bytes(ids_ptr, 4 * n, "token ids"))
+        if any(not 0 <= i < self.vocab for i in kept):
+            return ERR_BAD_TOKEN
+        self._view(out_ptr, out_cap, torch.int32, "token ids")  # a bad buffer fails before the work
+        encoded, rendered = self.rendered
+        self.budget.spend(len(encoded), "text")
+        encode = lambda: self.tokenizer.encode_rendered_after(rendered, kept)  # noqa: E731
+        if len(encoded) <= INLINE_TOKENIZE_BYTES:
+            ids = encode()
+            self.budget.check_time("tokenize_rest")
+        else:
+            ids = self.budget.wait(encode, "tokenize_rest")
+        return ERR_BAD_ARGUMENT if ids is None else self._write_ids(out_ptr, out_cap, ids, "token ids")
 
     def detokenize(self, ids_ptr: int, n: int, out_ptr: int, out_cap: int) -> int:
         n, out_cap = self._length(n), self._length(out_cap)

@@ -334,6 +334,60 @@ class Tokenizer:
             ids += self._encode_template_piece(text[at:], at)
         return ids
 
+    def encode_rendered_after(self, rendered: Rendered, kept: Sequence[int]) -> list[int] | None:
+        """The ids of a rendered conversation's text after the bytes of `kept` (ids a KV cache holds, e.g.
+        a reply as the model wrote it, which the whole text's tokenization may split otherwise); None
+        where the text does not start with those bytes (or they end inside a character), or where one of
+        them is a special token that the text's own tokenization (encode_rendered) does not hold at the
+        same place: a message's text never becomes one. Where that tokenization has a token boundary
+        after `kept`, its own ids from there; else encode_rendered_from's."""
+        held = b"".join(map(self.token_bytes, kept))
+        if not rendered.text.encode().startswith(held):
+            return None
+        try:
+            start = len(held.decode())
+        except UnicodeDecodeError:
+            return None
+        ids, special = self.encode_rendered(rendered), self.special_ids
+        marks, at, cut = set(), 0, None
+        for j, i in enumerate(ids):
+            if cut is None and at == len(held):
+                cut = j
+            if i in special:
+                marks.add((at, i))
+            at += len(self.token_bytes(i))
+        if cut is None and at == len(held):
+            cut = len(ids)
+        at = 0
+        for i in kept:
+            if i in special and (at, i) not in marks:
+                return None
+            at += len(self.token_bytes(i))
+        return ids[cut:] if cut is not None else self.encode_rendered_from(rendered, start)
+
+    def encode_rendered_from(self, rendered: Rendered, start: int) -> list[int]:
+        """The ids of a rendered conversation's text from character `start` on, the text before it taken
+        as already tokenized (a guest's KV cache holds it): as encode_rendered, no message's content
+        makes a special token, and the text at `start` continues the text before it (SentencePiece
+        prepends no "▁"). Where the whole text's tokenization has no token boundary at `start`, these
+        ids split it differently from it there."""
+        if start == 0:
+            return self.encode_rendered(rendered)
+        text, spans = rendered
+        spans = tuple((max(a, start), b) for a, b in spans if b > start)
+        if not any(self._special_in(text[a:b]) for a, b in spans):
+            return self._encode_template_piece(text[start:], start) if start < len(text) else []
+        ids, at = [], start
+        for a, b in spans:
+            if at < a:
+                ids += self._encode_template_piece(text[at:a], at)
+            if a < b:
+                ids += self._plain_continuing.encode(text[a:b], add_special_tokens=False).ids
+            at = b
+        if at < len(text):
+            ids += self._encode_template_piece(text[at:], at)
+        return ids
+
     def _encode_template_piece(self, piece: str, start: int) -> list[int]:
         """The ids of the template's text `piece` at `start` in a rendered conversation. Past the start,
         the text before its first special token continues the text before it: SentencePiece prepends
