@@ -176,3 +176,42 @@ def test_a_turns_decoded_ids_grow_past_their_room_and_the_row_points_at_the_new_
         assert row[Col.DECODED_AT] == turn.decoded.ctypes.data and row[Col.N_DECODED] == room + 4
         turn.settle()
         assert actor.stats.decoded == list(range(room + 4)) and row[Col.N_DECODED] == 0
+
+
+def test_a_stop_asked_before_its_turn_arrives_ends_it_while_other_turns_run(tiny_engine, monkeypatch):
+    """A client that leaves while its message arrives (after on_message, before the loop has its turn)
+    pokes the loop while other turns step, which may look before the turn is there: its arrival is
+    looked at too (it ends at once, not at max_tokens)."""
+    never_stops = v2_chooser(choice=True, stream=True, on_token_first="(return (i32.const 5))")
+    loop = EngineLoop(tiny_engine)
+    run = EngineLoop.run
+
+    def leaving(self, actor, *args, **kwargs):
+        actor.stop_requested = True  # (pokes the loop)
+        time.sleep(0.05)  # the busy turn's steps look now, before this one is in the loop
+        return run(self, actor, *args, **kwargs)
+
+    with Actor(tiny_engine, never_stops, loop=loop) as busy, \
+            Actor(tiny_engine, never_stops, loop=loop) as late:
+        done = threading.Event()
+
+        def keep_busy() -> None:  # (one message after another: the loop steps throughout)
+            while not done.is_set():
+                busy.send("x", max_tokens=tiny_engine.max_seq_len // 2, tokens=TokenStream())
+
+        thread = threading.Thread(target=keep_busy)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 30
+            while loop.steps < 8:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with monkeypatch.context() as m:
+                m.setattr(EngineLoop, "run", leaving)
+                steps = loop.steps
+                r = late.send("x", max_tokens=200, tokens=TokenStream())
+            assert r.stats.finish_reason == "cancelled" and r.stats.generated_tokens <= 1
+            assert loop.steps > steps  # (the busy turn stepped while this one was arriving)
+        finally:
+            done.set()
+            thread.join()

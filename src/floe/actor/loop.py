@@ -226,7 +226,8 @@ class EngineLoop(Speculation):
                         return
                 for turn in self._arrived:  # (the turn that held its slot's row before is gone)
                     turn.bind(self.table)
-                    self._soonest = min(self._soonest, turn.deadline)
+                if self._arrived:  # (a stop asked before it arrived poked an earlier step, not this one)
+                    self._poked = True
                 self._active.extend(self._arrived)
                 self._arrived.clear()
             t0 = time.perf_counter()
@@ -239,7 +240,7 @@ class EngineLoop(Speculation):
                     log.exception("the engine loop's clean-up after a failed step failed")
                 finally:  # whatever _abort did, no caller waits on for ever
                     for turn in self._active:
-                        if not turn.done.is_set():
+                        if not turn.over:
                             turn.error = turn.error or e
                             turn.set_done()
             self.step_s += time.perf_counter() - t0
