@@ -4,6 +4,11 @@ of a grid of N uniforms that lands on a token is its probability within 1/N)."""
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -164,3 +169,37 @@ def test_the_host_argmax_is_torchs_first_maximum_nan_included(dtype):
     rows[4, 0] = float("inf")
     for logits in (rows, rows[:, ::2], rows[5]):
         assert torch.as_tensor(host_argmax(logits)).tolist() == logits.argmax(-1).tolist()
+
+
+DRAWS = """
+import sys, torch
+from floe.engine.sampling import SamplingParams, sample_rows
+g = torch.Generator().manual_seed(11)
+logits = (torch.randn(256, 3000, generator=g) * 3).bfloat16().float()  # (bf16-rounded: many ties)
+u = torch.rand(256, generator=g, dtype=torch.float64)
+for p in (SamplingParams(0.8, top_p=0.95), SamplingParams(1.0, top_k=40), SamplingParams(0.7)):
+    print(sample_rows(logits, [p] * 256, u))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="names x86-64's vector features")
+def test_host_draws_are_the_same_with_other_vector_instructions():
+    """A session thawed on another machine draws the same: tied tokens rank by id, not as numpy's sort
+    (whose code differs by the CPU's vector instructions) leaves them. The draws of tied bf16-rounded
+    logits with top_p, top_k and neither, here and with AVX-512 and AVX2 turned off in numpy."""
+    env = {**os.environ, "NPY_DISABLE_CPU_FEATURES": "AVX512_SPR AVX512_ICL X86_V4 X86_V3"}
+    here = subprocess.run([sys.executable, "-c", DRAWS], capture_output=True, text=True, check=True)
+    older = subprocess.run([sys.executable, "-c", DRAWS], capture_output=True, text=True, check=True, env=env)
+    assert here.stdout == older.stdout and here.stdout.count("\n") == 3
+
+
+def test_a_tiny_temperature_or_huge_logits_draw_without_a_warning():
+    """(A warning raised as an error in the engine loop would fail every turn of its step.)"""
+    import warnings
+
+    logits = torch.tensor([[3.0e38, -3.0e38, 1.0, 3.0e38], [1.0, 0.5, 0.25, 0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for p in (SamplingParams(1e-38), SamplingParams(1e-38, top_p=0.5), SamplingParams(3.4e38, top_k=2)):
+            tokens = sample_rows(logits, [p, p], torch.tensor([0.99, 0.5], dtype=torch.float64))
+            assert tokens[0] in (0, 3) and 0 <= tokens[1] < 4, p

@@ -161,11 +161,12 @@ HOST_DRAWS = ("cpu",)
 
 def _host_draw(logits: Tensor, params: Sequence[SamplingParams], ks: list[int],
                uniforms: Tensor) -> np.ndarray:
-    """start_draw's tokens for host logits, each row's exactly as the kernels draw it: weights
-    exp((logits - max) / temperature) in float32, cut to the top k, then to the nucleus (the likely
-    tokens sorted first, every token where those fall short of top_p), the cumulative distribution
-    in float64 inverted at the row's uniform (tied tokens ranked as numpy's sort leaves them: the same
-    each time). NO_DRAW for a row without a finite maximum."""
+    """start_draw's tokens for host logits, by the kernels' rule: weights exp((logits - max) /
+    temperature) in float32, cut to the top k, then to the nucleus (the likely tokens ranked first,
+    every token where those fall short of top_p), the cumulative distribution in float64 inverted at
+    the row's uniform. Tied tokens rank by id (_ranked: the same on every machine, so a session thawed
+    on another draws the same); sums are grouped differently from the kernels' (rounding only). NO_DRAW
+    for a row without a finite maximum."""
     x = logits.detach().float().numpy()
     vocab = x.shape[-1]
     top = x.max(-1)
@@ -174,21 +175,35 @@ def _host_draw(logits: Tensor, params: Sequence[SamplingParams], ks: list[int],
     for i, (p, k, u) in enumerate(zip(params, ks, uniforms.tolist(), strict=True)):
         if not np.isfinite(top[i]):
             continue
-        w = np.exp((x[i] - top[i]) / np.float32(max(p.temperature, tiny)))
+        with np.errstate(over="ignore"):  # (a tiny temperature: -inf, a weight of 0, as the kernels')
+            w = np.exp((x[i] - top[i]) / np.float32(max(p.temperature, tiny)))
         if k >= vocab and p.top_p >= 1.0:
             tokens[i] = _invert_weights(w, u)
             continue
-        ranked = np.argpartition(-w, k - 1)[:k] if k < vocab else np.flatnonzero(w >= NUCLEUS_FLOOR)
-        for whole in (False, True):
-            ranked = ranked[np.argsort(-w[ranked])]  # highest first (ties as numpy's sort leaves them)
-            values = w[ranked].astype(np.float64)
-            probs = values / (values.sum() if k < vocab else w.sum(dtype=np.float64))
-            if whole or k < vocab or probs.sum() >= p.top_p:
-                break
-            ranked = np.arange(vocab)  # (the nucleus reaches past the likely tokens: rare, a flat row)
+        ranked = _ranked(w, None, k) if k < vocab else _ranked(w, np.flatnonzero(w >= NUCLEUS_FLOOR))
+        values = w[ranked].astype(np.float64)
+        probs = values / (values.sum() if k < vocab else w.sum(dtype=np.float64))
+        if k >= vocab and probs.sum() < p.top_p:  # the nucleus reaches past the likely tokens (rare)
+            ranked = _ranked(w, None)
+            probs = w[ranked].astype(np.float64) / w.sum(dtype=np.float64)
         kept = probs * ((np.cumsum(probs) - probs) < p.top_p)
         tokens[i] = ranked[_invert_row(np.cumsum(kept), u)]
     return tokens
+
+
+_LOW = np.uint64(0xFFFFFFFF)
+
+
+def _ranked(w: np.ndarray, ids: np.ndarray | None, k: int | None = None) -> np.ndarray:
+    """Token ids (of `ids`, None: all) by weight, highest first, ties by id; k: only the k first. Each
+    id's key is unique (its weight's bits inverted above the id), so any sort or partition (numpy's
+    differ by the CPU's vector instructions, and leave ties as they fall) orders them alike."""
+    ids = np.arange(len(w), dtype=np.uint64) if ids is None else ids.astype(np.uint64)
+    keys = ((_LOW - w[ids].view(np.uint32).astype(np.uint64)) << np.uint64(32)) | ids  # (w >= 0)
+    if k is not None and k < len(keys):
+        keys = np.partition(keys, k - 1)[:k]
+    keys.sort()
+    return (keys & _LOW).astype(np.int64)
 
 
 BLOCK = 1024  # _invert_weights' blocks
@@ -199,8 +214,7 @@ def _invert_weights(w: np.ndarray, u: float) -> int:
     serial pass): the block the target falls in by the blocks' sums (float64), then within it."""
     sums = np.add.reduceat(w, np.arange(0, len(w), BLOCK), dtype=np.float64)
     ends = np.cumsum(sums)
-    total = ends[-1]
-    target = min(u * total, np.nextafter(total, 0.0))
+    target = _target(u, ends[-1])
     b = min(int(np.searchsorted(ends, target, side="right")), len(ends) - 1)
     block = w[b * BLOCK:(b + 1) * BLOCK]
     cdf = np.cumsum(block, dtype=np.float64) + (ends[b - 1] if b else 0.0)
@@ -212,10 +226,13 @@ def _invert_weights(w: np.ndarray, u: float) -> int:
 
 def _invert_row(cdf: np.ndarray, u: float) -> int:
     """_invert of one row's cumulative weights (float64): the first position whose weight passes u x
-    total (below the total: u < 1)."""
-    total = cdf[-1]
-    at = int(np.searchsorted(cdf, min(u * total, np.nextafter(total, 0.0)), side="right"))
-    return min(at, len(cdf) - 1)
+    total."""
+    return min(int(np.searchsorted(cdf, _target(u, cdf[-1]), side="right")), len(cdf) - 1)
+
+
+def _target(u: float, total: float) -> float:
+    """Where a uniform u in [0, 1) falls among cumulative weights up to `total`: below the total."""
+    return min(u * total, np.nextafter(total, 0.0))
 
 
 def _sample_truncated(weights: Tensor, ks: list[int], k: Tensor, top_p: Tensor, u: Tensor,
@@ -294,5 +311,5 @@ def host_argmax(logits: Tensor) -> np.ndarray | np.integer | Tensor:
     (a 49,152-wide row: 2.7 vs 77 us on one thread, [8, 49152]: 24 vs 670 us; PyTorch's two threads on a
     busy 2-core VM took 5 ms for the 8 rows: bench/probes/host_argmax.py). Other dtypes: PyTorch's."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float16):
-        return logits.detach().numpy().argmax(-1)
+        return logits.detach().float().numpy().argmax(-1)  # (numpy's float16 argmax is not vectorized)
     return logits.argmax(-1)
