@@ -613,6 +613,44 @@ def test_a_request_never_runs_in_a_session_the_store_dropped_while_it_waited(def
     store.close(freeze=False)
 
 
+def test_a_slot_freed_for_another_owner_freezes_a_newer_anonymous_session_past_the_bound(default_checkpoint,
+                                                                                        tmp_path):
+    """A slot taken for another arrival from an owner past max_anonymous forgets that owner's session
+    only if it is the one the owner's next arrival would forget (its least recently used): a newer one
+    is frozen, and the oldest (frozen) is the one forgotten when the arrival takes its room."""
+    from floe.actor import EngineLoop
+    from floe.engine import SamplingParams
+    from floe.server.sessions import SessionStore
+
+    engine = Engine(default_checkpoint, max_seq_len=128, n_slots=2)
+    store = SessionStore(engine, tmp_path, loop=EngineLoop(engine), max_anonymous=2)
+
+    def turn(text: str):
+        messages = [{"role": "user", "content": text}]
+        session = store.acquire(None, messages, 0)
+        try:
+            store.go_live(session)
+            store.run(session, [], text, max_tokens=2, params=SamplingParams())
+            return session
+        finally:
+            store.release(session)
+
+    try:
+        oldest = turn("Name a colour.")
+        assert store._make_room(oldest) and not oldest.live  # (not past the bound: frozen)
+        newer = turn("Name a fruit.")
+        arriving = store.registry.choose(None, [], 0, "")  # (registered, not yet bound)
+        assert store._make_room(newer)  # three of the owner's now, two allowed
+        assert store.sessions.get(newer.key) is newer and not newer.live  # frozen, not forgotten
+        assert store.sessions.get(oldest.key) is oldest
+        arriving.lock.acquire()
+        store._bound_anonymous(arriving)
+        arriving.lock.release()
+        assert store.sessions.get(oldest.key) is None and store.sessions.get(newer.key) is newer
+    finally:
+        store.close(freeze=False)
+
+
 def test_a_burst_past_the_anonymous_bound_forgets_one_idle_session_each(default_checkpoint, tmp_path):
     """A burst of new anonymous sessions into slots that idle anonymous sessions of the same owner hold
     (past max_anonymous): each arrival forgets exactly one of the old ones (claimed under the store's

@@ -264,16 +264,19 @@ class SessionStore:
     def _make_room(self, victim: Session) -> bool:
         """Free the KV slot of `victim` if no request holds it and it is live (the admission's choice for
         an arrival that found every slot taken): True if its slot is free now. An anonymous session past
-        its owner's max_anonymous is forgotten (it would be at the next arrival) rather than frozen: no
-        snapshot written for it, and an arrival that could not claim it (held here) is not left over."""
+        its owner's max_anonymous that the owner's next arrival would forget (its least recently used
+        idle one: _bound_anonymous) is forgotten rather than frozen: no snapshot written for it, and an
+        arrival that could not claim it (held here) is not left over."""
         if not victim.lock.acquire(blocking=False):
             return False
         try:
             if not victim.live:
                 return False
             with self.lock:
-                victim.doomed = (victim.anonymous
-                                 and len(self._anonymous(victim.owner)) > self.max_anonymous)
+                mine = self._anonymous(victim.owner)
+                first = next((s for s in sorted(mine, key=lambda s: s.last_used)
+                              if s.messages and (s is victim or not s.lock.locked())), None)
+                victim.doomed = (victim.anonymous and first is victim and len(mine) > self.max_anonymous)
             if victim.doomed and self._forget_over_bound(victim):
                 return True
             return self.lifecycle.freeze_live_locked(victim)
