@@ -9,7 +9,8 @@ little and the host's share shows.
         [--max-anonymous 64] [--tokens 16] [--tokenizer DIR] [--pause S] [--hints]
 
 --hints: each request carries its prompt hint (floe.server.hints), made before the burst as the HTTP
-fronts make them (in their own processes): rounds alternate without and with them.
+fronts make them (in their own processes): after a first round (a warm-up, not counted), rounds
+alternate with and without them.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def main() -> None:
     core.keep_spares()  # as floe serve does
     try:
         for r in range(args.rounds):
-            hinted = args.hints and r % 2 == 1
+            hinted = args.hints and r % 2 == 1  # (round 1, the cold one, unhinted: a warm-up with --hints)
             texts = [message(tok, 1000 * r + i, 64) for i in range(args.sessions)]
             made = [hints.wire(engine.tokenizer.hint([{"role": "user", "content": t}])) if hinted else None
                     for t in texts]
@@ -61,7 +62,8 @@ def main() -> None:
                 print(f"round {r + 1}: {len(errors)} errors, e.g. {errors[0]}")
             opened = sorted(x["open"] for x in rows if "open" in x)
             first = sorted(x["first"] for x in rows if x.get("first") is not None)
-            print(f"round {r + 1}{' (hinted)' * hinted}: {args.sessions} at once into {args.slots} slots: "
+            label = " (hinted)" if hinted else " (warm-up)" if args.hints and r == 0 else ""
+            print(f"round {r + 1}{label}: {args.sessions} at once into {args.slots} slots: "
                   f"open p50 "
                   f"{1e3 * statistics.median(opened):.1f} ms (max {1e3 * opened[-1]:.1f}), first text p50 "
                   f"{1e3 * statistics.median(first):.1f} ms (max {1e3 * first[-1]:.1f}); core: "

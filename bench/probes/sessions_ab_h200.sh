@@ -42,9 +42,13 @@ sessions() {  # sessions SOURCE NAME ARGS...
 }
 
 if [ "${PART:-check}" = hints ]; then
-    for r in $(seq 1 "${ROUNDS:-1}"); do
-        sessions "$NEW" hints_on_$r --sessions ${SIZES:-16 64} --ways serve
-        [ "$(left)" -gt 150 ] && sessions "$NEW" hints_off_$r --sessions ${SIZES:-16 64} --ways serve --no-prompt-hints
+    for r in $(seq 1 "${ROUNDS:-1}"); do  # (the order alternates: on, off; off, on; ...)
+        order="on off"; [ $((r % 2)) = 0 ] && order="off on"
+        for v in $order; do
+            [ "$(left)" -gt 150 ] || break
+            flag=""; [ $v = off ] && flag=--no-prompt-hints
+            sessions "$NEW" hints_${v}_$r --sessions ${SIZES:-16 64} --ways serve $flag
+        done
     done
 elif [ "${PART:-check}" = tests ]; then
     FLOE_TEST_TOKENIZER=$PWD/.tok PYTHONPATH=$NEW timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py

@@ -319,7 +319,7 @@ class ServeCore:
                 "strips_leading_space": tokenizer.strips_leading_space}
 
     @cached_property
-    def _tokenizer(self) -> dict:
+    def _tokenizer_wire(self) -> dict:
         """The "tokenizer" call's answer: the engine's tokenizer, for the fronts' prompt hints."""
         return self.engine.tokenizer.wire()
 
@@ -341,7 +341,7 @@ class ServeCore:
         if name == "vocab":
             return self._vocab
         if name == "tokenizer":  # (the fronts' prompt hints: floe.server.hints)
-            return self._tokenizer
+            return self._tokenizer_wire
         if name == "health" and isinstance(arg, dict) and not arg.get("full", True):  # a key's own view
             return {"status": "ok", "model": self.model_id, "device": str(self.engine.device),
                     "uptime_s": time.time() - self.started, "sessions": self.store.counts(_owner(owner))}

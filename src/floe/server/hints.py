@@ -19,6 +19,7 @@ import logging
 import numpy as np
 
 from floe.model.tokenizer import ChatTemplateError, Hint, Rendered, Tokenizer
+from floe.server.client import CoreClient
 
 log = logging.getLogger("floe.serve")
 
@@ -31,7 +32,7 @@ def wire(hint: Hint) -> dict:
             "ids": base64.b64encode(np.asarray(hint.ids, "<i4").tobytes()).decode()}
 
 
-def from_wire(value, messages: list[dict], vocab: int) -> Hint | None:
+def from_wire(value: object, messages: list[dict], vocab: int) -> Hint | None:
     """The Hint of `messages` a request carries (wire()), or None: none, or one not of that shape."""
     if not isinstance(value, dict):
         return None
@@ -61,8 +62,9 @@ class FrontHints:
 
     def __init__(self) -> None:
         self.tokenizer: Tokenizer | None = None
+        self._failed = False  # a hint failed to be made once (logged once)
 
-    async def load(self, client) -> None:
+    async def load(self, client: CoreClient) -> None:
         """Make the core's tokenizer from its "tokenizer" call's answer, through `client` (a CoreClient;
         an answer of None: the core offers none, as a server of several models: no hints)."""
         try:
@@ -85,5 +87,11 @@ class FrontHints:
             else:  # (long: off the event loop, as the core tokenizes long texts off its guest's thread)
                 hint = await asyncio.to_thread(tokenizer.hint, messages)
         except ChatTemplateError:
+            return None
+        except Exception as e:  # noqa: BLE001 - a hint only saves the core work: the request goes on
+            if not self._failed:
+                self._failed = True
+                log.warning("a prompt hint could not be made (%s: %s); the core makes the prompt itself",
+                            type(e).__name__, e)
             return None
         return wire(hint)
