@@ -116,3 +116,18 @@ def test_kept_special_tokens_never_stand_where_the_render_has_a_message_text(tin
     assert tok.encode_rendered_after(forged, kept) is None
     honest = rendered(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}])
     assert tok.encode_rendered_after(honest, kept) is not None
+
+
+def test_kept_ids_that_end_inside_a_token_of_the_text_are_followed_by_the_rest_of_it(tiny_engine):
+    """Where the text's own tokenization has no boundary after the kept ids (a reply cut at max_tokens
+    inside what it tokenizes as one token), the rest is tokenized alone: the ids still spell the text."""
+    tok = tiny_engine.tokenizer
+    after = rendered(tok, [{"role": "user", "content": "Name a city."},
+                           {"role": "assistant", "content": "Paris, of course"},
+                           {"role": "user", "content": "Why?"}])
+    ids = tok.encode_rendered(after)
+    k = next(k for k, i in enumerate(ids) if tok.token_bytes(i) == b" course")
+    kept = [*ids[:k], *tok.encode(" c")]  # " c" of " course"
+    rest = tok.encode_rendered_after(after, kept)
+    assert tok.token_bytes(rest[0]).startswith(b"o")  # "ourse": where the kept ids end
+    assert b"".join(map(tok.token_bytes, kept + rest)) == after.text.encode()

@@ -340,15 +340,18 @@ class Tokenizer:
         where the text does not start with those bytes (or they end inside a character), or where one of
         them is a special token that the text's own tokenization (encode_rendered) does not hold at the
         same place: a message's text never becomes one. Where that tokenization has a token boundary
-        after `kept`, its own ids from there; else encode_rendered_from's."""
-        held = b"".join(map(self.token_bytes, kept))
-        if not rendered.text.encode().startswith(held):
+        after `kept`, its own ids from there; else encode_rendered_from's. None too where its tokens do
+        not spell the text (a SentencePiece "▁" prepended): their places are then not the text's."""
+        held, text = b"".join(map(self.token_bytes, kept)), rendered.text.encode()
+        if not text.startswith(held):
             return None
         try:
             start = len(held.decode())
         except UnicodeDecodeError:
             return None
         ids, special = self.encode_rendered(rendered), self.special_ids
+        if b"".join(map(self.token_bytes, ids)) != text:
+            return None
         marks, at, cut = set(), 0, None
         for j, i in enumerate(ids):
             if cut is None and at == len(held):

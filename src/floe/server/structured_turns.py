@@ -9,7 +9,9 @@ turn. Grammar actors start from one primed state (the guest's vocabulary index r
 
 A structured turn reuses the KV cache as a plain turn does: its actor's slot is loaded with a copy of
 what the session's KV cache holds (a memory copy, not a forward), and the guest is told those token ids
-(its header's " kv" list), so it prefills only what they lack. After a structured turn the session's
+(its header's " kv" list), so it prefills only what they lack: it keeps every one of them where the
+conversation goes on from their text, earlier replies as the model wrote them (docs/GUESTS.md, "What a
+turn reuses"), and has the host tokenize only the text after them. After a structured turn the session's
 own slot does not hold it (the chat guest takes it as history); so the grammar actor's KV prefix, its ids
 and the conversation as it rendered it (the user's text with the schema or tools shown, the reply as
 written) are kept for the session's next structured turn (at most a slot's worth of tokens in all,
