@@ -70,6 +70,7 @@ class GuestGenerator:
             "tokenize": "plpl", "detokenize": "plpl", "chat_render": "plbpl", "prefill": "plL",
             "decode": "tL", "sample": "p", "request": "p", "system": "pl", "eos_ids": "pl",
             "kv_truncate": "l", "emit": "pl", "log": "pl", "choice_at": "p", "stream_tokens": "b",
+            "tokenize_rest": "plpl",
         }[name]
         kind = kinds[i]
         if kind == "L":  # a logits buffer: vocab_size floats

@@ -53,6 +53,7 @@ ALL_IMPORTS = {
     "tokenize": (4, 1), "detokenize": (4, 1), "chat_render": (5, 1), "prefill": (3, 1),
     "decode": (2, 1), "sample": (1, 1), "request": (1, 1), "system": (2, 1), "kv_len": (0, 1),
     "kv_truncate": (1, 1), "emit": (2, 1), "log": (2, 1), "choice_at": (1, 1), "stream_tokens": (1, 1),
+    "tokenize_rest": (4, 1),
 }
 
 
