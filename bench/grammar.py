@@ -1,6 +1,7 @@
 """What structured output costs: decode tokens/s with the grammar guest against the chat guest (its peer:
 the same engine, prompt and reply length, no grammar), and the one-time costs (the vocabulary read
-once per actor, each schema's compile and first masks).
+once per actor, each schema's compile and first masks, and a 200-property schema of issue 43's keywords
+checked as floe serve checks a request's: compiled by a grammar actor without a KV slot).
 
     python bench/grammar.py [--repeats 3] [--threads 2] [--validity 100]
 
@@ -24,7 +25,7 @@ import torch
 from smoke import SMOKE, results, shrink
 
 from floe.actor import Actor, grammar_actor, send_json
-from floe.actor.grammar import instructed
+from floe.actor.grammar import SchemaCheck, builtin_guest, instructed
 from floe.engine import Engine, SamplingParams
 from floe.model import load_checkpoint
 
@@ -41,6 +42,26 @@ KEYWORDS = {"type": "object", "properties": {
     "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3}},
     "required": ["id", "age", "score", "email", "born", "code", "tags"]}
+
+
+def wide_schema_check_ms(engine: Engine, properties: int = 200, repeats: int = 7) -> dict:
+    """ms to check (compile) a schema of `properties` properties of issue 43's keywords (KEYWORDS' in
+    turn), and an empty object's (the check's fixed part: the guest's state restored), median of
+    `repeats` after one warm-up."""
+    kinds = list(KEYWORDS["properties"].values())
+    wide = {"type": "object", "properties": {f"p{i}": kinds[i % len(kinds)] for i in range(properties)},
+            "required": [f"p{i}" for i in range(0, properties, 2)]}
+    check = SchemaCheck(engine, builtin_guest("grammar"))
+    out = {}
+    for name, schema in (("empty", {"type": "object"}), (f"{properties} properties", wide)):
+        assert check.refusal(schema, 4096) is None, name
+        seconds = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            check.refusal(schema, 4096)
+            seconds.append(time.perf_counter() - t)
+        out[name] = 1e3 * statistics.median(seconds)
+    return out
 
 
 def ms_per_token(stats) -> float:
@@ -125,6 +146,9 @@ def main() -> None:
               f"{r['guest_ms_per_token']['grammar']:>6.3f}/{r['guest_ms_per_token']['chat']:<6.3f} "
               f"{r['first_reply_s']:>12.3f} {r['warm_reply_s']:>7.3f} "
               f"{r['first_reply_mask_walks']:>7}/{r['warm_reply_mask_walks']:<7}")
+    result["schema_check_ms"] = checked = wide_schema_check_ms(engine, 20 if SMOKE else 200)
+    print("a schema checked as floe serve checks a request's (ms, median): "
+          + ", ".join(f"{name} {ms:.2f}" for name, ms in checked.items()))
     if args.validity:
         result["validity"] = {}
         for name, schema in SCHEMAS.items():
