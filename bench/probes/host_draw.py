@@ -7,20 +7,16 @@ batched PyTorch kernels (the CUDA path, run on the CPU), µs a call, on 1 and 2 
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 from floe.engine import sampling
 from floe.engine.sampling import SamplingParams, sample_rows
 
-
-def timed(fn, reps: int) -> float:
-    fn()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return 1e6 * (time.perf_counter() - t) / reps
+sys.path.insert(0, str(Path(__file__).parent))
+from host_argmax import timed  # noqa: E402  (one timer for both probes)
 
 
 def main() -> None:

@@ -251,8 +251,7 @@ class SessionStore:
             mine = self._anonymous(new.owner, but=new)
             if len(mine) + 1 <= self.max_anonymous:
                 return
-            victim = next((s for s in sorted(mine, key=lambda s: s.last_used)  # (not one just made)
-                           if s.messages and s.lock.acquire(blocking=False)), None)
+            victim = next((s for s in _forget_order(mine) if s.lock.acquire(blocking=False)), None)
             if victim is None:
                 return
             victim.doomed = True  # (not counted by another arrival while this one forgets it)
@@ -274,8 +273,7 @@ class SessionStore:
                 return False
             with self.lock:
                 mine = self._anonymous(victim.owner)
-                first = next((s for s in sorted(mine, key=lambda s: s.last_used)
-                              if s.messages and (s is victim or not s.lock.locked())), None)
+                first = next((s for s in _forget_order(mine) if s is victim or not s.lock.locked()), None)
                 victim.doomed = (victim.anonymous and first is victim and len(mine) > self.max_anonymous)
             if victim.doomed and self._forget_over_bound(victim):
                 return True
@@ -436,3 +434,9 @@ def snapshot_store(snapshots: Path | str, *, idle_seconds: float = 300.0, pinned
         url = str(Path(url).expanduser())
     return open_store(url, pinned_bytes=pinned_bytes, cache=cache, home_bytes=budget_bytes, home_ttl_s=ttl_s,
                       pinned_ttl_s=idle_seconds if pinned_ttl_s is None else pinned_ttl_s, lease_s=lease_s)
+
+
+def _forget_order(sessions: list[Session]) -> list[Session]:
+    """An owner's anonymous sessions in the order arrivals past max_anonymous forget them: least recently
+    used first, only those that hold a conversation (not one just made)."""
+    return sorted((s for s in sessions if s.messages), key=lambda s: s.last_used)
