@@ -43,16 +43,18 @@ def test_a_local_ray_started_by_floe_reports_nothing_and_runs_no_dashboard():
 
 
 @contextmanager
-def ray_front(folder):
-    """Three nodes of one CPU each, a replica on each, their sessions in one shared folder; the
-    endpoint in front, in this process."""
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    workers = [c.add_node(num_cpus=1) for _ in range(2)]
+def ray_front(folder, cpus: tuple[int, ...] = (1, 1, 1), **options):
+    """Nodes of `cpus` CPUs (the first the head; default three nodes of one), a replica on each CPU
+    (Replica's `options` over this module's), their sessions in one shared folder; the endpoint in
+    front, in this process."""
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus[0]})
+    workers = [c.add_node(num_cpus=n) for n in cpus[1:]]
     with trap_handlers_kept():  # (Ray's crash handlers would make a guest's trap kill pytest)
         ray.init(address=c.address, logging_level="ERROR")
     try:
-        replicas = start_replicas(3, str(folder), context=CONTEXT, slots=4, threads=1, lease_s=5.0,
-                                  idle_seconds=3600, freeze_every_turn=True)
+        options = {"context": CONTEXT, "slots": 4, "threads": 1, "lease_s": 5.0, "idle_seconds": 3600,
+                   "freeze_every_turn": True} | options
+        replicas = start_replicas(sum(cpus), str(folder), **options)
         front = ThreadServer(create_cluster_app(replicas))
         front.ray, front.workers, front.head = c, workers, c.head_node
         try:

@@ -11,6 +11,7 @@ import signal
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from urllib.parse import quote
 
 import httpx
@@ -358,21 +359,27 @@ def test_the_operator_loads_and_unloads_a_model(model_files, default_checkpoint,
     assert one.status_code == 400 and one.json()["error"]["code"] == "one_model"
 
 
-def test_a_model_of_another_tokenizer_answers_as_a_one_model_server_does(default_checkpoint, tmp_path):
-    """A model with a SentencePiece vocabulary (whose decode drops a reply's first space) beside the
-    first model's byte-level BPE: its replies stream as token ids made into text with its own table
-    (the front's CoreClient.table), the same text, streamed or not, as a one-model server of it gives."""
+def sentencepiece_model(folder: Path) -> str:
+    """A tiny random model (folder/sp.gguf) with a SentencePiece vocabulary, whose decode drops a reply's
+    first space: another tokenizer than the default model's byte-level BPE."""
     from models import convert_to_gguf, save_hf_folder
     from test_tokenizer_sentencepiece import write_sentencepiece_gguf
 
     from floe.model.gguf_file import GGUFFile
 
-    spm = GGUFFile(write_sentencepiece_gguf(tmp_path / "vocabulary.gguf", "llama")).fields
+    spm = GGUFFile(write_sentencepiece_gguf(folder / "vocabulary.gguf", "llama")).fields
     fields = {k: v for k, v in spm.items() if k.startswith("tokenizer.")}
     tokens = fields["tokenizer.ggml.tokens"]
     picks = [i for i, t in enumerate(tokens) if t.startswith("\u2581") and len(t) > 1]
-    save_hf_folder(tmp_path / "hf", "mistral", tie=False, vocab_size=len(tokens), picks=picks)
-    path = str(convert_to_gguf(tmp_path / "hf", tmp_path / "sp.gguf", tokenizer=fields))
+    save_hf_folder(folder / "hf", "mistral", tie=False, vocab_size=len(tokens), picks=picks)
+    return str(convert_to_gguf(folder / "hf", folder / "sp.gguf", tokenizer=fields))
+
+
+def test_a_model_of_another_tokenizer_answers_as_a_one_model_server_does(default_checkpoint, tmp_path):
+    """A model with a SentencePiece vocabulary (whose decode drops a reply's first space) beside the
+    first model's byte-level BPE: its replies stream as token ids made into text with its own table
+    (the front's CoreClient.table), the same text, streamed or not, as a one-model server of it gives."""
+    path = sentencepiece_model(tmp_path)
     one = ThreadServer(create_app(engine_of(path, default_checkpoint), model_id="sp",
                                   snapshots=tmp_path / "one", idle_seconds=3600))
     s = router_server({"smol": None, "sp": path}, default_checkpoint, tmp_path / "several")

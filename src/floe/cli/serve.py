@@ -73,8 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _one_model(args: argparse.Namespace) -> str | None:
-    if args.models or len(args.model or []) > 1:
-        raise FloeError("floe serve --ray serves one model (--model PATH)")
+    """The one unnamed `--model PATH` (None: the default model); several: _serve_models's."""
     return args.model[0] if args.model else None
 
 
@@ -153,13 +152,19 @@ def _serve_ray(args: argparse.Namespace, keys: tuple[str, ...], operators: tuple
         raise FloeError(f"floe serve --ray needs Ray ({e.name} is missing): pip install 'floe[ray]'") from e
     if args.replicas < 1:
         raise FloeError("--replicas must be >= 1")
+    if args.max_loaded is not None and args.max_loaded < 1:
+        raise FloeError("--max-loaded must be >= 1")
+    specs = _serve_models(args)  # several: each replica serves them all, each loaded on demand there
+    models = {"model": _one_model(args)} if specs is None else {
+        "models": specs, "keep_alive": args.keep_alive, "max_loaded": args.max_loaded,
+        "memory_budget": args.memory_budget}
     if "://" not in args.snapshots and args.ray not in ("local",):
         print("floe serve: --snapshots is a local folder; replicas on other machines need a shared one "
               "(s3://…, or a folder every node mounts)", file=sys.stderr)
     return serve_cluster(None if args.ray == "local" else args.ray, args.replicas, args.snapshots,
                          host=args.host, port=args.port, log_level=args.log_level, keys=keys,
                          operator_keys=operators,
-                         cors_origins=tuple(args.cors_origin), model=_one_model(args), context=args.context,
+                         cors_origins=tuple(args.cors_origin), **models, context=args.context,
                          slots=args.max_sessions, threads=args.threads or 1, lease_s=args.lease_seconds,
                          device=args.device, gpus=0 if args.device == "cpu" else 1,
                          idle_seconds=args.idle_seconds, max_anonymous=args.max_anonymous,

@@ -1,9 +1,11 @@
-"""A replica: one engine with its sessions (floe.server.core.ServeCore) as a Ray actor, its sessions
-in the store every replica shares (floe.snapshot.store). The front (floe.cluster.router) calls it.
+"""A replica: one engine with its sessions (floe.server.core.ServeCore), or several models' engines
+loaded on demand (floe.server.models.ModelRouter), as a Ray actor, its sessions in the store every
+replica shares (floe.snapshot.store). The front (floe.cluster.router) calls it.
 
 Every answer is a plain value: errors come back as {"error": ServeError.payload()} rather than raised,
 so what crosses Ray is data, never an exception to unpickle; a chat streams its events as a generator
-(("started", {"session_id", "had"}), ("text", piece), ..., ("done", result)).
+(("started", {"session_id", "had"}), ("text", piece), ..., ("done", result)). Its pieces are text,
+made on the replica by its model's own tokenizer (so the front needs no model's token table).
 """
 
 from __future__ import annotations
@@ -18,11 +20,16 @@ log = logging.getLogger("floe.cluster")
 
 
 class Replica:
-    """An engine core on one Ray worker. `options`: ServeCore's (durability: freeze_every_turn...)."""
+    """An engine core on one Ray worker: one model's (`model`: a path, None the default model), or
+    several models' (`models`: ModelSpecs, each loaded when a request first names it, as one `floe
+    serve` of several models loads them: floe.server.models.ModelRouter, with keep_alive, max_loaded and
+    memory_budget; each model's sessions under `snapshots`/its name). `options`: ServeCore's
+    (durability: freeze_every_turn...)."""
 
-    def __init__(self, name: str, snapshots: str, *, model: str | None = None, context: int = 2048,
-                 slots: int = 4, threads: int = 1, lease_s: float = 30.0, device: str = "cpu",
-                 **options) -> None:
+    def __init__(self, name: str, snapshots: str, *, model: str | None = None, models: list | None = None,
+                 context: int = 2048, slots: int = 4, threads: int = 1, lease_s: float = 30.0,
+                 device: str = "cpu", keep_alive: float | None = None, max_loaded: int | None = None,
+                 memory_budget: int | None = None, **options) -> None:
         import torch
 
         from floe.engine import Engine, bound_kernel_caches
@@ -33,23 +40,53 @@ class Replica:
         bound_kernel_caches()
         torch.set_num_threads(threads)
         self.name = name
-        checkpoint = load_checkpoint(model)
         cpu = device == "cpu"
-        engine = Engine(checkpoint, device=device, dtype="float32" if cpu else "bfloat16",
-                        max_seq_len=context, n_slots=slots, weights="native" if cpu else "dense")
-        engine.warm_up()
-        store = snapshot_store(snapshots, idle_seconds=options.get("idle_seconds", 300.0), lease_s=lease_s)
-        model_id = options.pop("model_id", checkpoint.source.stem)
-        self.core = ServeCore(engine, snapshots=store, model_id=model_id, **options)
+
+        def engine(checkpoint) -> Engine:
+            made = Engine(checkpoint, device=device, dtype="float32" if cpu else "bfloat16",
+                          max_seq_len=context, n_slots=slots, weights="native" if cpu else "dense")
+            made.warm_up()
+            return made
+
+        def store(where: str):
+            return snapshot_store(where, idle_seconds=options.get("idle_seconds", 300.0), lease_s=lease_s)
+
+        if models is not None:
+            from floe.server.models import ModelRouter
+
+            def load(spec, snapshots) -> ServeCore:
+                return ServeCore(engine(load_checkpoint(spec.path)), snapshots=snapshots, model_id=spec.name,
+                                 **options)
+
+            stores = [(spec, store(f"{snapshots.rstrip('/')}/{spec.name}")) for spec in models]
+            self.core = ModelRouter(stores, load, keep_alive=keep_alive, max_loaded=max_loaded,
+                                    memory_budget=memory_budget, footprint=_footprint(device))
+        else:
+            checkpoint = load_checkpoint(model)
+            model_id = options.pop("model_id", checkpoint.source.stem)
+            self.core = ServeCore(engine(checkpoint), snapshots=store(snapshots), model_id=model_id,
+                                  **options)
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
+
+    def _cores(self) -> list:
+        """Its loaded engine cores (one model's; several: each loaded one's)."""
+        models = getattr(self.core, "models", None)
+        if models is None:
+            return [self.core]
+        return [core for core in (m.core for m in models.values()) if core is not None]
 
     def ping(self) -> dict:
         """Who and where it is: its name, Ray node, session counts."""
         import ray
 
-        return {"name": self.name, "node": ray.get_runtime_context().get_node_id(),
-                "sessions": self.core.store.counts(), "owner": self.core.snapshots.owner}
+        counts: dict[str, int] = {}
+        cores = self._cores()
+        for core in cores:
+            for state, n in core.store.counts().items():
+                counts[state] = counts.get(state, 0) + n
+        return {"name": self.name, "node": ray.get_runtime_context().get_node_id(), "sessions": counts,
+                "owner": cores[0].snapshots.owner if cores else None}
 
     def call(self, name: str, arg=None, owner=None) -> dict:
         """A core call (floe.server.protocol.CALLS): {"ok": value} or {"error": payload}."""
@@ -119,7 +156,19 @@ class Replica:
 
     def drain(self) -> list[str]:
         """Freeze every session and give up its lease: they continue on other replicas."""
-        return self.core.store.drain()
+        return [key for core in self._cores() for key in core.store.drain()]
 
     def close(self) -> None:
         self.core.close()
+
+
+def _footprint(device: str):
+    """What a model's load takes, measured around it (floe.server.models.Residency): the process's RSS,
+    on a GPU its allocated bytes."""
+    from floe.memory import rss_bytes
+
+    if device == "cpu":
+        return rss_bytes
+    import torch
+
+    return lambda: torch.cuda.memory_allocated(torch.device(device))

@@ -143,14 +143,18 @@ class ClusterClient:
             return await self._ask(self._pick(None), "call", name, arg, owner)
         if name == "sessions":
             seen: dict[str, dict] = {}
-            for route in [r for r in self.routes.values() if r.alive]:
-                try:
-                    for s in await self._ask(route, "call", name, arg, owner):
-                        if s["id"] not in seen or s["state"] == "live":
-                            seen[s["id"]] = s | {"replica": route.name}
-                except ReplicaLost:
-                    continue
+            for route, sessions in await self._each(name, arg, owner):
+                for s in sessions:
+                    if s["id"] not in seen or s["state"] == "live":
+                        seen[s["id"]] = s | {"replica": route.name}
             return list(seen.values())
+        if name == "models":  # several models: each as the replicas have it
+            return merged_models(await self._each(name, arg, owner))
+        if name in ("load", "unload"):  # a model (several): loaded, or unloaded, on every replica
+            answers = await self._each(name, arg, owner, self._usable() if name == "load" else None, False)
+            if not answers:
+                raise self.GONE
+            return merged_models(answers)[0]
         key = session_key(owner or "", arg) if isinstance(arg, str) else None
         for _ in range(len(self.routes)):
             route = self._pick(key)
@@ -165,6 +169,24 @@ class ClusterClient:
                 self.where.pop(key, None)
             return answer
         raise self.GONE
+
+    async def _each(self, name: str, arg, owner: str | None, routes: list[Route] | None = None,
+                    listed: bool = True) -> list[tuple[Route, object]]:
+        """Call `name` on every replica of `routes` (default: every live one) at once: each one's
+        answer (`listed` False: each wrapped in a list), those that died left out; a replica's error is
+        raised."""
+        routes = [r for r in self.routes.values() if r.alive] if routes is None else routes
+        answers = await asyncio.gather(*(self._ask(r, "call", name, arg, owner) for r in routes),
+                                       return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException) and not isinstance(answer, ReplicaLost):
+                raise answer
+        return [(r, a if listed else [a]) for r, a in zip(routes, answers, strict=True)
+                if not isinstance(a, ReplicaLost)]
+
+    async def table(self, model: str) -> None:
+        """A model's token table, which a front of several models asks for (CoreClient.table): none
+        needed, each replica streams its chats' text made by their model's own tokenizer."""
 
     def chat(self, request: dict) -> tuple[str, asyncio.Queue, asyncio.Event]:
         """Start a chat on its replica: its id, its events' queue, an event set after its last."""
@@ -339,6 +361,22 @@ class ClusterClient:
                             ("replica_restarts", self.restarts)):
             lines += [f"# TYPE floe_cluster_{name} counter", f"floe_cluster_{name}_total {value}"]
         return "\n".join(lines) + "\n"
+
+
+def merged_models(answers: list[tuple[Route, list[dict]]]) -> list[dict]:
+    """Each model of a server of several as its replicas describe it (floe.server.models): `loaded`
+    where any replica has it loaded, `replicas` those, its `sessions` summed over them."""
+    merged: dict[str, dict] = {}
+    for route, models in answers:
+        for m in models:
+            into = merged.setdefault(m["id"], m | {"loaded": False, "replicas": [], "sessions": None})
+            if not m["loaded"]:
+                continue
+            into["replicas"].append(route.name)
+            into |= {"loaded": True, "load_seconds": m["load_seconds"], "bytes": m["bytes"]}
+            counts = into["sessions"] or {}
+            into["sessions"] = {k: counts.get(k, 0) + n for k, n in (m["sessions"] or {}).items()}
+    return list(merged.values())
 
 
 class ReplicaLost(Exception):

@@ -1,6 +1,7 @@
 """`floe serve --ray [ADDRESS] --replicas N`: N replicas (floe.cluster.replica) as Ray actors, one per
-CPU (or GPU) Ray gives them, spread over the nodes; one OpenAI endpoint in front of them in this
-process (floe.server.app's front, with floe.cluster.router's client), plus the cluster's routes:
+CPU (or GPU) Ray gives them, spread over the nodes, each serving one model or the same several (each
+loaded on demand in the replica); one OpenAI endpoint in front of them in this process
+(floe.server.app's front, with floe.cluster.router's client), plus the cluster's routes:
 
   GET  /v1/replicas                    each replica: alive, draining, queue depth, sessions, node
   POST /v1/replicas/{name}/drain       freeze its sessions, route nothing more to it
@@ -110,7 +111,10 @@ def serve_cluster(address: str | None, n: int, snapshots: str, *, host: str, por
         replicas = start_replicas(n, snapshots, **options)
         app = create_cluster_app(replicas, keys=keys, cors_origins=cors_origins, operator_keys=operator_keys)
         where = "a local Ray" if address is None else f"the Ray cluster at {address}"
-        print(f"floe serve: {n} replica{'s' * (n > 1)} ready on {where}; http://{host}:{port}/v1",
+        models = options.get("models")
+        serving = "" if models is None else (f", each serving {len(models)} models "
+                                             f"({', '.join(m.name for m in models)}, loaded on demand)")
+        print(f"floe serve: {n} replica{'s' * (n > 1)} ready on {where}{serving}; http://{host}:{port}/v1",
               file=sys.stderr, flush=True)
         uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
     finally:
