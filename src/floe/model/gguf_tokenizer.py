@@ -167,10 +167,17 @@ def _add_gguf_tokens(backend: HFTokenizer, fields: dict, named: Sequence[int],
 def _gguf_tokenizer(backend: HFTokenizer, fields: dict, *, add_bos: bool) -> Tokenizer:
     eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                "tokenizer.ggml.eom_token_id") if k in fields]
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    # What the chat template sees by name: the file's special ids' texts, as transformers reads a GGUF.
+    special = {name: tokens[fields[key]] for name, key in (
+        ("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
+        ("unk_token", "tokenizer.ggml.unknown_token_id"), ("pad_token", "tokenizer.ggml.padding_token_id"))
+        if key in fields and 0 <= fields[key] < len(tokens)}
     return Tokenizer(
         backend,
         bos_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_ids=eos,
         add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", add_bos)),
         chat_template=fields.get("tokenizer.chat_template"),
+        special_tokens=special,
     )

@@ -249,7 +249,17 @@ def tokenizer_from_folder(folder: Path, cfg: dict) -> Tokenizer:
         eos_ids=eos,
         add_bos=bool(tcfg.get("add_bos_token", False)),
         chat_template=template,
+        special_tokens=_special_tokens(tcfg),
     )
+
+
+def _special_tokens(tcfg: dict) -> dict[str, str]:
+    """The tokenizer config's special tokens by name, as transformers' special_tokens_map shows them to a
+    chat template (a name set to null is left out)."""
+    names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+    texts = {name: tcfg[name].get("content") if isinstance(tcfg[name], dict) else tcfg[name]
+             for name in names if tcfg.get(name) is not None}
+    return {name: text for name, text in texts.items() if isinstance(text, str)}
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype, progress: Progress | None = None,

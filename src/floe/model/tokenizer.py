@@ -6,7 +6,7 @@ import json
 import re
 import secrets
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime
@@ -70,12 +70,20 @@ class Tokenizer:
         eos_ids: Sequence[int],
         add_bos: bool,
         chat_template: str | None,
+        special_tokens: Mapping[str, str] | None = None,
     ) -> None:
         self.backend = backend
         self.bos_id = bos_id
         self.eos_ids = tuple(dict.fromkeys(eos_ids))
         self.add_bos = add_bos
         self.chat_template = chat_template
+        # What the chat template sees as bos_token, eos_token, ... (transformers' special_tokens_map: the
+        # tokenizer config's, which may differ from the ids generation stops at: Llama-3.1's eos_token is
+        # <|eot_id|>, its generation config's first EOS <|end_of_text|>); a name it lacks is undefined.
+        self.special_tokens = dict(special_tokens) if special_tokens is not None else {
+            name: self._special_text(i)
+            for name, i in (("bos_token", bos_id), ("eos_token", self.eos_ids[0] if self.eos_ids else None))
+            if i is not None}
         self._bytes: dict[int, bytes] = {}  # token_bytes of the ids asked for so far
         self._reply_bytes: dict[int, bytes] = {}  # reply_bytes of the ids asked for so far
         self._reply_lengths: np.ndarray | None = None
@@ -250,34 +258,40 @@ class Tokenizer:
     def wire(self) -> dict:
         """What makes this tokenizer again in another process (from_wire): JSON-able."""
         return {"backend": self.backend.to_str(), "bos_id": self.bos_id, "eos_ids": list(self.eos_ids),
-                "add_bos": self.add_bos, "chat_template": self.chat_template}
+                "add_bos": self.add_bos, "chat_template": self.chat_template,
+                "special_tokens": self.special_tokens}
 
     @classmethod
     def from_wire(cls, wire: dict) -> Tokenizer:
         return cls(HFTokenizer.from_str(wire["backend"]), bos_id=wire["bos_id"], eos_ids=wire["eos_ids"],
-                   add_bos=wire["add_bos"], chat_template=wire["chat_template"])
+                   add_bos=wire["add_bos"], chat_template=wire["chat_template"],
+                   special_tokens=wire.get("special_tokens"))
 
-    def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                    chat_template_kwargs: Mapping | None = None) -> str:
         """The prompt text for `messages` ([{"role", "content"}, ...]) under the model's template (with
-        the tools offered in this thread, if any: offering_tools)."""
+        the tools offered in this thread, if any: offering_tools), as transformers' apply_chat_template(
+        messages, tokenize=False, **chat_template_kwargs) renders it (e.g. {"enable_thinking": False})."""
         try:
             return self._template.render(
-                messages=list(messages),
+                messages=_template_messages(messages),
                 add_generation_prompt=add_generation_prompt,
                 tools=_OFFERED_TOOLS.get(),
                 documents=None,
-                bos_token=self._special_text(self.bos_id),
-                eos_token=self._special_text(self.eos_ids[0] if self.eos_ids else None),
+                **{**self.special_tokens, **(chat_template_kwargs or {})},
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
-    def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                    chat_template_kwargs: Mapping | None = None) -> list[int]:
         # The template writes BOS itself where the model wants it (transformers does the same).
-        rendered = self.render_chat_spans(messages, add_generation_prompt=add_generation_prompt)
+        rendered = self.render_chat_spans(messages, add_generation_prompt=add_generation_prompt,
+                                          chat_template_kwargs=chat_template_kwargs)
         return self.encode_rendered(rendered)
 
-    def render_chat_spans(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> Rendered:
+    def render_chat_spans(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                          chat_template_kwargs: Mapping | None = None) -> Rendered:
         """render_chat, and where each message's content lies in the text (for encode_rendered) if any
         content holds special-token text (else no spans are needed: none is looked for). The template
         is rendered again with every content between two markers of a random nonce, and the spans are
@@ -285,16 +299,18 @@ class Tokenizer:
         e.g. trims it, leaves none: then the content with special-token text is refused)."""
         hint = _HINT.get()
         if (hint is not None and add_generation_prompt and _OFFERED_TOOLS.get() is None
-                and hint.messages == list(messages)):
+                and not chat_template_kwargs and hint.messages == list(messages)):
             hint.used += 1
             return hint.rendered
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                chat_template_kwargs=chat_template_kwargs)
         if not any(self._special_in(m["content"]) for m in messages if _text(m)):
             return Rendered(text, ())
         nonce = secrets.token_hex(8)
         start, end = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
         wrapped = [{**m, "content": f"{start}{m['content']}{end}"} if _text(m) else m for m in messages]
-        marked = self.render_chat(wrapped, add_generation_prompt=add_generation_prompt)
+        marked = self.render_chat(wrapped, add_generation_prompt=add_generation_prompt,
+                                  chat_template_kwargs=chat_template_kwargs)
         spans, at = [], 0
         for chunk in marked.split(start):
             content, sep, rest = chunk.partition(end)
@@ -448,6 +464,24 @@ def _parts(spec: dict | None, key: str) -> list[dict]:
     if spec is None:
         return []
     return spec[key] if spec.get("type") == "Sequence" else [spec]
+
+
+# The names a message's reasoning comes under; chat templates read the first (Qwen3's).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_messages(messages: Sequence[dict]) -> list[dict]:
+    """`messages` as transformers hands them to a chat template: a key whose value is None dropped (an
+    OpenAI message's content=None or tool_calls=None: templates test `is defined`), and the reasoning
+    under any of its names copied to `reasoning_content` and `thinking`."""
+    shown = []
+    for message in messages:
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        shown.append(message)
+    return shown
 
 
 def _text(message: dict) -> bool:
