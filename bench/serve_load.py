@@ -80,6 +80,9 @@ def main() -> None:
                          "tokenizes each prompt itself)")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="pad each first message to about this many prompt tokens (0: the short questions)")
+    ap.add_argument("--ride-rows", type=int, default=None,
+                    help="prompt rows a CUDA decode step takes along (floe.actor.loop.RIDE_ROWS and the "
+                         "graphs' MIXED_ROWS; default 256)")
     ap.add_argument("--probe", type=int, default=0,
                     help="TTFT probes: new sessions sent one by one while the load decodes")
     ap.add_argument("--client-processes", type=int, default=1,
@@ -141,10 +144,20 @@ def free_port() -> int:
 BATCHING = {"auto": None, "on": True, "off": False}
 
 
+def ride_rows(rows: int | None) -> None:
+    """Prompt rows a CUDA decode step takes along (None: floe's own, 256), set before an engine is made."""
+    if rows:
+        from floe.actor import loop as engine_loop
+        from floe.engine.cuda_graph import BatchGraphDecoder
+
+        engine_loop.RIDE_ROWS = BatchGraphDecoder.MIXED_ROWS = rows
+
+
 def make_engine(args) -> tuple[Engine, str, Path, dict]:
     """The engine (warmed up, as `floe serve` does at start), its model id, a snapshot folder."""
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    ride_rows(getattr(args, "ride_rows", None))
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     weights = args.weights or ("native" if device.type == "cpu" else "dense")

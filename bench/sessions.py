@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from cpu_batch import actors_run, message
+from serve_load import ride_rows
 from smoke import results, shrink
 
 from floe.engine import Engine, SamplingParams
@@ -85,6 +86,7 @@ def serve(args, sessions: int) -> dict:
            str(args.threads), "--client-processes", str(max(1, sessions // args.client_streams)),
            "--temperature", str(args.temperature), "--top-p", str(args.top_p), "--out", str(out),
            "--fronts", str(args.fronts), "--client", args.client,
+           *([] if args.ride_rows is None else ["--ride-rows", str(args.ride_rows)]),
            *([] if args.prompt_hints else ["--no-prompt-hints"])]
     if args.shape:
         cmd += ["--shape", args.shape, "--tokenizer", args.tokenizer]
@@ -116,6 +118,8 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--name", default=None)
     ap.add_argument("--fronts", type=int, default=1, help="serve: `floe serve --fronts N`")
+    ap.add_argument("--ride-rows", type=int, default=None,
+                    help="prompt rows a CUDA decode step takes along (bench/serve_load.py --ride-rows)")
     ap.add_argument("--no-prompt-hints", dest="prompt_hints", action="store_false",
                     help="serve: `floe serve --no-prompt-hints`")
     ap.add_argument("--client", choices=["raw", "openai"], default="raw",
@@ -128,6 +132,7 @@ def main() -> None:
     device = torch.device(args.device)
     sessions = args.sessions or ([1, 4, 16, 64] if device.type == "cuda" else [1, 8])
     torch.set_num_threads(args.threads)
+    ride_rows(args.ride_rows)
     if args.shape:
         from floe.cli import _tokenizer
         from floe.model.synthetic import random_checkpoint
