@@ -4,9 +4,11 @@ model of the default model's byte-level BPE, loaded at the replica's start, and 
 vocabulary, loaded on its first request), one OpenAI endpoint in front, driven by the official `openai`
 client: every model listed, an unknown one a 404, each model's replies (streamed or not) those of a
 one-model server of it, a session bound to its model on every replica (409), and sessions continued
-on another replica with their model after a migration and a drain."""
+on another replica with their model after a migration, a replica's death and a drain."""
 
 from __future__ import annotations
+
+import signal
 
 import httpx
 import openai
@@ -14,8 +16,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from models import write_gguf
 from test_ray import ray_front, replicas, where
-from test_serve_models import CONTEXT, client, engine_of, sentencepiece_model
-from test_server import TURNS, ThreadServer
+from test_serve_models import CONTEXT, client, engine_of, sentencepiece_model, wait_for
+from test_server import TURNS, ThreadServer, free_port, start_serve
 
 from floe.server.app import create_app
 from floe.server.models import ModelSpec
@@ -74,6 +76,51 @@ def ask(url: str, model: str, sid: str | None = None):
                                                max_tokens=2, temperature=0, extra_body=extra)
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--model", "a=/no/such.gguf", "--model", "b="], "--model a=/no/such.gguf: no such file or folder"),
+    (["--model", "a=", "--model", "a="], "a model name given twice: 'a'"),
+    (["--model", "../a=", "--model", "b="], "model name '../a'"),
+    (["--model", "a=", "--model", "b=", "--max-loaded", "0"], "--max-loaded must be >= 1"),
+    (["--model", "a=", "--model", "b=", "--model-id", "x"], "--model-id names the one model"),
+])
+def test_floe_serve_ray_refuses_bad_models_before_starting_ray(flags, message, tmp_path, capsys):
+    from floe.cli import main
+
+    assert main(["serve", "--ray", "--snapshots", str(tmp_path), *flags]) == 1
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # its own Ray and replica: 16-22 s on the 2-core box
+def test_floe_serve_ray_serves_a_folder_of_models_and_unloads_one_idle_in_its_replica(model_files, references,
+                                                                                    tmp_path):
+    """The command (before the module's cluster starts: one Ray at a time): `floe serve --ray --models
+    DIR --keep-alive 1`: its models listed, one loaded on demand in the replica and unloaded there once
+    idle (its session frozen after --idle-seconds), the session going on after it as an uninterrupted
+    one-model server's does; SIGTERM closes the replica (its live sessions frozen) and exits 0."""
+    (tmp_path / "models").mkdir()
+    for name, path in model_files.items():
+        (tmp_path / "models" / f"{name}.gguf").symlink_to(path)
+    port = free_port()
+    proc = start_serve(tmp_path / "sessions", port, "--ray", "--replicas", "1", "--models",
+                       str(tmp_path / "models"), "--keep-alive", "1", "--threads", "1")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        loaded = lambda: {m.id: m.model_extra["loaded"] for m in client(url).models.list().data}  # noqa: E731
+        assert loaded() == {"sp": True, "tiny": False}  # (by name: sp first)
+        history: list[dict] = []
+        replies = turns(url, "tiny", "on-demand", history, 1)
+        wait_for(lambda: not loaded()["tiny"])
+        assert replies + turns(url, "tiny", "on-demand", history, 2) == references["tiny"][:2]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+        log = proc.stderr.read()
+        assert "each serving 2 models (sp, tiny, loaded on demand)" in log, log
+        assert "1 replica closed, live sessions frozen" in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_every_model_is_listed_and_an_unknown_one_is_a_404_naming_them(cluster):
     listed = {m.id: m.model_extra for m in client(cluster.url).models.list().data}
     assert list(listed) == list(MODELS)
@@ -115,6 +162,26 @@ def test_the_operator_unloads_and_loads_a_model_on_every_replica(cluster):
         assert answer["id"] == "sp" and answer["loaded"] is loaded, answer
         listed = {m.id: m.model_extra for m in client(cluster.url).models.list().data}
         assert listed["sp"]["loaded"] is loaded and len(listed["sp"]["replicas"]) == 2 * loaded
+
+
+def test_a_killed_replicas_session_continues_with_its_model_on_the_other(cluster, references):
+    """Its replica's process killed after turn 1 (every turn frozen as answered), the session of the
+    model loaded on demand continues on the other replica from the shared store, as an uninterrupted
+    run, nothing lost; Ray restarts the killed replica (its first model loaded again) and it is routed
+    to again."""
+    import ray
+
+    history: list[dict] = []
+    replies = turns(cluster.url, "sp", "survivor", history, 1)
+    victim = where(cluster.url)["survivor"]
+    ray.kill(cluster.server.config.app.state.cluster.routes[victim].handle, no_restart=False)
+    wait_for(lambda: not replicas(cluster.url)[victim]["alive"], 120)  # (this call finds it dead)
+    replies += turns(cluster.url, "sp", "survivor", history, 2)
+    assert replies == references["sp"][:2] and where(cluster.url)["survivor"] != victim
+    failover = next(f for f in httpx.get(f"{cluster.url}/v1/cluster").json()["failovers"]
+                    if f["session"] == "survivor")
+    assert failover["from"] == victim and failover["lost_turns"] == 0
+    wait_for(lambda: replicas(cluster.url)[victim]["alive"], 300)
 
 
 def test_sessions_continue_on_another_replica_with_their_model(cluster, references):

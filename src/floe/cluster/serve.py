@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from fastapi import FastAPI, Request
@@ -106,6 +107,7 @@ def serve_cluster(address: str | None, n: int, snapshots: str, *, host: str, por
     from floe.wasm import trap_handlers_kept
 
     ray_init(address)
+    replicas: dict = {}
     try:
         print(f"floe serve: starting {n} replica{'s' * (n > 1)} on Ray …", file=sys.stderr, flush=True)
         replicas = start_replicas(n, snapshots, **options)
@@ -116,8 +118,29 @@ def serve_cluster(address: str | None, n: int, snapshots: str, *, host: str, por
                                              f"({', '.join(m.name for m in models)}, loaded on demand)")
         print(f"floe serve: {n} replica{'s' * (n > 1)} ready on {where}{serving}; http://{host}:{port}/v1",
               file=sys.stderr, flush=True)
+        # uvicorn stops on SIGTERM and then raises it again for the handler it found: Ray's (sys.exit(15)
+        # at ray.init). Stopped by then, the process ends as it would on its own: replicas closed, exit 0.
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
         uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
     finally:
+        close_replicas(replicas)
         with trap_handlers_kept():
             ray.shutdown()
     return 0
+
+
+def close_replicas(replicas: dict, timeout_s: float = 120.0) -> None:
+    """Close every replica (name -> Ray actor handle) at once: each freezes its live sessions into the
+    shared store, as a one-process server's stop does (a dead one is passed over, said in the log)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    closing = {name: h.close.remote() for name, h in replicas.items()}
+    for name, ref in closing.items():
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except (RayActorError, GetTimeoutError) as e:
+            log.warning("replica %s was not closed (its live sessions stay as last frozen): %s", name, e)
+    if closing:
+        print(f"floe serve: {len(closing)} replica{'s' * (len(closing) > 1)} closed, live sessions "
+              "frozen", file=sys.stderr, flush=True)
