@@ -125,6 +125,7 @@ def test_every_model_is_listed_and_an_unknown_one_is_a_404_naming_them(cluster):
     listed = {m.id: m.model_extra for m in client(cluster.url).models.list().data}
     assert list(listed) == list(MODELS)
     assert listed["tiny"]["loaded"] and sorted(listed["tiny"]["replicas"]) == ["replica-0", "replica-1"]
+    assert listed["sp"]["replicas"] == {} and listed["sp"]["sessions"] is None  # (loaded on demand)
     for unknown in (lambda: ask(cluster.url, "nope"), lambda: client(cluster.url).models.retrieve("nope")):
         with pytest.raises(openai.NotFoundError) as e:
             unknown()
@@ -139,7 +140,11 @@ def test_each_model_answers_as_its_one_model_server_streamed_or_not(cluster, ref
             assert turns(cluster.url, name, sid, [], 2, stream) == references[name][:2], sid
     placed = where(cluster.url)
     assert len({placed[f"same-{name}-plain"] for name in MODELS} | {placed["same-sp-stream"]}) == 2
-    assert all(m.model_extra["loaded"] for m in client(cluster.url).models.list().data)
+    listed = {m.id: m.model_extra for m in client(cluster.url).models.list().data}
+    assert all(m["loaded"] and m["sessions"]["live"] >= 2 for m in listed.values()), listed
+    sessions = {s["id"]: s for s in httpx.get(f"{cluster.url}/v1/sessions", timeout=60).json()["data"]}
+    assert {sid: sessions[sid]["model"] for sid in placed if sid.startswith("same-")} == {
+        f"same-{name}-{way}": name for name in MODELS for way in ("plain", "stream")}
 
 
 def test_a_session_asked_on_another_model_is_refused_on_every_replica(cluster):

@@ -365,17 +365,20 @@ class ClusterClient:
 
 def merged_models(answers: list[tuple[Route, list[dict]]]) -> list[dict]:
     """Each model of a server of several as its replicas describe it (floe.server.models): `loaded`
-    where any replica has it loaded, `replicas` those, its `sessions` summed over them."""
+    where any replica has it loaded; `replicas`: each of those replicas' counts of its sessions (a
+    frozen session is counted by every replica that has seen it); `sessions`: its live sessions and
+    spare actors summed over them."""
     merged: dict[str, dict] = {}
     for route, models in answers:
         for m in models:
-            into = merged.setdefault(m["id"], m | {"loaded": False, "replicas": [], "sessions": None})
+            into = merged.setdefault(m["id"], m | {"loaded": False, "replicas": {}, "sessions": None})
             if not m["loaded"]:
                 continue
-            into["replicas"].append(route.name)
+            counts = m["sessions"] or {}
+            into["replicas"][route.name] = counts
             into |= {"loaded": True, "load_seconds": m["load_seconds"], "bytes": m["bytes"]}
-            counts = into["sessions"] or {}
-            into["sessions"] = {k: counts.get(k, 0) + n for k, n in (m["sessions"] or {}).items()}
+            into["sessions"] = {k: (into["sessions"] or {}).get(k, 0) + counts.get(k, 0)
+                                for k in ("live", "spare_actors")}
     return list(merged.values())
 
 
