@@ -34,8 +34,9 @@ def start_replicas(n: int, snapshots: str, *, gpus: float = 0, cpus: float = 1, 
     from floe.cluster.replica import Replica
 
     remote = ray.remote(Replica)
-    # Every running chat holds one of the actor's threads for its whole reply; calls need some too.
-    concurrency = options.get("slots", 4) + 8
+    # Every running chat holds one of the actor's threads for its whole reply (each model's slots' worth,
+    # with several models); calls need some too.
+    concurrency = options.get("slots", 4) * len(options.get("models") or [None]) + 8
     handles = {f"replica-{i}": remote.options(name=None, num_cpus=cpus, num_gpus=gpus,
                                               max_concurrency=concurrency, scheduling_strategy="SPREAD",
                                               max_restarts=restarts).remote(f"replica-{i}", snapshots,
