@@ -122,6 +122,18 @@ def test_floe_serve_ray_serves_a_folder_of_models_and_unloads_one_idle_in_its_re
             proc.kill()
 
 
+def test_a_replica_whose_first_model_cannot_load_is_a_clear_error(cluster, tmp_path):
+    from floe.cluster.serve import start_replicas
+    from floe.errors import FloeError
+
+    (tmp_path / "junk.gguf").write_text("junk")
+    with pytest.raises(FloeError) as e:  # (no CPU: the cluster's two are its replicas')
+        start_replicas(1, str(tmp_path), cpus=0, models=[ModelSpec("junk", str(tmp_path / "junk.gguf"))],
+                       context=CONTEXT, slots=1)
+    assert str(e.value).startswith("replica replica-0 could not start: ModelLoadFailed: the model 'junk' "
+                                   "could not be loaded: NotAModel: "), e.value
+
+
 def test_every_model_is_listed_and_an_unknown_one_is_a_404_naming_them(cluster):
     listed = {m.id: m.model_extra for m in client(cluster.url).models.list().data}
     assert list(listed) == list(MODELS)

@@ -20,54 +20,16 @@ log = logging.getLogger("floe.cluster")
 
 
 class Replica:
-    """An engine core on one Ray worker: one model's (`model`: a path, None the default model), or
-    several models' (`models`: ModelSpecs, each loaded when a request first names it, as one `floe
-    serve` of several models loads them: floe.server.models.ModelRouter, with keep_alive, max_loaded and
-    memory_budget; each model's sessions under `snapshots`/its name). `options`: ServeCore's
-    (durability: freeze_every_turn...)."""
+    """An engine core on one Ray worker (engine_core's, of `options`)."""
 
-    def __init__(self, name: str, snapshots: str, *, model: str | None = None, models: list | None = None,
-                 context: int = 2048, slots: int = 4, threads: int = 1, lease_s: float = 30.0,
-                 device: str = "cpu", keep_alive: float | None = None, max_loaded: int | None = None,
-                 memory_budget: int | None = None, **options) -> None:
-        import torch
-
-        from floe.engine import Engine, bound_kernel_caches
-        from floe.model import load_checkpoint
-        from floe.server.core import ServeCore
-        from floe.server.sessions import snapshot_store
-
-        bound_kernel_caches()
-        torch.set_num_threads(threads)
+    def __init__(self, name: str, snapshots: str, **options) -> None:
         self.name = name
-        cpu = device == "cpu"
-
-        def engine(checkpoint) -> Engine:
-            made = Engine(checkpoint, device=device, dtype="float32" if cpu else "bfloat16",
-                          max_seq_len=context, n_slots=slots, weights="native" if cpu else "dense")
-            made.warm_up()
-            return made
-
-        def store(where: str):
-            return snapshot_store(where, idle_seconds=options.get("idle_seconds", 300.0), lease_s=lease_s)
-
-        if models is not None:
-            from floe.server.models import ModelRouter
-
-            def load(spec, snapshots) -> ServeCore:
-                return ServeCore(engine(load_checkpoint(spec.path)), snapshots=snapshots, model_id=spec.name,
-                                 **options)
-
-            stores = [(spec, store(f"{snapshots.rstrip('/')}/{spec.name}")) for spec in models]
-            self.core = ModelRouter(stores, load, keep_alive=keep_alive, max_loaded=max_loaded,
-                                    memory_budget=memory_budget, footprint=_footprint(device))
-        else:
-            checkpoint = load_checkpoint(model)
-            model_id = options.pop("model_id", checkpoint.source.stem)
-            self.core = ServeCore(engine(checkpoint), snapshots=store(snapshots), model_id=model_id,
-                                  **options)
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
+        try:
+            self.core = engine_core(snapshots, **options)
+        except Exception as e:  # (a ServeError does not unpickle on the other side: its message does)
+            raise RuntimeError(f"{type(e).__name__}: {e}") from None
 
     def _cores(self) -> list:
         """Its loaded engine cores (one model's; several: each loaded one's)."""
@@ -172,3 +134,47 @@ def _footprint(device: str):
     import torch
 
     return lambda: torch.cuda.memory_allocated(torch.device(device))
+
+
+def engine_core(snapshots: str, *, model: str | None = None, models: list | None = None, context: int = 2048,
+                slots: int = 4, threads: int = 1, lease_s: float = 30.0, device: str = "cpu",
+                keep_alive: float | None = None, max_loaded: int | None = None,
+                memory_budget: int | None = None, **options):
+    """A replica's engine core: one model's (`model`: a path, None the default model: a ServeCore), or
+    several models' (`models`: ModelSpecs, each loaded when a request first names it, as one `floe
+    serve` of several models loads them: floe.server.models.ModelRouter, with keep_alive, max_loaded and
+    memory_budget; each model's sessions under `snapshots`/its name). `options`: ServeCore's
+    (durability: freeze_every_turn...)."""
+    import torch
+
+    from floe.engine import Engine, bound_kernel_caches
+    from floe.model import load_checkpoint
+    from floe.server.core import ServeCore
+    from floe.server.sessions import snapshot_store
+
+    bound_kernel_caches()
+    torch.set_num_threads(threads)
+    cpu = device == "cpu"
+
+    def engine(checkpoint) -> Engine:
+        made = Engine(checkpoint, device=device, dtype="float32" if cpu else "bfloat16",
+                      max_seq_len=context, n_slots=slots, weights="native" if cpu else "dense")
+        made.warm_up()
+        return made
+
+    def store(where: str):
+        return snapshot_store(where, idle_seconds=options.get("idle_seconds", 300.0), lease_s=lease_s)
+
+    if models is None:
+        checkpoint = load_checkpoint(model)
+        model_id = options.pop("model_id", checkpoint.source.stem)
+        return ServeCore(engine(checkpoint), snapshots=store(snapshots), model_id=model_id, **options)
+    from floe.server.models import ModelRouter
+
+    def load(spec, snapshots) -> ServeCore:
+        return ServeCore(engine(load_checkpoint(spec.path)), snapshots=snapshots, model_id=spec.name,
+                         **options)
+
+    stores = [(spec, store(f"{snapshots.rstrip('/')}/{spec.name}")) for spec in models]
+    return ModelRouter(stores, load, keep_alive=keep_alive, max_loaded=max_loaded,
+                       memory_budget=memory_budget, footprint=_footprint(device))

@@ -17,8 +17,10 @@ import signal
 import sys
 
 from fastapi import FastAPI, Request
+from ray.exceptions import RayError
 
 from floe.cluster.router import ClusterClient
+from floe.errors import FloeError
 from floe.server.app import create_front
 from floe.server.protocol import ServeError
 
@@ -42,7 +44,14 @@ def start_replicas(n: int, snapshots: str, *, gpus: float = 0, cpus: float = 1, 
                                               max_restarts=restarts).remote(f"replica-{i}", snapshots,
                                                                             **options)
                for i in range(n)}
-    ray.get([h.ping.remote() for h in handles.values()])  # each has loaded its model
+    pings = {name: h.ping.remote() for name, h in handles.items()}
+    for name, ping in pings.items():  # each has loaded its model (several: its first)
+        try:
+            ray.get(ping)
+        except RayError as e:  # its constructor failed: its last line says why
+            why = next((line.strip() for line in reversed(str(e).splitlines()) if line.strip()), repr(e))
+            why = why.removeprefix("RuntimeError: ")  # (Replica's wrapping)
+            raise FloeError(f"replica {name} could not start: {why}") from None
     return handles
 
 
