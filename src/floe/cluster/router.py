@@ -10,6 +10,11 @@ frozen turn, and what they lost (turns the client has that their snapshot had no
 listed (`failovers`), never silently dropped. Ray restarts a dead replica's actor (its max_restarts,
 floe.cluster.serve.start_replicas) where it has room: once it answers again it is routed to again, with
 no session of its own (`restarts` counts them).
+
+Several models (each replica's core a floe.server.models.ModelRouter): a request goes where its session
+is, as with one; each replica refuses a session of another model (409) and loads a model on demand.
+`/v1/models` merges what every replica says of each model; a model's load or unload goes to every
+replica; replicas stream text, so the front needs no model's token table.
 """
 
 from __future__ import annotations
@@ -148,13 +153,13 @@ class ClusterClient:
                     if s["id"] not in seen or s["state"] == "live":
                         seen[s["id"]] = s | {"replica": route.name}
             return list(seen.values())
-        if name == "models":  # several models: each as the replicas have it
-            return merged_models(await self._each(name, arg, owner))
-        if name in ("load", "unload"):  # a model (several): loaded, or unloaded, on every replica
-            answers = await self._each(name, arg, owner, self._usable() if name == "load" else None, False)
+        if name in ("models", "load", "unload"):  # several models: each as the replicas have it; a
+            # model loaded (on every replica routed to), or unloaded (on every live one)
+            answers = await self._each(name, arg, owner, self._usable() if name == "load" else None,
+                                       listed=name == "models")
             if not answers:
                 raise self.GONE
-            return merged_models(answers)[0]
+            return merged_models(answers) if name == "models" else merged_models(answers)[0]
         key = session_key(owner or "", arg) if isinstance(arg, str) else None
         for _ in range(len(self.routes)):
             route = self._pick(key)
