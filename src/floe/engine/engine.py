@@ -399,10 +399,13 @@ class Engine(BatchedSteps):
                     for size in batch.sizes:
                         if size <= len(free):
                             batch.step([0] * size, [bucket - 1] * size, free[:size])
-                    for size in batch.mixed_sizes:  # decode rows with prompts along: one slot's rows here
-                        if free and size <= bucket:
-                            batch.mixed([0] * size, list(range(bucket - size, bucket)), [free[0]] * size,
-                                        [self.cache.n_slots] * size)
+                    for size in batch.mixed_sizes:  # decode rows with prompts along: each slot's rows at
+                        # the bucket's last positions, as many slots as the rows need (a burst's prompts
+                        # at short contexts ride in more rows than one slot's bucket holds)
+                        per = min(size, bucket)
+                        if -(-size // per) <= len(free):
+                            batch.mixed([0] * size, [bucket - per + k % per for k in range(size)],
+                                        [free[k // per] for k in range(size)], [self.cache.n_slots] * size)
                 if free and batch.prompt_sizes:  # the smallest prompt graph (compiles its attention);
                     # larger ones are captured when a prompt first needs them
                     batch.prompt(torch.zeros(batch.PREFILL_ROWS + 1, dtype=torch.long), 0, free[0])
