@@ -2,9 +2,15 @@
 
     python bench/cpu_decode.py [--model PATH] [--threads 2] [--prompt-tokens 256] [--decode-tokens 128]
                                [--kernels vnni,avx2,portable,int4pack] [--no-dense]
+                               [--write-shape qwen3-0.6b]
 
 --kernels: the native kernels to run, each as its own engine (default: every variant of floe's
 kernel this CPU runs, and PyTorch's packed int4); --no-dense leaves out floe fp32 and bf16.
+--write-shape: first write --model (if no file is there) as a GGUF of that KNOWN_SHAPES shape, a Llama
+or Qwen3, every matrix Q4_0 of random codes, named as llama.cpp's converter names them (Qwen3's
+blk.N.attn_q_norm / attn_k_norm, qwen3.attention.key_length), with SmolLM2's tokenizer padded to the
+shape's vocabulary (unused [PADn] tokens): the token ids are the prompt's, the weights' values do not
+matter to a speed.
 
 Needs the `bench` extra for the peer (`pip install -e ".[bench]"`). Prints a table, writes JSON to
 bench/results/cpu_decode.json. Each figure is the median of --repeats runs after one warm-up run,
@@ -28,7 +34,9 @@ from smoke import results, shrink
 
 from floe.bench import decode_bytes
 from floe.engine import Engine
-from floe.model import load_checkpoint
+from floe.model import default_model_path, load_checkpoint
+from floe.model.config import KNOWN_SHAPES
+from floe.model.gguf_file import GGUFFile
 
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps "
@@ -47,6 +55,78 @@ def measure_bandwidth_gb_s(threads: int, mib: int = 512) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t)
     return 2 * src.numel() * 4 / statistics.median(times[1:]) / 1e9
+
+
+def write_q4_0_shape(path: Path, shape: str, seed: int = 0) -> Path:
+    """A GGUF of KNOWN_SHAPES[shape] (llama or qwen3), every matrix Q4_0 (random codes, fp16 scales
+    ~0.002), norms 1, tied embeddings, written a tensor at a time (never the whole file in memory)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    c = KNOWN_SHAPES[shape]
+    if c.arch not in ("llama", "qwen3"):
+        raise SystemExit(f"--write-shape writes Llama and Qwen3 shapes, not {c.arch} ({shape})")
+    hd = c.head_dim or c.dim // c.n_heads
+    writer = GGUFWriter(path, c.arch)
+    writer.add_name(f"{shape}-random-q4_0")
+    for add, value in ((writer.add_block_count, c.n_layers), (writer.add_context_length, c.context_length),
+                       (writer.add_embedding_length, c.dim), (writer.add_feed_forward_length, c.ffn_dim),
+                       (writer.add_head_count, c.n_heads), (writer.add_head_count_kv, c.n_kv_heads),
+                       (writer.add_key_length, hd), (writer.add_value_length, hd),
+                       (writer.add_rope_freq_base, c.rope_theta), (writer.add_layer_norm_rms_eps, c.norm_eps),
+                       (writer.add_vocab_size, c.vocab_size)):
+        add(value)
+    _add_padded_tokenizer(writer, c.vocab_size)
+    matrices = {"token_embd.weight": (c.vocab_size, c.dim)}
+    vectors = {"output_norm.weight": c.dim}
+    for i in range(c.n_layers):
+        p = f"blk.{i}."
+        matrices.update({p + "attn_q.weight": (c.n_heads * hd, c.dim),
+                         p + "attn_k.weight": (c.n_kv_heads * hd, c.dim),
+                         p + "attn_v.weight": (c.n_kv_heads * hd, c.dim),
+                         p + "attn_output.weight": (c.dim, c.n_heads * hd),
+                         p + "ffn_gate.weight": (c.ffn_dim, c.dim), p + "ffn_up.weight": (c.ffn_dim, c.dim),
+                         p + "ffn_down.weight": (c.dim, c.ffn_dim)})
+        vectors.update({p + "attn_norm.weight": c.dim, p + "ffn_norm.weight": c.dim})
+        if c.arch == "qwen3":
+            vectors.update({p + "attn_q_norm.weight": hd, p + "attn_k_norm.weight": hd})
+    for name, (rows, cols) in matrices.items():
+        nbytes = rows * cols // 32 * 18
+        writer.add_tensor_info(name, (rows, nbytes // rows), np.dtype(np.uint8), nbytes,
+                               GGMLQuantizationType.Q4_0)
+    for name, n in vectors.items():
+        writer.add_tensor_info(name, (n,), np.dtype(np.float32), 4 * n)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for rows, cols in matrices.values():
+        blocks = rng.integers(0, 256, size=(rows * cols // 32, 18), dtype=np.uint8)
+        scales = (0.0015 + 0.001 * rng.random(len(blocks))).astype(np.float16)
+        blocks[:, :2] = scales.view(np.uint8).reshape(-1, 2)
+        writer.write_tensor_data(blocks.reshape(rows, -1))
+    for n in vectors.values():
+        writer.write_tensor_data(np.ones(n, dtype=np.float32))
+    writer.close()
+    return path
+
+
+def _add_padded_tokenizer(writer, vocab: int) -> None:
+    """SmolLM2's tokenizer (floe's default GGUF's tokenizer.* fields), its token list padded with unused
+    [PADn] tokens to `vocab` (as Qwen's GGUFs pad theirs): llama.cpp wants a token per embedding row."""
+    from gguf import TokenType
+
+    fields = GGUFFile(default_model_path()).fields
+    tokens = list(fields["tokenizer.ggml.tokens"])
+    types = list(fields["tokenizer.ggml.token_type"])
+    pad = vocab - len(tokens)
+    writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(len(tokens), vocab)])
+    writer.add_token_types(types + [TokenType.UNUSED] * pad)
+    writer.add_token_merges(fields["tokenizer.ggml.merges"])
+    scalars = {bool: writer.add_bool, int: writer.add_uint32, str: writer.add_string}
+    for key, value in fields.items():  # the special ids, the pre-tokenizer's name, the chat template
+        if key.startswith("tokenizer.") and type(value) in scalars:
+            scalars[type(value)](key, value)
 
 
 def floe_run(engine: Engine, prompt: list[int], decode_ids: list[int]):
@@ -179,10 +259,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--kernels", default=None, help="native kernels, comma-separated (default: all here)")
     ap.add_argument("--no-dense", action="store_true", help="leave out floe fp32 and bf16")
+    ap.add_argument("--write-shape", choices=sorted(k for k, c in KNOWN_SHAPES.items()
+                                                    if c.arch in ("llama", "qwen3")),
+                    help="first write --model (if absent) as a random Q4_0 GGUF of this shape")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_decode.json"))
     args = shrink(ap.parse_args(), prompt_tokens=16, decode_tokens=4, repeats=1)
     args.out = results(args.out)
     torch.set_num_threads(args.threads)
+    if args.write_shape:
+        if not args.model:
+            raise SystemExit("--write-shape writes the file --model names: give one")
+        if not Path(args.model).exists():
+            print(f"writing {args.model}: {args.write_shape}, random Q4_0 ...")
+            write_q4_0_shape(Path(args.model), args.write_shape)
 
     fp32 = load_checkpoint(args.model)
     tok = fp32.tokenizer
