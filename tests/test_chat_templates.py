@@ -5,6 +5,7 @@ enable_thinking, and the special tokens a template reads by name (tests/chat_tem
 where each template comes from)."""
 
 import json
+import re
 from pathlib import Path
 
 import jinja2
@@ -192,3 +193,24 @@ def test_floe_keeps_the_special_tokens_across_processes(model):
     again = Tokenizer.from_wire(json.loads(json.dumps(ours.wire())))
     assert again.special_tokens == ours.special_tokens
     assert again.render_chat(CONVERSATIONS["multi-turn"]) == ours.render_chat(CONVERSATIONS["multi-turn"])
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_each_template_renders_from_a_ggufs_special_tokens_as_transformers(name, default_checkpoint,
+                                                                         reference_tokenizer):
+    """From a GGUF (floe's default, SmolLM2's, as transformers reads it too), the special tokens a
+    template reads come from the file's ids (tokenizer.ggml.bos/eos/unknown/padding_token_id)."""
+    gguf = default_checkpoint.tokenizer
+    template = (TEMPLATES / MODELS[name][0]).read_text()
+    ours = Tokenizer(gguf.backend, bos_id=gguf.bos_id, eos_ids=gguf.eos_ids, add_bos=gguf.add_bos,
+                     chat_template=template, special_tokens=gguf.special_tokens)
+    assert gguf.special_tokens == reference_tokenizer.special_tokens_map
+    for messages in CONVERSATIONS.values():
+        try:
+            expected = reference_tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, chat_template=template)
+        except jinja2.TemplateError as e:
+            with pytest.raises(ChatTemplateError, match=re.escape(str(e))):
+                ours.render_chat(messages)
+            continue
+        assert ours.render_chat(messages) == expected
