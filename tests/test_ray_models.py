@@ -225,3 +225,80 @@ def test_sessions_continue_on_another_replica_with_their_model(cluster, referenc
         replies[name] += turns(cluster.url, name, f"moving-{name}", h, 3)
         assert replies[name] == references[name], name
     assert drained not in where(cluster.url).values() and replicas(cluster.url)[drained]["draining"]
+
+
+@pytest.fixture(scope="module")
+def tight(cluster, model_files, tmp_path_factory):
+    """Two more replicas on the module's Ray (no CPU of their own) serving both models with `--max-loaded
+    1` (the first loaded at their start), their sessions in a folder of their own; an endpoint of their
+    own in front."""
+    import ray
+
+    from floe.cluster.serve import close_replicas, create_cluster_app, start_replicas
+
+    specs = [ModelSpec(name, model_files[name]) for name in MODELS]
+    handles = start_replicas(2, str(tmp_path_factory.mktemp("tight-sessions")), cpus=0, models=specs,
+                             max_loaded=1, context=CONTEXT, slots=4, threads=1, lease_s=5.0,
+                             idle_seconds=3600, freeze_every_turn=True)
+    front = ThreadServer(create_cluster_app(handles))
+    try:
+        yield front
+    finally:
+        front.stop()
+        close_replicas(handles)
+        for handle in handles.values():
+            ray.kill(handle, no_restart=True)
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics' samples: (name, its labels sorted) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text)
+            for s in family.samples}
+
+
+def loads(url: str) -> dict[tuple[str, str], int]:
+    """Each (replica, model)'s loads, from /metrics' floe_model_loads_total."""
+    return {(dict(labels)["replica"], dict(labels)["model"]): int(value)
+            for (name, labels), value in metrics(url).items() if name == "floe_model_loads_total" and value}
+
+
+def test_new_sessions_go_to_the_replica_that_has_their_model_loaded(tight, references):
+    """Two replicas of --max-loaded 1, the first model loaded on both: the first session of the second
+    model loads it in one replica, and every later one of it goes there (it has a free KV slot), every
+    session of the first model to the other: one load of the second model in all, none unloaded. (By
+    the least loaded alone, the second session of `sp` went to the other replica, loading `sp` there
+    too and unloading `tiny`.)"""
+    order = [("p-sp-1", "sp"), ("p-sp-2", "sp"), ("p-tiny-1", "tiny"), ("p-tiny-2", "tiny"), ("p-sp-3", "sp")]
+    histories = {sid: [] for sid, _ in order}
+    for sid, model in order:
+        assert turns(tight.url, model, sid, histories[sid], 1) == references[model][:1], sid
+    placed = where(tight.url)
+    holder = placed["p-sp-1"]
+    assert {sid: placed[sid] == holder for sid, _ in order} == {sid: model == "sp" for sid, model in order}
+    other = ({"replica-0", "replica-1"} - {holder}).pop()
+    assert loads(tight.url) == {(holder, "tiny"): 1, (holder, "sp"): 1, (other, "tiny"): 1}
+    for sid, model in order:  # (each where it lives)
+        assert turns(tight.url, model, sid, histories[sid], 2) == references[model][1:2], sid
+    assert where(tight.url) == placed and len(loads(tight.url)) == 3
+
+
+def test_metrics_have_each_replicas_model_families_labelled_with_it(cluster):
+    """/metrics of a cluster of several models: every replica's floe_model_* (and its models' core
+    families), each labelled `replica` and `model`, beside the cluster's own."""
+    ask(cluster.url, "tiny")
+    samples = metrics(cluster.url)
+    names = {name for name, _ in samples}
+    assert {"floe_model_loaded", "floe_model_load_seconds", "floe_model_loads_total", "floe_model_sessions",
+            "floe_model_tokens_total", "floe_replica_up", "floe_cluster_migrations_total"} <= names, names
+    for replica in ("replica-0", "replica-1"):
+        assert samples["floe_model_loaded", (("model", "tiny"), ("replica", replica))] in (0.0, 1.0)
+        assert ("floe_model_tokens_total", (("kind", "generated"), ("model", "sp"), ("replica", replica))
+                ) in samples
+    generated = sum(v for (name, labels), v in samples.items() if name == "floe_model_tokens_total"
+                    and ("kind", "generated") in labels and ("model", "tiny") in labels)
+    assert generated >= 2
+    assert any(name == "floe_generated_tokens_total" and dict(labels).keys() >= {"model", "replica"}
+               for name, labels in samples)

@@ -4,8 +4,12 @@ replica shares (floe.snapshot.store). The front (floe.cluster.router) calls it.
 
 Every answer is a plain value: errors come back as {"error": ServeError.payload()} rather than raised,
 so what crosses Ray is data, never an exception to unpickle; a chat streams its events as a generator
-(("started", {"session_id", "had"}), ("text", piece), ..., ("done", result)). Its pieces are text,
-made on the replica by its model's own tokenizer (so the front needs no model's token table).
+(("started", {"session_id", "had", "loaded"}), ("text", piece), ..., ("done", result)). Its pieces are
+text, made on the replica by its model's own tokenizer (so the front needs no model's token table).
+
+Every answer also says which models the replica has loaded now and how many free KV slots each has
+(`loaded`, {model: free}; {} with one model): the front places a new session of a model where it is
+loaded (floe.cluster.router) from what it already receives, with no call of its own per request.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class Replica:
 
     def __init__(self, name: str, snapshots: str, **options) -> None:
         self.name = name
+        self.slots = options.get("slots", 4)  # (engine_core's default)
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         try:
@@ -38,8 +43,15 @@ class Replica:
             return [self.core]
         return [core for core in (m.core for m in models.values()) if core is not None]
 
+    def loaded(self) -> dict[str, int]:
+        """Its loaded models, each with its free KV slots (its slots less its live sessions); {}: a
+        replica of one model (always loaded)."""
+        models = getattr(self.core, "models", None) or {}
+        return {name: self.slots - core.store.counts()["live"]
+                for name, core in ((name, m.core) for name, m in models.items()) if core is not None}
+
     def ping(self) -> dict:
-        """Who and where it is: its name, Ray node, session counts."""
+        """Who and where it is: its name, Ray node, session counts, loaded models (`loaded`)."""
         import ray
 
         counts: dict[str, int] = {}
@@ -48,14 +60,19 @@ class Replica:
             for state, n in core.store.counts().items():
                 counts[state] = counts.get(state, 0) + n
         return {"name": self.name, "node": ray.get_runtime_context().get_node_id(), "sessions": counts,
-                "owner": cores[0].snapshots.owner if cores else None}
+                "owner": cores[0].snapshots.owner if cores else None, "loaded": self.loaded()}
+
+    def _answer(self, work) -> dict:
+        """{"ok": work()} or {"error": payload}, with `loaded` (what is loaded after it)."""
+        try:
+            answer = {"ok": work()}
+        except ServeError as e:
+            answer = {"error": e.payload()}
+        return answer | {"loaded": self.loaded()}
 
     def call(self, name: str, arg=None, owner=None) -> dict:
-        """A core call (floe.server.protocol.CALLS): {"ok": value} or {"error": payload}."""
-        try:
-            return {"ok": self.core.call(name, arg, owner)}
-        except ServeError as e:
-            return {"error": e.payload()}
+        """A core call (floe.server.protocol.CALLS): {"ok": value} or {"error": payload}, and `loaded`."""
+        return self._answer(lambda: self.core.call(name, arg, owner))
 
     def chat(self, rid: str, request: dict):
         """A chat's events, as they happen (a Ray streaming generator)."""
@@ -64,10 +81,9 @@ class Replica:
         except ServeError as e:
             yield ("error", e.payload())
             return
-        if chat.session is None:  # a text completion: no session
-            yield ("started", {"session_id": None, "had": 0})
-        else:
-            yield ("started", {"session_id": chat.session.id, "had": len(chat.session.messages)})
+        session = chat.session  # (None: a text completion)
+        yield ("started", {"session_id": None if session is None else session.id,
+                           "had": 0 if session is None else len(session.messages), "loaded": self.loaded()})
         pieces: queue.Queue = queue.Queue()
         end = object()
 
@@ -105,16 +121,10 @@ class Replica:
         self._cancelled.add(rid)
 
     def export(self, sid: str, owner: str) -> dict:
-        try:
-            return {"ok": b"".join(bytes(c) for c in self.core.export(sid, owner))}
-        except ServeError as e:
-            return {"error": e.payload()}
+        return self._answer(lambda: b"".join(bytes(c) for c in self.core.export(sid, owner)))
 
     def import_(self, sid: str, owner: str, data: bytes) -> dict:
-        try:
-            return {"ok": self.core.import_(sid, owner, [data])}
-        except ServeError as e:
-            return {"error": e.payload()}
+        return self._answer(lambda: self.core.import_(sid, owner, [data]))
 
     def drain(self) -> list[str]:
         """Freeze every session and give up its lease: they continue on other replicas."""

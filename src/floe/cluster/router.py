@@ -13,8 +13,14 @@ no session of its own (`restarts` counts them).
 
 Several models (each replica's core a floe.server.models.ModelRouter): a request goes where its session
 is, as with one; each replica refuses a session of another model (409) and loads a model on demand.
+A new or frozen session of model m (or a request naming none) goes to the least loaded replica that
+has m loaded with a free KV slot, if one has, else to the least loaded: replicas load (and, under
+--max-loaded or --memory-budget, unload) models only when they must. The front knows each replica's
+loaded models from what every answer of the replica carries (`loaded`: floe.cluster.replica), and from
+a ping every WATCH_S (a model unloaded idle says so in no answer); no call of its own per request.
 `/v1/models` merges what every replica says of each model; a model's load or unload goes to every
-replica; replicas stream text, so the front needs no model's token table.
+replica; `/metrics` has every replica's own families labelled `replica`; replicas stream text, so
+the front needs no model's token table.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from ray.exceptions import RayActorError
 
 from floe.server.protocol import ServeError
@@ -34,6 +43,7 @@ from floe.server.records import session_key
 log = logging.getLogger("floe.cluster")
 LEASE_WAIT_S = 60.0  # how long a failover waits for a dead replica's lease to end (it is its lease_s)
 REVIVE_S = 2.0  # how often a dead replica is asked whether Ray has restarted it
+WATCH_S = 5.0  # how often every live replica is asked what it has loaded
 
 
 @dataclass
@@ -46,6 +56,7 @@ class Route:
     alive: bool = True
     draining: bool = False
     sessions: set[str] = field(default_factory=set)  # keys whose live state is (or was last) there
+    loaded: dict[str, int] = field(default_factory=dict)  # several models: each loaded one's free KV slots
     revival: asyncio.Task | None = None  # while dead: asks it whether Ray restarted it
 
 
@@ -62,28 +73,55 @@ class ClusterClient:
         self.failovers: list[dict] = []  # {"session", "from", "to", "lost_turns"}
         self._orphans: dict[str, str] = {}  # session key -> the dead replica it was on
         self._chats: dict[str, tuple[Route, asyncio.Task]] = {}
+        self.model_of: dict[str, str] = {}  # session key -> its model (several models: as its chats named it)
+        self._watch: asyncio.Task | None = None
 
     async def connect(self) -> None:
-        await asyncio.gather(*(r.handle.ping.remote() for r in self.routes.values()))
+        pings = await asyncio.gather(*(r.handle.ping.remote() for r in self.routes.values()))
+        for route, ping in zip(self.routes.values(), pings, strict=True):
+            route.loaded = ping.get("loaded", {})
+        self._watch = asyncio.get_running_loop().create_task(self._watch_loaded())
 
     async def close(self) -> None:
-        pass
+        if self._watch is not None:
+            self._watch.cancel()
+
+    async def _watch_loaded(self) -> None:
+        """Every WATCH_S, each live replica's loaded models (a model unloaded idle shows in no answer)."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            for route in [r for r in self.routes.values() if r.alive]:
+                try:
+                    route.loaded = (await asyncio.wait_for(route.handle.ping.remote(), 30))["loaded"]
+                except RayActorError:
+                    self._dead(route)
+                except TimeoutError:
+                    pass  # (busy: its answers still say)
 
     # ---- routing -------------------------------------------------------------------------------------
 
     def _usable(self) -> list[Route]:
         return [r for r in self.routes.values() if r.alive and not r.draining]
 
-    def _pick(self, key: str | None) -> Route:
-        """The replica for a session key (None: a request that names no session)."""
+    def _pick(self, key: str | None, model: str | None = None) -> Route:
+        """The replica for a session key (None: a request that names no session) of `model` (None: the
+        one its chats named, if any)."""
         if key is not None and key in self.where:
             route = self.routes[self.where[key]]
             if route.alive and not route.draining:
                 return route
-        usable = self._usable()
+        return self._placed(self._usable(), model or self.model_of.get(key))
+
+    def _placed(self, usable: list[Route], model: str | None) -> Route:
+        """Where a session of `model` goes among `usable`: the least loaded of those with `model` loaded
+        and a free KV slot, else the least loaded (which loads it)."""
         if not usable:
             raise self.GONE
-        return min(usable, key=lambda r: (r.inflight, len(r.sessions), r.name))
+        holding = [r for r in usable if r.loaded.get(model, 0) > 0]
+        route = min(holding or usable, key=lambda r: (r.inflight, len(r.sessions), r.name))
+        if holding:
+            route.loaded[model] -= 1  # (taken until its answer says again: a burst spreads)
+        return route
 
     def _place(self, key: str, route: Route) -> None:
         old = self.where.get(key)
@@ -130,6 +168,8 @@ class ClusterClient:
             raise ReplicaLost(route.name) from None
         finally:
             route.inflight -= 1
+        if isinstance(answer, dict) and "loaded" in answer:
+            route.loaded = answer["loaded"]
         if isinstance(answer, dict) and "error" in answer:
             raise ServeError.from_payload(answer["error"])
         return answer["ok"] if isinstance(answer, dict) and "ok" in answer else answer
@@ -138,7 +178,7 @@ class ClusterClient:
 
     async def call(self, name: str, arg=None, owner: str | None = None):
         if name == "metrics":
-            return self.metrics()
+            return await self.metrics()
         if name == "health":
             status = "ok" if self._usable() else "degraded"
             if isinstance(arg, dict) and not arg.get("full", True):  # a key that is not the operator's
@@ -152,6 +192,8 @@ class ClusterClient:
                 for s in sessions:
                     if s["id"] not in seen or s["state"] == "live":
                         seen[s["id"]] = s | {"replica": route.name}
+                    if "model" in s:
+                        self.model_of[session_key(owner or "", s["id"])] = s["model"]
             return list(seen.values())
         if name in ("models", "load", "unload"):  # several models: each as the replicas have it; a
             # model loaded (on every replica routed to), or unloaded (on every live one)
@@ -172,6 +214,7 @@ class ClusterClient:
             if key is not None and name == "delete":
                 route.sessions.discard(key)
                 self.where.pop(key, None)
+                self.model_of.pop(key, None)
             return answer
         raise self.GONE
 
@@ -203,10 +246,11 @@ class ClusterClient:
     async def _run_chat(self, rid: str, request: dict, queue: asyncio.Queue, ended: asyncio.Event) -> None:
         sid, owner = request.get("session_id"), request.get("owner") or ""
         key = session_key(owner, sid) if isinstance(sid, str) else None
+        model = request.get("model") if isinstance(request.get("model"), str) else None
         deadline = time.monotonic() + LEASE_WAIT_S
         try:
             while True:
-                route = self._pick(key)
+                route = self._pick(key, model)
                 self._chats[rid] = (route, self._chats[rid][1])
                 try:
                     await self._stream(route, rid, request, key, queue)
@@ -240,11 +284,13 @@ class ClusterClient:
                     raise ServeError.from_payload(value)
                 if kind == "started":
                     started = True
-                    sid = value["session_id"]
+                    sid, route.loaded = value["session_id"], value.get("loaded", {})
                     if sid is not None:  # (None: a text completion, which has no session to place)
                         key = session_key(request.get("owner") or "", sid)
                         self._placed_after_failover(key, route, request, value["had"])
                         self._place(key, route)
+                        if isinstance(request.get("model"), str):
+                            self.model_of[key] = request["model"]
                     value = sid
                 queue.put_nowait((kind, value))
         except RayActorError as e:
@@ -313,7 +359,7 @@ class ClusterClient:
         if not others:
             raise ServeError(409, f"no replica to move session {sid!r} to{f' named {to!r}' if to else ''}",
                              code="no_replica")
-        target = min(others, key=lambda r: (r.inflight, len(r.sessions), r.name))
+        target = self._placed(others, self.model_of.get(key))
         t = time.perf_counter()
         if source is not None and source.alive:
             await self._ask(source, "call", "let_go", sid, owner)
@@ -352,8 +398,14 @@ class ClusterClient:
             out.append(entry)
         return out
 
-    def metrics(self) -> str:
-        """Prometheus text: per replica, and the cluster's moves."""
+    async def metrics(self) -> str:
+        """Prometheus text: every live replica's own families (its core's, or with several models its
+        models' floe_model_* and their cores'), each sample labelled with its `replica`; then the
+        cluster's: per replica, and its moves."""
+        texts = await self._each("metrics", None, None, listed=False)
+        return relabelled([(route.name, text) for route, (text,) in texts]) + self._own_metrics()
+
+    def _own_metrics(self) -> str:
         lines = ["# TYPE floe_replica_up gauge", "# TYPE floe_replica_queue_depth gauge",
                  "# TYPE floe_replica_sessions gauge"]
         for r in self.routes.values():
@@ -366,6 +418,31 @@ class ClusterClient:
                             ("replica_restarts", self.restarts)):
             lines += [f"# TYPE floe_cluster_{name} counter", f"floe_cluster_{name}_total {value}"]
         return "\n".join(lines) + "\n"
+
+
+def relabelled(texts: list[tuple[str, str]]) -> str:
+    """Prometheus texts of replicas (name, text) as one: each family once, each sample labelled with its
+    `replica` (not summed: a replica's counters start again from zero when Ray restarts it, which
+    rate() handles per series; a sum would fall)."""
+    families: dict[str, Metric] = {}
+    for replica, text in texts:
+        for family in text_string_to_metric_families(text):
+            into = families.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                           family.unit))
+            into.samples += [s._replace(labels={"replica": replica, **s.labels}) for s in family.samples]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Families(list(families.values())))
+    return generate_latest(registry).decode()
+
+
+@dataclass(eq=False)  # (a registry keys its collectors)
+class Families:
+    """Metric families as a prometheus_client collector."""
+
+    families: list
+
+    def collect(self) -> list:
+        return self.families
 
 
 def merged_models(answers: list[tuple[Route, list[dict]]]) -> list[dict]:
