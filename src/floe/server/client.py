@@ -40,24 +40,24 @@ class CoreClient:
         self.streams = 0  # streamed replies being sent
         self.gone = False
         self._closing = False  # close() was called: the connection's end is not the core's loss
-        self._task: asyncio.Task | None = None
+        self._frames: _Frames | None = None
 
     async def connect(self) -> None:
-        self._reader, self._writer = await asyncio.open_unix_connection(self.path)
-        self._task = asyncio.create_task(self._read_loop())
+        _, self._frames = await asyncio.get_running_loop().create_unix_connection(
+            lambda: _Frames(self._dispatch, self._lost), self.path)
         answer = await self.call("vocab")
         self._vocab, self._strips = vocab_table(answer), bool(answer.get("strips_leading_space"))
 
     async def close(self) -> None:
         self._closing = True
-        if self._task is not None:
-            self._writer.close()
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._frames is not None:
+            self._frames.transport.close()
+            await self._frames.closed
 
     def _send(self, value) -> None:
         if self.gone:
             raise self.GONE
-        self._writer.write(pack(value))
+        self._frames.transport.write(pack(value))
 
     async def call(self, name: str, arg=None, owner: str | None = None):
         """A call's answer; `owner`: whose sessions a session call sees (protocol.OWNER)."""
@@ -125,7 +125,7 @@ class CoreClient:
                 for i in range(0, len(chunk), UPLOAD_CHUNK):
                     self._send({"op": "data", "id": rid,
                                 "data": base64.b64encode(chunk[i:i + UPLOAD_CHUNK]).decode()})
-                await self._writer.drain()
+                await self._frames.drain()
         except BaseException:
             if not self.gone:
                 self._send({"op": "cancel", "id": rid})
@@ -144,30 +144,23 @@ class CoreClient:
         if self._chats.pop(rid, None) is not None and not self.gone:
             self._send({"op": "cancel", "id": rid})
 
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                header = await self._reader.readexactly(HEADER.size)
-                self._dispatch(unpack(await self._reader.readexactly(frame_length(header))))
-        except (asyncio.IncompleteReadError, ConnectionError, ProtocolError) as e:
-            if not isinstance(e, asyncio.IncompleteReadError):
-                log.error("the engine core's connection broke: %s", e)
-        finally:
-            self.gone = True
-            for future in self._calls.values():
-                if not future.done():
-                    future.set_exception(self.GONE)
-            for queue in self._chats.values():
-                queue.put_nowait(("error", self.GONE.payload()))
-            for ended in self._ended.values():
-                ended.set()
-            self._calls.clear()
-            self._chats.clear()
-            self._starting.clear()
-            self._table_of.clear()
-            self._ended.clear()
-            if not self._closing:
-                self.on_lost()
+    def _lost(self) -> None:
+        """The connection ended (the core's end, a broken frame, or close()): every call and chat fails."""
+        self.gone = True
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(self.GONE)
+        for queue in self._chats.values():
+            queue.put_nowait(("error", self.GONE.payload()))
+        for ended in self._ended.values():
+            ended.set()
+        self._calls.clear()
+        self._chats.clear()
+        self._starting.clear()
+        self._table_of.clear()
+        self._ended.clear()
+        if not self._closing:
+            self.on_lost()
 
     def _dispatch(self, message: list) -> None:
         kind = message[0]
@@ -217,3 +210,69 @@ class CoreClient:
             if kind in ("done", "error"):
                 del self._chats[rid]
                 self._ended.pop(rid).set()
+
+
+class _Frames(asyncio.Protocol):
+    """The socket's reading side: each whole frame's message handed to `dispatch` as its bytes arrive
+    (a frame a flush, per token: no stream reader and no task woken between the socket and the chats'
+    queues); `lost()` once the connection ends. Its writing side is the transport, `drain` its flow."""
+
+    def __init__(self, dispatch: Callable[[list], None], lost: Callable[[], None]) -> None:
+        self.dispatch, self.lost = dispatch, lost
+        self.buffer = bytearray()  # a frame's bytes so far
+        self.need = HEADER.size  # the bytes the buffer needs before a frame can be read from it
+        self.closed = asyncio.get_running_loop().create_future()  # set once the connection has ended
+        self._paused = False
+        self._resumed: asyncio.Future | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.buffer:
+            self.buffer += data
+            if len(self.buffer) < self.need:
+                return
+            data = bytes(self.buffer)
+            self.buffer.clear()
+        at, end = 0, len(data)
+        try:
+            while end - at >= HEADER.size:
+                n = frame_length(data[at:at + HEADER.size])
+                if end - at - HEADER.size < n:
+                    self.need = HEADER.size + n
+                    break
+                at += HEADER.size + n
+                self.dispatch(unpack(data[at - n:at]))
+            else:
+                self.need = HEADER.size
+        except ProtocolError as e:
+            log.error("the engine core's connection broke: %s", e)
+            self.transport.close()
+            return
+        if at < end:
+            self.buffer += data[at:]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is not None:
+            log.error("the engine core's connection broke: %s", exc)
+        self.buffer.clear()
+        self._paused = False
+        if self._resumed is not None and not self._resumed.done():
+            self._resumed.set_result(None)
+        self.closed.set_result(None)
+        self.lost()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._resumed is not None and not self._resumed.done():
+            self._resumed.set_result(None)
+
+    async def drain(self) -> None:
+        """Wait while the transport's write buffer is full (an upload's frames)."""
+        if self._paused:
+            self._resumed = asyncio.get_running_loop().create_future()
+            await self._resumed
