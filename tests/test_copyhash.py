@@ -63,3 +63,37 @@ def test_two_jobs_at_once_both_finish_exactly(flavour):
     want = [xxhash.xxh3_128_hexdigest(a) for a in data]
     assert [job.digests() for job in reversed(jobs)] == [want, want]
     assert all(np.array_equal(o, a) for out in outs for o, a in zip(out, data, strict=True))
+
+
+def test_heads_copy_into_a_strided_cache_slot_as_piece_by_piece_does(flavour):
+    # A CPU KV cache's slot: [layers, slots, heads, positions, dim]; a snapshot's tensor: [heads, n, dim]
+    # contiguous. Job.heads computes each head's addresses from the strides: the same bytes land, and
+    # the same digests come out, as the piece-by-piece job's; nothing outside the slot's n positions
+    # (or another slot) is written.
+    rng = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = torch.zeros(3, 2, 4, 16, 8, dtype=dtype)
+        src = [torch.randn(4, 5, 8, generator=rng).to(dtype) for _ in range(3)]
+        dst = [cache[i, 1, :, :5] for i in range(3)]
+        digests = copyhash.Job.heads(src, dst).digests()
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(d, s)
+        assert not cache[:, 0].any() and not cache[:, 1, :, 5:].any()
+        again = [torch.zeros_like(cache[i, 1, :, :5]) for i in range(3)]  # (the pieces' own job: contiguous)
+        pieces = [[(copyhash.as_bytes(s[h]), copyhash.as_bytes(a[h])) for h in range(4)]
+                  for s, a in zip(src, again, strict=True)]
+        assert digests == copyhash.Job(pieces).digests()
+        assert digests == [xxhash.xxh3_128_hexdigest(s.contiguous().view(torch.uint8).numpy()) for s in src]
+    assert copyhash.Job.heads([], []).digests() == []
+
+
+def test_heads_that_do_not_fit_are_refused():
+    cache = torch.zeros(2, 4, 16, 8)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        copyhash.Job.heads([torch.zeros(4, 6, 8)], [cache[0, :, :5]])  # more positions than the slot's part
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        copyhash.Job.heads([torch.zeros(4, 5, 8, dtype=torch.bfloat16)], [cache[0, :, :5]])
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        copyhash.Job.heads([torch.zeros(8, 5, 4).transpose(0, 2)], [cache[0, :, :5]])  # not contiguous
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        copyhash.Job.heads([torch.zeros(4, 5, 4)], [cache[0, :, :5, :4]])  # a head's rows not contiguous

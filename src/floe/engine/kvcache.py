@@ -175,9 +175,7 @@ class PendingLoad:
                 layers = range(len(self.src) // 2)
                 dst = [cache.k[i, slot, :, :n] for i in layers] + [cache.v[i, slot, :, :n] for i in layers]
                 if self.digests is not None:  # a CPU cache: copied into the slot head by head, hashed there
-                    heads = range(self.src[0].shape[0])
-                    landed = copyhash.Job([[(copyhash.as_bytes(s[h]), copyhash.as_bytes(d[h])) for h in heads]
-                                           for s, d in zip(self.src, dst, strict=True)]).digests()
+                    landed = copyhash.Job.heads(self.src, dst).digests()
                     self.copies = [(f"KV host→cache slot{hashed}", total)]
                 else:
                     for d, s in zip(dst, self.src, strict=True):
