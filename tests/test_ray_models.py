@@ -302,3 +302,29 @@ def test_metrics_have_each_replicas_model_families_labelled_with_it(cluster):
     assert generated >= 2
     assert any(name == "floe_generated_tokens_total" and dict(labels).keys() >= {"model", "replica"}
                for name, labels in samples)
+
+
+def test_a_session_exported_from_the_cluster_continues_in_one_process_and_in_the_cluster(cluster, model_files,
+                                                                                       references, tmp_path):
+    """A session of the model loaded on demand: its snapshot after turn 1 from the cluster, put into a
+    one-model server of its model, and put back into the cluster after it went on there (its turn 2
+    undone): turns 2-3 go on in each as an uninterrupted run's. (A snapshot put under an id no model
+    holds goes to the first model, as in one process: docs/SERVER.md.)"""
+    history: list[dict] = []
+    assert turns(cluster.url, "sp", "carried", history, 1) == references["sp"][:1]
+    snapshot = httpx.get(f"{cluster.url}/v1/sessions/carried/snapshot", timeout=60)
+    assert snapshot.status_code == 200 and len(snapshot.content) > 1000
+    one = ThreadServer(create_app(engine_of(model_files["sp"], None), model_id="sp", snapshots=tmp_path,
+                                  idle_seconds=3600))
+    try:
+        put = httpx.put(f"{one.url}/v1/sessions/carried/snapshot", content=snapshot.content, timeout=60)
+        assert put.status_code == 200 and put.json()["messages"] == 2, put.text
+        assert turns(one.url, "sp", "carried", list(history), 3) == references["sp"][1:3]
+    finally:
+        one.stop()
+    assert turns(cluster.url, "sp", "carried", list(history), 2) == references["sp"][1:2]
+    put = httpx.put(f"{cluster.url}/v1/sessions/carried/snapshot", content=snapshot.content, timeout=60)
+    assert put.status_code == 200 and put.json()["messages"] == 2, put.text
+    assert turns(cluster.url, "sp", "carried", history, 3) == references["sp"][1:3]
+    assert {s["id"]: s["model"] for s in httpx.get(f"{cluster.url}/v1/sessions", timeout=60).json()["data"]
+            }["carried"] == "sp"
