@@ -328,3 +328,25 @@ def test_a_session_exported_from_the_cluster_continues_in_one_process_and_in_the
     assert turns(cluster.url, "sp", "carried", history, 3) == references["sp"][1:3]
     assert {s["id"]: s["model"] for s in httpx.get(f"{cluster.url}/v1/sessions", timeout=60).json()["data"]
             }["carried"] == "sp"
+
+
+def test_placement_prefers_a_replica_with_the_model_loaded_and_a_free_slot():
+    """The front's placement alone (no Ray): a session of `sp` whose replica died goes to the replica
+    that has `sp` loaded with a free KV slot, busier as it is; its slot taken, the next new session of
+    `sp` goes to the least loaded; a request of `tiny` to the least loaded of those with `tiny` loaded;
+    a live session stays where it lives."""
+    from floe.cluster.router import ClusterClient
+    from floe.server.records import session_key
+
+    client = ClusterClient({f"replica-{i}": None for i in range(3)})
+    r0, r1, r2 = client.routes.values()
+    r1.loaded, r2.loaded, r2.inflight, r1.inflight = {"tiny": 4}, {"sp": 1, "tiny": 2}, 3, 1
+    orphan, live = session_key("", "orphan"), session_key("", "live")
+    client._place(live, r2)
+    client.model_of[orphan] = client.model_of[live] = "sp"
+    r0.alive = False  # (its sessions' places forgotten, as ClusterClient._dead forgets them)
+    assert client._pick(orphan) is r2
+    assert client._pick(session_key("", "new"), "sp") is r1 and r2.loaded["sp"] == 0
+    assert client._pick(None, "tiny") is r1
+    r1.loaded["tiny"] = 0
+    assert client._pick(None, "tiny") is r2 and client._pick(live) is r2
