@@ -7,6 +7,9 @@ the engine loop (on_message done: EngineLoop.run), its first token id sent to th
     python bench/probes/arrival_timeline.py --device cuda --shape llama-3.2-1b --tokenizer DIR
         [--sessions 64] [--prompt-tokens 64] [--rounds 2] [--anonymous] [--ride-rows N]
     python bench/probes/arrival_timeline.py --device cpu --sessions 16     (the default model)
+    python bench/probes/arrival_timeline.py --device cpu --tiny --sessions 64 [--tokenizer DIR]
+        (a one-layer 64-wide model, bench/probes/tiny.py: its forward costs next to nothing, so the
+        host's own admission path shows on a CPU as it does beside an H200)
 
 Prints per round, for each stage, p50 and max over the requests (ms), and each stage's start relative
 to the burst's first arrival: whether the requests are admitted together or one after another.
@@ -15,6 +18,7 @@ to the burst's first arrival: whether the requests are admitted together or one 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -25,6 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 
 def main() -> None:
@@ -38,6 +43,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--anonymous", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fronts", type=int, default=1, help="HTTP front processes (floe serve --fronts)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the probes' one-layer 64-wide model over --tokenizer's (or the default model's) "
+                         "vocabulary: the host's share alone")
     ap.add_argument("--ride-rows", type=int, default=None,
                     help="prompt rows a CUDA decode step takes along (loop.RIDE_ROWS, graphs' MIXED_ROWS)")
     args = ap.parse_args()
@@ -56,7 +65,15 @@ def main() -> None:
     ns = argparse.Namespace(switch_interval_ms=None, threads=args.threads, device=args.device, weights=None,
                             shape=args.shape, tokenizer=args.tokenizer, sessions=args.sessions * args.rounds,
                             probe=0)
-    engine, model_id, folder, _ = serve_load.make_engine(ns)
+    if args.tiny:
+        import tempfile
+
+        from tiny import tiny_engine, tokenizer
+
+        engine = tiny_engine(tokenizer(args.tokenizer), ns.sessions, args.device)
+        model_id, folder = "tiny", Path(tempfile.mkdtemp(prefix="floe-arrivals-"))
+    else:
+        engine, model_id, folder, _ = serve_load.make_engine(ns)
     core = ServeCore(engine, snapshots=folder, model_id=model_id, idle_seconds=3600)
     core.keep_spares()
     times: dict[tuple[int, int], dict[str, float]] = {}  # (connection, rid) -> stage -> perf_counter
@@ -108,17 +125,24 @@ def main() -> None:
     core_socket.pack = w_pack
     server = CoreServer(core)
     port = serve_load.free_port()
-    front = subprocess.Popen([sys.executable, "-m", "floe.server.app", "--socket", server.path, "--port",
-                              str(port)], env=os.environ | {"FLOE_API_KEYS": ""})
+    listener = core_socket.listen("127.0.0.1", port)  # (as floe serve: one socket its fronts share)
+    environment = core_socket.front_environment((), args.fronts)
+    env = environment.__enter__()
+    fronts = [subprocess.Popen([sys.executable, "-m", "floe.server.app", "--socket", server.path, "--fd",
+                                str(listener.fileno())], env=os.environ | env, pass_fds=(listener.fileno(),))
+              for _ in range(args.fronts)]
+    listener.close()
     try:
         import urllib.request
 
-        for _ in range(300):
+        for _ in range(300):  # until every front has connected to the core
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if json.loads(r.read()).get("fronts", 1) >= args.fronts:
+                        break
             except OSError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         for r in range(args.rounds):
             times.clear()
             cmd = [sys.executable, str(HERE.parent / "serve_load.py"), "--url", f"http://127.0.0.1:{port}",
@@ -131,8 +155,11 @@ def main() -> None:
                            key=lambda v: v["received"])
             report(timed[-args.sessions:])  # (not the client's warm-up requests)
     finally:
-        front.terminate()
-        front.wait(30)
+        for front in fronts:
+            front.terminate()
+        for front in fronts:
+            front.wait(30)
+        environment.__exit__(None, None, None)
         server.close()
         core.close()
 
