@@ -472,6 +472,39 @@ def test_prompts_riding_along_decode_rows_equal_their_own_prefill(batching):
             batching.release_slot(s)
 
 
+def test_a_burst_of_prompts_fills_the_padded_mixed_graph_beside_the_decode_rows(batching):
+    """ride_room: the prompt rows a step of D decode rows takes along fill the graph it replays (padded to
+    a captured size) rather than MIXED_ROWS of it; prompts of more rows than MIXED_ROWS in all ride in
+    one replay and each gets its own prefill's logits."""
+    graph = batching._batch_decoder()
+    sizes = {*graph.sizes, *graph.mixed_sizes}
+    for d in (1, 2, 3, 4):
+        room = batching.ride_room(d)
+        assert room >= graph.MIXED_ROWS and d + room in sizes
+    slots = [batching.claim_slot() for _ in range(4)]
+    try:
+        a, *others = slots
+        first = int(batching.prefill(list(range(100, 130)), a).argmax())
+        lengths = (200, 200, 100)
+        prompts = [(list(range(5 + 300 * k, 5 + 300 * k + lengths[k])), s) for k, s in enumerate(others)]
+        assert sum(len(p) for p, _ in prompts) > graph.MIXED_ROWS
+        assert sum(len(p) for p, _ in prompts) <= batching.ride_room(1)
+        step = batching.launch_batch([first], [a], prompts)
+        together = [r.float().cpu().clone() for r in batching.finish_batch(step) + step.prompt_results]
+        assert [k for k, _ in step.chunks] == [0, 1, 2]  # all three rode in the step's replay
+        for s in slots:
+            batching.kv_truncate(0, s)
+        first = int(batching.prefill(list(range(100, 130)), a).argmax())
+        alone = [batching.decode_step(first, a).float().cpu().clone()]
+        alone += [batching.prefill(p, s).float().cpu().clone() for p, s in prompts]
+        for got, want in zip(together, alone, strict=True):
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    finally:
+        for s in slots:
+            batching.kv_truncate(0, s)
+            batching.release_slot(s)
+
+
 def test_prompts_arriving_while_others_decode_leave_the_decode_rows_beside_them_fed(batching):
     """Actors arriving one after another while the first decodes: the decode rows beside a prompt
     riding in the forward in flight are still fed (EngineLoop.fed_past_prompts), the prompts' own

@@ -98,7 +98,7 @@ class BatchedSteps:
 
         prompts: (ids, slot) chunks of prompts appended in the same step (each slot's rows at its
         next positions), their results in step.prompt_results (the last row's logits, or the error).
-        On CUDA they ride in the decode rows' replay, up to MIXED_ROWS rows in all; elsewhere (and past
+        On CUDA they ride in the decode rows' replay (ride_room: how many rows); elsewhere (and past
         that) each runs as its own prefill first.
 
         draws: (slot, parameters, uniform) of decode rows to draw a token for from their new logits
@@ -309,12 +309,13 @@ class BatchedSteps:
         return None if fed is None else fed[1]
 
     def _ride_along(self, step: LaunchedStep, prompts: list[tuple[list[int], int]]) -> list[int]:
-        """The prompts (indices) that ride in the decode step's replay (CUDA, MIXED_ROWS rows in all);
-        the others run now, each as its own prefill, their results in step.prompt_results."""
-        from floe.engine.cuda_graph import BatchGraphDecoder
-
+        """The prompts (indices) that ride in the decode step's replay (CUDA: as many rows as the largest
+        mixed graph holds beside the decode rows; ride_room says how many to send); the others run now,
+        each as its own prefill, their results in step.prompt_results."""
         step.prompt_results = [None] * len(prompts)
-        mixed, room = [], BatchGraphDecoder.MIXED_ROWS if self._batch_graphs else 0
+        # (every prompt row that fits the largest mixed graph beside the step's decode rows: a caller
+        # that sends more than ride_room's did not ask for)
+        mixed, room = [], self._batch_decoder().mixed_sizes[-1] - len(step.slots) if self._batch_graphs else 0
         together = []  # (the CPU) prompts of one forward
         for k, (ids, _) in enumerate(prompts):
             if 0 < len(ids) <= room:
@@ -334,6 +335,20 @@ class BatchedSteps:
             except FloeError as e:
                 step.prompt_results[k] = e
         return mixed
+
+    def ride_room(self, decode_rows: int) -> int | None:
+        """Prompt rows a CUDA decode step of `decode_rows` rows should take along: the rows of the graph
+        it replays with MIXED_ROWS of them (its size padded to a captured one: the padding costs as
+        much as real rows) less its decode rows, so a burst's prompts fill the padding instead of
+        waiting for later steps (64 decode rows: 448, not 256, in the same 512-row graph). None
+        without batch graphs (the CPU: the caller's own bound). Every size it leads to is captured at
+        warm-up (Engine._warm_up_graphs)."""
+        if not self._batch_graphs:
+            return None
+        batch = self._batch_decoder()
+        want = decode_rows + batch.MIXED_ROWS
+        size = next((s for s in (*batch.sizes, *batch.mixed_sizes) if s >= want), batch.mixed_sizes[-1])
+        return max(0, size - decode_rows)
 
     @property
     def prompts_together(self) -> bool:
