@@ -70,7 +70,10 @@ async def burst(port: int, model: str, n: int) -> int:
     """n streamed one-token chats at once: how many ended with [DONE]."""
     answers = await asyncio.gather(*(request(port, chat(model, f"{i}: {TEXT} Tell me about bees.", 1))
                                      for i in range(n)))
-    return sum(b"data: [DONE]" in a for a in answers)
+    failed = [a for a in answers if b"data: [DONE]" not in a]
+    if failed:  # (what the first failure was: a full server's 503 says so)
+        print(f"  {len(failed)} of the burst failed; the first: {failed[0][-300:]!r}")
+    return n - len(failed)
 
 
 async def long_reply(port: int, model: str, tokens: int) -> tuple[int, int]:

@@ -330,12 +330,15 @@ class ChatService:
         chunk = _Chunks(base, shape)
         client.streams += 1
         try:
-            if (opening := shape.opening()) is not None:
+            opening = shape.opening()
+            if opening is not None and queue.empty():  # (else it goes with what is there already)
                 yield chunk(opening).encode()
+                opening = None
             handed = False  # the first text never waits: time to first token
             while True:
                 kind, value = await queue.get()
-                events = []
+                events = [] if opening is None else [chunk(opening)]
+                opening = None
                 if kind == "text":
                     if handed and client.streams > BUSY_STREAMS and not ended.is_set():
                         interval = min(0.1, STREAM_INTERVAL_S * client.streams / BUSY_STREAMS)
@@ -371,20 +374,17 @@ class ChatService:
 
 class _Chunks:
     """A stream's chunk events (`data: JSON`): its `base` fields, its object and a choice (and usage).
-    A text piece of a shape whose pieces are one choice around the text is written from the choice's
-    JSON made once, the text's alone dumped (the same bytes as the whole dict's: one encoder)."""
+    From its second text piece on, a shape's whose pieces are one choice around the text is written
+    from the choice's JSON made once, the text's alone dumped (the same bytes as the whole dict's: one
+    encoder); a one-piece reply (a burst's short answers) makes none."""
 
     MARK = "\x00piece\x00"  # (in JSON: "\u0000piece\u0000", which no other field of a chunk holds)
 
     def __init__(self, base: dict, shape: Shape) -> None:
         self.base, self.shape = base, shape
         self.around: tuple[str, str] | None = None
-        if type(shape).pieces in (Shape.pieces, CompletionShape.pieces):
-            made = self(shape.pieces(self.MARK)[0])
-            mark = json.dumps(self.MARK)
-            if made.count(mark) == 1:
-                before, _, after = made.partition(mark)
-                self.around = before, after
+        self.plain = type(shape).pieces in (Shape.pieces, CompletionShape.pieces)  # (a template fits)
+        self.texts = 0
 
     def __call__(self, choice: dict | None, usage: dict | None = None) -> str:
         choices = [] if choice is None else [choice]
@@ -395,6 +395,12 @@ class _Chunks:
 
     def text(self, text: str) -> list[str]:
         """The events of a text piece."""
+        self.texts += 1
+        if self.around is None and self.plain and self.texts == 2:
+            made, mark = self(self.shape.pieces(self.MARK)[0]), json.dumps(self.MARK)
+            if made.count(mark) == 1:
+                before, _, after = made.partition(mark)
+                self.around = before, after
         if self.around is None:
             return [self(piece) for piece in self.shape.pieces(text)]
         return [f"{self.around[0]}{encode_string(text)}{self.around[1]}"]
