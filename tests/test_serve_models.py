@@ -427,3 +427,28 @@ def test_a_new_session_asked_on_two_models_at_once_is_made_on_one(server):
         codes = {key: run.result() for key, run in runs.items()}
     for sid in {sid for sid, _ in codes}:
         assert sorted(codes[sid, m] for m in ("tiny-a", "tiny-b")) == [200, 409], (sid, codes)
+
+
+def test_a_snapshot_imported_under_a_new_id_goes_to_the_model_it_names(server):
+    """An exported session of a model that is not the first, imported under an id no model holds, lands in
+    its own model (found by the snapshot header's model) and goes on there as the original does; a
+    snapshot whose header names no model here goes to the first, whose core refuses what it cannot thaw."""
+    turn(server.url, "tiny-b", "exported-b", [], "Hi")
+    data = httpx.get(f"{server.url}/v1/sessions/exported-b/snapshot", timeout=60)
+    assert data.status_code == 200
+    put = httpx.put(f"{server.url}/v1/sessions/imported-b/snapshot", content=data.content, timeout=120)
+    assert put.status_code == 200, put.text
+    listed = {s["id"]: s["model"] for s in httpx.get(f"{server.url}/v1/sessions", timeout=60).json()["data"]}
+    assert listed["imported-b"] == "tiny-b"
+    first = turn(server.url, "tiny-b", "probe-b", [], "Hi")  # (the first reply, to go on from)
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first}]
+    original = turn(server.url, "tiny-b", "exported-b", list(history), "And then?")
+    assert turn(server.url, "tiny-b", "imported-b", list(history), "And then?") == original
+    with pytest.raises(openai.ConflictError) as e:  # bound to its model as any session
+        client(server.url).chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+            extra_body={"session_id": "imported-b"})
+    assert e.value.code == "session_model_mismatch"
+    junk = httpx.put(f"{server.url}/v1/sessions/junk/snapshot", content=b"\x10" + b"\x00" * 7 + b"{}" * 8,
+                     timeout=60)
+    assert junk.status_code == 400 and "refused" in junk.text

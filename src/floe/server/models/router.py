@@ -3,11 +3,13 @@ core it runs on, a session's calls go to the model that holds it (loaded for the
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -21,6 +23,8 @@ from floe.server.protocol import ServeError
 from floe.server.records import session_key
 from floe.server.sessions import SessionError, UnknownSession
 from floe.server.sessions.session import checked_id
+from floe.snapshot import SnapshotError
+from floe.snapshot.layout import header_length, parse_header
 from floe.snapshot.store import SnapshotStore
 
 log = logging.getLogger("floe.serve")
@@ -296,8 +300,46 @@ class ModelRouter:
         return held()
 
     def import_(self, sid, owner, chunks: Iterable) -> dict:
+        """Make or replace `owner`'s session `sid` from a snapshot's bytes: in the model that holds it,
+        else in the model the snapshot's header names (its fingerprint, or a model not loaded yet by
+        its checkpoint's name), else the first (whose core refuses what it cannot thaw)."""
+        if not (isinstance(sid, str) and isinstance(owner, str) and MODEL_NAME.fullmatch(sid)
+                and any(m.holds(owner, sid) for m in self.models.values())):
+            metadata, chunks = snapshot_metadata(chunks)
+            named = None if metadata is None else next(
+                (m for m in self.models.values() if m.names_snapshot(metadata)), None)
+            if named is not None:
+                core = self.residency.take(named)
+                try:
+                    return core.import_(sid, owner, chunks)
+                finally:
+                    self.residency.release(named)
         return self._on_session_model(sid, owner, lambda core: core.import_(sid, owner, chunks), makes=True)
 
     def close(self) -> None:
         """Stop unloading and close every loaded model (their live sessions frozen)."""
         self.residency.close()
+
+
+def snapshot_metadata(chunks: Iterable) -> tuple[dict | None, Iterator]:
+    """A snapshot upload's header metadata, read from its first bytes (None: not a header floe reads:
+    the core's import refuses it with its reason), and the upload's chunks whole again."""
+    head, it = bytearray(), iter(chunks)
+    metadata = None
+    try:
+        for chunk in it:
+            head += chunk
+            if len(head) >= 8:
+                n = header_length(bytes(head[:8]), None, UPLOAD)
+                if n > PEEK_BYTES:  # (not held in memory here: the core's import reads it as it streams)
+                    break
+                if len(head) >= 8 + n:
+                    metadata = parse_header(bytes(head[8:8 + n]), None, UPLOAD).metadata
+                    break
+    except SnapshotError:
+        pass
+    return metadata, itertools.chain([bytes(head)] if head else [], it)
+
+
+UPLOAD = Path("the uploaded snapshot")
+PEEK_BYTES = 16 << 20  # the most of a header an import reads ahead to find its model
