@@ -305,10 +305,11 @@ class EngineLoop(Speculation):
             turn.prompt = bool(turn.abi.queued_tokens)
         prompts = [t for t in prompts if t.prompt]
         rides = self.overlap or (self.engine.prompts_together and len(prompts) > 1)
-        # (CUDA: as many prompt rows as fill the padded graph beside the decode rows, at most the live
-        # turns': Engine.ride_room; the CPU: RIDE_ROWS in all)
-        graph_room = self.engine.ride_room(len(self._active) - len(prompts)) if rides else None
-        riding, room = [], (RIDE_ROWS if graph_room is None else graph_room) if rides else 0
+        riding, room = [], 0
+        if rides:  # CUDA: the prompt rows that fill the padded graph beside (at most) the live turns'
+            # decode rows (Engine.ride_room); the CPU: RIDE_ROWS in all
+            room = self.engine.ride_room(len(self._active) - len(prompts))
+            room = RIDE_ROWS if room is None else room
         for turn in prompts:
             queued = turn.abi.queued_tokens
             if queued <= room:  # rides in the next decode step

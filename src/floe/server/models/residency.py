@@ -80,8 +80,7 @@ class Residency:
             served.load_seconds, served.loads = time.perf_counter() - started, served.loads + 1
             with self.lock:
                 served.core = core
-                checkpoint = core.engine.checkpoint  # (what its snapshots name: an import finds it by them)
-                served.made_by = (checkpoint.fingerprint, checkpoint.name)
+                served.fingerprint = core.engine.checkpoint.fingerprint  # (an import finds it by it)
             self.say(f"model {served.name} loaded in {served.load_seconds:.2f} s ({served.nbytes >> 20} MiB)")
             return core
 

@@ -243,10 +243,9 @@ class ModelRouter:
         """The model that holds `owner`'s session `sid`. None holds it: the first, if it is loaded or
         the call `makes` the session (an import), whose core answers (a 404 or 400 if it makes none);
         else that 404 or 400 without loading a model for it."""
-        if isinstance(sid, str) and isinstance(owner, str) and MODEL_NAME.fullmatch(sid):
-            held = next((m for m in self.models.values() if m.holds(owner, sid)), None)
-            if held is not None:
-                return held
+        held = self._holder(sid, owner)
+        if held is not None:
+            return held
         if makes or self.first.core is not None:
             return self.first
         try:
@@ -255,9 +254,17 @@ class ModelRouter:
             raise failure(e, None) from None
         raise failure(UnknownSession(f"no session {sid!r}"), None)
 
-    def _on_session_model(self, sid, owner, work: Callable[[ServeCore], object], makes: bool = False):
-        """`work` on the core of the model that holds `owner`'s session `sid` (loaded for it)."""
-        served = self._session_model(sid, owner, makes)
+    def _holder(self, sid, owner) -> ServedModel | None:
+        """The model that holds `owner`'s session `sid`, if one does."""
+        if isinstance(sid, str) and isinstance(owner, str) and MODEL_NAME.fullmatch(sid):
+            return next((m for m in self.models.values() if m.holds(owner, sid)), None)
+        return None
+
+    def _on_session_model(self, sid, owner, work: Callable[[ServeCore], object], makes: bool = False,
+                          served: ServedModel | None = None):
+        """`work` on the core of `served`, else of the model that holds `owner`'s session `sid` (loaded
+        for it)."""
+        served = served or self._session_model(sid, owner, makes)
         core = self.residency.take(served)
         try:
             return work(core)
@@ -303,18 +310,13 @@ class ModelRouter:
         """Make or replace `owner`'s session `sid` from a snapshot's bytes: in the model that holds it,
         else in the model the snapshot's header names (its fingerprint, or a model not loaded yet by
         its checkpoint's name), else the first (whose core refuses what it cannot thaw)."""
-        if not (isinstance(sid, str) and isinstance(owner, str) and MODEL_NAME.fullmatch(sid)
-                and any(m.holds(owner, sid) for m in self.models.values())):
+        named = None
+        if self._holder(sid, owner) is None:
             metadata, chunks = snapshot_metadata(chunks)
             named = None if metadata is None else next(
                 (m for m in self.models.values() if m.names_snapshot(metadata)), None)
-            if named is not None:
-                core = self.residency.take(named)
-                try:
-                    return core.import_(sid, owner, chunks)
-                finally:
-                    self.residency.release(named)
-        return self._on_session_model(sid, owner, lambda core: core.import_(sid, owner, chunks), makes=True)
+        return self._on_session_model(sid, owner, lambda core: core.import_(sid, owner, chunks), makes=True,
+                                      served=named)
 
     def close(self) -> None:
         """Stop unloading and close every loaded model (their live sessions frozen)."""

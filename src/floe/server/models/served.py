@@ -41,13 +41,13 @@ class ServedModel:
         self.nbytes: int | None = None  # what its last load took (the router's footprint: RAM or device)
         self.loads = 0
         self.tokens = {"prompt": 0, "generated": 0}  # of its answered requests, across its loads
-        self.made_by: tuple[str, str] | None = None  # its checkpoint's fingerprint and name, once loaded
+        self.fingerprint: str | None = None  # its checkpoint's, once loaded (what its snapshots name)
 
     def names_snapshot(self, metadata: dict) -> bool:
         """Whether a snapshot's header metadata names this model: its fingerprint (once loaded), else
         its checkpoint's name (a GGUF's or a folder's, as the model was loaded or its file is named)."""
-        if self.made_by is not None:
-            return metadata.get("model_fingerprint") == self.made_by[0]
+        if self.fingerprint is not None:
+            return metadata.get("model_fingerprint") == self.fingerprint
         return self.spec.path is not None and metadata.get("model_name") in (
             Path(self.spec.path).stem, Path(self.spec.path).name)
 
