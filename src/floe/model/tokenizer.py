@@ -21,24 +21,30 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from floe.errors import FloeError
+from floe.model.template_vars import TEMPLATE_NAMES, TemplateKwargsError
 
 # The tools a chat template is offered in this thread's renders (Tokenizer.offering_tools): the host ABI's
 # chat_render carries a guest's messages only, and a server that offers tools sets them around the turn.
 _OFFERED_TOOLS: ContextVar[list[dict] | None] = ContextVar("floe_offered_tools", default=None)
-
+# The extra variables a chat template gets in this thread's renders (Tokenizer.rendering_with): a request's
+# chat_template_kwargs, set around its turn as the tools are.
+_TEMPLATE_KWARGS: ContextVar[Mapping | None] = ContextVar("floe_template_kwargs", default=None)
 
 
 class Hint:
     """A conversation's render and token ids made ahead (by floe serve's HTTP front, in its own process:
     floe.server.hints), used by this thread's renders while Tokenizer.hinted(it): render_chat_spans of
-    exactly these messages (with the generation prompt, no tools offered) answers `rendered`, and
-    encode_rendered of that render answers `ids` (its key is the render itself). Anything else is
-    rendered and tokenized as without it. used: how many renders and encodes it answered."""
+    exactly these messages (with the generation prompt, no tools offered, the template's variables
+    `kwargs`) answers `rendered`, and encode_rendered of that render answers `ids` (its key is the render
+    itself). Anything else is rendered and tokenized as without it. used: how many renders and encodes it
+    answered."""
 
-    __slots__ = ("messages", "rendered", "ids", "used")
+    __slots__ = ("messages", "rendered", "ids", "kwargs", "used")
 
-    def __init__(self, messages: list[dict], rendered: Rendered, ids: list[int]) -> None:
+    def __init__(self, messages: list[dict], rendered: Rendered, ids: list[int],
+                 kwargs: Mapping | None = None) -> None:
         self.messages, self.rendered, self.ids, self.used = messages, rendered, ids, 0
+        self.kwargs = dict(kwargs or {})
 
 
 _HINT: ContextVar[Hint | None] = ContextVar("floe_prompt_hint", default=None)
@@ -240,6 +246,21 @@ class Tokenizer:
             _OFFERED_TOOLS.reset(token)
 
     @contextmanager
+    def rendering_with(self, kwargs: Mapping | None) -> Iterator[None]:
+        """Within the block, this thread's renders give the chat template `kwargs` (a request's
+        chat_template_kwargs, check_template_kwargs'), as transformers' apply_chat_template(**kwargs);
+        None or {}: none. TemplateKwargsError for a name of this tokenizer's special tokens."""
+        if kwargs:
+            taken = sorted(set(kwargs) & (TEMPLATE_NAMES | set(self.special_tokens)))
+            if taken:
+                raise TemplateKwargsError(f"{taken[0]!r} is set by the renderer itself, not by a request")
+        token = _TEMPLATE_KWARGS.set(kwargs or None)
+        try:
+            yield
+        finally:
+            _TEMPLATE_KWARGS.reset(token)
+
+    @contextmanager
     def hinted(self, hint: Hint | None) -> Iterator[None]:
         """Within the block, this thread's renders and encodes of `hint`'s conversation are its own
         (Hint); None: no hint."""
@@ -249,11 +270,12 @@ class Tokenizer:
         finally:
             _HINT.reset(token)
 
-    def hint(self, messages: list[dict]) -> Hint:
-        """The Hint of `messages` (rendered with the generation prompt, no tools): what the chat guest's
-        render and tokenize of this conversation give."""
-        rendered = self.render_chat_spans(messages)
-        return Hint(messages, rendered, self.encode_rendered(rendered))
+    def hint(self, messages: list[dict], chat_template_kwargs: Mapping | None = None) -> Hint:
+        """The Hint of `messages` (rendered with the generation prompt, no tools, the template's variables
+        `chat_template_kwargs`): what the chat guest's render and tokenize of this conversation give
+        within rendering_with(them)."""
+        rendered = self.render_chat_spans(messages, chat_template_kwargs=chat_template_kwargs)
+        return Hint(messages, rendered, self.encode_rendered(rendered), chat_template_kwargs)
 
     def wire(self) -> dict:
         """What makes this tokenizer again in another process (from_wire): JSON-able."""
@@ -271,17 +293,20 @@ class Tokenizer:
                     chat_template_kwargs: Mapping | None = None) -> str:
         """The prompt text for `messages` ([{"role", "content"}, ...]) under the model's template (with
         the tools offered in this thread, if any: offering_tools), as transformers' apply_chat_template(
-        messages, tokenize=False, **chat_template_kwargs) renders it (e.g. {"enable_thinking": False})."""
+        messages, tokenize=False, **chat_template_kwargs) renders it (e.g. {"enable_thinking": False});
+        the variables of rendering_with, if any, come before chat_template_kwargs'."""
         try:
             return self._template.render(
                 messages=_template_messages(messages),
                 add_generation_prompt=add_generation_prompt,
                 tools=_OFFERED_TOOLS.get(),
                 documents=None,
-                **{**self.special_tokens, **(chat_template_kwargs or {})},
+                **{**self.special_tokens, **_given(chat_template_kwargs)},
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
+        except (TypeError, ValueError, LookupError, ArithmeticError) as e:  # its Python on a value given
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
     def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     chat_template_kwargs: Mapping | None = None) -> list[int]:
@@ -299,7 +324,7 @@ class Tokenizer:
         e.g. trims it, leaves none: then the content with special-token text is refused)."""
         hint = _HINT.get()
         if (hint is not None and add_generation_prompt and _OFFERED_TOOLS.get() is None
-                and not chat_template_kwargs and hint.messages == list(messages)):
+                and hint.messages == list(messages) and _given(chat_template_kwargs) == hint.kwargs):
             hint.used += 1
             return hint.rendered
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
@@ -468,6 +493,11 @@ def _parts(spec: dict | None, key: str) -> list[dict]:
 
 # The names a message's reasoning comes under; chat templates read the first (Qwen3's).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _given(chat_template_kwargs: Mapping | None) -> dict:
+    """The template's extra variables of a render: this thread's (rendering_with), then the call's."""
+    return {**(_TEMPLATE_KWARGS.get() or {}), **(chat_template_kwargs or {})}
 
 
 def _template_messages(messages: Sequence[dict]) -> list[dict]:

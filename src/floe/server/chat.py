@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from floe.model.template_vars import TemplateKwargsError, check_template_kwargs
 from floe.server import structured
 from floe.server.client import CoreClient
 from floe.server.hints import FrontHints
@@ -68,6 +69,7 @@ class ChatRequest(Sampling):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = Field(default=None, strict=True)  # None: true, as OpenAI's default
+    chat_template_kwargs: dict[str, Any] | None = None  # the chat template's variables (vLLM's field)
 
 
 class CompletionRequest(Sampling):
@@ -84,7 +86,8 @@ UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "logpro
 STRUCTURED = {"tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
               "response_format": (None, {"type": "text"})}
 COMPLETION_UNSUPPORTED = UNSUPPORTED | STRUCTURED | {"logprobs": (None, 0), "echo": (None, False),
-                                                     "suffix": (None, ""), "best_of": (None, 1)}
+                                                     "suffix": (None, ""), "best_of": (None, 1),
+                                                     "chat_template_kwargs": (None, {})}
 
 BUSY_STREAMS = 8  # more streams than this: a stream's text is handed over in intervals, STREAM_INTERVAL_S
 STREAM_INTERVAL_S = 0.02  # at BUSY_STREAMS streams, growing with their number up to 0.1 s
@@ -247,9 +250,15 @@ class ChatService:
         messages = _conversation(body.messages)
         if messages[-1]["role"] != "user":
             raise ServeError(400, "the last message must be from the user (or a tool)", param="messages")
+        asked = {"messages": messages}
+        if body.chat_template_kwargs:
+            try:
+                asked["chat_template_kwargs"] = check_template_kwargs(body.chat_template_kwargs)
+            except TemplateKwargsError as e:
+                raise ServeError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
         shape = Shape() if constraint is None or constraint.mode == "json" else ToolShape()
-        return await self._answer(body, {"messages": messages}, body.max_completion_tokens or body.max_tokens,
-                                  shape, request, constraint)
+        return await self._answer(body, asked, body.max_completion_tokens or body.max_tokens, shape, request,
+                                  constraint)
 
     async def complete(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
@@ -269,7 +278,8 @@ class ChatService:
 
     async def _answer(self, body: Sampling, asked: dict, max_tokens: int | None, shape: Shape,
                       request: Request, constraint: Constraint | None = None) -> Response:
-        """asked: {"messages": the conversation} for a chat, {"prompt": text} for a text completion."""
+        """asked: {"messages": the conversation} for a chat (and its "chat_template_kwargs", checked, if
+        any), {"prompt": text} for a text completion."""
         core_request = asked | {
             "max_tokens": max_tokens, "temperature": body.temperature,
             "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stream": body.stream,
@@ -281,7 +291,9 @@ class ChatService:
             core_request["structured"] = constraint.wire()
         if "messages" in asked:
             check_text(asked["messages"], self.max_text_bytes())
-            if constraint is None and (hint := await self.hints.make(asked["messages"])) is not None:
+            hint = None if constraint is not None else await self.hints.make(
+                asked["messages"], asked.get("chat_template_kwargs"))
+            if hint is not None:
                 core_request["hint"] = hint
         if self.several():  # (its model loads here if it is not loaded: the request waits for it anyway)
             await self.client.table(body.model)

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from floe.actor.stream import TokenStream
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError, InvalidSamplingParams
+from floe.model.template_vars import TemplateKwargsError, check_template_kwargs
 from floe.model.tokenizer import ChatTemplateError, Hint
 from floe.server import hints, protocol
 from floe.server.completions import Completion, TextCompletions
@@ -95,6 +96,7 @@ class Chat:
     stops: tuple[str, ...]  # the reply ends before the first of these
     constraint: Constraint | None = None  # a structured reply (response_format, tools): StructuredTurns
     hint: Hint | None = None  # its conversation rendered and tokenized by the front (floe.server.hints)
+    template_kwargs: dict | None = None  # the chat template's variables it gives (chat_template_kwargs)
 
 
 class ServeCore:
@@ -157,7 +159,8 @@ class ServeCore:
             return self._open_completion(request)
         structured = request.get("structured")
         constraint = None if structured is None else Constraint.from_wire(structured)
-        messages, max_tokens, params, sid, hint = self._validate(request, constraint)
+        kwargs = _template_kwargs(request.get("chat_template_kwargs"))
+        messages, max_tokens, params, sid, hint = self._validate(request, constraint, kwargs)
         stops = checked_stops(request.get("stop"))
         if constraint is not None and stops:
             raise ServeError(400, "stop cannot end a structured reply", param="stop")
@@ -182,7 +185,7 @@ class ServeCore:
                 raise failure(e, session.id) from None
             raise
         return Chat(session, history, messages[-1]["content"], max_tokens, params, seed, stops, constraint,
-                    hint)
+                    hint, kwargs)
 
     def _open_completion(self, request: dict) -> Completion:
         prompt, max_tokens = request.get("prompt"), request.get("max_tokens")
@@ -210,23 +213,28 @@ class ServeCore:
                 raise ServeError(500, f"the text completion failed ({type(e).__name__}: {e})", "server_error",
                                  "guest_error" if isinstance(e, GuestError) else "engine_error") from None
             return self._result(reply, chat.max_tokens)
-        try:
-            if chat.constraint is not None:
-                reply = self.turns.run(chat.session, chat.history, chat.text, chat.constraint,
-                                       max_tokens=chat.max_tokens, params=chat.params, seed=chat.seed,
-                                       on_text=on_text, should_stop=should_stop)
-            else:
-                with self.engine.tokenizer.hinted(chat.hint):  # (its guest renders, tokenizes in this thread)
-                    reply = self.store.run(chat.session, chat.history, chat.text, max_tokens=chat.max_tokens,
-                                           params=chat.params, on_text=on_text, should_stop=should_stop,
-                                           reseed=chat.seed, stops=chat.stops, tokens=tokens)
-                if chat.hint is not None:  # (a render and a tokenize of it: used)
-                    self.metrics.hints.labels(str(chat.hint.used >= 2).lower()).inc()
+        try:  # (its guest renders the conversation in this thread, with the request's template variables)
+            with self.engine.tokenizer.rendering_with(chat.template_kwargs):
+                reply = self._reply(chat, on_text, should_stop, tokens)
         except (GuestError, FloeError) as e:
             raise failure(e, chat.session.id) from None
         finally:
             self.store.release(chat.session)
         return self._result(reply, chat.max_tokens, chat.constraint)
+
+    def _reply(self, chat: Chat, on_text, should_stop, tokens: TokenStream | None) -> Answer:
+        """A chat's answer: a structured turn's (StructuredTurns), or its session's own guest's."""
+        if chat.constraint is not None:
+            return self.turns.run(chat.session, chat.history, chat.text, chat.constraint,
+                                  max_tokens=chat.max_tokens, params=chat.params, seed=chat.seed,
+                                  on_text=on_text, should_stop=should_stop)
+        with self.engine.tokenizer.hinted(chat.hint):  # (its guest renders, tokenizes in this thread)
+            reply = self.store.run(chat.session, chat.history, chat.text, max_tokens=chat.max_tokens,
+                                   params=chat.params, on_text=on_text, should_stop=should_stop,
+                                   reseed=chat.seed, stops=chat.stops, tokens=tokens)
+        if chat.hint is not None:  # (a render and a tokenize of it: used)
+            self.metrics.hints.labels(str(chat.hint.used >= 2).lower()).inc()
+        return reply
 
     def _result(self, reply: Answer, max_tokens: int, constraint: Constraint | None = None) -> dict:
         """A run's answer (its text, why it ended, its usage), counted in the metrics."""
@@ -263,12 +271,13 @@ class ServeCore:
         """Keep actors made ahead in free KV slots (SessionStore.keep_spares): new sessions find theirs."""
         self.store.keep_spares(self.engine.cache.n_slots)
 
-    def _validate(self, request: dict, constraint: Constraint | None = None
+    def _validate(self, request: dict, constraint: Constraint | None = None, kwargs: dict | None = None
                   ) -> tuple[list[dict], int, SamplingParams, str | None, Hint | None]:
         """The fields the front checked, checked again for type (the core trusts no peer), then
         against the engine: sampling parameters and the context (a structured turn's with what it
-        adds: the schema shown, the tools); and the front's hint of a plain chat's conversation, whose
-        ids count its prompt exactly (floe.server.hints)."""
+        adds: the schema shown, the tools; the conversation rendered with the template's variables
+        `kwargs`); and the front's hint of a plain chat's conversation, whose ids count its prompt
+        exactly (floe.server.hints)."""
         messages = request.get("messages")
         if not (isinstance(messages, list) and messages and all(
                 isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
@@ -282,14 +291,17 @@ class ServeCore:
         params = _sampling(request)
         check_text(messages, self.max_text_bytes)  # before the template or the tokenizer see it
         shown = messages if constraint is None else self.turns.prompt(messages, constraint)
+        tokenizer = self.engine.tokenizer
         hint = None if constraint is not None else hints.from_wire(request.get("hint"), messages,
-                                                                   self.engine.tokenizer.vocab_size)
+                                                                   tokenizer.vocab_size, kwargs)
         offered = None if constraint is None else self.turns.offered(constraint)
-        try:
-            with self.engine.tokenizer.offering_tools(offered):  # tools counted as the template shows them
+        try:  # tools counted as the template shows them
+            with tokenizer.offering_tools(offered), tokenizer.rendering_with(kwargs):
                 prompt = len(hint.ids) if hint is not None else self._prompt_bound(shown)
                 if hint is None and prompt + (max_tokens or 1024) > self.engine.max_seq_len:  # count exactly
-                    prompt = len(self.engine.tokenizer.encode_chat(shown))
+                    prompt = len(tokenizer.encode_chat(shown))
+        except TemplateKwargsError as e:  # a name of this tokenizer's special tokens
+            raise ServeError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
         except ChatTemplateError as e:  # e.g. a template that demands alternating roles
             raise ServeError(400, f"messages: {e}", param="messages") from None
         room = self.engine.max_seq_len - prompt
@@ -445,6 +457,16 @@ def _sampling(request: dict) -> SamplingParams:
         # The message names its field (SamplingParams's checks do); else it was the seed's type.
         param = next((p for p in ("temperature", "top_k", "top_p", "seed") if p in str(e)), "seed")
         raise ServeError(400, str(e), param=param) from None
+
+
+def _template_kwargs(value: object) -> dict | None:
+    """A request's chat_template_kwargs, checked again (the core trusts no peer); None: none, or {}."""
+    if value is None:
+        return None
+    try:
+        return check_template_kwargs(value) or None
+    except TemplateKwargsError as e:
+        raise ServeError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
 
 
 def _owner(value) -> str:

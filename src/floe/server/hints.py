@@ -4,9 +4,10 @@ that very conversation, and the core answers from the hint (floe.model.tokenizer
 the work on the thread every arrival and the engine loop share one GIL with (a message's render and
 tokenize were ~45 % of its on_message on the core's side: bench/probes/arrival_cost.py).
 
-A hint answers only a render of exactly its messages (as the guest holds them) and the tokenize of that
-render: any other conversation (a session whose stored history differs, a guest that renders its own) is
-rendered and tokenized in the core as without it. The front's tokenizer is the core's, sent by the
+A hint answers only a render of exactly its messages (as the guest holds them; with its request's
+chat_template_kwargs, if any) and the tokenize of that render: any other conversation (a session whose
+stored history differs, a guest that renders its own) is rendered and tokenized in the core as without
+it. The front's tokenizer is the core's, sent by the
 "tokenizer" call (Tokenizer.wire). A front is floe's own process (it checks every request): a hint it
 sends is checked for shape and vocabulary, not recomputed."""
 
@@ -32,8 +33,9 @@ def wire(hint: Hint) -> dict:
             "ids": base64.b64encode(np.asarray(hint.ids, "<i4").tobytes()).decode()}
 
 
-def from_wire(value: object, messages: list[dict], vocab: int) -> Hint | None:
-    """The Hint of `messages` a request carries (wire()), or None: none, or one not of that shape."""
+def from_wire(value: object, messages: list[dict], vocab: int, kwargs: dict | None = None) -> Hint | None:
+    """The Hint of `messages` a request carries (wire()), rendered with the template's variables `kwargs`
+    (the request's chat_template_kwargs, as the front made it), or None: none, or one not of that shape."""
     if not isinstance(value, dict):
         return None
     text, spans, ids = value.get("text"), value.get("spans"), value.get("ids")
@@ -54,7 +56,7 @@ def from_wire(value: object, messages: list[dict], vocab: int) -> Hint | None:
     array = np.frombuffer(raw, "<i4")
     if array.size == 0 or array.min() < 0 or array.max() >= vocab:
         return None
-    return Hint(messages, Rendered(text, tuple(tuple(s) for s in spans)), array.tolist())
+    return Hint(messages, Rendered(text, tuple(tuple(s) for s in spans)), array.tolist(), kwargs)
 
 
 class FrontHints:
@@ -75,17 +77,18 @@ class FrontHints:
             log.warning("prompt hints are off: the core's tokenizer could not be had here (%s: %s)",
                         type(e).__name__, e)
 
-    async def make(self, messages: list[dict]) -> dict | None:
-        """The wire() of `messages`' hint, or None (no tokenizer, or a conversation its template refuses:
+    async def make(self, messages: list[dict], kwargs: dict | None = None) -> dict | None:
+        """The wire() of `messages`' hint, rendered with the template's variables `kwargs` (a request's
+        chat_template_kwargs, checked), or None (no tokenizer, or a conversation its template refuses:
         the core says why)."""
         tokenizer = self.tokenizer
         if tokenizer is None:
             return None
         try:
             if sum(len(m["content"]) for m in messages) <= INLINE_CHARS:
-                hint = tokenizer.hint(messages)
+                hint = tokenizer.hint(messages, kwargs)
             else:  # (long: off the event loop, as the core tokenizes long texts off its guest's thread)
-                hint = await asyncio.to_thread(tokenizer.hint, messages)
+                hint = await asyncio.to_thread(tokenizer.hint, messages, kwargs)
         except ChatTemplateError:
             return None
         except Exception as e:  # noqa: BLE001 - a hint only saves the core work: the request goes on

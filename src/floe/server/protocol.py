@@ -14,7 +14,8 @@ Front to core, objects:
                                                  "messages"; several models: "model", and "table":
                                                  the model whose vocab makes its ids' text; "hint":
                                                  the conversation rendered and tokenized by the
-                                                 front, floe.server.hints.wire())
+                                                 front, floe.server.hints.wire(); with the
+                                                 "chat_template_kwargs", if any, it renders)
   {"op": "cancel", "id": N}                      the client left: its row stops at the next token
   {"op": "call", "id": N, "name": NAME, "arg": A, "owner": O}
                                                  hello, vocab (each token's reply bytes: {"bytes": B64
