@@ -145,15 +145,16 @@ def test_a_failure_inside_the_step_takes_every_row_back(tiny_engine, monkeypatch
     assert [len(tiny_engine.cache.tokens[s]) for s in slots] == lengths
 
 
-@pytest.mark.parametrize(("n_heads", "n_kv", "head_dim"), [(9, 3, 64), (4, 4, 32)])
+@pytest.mark.parametrize(("n_heads", "n_kv", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (4, 1, 256)])
 def test_the_attention_operator_is_the_step_in_pytorchs_ops(n_heads, n_kv, head_dim):
     """torch.ops.floe.attend (rotary, the K/V write, attention, for rows of distinct slots at their own
-    positions, the first at position 0; grouped and plain heads, a head_dim the operator is compiled
-    for and one it is not) writes the cache and the output PyTorch's ops do."""
+    positions, the first at position 0, lengths that are and are not a multiple of its 16-position
+    tiles; grouped and plain heads, each head_dim the operator is compiled for and one it is not)
+    writes the cache and the output PyTorch's ops do."""
     runnable("portable")
     qgemv.load("portable")  # loads the operator
     gen = torch.Generator().manual_seed(0)
-    seq, slots, positions = 40, [2, 0, 1], [0, 17, 39]
+    seq, slots, positions = 48, [2, 0, 1], [0, 17, 47]
     cos, sin = torch.randn(seq, head_dim, generator=gen), torch.randn(seq, head_dim, generator=gen)
     k, v = (torch.randn(3, n_kv, seq, head_dim, generator=gen) for _ in range(2))
     qkv = torch.randn(3, (n_heads + 2 * n_kv) * head_dim, generator=gen)

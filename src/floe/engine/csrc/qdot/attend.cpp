@@ -36,49 +36,140 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t h
   for (int64_t j = h; j < hd; ++j) out[j] = scale * (x[j] * cos[j] + x[j - h] * sin[j]);
 }
 
-// The `group` query heads q [group, HD] that share one KV head, over `len` positions of its K and V
-// [len, HD]: softmax(K q) V into out [group, HD] (softcap > 0: the scores capped first); scores:
-// scratch of group * len floats. K and V are read once for the group; with HD known when compiled, a
-// head's output stays in registers.
+// 16 floats as one value (GCC/Clang vector extensions: each target_clones variant lowers it to its own
+// registers: one 512-bit, two 256-bit or four 128-bit), loaded from any 4-byte-aligned address.
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
+constexpr int64_t L = 16;
+
+#define FLOE_INLINE inline __attribute__((always_inline))  // into each clone: a callee is not cloned
+
+FLOE_INLINE vf splat(float x) { return vf{} + x; }
+
+// e^x of each lane (x <= 0 here: softmax's scores less their top), Cephes' expf: x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-6 polynomial, 2^n put in the exponent (within 2 ulp of expf; lanes
+// under -87.3 give 0, as expf's denormals are near it; NaN stays NaN).
+FLOE_INLINE vf exp_lanes(vf x) {
+  const vf floor_ = splat(-87.33654f);
+  x = x < floor_ ? floor_ : x;  // NaN compares false: stays
+  vf y = x * splat(1.44269504088896341f) + splat(0.5f);
+  vi n = __builtin_convertvector(y, vi);  // toward 0: floor for y < 0 ...
+  n += (__builtin_convertvector(n, vf) > y);  // ... true lanes are -1
+  const vf fn = __builtin_convertvector(n, vf);
+  x = x - fn * splat(0.693359375f) - fn * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
+  p = p * x + splat(1.3981999507e-3f);
+  p = p * x + splat(8.3334519073e-3f);
+  p = p * x + splat(4.1665795894e-2f);
+  p = p * x + splat(1.6666665459e-1f);
+  p = p * x + splat(5.0000001201e-1f);
+  p = p * x * x + x + splat(1.f);
+  const vi e = (n + 127) << 23;  // 2^n (n >= -126 after the floor above)
+  vf two_n;
+  __builtin_memcpy(&two_n, &e, sizeof two_n);
+  return p * two_n;
+}
+
+// s[i] = the sum of a[i]'s lanes, for 16 values at once: four rounds of halving, each adding a pair's
+// halves side by side (30 shuffles and 15 additions where one sum at a time takes 64 and 60).
+FLOE_INLINE vf lane_sums(vf* a) {
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(a[0], a[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// One query head q [HD] over `len` positions of its KV head's K and V [len, HD] (HD a multiple of 16):
+// softmax(K q) V into out [HD] (softcap > 0: the scores capped first); scores: scratch of len floats
+// (rounded up to 16). Scores 16 positions at a time (their products lane by lane, then the 16 lanes'
+// sums at once), softmax and its exponentials 16 lanes at a time, V's rows weighted into two sets of
+// accumulators (alternate positions) held in registers.
 template <int64_t HD>
-inline void heads(const float* q, int64_t group, const float* k, const float* v, int64_t len, int64_t hd,
-                  float softcap, float* scores, float* out) {
-  const int64_t d = HD > 0 ? HD : hd;
-  for (int64_t t = 0; t < len; ++t) {
-    const float* kt = k + t * d;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * d;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t j = 0; j < d; ++j) s += qg[j] * kt[j];
-      scores[g * len + t] = softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
+FLOE_INLINE void head(const float* q, const float* k, const float* v, int64_t len, float softcap, float* scores,
+                 float* out) {
+  constexpr int64_t C = HD / L;
+  vf qv[C];
+  for (int64_t c = 0; c < C; ++c) __builtin_memcpy(&qv[c], q + c * L, sizeof(vf));
+  const int64_t padded = (len + L - 1) / L * L;
+  for (int64_t t = 0; t < padded; t += L) {
+    vf acc[L];
+    for (int64_t i = 0; i < L; ++i) {
+      const vf* kt = reinterpret_cast<const vf*>(k + std::min(t + i, len - 1) * HD);  // the tail repeats
+      vf a = qv[0] * kt[0];
+      for (int64_t c = 1; c < C; ++c) a += qv[c] * kt[c];
+      acc[i] = a;
+    }
+    vf s = lane_sums(acc);
+    if (softcap > 0.f) {
+      for (int64_t i = 0; i < L; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
+    }
+    __builtin_memcpy(scores + t, &s, sizeof s);
+  }
+  float top = -INFINITY;
+  for (int64_t t = 0; t < len; ++t) top = std::max(top, scores[t]);
+  vf sum = {};
+  const vf lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t t = 0; t < padded; t += L) {
+    vf p = exp_lanes(*reinterpret_cast<const vf*>(scores + t) - top);
+    p = lanes + static_cast<float>(t) < static_cast<float>(len) ? p : vf{};  // the tail's repeats: 0
+    __builtin_memcpy(scores + t, &p, sizeof p);
+    sum += p;
+  }
+  vf a0[C] = {}, a1[C] = {};
+  int64_t t = 0;
+  for (; t + 2 <= len; t += 2) {
+    const vf *v0 = reinterpret_cast<const vf*>(v + t * HD), *v1 = reinterpret_cast<const vf*>(v + (t + 1) * HD);
+    const vf p0 = splat(scores[t]), p1 = splat(scores[t + 1]);
+    for (int64_t c = 0; c < C; ++c) {
+      a0[c] += p0 * v0[c];
+      a1[c] += p1 * v1[c];
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* p = scores + g * len;
-    float top = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) top = std::max(top, p[t]);
-    for (int64_t t = 0; t < len; ++t) {
-      p[t] = std::exp(p[t] - top);
-      sum += p[t];
-    }
-    float acc[HD > 0 ? HD : 1024] = {};
-    for (int64_t t = 0; t < len; ++t) {
-      const float pt = p[t], *vt = v + t * d;
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) acc[j] += pt * vt[j];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t j = 0; j < d; ++j) out[g * d + j] = acc[j] * inv;
+  if (t < len) {
+    const vf* v0 = reinterpret_cast<const vf*>(v + t * HD);
+    for (int64_t c = 0; c < C; ++c) a0[c] += splat(scores[t]) * v0[c];
+  }
+  float total = 0.f;
+  for (int64_t i = 0; i < L; ++i) total += sum[i];
+  const vf inv = splat(1.f / total);
+  for (int64_t c = 0; c < C; ++c) {
+    const vf o = (a0[c] + a1[c]) * inv;
+    __builtin_memcpy(out + c * L, &o, sizeof o);
   }
 }
 
-FLOE_CLONES void attend_group(const float* q, int64_t group, const float* k, const float* v, int64_t len,
-                              int64_t hd, float softcap, float* scores, float* out) {
-  if (hd == 64) return heads<64>(q, group, k, v, len, hd, softcap, scores, out);
-  if (hd == 128) return heads<128>(q, group, k, v, len, hd, softcap, scores, out);
-  if (hd == 256) return heads<256>(q, group, k, v, len, hd, softcap, scores, out);  // Gemma's
-  heads<0>(q, group, k, v, len, hd, softcap, scores, out);  // head_dim <= 1024 (checked)
+// The same for any head_dim (<= 1024): plain loops.
+FLOE_INLINE void head_any(const float* q, const float* k, const float* v, int64_t len, int64_t hd, float softcap,
+                     float* scores, float* out) {
+  float top = -INFINITY;
+  for (int64_t t = 0; t < len; ++t) {
+    float s = 0.f;
+    for (int64_t j = 0; j < hd; ++j) s += q[j] * k[t * hd + j];
+    scores[t] = softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
+    top = std::max(top, scores[t]);
+  }
+  float sum = 0.f, acc[1024] = {};
+  for (int64_t t = 0; t < len; ++t) {
+    const float p = std::exp(scores[t] - top);
+    sum += p;
+    for (int64_t j = 0; j < hd; ++j) acc[j] += p * v[t * hd + j];
+  }
+  for (int64_t j = 0; j < hd; ++j) out[j] = acc[j] / sum;
+}
+
+FLOE_CLONES void attend_head(const float* q, const float* k, const float* v, int64_t len, int64_t hd,
+                             float softcap, float* scores, float* out) {
+  if (hd == 64) return head<64>(q, k, v, len, softcap, scores, out);
+  if (hd == 128) return head<128>(q, k, v, len, softcap, scores, out);
+  if (hd == 256) return head<256>(q, k, v, len, softcap, scores, out);  // Gemma's
+  head_any(q, k, v, len, hd, softcap, scores, out);  // head_dim <= 1024 (checked)
 }
 
 void check_f32(const at::Tensor& t, int64_t dim, const char* what) {
@@ -127,15 +218,16 @@ void attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
       std::copy_n(row + (n_heads + n_kv + h) * hd, hd, vc + at);
     }
   }
-  // One item a row and KV head: its group of query heads (consecutive in q and out).
+  // One item a row and query head (a KV head's K and V, read by each of its query heads in turn, stay in
+  // the core's cache).
   const float cap = static_cast<float>(softcap);
-  floe::parallel_for(0, rows * n_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * seq);
+  floe::parallel_for(0, rows * n_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(seq + L);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / n_kv, h = i % n_kv, length = positions[b] + 1;
+      const int64_t b = i / n_heads, h = i % n_heads, length = positions[b] + 1;
       const int64_t from = window > 0 ? std::max<int64_t>(0, length - window) : 0;  // the first key seen
-      const int64_t at = slots[b] * slot_size + (h * seq + from) * hd, first = (b * n_heads + h * group) * hd;
-      attend_group(&q[first], group, kc + at, vc + at, length - from, hd, cap, scores.data(), o + first);
+      const int64_t at = slots[b] * slot_size + (h / group * seq + from) * hd, first = (b * n_heads + h) * hd;
+      attend_head(&q[first], kc + at, vc + at, length - from, hd, cap, scores.data(), o + first);
     }
   });
 }
