@@ -52,8 +52,9 @@ from floe.wasm import (
 from floe.wasm.raw import describe, trap_new
 
 if TYPE_CHECKING:
-    from floe.actor.host import GuestHost
+    from floe.actor.host import MessageContext
     from floe.actor.stream import TokenStream
+    from floe.engine import Engine
     from floe.model.tokenizer import Rendered
 
 ABI_VERSION = 2  # the newest this host speaks
@@ -79,12 +80,14 @@ CHOICE_CROSSING = "host→guest choice (the host's token for on_token)"
 
 
 class HostABI(GuestIO):
-    """The `floe` import module for one actor. Holds per-message state (the last logits)."""
+    """The `floe` import module for one actor: what it reads and writes of the actor is its
+    MessageContext (floe.actor.host), which the actor fills at each message. Holds the ABI's own
+    per-message state (the last logits, what on_message queued, the turn's options)."""
 
-    def __init__(self, actor: GuestHost) -> None:
-        self.actor = actor
-        self.engine = actor.engine
-        self.tokenizer = actor.engine.tokenizer
+    def __init__(self, engine: Engine, context: MessageContext) -> None:
+        self.context = context
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
         self.vocab = self.engine.config.vocab_size
         self.last_logits: torch.Tensor | None = None
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
@@ -115,7 +118,7 @@ class HostABI(GuestIO):
     def begin(self, watchdog, memory_cap: int) -> HostBudget:
         """A fresh budget for the next guest call (a message, a history entry)."""
         forwards = (FORWARDS_PER_CONTEXT * self.engine.max_seq_len
-                    + FORWARDS_PER_TOKEN * max(0, self.actor.request.max_tokens))
+                    + FORWARDS_PER_TOKEN * max(0, self.context.request.max_tokens))
         self.budget = HostBudget(watchdog, BUDGET_PER_CAP * memory_cap, forwards)
         self.text_cap = min(max(MIN_TEXT_CAP, TEXT_BYTES_PER_TOKEN * self.engine.max_seq_len),
                             memory_cap // TEXT_CAP_PER_CAP)
@@ -137,7 +140,7 @@ class HostABI(GuestIO):
             ("sample", 1, 1, self.sample),
             ("request", 1, 1, self.request),
             ("system", 2, 1, self.system),
-            ("kv_len", 0, 1, lambda: self.engine.kv_len(self.actor.slot)),
+            ("kv_len", 0, 1, lambda: self.engine.kv_len(self.context.slot)),
             ("kv_truncate", 1, 1, self.kv_truncate),
             ("emit", 2, 1, self.emit),
             ("log", 2, 1, self.log),
@@ -149,9 +152,9 @@ class HostABI(GuestIO):
 
     def _raw(self, fn: Callable[..., int], n_params: int, n_results: int):
         """Adapt fn(*i32 args) -> i32 to the raw calling convention; errors trap the guest and are
-        kept on the actor so the host raises them: GuestErrors as themselves, anything else wrapped in
-        GuestHostCallError (KeyboardInterrupt and SystemExit as themselves)."""
-        actor = self.actor
+        kept in the context (its `error`) so the host raises them: GuestErrors as themselves, anything
+        else wrapped in GuestHostCallError (KeyboardInterrupt and SystemExit as themselves)."""
+        context = self.context
         name = getattr(fn, "__name__", "?")
 
         def call(raw) -> int:
@@ -167,11 +170,11 @@ class HostABI(GuestIO):
                 return 0
             except BaseException as e:  # noqa: BLE001 - becomes a trap, re-raised by the actor
                 if isinstance(e, (GuestError, KeyboardInterrupt, SystemExit)):
-                    actor.pending_error = e
+                    context.error = e
                 else:
-                    actor.pending_error = GuestHostCallError(f"host function {name} failed: {describe(e)}")
-                    actor.pending_error.__cause__ = e
-                return trap_new(describe(actor.pending_error))
+                    context.error = GuestHostCallError(f"host function {name} failed: {describe(e)}")
+                    context.error.__cause__ = e
+                return trap_new(describe(context.error))
 
         return call
 
@@ -268,17 +271,17 @@ class HostABI(GuestIO):
             self.budget.forward(len(ids), "prefill" if len(ids) > 1 else "decode")
         out = self._logits_target(logits_ptr)
         t0 = time.perf_counter()
+        scheduler, slot = self.context.scheduler, self.context.slot
         try:
-            if isinstance(ids, list) and len(ids) == 1 and self.actor.scheduler is not None:
-                logits = self.actor.scheduler.decode(ids[0], self.actor.slot)  # batched with others
+            if isinstance(ids, list) and len(ids) == 1 and scheduler is not None:
+                logits = scheduler.decode(ids[0], slot)  # batched with others
             elif isinstance(ids, list) and len(ids) == 1:  # one decode step (a CUDA graph replay on GPU)
-                logits = self.engine.decode_step(ids[0], self.actor.slot, logits_out=out)
+                logits = self.engine.decode_step(ids[0], slot, logits_out=out)
             else:
-                logits = self.engine.prefill(ids, self.actor.slot, logits_out=out)
+                logits = self.engine.prefill(ids, slot, logits_out=out)
         except ContextOverflow:
             return ERR_CONTEXT_FULL
-        scheduler = self.actor.scheduler
-        rows = scheduler.rows_of.get(self.actor.slot, 1) if scheduler is not None and len(ids) == 1 else 1
+        rows = scheduler.rows_of.get(slot, 1) if scheduler is not None and len(ids) == 1 else 1
         self.took_step(len(ids), logits, out, time.perf_counter() - t0, rows)
         return OK
 
@@ -321,16 +324,16 @@ class HostABI(GuestIO):
         """Record a forward that appended n_tokens to this actor's slot (stats, ledger) and keep its
         logits for sample(). `out`: the guest buffer the logits were asked into (written here if the
         forward did not compute them there); rows: the batched step's rows."""
-        self.record_forward(n_tokens, seconds, rows, self.engine.kv_len(self.actor.slot))
+        self.record_forward(n_tokens, seconds, rows, self.engine.kv_len(self.context.slot))
         self.keep_logits(logits, out)
 
     def record_forward(self, n_tokens: int, seconds: float, rows: int, kv_len: int) -> None:
         """took_step's stats and ledger (the engine loop records a decode row's after its next launch)."""
-        self.actor.stats.on_forward(n_tokens, seconds, kv_len)
-        engine = self.engine
+        context, engine = self.context, self.engine
+        context.stats.on_forward(n_tokens, seconds, kv_len)
         for transfer in (engine.input_transfer(n_tokens, rows), engine.output_transfer(n_tokens, rows)):
             if transfer is not None:
-                self.actor.ledger.copy(*transfer)
+                context.ledger.copy(*transfer)
 
     def keep_logits(self, logits: torch.Tensor, out: torch.Tensor | None, record: bool = True) -> int:
         """took_step's logits: kept for sample(), and written to the guest's buffer `out` if asked.
@@ -342,7 +345,7 @@ class HostABI(GuestIO):
         # Zero copies only if the engine computed into the buffer and the result is that buffer in
         # guest memory (pointers compared, not assumed).
         same = logits.data_ptr() == out.data_ptr()
-        if same and self.engine.logits_in_place and self.actor.region.holds(logits):
+        if same and self.engine.logits_in_place and self.context.region.holds(logits):
             kept = LOGITS_IN_PLACE
         else:
             if not same:
@@ -359,7 +362,7 @@ class HostABI(GuestIO):
         record_forward, keep_logits and give_choice record one at a time): `rows` one-token forwards
         taking `seconds`, the transfers they made ({boundary: [calls, bytes]}), logits computed in
         the guest's buffer (in_place) or copied there, and host choices written to the guest."""
-        stats, ledger = self.actor.stats, self.actor.ledger
+        stats, ledger = self.context.stats, self.context.ledger
         stats.forwards += rows
         stats.forward_s += seconds
         for name, (calls, nbytes) in moved.items():
@@ -386,10 +389,11 @@ class HostABI(GuestIO):
             return ERR_CONTEXT_FULL
         self.budget.spend(4 * n, "prompt ids")
         view = self._view(ids_ptr, n, torch.int32, "token ids")
-        if self.actor.region.holds(view):  # the engine reads the guest's own bytes
-            self.actor.ledger.share("guest→engine prompt ids", 4 * n)
+        context = self.context
+        if context.region.holds(view):  # the engine reads the guest's own bytes
+            context.ledger.share("guest→engine prompt ids", 4 * n)
         else:
-            self.actor.ledger.copy("guest→engine prompt ids", 4 * n)
+            context.ledger.copy("guest→engine prompt ids", 4 * n)
         ids = view.numpy()
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
             return ERR_BAD_TOKEN
@@ -400,14 +404,14 @@ class HostABI(GuestIO):
         # engine loop keeps until it runs them).
         t = time.perf_counter()
         wide = torch.from_numpy(ids.astype(np.int64))
-        self.actor.ledger.copy("prompt ids int32→int64", 8 * n, seconds=time.perf_counter() - t)
+        context.ledger.copy("prompt ids int32→int64", 8 * n, seconds=time.perf_counter() - t)
         if self.version >= 2:
             return self._queue(wide, logits_ptr)
         return self._run(wide, logits_ptr)
 
     def _queue(self, ids: torch.Tensor, logits_ptr: int) -> int:
         """v2 prefill: the ids wait for the engine loop."""
-        if self.engine.kv_len(self.actor.slot) + len(self.queued) + len(ids) > self.engine.max_seq_len:
+        if self.engine.kv_len(self.context.slot) + len(self.queued) + len(ids) > self.engine.max_seq_len:
             return ERR_CONTEXT_FULL
         self._logits_target(logits_ptr)  # a bad buffer fails now, not in the loop
         self.queued = torch.cat([self.queued, ids]) if len(self.queued) else ids
@@ -420,7 +424,7 @@ class HostABI(GuestIO):
         token = as_i32(token)
         if not 0 <= token < self.vocab:
             return ERR_BAD_TOKEN
-        self.actor.stats.on_decode(token)
+        self.context.stats.on_decode(token)
         return self._run([token], logits_ptr)
 
     def sample(self, params_ptr: int) -> int:
@@ -437,28 +441,29 @@ class HostABI(GuestIO):
             except InvalidSamplingParams:
                 return ERR_BAD_ARGUMENT
         else:
-            params = self.actor.request.params
+            params = self.context.request.params
         t = time.perf_counter()
+        context = self.context
         # The forward's own greedy choice, unless the logits are in guest memory (the guest may have
         # changed them: the draw is from the bytes as it left them).
-        in_guest = self.actor.region.holds(self.last_logits)
-        chosen = self.engine.greedy_token(self.actor.slot) if params.greedy and not in_guest else None
+        in_guest = context.region.holds(self.last_logits)
+        chosen = self.engine.greedy_token(context.slot) if params.greedy and not in_guest else None
         if chosen is not None:  # chosen in the batched forward and already read back with it
             token = chosen
-            self.actor.ledger.copy(f"sampled token {self.last_logits.device.type}→host (readback, "
-                                   "with the batched step)", 8, seconds=time.perf_counter() - t)
+            context.ledger.copy(f"sampled token {self.last_logits.device.type}→host (readback, "
+                                "with the batched step)", 8, seconds=time.perf_counter() - t)
         else:
             if not _samplable(self.last_logits):
                 return ERR_BAD_ARGUMENT
-            token = sample_token(self.last_logits, params, self.actor.generator)
+            token = sample_token(self.last_logits, params, context.generator)
             if self.last_logits.device.type != "cpu":  # the chosen id is read back to the host
-                self.actor.ledger.copy(f"sampled token {self.last_logits.device.type}→host (readback)", 8,
-                                       seconds=time.perf_counter() - t)
-        self.actor.stats.on_sample(token, token in self.tokenizer.eos_ids)
+                context.ledger.copy(f"sampled token {self.last_logits.device.type}→host (readback)", 8,
+                                    seconds=time.perf_counter() - t)
+        context.stats.on_sample(token, token in self.tokenizer.eos_ids)
         return token
 
     def request(self, out_ptr: int) -> int:
-        r = self.actor.request
+        r = self.context.request
         p = r.params
         if out_ptr % 8:
             raise GuestPointerError(f"request: pointer {out_ptr} is not 8-byte aligned")
@@ -469,7 +474,7 @@ class HostABI(GuestIO):
     def system(self, out_ptr: int, cap: int) -> int:
         if (cap := self._length(cap)) is None:
             return ERR_BAD_ARGUMENT
-        data = self.actor.system_prompt.encode()
+        data = self.context.system_prompt.encode()
         self._write(out_ptr, cap, data, "system prompt")
         return len(data)
 
@@ -477,26 +482,27 @@ class HostABI(GuestIO):
         if self.version >= 2 and (not self.preparing or len(self.queued)):
             return ERR_BAD_ARGUMENT  # v2: only in on_message, before prefill queues anything
         n = as_i32(n)
-        if not 0 <= n <= self.engine.kv_len(self.actor.slot):
+        if not 0 <= n <= self.engine.kv_len(self.context.slot):
             return ERR_BAD_ARGUMENT
-        self.engine.kv_truncate(n, self.actor.slot)
+        self.engine.kv_truncate(n, self.context.slot)
         return OK
 
     def emit(self, ptr: int, length: int) -> int:
         if (length := self._length(length)) is None:
             return ERR_BAD_ARGUMENT
-        self.actor.stats.emit_calls += 1
+        context = self.context
+        context.stats.emit_calls += 1
         data = self._bytes(ptr, length, "emitted text")
         if self.tokens_to is not None:  # (its text is made by the stream's reader, in order with tokens)
             self.tokens_to.emit(data)
             if data:
-                self.actor.stats.on_emit()
-            return 1 if self.actor.stop_requested else 0
+                context.stats.on_emit()
+            return 1 if context.stop_requested else 0
         text = self.utf8.decode(data)
         if text:
-            self.actor.stats.on_emit()
-            self.actor.on_text(text)
-        return 1 if self.actor.stop_requested else 0
+            context.stats.on_emit()
+            context.on_text(text)
+        return 1 if context.stop_requested else 0
 
     def choice_at(self, ptr: int) -> int:
         """v2, in on_message: before each on_token of the turn, write the host's choice (give_choice)
@@ -508,11 +514,12 @@ class HostABI(GuestIO):
             return OK
         if ptr % 4:
             raise GuestPointerError(f"choice: pointer {ptr} is not 4-byte aligned")
+        region = self.context.region
         try:
-            self.actor.region.check(ptr, 4)
+            region.check(ptr, 4)
         except OutOfBounds as e:
             raise GuestPointerError(f"choice: guest pointer {e}") from None
-        self.choice = self.actor.region.numpy(ptr, 1, np.int32)  # the region never moves or shrinks
+        self.choice = region.numpy(ptr, 1, np.int32)  # the region never moves or shrinks
         self.choice_address = self.choice.ctypes.data
         return OK
 
@@ -524,7 +531,7 @@ class HostABI(GuestIO):
             self.choice[0] = token
         if record:
             self.budget.spend(4, "choice")
-            self.actor.ledger.copy(CHOICE_CROSSING, 4)
+            self.context.ledger.copy(CHOICE_CROSSING, 4)
 
     def stream_tokens(self, on: int) -> int:
         """v2, in on_message: the host streams the text of each token on_token returns (1) or not (0)."""
@@ -539,12 +546,12 @@ class HostABI(GuestIO):
         token itself where the message streams token ids (tokens_to)."""
         data = self.tokenizer.reply_bytes(token)
         self.budget.spend(len(data), "streamed text")
-        actor = self.actor
-        actor.stats.emit_calls += 1
+        context = self.context
+        context.stats.emit_calls += 1
         if self.tokens_to is not None:  # the token, not its text (floe.actor.stream)
             self.tokens_to.append(token)
             if data:
-                actor.stats.on_emit()
+                context.stats.on_emit()
             return
         if self.utf8.buffer:  # (the incremental decoder holds part of a character)
             text = self.utf8.decode(data)
@@ -554,14 +561,14 @@ class HostABI(GuestIO):
             except UnicodeDecodeError:  # (part of a character, or bytes that are none)
                 text = self.utf8.decode(data)
         if text:
-            actor.stats.on_emit()
-            actor.on_text(text)
+            context.stats.on_emit()
+            context.on_text(text)
 
     def log(self, ptr: int, length: int) -> int:
         if (length := self._length(length)) is None:
             return ERR_BAD_ARGUMENT
         line = self._bytes(ptr, length, "log")[:LOG_LINE_BYTES].decode("utf-8", "replace")
-        self.actor.logs.append(line)  # a deque: the last LOG_LINES_KEPT lines
+        self.context.logs.append(line)  # a deque: the last LOG_LINES_KEPT lines
         return OK
 
 

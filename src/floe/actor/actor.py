@@ -145,12 +145,13 @@ class Actor(GuestHost):
         self._slot_later = kv_slot == "later"
         self.slot = engine.claim_slot() if kv_slot is True else None
         try:
-            self.abi = HostABI(self)
+            self.abi = HostABI(engine, self.context)
             functions = self.abi.functions()
             if kv_slot is False:
                 functions = [f if f.name in WITHOUT_SLOT else self._refusing(f) for f in functions]
             self.guest = GuestInstance(self.module, IMPORT_MODULE, functions, memory_cap,
                                        deadline_s=deadline_s)
+            self.context.region = self.guest.region
             self.guest.function("floe_abi_version", 0)
             version = self._call("floe_abi_version")
             if version not in SUPPORTED_ABI_VERSIONS:

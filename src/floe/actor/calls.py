@@ -187,7 +187,7 @@ class GuestCalls:
         message's deadline), a GuestDeadlineExceeded that says so; anything else as it is."""
         if not isinstance(e, GuestDeadlineExceeded) or time.monotonic() >= turn.deadline:
             return e
-        logs = turn.actor.logs  # its own bound, not the message's deadline
+        logs = turn.context.logs  # its own bound, not the message's deadline
         return GuestDeadlineExceeded(
             f"guest {turn.actor.module.name}'s {name} ran past {bound:g} s, the most one "
             "call from the engine loop may take (every other turn waits for it)"

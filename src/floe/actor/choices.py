@@ -23,11 +23,11 @@ def host_choices(abis: list[HostABI], known: list[int | None]) -> list[int]:
     tokens = list(known)
     draws = []
     for i, abi in enumerate(abis):
-        params = abi.actor.request.params
+        params = abi.context.request.params
         if tokens[i] is not None:
             continue
         if params.greedy:
-            tokens[i] = sample_token(abi.last_logits, params, abi.actor.generator)
+            tokens[i] = sample_token(abi.last_logits, params, abi.context.generator)
         else:
             draws.append(i)
     if draws:
@@ -35,12 +35,12 @@ def host_choices(abis: list[HostABI], known: list[int | None]) -> list[int]:
         # On one device: a guest's own buffer (logits in its memory) is on the CPU, the engine's are not.
         device = abis[draws[0]].engine.device
         logits = torch.stack([abis[i].last_logits.to(device) for i in draws])
-        drawn = sample_rows(logits, [abis[i].actor.request.params for i in draws],
-                            draw_uniforms([abis[i].actor.generator for i in draws]))
+        drawn = sample_rows(logits, [abis[i].context.request.params for i in draws],
+                            draw_uniforms([abis[i].context.generator for i in draws]))
         seconds = (time.perf_counter() - t) / len(draws)
         for i, token in zip(draws, drawn, strict=True):
             tokens[i] = token
             if logits.device.type != "cpu":
-                abis[i].actor.ledger.copy(f"sampled token {logits.device.type}→host (readback, with the "
-                                          "step's other draws)", 8, seconds=seconds)
+                abis[i].context.ledger.copy(f"sampled token {logits.device.type}→host (readback, with the "
+                                            "step's other draws)", 8, seconds=seconds)
     return tokens

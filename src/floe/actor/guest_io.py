@@ -22,7 +22,7 @@ def as_i32(word: int) -> int:
 
 
 class GuestIO:
-    """Guest memory through the host ABI's actor (its region and ledger) and message budget."""
+    """Guest memory through the host ABI's MessageContext (its region and ledger) and message budget."""
 
     def _length(self, value: int) -> int | None:
         """An i32 length or count; None (the call answers ERR_BAD_ARGUMENT) when negative."""
@@ -38,10 +38,10 @@ class GuestIO:
         self.budget.spend(length, what)
         t = time.perf_counter()
         try:
-            data = self.actor.region.read(ptr, length)
+            data = self.context.region.read(ptr, length)
         except OutOfBounds as e:
             raise GuestPointerError(f"{what}: guest pointer {e}") from None
-        self.actor.ledger.copy(f"guest→host {what}", length, seconds=time.perf_counter() - t)
+        self.context.ledger.copy(f"guest→host {what}", length, seconds=time.perf_counter() - t)
         return data
 
     def _view(self, ptr: int, count: int, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -49,7 +49,7 @@ class GuestIO:
         if ptr % itemsize:
             raise GuestPointerError(f"{what}: pointer {ptr} is not {itemsize}-byte aligned")
         try:
-            return self.actor.region.torch(ptr, count, dtype)
+            return self.context.region.torch(ptr, count, dtype)
         except OutOfBounds as e:
             raise GuestPointerError(f"{what}: guest pointer {e}") from None
 
@@ -58,11 +58,11 @@ class GuestIO:
         self.budget.spend(n, what)
         t = time.perf_counter()
         try:
-            self.actor.region.check(ptr, cap)
-            self.actor.region.write(ptr, data[:n])
+            self.context.region.check(ptr, cap)
+            self.context.region.write(ptr, data[:n])
         except OutOfBounds as e:
             raise GuestPointerError(f"{what}: guest pointer {e}") from None
-        self.actor.ledger.copy(f"host→guest {what}", n, seconds=time.perf_counter() - t)
+        self.context.ledger.copy(f"host→guest {what}", n, seconds=time.perf_counter() - t)
 
     def _write_ids(self, ptr: int, cap: int, ids: list[int], what: str) -> int:
         self.budget.spend(4 * min(cap, len(ids)), what)
@@ -70,11 +70,11 @@ class GuestIO:
         if ptr % 4:
             raise GuestPointerError(f"{what}: pointer {ptr} is not 4-byte aligned")
         try:
-            out = self.actor.region.numpy(ptr, cap, np.int32)
+            out = self.context.region.numpy(ptr, cap, np.int32)
         except OutOfBounds as e:
             raise GuestPointerError(f"{what}: guest pointer {e}") from None
         n = min(cap, len(ids))
         if n:  # numpy fills from the list in one C loop (a tensor of the list first costs ~3x more)
             out[:n] = ids[:n]
-        self.actor.ledger.copy(f"host→guest {what}", 4 * n, seconds=time.perf_counter() - t)
+        self.context.ledger.copy(f"host→guest {what}", 4 * n, seconds=time.perf_counter() - t)
         return len(ids)

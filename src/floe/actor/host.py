@@ -1,16 +1,19 @@
 """The host side of one guest instance — what its host calls (floe.actor.abi) and the engine loop
-(floe.actor.loop) use of an actor: its engine, guest and KV slot, its RNG, the message it runs (the
-request, stats, ledger, logs, where its text goes, whether it was asked to stop) and the guest calls
-made within it. Actor (floe.actor.actor) is a GuestHost with the API on top: the layers below it name
-this, never the Actor.
+(floe.actor.loop) use of an actor: its engine and guest, the guest calls made within a message, and its
+MessageContext: the plain data its host calls read and write (KV slot, guest memory, RNG, the message it
+runs: request, stats, ledger, logs, where its text goes, whether it was asked to stop, a host call's
+failure). Actor (floe.actor.actor) is a GuestHost with the API on top: the layers below it name this,
+never the Actor; the host ABI names only the MessageContext.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +21,9 @@ from floe.engine import Engine, SamplingParams
 from floe.memory import Region
 from floe.profile import Ledger
 from floe.wasm import GuestError, GuestInstance, GuestModule
+
+if TYPE_CHECKING:
+    from floe.actor.scheduler import DecodeScheduler
 
 LOG_LINES_KEPT = 64  # a guest's log lines kept (the last ones)
 STOP_GRACE_S = 2.0  # a guest asked to stop that goes on is stopped this much later (stop_requested)
@@ -101,29 +107,69 @@ class MessageStats:
         return (self.generated_tokens - 1) / span if self.generated_tokens > 1 and span > 0 else 0.0
 
 
+def _no_text(text: str) -> None:
+    """Where a message's text goes when nobody asked for it."""
+
+
+@dataclass(eq=False, slots=True)
+class MessageContext:
+    """What an actor's host calls (floe.actor.abi) and its engine loop read and write of it: where it
+    runs (its KV slot, v1 decode scheduler, guest memory, RNG, system prompt, log lines) and the message
+    it runs, set by the actor as each message starts (kept until the next: a restore's KV copies are
+    counted in its ledger). A host call's failure waits in `error` until the actor raises it
+    (GuestHost.take_pending). One per actor, updated in place: the host ABI holds it for the actor's
+    life."""
+
+    generator: torch.Generator
+    system_prompt: str = ""
+    slot: int | None = None
+    scheduler: DecodeScheduler | None = None
+    region: Region | None = None  # the guest's memory, once the guest is made (it never moves)
+    logs: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES_KEPT))
+    request: Request = field(default_factory=Request)
+    stats: MessageStats = field(default_factory=MessageStats)
+    ledger: Ledger = field(default_factory=Ledger)
+    on_text: Callable[[str], None] = _no_text
+    stop_requested: bool = False  # (GuestHost.stop_requested sets it: the guest winds down)
+    error: BaseException | None = None
+
+
+def _in_context(name: str) -> property:
+    """A GuestHost attribute kept in its MessageContext (one place, which the host ABI reads)."""
+    get = operator.attrgetter(name)
+
+    def put(self: GuestHost, value) -> None:
+        setattr(self.context, name, value)
+
+    return property(lambda self: get(self.context), put, doc=f"MessageContext.{name} of this actor")
+
+
 class GuestHost:
-    """One guest instance's host side (the module doc). `abi` is its HostABI, set by Actor."""
+    """One guest instance's host side (the module doc). `abi` is its HostABI, set by Actor, which
+    reads and writes its `context`."""
+
+    request = _in_context("request")
+    stats = _in_context("stats")
+    ledger = _in_context("ledger")
+    logs = _in_context("logs")
+    on_text = _in_context("on_text")
+    slot = _in_context("slot")
+    scheduler = _in_context("scheduler")  # (v1: a DecodeScheduler batching its decode steps with others')
+    generator = _in_context("generator")
+    system_prompt = _in_context("system_prompt")
+    pending_error = _in_context("error")
 
     def __init__(self, engine: Engine, module: GuestModule, deadline_s: float, system_prompt: str,
                  seed: int) -> None:
         self.engine = engine
         self.module = module
         self.deadline_s = deadline_s
-        self.system_prompt = system_prompt
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(seed)
-        self.request = Request()
-        self.stats = MessageStats()
-        self.ledger = Ledger()
-        self.logs: deque[str] = deque(maxlen=LOG_LINES_KEPT)
-        self.pending_error: BaseException | None = None
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(seed)
+        self.context = MessageContext(generator, system_prompt)
         self._message_thread: int | None = None  # the thread running a guest call, while it runs
-        self.stop_requested = False
-        self.on_text: Callable[[str], None] = lambda text: None
         self.closed = False
         self.guest: GuestInstance | None = None
-        self.slot: int | None = None
-        self.scheduler = None  # (v1: a DecodeScheduler batching its decode steps with others')
         self.abi = None
 
     @property
@@ -135,11 +181,11 @@ class GuestHost:
         """Whether this message was asked to stop (its consumer left, a stop sequence, a close): the
         guest sees it (emit answers 1) and must return; one that goes on (a v1 guest still calling
         decode) is stopped STOP_GRACE_S later instead of running to its deadline."""
-        return self._stop_requested
+        return self.context.stop_requested
 
     @stop_requested.setter
     def stop_requested(self, value: bool) -> None:
-        self._stop_requested = value
+        self.context.stop_requested = value
         if value and self._message_thread is not None:
             self.guest.wind_down(STOP_GRACE_S)
         if value:
@@ -150,7 +196,8 @@ class GuestHost:
         (EngineLoop.poke): Actor's."""
 
     def take_pending(self) -> BaseException | None:
-        error, self.pending_error = self.pending_error, None
+        context = self.context
+        error, context.error = context.error, None
         return error
 
     def name_last_log(self, e: GuestError) -> None:

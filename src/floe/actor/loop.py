@@ -288,7 +288,7 @@ class EngineLoop(Speculation):
         soonest = math.inf
         for turn in self._active:
             if turn.end is None:
-                if now > turn.deadline or turn.abandoned or turn.actor.stop_requested or turn.actor.closed:
+                if now > turn.deadline or turn.abandoned or turn.context.stop_requested or turn.actor.closed:
                     turn.end = END_CANCELLED
                 else:
                     soonest = min(soonest, turn.deadline)
@@ -396,14 +396,14 @@ class EngineLoop(Speculation):
         slots = at.tolist()
         lengths = self.engine.cache.lengths
         positions = [lengths[slot] for slot in slots]
-        prompts = [(t.abi.take_queued(), t.actor.slot) for t in riding]
+        prompts = [(t.abi.take_queued(), t.slot) for t in riding]
         # The next host choice of rows whose guest takes it with sampling parameters: drawn by the
         # step itself (on CUDA right after the forward, on the device), one uniform of each actor's.
         drawing = [t for t in turns if t.draws]
         for turn in drawing:  # a speculated row may be undone: its draw is then given back too
-            turn.rng_before = turn.actor.generator.get_state() if turn.speculated is not None else None
-        uniforms = draw_uniforms([t.actor.generator for t in drawing]).tolist() if drawing else []
-        draws = [(t.actor.slot, t.actor.request.params, u) for t, u in zip(drawing, uniforms, strict=True)]
+            turn.rng_before = turn.context.generator.get_state() if turn.speculated is not None else None
+        uniforms = draw_uniforms([t.context.generator for t in drawing]).tolist() if drawing else []
+        draws = [(t.slot, t.context.request.params, u) for t, u in zip(drawing, uniforms, strict=True)]
         t0 = time.perf_counter()
         step = self.engine.launch_batch(tokens, slots, prompts, draws)
         self.launch_s += time.perf_counter() - t0

@@ -18,7 +18,7 @@ from floe.wasm import rows as guest_rows
 
 if TYPE_CHECKING:
     from floe.actor.abi import HostABI
-    from floe.actor.host import GuestHost
+    from floe.actor.host import GuestHost, MessageContext
     from floe.wasm import GuestInstance
 
 STOP = -1  # what on_token returns to end the turn
@@ -92,8 +92,8 @@ class Turn:
     (the properties below); the rest, read once a turn or on its rarer paths, in slots."""
 
     __slots__ = ("actor", "deadline", "speculated_at", "rng_before", "flying", "prompt", "end", "error",
-                 "abandoned", "calls_on_end", "done", "over", "woken", "abi", "guest", "draws", "target",
-                 "slot", "_row", "_words", "_dwords", "_base", "_moved_names", "headed", "decoded")
+                 "abandoned", "calls_on_end", "done", "over", "woken", "abi", "context", "guest", "draws",
+                 "target", "slot", "_row", "_words", "_dwords", "_base", "_moved_names", "headed", "decoded")
 
     generated = _word(W.GENERATED)  # tokens it generated
     max_tokens = _word(W.MAX_TOKENS)
@@ -131,12 +131,13 @@ class Turn:
         self.over = False  # done is set (read each step: an attribute, not a call)
         self.woken = woken  # its caller's, set at its end too (run's `deliver`)
         self.abi: HostABI = actor.abi
+        self.context: MessageContext = actor.context  # (its message, slot, RNG: what its host calls see)
         self.guest: GuestInstance = actor.guest
         # Its steps draw its host choice (a guest that asked for it, sampling parameters): fixed for the
         # turn (on_message asked, the request's parameters).
-        self.draws = self.abi.choice is not None and not actor.request.params.greedy
+        self.draws = self.abi.choice is not None and not self.context.request.params.greedy
         self.target: torch.Tensor | None | bool = False  # its decode rows' logits buffer (False: not asked)
-        self.slot = actor.slot
+        self.slot = self.context.slot
         self.headed = False  # its row's call words are made (floe.wasm.rows.head, at its first on_token)
         self._row = _NEW_ROW.copy()  # its own until bind()
         self._words, self._dwords = _views(self._row)
@@ -203,7 +204,7 @@ class Turn:
     def settle(self) -> None:
         """What the native calls took into its row goes to its message's stats (and budget): its decoded
         ids, and its streamed ids' counts, times and bytes."""
-        w, b, stats = self._words, self._base, self.actor.stats
+        w, b, stats = self._words, self._base, self.context.stats
         n = w[b + W.N_DECODED]
         if n:
             stats.decoded.extend(self.decoded[:n].tolist())
