@@ -190,6 +190,34 @@ def test_interleaved_bands_are_the_exact_linear_of_int8_rounded_inputs(qtype, va
             assert same_bits(layer.rows(index, torch.bfloat16), values.bfloat16())
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_bands_taken_two_at_a_time_give_each_bands_own_bits(qtype, variant):
+    """A variant may run neighbouring bands together (AVX-512 VNNI: 16 rows a 512-bit register); every
+    output is bitwise what its band gives alone (a weight of that one band), for 1..9 input rows, an
+    odd number of bands (the last one alone), Q4_F blocks too, and extreme codes and inputs."""
+    variant = banded(variant)
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((40, 7 * GROUP)).astype(np.float32)
+    w[:8, :GROUP] = np.where(np.arange(GROUP) % 2 == 0, 1e3, -1e3)  # codes at their extremes
+    q = QuantizedWeight(qtype.name, w.shape, quantize(w, qtype))
+    bands = [QuantizedWeight(qtype.name, (8, w.shape[1]), quantize(w[8 * b:8 * b + 8], qtype)) for b in range(5)]
+    whole = qgemv.QLinear(q, dense=False, kernel=variant)
+    alone = [qgemv.QLinear(band, dense=False, kernel=variant) for band in bands]
+    layouts = [(whole.blocks, [layer.blocks for layer in alone])]
+    if qtype != Q.Q8_0:
+        layouts.append((torch.ops.floe.interleave_q(qgemv.q4_f_blocks(q), w.shape[1]),
+                        [torch.ops.floe.interleave_q(qgemv.q4_f_blocks(band), w.shape[1]) for band in bands]))
+    for blocks, band_blocks in layouts:
+        whole.blocks = blocks
+        for layer, own in zip(alone, band_blocks, strict=True):
+            layer.blocks = own
+        for m in range(1, 10):
+            x = torch.from_numpy(rng.standard_normal((m, w.shape[1])).astype(np.float32))
+            x[0, :GROUP] = 127.0  # rounds to +127, its group's others to 0
+            y = whole(x)
+            assert all(same_bits(y[:, 8 * b:8 * b + 8], layer(x)) for b, layer in enumerate(alone))
+
+
 def test_interleaved_codes_at_their_extremes_do_not_saturate(variant):
     """In bands, AVX2 adds a group's eight int16 pair sums of 4-bit codes before widening them, and
     byte codes go through |q| x sign(x, q): codes of 15 and 0, bytes of -128 and 127, inputs of ±127."""

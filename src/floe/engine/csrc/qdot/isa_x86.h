@@ -294,6 +294,97 @@ struct X86 {
     }
   }
 
+  // Two neighbouring bands at once in 512-bit registers (AVX-512 VNNI only): band b's 8 rows in the low
+  // lanes, band b + 1's in the high, so one broadcast of an input's 4 bytes and one vpdpbusd serve 16
+  // weight rows, half the instructions a row of band_dots takes where several input rows make the
+  // step compute-bound (a batched decode step). Each output lane goes through the same operations in
+  // the same order as in band_dots (exact integer sums, then the same float products and sums), so
+  // its value is bitwise band_dots'. Q8_0: AVX-512 has no vpsignb; the input's bytes are negated where
+  // the weight's are negative (a byte mask), |q| x that, as band_dots' sign(qx, q).
+  static constexpr bool kBandPairs = Vnni;
+
+  static __m512 join(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+  }
+  static __m512i join(const uint8_t* a, const uint8_t* b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+  }
+  static __m256 halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static __m512i bcast(const int8_t* p) {
+    return _mm512_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(p))));
+  }
+
+  template <class Fmt, int R>
+  static void band_pair_dots(const uint8_t* band, int64_t width, const int8_t* q, const float* xsu, int64_t groups,
+                             float* y, int64_t ldy) {
+    constexpr int64_t B = Fmt::kBytes, H = 8 * Fmt::kCodes;
+    constexpr bool four = Fmt::kFourBit, q4_0 = std::is_same_v<Fmt, Q4_0>, q8_0 = std::is_same_v<Fmt, Q8_0>;
+    const int64_t k = groups * G;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), none = _mm512_setzero_si512();
+    __m512 acc[R], off[R];
+    FLOE_UNROLL
+    for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t *p = band + g * 8 * B, *p1 = p + width;
+      __m512 d, o = _mm512_setzero_ps();
+      if constexpr (std::is_same_v<Fmt, Q4_F>) {
+        d = join(_mm256_loadu_ps(reinterpret_cast<const float*>(p)), _mm256_loadu_ps(reinterpret_cast<const float*>(p1)));
+        o = join(_mm256_loadu_ps(reinterpret_cast<const float*>(p + 32)),
+                 _mm256_loadu_ps(reinterpret_cast<const float*>(p1 + 32)));
+      } else {
+        d = join(halves(p), halves(p1));
+        if constexpr (std::is_same_v<Fmt, Q4_1>) o = join(halves(p + 16), halves(p1 + 16));
+      }
+      const uint8_t *c = p + H, *c1 = p1 + H;
+      __m512i s[R], t[R];
+      if constexpr (four) {
+        FLOE_UNROLL
+        for (int cc = 0; cc < 4; ++cc) {
+          const __m512i w = join(c + 32 * cc, c1 + 32 * cc);
+          const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+          FLOE_UNROLL
+          for (int r = 0; r < R; ++r) {
+            const int8_t* qg = q + r * k + g * G;
+            s[r] = _mm512_dpbusd_epi32(cc ? s[r] : none, lo, bcast(qg + 4 * cc));
+            t[r] = _mm512_dpbusd_epi32(cc ? t[r] : none, hi, bcast(qg + 16 + 4 * cc));
+          }
+        }
+      } else {
+        FLOE_UNROLL
+        for (int cc = 0; cc < 8; ++cc) {
+          const __m512i w = join(c + 32 * cc, c1 + 32 * cc);
+          const __m512i uw = _mm512_abs_epi8(w);
+          const __mmask64 negative = _mm512_movepi8_mask(w);
+          FLOE_UNROLL
+          for (int r = 0; r < R; ++r) {
+            const __m512i x = bcast(q + r * k + g * G + 4 * cc);
+            const __m512i sx = _mm512_mask_sub_epi8(x, negative, none, x);
+            __m512i* into = cc % 2 ? t : s;
+            into[r] = _mm512_dpbusd_epi32(cc > 1 ? into[r] : none, uw, sx);
+          }
+        }
+      }
+      FLOE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        s[r] = _mm512_add_epi32(s[r], t[r]);
+        const float* xu = xsu + 2 * (r * groups + g);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xu[0])), acc[r]);
+        if constexpr (!q8_0) off[r] = _mm512_fmadd_ps(q4_0 ? d : o, _mm512_set1_ps(xu[1]), off[r]);
+      }
+    }
+    FLOE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      __m512 out = acc[r];
+      if constexpr (q4_0) {
+        out = _mm512_fmadd_ps(off[r], _mm512_set1_ps(-8.f), acc[r]);
+      } else if constexpr (!q8_0) {
+        out = _mm512_add_ps(acc[r], off[r]);
+      }
+      _mm512_storeu_ps(y + r * ldy, out);
+    }
+  }
+
   // A group's 32 weights s * q + z (a product, then a sum, as ScalarBlocks), or s * q for signed
   // bytes, 16 codes at a time.
   template <bool FourBit, typename Out>

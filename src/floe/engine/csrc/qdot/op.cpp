@@ -120,7 +120,9 @@ at::Tensor gemv_q(const at::Tensor& x_in, const at::Tensor& blocks, int64_t numb
   // Several input rows (a batched decode step, a prompt): each block of output rows (or bands) meets
   // every input row while its weights are in the core's cache (the variant unpacks them once for a
   // few input rows at a time), so the weights are read from memory once, not once per input row.
-  const int64_t block = std::max<int64_t>(1, kBlockBytes / blocks.size(1));
+  // (bands: an even number, as the pool's pieces are, so that a variant's pairs of bands stay whole)
+  const int64_t block = layout.bands ? std::max<int64_t>(2, kBlockBytes / blocks.size(1) / 2 * 2)
+                                     : std::max<int64_t>(1, kBlockBytes / blocks.size(1));
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   floe::parallel_for(0, blocks.size(0), layout.bands ? 2 : 16, [&](int64_t begin, int64_t end) {

@@ -379,12 +379,24 @@ inline void band_block(const uint8_t* group, int r, uint8_t* block) {
   for (int64_t c = 0; c < Chunks; ++c) std::memcpy(block + Fmt::kCodes + 4 * c, group + H + 32 * c + 4 * r, 4);
 }
 
-// Bands [begin, end) for R input rows (as rows_of for the file's rows): band b's outputs at y + 8 b.
+template <class Isa, class = void>
+struct HasBandPairs : std::false_type {};
+template <class Isa>
+struct HasBandPairs<Isa, std::enable_if_t<Isa::kBandPairs>> : std::true_type {};
+
+// Bands [begin, end) for R input rows (as rows_of for the file's rows): band b's outputs at y + 8 b;
+// two at a time where the variant has Isa::band_pair_dots (the same values).
 template <class Isa, class Fmt, int R>
 void bands_of(const uint8_t* bands, const int8_t* q, const float* xsu, int64_t groups, int64_t begin,
               int64_t end, float* y, int64_t ldy) {
   const int64_t width = groups * 8 * Fmt::kBytes;
-  for (int64_t b = begin; b < end; ++b) {
+  int64_t b = begin;
+  if constexpr (HasBandPairs<Isa>::value) {
+    for (; b + 2 <= end; b += 2) {
+      Isa::template band_pair_dots<Fmt, R>(bands + b * width, width, q, xsu, groups, y + 8 * b, ldy);
+    }
+  }
+  for (; b < end; ++b) {
     Isa::template band_dots<Fmt, R>(bands + b * width, q, xsu, groups, y + 8 * b, ldy);
   }
 }
