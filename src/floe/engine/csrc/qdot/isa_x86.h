@@ -209,6 +209,10 @@ struct X86 {
   // AVX2: vpmaddubsw's int16 pair sums of a 4-bit chunk are at most 2 x 15 x 127, so a group's four
   // chunks, low and high nibbles (8 of them), stay below 32767 before one vpmaddwd widens them.
   static constexpr int kBandRows = Vnni ? 4 : 2;  // accumulators: 4 a row in AVX-512's 32 registers
+  // Each group's bytes of the band kAheadBands on are prefetched as a group is read: the next block's
+  // bands (a block of bands meets the input rows in passes, the first from memory) arrive while this
+  // one's are computed. (The whole weights of a SmolLM2 step at 8 rows: 7.8-8.0 -> 5.4-5.7 ms.)
+  static constexpr int64_t kAheadBands = 4;
 
   template <class Fmt, int R>
   static void band_dots(const uint8_t* band, const int8_t* q, const float* xsu, int64_t groups, float* y,
@@ -222,6 +226,7 @@ struct X86 {
     for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = band + g * 8 * B;
+      for (int64_t i = 0; i < 8 * B; i += 64) __builtin_prefetch(p + kAheadBands * groups * 8 * B + i);
       __m256 d, o = _mm256_setzero_ps();
       if constexpr (std::is_same_v<Fmt, Q4_F>) {
         d = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
@@ -327,6 +332,10 @@ struct X86 {
     for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t *p = band + g * 8 * B, *p1 = p + width;
+      for (int64_t i = 0; i < 8 * B; i += 64) {
+        __builtin_prefetch(p + kAheadBands * width + i);
+        __builtin_prefetch(p1 + kAheadBands * width + i);
+      }
       __m512 d, o = _mm512_setzero_ps();
       if constexpr (std::is_same_v<Fmt, Q4_F>) {
         d = join(_mm256_loadu_ps(reinterpret_cast<const float*>(p)), _mm256_loadu_ps(reinterpret_cast<const float*>(p1)));
