@@ -47,8 +47,9 @@ constexpr int64_t L = 16;
 FLOE_INLINE vf splat(float x) { return vf{} + x; }
 
 // e^x of each lane (x <= 0 here: softmax's scores less their top), Cephes' expf: x = n ln2 + r with
-// |r| <= ln2 / 2, e^r by its degree-6 polynomial, 2^n put in the exponent (within 2 ulp of expf; lanes
-// under -87.3 give 0, as expf's denormals are near it; NaN stays NaN).
+// |r| <= ln2 / 2, e^r by its degree-6 polynomial, 2^n put in the exponent (within 1 ulp of e^x on
+// [-87.3, 0]; lanes under -87.3, -inf too, give 2^-126 ~ 1.2e-38, not expf's denormal or 0: beside the
+// top score's 1 in the softmax's sum, nothing; NaN stays NaN).
 FLOE_INLINE vf exp_lanes(vf x) {
   const vf floor_ = splat(-87.33654f);
   x = x < floor_ ? floor_ : x;  // NaN compares false: stays
