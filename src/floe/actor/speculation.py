@@ -112,7 +112,7 @@ class Speculation:
     def _truncate(self, turn: Turn, position: int) -> None:
         """Undo `turn`'s rows from `position` on (a row in flight writes past the cache's end: the
         next row there overwrites it)."""
-        slot = turn.actor.slot
+        slot = turn.slot
         self.engine.kv_truncate(min(position, self.engine.kv_len(slot)), slot)
 
     def _refuse(self, turn: Turn) -> None:
@@ -127,5 +127,5 @@ class Speculation:
         self._truncate(turn, turn.speculated_at)
         self._launched[-1].void.add(turn)
         if turn.rng_before is not None:
-            turn.actor.generator.set_state(turn.rng_before)
+            turn.context.generator.set_state(turn.rng_before)
         turn.speculated = turn.rng_before = None
