@@ -392,6 +392,84 @@ struct X86 {
     }
   }
 
+  // Whole bands' values at once (AVX-512 only), what dequant8 gives a row at a time: per group, the 8
+  // rows' codes taken out of the band's chunks by two permutes of 32-bit lanes (row r's bytes are lane
+  // r of each chunk), each row's 32 weights s * q + z (s * q for bytes) in 512-bit registers, in the
+  // same operations as dequant_group (so the same values), written to out row r at out + r * K.
+  static constexpr bool kBandValues = Vnni;
+
+  template <class Fmt, typename Out>
+  static void band_values(const uint8_t* band, int64_t groups, Out* out) {
+    constexpr int64_t B = Fmt::kBytes, H = 8 * Fmt::kCodes;
+    constexpr bool four = Fmt::kFourBit;
+    const int64_t k = groups * G;
+    const __m512i low4 = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+    const __m512i high4 = _mm512_add_epi32(low4, _mm512_set1_epi32(4));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    alignas(64) uint8_t codes[8 * 32];  // row r's code bytes at 16 r (4-bit) or 32 r (bytes)
+    alignas(32) float scales[8], offsets[8];
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = band + g * 8 * B;
+      for (int r = 0; r < 8; ++r) {
+        uint8_t block[B];
+        for (int f = 0; f < Fmt::kFields; ++f) {  // the row's header, as band_block rebuilds it
+          std::memcpy(block + f * (Fmt::kCodes / Fmt::kFields), p + f * 8 * (Fmt::kCodes / Fmt::kFields) +
+                      r * (Fmt::kCodes / Fmt::kFields), Fmt::kCodes / Fmt::kFields);
+        }
+        Fmt::template scale<X86>(block, scales[r], offsets[r]);
+      }
+      const uint8_t* c = p + H;
+      if constexpr (four) {
+        const __m512i a = _mm512_loadu_si512(c), b = _mm512_loadu_si512(c + 64);
+        _mm512_store_si512(codes, _mm512_permutex2var_epi32(a, low4, b));
+        _mm512_store_si512(codes + 64, _mm512_permutex2var_epi32(a, high4, b));
+      } else {
+        const __m512i a = _mm512_loadu_si512(c), b = _mm512_loadu_si512(c + 64);
+        const __m512i e = _mm512_loadu_si512(c + 128), f = _mm512_loadu_si512(c + 192);
+        const __m512i r03a = _mm512_permutex2var_epi32(a, low4, b), r47a = _mm512_permutex2var_epi32(a, high4, b);
+        const __m512i r03b = _mm512_permutex2var_epi32(e, low4, f), r47b = _mm512_permutex2var_epi32(e, high4, f);
+        // row r's first 16 bytes, then its last 16: lanes r % 4 of the a and b halves side by side
+        const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+        _mm512_store_si512(codes, _mm512_permutex2var_epi64(r03a, first, r03b));
+        _mm512_store_si512(codes + 64, _mm512_permutex2var_epi64(r03a, second, r03b));
+        _mm512_store_si512(codes + 128, _mm512_permutex2var_epi64(r47a, first, r47b));
+        _mm512_store_si512(codes + 192, _mm512_permutex2var_epi64(r47a, second, r47b));
+      }
+      for (int r = 0; r < 8; ++r) {
+        const __m512 sv = _mm512_set1_ps(scales[r]), zv = _mm512_set1_ps(offsets[r]);
+        Out* o = out + r * k + g * G;
+        __m512 lo, hi;
+        if constexpr (four) {
+          const __m128i bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(codes + 16 * r));
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, m4)));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4)));
+          lo = _mm512_add_ps(_mm512_mul_ps(lo, sv), zv);
+          hi = _mm512_add_ps(_mm512_mul_ps(hi, sv), zv);
+        } else {
+          lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                 _mm_load_si128(reinterpret_cast<const __m128i*>(codes + 32 * r)))), sv);
+          hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                 _mm_load_si128(reinterpret_cast<const __m128i*>(codes + 32 * r + 16)))), sv);
+        }
+        store32(lo, hi, o);
+      }
+    }
+  }
+  static void store32(__m512 a, __m512 b, float* out) {
+    _mm512_storeu_ps(out, a);
+    _mm512_storeu_ps(out + 16, b);
+  }
+  static void store32(__m512 a, __m512 b, uint16_t* out) {  // to bf16, as to_bf16 and bf16_bits
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(bf16_bits(a)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), _mm512_cvtepi32_epi16(bf16_bits(b)));
+  }
+  static __m512i bf16_bits(__m512 w) {
+    const __m512i u = _mm512_castps_si512(w);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+  }
+
   // A group's 32 weights s * q + z (a product, then a sum, as ScalarBlocks), or s * q for signed
   // bytes, 16 codes at a time.
   template <bool FourBit, typename Out>

@@ -413,10 +413,20 @@ void rows8(const uint8_t* bands, const int8_t* qx, const float* xsu, int64_t m, 
 // dequant for interleaved bands: rows [begin, end) (row n is lane n % 8 of band n / 8), each row's
 // values written in order (a band, read 8 times, stays in the core's cache), its blocks rebuilt in
 // the file's layout one at a time.
+template <class Isa, class = void>
+struct HasBandValues : std::false_type {};
+template <class Isa>
+struct HasBandValues<Isa, std::enable_if_t<Isa::kBandValues>> : std::true_type {};
+
 template <class Isa, class Fmt, typename Out>
 void dequant8(const uint8_t* bands, int64_t groups, int64_t begin, int64_t end, void* out) {
   const int64_t k = groups * G, width = groups * 8 * Fmt::kBytes;
   Out* o = static_cast<Out*>(out);
+  if constexpr (HasBandValues<Isa>::value) {  // whole bands at once where the variant can
+    for (; begin % 8 == 0 && begin + 8 <= end; begin += 8, o += 8 * k) {
+      Isa::template band_values<Fmt, Out>(bands + begin / 8 * width, groups, o);
+    }
+  }
   uint8_t block[Fmt::kBytes];
   for (int64_t n = begin; n < end; ++n, o += k) {
     const uint8_t* band = bands + n / 8 * width;
