@@ -7,7 +7,7 @@ combine groups in float. The weights are the file's values exactly; the input's 
 the one approximation (relative error ~5e-3 per product; docs/PERF.md measures what it does to the
 tokens). Every variant computes the same sums (csrc/qdot/qdot.h); they differ in instructions:
 
-    vnni      AVX-512 VNNI (vpdpbusd on 256-bit vectors)       x86-64
+    vnni      AVX-512 VNNI (vpdpbusd; two bands a 512-bit op)  x86-64
     avx2      AVX2 vpmaddubsw + vpmaddwd, as llama.cpp         x86-64
     neon      vdotq_s32 (ARMv8.2-A dot product)                aarch64 (compiled in tests, not run)
     portable  plain C++, no intrinsics                         any CPU
@@ -22,7 +22,10 @@ matrices one copy of the file's blocks), or, on the x86 variants, the same block
 a band (`interleave_q`, as llama.cpp repacks Q4_0 for AVX2/AVX-512): one vector instruction then
 serves 8 weight rows with one broadcast of the input, and a row's sum needs no horizontal add —
 1.2–2.2x the GEMV's speed (docs/PERF.md). The bands are a copy made once at load, in place of the
-file's pages (given back: `drop_file_pages`), so memory stays one copy of the weights.
+file's pages (given back: `drop_file_pages`), so memory stays one copy of the weights. Several input
+rows (a batched decode step) meet each block of bands while it is in the core's cache, up to 8 rows a
+pass (vnni: two bands at a time in 512-bit registers, 16 weight rows an instruction), and the bands a
+few ahead are prefetched as a band is read, so the next block's bytes arrive while this one computes.
 
     Q4_0  fp16 d, 16 nibble bytes           w = d·(q − 8)    the file's blocks, 18 bytes
     Q4_1  fp16 d, fp16 m, 16 nibble bytes   w = d·q + m      the file's blocks, 20 bytes
