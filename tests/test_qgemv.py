@@ -200,7 +200,8 @@ def test_bands_taken_two_at_a_time_give_each_bands_own_bits(qtype, variant):
     w = rng.standard_normal((40, 7 * GROUP)).astype(np.float32)
     w[:8, :GROUP] = np.where(np.arange(GROUP) % 2 == 0, 1e3, -1e3)  # codes at their extremes
     q = QuantizedWeight(qtype.name, w.shape, quantize(w, qtype))
-    bands = [QuantizedWeight(qtype.name, (8, w.shape[1]), quantize(w[8 * b:8 * b + 8], qtype)) for b in range(5)]
+    bands = [QuantizedWeight(qtype.name, (8, w.shape[1]), quantize(w[8 * b:8 * b + 8], qtype))
+             for b in range(5)]
     whole = qgemv.QLinear(q, dense=False, kernel=variant)
     alone = [qgemv.QLinear(band, dense=False, kernel=variant) for band in bands]
     layouts = [(whole.blocks, [layer.blocks for layer in alone])]
