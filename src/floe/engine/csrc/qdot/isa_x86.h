@@ -398,8 +398,12 @@ struct X86 {
   // same operations as dequant_group (so the same values), written to out row r at out + r * K.
   static constexpr bool kBandValues = Vnni;
 
+  // (compiled for AVX-512 BF16 too: where the CPU has it, bfloat16 values are rounded by vcvtne2ps2bf16,
+  // round to nearest even as bf16_bits; weights s * q + z of a file's scales are never float32
+  // denormals, which that instruction flushes; a NaN weight keeps its sign there.)
   template <class Fmt, typename Out>
-  static void band_values(const uint8_t* band, int64_t groups, Out* out) {
+  __attribute__((target("avx512bf16"))) static void band_values(const uint8_t* band, int64_t groups, Out* out) {
+    static const bool cvt = __builtin_cpu_supports("avx512bf16");
     constexpr int64_t B = Fmt::kBytes, H = 8 * Fmt::kCodes;
     constexpr bool four = Fmt::kFourBit;
     const int64_t k = groups * G;
@@ -410,13 +414,16 @@ struct X86 {
     alignas(32) float scales[8], offsets[8];
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = band + g * 8 * B;
-      for (int r = 0; r < 8; ++r) {
-        uint8_t block[B];
-        for (int f = 0; f < Fmt::kFields; ++f) {  // the row's header, as band_block rebuilds it
-          std::memcpy(block + f * (Fmt::kCodes / Fmt::kFields), p + f * 8 * (Fmt::kCodes / Fmt::kFields) +
-                      r * (Fmt::kCodes / Fmt::kFields), Fmt::kCodes / Fmt::kFields);
-        }
-        Fmt::template scale<X86>(block, scales[r], offsets[r]);
+      // the 8 rows' scales and offsets, as Fmt::scale gives them (a band's header: each field of rows 0..7)
+      if constexpr (std::is_same_v<Fmt, Q4_F>) {
+        _mm256_store_ps(scales, _mm256_loadu_ps(reinterpret_cast<const float*>(p)));
+        _mm256_store_ps(offsets, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 32)));
+      } else {
+        const __m256 d = halves(p);
+        _mm256_store_ps(scales, d);
+        _mm256_store_ps(offsets, std::is_same_v<Fmt, Q4_1> ? halves(p + 16)
+                                 : std::is_same_v<Fmt, Q4_0> ? _mm256_mul_ps(_mm256_set1_ps(-8.f), d)
+                                                             : _mm256_setzero_ps());
       }
       const uint8_t* c = p + H;
       if constexpr (four) {
@@ -450,6 +457,12 @@ struct X86 {
                                  _mm_load_si128(reinterpret_cast<const __m128i*>(codes + 32 * r)))), sv);
           hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                  _mm_load_si128(reinterpret_cast<const __m128i*>(codes + 32 * r + 16)))), sv);
+        }
+        if constexpr (std::is_same_v<Out, uint16_t>) {
+          if (cvt) {
+            _mm512_storeu_si512(o, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+            continue;
+          }
         }
         store32(lo, hi, o);
       }
