@@ -27,6 +27,7 @@ import asyncio
 import atexit
 import json
 import multiprocessing
+import os
 import shutil
 import socket
 import subprocess
@@ -43,6 +44,7 @@ import openai
 import torch
 import uvicorn
 
+from floe.cli.machine import polite_openmp
 from floe.engine import Engine
 from floe.server.app import create_app
 
@@ -200,7 +202,9 @@ def run_against_child(args) -> None:
     """Start the server in a child process, wait for /health, load it from this one."""
     port = free_port()
     argv = [a for a in sys.argv[1:] if a != "--server-process"]
-    child = subprocess.Popen([sys.executable, __file__, *argv, "--serve-on", str(port)])
+    env = dict(os.environ)
+    polite_openmp(env)  # as `floe serve`'s processes have it
+    child = subprocess.Popen([sys.executable, __file__, *argv, "--serve-on", str(port)], env=env)
     try:
         deadline = time.time() + args.budget_s
         while True:

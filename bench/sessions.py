@@ -31,12 +31,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from cpu_batch import actors_run, message
-from serve_load import ride_rows
-from smoke import results, shrink
+from floe.cli.machine import polite_openmp
 
-from floe.engine import Engine, SamplingParams
+polite_openmp()  # as `floe serve` sets it, before torch is imported: every way runs alike
+
+import torch  # noqa: E402
+from cpu_batch import actors_run, message  # noqa: E402
+from serve_load import ride_rows  # noqa: E402
+from smoke import results, shrink  # noqa: E402
+
+from floe.engine import Engine, SamplingParams  # noqa: E402
 
 HERE = Path(__file__).parent
 CLIENT_STREAMS = 8  # serve: sessions a client process holds (64 sessions: 8 processes of 8 streams)

@@ -4,10 +4,15 @@ from pathlib import Path
 
 import pytest
 
+from floe.cli.machine import polite_openmp
+
 # Nothing in the tests may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Ray's clusters in the tests report to no one
+# OpenMP threads that spin briefly, as `floe` sets them (floe.cli.machine.polite_openmp): the suite's
+# servers and clients share its cores, where a long spin slows every prompt several times.
+polite_openmp()
 sys.path.insert(0, str(Path(__file__).parent))
 
 

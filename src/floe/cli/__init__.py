@@ -17,7 +17,7 @@ from floe.cli.commands import (  # noqa: F401 - (_tokenizer: the tests')
     cmd_snapshot_inspect,
     cmd_snapshot_verify,
 )
-from floe.cli.machine import idle_cpus  # noqa: F401 - (the tests')
+from floe.cli.machine import idle_cpus, polite_openmp  # noqa: F401 - (idle_cpus: the tests')
 from floe.cli.options import (
     DEFAULT_PROMPT_HELP,
     MODEL_HELP,
@@ -245,6 +245,7 @@ def _cuda_present() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    polite_openmp()  # (before anything imports torch)
     try:
         args = build_parser().parse_args(argv)
         if getattr(args, "bench", None) and args.device is None:
