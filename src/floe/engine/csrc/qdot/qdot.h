@@ -410,14 +410,14 @@ void rows8(const uint8_t* bands, const int8_t* qx, const float* xsu, int64_t m, 
   });
 }
 
-// dequant for interleaved bands: rows [begin, end) (row n is lane n % 8 of band n / 8), each row's
-// values written in order (a band, read 8 times, stays in the core's cache), its blocks rebuilt in
-// the file's layout one at a time.
 template <class Isa, class = void>
 struct HasBandValues : std::false_type {};
 template <class Isa>
 struct HasBandValues<Isa, std::enable_if_t<Isa::kBandValues>> : std::true_type {};
 
+// dequant for interleaved bands: rows [begin, end) (row n is lane n % 8 of band n / 8), each row's
+// values written in order (a band, read 8 times, stays in the core's cache), its blocks rebuilt in
+// the file's layout one at a time; whole bands at once where the variant has Isa::band_values.
 template <class Isa, class Fmt, typename Out>
 void dequant8(const uint8_t* bands, int64_t groups, int64_t begin, int64_t end, void* out) {
   const int64_t k = groups * G, width = groups * 8 * Fmt::kBytes;
