@@ -208,7 +208,9 @@ struct X86 {
   // one register of the 8 rows' outputs, the offset term apart, in the same order whatever R is.
   // AVX2: vpmaddubsw's int16 pair sums of a 4-bit chunk are at most 2 x 15 x 127, so a group's four
   // chunks, low and high nibbles (8 of them), stay below 32767 before one vpmaddwd widens them.
-  static constexpr int kBandRows = Vnni ? 8 : 2;  // accumulators: 4 a row in AVX-512's 32 registers
+  // Input rows a pass. vnni: 8, band_pair_dots' 3 registers a row (24 of AVX-512's 32); an odd last band's
+  // band_dots (4 a row) spills there, rare (blocks of bands are even). AVX2: 2 (3 measured no faster).
+  static constexpr int kBandRows = Vnni ? 8 : 2;
   // Each group's bytes of the band kAheadBands on are prefetched as a group is read: the next block's
   // bands (a block of bands meets the input rows in passes, the first from memory) arrive while this
   // one's are computed. (The whole weights of a SmolLM2 step at 8 rows: 7.8-8.0 -> 5.4-5.7 ms.)
