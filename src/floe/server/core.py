@@ -260,8 +260,9 @@ class ServeCore:
     @property
     def pool_threads(self) -> int:
         """Threads the core's socket needs for chats and calls: running chats (each holds a thread for its
-        whole reply), the ones waiting for a slot (the store's queue) and a few being refused."""
-        return self.engine.cache.n_slots + self.store.max_waiting + 8
+        whole reply), the ones waiting for a slot (the store's queue), as many waiting for busy sessions
+        (floe.server.sessions.waits) and a few being refused."""
+        return self.engine.cache.n_slots + 2 * self.store.max_waiting + 8
 
     def streams_ids(self, chat: Chat | Completion) -> bool:
         """Whether a chat's reply may go to the front as token ids (its table is this engine's)."""

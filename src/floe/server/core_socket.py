@@ -31,6 +31,7 @@ log = logging.getLogger("floe.serve")
 INLINE_CALLS = ("hello", "health", "sessions", "session", "metrics", "models")
 FLUSH_S = 0.002  # after a flush of streamed text, the next waits this long: its frame gathers more
 UPLOAD_WAIT_S = 300.0  # an import whose next chunk takes longer than this is given up
+MAX_IMPORTS = 4  # snapshot uploads at once (each holds a thread while its client sends); more: a 503
 
 
 class _Connection:
@@ -183,7 +184,9 @@ class CoreServer:
         self.sock.bind(self.path)
         os.chmod(self.path, 0o600)
         self.sock.listen()
-        self.pool = ThreadPoolExecutor(core.pool_threads, "floe-chat")  # (a running chat holds one)
+        # (a running chat holds a thread, and so does an import while its client sends)
+        self.pool = ThreadPoolExecutor(core.pool_threads + MAX_IMPORTS, "floe-chat")
+        self._imports = threading.BoundedSemaphore(MAX_IMPORTS)
         self.connections: list[_Connection] = []
         self._wake = threading.Event()  # text is waiting in an outbox
         self._closed = False
@@ -229,6 +232,10 @@ class CoreServer:
                              message.get("owner"))
         elif op == "export":
             self.pool.submit(self._export, conn, rid, message.get("arg"), message.get("owner"))
+        elif op == "import" and not self._imports.acquire(blocking=False):  # (its data frames are dropped)
+            _answer_error(conn, rid, ServeError(503, f"{MAX_IMPORTS} snapshot uploads are under way; send "
+                                                "this one once one has ended", "server_error", "server_busy"),
+                          "an import")
         elif op == "import":
             conn.uploads[rid] = chunks = queue.Queue()
             self.pool.submit(self._import, conn, rid, message.get("arg"), message.get("owner"), chunks)
@@ -272,10 +279,14 @@ class CoreServer:
         except queue.Empty:
             _answer_error(conn, rid, ServeError(408, f"the snapshot's upload stalled for {UPLOAD_WAIT_S} s",
                                                 code="upload_timeout"), "an import")
+        except UploadStopped:  # its client left (nobody reads an answer): no failure to log
+            _answer_error(conn, rid, ServeError(499, "the snapshot's upload stopped before its end",
+                                                code="upload_stopped"), "an import")
         except Exception as e:  # noqa: BLE001 - answered; the core goes on
             _answer_error(conn, rid, e, "an import")
         finally:
             conn.uploads.pop(rid, None)
+            self._imports.release()
 
     def _chat(self, conn: _Connection, rid: int, request: dict) -> None:
         try:

@@ -10,6 +10,7 @@ from floe.server.protocol import OWNER
 
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # fullmatch: "$" would let a final "\n" in
 ROLES = ("system", "user", "assistant")
+SEED_LIMIT = 2**63  # a session's seed is below it (floe.sampling_params.SamplingParams)
 
 
 class NotASession(ValueError):
@@ -46,8 +47,10 @@ def app_record(metadata: dict[str, str]) -> dict:
             for m in messages):
         raise NotASession("not a floe serve session (no conversation record of role and content messages)")
     seed, owner, anonymous = record.get("seed", 0), record.get("owner", ""), record.get("anonymous", False)
-    if type(seed) is not int:
-        raise NotASession(f"not a floe serve session (its seed {str(seed)[:20]!r} is not an integer)")
+    if type(seed) is not int or not 0 <= seed < SEED_LIMIT:  # (2**64 was a 500 at every thaw: torch's
+        # generator takes 64 bits; floe writes a request's seed, [0, 2**63), or 63 random bits)
+        raise NotASession(f"not a floe serve session (its seed {str(seed)[:20]!r} is not an integer in "
+                          "[0, 2**63))")
     if not (isinstance(owner, str) and OWNER.fullmatch(owner)) or type(anonymous) is not bool:
         raise NotASession("not a floe serve session (its owner is not an owner id or 'anonymous' not a "
                           "boolean)")

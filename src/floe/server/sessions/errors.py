@@ -48,6 +48,12 @@ class NoFreeSlot(SessionError):
     status, code = 503, "server_busy"
 
 
+class SessionBusy(SessionError):
+    """The session runs another request, and this one may not wait for it (floe.server.sessions.waits)."""
+
+    status, code = 503, "session_busy"
+
+
 class ThawFailed(SessionError):
     status, code = 500, "thaw_failed"
 

@@ -184,7 +184,7 @@ class SessionLifecycle:
         a client that asks for a freeze asks for it to be kept): its id, state, snapshot bytes and the
         seconds it took."""
         session = self.registry.get(sid, owner)
-        with session.lock:
+        with self.registry.waits.holding(session):
             if not session.persist:
                 session.persist = True
                 if not session.live and session.stored:
@@ -199,7 +199,7 @@ class SessionLifecycle:
 
     def thaw(self, sid: str, owner: str = "") -> dict:
         session = self.registry.get(sid, owner)
-        with session.lock:
+        with self.registry.waits.holding(session):
             self.ensure_live(session)
         return session.describe()
 
@@ -207,7 +207,7 @@ class SessionLifecycle:
         """Freeze `owner`'s session `sid` (if live) and give up this server's lease on it: another
         server may take it at once (a drain, a migration). Its id and snapshot bytes."""
         session = self.registry.get(sid, owner)
-        with session.lock:
+        with self.registry.waits.holding(session):
             if session.live:
                 session.persist = True
                 self.freeze_locked(session)

@@ -17,6 +17,7 @@ import uuid
 from floe.server.records import NotASession, app_record, session_key, split_key
 from floe.server.sessions.errors import SessionExists, SessionLeased, ThawFailed, UnknownSession
 from floe.server.sessions.session import Session, checked_id, is_prefix
+from floe.server.sessions.waits import LockWaits
 from floe.snapshot import SnapshotError, clean_stale
 from floe.snapshot.errors import LeaseHeld, SnapshotNotFound
 from floe.snapshot.store import SnapshotStore
@@ -28,8 +29,11 @@ log = logging.getLogger("floe.serve")
 class SessionRegistry:
     """The sessions of one server by store key, and the lock that guards them."""
 
-    def __init__(self, snapshots: SnapshotStore, persist_anonymous: bool = False) -> None:
+    def __init__(self, snapshots: SnapshotStore, persist_anonymous: bool = False, max_waiting: int = 8,
+                 wait_seconds: float = 30.0) -> None:
+        """max_waiting, wait_seconds: how many requests may wait for busy sessions, each how long (s)."""
         self.snapshots, self.persist_anonymous = snapshots, persist_anonymous
+        self.waits = LockWaits(max_waiting, wait_seconds)  # requests waiting for a busy session's lock
         self.sessions: dict[str, Session] = {}  # by session_key(owner, id)
         self.lock = threading.Lock()  # guards `sessions` and slot accounting
         self.skipped: list[str] = []  # snapshots in the store that are not loadable sessions

@@ -77,7 +77,7 @@ class SessionStore:
         self.loop = loop  # steps v2 guests' turns (None: the engine's own loop)
         self.max_waiting, self.wait_seconds = max_waiting, wait_seconds
 
-        self.registry = SessionRegistry(snapshots, persist_anonymous)
+        self.registry = SessionRegistry(snapshots, persist_anonymous, max_waiting, wait_seconds)
         self.sessions, self.lock = self.registry.sessions, self.registry.lock  # (by session_key(owner, id))
         self.actors = ActorMaker(engine, guest, scheduler, loop)
         self.admission = SlotAdmission(self.registry, engine, max_waiting, wait_seconds)
@@ -180,7 +180,7 @@ class SessionStore:
 
     def delete(self, sid: str, owner: str = "") -> None:
         session = self.registry.get(sid, owner)
-        with session.lock:
+        with self.registry.waits.holding(session):
             if not self.lifecycle.forget_locked(session):
                 raise UnknownSession(f"no session {sid!r}")
 
@@ -203,7 +203,7 @@ class SessionStore:
         history = messages[:-1]
         while True:
             session = self.registry.choose(session_id, history, seed, owner)
-            session.lock.acquire()
+            self.registry.waits.take(session)  # (a busy session: a bounded wait)
             with self.lock:
                 if self.sessions.get(session.key) is session:
                     break

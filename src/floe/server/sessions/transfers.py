@@ -31,7 +31,7 @@ class SessionTransfers:
         """`owner`'s session `sid` as its snapshot file's bytes, in chunks, every byte checked before
         the first is given; a live session is frozen first (and stays live), so it is its state now."""
         session = self.registry.get(sid, owner)
-        with session.lock:
+        with self.registry.waits.holding(session):
             if session.live:
                 self.lifecycle.freeze_locked(session, close=False)
             elif not session.stored:
@@ -53,18 +53,19 @@ class SessionTransfers:
             session = sessions.get(key)
             if session is None:
                 session = sessions[key] = Session(sid, owner=owner, seed=0)
-        with session.lock:
+        with self.registry.waits.holding(session):
             def accept(header) -> None:
                 app_record(header.metadata)  # NotASession: refused before it replaces anything
 
             try:
                 info = self.snapshots.import_(key, chunks, accept=accept)
-            except LeaseHeld as e:
+            except BaseException as e:  # refused, or its client stopped sending: nothing is kept of it
                 self.registry.forget_if_empty(session)
-                raise SessionLeased(sid, e) from None
-            except (SnapshotError, NotASession) as e:
-                self.registry.forget_if_empty(session)
-                raise SnapshotRefused(f"the snapshot was refused: {e}") from None
+                if isinstance(e, LeaseHeld):
+                    raise SessionLeased(sid, e) from None
+                if isinstance(e, (SnapshotError, NotASession)):
+                    raise SnapshotRefused(f"the snapshot was refused: {e}") from None
+                raise
             if session.actor is not None:  # the imported state replaces what ran here
                 session.actor.close()
                 session.actor = None
@@ -86,7 +87,7 @@ class SessionTransfers:
         new_id = uuid.uuid4().hex[:16] if new_id is None else checked_id(new_id)
         source = self.registry.get(sid, owner)
         sessions = self.registry.sessions
-        with source.lock:
+        with self.registry.waits.holding(source):
             with self.registry.lock:
                 if sessions.get(source.key) is not source:  # dropped while this waited for it
                     raise UnknownSession(f"no session {sid!r}")

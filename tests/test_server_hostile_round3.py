@@ -1,0 +1,171 @@
+"""The third hostile round against a real `floe serve` front and core on loopback: what
+tests/test_server_hostile.py does not cover. A snapshot upload whose conversation record carries a seed
+torch's generator cannot take; requests piled on one busy session (chats, freezes) and snapshot uploads
+that trickle, each of which held a thread of the engine core's socket until none was left for anyone
+else. What must hold: no 500, every request answered in bounded time, another user's session keeps
+answering meanwhile, and the server is healthy afterwards."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from test_server import MODEL_ID, ThreadServer
+from test_server_hostile import Errors, metric, refused
+
+from floe.engine import Engine
+from floe.server.app import create_app
+from floe.server.core_socket import MAX_IMPORTS
+
+SLOTS = 4
+WAIT_S = 2.0  # how long a request may wait for a slot or a busy session here (floe serve's: 30 s)
+BODY_TIMEOUT_S = 3.0
+CHAT = "/v1/chat/completions"
+LONG = "Count from 1 to 1000, one number per line."
+
+
+@pytest.fixture(scope="module")
+def server(default_checkpoint, tmp_path_factory):
+    errors = Errors()
+    for name in ("floe", "uvicorn", "uvicorn.error"):
+        logging.getLogger(name).addHandler(errors)
+    engine = Engine(default_checkpoint, max_seq_len=1024, n_slots=SLOTS, weights="native")
+    folder = tmp_path_factory.mktemp("sessions")
+    s = ThreadServer(create_app(engine, snapshots=folder, model_id=MODEL_ID, idle_seconds=3600,
+                                wait_seconds=WAIT_S), header_timeout_s=2.0, body_timeout_s=BODY_TIMEOUT_S)
+    s.errors = errors
+    yield s
+    s.stop()
+    for name in ("floe", "uvicorn", "uvicorn.error"):
+        logging.getLogger(name).removeHandler(errors)
+
+
+def chat(url: str, sid: str, text: str = "hi", max_tokens: int = 2, **fields) -> httpx.Response:
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "session_id": sid} | fields
+    return httpx.post(url + CHAT, json=body, timeout=120)
+
+
+def exported(url: str, sid: str) -> bytes:
+    r = httpx.get(f"{url}/v1/sessions/{sid}/snapshot", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def with_record(data: bytes, **changes) -> bytes:
+    """A snapshot file whose conversation record (its `app` metadata) has `changes`, sealed again with
+    valid checksums: what anyone with floe's own code can write."""
+    from safetensors.torch import load_file, save_file
+
+    from floe.snapshot import header
+    from floe.snapshot.file import seal
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "s.safetensors"
+        path.write_bytes(data)
+        metadata, tensors = header(path), load_file(str(path))
+        app = json.loads(metadata["app"])
+        app["floe_server"].update(changes)
+        metadata["app"] = json.dumps(app)
+        seal(tensors, metadata)
+        save_file(tensors, str(path), metadata=metadata)
+        return path.read_bytes()
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64, 2**200, -1], ids=lambda s: f"seed={s}")
+def test_an_upload_whose_record_has_a_seed_out_of_range_is_refused_whole(server, seed):
+    """Such a seed (2**64: 'Overflow when unpacking long long' in torch's generator) was stored, then
+    every chat, thaw and fork of the session was a 500 (and the upload itself one, for a record naming
+    another owner, which is thawed to be written again)."""
+    assert chat(server.url, "seed-source").status_code == 200
+    data, sid = exported(server.url, "seed-source"), f"seeded{str(seed)[-6:]}"
+    for owner in ("", "0" * 32):  # its own record, and one another owner wrote
+        crafted = with_record(data, seed=seed, owner=owner)
+        r = httpx.put(f"{server.url}/v1/sessions/{sid}/snapshot", content=crafted, timeout=60)
+        refused(r)
+        assert r.json()["error"]["code"] == "snapshot_invalid" and "seed" in r.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=60).status_code == 404
+    r = httpx.put(f"{server.url}/v1/sessions/{sid}/snapshot", content=with_record(data, seed=2**63 - 1),
+                  timeout=60)
+    assert r.status_code == 200, r.text
+    assert chat(server.url, sid, "hello").status_code == 200
+
+
+def running(url: str, pool: ThreadPoolExecutor, sid: str):
+    """A long turn of session `sid`, running (the engine loop steps it) when this returns."""
+    holder = pool.submit(chat, url, sid, LONG, 900)
+    deadline = time.time() + 60
+    while httpx.get(f"{url}/health", timeout=30).json()["engine_loop"]["active"] == 0:
+        assert time.time() < deadline and not holder.done(), "the long turn never ran"
+        time.sleep(0.01)
+    return holder
+
+
+def test_requests_piled_on_one_busy_session_never_hold_up_another_users(server):
+    """40 chats and 40 freezes at one session while it runs a long turn: the core's socket has ~30
+    threads, and each request waiting for the session's lock held one (for as long as the turn ran), so
+    another session's chat waited behind them all. Now at most the queue's size (8) waits, each at most
+    the queue's wait, the rest get 503 session_busy at once; another session answers meanwhile."""
+    with ThreadPoolExecutor(81) as pool:
+        holder = running(server.url, pool, "busy")
+        piled = [pool.submit(chat, server.url, "busy", "and?") for _ in range(40)]
+        piled += [pool.submit(httpx.post, f"{server.url}/v1/sessions/busy/freeze", timeout=120)
+                  for _ in range(40)]
+        time.sleep(0.5)  # (they have arrived)
+        t = time.perf_counter()
+        r = chat(server.url, "bystander")
+        waited = time.perf_counter() - t
+        assert r.status_code == 200, r.text
+        assert not holder.done() and waited < WAIT_S, waited  # before the busy session's turn ended
+        answers = [f.result() for f in piled]
+        assert holder.result().status_code == 200
+    busy = [a for a in answers if a.status_code == 503]
+    assert all(a.status_code in (200, 503) for a in answers), [a.text for a in answers if a.status_code > 503]
+    assert len(busy) >= 80 - 8 and all(a.headers["retry-after"] for a in busy)
+    assert {a.json()["error"]["code"] for a in busy} == {"session_busy"}
+    assert chat(server.url, "busy", "one more").status_code == 200  # the session goes on
+
+
+def trickle(port: int, sid: str, data: bytes) -> socket.socket:
+    """A snapshot upload that sends its headers and first bytes, then nothing."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(f"PUT /v1/sessions/{sid}/snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n"
+              f"Content-Type: application/octet-stream\r\n\r\n".encode() + data[:4096])
+    return s
+
+
+def test_trickling_uploads_hold_at_most_a_few_threads_and_end(server):
+    """Snapshot uploads whose clients stop sending: each held a core thread (up to 300 s a chunk) and
+    its session's lock. At most MAX_IMPORTS run at once (the next is a 503 at once), another session
+    answers meanwhile, and once their body deadline has passed an upload goes through again."""
+    assert chat(server.url, "upload-source").status_code == 200
+    data = exported(server.url, "upload-source")
+    slow = [trickle(server.port, f"slow-{i}", data) for i in range(MAX_IMPORTS)]
+    try:
+        time.sleep(0.5)
+        r = httpx.put(f"{server.url}/v1/sessions/one-more/snapshot", content=data, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy", r.text
+        assert chat(server.url, "bystander-2").status_code == 200
+        time.sleep(BODY_TIMEOUT_S + 1)  # their deadline passes: 408, each import cancelled
+        r = httpx.put(f"{server.url}/v1/sessions/one-more/snapshot", content=data, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        for s in slow:
+            s.close()
+    for i in range(MAX_IMPORTS):  # nothing of theirs was stored
+        assert httpx.get(f"{server.url}/v1/sessions/slow-{i}", timeout=60).status_code == 404
+
+
+def test_the_server_is_healthy_after_the_round(server):
+    """Runs last: no 500 was counted or logged, and a normal request answers."""
+    assert httpx.get(f"{server.url}/health", timeout=60).json()["status"] == "ok"
+    assert chat(server.url, "last", max_tokens=4).status_code == 200
+    assert metric(server.url, 'floe_requests_total{status="500"}') == 0
+    assert [r.getMessage() for r in server.errors.records] == []
