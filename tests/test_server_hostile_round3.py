@@ -7,6 +7,7 @@ answering meanwhile, and the server is healthy afterwards."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import socket
@@ -28,13 +29,14 @@ SLOTS = 4
 WAIT_S = 2.0  # how long a request may wait for a slot or a busy session here (floe serve's: 30 s)
 BODY_TIMEOUT_S = 3.0
 CHAT = "/v1/chat/completions"
+LOGGERS = ("floe", "uvicorn", "uvicorn.error", "asyncio")  # an ERROR record in any: a failure
 LONG = "Count from 1 to 1000, one number per line."
 
 
 @pytest.fixture(scope="module")
 def server(default_checkpoint, tmp_path_factory):
     errors = Errors()
-    for name in ("floe", "uvicorn", "uvicorn.error"):
+    for name in LOGGERS:
         logging.getLogger(name).addHandler(errors)
     engine = Engine(default_checkpoint, max_seq_len=1024, n_slots=SLOTS, weights="native")
     folder = tmp_path_factory.mktemp("sessions")
@@ -43,7 +45,7 @@ def server(default_checkpoint, tmp_path_factory):
     s.errors = errors
     yield s
     s.stop()
-    for name in ("floe", "uvicorn", "uvicorn.error"):
+    for name in LOGGERS:
         logging.getLogger(name).removeHandler(errors)
 
 
@@ -147,7 +149,11 @@ def test_trickling_uploads_hold_at_most_a_few_threads_and_end(server):
     answers meanwhile, and once their body deadline has passed an upload goes through again."""
     assert chat(server.url, "upload-source").status_code == 200
     data = exported(server.url, "upload-source")
-    slow = [trickle(server.port, f"slow-{i}", data) for i in range(MAX_IMPORTS)]
+    # Garbage the core refuses at its first bytes, whose client then sends nothing: its refusal was
+    # left unread in the front (asyncio: 'Future exception was never retrieved') once the client left.
+    slow = [trickle(server.port, "garbage", b"\0" * len(data))]
+    time.sleep(0.3)
+    slow += [trickle(server.port, f"slow-{i}", data) for i in range(MAX_IMPORTS)]
     try:
         time.sleep(0.5)
         r = httpx.put(f"{server.url}/v1/sessions/one-more/snapshot", content=data, timeout=60)
@@ -159,8 +165,9 @@ def test_trickling_uploads_hold_at_most_a_few_threads_and_end(server):
     finally:
         for s in slow:
             s.close()
-    for i in range(MAX_IMPORTS):  # nothing of theirs was stored
-        assert httpx.get(f"{server.url}/v1/sessions/slow-{i}", timeout=60).status_code == 404
+    gc.collect()
+    for sid in ("garbage", *(f"slow-{i}" for i in range(MAX_IMPORTS))):  # nothing of theirs was stored
+        assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=60).status_code == 404
 
 
 def test_the_server_is_healthy_after_the_round(server):

@@ -130,6 +130,8 @@ class CoreClient:
             if not self.gone:
                 self._send({"op": "cancel", "id": rid})
             self._calls.pop(rid, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # (refused while its client left: nobody reads why, nor logs it unread)
             raise
         if not future.done():
             self._send({"op": "end", "id": rid})
