@@ -12,6 +12,7 @@ import json
 import logging
 import socket
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -133,6 +134,46 @@ def test_requests_piled_on_one_busy_session_never_hold_up_another_users(server):
     assert len(busy) >= 80 - 8 and all(a.headers["retry-after"] for a in busy)
     assert {a.json()["error"]["code"] for a in busy} == {"session_busy"}
     assert chat(server.url, "busy", "one more").status_code == 200  # the session goes on
+
+
+def streamed(url: str, headers: dict, body: dict, started: threading.Event) -> int:
+    """A streamed chat read to its end, `started` set at its first line (its session is held then)."""
+    with httpx.stream("POST", url + CHAT, headers=headers, json=body | {"stream": True}, timeout=120) as r:
+        for _ in r.iter_lines():
+            started.set()
+    return r.status_code
+
+
+def test_one_key_piling_on_its_busy_session_leaves_another_key_a_place_to_wait(default_checkpoint, tmp_path):
+    """Key A fills every place among the waiters for busy sessions; key B's second message to its own
+    busy session still waits its turn (A's newest waiter gives its place up: a 503 saying why) and is
+    answered, rather than a 503 because of A's pile."""
+    engine = Engine(default_checkpoint, max_seq_len=1024, n_slots=2, weights="native")
+    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, keys=("key-a", "key-b"),
+                                wait_seconds=30))
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    long = {"model": MODEL_ID, "temperature": 0, "messages": [{"role": "user", "content": LONG}]}
+    short = {"model": MODEL_ID, "max_tokens": 2, "messages": [{"role": "user", "content": "and?"}]}
+    try:
+        with ThreadPoolExecutor(20) as pool:
+            a_runs, b_runs = threading.Event(), threading.Event()
+            a_long = long | {"max_tokens": 900, "session_id": "a-busy"}
+            b_long = long | {"max_tokens": 300, "session_id": "b-busy"}
+            holder = pool.submit(streamed, s.url, a, a_long, a_runs)
+            assert a_runs.wait(60)
+            piled = [pool.submit(httpx.post, s.url + CHAT, headers=a, timeout=120,
+                                 json=short | {"session_id": "a-busy"}) for _ in range(12)]
+            time.sleep(0.5)  # (8 of A's pile wait, the rest were refused)
+            first = pool.submit(streamed, s.url, b, b_long, b_runs)
+            assert b_runs.wait(60)
+            second = httpx.post(s.url + CHAT, headers=b, timeout=120, json=short | {"session_id": "b-busy"})
+            assert second.status_code == 200, second.text
+            assert first.result() == 200 and holder.result() == 200
+            answers = [f.result() for f in piled]
+        gave_up = [r for r in answers if r.status_code == 503 and "another API key" in r.text]
+        assert len(gave_up) == 1 and all(r.status_code in (200, 503) for r in answers)
+    finally:
+        s.stop()
 
 
 def trickle(port: int, sid: str, data: bytes) -> socket.socket:
