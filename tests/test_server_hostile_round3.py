@@ -101,6 +101,46 @@ def test_an_upload_whose_record_has_a_seed_out_of_range_is_refused_whole(server,
     assert chat(server.url, sid, "hello").status_code == 200
 
 
+MARK = "MARK"  # where a test's body gets its lone surrogate, as JSON escapes it (json.loads lets it in)
+CALLED = [{"role": "user", "content": "x"},
+          {"role": "assistant", "content": None, "tool_calls": [
+              {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "ARGS"}}]},
+          {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+
+
+def schema(value: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": value}}}
+
+
+TEXT_FIELDS = {  # each a 500 (UnicodeEncodeError) where the schema, tools or history was encoded (the
+    # template variables: wherever a template shows them)
+    "response_format": schema({"description": MARK}),
+    "response_format enum": schema({"enum": [MARK]}),
+    "response_format key": schema({"type": "object", "properties": {MARK: {"type": "integer"}}}),
+    "tools": {"tools": [{"type": "function", "function": {"name": "f", "description": MARK}}]},
+    "tool_calls arguments": {"messages": CALLED, "ARGS": json.dumps(MARK)},  # (JSON text in JSON text)
+    "tool_calls arguments key": {"messages": CALLED, "ARGS": json.dumps({MARK: 1})},
+    "chat_template_kwargs": {"chat_template_kwargs": {"a": {"b": MARK}}},
+}
+
+
+@pytest.mark.parametrize("field", TEXT_FIELDS)
+def test_a_lone_surrogate_in_a_schema_tools_or_tool_call_arguments_is_a_400(server, field):
+    change = dict(TEXT_FIELDS[field])
+    args = change.pop("ARGS", None)
+    body = json.dumps({"model": MODEL_ID, "max_tokens": 30, "messages": [{"role": "user", "content": "x"}]}
+                      | change)
+    if args is not None:  # the arguments' JSON text, itself a JSON string: its escape escaped once more
+        body = body.replace('"ARGS"', json.dumps(args)).replace(MARK, "\\\\ud800")
+    body = body.replace(MARK, "\\ud800")
+    assert json.loads(body)  # (well-formed JSON: only its text is not Unicode)
+    r = httpx.post(server.url + CHAT, content=body.encode(), headers={"content-type": "application/json"},
+                   timeout=60)
+    refused(r)
+    param = "messages" if field.startswith("tool_calls") else field.split()[0]
+    assert "lone surrogate" in r.text and r.json()["error"]["param"] == param, r.text
+
+
 def running(url: str, pool: ThreadPoolExecutor, sid: str):
     """A long turn of session `sid`, running (the engine loop steps it) when this returns."""
     holder = pool.submit(chat, url, sid, LONG, 900)

@@ -256,6 +256,7 @@ class ChatService:
                 asked["chat_template_kwargs"] = check_template_kwargs(body.chat_template_kwargs)
             except TemplateKwargsError as e:
                 raise ServeError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
+            structured.check_nesting(body.chat_template_kwargs, "chat_template_kwargs")  # (a lone surrogate)
         shape = Shape() if constraint is None or constraint.mode == "json" else ToolShape()
         return await self._answer(body, asked, body.max_completion_tokens or body.max_tokens, shape, request,
                                   constraint)

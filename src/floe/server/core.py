@@ -31,7 +31,7 @@ from floe.server.limits import check_text
 from floe.server.protocol import CALLS, ROLES, ServeError
 from floe.server.sessions import Answer, Session, SessionError, SessionStore, snapshot_store
 from floe.server.stops import checked_stops
-from floe.server.structured import Constraint, outcome
+from floe.server.structured import Constraint, check_nesting, outcome
 from floe.server.structured_turns import StructuredTurns
 from floe.snapshot.layout import KV_DTYPES
 from floe.snapshot.store import SnapshotStore
@@ -465,9 +465,11 @@ def _template_kwargs(value: object) -> dict | None:
     if value is None:
         return None
     try:
-        return check_template_kwargs(value) or None
+        kwargs = check_template_kwargs(value) or None
     except TemplateKwargsError as e:
         raise ServeError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
+    check_nesting(kwargs, "chat_template_kwargs")  # (a lone surrogate: its rendered prompt cannot be encoded)
+    return kwargs
 
 
 def _owner(value) -> str:

@@ -213,12 +213,30 @@ def text_nesting(text: str) -> int:
 
 
 def check_nesting(value, param: str) -> None:
-    """A 400 for a client's JSON nested deeper than MAX_NESTING (Python's json would exhaust its stack)."""
+    """A 400 for a client's JSON nested deeper than MAX_NESTING (Python's json would exhaust its stack),
+    or holding a string that is not Unicode text (a lone surrogate, which JSON's \\ud800 escape lets in:
+    the schema or tools shown to the model, or compiled by the grammar guest, were a 500 at its encoding)."""
     if nesting(value) > MAX_NESTING:
         raise ServeError(400, f"{param}: JSON nested deeper than {MAX_NESTING} levels", param=param)
+    if not unicode_json(value):
+        raise ServeError(400, f"{param}: a string that is not valid Unicode text (a lone surrogate)",
+                         param=param)
 
 
-class NestedTooDeep(ValueError):
+def unicode_json(value) -> bool:
+    """Whether every string of a JSON value (keys too) is valid Unicode text (no lone surrogate)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class ArgumentsRefused(ValueError):
+    """Tool-call arguments a session cannot keep as text."""
+
+
+class NestedTooDeep(ArgumentsRefused):
     """Tool-call arguments nested deeper than MAX_NESTING levels."""
 
 
@@ -232,6 +250,8 @@ def call_text(name: str, arguments) -> str:
         raise NestedTooDeep(f"arguments nested deeper than {MAX_NESTING} levels")
     if isinstance(arguments, str):
         arguments = json.loads(arguments)
+    if not unicode_json(arguments):  # (a \ud800 escape in the JSON: the session's text cannot be encoded)
+        raise ArgumentsRefused("arguments holding a string that is not valid Unicode text (a lone surrogate)")
     return ('{"name":' + json.dumps(name) + ',"arguments":'
             + json.dumps(arguments, separators=(",", ":"), ensure_ascii=False) + "}")
 
@@ -248,7 +268,7 @@ def assistant_calls_text(i: int, calls) -> tuple[str, dict[str, str]]:
             if not isinstance(name, str):
                 raise ValueError
             lines.append(call_text(name, fn.get("arguments") or "{}"))
-        except NestedTooDeep as e:
+        except ArgumentsRefused as e:
             raise ServeError(400, f"messages[{i}].tool_calls: {e}", param="messages") from None
         except (ValueError, TypeError):
             raise ServeError(400, f"messages[{i}].tool_calls: each a function with a name and JSON "
