@@ -3,6 +3,7 @@ the router costs a loaded model, and two models' sessions at once against one mo
 
     python bench/serve_models.py [--device cpu] [--model PATH | --shape llama-3.2-1b] [--repeats 3]
                                  [--sessions 4] [--max-tokens 32] [--context 1024]
+    python bench/serve_models.py --unbalanced 6 1 [--repeats 3] [--max-tokens 64]
 
 1. load-and-first-token: `floe serve --model a=PATH --model b=COPY` (b a copy of the file: evicting it
    leaves a's cached); b's first request after b was unloaded (POST /v1/models/b/unload), its file in
@@ -11,6 +12,12 @@ the router costs a loaded model, and two models' sessions at once against one mo
 2. a loaded model's request through the router against a one-model `floe serve` of the same file,
    both running, requests alternated: time to first token and to a --max-tokens reply, medians.
 3. --sessions streams on model a alone, then on a and b at once: aggregate generated tokens/s.
+4. --unbalanced A B (instead of 1-3): A sessions stream on model a without a pause while B sessions
+   each stream one --max-tokens reply on model b; against B on b alone and A on a alone, alternated,
+   --repeats each: b's tokens/s a session, time to its first text and the gaps between its streamed
+   texts (p50, p99, max), a's aggregate tokens/s over b's replies, and each engine loop's decode steps
+   (EngineLoop.stats(), through /health): whether one model starves the other. Writes
+   serve_models_unbalanced_<device>.json.
 
 Each server is a `floe serve` process (its engine core and HTTP front as in production). --shape NAME
 first writes a random Llama model of that shape (floe.model.config.KNOWN_SHAPES; the default model's
@@ -63,16 +70,21 @@ def serve(flags: list[str], folder: Path, args) -> tuple[subprocess.Popen, str]:
         time.sleep(0.05)
 
 
-def reply(url: str, model: str, max_tokens: int, text: str = "Tell me about Paris.") -> tuple:
-    """One streamed chat: seconds to its first content, to its end, and its tokens."""
+def reply(url: str, model: str, max_tokens: int, text: str = "Tell me about Paris.",
+          chunks: list | None = None) -> tuple:
+    """One streamed chat: seconds to its first content, to its end, and its tokens. chunks: each
+    chunk of text's time.perf_counter() is appended to it."""
     started, first, usage = time.perf_counter(), None, 0
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=600, json={
             "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if first is None and line.startswith("data: ") and '"content"' in line:
-                first = time.perf_counter() - started
+            if line.startswith("data: ") and '"content"' in line:
+                now = time.perf_counter()
+                first = now - started if first is None else first
+                if chunks is not None and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    chunks.append(now)  # (not the first chunk's empty content, with its role)
             if line.startswith("data: {") and '"usage": {' in line:
                 usage = json.loads(line[6:])["usage"]["completion_tokens"]
     return first, time.perf_counter() - started, usage
@@ -127,6 +139,103 @@ def aggregate(url: str, models: list[str], sessions: int, max_tokens: int) -> fl
     return tokens / (time.perf_counter() - started)
 
 
+def loop_stats(url: str) -> dict:
+    """Each loaded model's engine loop counters (EngineLoop.stats(), through /health)."""
+    models = httpx.get(url + "/health", timeout=60).json()["models"]
+    return {name: m["engine_loop"] for name, m in models.items() if "engine_loop" in m}
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def unbalanced_run(url: str, busy: int, lone: int, max_tokens: int) -> dict:
+    """`busy` streams on a (each streaming again as soon as it ends) while `lone` streams on b each run
+    one reply; either side 0: the other alone. b's streams, and a's tokens while b's ran."""
+    import threading
+
+    stop, a_chunks, b_runs = threading.Event(), [[] for _ in range(busy)], []
+
+    def busy_stream(i: int) -> None:
+        while not stop.is_set():
+            reply(url, "a", max_tokens, f"Tell me about topic {i}.", a_chunks[i])
+
+    def lone_stream(i: int) -> None:
+        chunks: list[float] = []
+        begun = time.perf_counter()
+        _, total, tokens = reply(url, "b", max_tokens, f"Tell me about place {i}.", chunks)
+        gaps = [1e3 * (t1 - t0) for t0, t1 in zip(chunks, chunks[1:], strict=False)]
+        b_runs.append({"ttft_ms": 1e3 * (chunks[0] - begun), "tok_s": tokens / total, "tokens": tokens,
+                       "gaps_ms": gaps})
+
+    with ThreadPoolExecutor(busy + lone) as pool:
+        jobs = [pool.submit(busy_stream, i) for i in range(busy)]
+        if busy:
+            time.sleep(2.0)  # a's streams past their prompts
+        before, started = loop_stats(url), time.perf_counter()
+        lones = [pool.submit(lone_stream, i) for i in range(lone)]
+        for j in lones:
+            j.result()
+        if not lone:
+            time.sleep(max_tokens / 40)
+        ended = time.perf_counter()
+        after = loop_stats(url)  # (before a's streams end)
+        stop.set()
+        for j in jobs:
+            j.result()
+    a_tokens = sum(1 for c in a_chunks for t in c if started <= t <= ended)
+    seconds = ended - started
+    steps = {m: {k: after[m][k] - before.get(m, after[m])[k] for k in ("steps", "rows", "step_s")}
+             for m in after}
+    for s in steps.values():  # each loop's decode steps a second, and its mean time in a step
+        s["steps_per_s"], s["step_ms"] = s["steps"] / seconds, 1e3 * s["step_s"] / max(1, s["steps"])
+    return {"b": b_runs, "a_tok_s": a_tokens / seconds if busy else None, "seconds": seconds,
+            "steps": steps}
+
+
+def unbalanced(url: str, busy: int, lone: int, args) -> dict:
+    """--unbalanced: the three runs (b alone, a alone, both), alternated, --repeats each."""
+    reply(url, "b", 4)  # (both loaded and warm)
+    reply(url, "a", 4)
+    runs: dict[str, list[dict]] = {"b_alone": [], "a_alone": [], "both": []}
+    for i in range(args.repeats):
+        order = [("b_alone", 0, lone), ("a_alone", busy, 0), ("both", busy, lone)]
+        for name, n_a, n_b in (order if i % 2 == 0 else order[::-1]):
+            runs[name].append(unbalanced_run(url, n_a, n_b, args.max_tokens))
+    out = {}
+    for name, rs in runs.items():
+        bs = [b for r in rs for b in r["b"]]
+        gaps = [g for b in bs for g in b["gaps_ms"]]
+        out[name] = {"runs": rs, "a_tok_s": [r["a_tok_s"] for r in rs if r["a_tok_s"] is not None],
+                     "b_tok_s": [b["tok_s"] for b in bs], "b_ttft_ms": [b["ttft_ms"] for b in bs],
+                     "b_gap_ms": {"p50": percentile(gaps, 0.5), "p99": percentile(gaps, 0.99),
+                                  "max": max(gaps, default=float("nan"))},
+                     "steps": [r["steps"] for r in rs]}
+    return out
+
+
+def report_unbalanced(result: dict) -> None:
+    u = result["unbalanced"]
+    print(f"{result['model']} on {result['device']}: {result['busy']} sessions streaming on a, "
+          f"{result['lone']} on b, {result['max_tokens']}-token replies, {result['repeats']} repeats")
+
+    def span(values: list[float], unit: str) -> str:
+        return f"{min(values):.1f}-{max(values):.1f} {unit}" if values else "-"
+
+    for name in ("b_alone", "a_alone", "both"):
+        r = u[name]
+        steps = "; ".join(f"{m} {s['steps_per_s']:.0f} steps/s, {s['step_ms']:.1f} ms a step"
+                          for m, s in r["steps"][-1].items() if s["steps"])
+        print(f"  {name:8s} b: {span(r['b_tok_s'], 'tok/s')}, TTFT {span(r['b_ttft_ms'], 'ms')}, gaps p50 "
+              f"{r['b_gap_ms']['p50']:.1f} p99 {r['b_gap_ms']['p99']:.1f} max {r['b_gap_ms']['max']:.1f} ms"
+              f" | a: {span(r['a_tok_s'], 'tok/s')} | last run: {steps}")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"serve_models_unbalanced_{result['device']}.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
 def random_model(shape: str, folder: Path) -> Path:
     """A random Llama model of `shape` as a Hugging Face folder (bf16 safetensors), the default model's
     tokenizer."""
@@ -179,6 +288,8 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--unbalanced", type=int, nargs=2, metavar=("A", "B"), default=None,
+                    help="only case 4: A sessions streaming on model a, B on model b")
     args = ap.parse_args()
     from floe.model import default_model_path
 
@@ -190,6 +301,15 @@ def main() -> None:
             source = random_model(args.shape, work / "model")
         copy = work / f"copy{source.suffix}"
         (shutil.copytree if source.is_dir() else shutil.copy)(source, copy)
+        if args.unbalanced:
+            busy, lone = args.unbalanced
+            args.sessions = (busy + lone + 1) // 2  # (--max-sessions: room for them all)
+            router, router_url = serve(["--model", f"a={source}", "--model", f"b={copy}"], work / "s1", args)
+            procs.append(router)
+            result = {"device": args.device, "model": args.shape or source.name, "busy": busy, "lone": lone,
+                      "max_tokens": args.max_tokens, "repeats": args.repeats,
+                      "unbalanced": unbalanced(router_url, busy, lone, args)}
+            return report_unbalanced(result)
         router, router_url = serve(["--model", f"a={source}", "--model", f"b={copy}"], work / "s1", args)
         procs.append(router)
         single, single_url = serve(["--model", str(source), "--model-id", "one"], work / "s2", args)
