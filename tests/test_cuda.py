@@ -652,3 +652,21 @@ def test_draws_for_guests_with_logits_in_their_memory_and_without_share_a_step(b
         t.join()
     assert sorted(out) == [0, 1, 2, 3] and all(s.generated_tokens == 6 or s.finish_reason == "stop"
                                                for s in out.values())
+
+
+def test_two_engines_on_one_gpu_step_in_turn_and_answer_as_alone(engines, tokenizer):
+    """Two models on one GPU (issue 44): a lone session on one engine while six stream on another
+    (tests/test_device_sharing.py's share()): it answers as alone, neither engine starves."""
+    from test_device_sharing import BUSY, longest_run, share
+
+    from floe.engine import Engine
+    from floe.model.synthetic import random_checkpoint
+
+    ckpt = random_checkpoint("smollm2-135m", tokenizer, dtype=torch.float32, scale=0.08)
+    busy = Engine(ckpt, device="cuda", max_seq_len=512, n_slots=BUSY, cuda_graphs=True, fused_kernels=False)
+    alone, shared, window = share(busy, engines["graph"])
+    print(f"lone {window.count('lone')} steps, busy {window.count('busy')}; most in a row: busy "
+          f"{longest_run(window, 'busy')}, lone {longest_run(window, 'lone')}")
+    assert shared == alone
+    assert window.count("busy") >= 1
+    assert longest_run(window, "busy") <= 8
