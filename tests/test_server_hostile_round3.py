@@ -24,7 +24,7 @@ from test_server_hostile import Errors, metric, refused
 
 from floe.engine import Engine
 from floe.server.app import create_app
-from floe.server.core_socket import MAX_IMPORTS
+from floe.server.core_socket import EXPORT_WINDOW, MAX_IMPORTS
 
 SLOTS = 4
 WAIT_S = 2.0  # how long a request may wait for a slot or a busy session here (floe serve's: 30 s)
@@ -41,9 +41,9 @@ def server(default_checkpoint, tmp_path_factory):
         logging.getLogger(name).addHandler(errors)
     engine = Engine(default_checkpoint, max_seq_len=1024, n_slots=SLOTS, weights="native")
     folder = tmp_path_factory.mktemp("sessions")
-    s = ThreadServer(create_app(engine, snapshots=folder, model_id=MODEL_ID, idle_seconds=3600,
-                                wait_seconds=WAIT_S), header_timeout_s=2.0, body_timeout_s=BODY_TIMEOUT_S)
-    s.errors = errors
+    app = create_app(engine, snapshots=folder, model_id=MODEL_ID, idle_seconds=3600, wait_seconds=WAIT_S)
+    s = ThreadServer(app, header_timeout_s=2.0, body_timeout_s=BODY_TIMEOUT_S)
+    s.errors, s.app = errors, app
     yield s
     s.stop()
     for name in LOGGERS:
@@ -249,6 +249,34 @@ def test_trickling_uploads_hold_at_most_a_few_threads_and_end(server):
     gc.collect()
     for sid in ("garbage", *(f"slow-{i}" for i in range(MAX_IMPORTS))):  # nothing of theirs was stored
         assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=60).status_code == 404
+
+
+def test_exports_to_clients_that_read_nothing_hold_a_few_chunks_each_in_the_front(server):
+    """The core sent a snapshot's every chunk at once, and the front kept what its client had not read:
+    10 exports of a 70 MB snapshot to clients that read nothing took the front from 138 to 912 MB (floe
+    serve, measured), a few dozen a whole machine's memory. Now each has at most EXPORT_WINDOW chunks
+    (1 MiB) ahead of its client; a client that reads gets the whole file."""
+    r = chat(server.url, "big", "Write a very long story about a dragon, at least 2000 words.", 700)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 400, r.text
+    whole = exported(server.url, "big")  # (~45 MB)
+    queues = server.app.state.client._chats  # each export's frames that its client has not taken
+    before = set(queues)
+    stalled = []
+    for _ in range(3):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", server.port))
+        s.sendall(b"GET /v1/sessions/big/snapshot HTTP/1.1\r\nHost: x\r\n\r\n")
+        stalled.append(s)
+    try:
+        time.sleep(2.0)
+        held = [queues[rid].qsize() for rid in set(queues) - before]
+        assert len(held) == 3 and max(held) <= EXPORT_WINDOW + 1, held  # (before: all ~45 of each)
+        again = exported(server.url, "big")  # a client that reads meanwhile: the whole file (frozen again:
+        assert len(again) == len(whole) and again[-1 << 20:] == whole[-1 << 20:]  # its header's time differs)
+    finally:
+        for s in stalled:
+            s.close()
 
 
 def test_the_server_is_healthy_after_the_round(server):

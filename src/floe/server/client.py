@@ -105,6 +105,7 @@ class CoreClient:
             try:
                 while (event := await queue.get())[0] == "data":
                     yield base64.b64decode(event[1])
+                    self._send({"op": "more", "id": rid})  # taken: the core may send one more
                 if event[0] == "error":  # after the first byte: the body is cut short (an import refuses it)
                     raise ServeError.from_payload(event[1])
             finally:

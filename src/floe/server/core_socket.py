@@ -32,6 +32,11 @@ INLINE_CALLS = ("hello", "health", "sessions", "session", "metrics", "models")
 FLUSH_S = 0.002  # after a flush of streamed text, the next waits this long: its frame gathers more
 UPLOAD_WAIT_S = 300.0  # an import whose next chunk takes longer than this is given up
 MAX_IMPORTS = 4  # snapshot uploads at once (each holds a thread while its client sends); more: a 503
+# An export sends at most EXPORT_WINDOW chunks (1 MiB each) ahead of what its client has taken ("more"
+# frames): without it, exports to clients that read nothing piled in the front's memory (10 of a 70 MB
+# snapshot: +780 MB). EXPORTS send at once (each holds a thread of their own pool); more wait for one.
+EXPORT_WINDOW, EXPORTS = 4, 8
+EXPORT_STALL_S = 60.0  # an export whose client takes nothing for this long is given up
 
 
 class _Connection:
@@ -51,6 +56,7 @@ class _Connection:
         self.cancelled: set[int] = set()  # of those, the ones whose client left
         self.uploads: dict[int, queue.Queue] = {}  # imports under way: their chunks (None: the end)
         self.overflowed: set[int] = set()  # chats whose streamed output could not be sent (_write_parts)
+        self.exports: dict[int, threading.Semaphore] = {}  # exports under way: the chunks they may send
         self.closed = False
 
     def text(self, rid: int, piece: str) -> None:
@@ -82,6 +88,8 @@ class _Connection:
         self.closed = True
         for stream, _, _ in list(self.watched.values()):
             stream.stop()
+        for credit in list(self.exports.values()):  # (an export waiting for its client sees closed)
+            credit.release()
 
     @property
     def streaming(self) -> bool:
@@ -187,6 +195,7 @@ class CoreServer:
         # (a running chat holds a thread, and so does an import while its client sends)
         self.pool = ThreadPoolExecutor(core.pool_threads + MAX_IMPORTS, "floe-chat")
         self._imports = threading.BoundedSemaphore(MAX_IMPORTS)
+        self.exporting = ThreadPoolExecutor(EXPORTS, "floe-export")  # (never a chat's thread)
         self.connections: list[_Connection] = []
         self._wake = threading.Event()  # text is waiting in an outbox
         self._closed = False
@@ -225,13 +234,19 @@ class CoreServer:
             conn.cancel(rid)
             if rid in conn.uploads:
                 conn.uploads[rid].put(UploadStopped())
+            if (credit := conn.exports.pop(rid, None)) is not None:  # its client left: it stops
+                credit.release()
+        elif op == "more":  # an export's client took a chunk: one more may go
+            if (credit := conn.exports.get(rid)) is not None:
+                credit.release()
         elif op == "call" and message.get("name") in INLINE_CALLS:  # never behind the pool's waiters
             self._call(conn, rid, message["name"], message.get("arg"), message.get("owner"))
         elif op == "call":  # freeze, thaw, delete: may wait for a session's lock
             self.pool.submit(self._call, conn, rid, message.get("name"), message.get("arg"),
                              message.get("owner"))
         elif op == "export":
-            self.pool.submit(self._export, conn, rid, message.get("arg"), message.get("owner"))
+            conn.exports[rid] = threading.Semaphore(EXPORT_WINDOW)
+            self.exporting.submit(self._export, conn, rid, message.get("arg"), message.get("owner"))
         elif op == "import" and not self._imports.acquire(blocking=False):  # (its data frames are dropped)
             _answer_error(conn, rid, ServeError(503, f"{MAX_IMPORTS} snapshot uploads are under way; send "
                                                 "this one once one has ended", "server_error", "server_busy"),
@@ -256,16 +271,25 @@ class CoreServer:
             _answer_error(conn, rid, e, f"call {name!r}")
 
     def _export(self, conn: _Connection, rid: int, sid, owner) -> None:
+        chunks = None
         try:
             chunks = self.core.export(sid, owner)  # checked whole before the first chunk
             conn.send(["started", rid, sid])
             for chunk in chunks:
-                if conn.closed:
+                credit = conn.exports.get(rid)
+                if credit is None or conn.closed:  # its client left
                     return
+                if not credit.acquire(timeout=EXPORT_STALL_S):
+                    raise ServeError(408, f"the export's client took nothing for {EXPORT_STALL_S:g} s",
+                                     code="export_stalled")
                 conn.send(["data", rid, base64.b64encode(chunk).decode()])
             conn.send(["done", rid, {}])
         except Exception as e:  # noqa: BLE001 - answered; the core goes on
             _answer_error(conn, rid, e, "an export")
+        finally:
+            conn.exports.pop(rid, None)
+            if chunks is not None and hasattr(chunks, "close"):  # (a model's export holds it loaded)
+                chunks.close()
 
     def _import(self, conn: _Connection, rid: int, sid, owner, chunks: queue.Queue) -> None:
         def received():
@@ -377,6 +401,7 @@ class CoreServer:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
         self.pool.shutdown(wait=True, cancel_futures=True)  # chats not yet started never start
+        self.exporting.shutdown(wait=True, cancel_futures=True)
 
 
 class UploadStopped(Exception):

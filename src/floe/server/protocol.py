@@ -29,7 +29,9 @@ Front to core, objects:
                                                  one's id and whether it is loaded; floe.server.models),
                                                  load, unload (A: a model's name)
                                                  (the session calls see O's sessions only)
-  {"op": "export", "id": N, "arg": SID, "owner": O}   session SID's snapshot: "started", "data"s, "done"
+  {"op": "export", "id": N, "arg": SID, "owner": O}   session SID's snapshot: "started", "data"s, "done";
+  {"op": "more", "id": N}                             a "data" taken by its client (the core sends
+                                                      at most a few ahead: core_socket.EXPORT_WINDOW)
   {"op": "import", "id": N, "arg": SID, "owner": O}   a snapshot for session SID follows: "data"s, then
   {"op": "data", "id": N, "data": B64}                "end" (or "cancel": the upload stopped); answered
   {"op": "end", "id": N}                              "ok" (or "error") once it was checked and stored
