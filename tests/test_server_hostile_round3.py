@@ -141,6 +141,17 @@ def test_a_lone_surrogate_in_a_schema_tools_or_tool_call_arguments_is_a_400(serv
     assert "lone surrogate" in r.text and r.json()["error"]["param"] == param, r.text
 
 
+def test_more_messages_than_the_context_has_tokens_are_refused_before_any_template_runs(server):
+    """200,000 empty messages (6.6 MB) passed the text bound (no text) and the front rendered them for
+    the prompt hint on its event loop: 4.3 s in which no other request of anyone's was answered (floe
+    serve, measured; then the core rendered them again). Now a conversation of more messages than the
+    context has tokens is refused by counting them (0.8 s, JSON parsing the body)."""
+    body = {"model": MODEL_ID, "max_tokens": 2, "messages": [{"role": "user", "content": ""}] * 200_000}
+    r = httpx.post(server.url + CHAT, json=body, timeout=60)
+    refused(r)
+    assert r.json()["error"]["code"] == "context_length_exceeded" and "200000 messages" in r.text, r.text
+
+
 def running(url: str, pool: ThreadPoolExecutor, sid: str):
     """A long turn of session `sid`, running (the engine loop steps it) when this returns."""
     holder = pool.submit(chat, url, sid, LONG, 900)

@@ -124,6 +124,7 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         app.state.aliases = tuple(hello["aliases"])
         app.state.models = tuple(hello.get("models", ()))  # several models (floe.server.models): their names
         app.state.max_text_bytes = hello.get("max_text_bytes")  # a router's replicas may not say
+        app.state.context = hello.get("context")  # (nor this)
         if prompt_hints and not app.state.models:
             await service.hints.load(client)
         try:
@@ -270,7 +271,8 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         except ClientDisconnect:
             return Response(status_code=499)  # nobody reads it; nothing was stored
 
-    service = ChatService(client, _model, lambda: app.state.max_text_bytes, lambda: bool(app.state.models))
+    service = ChatService(client, _model, lambda: app.state.max_text_bytes, lambda: bool(app.state.models),
+                          lambda: app.state.context)
 
     async def counted(answer) -> Response:
         """A chat service call's response, counted by its status (a client that left: 499)."""

@@ -226,7 +226,8 @@ class ChatService:
     """Answers chat and text completion requests through the engine core.
 
     check_model(name): raises the 404 for a model name this server does not serve. max_text_bytes(): the
-    most bytes of text a conversation may have (floe.server.limits.check_text; None: no bound known).
+    most bytes of text a conversation may have, context(): the most messages (its tokens)
+    (floe.server.limits.check_text; None: no bound known).
     several(): whether the server has several models (floe.server.models): a reply's token ids are
     made into text with its model's table (CoreClient.table). hints: the prompt hints it sends with
     plain chats (floe.server.hints; loaded at the front's start).
@@ -234,8 +235,10 @@ class ChatService:
 
     def __init__(self, client: CoreClient, check_model: Callable[[str], Any],
                  max_text_bytes: Callable[[], int | None] = lambda: None,
-                 several: Callable[[], bool] = lambda: False) -> None:
+                 several: Callable[[], bool] = lambda: False,
+                 context: Callable[[], int | None] = lambda: None) -> None:
         self.client, self.check_model, self.max_text_bytes = client, check_model, max_text_bytes
+        self.context = context
         self.several = several
         self.hints = FrontHints()
 
@@ -291,7 +294,7 @@ class ChatService:
         if constraint is not None:
             core_request["structured"] = constraint.wire()
         if "messages" in asked:
-            check_text(asked["messages"], self.max_text_bytes())
+            check_text(asked["messages"], self.max_text_bytes(), self.context())
             hint = None if constraint is not None else await self.hints.make(
                 asked["messages"], asked.get("chat_template_kwargs"))
             if hint is not None:

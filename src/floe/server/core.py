@@ -290,7 +290,7 @@ class ServeCore:
         if not (sid is None or isinstance(sid, str)) or not (max_tokens is None or _int(max_tokens) > 0):
             raise ServeError(400, "session_id must be a string and max_tokens a positive integer")
         params = _sampling(request)
-        check_text(messages, self.max_text_bytes)  # before the template or the tokenizer see it
+        check_text(messages, self.max_text_bytes, self.engine.max_seq_len)  # before the template or tokenizer
         shown = messages if constraint is None else self.turns.prompt(messages, constraint)
         tokenizer = self.engine.tokenizer
         hint = None if constraint is not None else hints.from_wire(request.get("hint"), messages,
@@ -350,7 +350,7 @@ class ServeCore:
             raise ServeError(400, f"no call {name!r}")
         if name == "hello":
             return {"model_id": self.model_id, "aliases": list(self.aliases), "started": self.started,
-                    "max_text_bytes": self.max_text_bytes}
+                    "max_text_bytes": self.max_text_bytes, "context": self.engine.max_seq_len}
         if name == "vocab":
             return self._vocab
         if name == "tokenizer":  # (the fronts' prompt hints: floe.server.hints)

@@ -25,6 +25,8 @@ from floe.server.client import CoreClient
 log = logging.getLogger("floe.serve")
 
 INLINE_CHARS = 16_384  # a conversation up to this long is hinted on the front's event loop (~1 ms at most)
+MESSAGE_CHARS = 64  # what a message counts for that, besides its text (the template renders each: 200,000
+# empty messages took the event loop 4 s)
 
 
 def wire(hint: Hint) -> dict:
@@ -85,7 +87,7 @@ class FrontHints:
         if tokenizer is None:
             return None
         try:
-            if sum(len(m["content"]) for m in messages) <= INLINE_CHARS:
+            if sum(len(m["content"]) + MESSAGE_CHARS for m in messages) <= INLINE_CHARS:
                 hint = tokenizer.hint(messages, kwargs)
             else:  # (long: off the event loop, as the core tokenizes long texts off its guest's thread)
                 hint = await asyncio.to_thread(tokenizer.hint, messages, kwargs)

@@ -6,7 +6,9 @@ any JSON is parsed, any text tokenized or any frame sent to the engine core (doc
 - A conversation's text of at most what the context could hold: `max_text_bytes`, the context's
   tokens times the most bytes of text one token can stand for (Tokenizer.most_text_bytes_per_token):
   past it, 400 `context_length_exceeded` without tokenizing (a 10 MB message took the core 9-14 s of
-  tokenizing to refuse). The core checks it again (it trusts no peer).
+  tokenizing to refuse). So are more messages than the context has tokens (each takes at least one:
+  200,000 empty messages took the front's event loop 4 s to render, every other request waiting). The
+  core checks both again (it trusts no peer).
 """
 
 from __future__ import annotations
@@ -71,9 +73,14 @@ def is_snapshot_upload(scope: Scope) -> bool:
         scope["path"].endswith("/snapshot")
 
 
-def check_text(messages: list[dict], max_text_bytes: int | None) -> None:
+def check_text(messages: list[dict], max_text_bytes: int | None, context: int | None = None) -> None:
     """Refuse (400 context_length_exceeded) a conversation whose text is more than the context could
-    hold, counted in bytes: no tokenizer runs for it."""
+    hold, counted in bytes, or that has more messages than the `context` has tokens: no template or
+    tokenizer runs for it."""
+    if context is not None and len(messages) > context:
+        raise ServeError(400, f"the conversation has {len(messages)} messages; this server's context holds "
+                         f"{context} tokens (each message takes at least one)",
+                         code="context_length_exceeded", param="messages")
     if max_text_bytes is None:
         return
     size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
