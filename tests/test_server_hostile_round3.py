@@ -29,6 +29,7 @@ from floe.server.core_socket import EXPORT_WINDOW, MAX_IMPORTS
 SLOTS = 4
 WAIT_S = 2.0  # how long a request may wait for a slot or a busy session here (floe serve's: 30 s)
 BODY_TIMEOUT_S = 3.0
+SEND_TIMEOUT_S = 3.0  # (floe serve's: 60 s)
 CHAT = "/v1/chat/completions"
 LOGGERS = ("floe", "uvicorn", "uvicorn.error", "asyncio")  # an ERROR record in any: a failure
 LONG = "Count from 1 to 1000, one number per line."
@@ -42,7 +43,7 @@ def server(default_checkpoint, tmp_path_factory):
     engine = Engine(default_checkpoint, max_seq_len=1024, n_slots=SLOTS, weights="native")
     folder = tmp_path_factory.mktemp("sessions")
     app = create_app(engine, snapshots=folder, model_id=MODEL_ID, idle_seconds=3600, wait_seconds=WAIT_S)
-    s = ThreadServer(app, header_timeout_s=2.0, body_timeout_s=BODY_TIMEOUT_S)
+    s = ThreadServer(app, header_timeout_s=2.0, body_timeout_s=BODY_TIMEOUT_S, send_timeout_s=SEND_TIMEOUT_S)
     s.errors, s.app = errors, app
     yield s
     s.stop()
@@ -285,6 +286,10 @@ def test_exports_to_clients_that_read_nothing_hold_a_few_chunks_each_in_the_fron
         assert len(held) == 3 and max(held) <= EXPORT_WINDOW + 1, held  # (before: all ~45 of each)
         again = exported(server.url, "big")  # a client that reads meanwhile: the whole file (frozen again:
         assert len(again) == len(whole) and again[-1 << 20:] == whole[-1 << 20:]  # its header's time differs)
+        # Past the send timeout their connections are closed and their exports stop (uvicorn waited for
+        # ever to write, holding the chunks and keeping a stop of the server waiting 30 s).
+        time.sleep(SEND_TIMEOUT_S + 1.5)
+        assert not set(queues) - before
     finally:
         for s in stalled:
             s.close()

@@ -7,7 +7,10 @@ have arrived `HEADER_TIMEOUT_S` after the connection opened or the request's fir
 body arrives, every `BODY_CHUNK` bytes (or the rest) must come within `BODY_TIMEOUT_S` (about 2 KB/s
 at least: a snapshot upload of any size passes, a trickle does not). A request past its deadline gets
 `408` (nothing has answered it yet) and its connection is closed; the app, if it was reading the body,
-sees its client leave. Once a request is complete nothing is timed: a reply may stream for minutes.
+sees its client leave. Once a request is complete, a reply may stream for minutes; but one whose client
+reads none of it (the socket's buffers full, uvicorn waits to write) for `SEND_TIMEOUT_S` has its
+connection closed: uvicorn waits for ever, holding what the reply had ready (a snapshot export's chunks)
+and keeping a stop of the server waiting.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
 BODY_CHUNK = 64 * 1024
+SEND_TIMEOUT_S = 60.0
 
 
 class DeadlineH11Protocol(H11Protocol):
@@ -29,10 +33,12 @@ class DeadlineH11Protocol(H11Protocol):
 
     header_timeout_s = HEADER_TIMEOUT_S
     body_timeout_s = BODY_TIMEOUT_S
+    send_timeout_s = SEND_TIMEOUT_S
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._timer: asyncio.TimerHandle | None = None
+        self._stalled: asyncio.TimerHandle | None = None  # the reply's client has read nothing since
         self._phase: h11.Sentinel | None = None
         self._body_bytes = 0
         self._rearm()
@@ -45,7 +51,30 @@ class DeadlineH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        self._unstall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stalled is None:
+            self._stalled = self.loop.call_later(self.send_timeout_s, self._stuck)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unstall()
+
+    def _unstall(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def _stuck(self) -> None:
+        """The reply's client has read nothing for send_timeout_s: its connection is closed (the app
+        sees its client leave)."""
+        self._stalled = None
+        if self.cycle is not None:
+            self.cycle.disconnected = True
+        self.transport.abort()
 
     def _cancel(self) -> None:
         if self._timer is not None:
@@ -91,9 +120,10 @@ class DeadlineH11Protocol(H11Protocol):
 
 
 def uvicorn_config(app, *, host: str, port: int, log_level: str = "warning",
-                   header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S
-                   ) -> uvicorn.Config:
+                   header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
+                   send_timeout_s: float = SEND_TIMEOUT_S) -> uvicorn.Config:
     """How `floe serve` runs its HTTP front under uvicorn: HTTP/1.1 with the deadlines above (in s)."""
     protocol = type("DeadlineH11Protocol", (DeadlineH11Protocol,),
-                    {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})
+                    {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s,
+                     "send_timeout_s": send_timeout_s})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol)
