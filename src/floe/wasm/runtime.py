@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -306,6 +307,78 @@ def default_runtime() -> WasmRuntime:
         return _RUNTIME
 
 
+# Compiled guests are kept on disk (CACHE_ENV names the folder, "off" keeps none): a process that
+# loads its guest from there never runs Cranelift, whose code and buffers cost ~9 MB of resident memory
+# (`floe run` on the default model, bench/peak_rss.py) and a few ms per guest. A file holds what
+# Module.serialize wrote and its SHA-256, so a torn or damaged one is compiled again, never run.
+CACHE_ENV = "FLOE_WASM_CACHE"
+CACHE_FILES = 32  # the most recently used kept (a chat guest's file: ~30 KB)
+
+
+def cache_folder() -> Path | None:
+    """Where compiled guests are kept: $FLOE_WASM_CACHE, else $XDG_CACHE_HOME/floe/wasm (~/.cache);
+    None where the variable says "off"."""
+    given = os.environ.get(CACHE_ENV)
+    if given is not None:
+        return None if given.strip().lower() in ("", "0", "off") else Path(given)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "floe" / "wasm"
+
+
+def _cache_file(sha256: str) -> Path | None:
+    folder = cache_folder()
+    # (Wasmtime refuses an artifact of another Wasmtime version or engine configuration: it is then
+    # compiled again and replaced.)
+    return None if folder is None else folder / f"{sha256}.cwasm"
+
+
+def _cached(engine: wasmtime.Engine, wasm: bytes, sha256: str) -> Module | None:
+    """The module compiled earlier from these bytes by this Wasmtime and configuration, if kept."""
+    path = _cache_file(sha256)
+    try:
+        data = path.read_bytes() if path is not None else b""
+    except OSError:
+        return None
+    artifact, digest = data[:-32], data[-32:]
+    if len(data) <= 32 or hashlib.sha256(artifact).digest() != digest:
+        return None
+    try:
+        module = Module.deserialize(engine, artifact)
+    except WasmtimeError:  # another configuration's
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # used now: the last to go
+    return module
+
+
+def _compile(engine: wasmtime.Engine, wasm: bytes, name: str, sha256: str) -> Module:
+    """Compile with Cranelift and keep the result (_cached); a folder that cannot be written keeps none."""
+    try:
+        module = Module(engine, wasm)
+    except WasmtimeError as e:
+        raise GuestLoadError(f"{name} is not a valid WebAssembly module: {e}") from e
+    path = _cache_file(sha256)
+    if path is not None:
+        artifact = module.serialize()
+        partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_bytes(artifact + hashlib.sha256(artifact).digest())
+            os.replace(partial, path)  # whole or not at all: another process may be reading it
+        except OSError:
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+        _evict(path.parent)
+    return module
+
+
+def _evict(folder: Path) -> None:
+    """Remove all but the CACHE_FILES most recently used compiled guests of `folder`."""
+    with contextlib.suppress(OSError):
+        kept = sorted(folder.glob("*.cwasm"), key=lambda f: f.stat().st_mtime, reverse=True)
+        for old in kept[CACHE_FILES:]:
+            old.unlink(missing_ok=True)
+
+
 class GuestModule:
     """A compiled guest module and the SHA-256 of its bytes (snapshots record it)."""
 
@@ -323,10 +396,8 @@ class GuestModule:
             too_big = shape.refusal(wasm)
         if too_big is not None:
             raise GuestLoadError(f"{self.name} {too_big}")
-        try:
-            self.module = Module(runtime.engine, wasm)
-        except WasmtimeError as e:
-            raise GuestLoadError(f"{self.name} is not a valid WebAssembly module: {e}") from e
+        self.module = _cached(runtime.engine, wasm, self.sha256) or _compile(runtime.engine, wasm, self.name,
+                                                                             self.sha256)
 
     @functools.cached_property
     def _imports(self) -> tuple[tuple[str, str], ...]:
