@@ -33,6 +33,7 @@ SEND_TIMEOUT_S = 3.0  # (floe serve's: 60 s)
 CHAT = "/v1/chat/completions"
 LOGGERS = ("floe", "uvicorn", "uvicorn.error", "asyncio")  # an ERROR record in any: a failure
 LONG = "Count from 1 to 1000, one number per line."
+STORY = "Write a very long story about a dragon, at least 2000 words."  # (greedy: 1,500 tokens and more)
 
 
 @pytest.fixture(scope="module")
@@ -263,12 +264,43 @@ def test_trickling_uploads_hold_at_most_a_few_threads_and_end(server):
         assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=60).status_code == 404
 
 
+def rss_mb() -> int:
+    return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) >> 10
+
+
+def test_an_upload_to_a_busy_session_is_not_read_ahead_while_it_waits(server):
+    """An import waits for its session (a running turn); its body went on streaming into the core's
+    memory meanwhile (1.5 GB of body to a busy session: the core from 570 to 2,163 MB, floe serve;
+    here, front and core in this process, +136 MB in the 2 s it may wait). Now the front sends at most
+    a few MiB ahead of what the import has taken."""
+    started, peak, done = threading.Event(), [rss_mb()], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], rss_mb())
+
+    body = (b"\0" * (1 << 20) for _ in range(800))
+    with ThreadPoolExecutor(2) as pool:
+        long = {"model": MODEL_ID, "max_tokens": 900, "temperature": 0, "session_id": "up-busy",
+                "messages": [{"role": "user", "content": STORY}]}
+        turn = pool.submit(streamed, server.url, {}, long, started)
+        assert started.wait(60)
+        before = rss_mb()
+        pool.submit(sample)
+        r = httpx.put(f"{server.url}/v1/sessions/up-busy/snapshot", content=body, timeout=120)
+        done.set()
+        assert r.status_code == 503 and r.json()["error"]["code"] == "session_busy", r.text
+        # (measured: +20 MB; before, +136 MB: ~250 MB/s for the 2 s the import may wait)
+        assert peak[0] - before < 64, (before, peak[0])
+        assert turn.result() == 200
+
+
 def test_exports_to_clients_that_read_nothing_hold_a_few_chunks_each_in_the_front(server):
     """The core sent a snapshot's every chunk at once, and the front kept what its client had not read:
     10 exports of a 70 MB snapshot to clients that read nothing took the front from 138 to 912 MB (floe
     serve, measured), a few dozen a whole machine's memory. Now each has at most EXPORT_WINDOW chunks
     (1 MiB) ahead of its client; a client that reads gets the whole file."""
-    r = chat(server.url, "big", "Write a very long story about a dragon, at least 2000 words.", 700)
+    r = chat(server.url, "big", STORY, 700)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 400, r.text
     whole = exported(server.url, "big")  # (~45 MB)
     queues = server.app.state.client._chats  # each export's frames that its client has not taken

@@ -14,6 +14,9 @@ from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length
 
 log = logging.getLogger("floe.serve")
 UPLOAD_CHUNK = 1 << 20  # an import's bytes per frame
+# An import's frames sent ahead of what the core has taken ("more" frames): without a window, an upload
+# to a busy session (the import waits for it) piled in the core's memory (1.5 GB of body: +1.6 GB).
+UPLOAD_WINDOW = 4
 
 
 class CoreClient:
@@ -27,6 +30,7 @@ class CoreClient:
         self.path, self.on_lost = path, on_lost
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future] = {}
+        self._credits: dict[int, asyncio.Semaphore] = {}  # imports under way: the frames they may send
         self._chats: dict[int, asyncio.Queue] = {}
         self._ended: dict[int, asyncio.Event] = {}  # set when a chat's last event is queued
         self._vocab: list[bytes] = []  # each token's reply bytes (the "vocab" call), for "ids" frames
@@ -119,13 +123,16 @@ class CoreClient:
         rid = next(self._ids)
         self._send({"op": "import", "id": rid, "arg": sid, "owner": owner})  # first, as a call's
         self._calls[rid] = future = asyncio.get_running_loop().create_future()
+        self._credits[rid] = credit = asyncio.Semaphore(UPLOAD_WINDOW)
         try:
             async for chunk in body:
-                if future.done():  # refused before its end
-                    break
                 for i in range(0, len(chunk), UPLOAD_CHUNK):
+                    if not await _granted(credit, future):  # refused before its end
+                        break
                     self._send({"op": "data", "id": rid,
                                 "data": base64.b64encode(chunk[i:i + UPLOAD_CHUNK]).decode()})
+                if future.done():
+                    break
                 await self._frames.drain()
         except BaseException:
             if not self.gone:
@@ -134,6 +141,8 @@ class CoreClient:
             if future.done() and not future.cancelled():
                 future.exception()  # (refused while its client left: nobody reads why, nor logs it unread)
             raise
+        finally:
+            self._credits.pop(rid, None)
         if not future.done():
             self._send({"op": "end", "id": rid})
         return await future
@@ -167,6 +176,10 @@ class CoreClient:
 
     def _dispatch(self, message: list) -> None:
         kind = message[0]
+        if kind == "more":  # an import's frame taken: one more may go
+            if (credit := self._credits.get(message[1])) is not None:
+                credit.release()
+            return
         if kind == "text":
             for rid, piece in message[1]:
                 queue = self._chats.get(rid)
@@ -279,3 +292,20 @@ class _Frames(asyncio.Protocol):
         if self._paused:
             self._resumed = asyncio.get_running_loop().create_future()
             await self._resumed
+
+
+async def _granted(credit: asyncio.Semaphore, answered: asyncio.Future) -> bool:
+    """Take one of an import's credits, waiting for the core to grant one; False if the core answered
+    (refused it) first."""
+    if answered.done():
+        return False
+    if not credit.locked():
+        await credit.acquire()
+        return True
+    take = asyncio.ensure_future(credit.acquire())
+    await asyncio.wait({take, answered}, return_when=asyncio.FIRST_COMPLETED)
+    if take.done():
+        return True
+    take.cancel()
+    return False
+

@@ -296,6 +296,7 @@ class CoreServer:
             while (chunk := chunks.get(timeout=UPLOAD_WAIT_S)) is not None:
                 if isinstance(chunk, BaseException):
                     raise chunk
+                conn.send(["more", rid])  # taken: the front may send one more (client.UPLOAD_WINDOW)
                 yield chunk
 
         try:

@@ -48,6 +48,9 @@ Core to front, lists:
                                a chat's items are one UTF-8 byte stream ("replace" errors), ended by
                                its "done" or "error"
   ["data", N, B64]             an export's next bytes (base64: frames are JSON)
+  ["more", N]                  an import's "data" taken: the front sends at most a few ahead of what the
+                               import has taken (client.UPLOAD_WINDOW), so that an import waiting for its
+                               session holds no more of its body than that
   ["done", N, result]          a chat's end: {"text", "finish_reason", "usage"} (an export's: {})
 """
 
