@@ -308,9 +308,11 @@ def default_runtime() -> WasmRuntime:
 
 
 # Compiled guests are kept on disk (CACHE_ENV names the folder, "off" keeps none): a process that
-# loads its guest from there never runs Cranelift, whose code and buffers cost ~9 MB of resident memory
-# (`floe run` on the default model, bench/peak_rss.py) and a few ms per guest. A file holds what
-# Module.serialize wrote and its SHA-256, so a torn or damaged one is compiled again, never run.
+# loads its guest from there never runs Cranelift, whose code and buffers cost 9 MB of resident memory
+# as it compiles the chat guest (6 MB of `floe run`'s peak on the default model, bench/peak_rss.py)
+# and a few ms per guest. A file holds what Module.serialize wrote and its SHA-256, so a torn or
+# damaged one is compiled again, never run. What the folder holds runs as native code: it must be
+# the user's own, as PyTorch's extension cache (~/.cache/torch_extensions) is.
 CACHE_ENV = "FLOE_WASM_CACHE"
 CACHE_FILES = 32  # the most recently used kept (a chat guest's file: ~30 KB)
 
