@@ -154,6 +154,20 @@ def test_more_messages_than_the_context_has_tokens_are_refused_before_any_templa
     assert r.json()["error"]["code"] == "context_length_exceeded" and "200000 messages" in r.text, r.text
 
 
+@pytest.mark.parametrize("field", ["tools", "response_format"])
+def test_a_schema_or_tools_past_the_context_are_refused_by_their_size_not_tokenized(server, field):
+    """A 3 MB tools list (or schema) passed the text bound, which counted the messages only, and the
+    core tokenized the whole prompt it makes to count it: 2.6 s of its CPU (beside the engine loop's)
+    for a 400. Now the schema or tools shown count towards the bound: refused by their bytes."""
+    properties = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(60_000)}}
+    change = {"tools": [{"type": "function", "function": {"name": "f", "parameters": properties}}]} \
+        if field == "tools" else schema(properties)
+    body = {"model": MODEL_ID, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]} | change
+    r = httpx.post(server.url + CHAT, json=body, timeout=60)
+    refused(r)
+    assert r.json()["error"]["code"] == "context_length_exceeded" and "text is" in r.text, r.text
+
+
 def running(url: str, pool: ThreadPoolExecutor, sid: str):
     """A long turn of session `sid`, running (the engine loop steps it) when this returns."""
     holder = pool.submit(chat, url, sid, LONG, 900)

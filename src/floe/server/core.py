@@ -9,6 +9,7 @@ over in one frame per flush for every stream, not with the event loop's HTTP and
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import secrets
 import threading
@@ -296,6 +297,10 @@ class ServeCore:
         hint = None if constraint is not None else hints.from_wire(request.get("hint"), messages,
                                                                    tokenizer.vocab_size, kwargs)
         offered = None if constraint is None else self.turns.offered(constraint)
+        if constraint is not None:  # the schema or tools shown, by floe or by the template, count too (a
+            # 3 MB tools list was tokenized whole, 2.6 s of the core's CPU, to be refused)
+            listed = [{"content": json.dumps(offered, ensure_ascii=False)}] if offered else []
+            check_text([*shown, *listed], self.max_text_bytes)
         try:  # tools counted as the template shows them
             with tokenizer.offering_tools(offered), tokenizer.rendering_with(kwargs):
                 prompt = len(hint.ids) if hint is not None else self._prompt_bound(shown)
