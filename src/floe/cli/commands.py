@@ -42,7 +42,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise FloeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     prompt = _prompt(args)
 
-    from floe import snapshot
     from floe.actor import Actor
     from floe.engine import Engine
 
@@ -61,6 +60,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         guest = guest or builtin_guest("grammar")
         prompt = grammar_message(prompt, Path(args.json_schema).read_text())
+    if args.thaw or args.freeze:  # (safetensors and the snapshot format: imported only then)
+        from floe import snapshot
     if args.thaw:
         if args.system:
             raise FloeError("--system applies to a new conversation; a thawed one keeps its own")

@@ -19,8 +19,6 @@ def load_checkpoint(
     """Load a GGUF file or a Hugging Face folder (config.json + safetensors), or a Hugging Face repo id
     (`owner/name[@revision][:quant-or-file]`) from the local Hugging Face cache (floe.model.hub_cache:
     nothing is downloaded); None: the default model."""
-    from floe.model.gguf_file import load_gguf
-    from floe.model.hf_folder import load_hf_folder
     from floe.model.hub_cache import is_repo_id, repo_name, resolve
 
     name = None
@@ -32,9 +30,13 @@ def load_checkpoint(
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise NotAModel(f"{p} is a folder without config.json: not a Hugging Face model folder")
+        from floe.model.hf_folder import load_hf_folder  # (safetensors: imported only for a folder)
+
         return load_hf_folder(p, dtype, progress, name)
     with open(p, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise NotAModel(f"{p} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    from floe.model.gguf_file import load_gguf
+
     return load_gguf(p, dtype, progress)
