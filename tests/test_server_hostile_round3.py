@@ -27,7 +27,7 @@ from floe.server.app import create_app
 from floe.server.core_socket import EXPORT_WINDOW, MAX_IMPORTS
 
 SLOTS = 4
-WAIT_S = 2.0  # how long a request may wait for a slot or a busy session here (floe serve's: 30 s)
+WAIT_S = 2.0  # a request's wait for a slot here, twice that for a busy session (floe serve's: 30 s)
 BODY_TIMEOUT_S = 3.0
 SEND_TIMEOUT_S = 3.0  # (floe serve's: 60 s)
 CHAT = "/v1/chat/completions"

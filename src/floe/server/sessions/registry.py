@@ -31,9 +31,10 @@ class SessionRegistry:
 
     def __init__(self, snapshots: SnapshotStore, persist_anonymous: bool = False, max_waiting: int = 8,
                  wait_seconds: float = 30.0) -> None:
-        """max_waiting, wait_seconds: how many requests may wait for busy sessions, each how long (s)."""
+        """max_waiting, wait_seconds: how many requests may wait for busy sessions, and how long (s) one
+        may wait for a KV slot (for a busy session: twice that, as its holder may wait that long first)."""
         self.snapshots, self.persist_anonymous = snapshots, persist_anonymous
-        self.waits = LockWaits(max_waiting, wait_seconds)  # requests waiting for a busy session's lock
+        self.waits = LockWaits(max_waiting, 2 * wait_seconds)  # requests waiting for a busy session's lock
         self.sessions: dict[str, Session] = {}  # by session_key(owner, id)
         self.lock = threading.Lock()  # guards `sessions` and slot accounting
         self.skipped: list[str] = []  # snapshots in the store that are not loadable sessions
