@@ -243,11 +243,12 @@ def test_one_key_piling_on_its_busy_session_leaves_another_key_a_place_to_wait(d
         s.stop()
 
 
-def trickle(port: int, sid: str, data: bytes) -> socket.socket:
+def trickle(port: int, sid: str, data: bytes, headers: str = "") -> socket.socket:
     """A snapshot upload that sends its headers and first bytes, then nothing."""
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    s.sendall(f"PUT /v1/sessions/{sid}/snapshot HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n"
-              f"Content-Type: application/octet-stream\r\n\r\n".encode() + data[:4096])
+    head = (f"PUT /v1/sessions/{sid}/snapshot HTTP/1.1\r\nHost: x\r\n{headers}Content-Length: {len(data)}\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n")
+    s.sendall(head.encode() + data[:4096])
     return s
 
 
@@ -339,6 +340,33 @@ def test_exports_to_clients_that_read_nothing_hold_a_few_chunks_each_in_the_fron
     finally:
         for s in stalled:
             s.close()
+
+
+def test_one_key_trickling_uploads_leaves_another_key_room_to_upload(default_checkpoint, tmp_path):
+    """A client of key A trickling MAX_IMPORTS uploads (64 KiB per 30 s keeps one going for hours)
+    held every import place: key B's upload was a 503 all that time. Now a key may have half of them."""
+    engine = Engine(default_checkpoint, max_seq_len=256, n_slots=2, weights="native")
+    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, keys=("key-a", "key-b")),
+                     body_timeout_s=BODY_TIMEOUT_S)
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    try:
+        body = {"model": MODEL_ID, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                "session_id": "mine"}
+        assert httpx.post(s.url + CHAT, json=body, headers=b, timeout=60).status_code == 200
+        data = httpx.get(f"{s.url}/v1/sessions/mine/snapshot", headers=b, timeout=60).content
+        key_a = "Authorization: Bearer key-a\r\n"
+        slow = [trickle(s.port, f"a-{i}", data, key_a) for i in range(MAX_IMPORTS // 2)]
+        time.sleep(0.5)
+        try:
+            r = httpx.put(f"{s.url}/v1/sessions/a-more/snapshot", content=data, headers=a, timeout=60)
+            assert r.status_code == 503 and "this API key" in r.text, r.text
+            r = httpx.put(f"{s.url}/v1/sessions/copy/snapshot", content=data, headers=b, timeout=60)
+            assert r.status_code == 200, r.text
+        finally:
+            for conn in slow:
+                conn.close()
+    finally:
+        s.stop()
 
 
 def test_the_server_is_healthy_after_the_round(server):

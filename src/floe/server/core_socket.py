@@ -13,6 +13,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +32,8 @@ log = logging.getLogger("floe.serve")
 INLINE_CALLS = ("hello", "health", "sessions", "session", "metrics", "models")
 FLUSH_S = 0.002  # after a flush of streamed text, the next waits this long: its frame gathers more
 UPLOAD_WAIT_S = 300.0  # an import whose next chunk takes longer than this is given up
-MAX_IMPORTS = 4  # snapshot uploads at once (each holds a thread while its client sends); more: a 503
+MAX_IMPORTS = 4  # snapshot uploads at once (each holds a thread while its client sends); more: a 503,
+# as is an API key's past half of them (a client trickling 4 uploads held them all, every key's, for hours)
 # An export sends at most EXPORT_WINDOW chunks (1 MiB each) ahead of what its client has taken ("more"
 # frames): without it, exports to clients that read nothing piled in the front's memory (10 of a 70 MB
 # snapshot: +780 MB). EXPORTS send at once (each holds a thread of their own pool); more wait for one.
@@ -194,7 +196,8 @@ class CoreServer:
         self.sock.listen()
         # (a running chat holds a thread, and so does an import while its client sends)
         self.pool = ThreadPoolExecutor(core.pool_threads + MAX_IMPORTS, "floe-chat")
-        self._imports = threading.BoundedSemaphore(MAX_IMPORTS)
+        self._importing: Counter = Counter()  # imports under way, by owner
+        self._imports_lock = threading.Lock()
         self.exporting = ThreadPoolExecutor(EXPORTS, "floe-export")  # (never a chat's thread)
         self.connections: list[_Connection] = []
         self._wake = threading.Event()  # text is waiting in an outbox
@@ -247,13 +250,13 @@ class CoreServer:
         elif op == "export":
             conn.exports[rid] = threading.Semaphore(EXPORT_WINDOW)
             self.exporting.submit(self._export, conn, rid, message.get("arg"), message.get("owner"))
-        elif op == "import" and not self._imports.acquire(blocking=False):  # (its data frames are dropped)
-            _answer_error(conn, rid, ServeError(503, f"{MAX_IMPORTS} snapshot uploads are under way; send "
-                                                "this one once one has ended", "server_error", "server_busy"),
-                          "an import")
+        elif op == "import" and (refused := self._take_import(_text_or_none(message.get("owner")))):
+            _answer_error(conn, rid, ServeError(503, f"{refused}; send this one once one has ended",
+                                                "server_error", "server_busy"), "an import")
         elif op == "import":
             conn.uploads[rid] = chunks = queue.Queue()
-            self.pool.submit(self._import, conn, rid, message.get("arg"), message.get("owner"), chunks)
+            self.pool.submit(self._import, conn, rid, message.get("arg"), _text_or_none(message.get("owner")),
+                             chunks)
         elif op in ("data", "end") and (op == "end" or isinstance(message.get("data"), str)):
             chunks = conn.uploads.get(rid)  # none: the import ended already (refused early)
             if chunks is not None:
@@ -291,6 +294,18 @@ class CoreServer:
             if chunks is not None and hasattr(chunks, "close"):  # (a model's export holds it loaded)
                 chunks.close()
 
+    def _take_import(self, owner) -> str | None:
+        """Count an import of `owner`'s as under way, or say why it may not start now: MAX_IMPORTS run
+        already, or an API key's half of them (the one owner of a server without keys: all)."""
+        with self._imports_lock:
+            if sum(self._importing.values()) >= MAX_IMPORTS:
+                return f"{MAX_IMPORTS} snapshot uploads are under way"
+            if owner and self._importing[owner] >= MAX_IMPORTS // 2:
+                return f"this API key has {MAX_IMPORTS // 2} snapshot uploads under way (each key may have " \
+                       f"half of the server's {MAX_IMPORTS})"
+            self._importing[owner] += 1
+            return None
+
     def _import(self, conn: _Connection, rid: int, sid, owner, chunks: queue.Queue) -> None:
         def received():
             while (chunk := chunks.get(timeout=UPLOAD_WAIT_S)) is not None:
@@ -311,7 +326,8 @@ class CoreServer:
             _answer_error(conn, rid, e, "an import")
         finally:
             conn.uploads.pop(rid, None)
-            self._imports.release()
+            with self._imports_lock:
+                self._importing[owner] -= 1
 
     def _chat(self, conn: _Connection, rid: int, request: dict) -> None:
         try:
@@ -407,6 +423,11 @@ class CoreServer:
 
 class UploadStopped(Exception):
     """The client of an import left before its snapshot's end: nothing is stored."""
+
+
+def _text_or_none(value) -> str | None:
+    """An owner as the import counts it (what is not a string: None, which the core's import refuses)."""
+    return value if isinstance(value, str) else None
 
 
 def _decoded(data: str) -> bytes:
