@@ -113,7 +113,7 @@ def test_a_structured_turn_renders_with_the_variables(servers):
 
 @pytest.mark.parametrize("kwargs", [
     {"messages": []}, {"tools": []}, {"add_generation_prompt": False}, {"bos_token": "x"}, {"eos_token": "x"},
-    {"pad_token": "x"}, {"unk_token": "x"}, {"namespace": 1}, {"raise_exception": 1},
+    {"pad_token": "x"}, {"unk_token": "x"}, {"namespace": 1}, {"raise_exception": 1}, {"self": 1},
     [], ["enable_thinking"], "enable_thinking", 7, True,
     {f"k{i}": i for i in range(MAX_TEMPLATE_KWARGS + 1)}, {"persona": "x" * MAX_TEMPLATE_KWARGS_BYTES},
     {"not a name": 1}, {"1st": 1}, {"": 1}, {"café": 1}, {"a-b": 1},

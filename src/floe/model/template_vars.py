@@ -35,6 +35,9 @@ def check_template_kwargs(value: object) -> dict:
     for key in value:
         if not (isinstance(key, str) and key.isascii() and key.isidentifier()):
             raise TemplateKwargsError(f"{str(key)[:40]!r} is not a name a template can read (an identifier)")
+        if key == "self":  # (jinja2's Template.render(self, ...) cannot be given a variable of that name)
+            raise TemplateKwargsError("'self' is a name the template renderer's own call takes; it cannot be "
+                                      "a template variable")
         if key in TEMPLATE_NAMES:
             raise TemplateKwargsError(f"{key!r} is set by the renderer itself (the conversation, the tools, "
                                       "the special tokens), not by a request")
