@@ -428,6 +428,28 @@ def test_a_writer_in_another_process_waits_while_the_path_is_locked(tmp_path):
     assert Snapshot(path).tensors["tokens"][0].item() == 2
 
 
+def test_a_lock_sidecar_lives_while_its_file_does_and_a_waiter_takes_the_new_one(tmp_path):
+    """The holder of a path that leaves no file there removes the lock's sidecar before letting go; a
+    writer in another process that waited on that sidecar takes the one made after it (and never
+    holds a removed one beside a new holder), then writes."""
+    path = tmp_path / "p.safetensors"
+    with path_lock(path):
+        assert lock_path(path).exists()
+    assert list(tmp_path.iterdir()) == []
+    with path_lock(path):  # no file at the path: this holder removes the sidecar the waiter waits on
+        proc = subprocess.Popen([sys.executable, "-c", LOCKED_WRITER, str(Path(__file__).parent), str(path)],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(1.5)  # waiting for the lock
+        assert proc.poll() is None and not path.exists()
+    assert proc.stdout.readline() == "written\n" and proc.wait(timeout=60) == 0
+    assert Snapshot(path).tensors["tokens"][0].item() == 2
+    assert sorted(tmp_path.iterdir()) == sorted([path, lock_path(path)])  # (a new sidecar: the file lives)
+    with path_lock(path):  # a writer's turn that removes the file removes its sidecar too
+        path.unlink()
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- hostile files: one small snapshot of a tiny model, forged with recomputed checksums ----------
 
 @pytest.fixture(scope="module")

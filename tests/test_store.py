@@ -413,6 +413,35 @@ def test_a_disk_lease_write_leaves_no_temporary_and_a_dead_writers_is_cleaned(tm
     assert leases.holder("k")[0] == "server-a"
 
 
+def test_a_removed_entry_and_a_released_lease_leave_no_lock_sidecar(tmp_path):
+    """A store's folder holds a writers'-lock sidecar only beside a file it guards: one left per session
+    ever saved (deleted, evicted, refused at upload) piled up empty files without bound, each read by
+    every later write's scan of the folder."""
+    from floe.snapshot.lease import FileLeases
+
+    tier = DiskTier(tmp_path / "home")
+    tier.put("a", b"x" * 100)
+    with pytest.raises(ValueError, match="refused"):
+        tier.write("refused", iter([b"y"]), RefuseAll())
+    names = sorted(p.name for p in (tmp_path / "home").iterdir())
+    assert names == [".a.safetensors.floe-lock", "a.safetensors"]
+    tier.remove("a")
+    leases = FileLeases(tmp_path / "leases")
+    lease, _ = leases.acquire("k", "server-a", 60)
+    assert leases.release(lease)
+    assert list((tmp_path / "home").iterdir()) == [] and list((tmp_path / "leases").iterdir()) == []
+
+
+class RefuseAll:
+    """A stream check that refuses what it is given (an upload found invalid on its way in)."""
+
+    def update(self, chunk: bytes) -> None:
+        raise ValueError("refused")
+
+    def finish(self) -> None:
+        raise AssertionError("never reached")
+
+
 def test_a_home_budget_per_group_deletes_only_the_group_that_grew(tmp_path, s3, bucket, frozen):
     """A server's budget is each owner's (group = the key's owner): Alice's fourth session deletes her
     own oldest, never Bob's; without groups the budget is shared and Bob's oldest goes first."""

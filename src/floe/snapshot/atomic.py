@@ -45,10 +45,13 @@ def lock_path(target: Path) -> Path:
 
 
 @contextmanager
-def path_lock(target: Path, *, blocking: bool = True) -> Iterator[bool]:
+def path_lock(target: Path, *, blocking: bool = True, guards: Path | None = None) -> Iterator[bool]:
     """Hold the writers' lock of `target` (yields True), or yield False at once if `blocking` is off
     and another writer holds it. Where the filesystem has no flock, only this process's writers
-    take turns."""
+    take turns. The sidecar lock file lives while the file it guards (`guards`, default `target`)
+    does: a holder that leaves no such file removes the sidecar before it lets go (a server whose
+    sessions come and go kept one empty sidecar per session it ever saved, which every write's scan
+    of the folder then read); a waiter whose sidecar was removed so takes the new one."""
     key = os.path.abspath(target)
     with _locks_guard:
         entry = _locks.setdefault(key, [threading.Lock(), 0])
@@ -58,10 +61,15 @@ def path_lock(target: Path, *, blocking: bool = True) -> Iterator[bool]:
             yield False
             return
         try:
-            fd = os.open(lock_path(target), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = _open_locked(lock_path(target), blocking)
+            if fd is None:
+                yield False
+                return
             try:
-                yield _flock(fd, blocking)
+                yield True
             finally:
+                if not os.path.lexists(guards or target):
+                    lock_path(target).unlink(missing_ok=True)  # (still held: a waiter retries on a new one)
                 os.close(fd)  # drops the flock
         finally:
             entry[0].release()
@@ -70,6 +78,29 @@ def path_lock(target: Path, *, blocking: bool = True) -> Iterator[bool]:
             entry[1] -= 1
             if not entry[1]:
                 del _locks[key]
+
+
+def _open_locked(path: Path, blocking: bool) -> int | None:
+    """The sidecar `path` opened (made if absent) and flocked: its descriptor, or None if `blocking` is
+    off and another process holds it. A sidecar removed by its holder while this one waited for it (the
+    holder left no file to guard) is let go, and the one at `path` now taken instead."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            if not _flock(fd, blocking):
+                os.close(fd)
+                return None
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+        except BaseException:
+            os.close(fd)
+            raise
+        held = os.fstat(fd)
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+        os.close(fd)
 
 
 def _flock(fd: int, blocking: bool) -> bool:

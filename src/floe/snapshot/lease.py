@@ -162,7 +162,7 @@ class FileLeases(Leases):
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         turn = path.with_name(path.name + ".cas")  # the lease's writers take turns on this lock
-        with path_lock(turn):
+        with path_lock(turn, guards=path):  # (its sidecar goes with the lease file)
             current = self._read(key)
             if (current[1] if current is not None else None) != etag:
                 return False

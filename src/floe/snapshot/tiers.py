@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from floe.snapshot.atomic import replace_file
+from floe.snapshot.atomic import path_lock, replace_file
 from floe.snapshot.errors import (
     SnapshotKeyInvalid,
     SnapshotNotFound,
@@ -207,7 +207,11 @@ class DiskTier:
         return out
 
     def remove(self, key: str) -> None:
-        self.path(key).unlink(missing_ok=True)
+        path = self.path(key)
+        if not os.path.lexists(path):  # (nothing to remove; its folder may not even exist)
+            return
+        with path_lock(path):  # (a writer's turn: the entry and its lock's sidecar go together)
+            path.unlink(missing_ok=True)
 
     @property
     def nbytes(self) -> int:
