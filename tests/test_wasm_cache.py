@@ -91,3 +91,23 @@ def test_off_keeps_nothing(tmp_path, monkeypatch, compiles):
     for _ in range(2):
         WasmRuntime().compile(wat(7).encode())
     assert len(compiles) == 2 and not any(tmp_path.rglob("*.cwasm"))
+
+
+def test_a_file_or_folder_others_may_write_is_never_loaded_from(cache, compiles):
+    """A compiled guest runs as native code: one in a folder, or a file, that another user could have
+    written is compiled again instead (and nothing is written into such a folder)."""
+    WasmRuntime().compile(builtin_guest("chat"))
+    (path,) = cache.glob("*.cwasm")
+    assert cache.stat().st_mode & 0o777 == 0o700 and path.stat().st_mode & 0o777 == 0o600
+    path.chmod(0o664)  # group-writable
+    WasmRuntime().compile(builtin_guest("chat"))
+    assert len(compiles) == 2
+    path.unlink()
+    cache.chmod(0o777)  # a shared folder
+    WasmRuntime().compile(builtin_guest("chat"))
+    WasmRuntime().compile(builtin_guest("chat"))
+    assert len(compiles) == 4 and list(cache.iterdir()) == []
+    cache.chmod(0o700)
+    WasmRuntime().compile(builtin_guest("chat"))
+    WasmRuntime().compile(builtin_guest("chat"))
+    assert len(compiles) == 5

@@ -8,6 +8,7 @@ import hashlib
 import math
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -311,8 +312,9 @@ def default_runtime() -> WasmRuntime:
 # loads its guest from there never runs Cranelift, whose code and buffers cost 9 MB of resident memory
 # as it compiles the chat guest (6 MB of `floe run`'s peak on the default model, bench/peak_rss.py)
 # and a few ms per guest. A file holds what Module.serialize wrote and its SHA-256, so a torn or
-# damaged one is compiled again, never run. What the folder holds runs as native code: it must be
-# the user's own, as PyTorch's extension cache (~/.cache/torch_extensions) is.
+# damaged one is compiled again, never run. What the folder holds runs as native code: a folder or
+# file that is not the user's own, or that others may write, is neither loaded from nor written to
+# (_private); the folder is made 0700, each file 0600.
 CACHE_ENV = "FLOE_WASM_CACHE"
 CACHE_FILES = 32  # the most recently used kept (a chat guest's file: ~30 KB)
 
@@ -333,11 +335,24 @@ def _cache_file(sha256: str) -> Path | None:
     return None if folder is None else folder / f"{sha256}.cwasm"
 
 
-def _cached(engine: wasmtime.Engine, wasm: bytes, sha256: str) -> Module | None:
-    """The module compiled earlier from these bytes by this Wasmtime and configuration, if kept."""
-    path = _cache_file(sha256)
+def _private(path: Path) -> bool:
+    """Whether `path` belongs to this user and nobody else may write it: a compiled guest runs as native
+    code, so a file or folder another user could have written is never loaded from (nor written to)."""
     try:
-        data = path.read_bytes() if path is not None else b""
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022 and not stat.S_ISLNK(st.st_mode)
+
+
+def _cached(engine: wasmtime.Engine, wasm: bytes, sha256: str) -> Module | None:
+    """The module compiled earlier from these bytes by this Wasmtime and configuration, if kept (in a
+    folder and a file of this user's own: _private)."""
+    path = _cache_file(sha256)
+    if path is None or not (_private(path.parent) and _private(path)):
+        return None
+    try:
+        data = path.read_bytes()
     except OSError:
         return None
     artifact, digest = data[:-32], data[-32:]
@@ -363,8 +378,12 @@ def _compile(engine: wasmtime.Engine, wasm: bytes, name: str, sha256: str) -> Mo
         artifact = module.serialize()
         partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial.write_bytes(artifact + hashlib.sha256(artifact).digest())
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not _private(path.parent):  # (another user's or a shared folder: nothing kept there)
+                return module
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(artifact + hashlib.sha256(artifact).digest())
             os.replace(partial, path)  # whole or not at all: another process may be reading it
         except OSError:
             with contextlib.suppress(OSError):
