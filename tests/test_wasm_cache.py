@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from floe.actor import builtin_guest
-from floe.wasm import runtime
+from floe.wasm import compiled, runtime
 from floe.wasm.runtime import WasmRuntime
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv(runtime.CACHE_ENV, str(tmp_path / "wasm"))
+    monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path / "wasm"))
     return tmp_path / "wasm"
 
 
@@ -76,7 +76,7 @@ def test_a_damaged_file_is_compiled_again_and_replaced(cache, compiles):
 
 
 def test_the_folder_keeps_the_most_recently_used_files(cache, compiles, monkeypatch):
-    monkeypatch.setattr(runtime, "CACHE_FILES", 2)
+    monkeypatch.setattr(compiled, "CACHE_FILES", 2)
     for n in range(4):
         WasmRuntime().compile(wat(n).encode())
     assert len(list(cache.glob("*.cwasm"))) == 2
@@ -86,7 +86,7 @@ def test_the_folder_keeps_the_most_recently_used_files(cache, compiles, monkeypa
 
 
 def test_off_keeps_nothing(tmp_path, monkeypatch, compiles):
-    monkeypatch.setenv(runtime.CACHE_ENV, "off")
+    monkeypatch.setenv(compiled.CACHE_ENV, "off")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     for _ in range(2):
         WasmRuntime().compile(wat(7).encode())
