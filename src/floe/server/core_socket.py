@@ -301,8 +301,8 @@ class CoreServer:
             if sum(self._importing.values()) >= MAX_IMPORTS:
                 return f"{MAX_IMPORTS} snapshot uploads are under way"
             if owner and self._importing[owner] >= MAX_IMPORTS // 2:
-                return f"this API key has {MAX_IMPORTS // 2} snapshot uploads under way (each key may have " \
-                       f"half of the server's {MAX_IMPORTS})"
+                return (f"this API key has {MAX_IMPORTS // 2} snapshot uploads under way (each key may have "
+                        f"half of the server's {MAX_IMPORTS})")
             self._importing[owner] += 1
             return None
 
@@ -328,6 +328,8 @@ class CoreServer:
             conn.uploads.pop(rid, None)
             with self._imports_lock:
                 self._importing[owner] -= 1
+                if not self._importing[owner]:  # (an owner with none under way is not kept)
+                    del self._importing[owner]
 
     def _chat(self, conn: _Connection, rid: int, request: dict) -> None:
         try:
