@@ -145,14 +145,26 @@ def test_a_failure_inside_the_step_takes_every_row_back(tiny_engine, monkeypatch
     assert [len(tiny_engine.cache.tokens[s]) for s in slots] == lengths
 
 
-@pytest.mark.parametrize(("n_heads", "n_kv", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (4, 1, 256)])
-def test_the_attention_operator_is_the_step_in_pytorchs_ops(n_heads, n_kv, head_dim):
-    """torch.ops.floe.attend (rotary, the K/V write, attention, for rows of distinct slots at their own
-    positions, the first at position 0, lengths that are and are not a multiple of its 16-position
-    tiles; grouped and plain heads, each head_dim the operator is compiled for and one it is not)
-    writes the cache and the output PyTorch's ops do."""
+@pytest.fixture(params=[8, 16])
+def attend_lanes(request):
+    """The attention operator held to 8 lanes (AVX2's registers) or 16 (AVX-512's; skipped where the CPU
+    has none) for the test, then back to the CPU's own."""
     runnable("portable")
     qgemv.load("portable")  # loads the operator
+    try:
+        torch.ops.floe.attend_lanes(request.param)
+    except RuntimeError:
+        pytest.skip("16 lanes need AVX-512, which this CPU does not have")
+    yield request.param
+    torch.ops.floe.attend_lanes(0)
+
+
+@pytest.mark.parametrize(("n_heads", "n_kv", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (4, 1, 256)])
+def test_the_attention_operator_is_the_step_in_pytorchs_ops(n_heads, n_kv, head_dim, attend_lanes):
+    """torch.ops.floe.attend (rotary, the K/V write, attention, for rows of distinct slots at their own
+    positions, the first at position 0, lengths that are and are not a multiple of its 8- or 16-position
+    tiles; grouped and plain heads, each head_dim the operator is compiled for and one it is not), at
+    8 lanes and at 16, writes the cache and the output PyTorch's ops do."""
     gen = torch.Generator().manual_seed(0)
     seq, slots, positions = 48, [2, 0, 1], [0, 17, 47]
     cos, sin = torch.randn(seq, head_dim, generator=gen), torch.randn(seq, head_dim, generator=gen)

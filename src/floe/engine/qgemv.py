@@ -93,6 +93,7 @@ _schema.define("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, T
                "int[] slots, int[] positions, int n_heads, Tensor(c!) out, int window=0, float softcap=0.0) "
                "-> ()")  # csrc/qdot/attend.cpp
 _schema.define("rms_norm_rows(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()")  # and this
+_schema.define("attend_lanes(int lanes) -> int")  # attend's lanes: 0 the CPU's, 8, 16 (tests)
 
 _lock = threading.Lock()
 _numbers: dict[str, int] = {}  # variant -> its number for torch.ops.floe.gemv_q

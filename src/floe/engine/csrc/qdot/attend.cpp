@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -36,44 +37,51 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t h
   for (int64_t j = h; j < hd; ++j) out[j] = scale * (x[j] * cos[j] + x[j - h] * sin[j]);
 }
 
-// 16 floats as one value (GCC/Clang vector extensions: each target_clones variant lowers it to its own
-// registers: one 512-bit, two 256-bit or four 128-bit), loaded from any 4-byte-aligned address.
-typedef float vf __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
-constexpr int64_t L = 16;
+// L floats as one value (GCC/Clang vector extensions: each target_clones variant lowers it to its own
+// registers), loaded from any 4-byte-aligned address. L = 16 (one 512-bit register) where the CPU has
+// AVX-512; 8 elsewhere: lowered to AVX2's 16 registers, 16 lanes took two registers a value and spilled
+// (a SmolLM2 head over 300 positions, one thread, 2-core Zen 3: 14.4 us at 16 lanes, 2.1 at 8).
+template <int L>
+struct Lanes {
+  typedef float f __attribute__((vector_size(4 * L), aligned(4)));
+  typedef int32_t i __attribute__((vector_size(4 * L), aligned(4)));
+};
+constexpr int64_t kMaxLanes = 16;  // the scores' padding
 
 #define FLOE_INLINE inline __attribute__((always_inline))  // into each clone: a callee is not cloned
 
-FLOE_INLINE vf splat(float x) { return vf{} + x; }
+template <class V>
+FLOE_INLINE V splat(float x) { return V{} + x; }
 
 // e^x of each lane (x <= 0 here: softmax's scores less their top), Cephes' expf: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by its degree-6 polynomial, 2^n put in the exponent (within 1 ulp of e^x on
 // [-87.3, 0]; lanes under -87.3, -inf too, give 2^-126 ~ 1.2e-38, not expf's denormal or 0: beside the
 // top score's 1 in the softmax's sum, nothing; NaN stays NaN).
-FLOE_INLINE vf exp_lanes(vf x) {
-  const vf floor_ = splat(-87.33654f);
+template <class V, class I>
+FLOE_INLINE V exp_lanes(V x) {
+  const V floor_ = splat<V>(-87.33654f);
   x = x < floor_ ? floor_ : x;  // NaN compares false: stays
-  vf y = x * splat(1.44269504088896341f) + splat(0.5f);
-  vi n = __builtin_convertvector(y, vi);  // toward 0: floor for y < 0 ...
-  n += (__builtin_convertvector(n, vf) > y);  // ... true lanes are -1
-  const vf fn = __builtin_convertvector(n, vf);
-  x = x - fn * splat(0.693359375f) - fn * splat(-2.12194440e-4f);
-  vf p = splat(1.9875691500e-4f);
-  p = p * x + splat(1.3981999507e-3f);
-  p = p * x + splat(8.3334519073e-3f);
-  p = p * x + splat(4.1665795894e-2f);
-  p = p * x + splat(1.6666665459e-1f);
-  p = p * x + splat(5.0000001201e-1f);
-  p = p * x * x + x + splat(1.f);
-  const vi e = (n + 127) << 23;  // 2^n (n >= -126 after the floor above)
-  vf two_n;
+  V y = x * splat<V>(1.44269504088896341f) + splat<V>(0.5f);
+  I n = __builtin_convertvector(y, I);  // toward 0: floor for y < 0 ...
+  n += (__builtin_convertvector(n, V) > y);  // ... true lanes are -1
+  const V fn = __builtin_convertvector(n, V);
+  x = x - fn * splat<V>(0.693359375f) - fn * splat<V>(-2.12194440e-4f);
+  V p = splat<V>(1.9875691500e-4f);
+  p = p * x + splat<V>(1.3981999507e-3f);
+  p = p * x + splat<V>(8.3334519073e-3f);
+  p = p * x + splat<V>(4.1665795894e-2f);
+  p = p * x + splat<V>(1.6666665459e-1f);
+  p = p * x + splat<V>(5.0000001201e-1f);
+  p = p * x * x + x + splat<V>(1.f);
+  const I e = (n + 127) << 23;  // 2^n (n >= -126 after the floor above)
+  V two_n;
   __builtin_memcpy(&two_n, &e, sizeof two_n);
   return p * two_n;
 }
 
 // s[i] = the sum of a[i]'s lanes, for 16 values at once: four rounds of halving, each adding a pair's
 // halves side by side (30 shuffles and 15 additions where one sum at a time takes 64 and 60).
-FLOE_INLINE vf lane_sums(vf* a) {
+FLOE_INLINE Lanes<16>::f lane_sums(Lanes<16>::f* a) {
   for (int i = 0; i < 8; ++i)
     a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -87,27 +95,42 @@ FLOE_INLINE vf lane_sums(vf* a) {
          __builtin_shufflevector(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// The same for 8 values of 8 lanes: three rounds.
+FLOE_INLINE Lanes<8>::f lane_sums(Lanes<8>::f* a) {
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(a[0], a[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
 // One query head q [HD] over `len` positions of its KV head's K and V [len, HD] (HD a multiple of 16):
 // softmax(K q) V into out [HD] (softcap > 0: the scores capped first); scores: scratch of len floats
-// (rounded up to 16). Scores 16 positions at a time (their products lane by lane, then the 16 lanes'
-// sums at once), softmax and its exponentials 16 lanes at a time, V's rows weighted into two sets of
-// accumulators (alternate positions) held in registers.
-template <int64_t HD>
+// (rounded up to 16). Scores L positions at a time (their products lane by lane, then the L lanes' sums
+// at once), softmax and its exponentials L lanes at a time, V's rows weighted into accumulators held in
+// registers: at 16 lanes two sets (alternate positions); at 8, one (two spilled AVX2's registers).
+template <int64_t HD, int L>
 FLOE_INLINE void head(const float* q, const float* k, const float* v, int64_t len, float softcap, float* scores,
-                 float* out) {
+                      float* out) {
+  using V = typename Lanes<L>::f;
+  using I = typename Lanes<L>::i;
   constexpr int64_t C = HD / L;
-  vf qv[C];
-  for (int64_t c = 0; c < C; ++c) __builtin_memcpy(&qv[c], q + c * L, sizeof(vf));
+  constexpr int S = L == 16 ? 2 : 1;  // accumulator sets
+  V qv[C];
+  for (int64_t c = 0; c < C; ++c) __builtin_memcpy(&qv[c], q + c * L, sizeof(V));
   const int64_t padded = (len + L - 1) / L * L;
   for (int64_t t = 0; t < padded; t += L) {
-    vf acc[L];
+    V acc[L];
     for (int64_t i = 0; i < L; ++i) {
-      const vf* kt = reinterpret_cast<const vf*>(k + std::min(t + i, len - 1) * HD);  // the tail repeats
-      vf a = qv[0] * kt[0];
+      const V* kt = reinterpret_cast<const V*>(k + std::min(t + i, len - 1) * HD);  // the tail repeats
+      V a = qv[0] * kt[0];
       for (int64_t c = 1; c < C; ++c) a += qv[c] * kt[c];
       acc[i] = a;
     }
-    vf s = lane_sums(acc);
+    V s = lane_sums(acc);
     if (softcap > 0.f) {
       for (int64_t i = 0; i < L; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
     }
@@ -115,33 +138,34 @@ FLOE_INLINE void head(const float* q, const float* k, const float* v, int64_t le
   }
   float top = -INFINITY;
   for (int64_t t = 0; t < len; ++t) top = std::max(top, scores[t]);
-  vf sum = {};
-  const vf lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  V sum = {}, lanes;
+  for (int i = 0; i < L; ++i) lanes[i] = static_cast<float>(i);
   for (int64_t t = 0; t < padded; t += L) {
-    vf p = exp_lanes(*reinterpret_cast<const vf*>(scores + t) - top);
-    p = lanes + static_cast<float>(t) < static_cast<float>(len) ? p : vf{};  // the tail's repeats: 0
+    V p = exp_lanes<V, I>(*reinterpret_cast<const V*>(scores + t) - top);
+    p = lanes + static_cast<float>(t) < static_cast<float>(len) ? p : V{};  // the tail's repeats: 0
     __builtin_memcpy(scores + t, &p, sizeof p);
     sum += p;
   }
-  vf a0[C] = {}, a1[C] = {};
+  V a[S][C] = {};
   int64_t t = 0;
-  for (; t + 2 <= len; t += 2) {
-    const vf *v0 = reinterpret_cast<const vf*>(v + t * HD), *v1 = reinterpret_cast<const vf*>(v + (t + 1) * HD);
-    const vf p0 = splat(scores[t]), p1 = splat(scores[t + 1]);
-    for (int64_t c = 0; c < C; ++c) {
-      a0[c] += p0 * v0[c];
-      a1[c] += p1 * v1[c];
+  for (; t + S <= len; t += S) {
+    for (int j = 0; j < S; ++j) {
+      const V* vt = reinterpret_cast<const V*>(v + (t + j) * HD);
+      const V p = splat<V>(scores[t + j]);
+      for (int64_t c = 0; c < C; ++c) a[j][c] += p * vt[c];
     }
   }
-  if (t < len) {
-    const vf* v0 = reinterpret_cast<const vf*>(v + t * HD);
-    for (int64_t c = 0; c < C; ++c) a0[c] += splat(scores[t]) * v0[c];
+  if (t < len) {  // (S = 2: an odd last position)
+    const V* vt = reinterpret_cast<const V*>(v + t * HD);
+    for (int64_t c = 0; c < C; ++c) a[0][c] += splat<V>(scores[t]) * vt[c];
   }
   float total = 0.f;
   for (int64_t i = 0; i < L; ++i) total += sum[i];
-  const vf inv = splat(1.f / total);
+  const V inv = splat<V>(1.f / total);
   for (int64_t c = 0; c < C; ++c) {
-    const vf o = (a0[c] + a1[c]) * inv;
+    V o = a[0][c];
+    if constexpr (S == 2) o += a[1][c];
+    o *= inv;
     __builtin_memcpy(out + c * L, &o, sizeof o);
   }
 }
@@ -165,12 +189,38 @@ FLOE_INLINE void head_any(const float* q, const float* k, const float* v, int64_
   for (int64_t j = 0; j < hd; ++j) out[j] = acc[j] / sum;
 }
 
-FLOE_CLONES void attend_head(const float* q, const float* k, const float* v, int64_t len, int64_t hd,
-                             float softcap, float* scores, float* out) {
-  if (hd == 64) return head<64>(q, k, v, len, softcap, scores, out);
-  if (hd == 128) return head<128>(q, k, v, len, softcap, scores, out);
-  if (hd == 256) return head<256>(q, k, v, len, softcap, scores, out);  // Gemma's
+// The lanes `head` takes: 16 where the CPU has AVX-512 F, else 8; attend_lanes(n) sets 8 or 16 (a test
+// runs both where the CPU has AVX-512), 0 goes back to the CPU's.
+int64_t cpu_lanes() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const int64_t lanes = __builtin_cpu_supports("avx512f") ? 16 : 8;
+  return lanes;
+#else
+  return 8;
+#endif
+}
+std::atomic<int64_t> chosen_lanes{0};
+
+int64_t attend_lanes(int64_t lanes) {
+  TORCH_CHECK(lanes == 0 || lanes == 8 || (lanes == 16 && cpu_lanes() == 16),
+              "attend_lanes: 0 (the CPU's), 8, or 16 where the CPU has AVX-512, not ", lanes);
+  chosen_lanes.store(lanes);
+  return lanes ? lanes : cpu_lanes();
+}
+
+template <int L>
+FLOE_INLINE void attend_head_lanes(const float* q, const float* k, const float* v, int64_t len, int64_t hd,
+                                   float softcap, float* scores, float* out) {
+  if (hd == 64) return head<64, L>(q, k, v, len, softcap, scores, out);
+  if (hd == 128) return head<128, L>(q, k, v, len, softcap, scores, out);
+  if (hd == 256) return head<256, L>(q, k, v, len, softcap, scores, out);  // Gemma's
   head_any(q, k, v, len, hd, softcap, scores, out);  // head_dim <= 1024 (checked)
+}
+
+FLOE_CLONES void attend_head(const float* q, const float* k, const float* v, int64_t len, int64_t hd,
+                             float softcap, float* scores, float* out, int64_t lanes) {
+  if (lanes == 16) return attend_head_lanes<16>(q, k, v, len, hd, softcap, scores, out);
+  attend_head_lanes<8>(q, k, v, len, hd, softcap, scores, out);
 }
 
 void check_f32(const at::Tensor& t, int64_t dim, const char* what) {
@@ -222,13 +272,14 @@ void attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
   // One item a row and query head (a KV head's K and V, read by each of its query heads in turn, stay in
   // the core's cache).
   const float cap = static_cast<float>(softcap);
+  const int64_t chosen = chosen_lanes.load(), lanes = chosen ? chosen : cpu_lanes();
   floe::parallel_for(0, rows * n_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(seq + L);
+    std::vector<float> scores(seq + kMaxLanes);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / n_heads, h = i % n_heads, length = positions[b] + 1;
       const int64_t from = window > 0 ? std::max<int64_t>(0, length - window) : 0;  // the first key seen
       const int64_t at = slots[b] * slot_size + (h / group * seq + from) * hd, first = (b * n_heads + h) * hd;
-      attend_head(&q[first], kc + at, vc + at, length - from, hd, cap, scores.data(), o + first);
+      attend_head(&q[first], kc + at, vc + at, length - from, hd, cap, scores.data(), o + first, lanes);
     }
   });
 }
@@ -260,4 +311,8 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, co
 TORCH_LIBRARY_IMPL(floe, CPU, m) {
   m.impl("attend", attend);
   m.impl("rms_norm_rows", rms_norm_rows);
+}
+
+TORCH_LIBRARY_IMPL(floe, CompositeExplicitAutograd, m) {
+  m.impl("attend_lanes", attend_lanes);
 }
