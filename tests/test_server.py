@@ -57,8 +57,12 @@ class ThreadServer:
 
 @pytest.fixture(scope="module")
 def server(default_checkpoint, tmp_path_factory):
-    engine = Engine(default_checkpoint, max_seq_len=CONTEXT, n_slots=16, weights="native")
-    folder = tmp_path_factory.mktemp("sessions")
+    yield from serving_engine(Engine(default_checkpoint, max_seq_len=CONTEXT, n_slots=16, weights="native"),
+                              tmp_path_factory.mktemp("sessions"))
+
+
+def serving_engine(engine: Engine, folder: Path):
+    """A server of `engine` in this process, its snapshots in `folder` (a fixture's body)."""
     s = ThreadServer(create_app(engine, snapshots=folder, model_id=MODEL_ID, idle_seconds=3600))
     s.folder = folder
     yield s
@@ -211,19 +215,35 @@ def test_malformed_json_and_an_unknown_model(server):
                                                    messages=[{"role": "user", "content": "hi"}])
 
 
-def test_a_regenerated_or_edited_turn_branches_the_session(server):
+@pytest.fixture(scope="module")
+def dense_server(default_checkpoint, tmp_path_factory):
+    """A server on float32 weights: a prompt's products and a decode step's agree to ~1e-5 there."""
+    yield from serving_engine(Engine(default_checkpoint, max_seq_len=CONTEXT, n_slots=4, weights="dense"),
+                              tmp_path_factory.mktemp("dense_sessions"))
+
+
+def test_a_regenerated_or_edited_turn_branches_the_session(dense_server):
     """A named session whose history the request changes (a client regenerating its last turn, or
-    editing an earlier one) rolls back to the common start and goes on from there, as a request
-    with that whole conversation would in a fresh session: never a 409."""
+    editing an earlier one) rolls back to the common start, whose K and V it keeps (cached_tokens: the
+    first turn and its reply at least), and goes on from there as a request with that whole
+    conversation does in a fresh session: never a 409. (Float32 weights: the kept reply's K and V,
+    computed by decode steps, agree with a prompt's to ~1e-5. floe's native int8 decode steps differ
+    from a prompt's products by ~1e-2, which can flip a near-tie: there a branch goes on from the
+    session's own numbers, as the conversation did, and may differ from a fresh session's.)"""
+    server = dense_server
     c = client(server.url)
     turns = ["Name a colour.", "And a fruit?", "And an animal?"]
-    replies, _ = conversation(c, "branching", turns)
+    replies, usages = conversation(c, "branching", turns)
     edited = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": replies[0]},
               {"role": "user", "content": "And a vegetable?"}]
     before = metric(server.url, "floe_session_rollbacks")
-    branched = ask(c, edited, extra_body={"session_id": "branching"}).choices[0].message.content
-    fresh = ask(c, edited).choices[0].message.content  # the same conversation in a new session
-    assert branched == fresh
+    r = ask(c, edited, extra_body={"session_id": "branching"})
+    branched = r.choices[0].message.content
+    shared = usages[0].prompt_tokens + usages[0].completion_tokens  # the first turn and its reply
+    assert r.usage.prompt_tokens_details.cached_tokens >= shared
+    fresh = ask(c, edited)  # the same conversation in a new session
+    assert branched == fresh.choices[0].message.content
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert metric(server.url, "floe_session_rollbacks") == before + 1
     from floe.snapshot import header
 
@@ -234,6 +254,13 @@ def test_a_regenerated_or_edited_turn_branches_the_session(server):
     again = ask(c, [*kept, {"role": "user", "content": "Thanks."}], extra_body={"session_id": "branching"})
     assert again.usage.prompt_tokens_details.cached_tokens > 0  # goes on from the branch: no rollback
     assert metric(server.url, "floe_session_rollbacks") == before + 1
+    # Regenerating the last reply (the request `again` made, sent again: the session holds its reply):
+    # all of the prompt but its last token comes from the cache, and greedy decoding answers the same.
+    thanks = [*kept, {"role": "user", "content": "Thanks."}]
+    regenerated = ask(c, thanks, extra_body={"session_id": "branching"})
+    assert regenerated.choices[0].message.content == again.choices[0].message.content
+    assert regenerated.usage.prompt_tokens_details.cached_tokens == regenerated.usage.prompt_tokens - 1
+    assert metric(server.url, "floe_session_rollbacks") == before + 2
 
 
 def start_serve(folder: Path, port: int, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -362,6 +362,28 @@ class Actor(GuestHost):
         if self.slot is None:
             self.slot = self.engine.claim_slot()
 
+    def adopt_slot(self, old: Actor) -> None:
+        """Take over the KV slot of `old` (idle, of this engine; closed by this, its guest freed by its
+        close()) for an actor made with kv_slot="later", emptied as a claimed slot is, but for what it
+        held: this actor's first prefill reuses the start its ids share with the ids it held (their K
+        and V are still there) instead of computing it again. A session restarted with a new guest (a
+        conversation rolled back to an earlier turn) keeps the turns before that turn's message."""
+        if not self._slot_later or self.slot is not None:
+            raise FloeError("adopt_slot() is for an actor made with kv_slot='later' that has no slot yet")
+        if old.engine is not self.engine:
+            raise FloeError("adopt_slot(): the other actor's slot is another engine's")
+        with old._lock:
+            if old._message_thread is not None:
+                raise FloeError("adopt_slot(): the other actor is running a message")
+            if old.slot is None:
+                raise FloeError("adopt_slot(): the other actor has no KV slot")
+            old.closed = True
+            slot, old.slot = old.slot, None
+        held = list(self.engine.cache.tokens[slot])
+        self.engine.kv_truncate(0, slot)
+        self.slot = slot
+        self.abi.reusable = held
+
     def give_up_slot(self) -> None:
         """Free the KV slot of an idle actor that is about to be closed, now: the slot's next actor need
         not wait for this one's guest to be torn down (close() may then run later, elsewhere). The

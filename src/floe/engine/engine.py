@@ -206,6 +206,12 @@ class Engine(BatchedSteps):
         self.cache.truncate(slot, n)
         self._forget(slot)  # the logits it was the choice of are not the context's now
 
+    def kv_restore(self, tokens: list[int], slot: int = 0) -> None:
+        """The emptied `slot` holds the first len(tokens) positions it held before again (their K and V
+        untouched since: a slot handed to a new actor, floe.actor.Actor.adopt_slot)."""
+        self.cache.restore(slot, tokens)
+        self._forget(slot)
+
     def claim_slot(self) -> int:
         """A free KV cache slot, emptied, for a new conversation."""
         slot = self.slots.claim()

@@ -86,6 +86,15 @@ class KVCache:
         self.lengths[slot] = n
         del self.tokens[slot][n:]
 
+    def restore(self, slot: int, tokens: list[int]) -> None:
+        """`slot`, truncated to none, holds its first len(tokens) positions again, whose ids these were:
+        nothing has written them since (a slot handed to a new actor, floe.actor.Actor.adopt_slot)."""
+        if self.lengths[slot] != 0 or len(tokens) > self.max_seq_len:
+            raise ValueError(f"slot {slot} holds {self.lengths[slot]} positions: only an emptied slot is "
+                             "restored")
+        self.lengths[slot] = len(tokens)
+        self.tokens[slot] = list(tokens)
+
     def export(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Views of the filled prefix of `slot`, per layer: k and v [n_kv_heads, length, head_dim]."""
         n = self.lengths[slot]

@@ -25,9 +25,10 @@ class ActorMaker:
             return Actor(self.engine, self.guest, seed=seed, scheduler=self.scheduler, loop=self.loop,
                          kv_slot=kv_slot)
 
-    def with_history(self, messages: list[dict], seed: int) -> Actor:
-        """A new actor holding a conversation (prefilled in full)."""
-        actor = self.new(seed)
+    def with_history(self, messages: list[dict], seed: int, kv_slot: bool | str = True) -> Actor:
+        """A new actor holding a conversation (prefilled in full by its next message, but for what a
+        slot it adopts holds: Actor.adopt_slot)."""
+        actor = self.new(seed, kv_slot)
         try:
             for m in messages:
                 actor.add_history(m["role"], m["content"])

@@ -103,19 +103,26 @@ class SessionLifecycle:
         self.on_thaw(time.perf_counter() - t)
 
     def restart_guest(self, session: Session, forget_empty: bool = True) -> None:
-        """Give the (locked) session a new actor in a KV slot that holds exactly its conversation
-        (none if it has none and no snapshot and `forget_empty`: it is forgotten). Its next message
-        prefills the whole conversation: a guest cannot be told to forget part of its own (see
-        docs/SERVER.md, "stop")."""
+        """Give the (locked) session a new actor that holds exactly its conversation (none if it has
+        none and no snapshot and `forget_empty`: it is forgotten): a guest cannot be told to forget
+        part of its own (see docs/SERVER.md, "stop"). The new actor takes over the old one's KV slot,
+        so its next message prefills only what differs from what the slot held (Actor.adopt_slot):
+        the turns before a rolled-back one are not computed again."""
         old, actor = session.actor, None
         self.admission.count()  # its slot stays counted while its actor is replaced: no spare takes it
         try:
-            old.close()
-            session.actor = None
             if forget_empty and not session.messages and not session.stored:
+                old.close()
+                session.actor = None
                 self.registry.discard(session)
                 return
-            actor = self.actors.with_history(session.messages, session.seed)
+            actor = self.actors.with_history(session.messages, session.seed, kv_slot="later")
+            if old.slot is not None:
+                actor.adopt_slot(old)
+            else:  # (no slot to take over: a fresh one)
+                actor.attach_slot()
+            old.close()
+            session.actor = None
             actor.generator.set_state(old.generator.get_state())
             session.actor, actor = actor, None
         except Exception:  # noqa: BLE001 - the reply was delivered; the session falls back as on a failure
