@@ -39,6 +39,7 @@ MAX_IMPORTS = 4  # snapshot uploads at once (each holds a thread while its clien
 # snapshot: +780 MB). EXPORTS send at once (each holds a thread of their own pool); more wait for one.
 EXPORT_WINDOW, EXPORTS = 4, 8
 EXPORT_STALL_S = 60.0  # an export whose client takes nothing for this long is given up
+FRONT_STOP_S = 5.0  # at a stop, a front still running this long past its grace (s) is killed
 
 
 class _Connection:
@@ -92,6 +93,8 @@ class _Connection:
             stream.stop()
         for credit in list(self.exports.values()):  # (an export waiting for its client sees closed)
             credit.release()
+        for chunks in list(self.uploads.values()):  # (an import waiting for its next chunk: nothing is
+            chunks.put(UploadStopped())  # stored; it waited UPLOAD_WAIT_S, and a stop of the core for it)
 
     @property
     def streaming(self) -> bool:
@@ -561,14 +564,19 @@ def _first_exit(procs: list) -> int:
 
 
 def _stop_fronts(procs: list) -> None:
+    """Stop the fronts (SIGTERM): each ends its connections within STOP_GRACE_S (floe.server.deadlines);
+    one still running FRONT_STOP_S after (its shutdown stuck) is killed."""
     import subprocess
+
+    from floe.server.deadlines import STOP_GRACE_S
 
     for p in procs:
         if p.poll() is None:
             p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S + FRONT_STOP_S
     for p in procs:
         try:
-            p.wait(30)
+            p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

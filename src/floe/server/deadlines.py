@@ -11,6 +11,13 @@ sees its client leave. Once a request is complete, a reply may stream for minute
 reads none of it (the socket's buffers full, uvicorn waits to write) for `SEND_TIMEOUT_S` has its
 connection closed: uvicorn waits for ever, holding what the reply had ready (a snapshot export's chunks)
 and keeping a stop of the server waiting.
+
+A stop (uvicorn's shutdown, which waited for every open request: a trickling snapshot upload or an
+export nobody read held `floe serve`'s SIGTERM ~30 s) ends each connection in bounded time: a request
+whose body is still arriving gets `503 server_stopping` and is closed at once (the app sees its client
+leave: an upload stores nothing), as is a reply whose client reads none of it; a reply under way (a
+chat's stream) has `STOP_GRACE_S` to end, then its connection is closed (a request not yet answered gets
+the 503). uvicorn's `timeout_graceful_shutdown` cancels what is left a second later.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
 BODY_CHUNK = 64 * 1024
 SEND_TIMEOUT_S = 60.0
+STOP_GRACE_S = 5.0  # at a stop, what a reply under way has to end (s)
 
 
 class DeadlineH11Protocol(H11Protocol):
@@ -34,11 +42,13 @@ class DeadlineH11Protocol(H11Protocol):
     header_timeout_s = HEADER_TIMEOUT_S
     body_timeout_s = BODY_TIMEOUT_S
     send_timeout_s = SEND_TIMEOUT_S
+    stop_grace_s = STOP_GRACE_S
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._timer: asyncio.TimerHandle | None = None
         self._stalled: asyncio.TimerHandle | None = None  # the reply's client has read nothing since
+        self._grace: asyncio.TimerHandle | None = None  # a stop: the end of this reply's grace
         self._phase: h11.Sentinel | None = None
         self._body_bytes = 0
         self._rearm()
@@ -52,7 +62,37 @@ class DeadlineH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
         self._unstall()
+        if self._grace is not None:
+            self._grace.cancel()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        """The server stops (uvicorn's shutdown calls this on every connection): see the module's
+        docstring. uvicorn's own waits for every request under way, however slow its client."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or self.transport.is_closing():
+            super().shutdown()
+        elif self._phase is h11.SEND_BODY or self._stalled is not None:
+            self._stopped()
+        else:
+            super().shutdown()  # (keep-alive off: the connection closes after this reply)
+            self._grace = self.loop.call_later(self.stop_grace_s, self._stopped)
+
+    def _stopped(self) -> None:
+        """The stop's end of this connection: a request not yet answered gets 503, and it is closed
+        (what the app sends now goes nowhere; it sees its client leave)."""
+        self._grace = None
+        if self.transport.is_closing() or self.cycle is None:
+            return
+        answered = self.cycle.response_started
+        if not answered:
+            self._refuse(503, b"Service Unavailable", "the server is stopping; send the request again once "
+                         "it is back", "server_error", "server_stopping")
+        self.cycle.disconnected = True
+        if answered:  # (its client may read nothing: what is buffered is dropped, not waited for)
+            self.transport.abort()
+        else:
+            self.transport.close()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -106,13 +146,17 @@ class DeadlineH11Protocol(H11Protocol):
     def _send_408(self) -> None:
         what = "headers" if self._phase is h11.IDLE else "body"
         timeout = self.header_timeout_s if self._phase is h11.IDLE else self.body_timeout_s
-        body = json.dumps({"error": {"message": f"the request's {what} did not arrive within {timeout:g} s",
-                                     "type": "invalid_request_error", "param": None,
-                                     "code": "request_timeout"}}).encode()
+        self._refuse(408, b"Request Timeout", f"the request's {what} did not arrive within {timeout:g} s",
+                     "invalid_request_error", "request_timeout")
+
+    def _refuse(self, status: int, reason: bytes, message: str, type_: str, code: str) -> None:
+        """Answer the request (none has yet) with an OpenAI-shaped error; the caller closes."""
+        error = {"message": message, "type": type_, "param": None, "code": code}
+        body = json.dumps({"error": error}).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                    (b"content-length", str(len(body)).encode())]
         try:
-            for event in (h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
+            for event in (h11.Response(status_code=status, headers=headers, reason=reason),
                           h11.Data(data=body), h11.EndOfMessage()):
                 self.transport.write(self.conn.send(event))
         except h11.LocalProtocolError:  # h11 cannot answer in this state: the close says it
@@ -121,9 +165,12 @@ class DeadlineH11Protocol(H11Protocol):
 
 def uvicorn_config(app, *, host: str, port: int, log_level: str = "warning",
                    header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
-                   send_timeout_s: float = SEND_TIMEOUT_S) -> uvicorn.Config:
+                   send_timeout_s: float = SEND_TIMEOUT_S,
+                   stop_grace_s: float = STOP_GRACE_S) -> uvicorn.Config:
     """How `floe serve` runs its HTTP front under uvicorn: HTTP/1.1 with the deadlines above (in s)."""
     protocol = type("DeadlineH11Protocol", (DeadlineH11Protocol,),
                     {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s,
-                     "send_timeout_s": send_timeout_s})
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol)
+                     "send_timeout_s": send_timeout_s, "stop_grace_s": stop_grace_s})
+    # (past the grace every connection is closed; a request that still runs then is cancelled)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+                          timeout_graceful_shutdown=stop_grace_s + 1)
