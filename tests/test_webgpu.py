@@ -29,13 +29,16 @@ from floe.errors import FloeError  # noqa: E402
 from floe.model.config import KNOWN_SHAPES, ModelConfig  # noqa: E402
 from floe.model.synthetic import random_checkpoint  # noqa: E402
 
-# Small random models: grouped-query attention, a tied and an untied head, QKV biases (Qwen2), and a
-# 128-wide head (two dimensions per attention thread).
+# Small random models: grouped-query attention, a tied and an untied head, QKV biases (Qwen2), a
+# 128-wide head (two dimensions per attention thread), and Qwen3's per-head q/k norm with its heads
+# wider than dim / n_heads (32 against 16, as Qwen3-0.6B's 128 against 64).
 CONFIGS = {
     "llama-tied": ModelConfig("llama", 64, 2, 4, 2, 160, 1024, 512, head_dim=16, tie_embeddings=True),
     "qwen2-bias": ModelConfig("qwen2", 64, 2, 4, 2, 160, 1024, 512, head_dim=16, qkv_bias=True,
                               rope_theta=1e6),
     "wide-heads": ModelConfig("llama", 256, 1, 2, 1, 256, 512, 512, head_dim=128, tie_embeddings=True),
+    "qwen3-qk-norm": ModelConfig("qwen3", 64, 2, 4, 2, 160, 1024, 512, head_dim=32, norm_eps=1e-6,
+                                 rope_theta=1e6),
 }
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 
@@ -162,8 +165,49 @@ def test_a_decode_token_is_the_planned_dispatches_three_a_layer_fused_nine_unfus
         counts[fused] = decoder.last_dispatches
         assert counts[fused] == decoder.dispatches_per_step() == planned_dispatches(
             engine.config, gpu().max_binding, fused)
-    assert counts[True] == 2 + 3 * CONFIGS[name].n_layers
+    assert counts[True] == 2 + (3 + CONFIGS[name].qk_norm) * CONFIGS[name].n_layers  # Qwen3: its q/k norm
     assert counts[False] - counts[True] == 6 * CONFIGS[name].n_layers + 1
+
+
+def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after `prompt` (argmax of each step's logits)."""
+    tokens = [int(engine.prefill(prompt).argmax())]
+    for _ in range(n - 1):
+        tokens.append(int(engine.decode_step(tokens[-1]).argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_qwen3_greedy_tokens_on_webgpu_equal_the_cpu_float32_forward(default_checkpoint, fused):
+    webgpu, cpu = tiny("qwen3-qk-norm", default_checkpoint.tokenizer, fused_kernels=fused)
+    prompt = [(11 * i + 5) % 1000 for i in range(CHUNK + 13)]
+    assert greedy(webgpu, prompt, 10) == greedy(cpu, prompt, 10)
+
+
+def test_without_its_qk_norm_a_qwen3_step_is_not_the_cpus(default_checkpoint, monkeypatch):
+    """What the Qwen3 comparisons above would catch: the WGSL step with the q/k norm left out."""
+    from floe.engine.webgpu.decoder import WebGPUDecoder
+
+    monkeypatch.setattr(WebGPUDecoder, "_qk_norm", lambda self, i, layer: [])
+    webgpu, cpu = tiny("qwen3-qk-norm", default_checkpoint.tokenizer)
+    prompt = list(range(40, 90))
+    assert not close(webgpu.prefill(prompt), cpu.prefill(prompt))
+    assert not close(webgpu.decode_step(9), cpu.decode_step(9))
+
+
+def test_webgpu_runs_qwen3_and_still_refuses_gemma_and_short_sliding_windows():
+    import dataclasses
+
+    from floe.engine.weights import check_backend
+    from floe.errors import UnsupportedModel
+
+    qwen3 = CONFIGS["qwen3-qk-norm"]
+    assert qwen3.qk_norm
+    check_backend(qwen3, "webgpu", 256)
+    with pytest.raises(UnsupportedModel, match="qwen3 models with sliding-window attention"):
+        check_backend(dataclasses.replace(qwen3, sliding_window=64), "webgpu", 256)
+    with pytest.raises(UnsupportedModel, match="gemma3 models run on the CPU only"):
+        check_backend(KNOWN_SHAPES["gemma-3-1b"], "webgpu", 256)
 
 
 def test_the_1b_shape_decodes_in_at_most_60_dispatches_where_its_layer_matrices_fit_a_binding():

@@ -54,11 +54,6 @@ def check_backend(c: ModelConfig, backend: str, max_seq_len: int) -> None:
     if lacks and backend != "cpu":
         raise UnsupportedModel(f"{c.arch} models run on the CPU only in this version: floe's {backend} steps "
                                f"compute Llama's layer without {', '.join(lacks)}; use --device cpu")
-    # WebGPU's shaders repeat the attention math without the per-head q/k norm; the module forward,
-    # the CPU's lean step and CUDA's graph and Triton steps apply it (transformer.norm_heads).
-    if c.qk_norm and backend == "webgpu":
-        raise UnsupportedModel(f"{c.arch} models (per-head q/k norm) do not run on WebGPU in this version: "
-                               "floe's WGSL decode step does not apply that norm; use --device cpu or cuda")
     # A sliding window shorter than the context: the CPU's module forward and lean step mask it; CUDA's
     # graph and Triton steps and WebGPU's shaders attend over every written position.
     if c.window_limits(max_seq_len) and backend != "cpu":

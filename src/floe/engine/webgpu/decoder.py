@@ -18,6 +18,8 @@ the output projection adding into the residual, gate/up, the down projection wit
 Unfused, norm, rotary + KV write and SwiGLU are dispatches of their own (nine per layer): the
 ablation the dispatch-overhead study ran (arXiv 2604.02344). A prompt's rows attend to each other,
 so its keys are written (rope_kv) before any row attends; prefill keeps the five-a-layer plan.
+Qwen3's q/k norm is one more dispatch a layer in every plan, right after the QKV projection: each
+query and key head normalised in place (rmsnorm.wgsl over heads), so every rotary reads normed heads.
 
 Weights are stored as f32 or f16 (`weights`, WEIGHT_FORMATS); the GEMVs are laid out for the adapter
 (Gpu.gemv_layout: a thread a row on a CPU adapter, lanes splitting each row on a GPU).
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from floe.engine.transformer import Transformer
+from floe.engine.transformer import Transformer, qk_norm_weight
 from floe.engine.webgpu.device import WEIGHT_FORMATS, Gpu
 from floe.engine.webgpu.kvcache import WebGPUKVCache
 from floe.model.config import ModelConfig
@@ -214,8 +216,9 @@ class WebGPUDecoder:
                 "SCALE": float(c.head_dim ** -0.5)}
 
     def _deep_layer(self, i: int, layer, wqkv: Matrix, wo: Matrix, w13: Matrix, w2: Matrix, att_norm,
-                    ffn_norm, bias) -> list[Op]:
-        """A decode layer in three dispatches (the deep plan; the residual deferred, see the module)."""
+                    ffn_norm, bias, qk_norm: list[Op]) -> list[Op]:
+        """A decode layer in three dispatches (the deep plan; the residual deferred, see the module),
+        four with the q/k norm."""
         c, k, v = self.config, self.cache.k_buffers[i], self.cache.v_buffers[i]
         (awg, nt, attend_lanes), (mwg, ft, mlp_lanes) = deep_shape(self.layout, "attend"), deep_shape(
             self.layout, "mlp")
@@ -232,7 +235,19 @@ class WebGPUDecoder:
                                        "N_KV": c.n_kv_heads, "ROWS": self.rows, "EPS": float(c.norm_eps)},
                         [self.rows_buffer, self.h, self.partials, ffn_norm, w13.bands[0][2], w2.bands[0][2],
                          self.x, self.sums], -(-c.ffn_dim // ft))
-        return [*qkv, attend, mlp]
+        return [*qkv, *qk_norm, attend, mlp]
+
+    def _qk_norm(self, i: int, layer) -> list[Op]:
+        """Qwen3's q/k norm: each query and key head of the qkv rows RMS-normalised in place, before any
+        rotary reads them (rmsnorm.wgsl, a workgroup per head and row); none where the model has none."""
+        weight = qk_norm_weight(layer.attention)
+        if weight is None:
+            return []
+        c = self.config
+        const = {"WG": WG, "DIM": c.head_dim, "EPS": float(c.norm_eps),
+                 "STRIDE": (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, "IN_PLACE": 1}
+        buffers = [self.rows_buffer, self.qkv, self._vector(weight, f"qk{i}")]
+        return [self._one("rmsnorm", "rmsnorm", const, buffers, c.n_heads + c.n_kv_heads)]
 
     def _plan(self, model: Transformer) -> tuple[Plan, Plan]:
         c = self.config
@@ -243,7 +258,7 @@ class WebGPUDecoder:
         rope = {"WG": WG, "HEAD_DIM": c.head_dim, "HALF": half, "N_HEADS": c.n_heads, "N_KV": c.n_kv_heads,
                 "MAX_SEQ": self.cache.max_seq_len, "QKV_STRIDE": qkv_n}
         rope_x = -(-((c.n_heads + c.n_kv_heads) * half + c.n_kv_heads * c.head_dim) // WG)
-        norm = {"WG": WG, "DIM": c.dim, "EPS": float(c.norm_eps)}
+        norm = {"WG": WG, "DIM": c.dim, "EPS": float(c.norm_eps), "STRIDE": c.dim, "IN_PLACE": 0}
         decode = Plan(embed=self._embed(embed_table, zero=self.deep))
         prefill = Plan(embed=self._embed(embed_table, zero=False)) if self.deep else Plan(embed=decode.embed)
         for i, layer in enumerate(model.layers):
@@ -257,6 +272,7 @@ class WebGPUDecoder:
             swiglu = self._one("swiglu", "swiglu", {"WG": WG, "FFN": c.ffn_dim},
                                [self.rows_buffer, self.gate_up, self.act], -(-c.ffn_dim // WG))
             k, v = self.cache.k_buffers[i], self.cache.v_buffers[i]
+            qk_norm = self._qk_norm(i, layer)
             rope_kv = self._one("rope_kv", "rope_kv", rope,
                                 [self.rows_buffer, self.qkv, k, v, self.cos, self.sin, self.q], rope_x)
             attend = self._one("attention", "attention", {**att, "FUSED": 0},
@@ -264,7 +280,8 @@ class WebGPUDecoder:
             out = self._gemv(wo, self.att, self.x, c.dim, epi=1)
             if self.fused:
                 if self.deep:
-                    decode.layers += self._deep_layer(i, layer, wqkv, wo, w13, w2, att_norm, ffn_norm, bias)
+                    decode.layers += self._deep_layer(i, layer, wqkv, wo, w13, w2, att_norm, ffn_norm, bias,
+                                                      qk_norm)
                 else:
                     qkv = self._gemv(wqkv, self.x, self.qkv, qkv_n, mode=1, epi=epi, norm=att_norm, bias=bias)
                     mlp = (self._gemv(w13, self.x, self.gate_up, 2 * c.ffn_dim, mode=1, norm=ffn_norm)
@@ -273,9 +290,9 @@ class WebGPUDecoder:
                     fused_attend = self._one("attention", "attention", {**att, "FUSED": 1},
                                              [self.rows_buffer, self.qkv, k, v, self.cos, self.sin, self.att],
                                              c.n_kv_heads)
-                    decode.layers += qkv + [fused_attend] + out + mlp
+                    decode.layers += qkv + qk_norm + [fused_attend] + out + mlp
                 prefill.layers += [*self._gemm(wqkv, self.x, self.qkv, qkv_n, mode=1, epi=epi, norm=att_norm,
-                                               bias=bias), rope_kv, attend,
+                                               bias=bias), *qk_norm, rope_kv, attend,
                                    *self._gemm(wo, self.att, self.x, c.dim, epi=1),
                                    *self._gemm(w13, self.x, self.gate_up, 2 * c.ffn_dim, mode=1,
                                                norm=ffn_norm),
@@ -287,7 +304,7 @@ class WebGPUDecoder:
                        *self._gemv(w13, self.h, self.gate_up, 2 * c.ffn_dim),
                        swiglu,
                        *self._gemv(w2, self.act, self.x, c.dim, epi=1)]
-                decode.layers += qkv + [rope_kv, attend] + out + mlp
+                decode.layers += qkv + qk_norm + [rope_kv, attend] + out + mlp
         if not self.fused:
             prefill.layers = decode.layers
         final = self._vector(model.norm.weight, "norm")
@@ -420,12 +437,13 @@ def planned_dispatches(c: ModelConfig, max_binding: int, fused: bool = True, wei
     binding is max_binding bytes, weights stored as `weights` (as its plan would hold them; no weights
     needed; `limits`: deep_fused's layout and adapter limits)."""
     q_n, qkv_n = c.n_heads * c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-    table = _bands(c.vocab_size, c.dim, max_binding, weights)
+    table, qk_norm = _bands(c.vocab_size, c.dim, max_binding, weights), int(c.qk_norm)
     if fused and deep_fused(c, max_binding, weights, **limits):
-        return table + 3 * c.n_layers + table
+        return table + (3 + qk_norm) * c.n_layers + table
     layer = sum(_bands(n, k, max_binding, weights)
                 for n, k in ((qkv_n, c.dim), (c.dim, q_n), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim)))
     layer += 1 if fused else 5  # attention with rotary inside | two norms, rope_kv, attention, SwiGLU
+    layer += qk_norm
     return table + c.n_layers * layer + table + (0 if fused else 1)
 
 

@@ -158,9 +158,10 @@ class Gpu:
 
 # Each shader's bindings in order: r read-only storage, w read-write storage, u uniform.
 # gemv and gemv_lanes share one layout (as gemm does): bindings 7, 8 are the deferred residual's
-# (MODE 3: its fixed-point sum read, the whole residual written).
+# (MODE 3: its fixed-point sum read, the whole residual written). rmsnorm's input is written where it
+# normalises in place (the q/k norm).
 LAYOUTS = {"gemv": "rurrwrrrw", "gemv_lanes": "rurrwrrrw", "gemm": "rurrwrrrw", "attention": "rrwwrrw",
-           "rope_kv": "rrwwrrw", "attend_out": "rrwwrrrww", "mlp": "rrrrrrww", "rmsnorm": "rrrw",
+           "rope_kv": "rrwwrrw", "attend_out": "rrwwrrrww", "mlp": "rrrrrrww", "rmsnorm": "rwrw",
            "swiglu": "rrw", "embed": "rurww", "tick": "w"}
 
 
