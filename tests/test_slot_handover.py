@@ -5,8 +5,9 @@ first prompt shares with what the slot held, instead of computing them again."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from floe.actor import Actor
+from floe.actor import Actor, ActorClosed, builtin_guest
 from floe.engine import Engine
 from floe.errors import FloeError
 
@@ -77,3 +78,85 @@ def test_adopt_slot_refuses_what_it_cannot_take(dense_engine):
         with pytest.raises(FloeError, match="kv_slot='later'"):
             new.adopt_slot(has_one)  # it has one now
         assert not has_one.closed and has_one.slot is not None
+
+
+def test_adopt_slot_refuses_a_closed_actor_on_either_side(dense_engine):
+    """A closed actor gave its slot back to the engine (another actor may hold it now): there is none
+    to take over, and taking it would give one slot two owners. A closed actor takes none: its close()
+    is done, and would never give it back."""
+    old = Actor(dense_engine)
+    old.close()
+    with Actor(dense_engine) as other, Actor(dense_engine, kv_slot="later") as new:
+        with pytest.raises(ActorClosed, match="closed"):
+            new.adopt_slot(old)
+        assert new.slot is None and other.slot not in dense_engine.slots.free
+    free = tuple(dense_engine.slots.free)
+    with Actor(dense_engine) as old:
+        closed = Actor(dense_engine, kv_slot="later")
+        closed.close()
+        with pytest.raises(ActorClosed, match="closed"):
+            closed.adopt_slot(old)
+        assert closed.slot is None and not old.closed
+    assert dense_engine.slots.free == free
+
+
+def test_a_restore_into_an_adopted_slot_leaves_nothing_of_what_it_held_to_reuse(dense_engine):
+    """restore() writes the slot (the snapshot's K and V over what the adopted slot held): a next prompt
+    that empties the slot and shares a start with the ids it held (the complete guest truncates to 0
+    each message) computes them again, not the snapshot's K and V taken for theirs."""
+    complete = builtin_guest("complete")
+    prompt, other_prompt = "\0The capital of France is", "\0My favourite fruit is the banana, because it"
+    old, other = Actor(dense_engine, complete), Actor(dense_engine, complete)
+    with other:
+        old.send(prompt, max_tokens=4)
+        other.send(other_prompt, max_tokens=4)
+        new = Actor(dense_engine, complete, kv_slot="later")
+        new.adopt_slot(old)
+        old.close()
+        new.restore(other.capture_state())
+    with new, Actor(dense_engine, complete) as fresh:
+        branched, alone = new.send(prompt, max_tokens=4), fresh.send(prompt, max_tokens=4)
+        n = alone.stats.context_tokens
+        assert cached(branched) == 0 and branched.stats.token_ids == alone.stats.token_ids
+        k, v = dense_engine.cache.export(new.slot)
+        k_fresh, v_fresh = dense_engine.cache.export(fresh.slot)
+        for mine, theirs in zip([*k, *v], [*k_fresh, *v_fresh], strict=True):
+            torch.testing.assert_close(mine[:, :n], theirs[:, :n], rtol=0, atol=1e-4)
+
+
+def test_a_rolled_back_session_keeps_a_guest_that_reads_its_kv_cache_while_it_loads_history(
+        dense_engine, tmp_path):
+    """The ABI lets a guest call kv_len (a v1 guest also prefill) in on_history: the new actor of a rolled-
+    back session is loaded with the conversation in the KV slot it takes over, not before it has one."""
+    from guests_wat import guest
+
+    from floe.engine import SamplingParams
+    from floe.server.sessions import SessionStore
+
+    reads_kv = tmp_path / "reads_kv.wasm"
+    reads_kv.write_bytes(guest(
+        "(drop (call $emit (i32.const 16) (i32.const 2))) (i32.const 0)",
+        imports='(import "floe" "kv_len" (func $kv_len (result i32)))',
+        extra='(func (export "on_history") (param i32 i32 i32) (result i32)'
+              '  (drop (call $kv_len)) (i32.const 0))'))
+    store = SessionStore(dense_engine, tmp_path / "snapshots", guest=str(reads_kv))
+
+    def turn(messages: list[dict]) -> None:
+        session = store.acquire("s", messages, 0)
+        try:
+            store.go_live(session)
+            history = store.pending(session, messages)
+            assert store.run(session, history, messages[-1]["content"], max_tokens=2,
+                             params=SamplingParams()).text == "ok"
+        finally:
+            store.release(session)
+
+    try:
+        a, b, c = ({"role": "user", "content": t} for t in "abc")
+        ok = {"role": "assistant", "content": "ok"}
+        turn([a])
+        turn([a, ok, b])
+        turn([a, ok, c])  # edits the second turn: rolled back to [a, ok], its guest made again
+        assert store.rollbacks == 1 and store.sessions["s"].messages == [a, ok, c, ok]
+    finally:
+        store.close(freeze=False)

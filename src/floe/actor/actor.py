@@ -370,11 +370,15 @@ class Actor(GuestHost):
         conversation rolled back to an earlier turn) keeps the turns before that turn's message."""
         if not self._slot_later or self.slot is not None:
             raise FloeError("adopt_slot() is for an actor made with kv_slot='later' that has no slot yet")
+        if self.closed:  # (its close() is done: the slot would never go back)
+            raise ActorClosed("this actor is closed")
         if old.engine is not self.engine:
             raise FloeError("adopt_slot(): the other actor's slot is another engine's")
         with old._lock:
             if old._message_thread is not None:
                 raise FloeError("adopt_slot(): the other actor is running a message")
+            if old.closed:  # (its slot went back to the engine: another actor may hold it now)
+                raise ActorClosed("adopt_slot(): the other actor is closed; its KV slot is not its own now")
             if old.slot is None:
                 raise FloeError("adopt_slot(): the other actor has no KV slot")
             old.closed = True
@@ -513,6 +517,7 @@ class Actor(GuestHost):
         a mismatch the slot is left empty and KVDigestMismatch propagates)."""
         self._need_slot("restore()")
         with self.between_messages():
+            self.abi.reusable = None  # (the slot is written: what an adopted one held is not there now)
             self.system_prompt = state.system_prompt
             self.guest.restore_memory(state.memory_size, state.memory_pages, state.memory_data)
             self.guest.restore_globals(state.globals)

@@ -25,11 +25,17 @@ class ActorMaker:
             return Actor(self.engine, self.guest, seed=seed, scheduler=self.scheduler, loop=self.loop,
                          kv_slot=kv_slot)
 
-    def with_history(self, messages: list[dict], seed: int, kv_slot: bool | str = True) -> Actor:
-        """A new actor holding a conversation (prefilled in full by its next message, but for what a
-        slot it adopts holds: Actor.adopt_slot)."""
-        actor = self.new(seed, kv_slot)
+    def with_history(self, messages: list[dict], seed: int, slot_of: Actor | None = None) -> Actor:
+        """A new actor holding a conversation (prefilled in full by its next message), in a fresh KV slot
+        or in the one it takes over from `slot_of` (closed by this; Actor.adopt_slot: the next message
+        prefills only what differs from what that slot held). The slot comes first: a guest may use its
+        KV cache while it takes the conversation (kv_len; a v1 guest's prefill)."""
+        actor = self.new(seed, True if slot_of is None else "later")
         try:
+            if slot_of is not None and slot_of.slot is not None:
+                actor.adopt_slot(slot_of)
+            elif slot_of is not None:
+                actor.attach_slot()
             for m in messages:
                 actor.add_history(m["role"], m["content"])
         except BaseException:

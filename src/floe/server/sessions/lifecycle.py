@@ -116,11 +116,7 @@ class SessionLifecycle:
                 session.actor = None
                 self.registry.discard(session)
                 return
-            actor = self.actors.with_history(session.messages, session.seed, kv_slot="later")
-            if old.slot is not None:
-                actor.adopt_slot(old)
-            else:  # (no slot to take over: a fresh one)
-                actor.attach_slot()
+            actor = self.actors.with_history(session.messages, session.seed, slot_of=old)
             old.close()
             session.actor = None
             actor.generator.set_state(old.generator.get_state())
