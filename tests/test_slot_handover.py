@@ -4,6 +4,8 @@ first prompt shares with what the slot held, instead of computing them again."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -160,3 +162,28 @@ def test_a_rolled_back_session_keeps_a_guest_that_reads_its_kv_cache_while_it_lo
         assert store.rollbacks == 1 and store.sessions["s"].messages == [a, ok, c, ok]
     finally:
         store.close(freeze=False)
+
+
+def test_adopt_slot_from_inside_a_message_is_refused_not_a_deadlock(tiny_engine):
+    """From an on_text callback the engine loop runs (loop_safe) the other actor is mid-message, its lock
+    held by its sender, who waits for the loop: adopt_slot refuses, as the other calls of an actor do,
+    instead of waiting for that lock with every session's turns."""
+    from floe.actor import ActorReentrantCall, EngineLoop
+
+    refused = []
+    old, new = Actor(tiny_engine, loop=EngineLoop(tiny_engine)), Actor(tiny_engine, kv_slot="later")
+
+    def take(text: str) -> None:
+        if not refused:
+            try:
+                new.adopt_slot(old)
+            except ActorReentrantCall as e:
+                refused.append(e)
+
+    sender = threading.Thread(target=lambda: old.send("Hi", max_tokens=4, on_text=take, loop_safe=True),
+                              daemon=True)
+    sender.start()
+    sender.join(timeout=60)
+    assert not sender.is_alive(), "the engine loop waits for the lock its own turn's sender holds"
+    with old, new:  # (closed only where nothing waits: a close() would wait for the lock too)
+        assert refused and new.slot is None and old.slot is not None

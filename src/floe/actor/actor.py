@@ -374,6 +374,7 @@ class Actor(GuestHost):
             raise ActorClosed("this actor is closed")
         if old.engine is not self.engine:
             raise FloeError("adopt_slot(): the other actor's slot is another engine's")
+        old._refuse_reentry("adopt_slot()")  # (from the engine loop: the lock is held by who waits for it)
         with old._lock:
             if old._message_thread is not None:
                 raise FloeError("adopt_slot(): the other actor is running a message")
