@@ -187,6 +187,34 @@ def test_the_attention_operator_is_the_step_in_pytorchs_ops(n_heads, n_kv, head_
     torch.testing.assert_close(out, out_ops, rtol=0, atol=1e-5)
 
 
+def test_the_attention_operators_lanes_give_the_same_bits():
+    """8 lanes (a 16-lane word in two registers) compute the sums 16 do, in the same order: a CPU's
+    vector width never changes an attention output (on a CPU without AVX-512 only 8 run)."""
+    runnable("portable")
+    qgemv.load("portable")  # loads the operator
+    try:
+        torch.ops.floe.attend_lanes(16)
+    except RuntimeError:
+        pytest.skip("16 lanes need AVX-512, which this CPU does not have")
+
+    def attend(lanes: int, head_dim: int, softcap: float) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(head_dim)
+        seq, positions = 80, [0, 15, 16, 47, 79]  # 4 query heads on one KV head, 5 slots
+        qkv = torch.randn(5, 6 * head_dim, generator=gen)
+        cos, sin = (torch.randn(seq, head_dim, generator=gen) for _ in range(2))
+        k, v = (torch.randn(5, 1, seq, head_dim, generator=gen) for _ in range(2))
+        out = torch.empty(5, 4 * head_dim)
+        torch.ops.floe.attend_lanes(lanes)
+        torch.ops.floe.attend(qkv, cos, sin, k, v, list(range(5)), positions, 4, out, 0, softcap)
+        return out
+
+    try:
+        for head_dim, softcap in ((64, 0.0), (128, 2.0), (256, 0.0)):
+            assert torch.equal(attend(16, head_dim, softcap), attend(8, head_dim, softcap))
+    finally:
+        torch.ops.floe.attend_lanes(0)
+
+
 def test_the_rms_norm_operator_is_the_steps_rms_norm():
     runnable("portable")
     qgemv.load("portable")  # loads the operator

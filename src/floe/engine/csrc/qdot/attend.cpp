@@ -40,7 +40,7 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t h
 // L floats as one value (GCC/Clang vector extensions: each target_clones variant lowers it to its own
 // registers), loaded from any 4-byte-aligned address. L = 16 (one 512-bit register) where the CPU has
 // AVX-512; 8 elsewhere: lowered to AVX2's 16 registers, 16 lanes took two registers a value and spilled
-// (a SmolLM2 head over 300 positions, one thread, 2-core Zen 3: 14.4 us at 16 lanes, 2.1 at 8).
+// (a SmolLM2 head over 300 positions, one thread, 2-core Zen 3: 14.4 us at 16 lanes, ~2.3 at 8).
 template <int L>
 struct Lanes {
   typedef float f __attribute__((vector_size(4 * L), aligned(4)));
@@ -95,7 +95,7 @@ FLOE_INLINE Lanes<16>::f lane_sums(Lanes<16>::f* a) {
          __builtin_shufflevector(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// The same for 8 values of 8 lanes: three rounds.
+// The same for 8 values of 8 lanes: the 16-lane tree but its first level (lanes i + 4, i + 2, i + 1).
 FLOE_INLINE Lanes<8>::f lane_sums(Lanes<8>::f* a) {
   for (int i = 0; i < 4; ++i)
     a[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
@@ -109,26 +109,32 @@ FLOE_INLINE Lanes<8>::f lane_sums(Lanes<8>::f* a) {
 
 // One query head q [HD] over `len` positions of its KV head's K and V [len, HD] (HD a multiple of 16):
 // softmax(K q) V into out [HD] (softcap > 0: the scores capped first); scores: scratch of len floats
-// (rounded up to 16). Scores L positions at a time (their products lane by lane, then the L lanes' sums
-// at once), softmax and its exponentials L lanes at a time, V's rows weighted into accumulators held in
-// registers: at 16 lanes two sets (alternate positions); at 8, one (two spilled AVX2's registers).
+// (rounded up to 16). The arithmetic is that of 16-lane words, whatever the registers: a word of q
+// times one of K lane by lane, added over the head's words, each position's 16 lanes summed as one
+// tree (lanes i + 8, then i + 4, i + 2, i + 1); exponentials lane by lane, their sum in a word's lanes
+// (position t in lane t % 16); V's rows weighted into two sets of accumulators (alternate
+// positions). L = 16 holds a word in one register (AVX-512); L = 8 in two (the first tree level is
+// the two halves' sum), every sum the same, so that a CPU's vector width never changes a result.
 template <int64_t HD, int L>
 FLOE_INLINE void head(const float* q, const float* k, const float* v, int64_t len, float softcap, float* scores,
                       float* out) {
   using V = typename Lanes<L>::f;
   using I = typename Lanes<L>::i;
-  constexpr int64_t C = HD / L;
-  constexpr int S = L == 16 ? 2 : 1;  // accumulator sets
+  constexpr int H = 16 / L;        // registers a word takes
+  constexpr int64_t C = HD / L;    // registers a head vector takes
   V qv[C];
   for (int64_t c = 0; c < C; ++c) __builtin_memcpy(&qv[c], q + c * L, sizeof(V));
-  const int64_t padded = (len + L - 1) / L * L;
-  for (int64_t t = 0; t < padded; t += L) {
+  const int64_t padded = (len + 15) / 16 * 16;
+  for (int64_t t = 0; t < padded; t += L) {  // L positions a tree
     V acc[L];
     for (int64_t i = 0; i < L; ++i) {
       const V* kt = reinterpret_cast<const V*>(k + std::min(t + i, len - 1) * HD);  // the tail repeats
-      V a = qv[0] * kt[0];
-      for (int64_t c = 1; c < C; ++c) a += qv[c] * kt[c];
-      acc[i] = a;
+      V part[H];
+      for (int h = 0; h < H; ++h) part[h] = qv[h] * kt[h];
+      for (int64_t c = H; c < C; c += H)
+        for (int h = 0; h < H; ++h) part[h] += qv[c + h] * kt[c + h];
+      acc[i] = part[0];
+      if constexpr (H == 2) acc[i] += part[1];  // (the tree's first level)
     }
     V s = lane_sums(acc);
     if (softcap > 0.f) {
@@ -138,34 +144,34 @@ FLOE_INLINE void head(const float* q, const float* k, const float* v, int64_t le
   }
   float top = -INFINITY;
   for (int64_t t = 0; t < len; ++t) top = std::max(top, scores[t]);
-  V sum = {}, lanes;
+  V sum[H] = {}, lanes;
   for (int i = 0; i < L; ++i) lanes[i] = static_cast<float>(i);
   for (int64_t t = 0; t < padded; t += L) {
     V p = exp_lanes<V, I>(*reinterpret_cast<const V*>(scores + t) - top);
     p = lanes + static_cast<float>(t) < static_cast<float>(len) ? p : V{};  // the tail's repeats: 0
     __builtin_memcpy(scores + t, &p, sizeof p);
-    sum += p;
+    sum[(t / L) % H] += p;
   }
-  V a[S][C] = {};
+  V a0[C] = {}, a1[C] = {};
   int64_t t = 0;
-  for (; t + S <= len; t += S) {
-    for (int j = 0; j < S; ++j) {
-      const V* vt = reinterpret_cast<const V*>(v + (t + j) * HD);
-      const V p = splat<V>(scores[t + j]);
-      for (int64_t c = 0; c < C; ++c) a[j][c] += p * vt[c];
+  for (; t + 2 <= len; t += 2) {
+    const V *v0 = reinterpret_cast<const V*>(v + t * HD), *v1 = reinterpret_cast<const V*>(v + (t + 1) * HD);
+    const V p0 = splat<V>(scores[t]), p1 = splat<V>(scores[t + 1]);
+    for (int64_t c = 0; c < C; ++c) {
+      a0[c] += p0 * v0[c];
+      a1[c] += p1 * v1[c];
     }
   }
-  if (t < len) {  // (S = 2: an odd last position)
-    const V* vt = reinterpret_cast<const V*>(v + t * HD);
-    for (int64_t c = 0; c < C; ++c) a[0][c] += splat<V>(scores[t]) * vt[c];
+  if (t < len) {
+    const V* v0 = reinterpret_cast<const V*>(v + t * HD);
+    for (int64_t c = 0; c < C; ++c) a0[c] += splat<V>(scores[t]) * v0[c];
   }
   float total = 0.f;
-  for (int64_t i = 0; i < L; ++i) total += sum[i];
+  for (int h = 0; h < H; ++h)
+    for (int64_t i = 0; i < L; ++i) total += sum[h][i];
   const V inv = splat<V>(1.f / total);
   for (int64_t c = 0; c < C; ++c) {
-    V o = a[0][c];
-    if constexpr (S == 2) o += a[1][c];
-    o *= inv;
+    const V o = (a0[c] + a1[c]) * inv;
     __builtin_memcpy(out + c * L, &o, sizeof o);
   }
 }
