@@ -490,8 +490,8 @@ def test_a_burst_of_prompts_fills_the_padded_mixed_graph_beside_the_decode_rows(
         assert sum(len(p) for p, _ in prompts) > graph.MIXED_ROWS
         assert sum(len(p) for p, _ in prompts) <= batching.ride_room(1)
         step = batching.launch_batch([first], [a], prompts)
+        assert [k for k, _ in step.chunks] == [0, 1, 2]  # all three ride in the step's replay
         together = [r.float().cpu().clone() for r in batching.finish_batch(step) + step.prompt_results]
-        assert [k for k, _ in step.chunks] == [0, 1, 2]  # all three rode in the step's replay
         for s in slots:
             batching.kv_truncate(0, s)
         first = int(batching.prefill(list(range(100, 130)), a).argmax())
