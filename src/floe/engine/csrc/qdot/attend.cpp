@@ -195,11 +195,16 @@ FLOE_INLINE void head_any(const float* q, const float* k, const float* v, int64_
   for (int64_t j = 0; j < hd; ++j) out[j] = acc[j] / sum;
 }
 
-// The lanes `head` takes: 16 where the CPU has AVX-512 F, else 8; attend_lanes(n) sets 8 or 16 (a test
-// runs both where the CPU has AVX-512), 0 goes back to the CPU's.
+// The lanes `head` takes: 16 where the CPU runs the x86-64-v4 clone (AVX-512 F, BW, CD, DQ, VL: its
+// 512-bit registers), else 8 (the same results); attend_lanes(n) sets 8 or 16 (a test runs both where
+// the CPU has them), 0 goes back to the CPU's.
 int64_t cpu_lanes() {
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const int64_t lanes = __builtin_cpu_supports("avx512f") ? 16 : 8;
+  static const int64_t lanes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                       __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
+                                       __builtin_cpu_supports("avx512vl")
+                                   ? 16
+                                   : 8;
   return lanes;
 #else
   return 8;
