@@ -187,3 +187,34 @@ def test_adopt_slot_from_inside_a_message_is_refused_not_a_deadlock(tiny_engine)
     assert not sender.is_alive(), "the engine loop waits for the lock its own turn's sender holds"
     with old, new:  # (closed only where nothing waits: a close() would wait for the lock too)
         assert refused and new.slot is None and old.slot is not None
+
+
+def test_whatever_writes_a_held_slot_drops_what_it_held(dense_engine):
+    """What an emptied slot holds (KVCache.hold) is reused only until anything writes or claims it: a
+    prompt's or a decode step's positions, a snapshot's load, a claim, a release."""
+    cache, ids = dense_engine.cache, list(range(100, 140))
+    slot = dense_engine.claim_slot()
+    try:
+        writes = {
+            "prefill": lambda: dense_engine.prefill([7, 8], slot),
+            "decode step": lambda: cache.reserve_each([slot]),
+            "load": lambda: cache.start_load(*cache.export(slot)).into(slot, []),
+            "release, claimed again": lambda: (dense_engine.release_slot(slot),
+                                               dense_engine.slots.claim_free([slot])),
+        }
+        for name, write in writes.items():
+            dense_engine.kv_truncate(0, slot)
+            dense_engine.prefill(ids, slot)
+            dense_engine.kv_hold(slot)
+            assert dense_engine.kv_len(slot) == 0 and cache.held[slot] == ids
+            write()
+            assert cache.held[slot] is None, name
+            dense_engine.kv_truncate(0, slot)
+            assert dense_engine.kv_reuse(ids, slot) == 0, name
+        dense_engine.prefill(ids, slot)
+        dense_engine.kv_hold(slot)
+        assert dense_engine.kv_reuse([*ids[:30], 5, 6], slot) == 30  # untouched: the shared start is back
+        assert dense_engine.kv_len(slot) == 30 and cache.tokens[slot] == ids[:30]
+    finally:
+        dense_engine.kv_truncate(0, slot)
+        dense_engine.release_slot(slot)

@@ -108,9 +108,6 @@ class HostABI(GuestIO):
         # (floe.actor.turn: Turn.sampled, reset before each on_token), while a turn runs; else None.
         self.sampled_at: tuple[memoryview, int] | None = None
         self.rendered: tuple[bytes, Rendered] | None = None  # the last chat_render, for tokenize()
-        # The ids a slot handed to this actor held (Actor.adopt_slot), until its first forward: that
-        # prefill's ids skip the start they share (the slot's K and V for it are still there).
-        self.reusable: list[int] | None = None
 
     def begin_turn(self) -> None:
         """v2: a new message's turn: nothing queued, no logits target, no turn options."""
@@ -408,26 +405,21 @@ class HostABI(GuestIO):
         t = time.perf_counter()
         wide = torch.from_numpy(ids.astype(np.int64))
         context.ledger.copy("prompt ids int32→int64", 8 * n, seconds=time.perf_counter() - t)
-        if self.reusable is not None:
+        if self.engine.cache.held[context.slot] is not None:  # a slot handed to this actor (adopt_slot)
             wide = self._reuse(wide)
         if self.version >= 2:
             return self._queue(wide, logits_ptr)
         return self._run(wide, logits_ptr)
 
     def _reuse(self, ids: torch.Tensor) -> torch.Tensor:
-        """The first prefill into an adopted slot: `ids` less the start the slot still holds (at most all
-        but the last id, whose logits the guest asks for), which is restored instead of computed again.
-        Only into an empty slot with nothing queued: anything else and the held ids are dropped."""
-        held, self.reusable = self.reusable, None
+        """The first prefill into a slot handed over with what it held (Engine.kv_hold): `ids` less the
+        start the slot holds again (Engine.kv_reuse) instead of computing it. Only into an empty slot with
+        nothing queued: anything else and what it held is dropped."""
         slot = self.context.slot
         if self.engine.kv_len(slot) or len(self.queued):
+            self.engine.cache.drop_held(slot)
             return ids
-        n = min(len(held), len(ids) - 1)
-        same = np.flatnonzero(ids[:n].numpy() != np.asarray(held[:n], dtype=np.int64))
-        start = int(same[0]) if len(same) else n
-        if start:
-            self.engine.kv_restore(held[:start], slot)
-        return ids[start:]
+        return ids[self.engine.kv_reuse(ids.numpy(), slot):]
 
     def _queue(self, ids: torch.Tensor, logits_ptr: int) -> int:
         """v2 prefill: the ids wait for the engine loop."""
@@ -444,7 +436,6 @@ class HostABI(GuestIO):
         token = as_i32(token)
         if not 0 <= token < self.vocab:
             return ERR_BAD_TOKEN
-        self.reusable = None  # (it writes the slot's next position)
         self.context.stats.on_decode(token)
         return self._run([token], logits_ptr)
 

@@ -384,10 +384,8 @@ class Actor(GuestHost):
                 raise FloeError("adopt_slot(): the other actor has no KV slot")
             old.closed = True
             slot, old.slot = old.slot, None
-        held = list(self.engine.cache.tokens[slot])
-        self.engine.kv_truncate(0, slot)
+        self.engine.kv_hold(slot)
         self.slot = slot
-        self.abi.reusable = held
 
     def give_up_slot(self) -> None:
         """Free the KV slot of an idle actor that is about to be closed, now: the slot's next actor need
@@ -518,7 +516,6 @@ class Actor(GuestHost):
         a mismatch the slot is left empty and KVDigestMismatch propagates)."""
         self._need_slot("restore()")
         with self.between_messages():
-            self.abi.reusable = None  # (the slot is written: what an adopted one held is not there now)
             self.system_prompt = state.system_prompt
             self.guest.restore_memory(state.memory_size, state.memory_pages, state.memory_data)
             self.guest.restore_globals(state.globals)

@@ -206,20 +206,25 @@ class Engine(BatchedSteps):
         self.cache.truncate(slot, n)
         self._forget(slot)  # the logits it was the choice of are not the context's now
 
-    def kv_restore(self, tokens: list[int], slot: int = 0) -> None:
-        """The emptied `slot` holds the first len(tokens) positions it held before again (their K and V
-        untouched since: a slot handed to a new actor, floe.actor.Actor.adopt_slot)."""
-        self.cache.restore(slot, tokens)
+    def kv_hold(self, slot: int = 0) -> None:
+        """Empty `slot`, keeping what it held for kv_reuse until anything writes it (KVCache.hold)."""
+        self.cache.hold(slot)
         self._forget(slot)
+
+    def kv_reuse(self, ids, slot: int = 0) -> int:
+        """How many of prompt `ids`' first tokens the emptied `slot` holds again (KVCache.reuse)."""
+        return self.cache.reuse(slot, ids)
 
     def claim_slot(self) -> int:
         """A free KV cache slot, emptied, for a new conversation."""
         slot = self.slots.claim()
         self.cache.truncate(slot, 0)
+        self.cache.drop_held(slot)
         self._forget(slot)
         return slot
 
     def release_slot(self, slot: int) -> None:
+        self.cache.drop_held(slot)
         self.slots.release(slot)
 
     @torch.inference_mode()

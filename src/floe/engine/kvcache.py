@@ -39,6 +39,9 @@ class KVCache:
         self.max_seq_len = max_seq_len
         self.lengths = [0] * n_slots
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]  # the ids behind each slot
+        # An emptied slot's ids whose K and V it still holds (hold(): a slot handed to a new actor), until
+        # anything writes the slot: reuse() gives the new actor back the start its prompt shares.
+        self.held: list[list[int] | None] = [None] * n_slots
         self._staging: torch.Tensor | None = None  # pinned buffer for loads onto a GPU
         self._staged = None  # the event after the last copy out of it
         self._staging_lock = threading.Lock()
@@ -58,16 +61,18 @@ class KVCache:
         start = self.lengths[slot]
         if start + n > self.max_seq_len:
             raise self.overflow(slot, n)
+        self.held[slot] = None
         self.lengths[slot] = start + n
         return start
 
     def reserve_each(self, slots: list[int]) -> list[int]:
         """reserve(slot, 1) of each of several distinct slots in one call (a decode step's rows: not a
         call a row): the position claimed for each, or -1 where the slot is full (nothing claimed)."""
-        lengths, limit, starts = self.lengths, self.max_seq_len, []
+        lengths, limit, held, starts = self.lengths, self.max_seq_len, self.held, []
         for slot in slots:
             start = lengths[slot]
             if start < limit:
+                held[slot] = None
                 lengths[slot] = start + 1
                 starts.append(start)
             else:
@@ -86,14 +91,31 @@ class KVCache:
         self.lengths[slot] = n
         del self.tokens[slot][n:]
 
-    def restore(self, slot: int, tokens: list[int]) -> None:
-        """`slot`, truncated to none, holds its first len(tokens) positions again, whose ids these were:
-        nothing has written them since (a slot handed to a new actor, floe.actor.Actor.adopt_slot)."""
-        if self.lengths[slot] != 0 or len(tokens) > self.max_seq_len:
-            raise ValueError(f"slot {slot} holds {self.lengths[slot]} positions: only an emptied slot is "
-                             "restored")
-        self.lengths[slot] = len(tokens)
-        self.tokens[slot] = list(tokens)
+    def hold(self, slot: int) -> None:
+        """Empty `slot` but keep its ids: its K and V are still there for reuse() until anything writes
+        the slot (a slot handed to a new actor, floe.actor.Actor.adopt_slot)."""
+        held = self.tokens[slot][:self.lengths[slot]]
+        self.truncate(slot, 0)
+        self.drop_held(slot)
+        self.held[slot] = held or None
+
+    def reuse(self, slot: int, ids: list[int] | np.ndarray) -> int:
+        """Before the first prompt `ids` goes into an emptied slot that holds ids (hold()): the longest
+        start they share, at most all but the last id (whose logits are asked for), is the slot's again
+        (its K and V were computed for exactly those ids); how many. The held ids are gone after this."""
+        held = self.held[slot]
+        self.drop_held(slot)
+        if held is None or self.lengths[slot] != 0:
+            return 0
+        n = min(len(held), len(ids) - 1)
+        differ = np.flatnonzero(np.asarray(ids[:n], dtype=np.int64) != np.asarray(held[:n], dtype=np.int64))
+        start = int(differ[0]) if len(differ) else n
+        self.lengths[slot], self.tokens[slot] = start, held[:start]
+        return start
+
+    def drop_held(self, slot: int) -> None:
+        """`slot` is written (or claimed, or loaded): what it held is not there now."""
+        self.held[slot] = None
 
     def export(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Views of the filled prefix of `slot`, per layer: k and v [n_kv_heads, length, head_dim]."""
@@ -171,6 +193,7 @@ class PendingLoad:
             if n > cache.max_seq_len:
                 raise ContextOverflow(f"{n} tokens do not fit a context of {cache.max_seq_len}")
             cache.lengths[slot], cache.tokens[slot] = 0, []  # empty until every tensor is in and checked
+            cache.drop_held(slot)
             if not n:
                 return
             total = sum(self.sizes)

@@ -96,6 +96,7 @@ class WebGPULoad:
         if n > cache.max_seq_len:
             raise ContextOverflow(f"{n} tokens do not fit a context of {cache.max_seq_len}")
         cache.lengths[slot], cache.tokens[slot] = 0, []  # empty until every tensor is in and checked
+        cache.drop_held(slot)
         if not n:
             return
         src = [s.to(torch.float32).contiguous() for s in self.src]
