@@ -206,6 +206,7 @@ def test_whatever_writes_a_held_slot_drops_what_it_held(dense_engine):
             dense_engine.kv_truncate(0, slot)
             dense_engine.prefill(ids, slot)
             dense_engine.kv_hold(slot)
+            dense_engine.kv_hold(slot)  # (handed on again before anything wrote it: still held)
             assert dense_engine.kv_len(slot) == 0 and cache.held[slot] == ids
             write()
             assert cache.held[slot] is None, name

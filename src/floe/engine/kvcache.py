@@ -93,7 +93,10 @@ class KVCache:
 
     def hold(self, slot: int) -> None:
         """Empty `slot` but keep its ids: its K and V are still there for reuse() until anything writes
-        the slot (a slot handed to a new actor, floe.actor.Actor.adopt_slot)."""
+        the slot (a slot handed to a new actor, floe.actor.Actor.adopt_slot). An empty slot keeps what it
+        holds (handed on again before anything wrote it)."""
+        if self.lengths[slot] == 0:
+            return
         held = self.tokens[slot][:self.lengths[slot]]
         self.truncate(slot, 0)
         self.drop_held(slot)
