@@ -405,7 +405,7 @@ class HostABI(GuestIO):
         t = time.perf_counter()
         wide = torch.from_numpy(ids.astype(np.int64))
         context.ledger.copy("prompt ids int32→int64", 8 * n, seconds=time.perf_counter() - t)
-        if self.engine.cache.held[context.slot] is not None:  # a slot handed to this actor (adopt_slot)
+        if context.slot is not None and self.engine.cache.held[context.slot] is not None:  # (adopt_slot)
             wide = self._reuse(wide)
         if self.version >= 2:
             return self._queue(wide, logits_ptr)
