@@ -36,15 +36,19 @@ class KVCache:
         shape = (c.n_layers, n_slots, c.n_kv_heads, max_seq_len, c.head_dim)
         self.k = _zeros(shape, dtype, device)
         self.v = _zeros(shape, dtype, device)
+        self._init_slots(max_seq_len, n_slots)
+        self._staging: torch.Tensor | None = None  # pinned buffer for loads onto a GPU
+        self._staged = None  # the event after the last copy out of it
+        self._staging_lock = threading.Lock()
+
+    def _init_slots(self, max_seq_len: int, n_slots: int) -> None:
+        """Every slot empty (the bookkeeping each cache's storage shares)."""
         self.max_seq_len = max_seq_len
         self.lengths = [0] * n_slots
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]  # the ids behind each slot
         # An emptied slot's ids whose K and V it still holds (hold(): a slot handed to a new actor), until
         # anything writes the slot: reuse() gives the new actor back the start its prompt shares.
         self.held: list[list[int] | None] = [None] * n_slots
-        self._staging: torch.Tensor | None = None  # pinned buffer for loads onto a GPU
-        self._staged = None  # the event after the last copy out of it
-        self._staging_lock = threading.Lock()
 
     @property
     def n_slots(self) -> int:

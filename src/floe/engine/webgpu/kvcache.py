@@ -30,9 +30,7 @@ class WebGPUKVCache(KVCache):
         self.v_buffers = [gpu.buffer(layer_bytes, label=f"v{i}") for i in range(c.n_layers)]
         self.k = self.v = None  # no host tensors: see export and start_load
         self.dtype = torch.float32
-        self.max_seq_len = max_seq_len
-        self.lengths = [0] * n_slots
-        self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
+        self._init_slots(max_seq_len, n_slots)
 
     @property
     def bytes_per_token(self) -> int:
