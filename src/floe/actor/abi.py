@@ -405,7 +405,7 @@ class HostABI(GuestIO):
         t = time.perf_counter()
         wide = torch.from_numpy(ids.astype(np.int64))
         context.ledger.copy("prompt ids int32→int64", 8 * n, seconds=time.perf_counter() - t)
-        if context.slot is not None and self.engine.cache.held[context.slot] is not None:  # (adopt_slot)
+        if context.slot is not None and self.engine.kv_holds(context.slot):  # a handed-over slot (adopt_slot)
             wide = self._reuse(wide)
         if self.version >= 2:
             return self._queue(wide, logits_ptr)
@@ -417,7 +417,7 @@ class HostABI(GuestIO):
         nothing queued: anything else and what it held is dropped."""
         slot = self.context.slot
         if self.engine.kv_len(slot) or len(self.queued):
-            self.engine.cache.drop_held(slot)
+            self.engine.kv_drop_held(slot)
             return ids
         return ids[self.engine.kv_reuse(ids.numpy(), slot):]
 

@@ -211,6 +211,14 @@ class Engine(BatchedSteps):
         self.cache.hold(slot)
         self._forget(slot)
 
+    def kv_holds(self, slot: int = 0) -> bool:
+        """Whether the emptied `slot` still holds ids for kv_reuse (KVCache.hold)."""
+        return self.cache.held[slot] is not None
+
+    def kv_drop_held(self, slot: int = 0) -> None:
+        """Forget what the emptied `slot` held (KVCache.drop_held)."""
+        self.cache.drop_held(slot)
+
     def kv_reuse(self, ids, slot: int = 0) -> int:
         """How many of prompt `ids`' first tokens the emptied `slot` holds again (KVCache.reuse)."""
         return self.cache.reuse(slot, ids)
