@@ -657,7 +657,7 @@ def test_draws_for_guests_with_logits_in_their_memory_and_without_share_a_step(b
 def test_two_engines_on_one_gpu_step_in_turn_and_answer_as_alone(engines, tokenizer):
     """Two models on one GPU (issue 44): a lone session on one engine while six stream on another
     (tests/test_device_sharing.py's share()): it answers as alone, neither engine starves."""
-    from test_device_sharing import BUSY, longest_run, share
+    from test_device_sharing import BUSY, TIMELINE, longest_run, share
 
     from floe.engine import Engine
     from floe.model.synthetic import random_checkpoint
@@ -667,6 +667,9 @@ def test_two_engines_on_one_gpu_step_in_turn_and_answer_as_alone(engines, tokeni
     alone, shared, window = share(busy, engines["graph"])
     print(f"lone {window.count('lone')} steps, busy {window.count('busy')}; most in a row: busy "
           f"{longest_run(window, 'busy')}, lone {longest_run(window, 'lone')}")
+    if TIMELINE:  # each step's loop, rows and ms since the lone session's first step (GPU steps are short)
+        start = next((t for name, t, _ in TIMELINE if name == "lone"), TIMELINE[0][1])
+        print(" ".join(f"{name[0]}{rows}@{1e3 * (t - start):.1f}" for name, t, rows in TIMELINE))
     assert shared == alone
     assert window.count("busy") >= 1
     assert longest_run(window, "busy") <= 8

@@ -7,6 +7,7 @@ steps, the busy one steps all along, and the lone one answers as alone. tests/te
 on one GPU."""
 
 import threading
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ BUSY = 6  # sessions on the busy engine
 TOKENS = 32  # the lone session's reply
 GREEDY = SamplingParams(0.0)
 STORY = "Write a long story about a lighthouse keeper and the sea."
+TIMELINE: list[tuple[str, float, int]] = []  # share()'s last steps: (loop, time.perf_counter(), rows)
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,7 @@ def share(busy_engine: Engine, lone_engine: Engine, prompt: str = "Name three co
         def record(rows: int) -> None:
             with counted:
                 order.append(name)
+                TIMELINE.append((name, time.perf_counter(), rows))
         return record
 
     busy_loop = EngineLoop(busy_engine, on_step=on_step("busy"))
@@ -73,6 +76,7 @@ def share(busy_engine: Engine, lone_engine: Engine, prompt: str = "Name three co
             threading.Event().wait(0.01)
         with counted:
             order.clear()
+            TIMELINE.clear()
         with Actor(lone_engine, loop=lone_loop) as actor:
             shared = actor.send(prompt, max_tokens=tokens, params=GREEDY).stats.token_ids
         with counted:
