@@ -236,19 +236,26 @@ def report_unbalanced(result: dict) -> None:
     print(f"wrote {out}")
 
 
-def random_model(shape: str, folder: Path) -> Path:
+def random_model(shape: str, folder: Path, tokenizer_folder: str | None = None) -> Path:
     """A random Llama model of `shape` as a Hugging Face folder (bf16 safetensors), the default model's
-    tokenizer."""
+    tokenizer or `tokenizer_folder`'s (its tokenizer.json and tokenizer_config.json copied: where the
+    default model's package is not installed, as on a lent GPU machine)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from floe.model import default_model_path
     from floe.model.config import KNOWN_SHAPES
-    from floe.model.gguf_file import GGUFFile
-    from floe.model.gguf_tokenizer import tokenizer_from_gguf
 
     c = KNOWN_SHAPES[shape]
-    tokenizer = tokenizer_from_gguf(GGUFFile(default_model_path()).fields)
+    if tokenizer_folder:
+        from floe.model.hf_folder import tokenizer_from_folder
+
+        tokenizer = tokenizer_from_folder(Path(tokenizer_folder), {})
+    else:
+        from floe.model import default_model_path
+        from floe.model.gguf_file import GGUFFile
+        from floe.model.gguf_tokenizer import tokenizer_from_gguf
+
+        tokenizer = tokenizer_from_gguf(GGUFFile(default_model_path()).fields)
     config = LlamaConfig(hidden_size=c.dim, num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
                          num_key_value_heads=c.n_kv_heads, intermediate_size=c.ffn_dim,
                          vocab_size=tokenizer.vocab_size, max_position_embeddings=8192,
@@ -257,6 +264,8 @@ def random_model(shape: str, folder: Path) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
     tokenizer.backend.save(str(folder / "tokenizer.json"))
+    if tokenizer_folder:
+        shutil.copy(Path(tokenizer_folder) / "tokenizer_config.json", folder)
     return folder
 
 
@@ -284,6 +293,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: the default "
                     "model)")
     ap.add_argument("--shape", default=None, help="a random model of this shape instead (e.g. llama-3.2-1b)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder for --shape (tokenizer.json, "
+                    "tokenizer_config.json; default: the default model's)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -296,9 +307,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="floe-serve-models-"))
     procs = []
     try:
-        source = Path(args.model) if args.model else default_model_path()
         if args.shape:
-            source = random_model(args.shape, work / "model")
+            source = random_model(args.shape, work / "model", args.tokenizer)
+        else:
+            source = Path(args.model) if args.model else default_model_path()
         copy = work / f"copy{source.suffix}"
         (shutil.copytree if source.is_dir() else shutil.copy)(source, copy)
         if args.unbalanced:
