@@ -411,3 +411,30 @@ def test_a_forked_child_gets_a_pool_of_its_own():
         assert os.read(read, 1) == b"1" and done[1] == 0
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_a_prompts_float32_product_is_each_rows_own_dot_products(qtype, variant):
+    """gemm_q (a short prompt's product where the GEMM runs in float32: floe.engine.prefill) on the
+    file's rows (37: a band of 5 at the end) and on interleaved bands, 4-bit weights also from Q4_F
+    blocks: the float32 product of x and the file's values (dequant_q's) up to float rounding, and each
+    row's outputs the same bits whatever rows are beside it (1..13: the 6-, 4- and 1-row tiles and their
+    tails), where a PyTorch GEMM's rounding may depend on the row count."""
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((37, 19 * GROUP)).astype(np.float32)
+    q = QuantizedWeight(qtype.name, w.shape, quantize(w, qtype))
+    layer = qgemv.QLinear(q, dense=False, kernel=variant)
+    layouts = [layer.blocks] + ([qgemv.q4_f_blocks(q)] if qtype != Q.Q8_0 else [])
+    if qgemv.interleaves(layer.number):  # (whole bands: the first 32 rows)
+        q32 = QuantizedWeight(qtype.name, (32, w.shape[1]), quantize(w[:32], qtype))
+        layouts.append(torch.ops.floe.interleave_q(qgemv.kernel_blocks(q32), w.shape[1]))
+    x = torch.from_numpy(rng.standard_normal((13, w.shape[1])).astype(np.float32))
+    for blocks in layouts:
+        values = torch.ops.floe.dequant_q(blocks, w.shape[1], torch.float32, layer.number)
+        exact = F.linear(x.double(), values.double())
+        for m in range(1, 14):
+            y = torch.ops.floe.gemm_q(x[:m], blocks, layer.number)
+            assert y.shape == (m, values.shape[0]) and y.dtype == torch.float32
+            torch.testing.assert_close(y.double(), exact[:m], rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
+            assert all(same_bits(torch.ops.floe.gemm_q(x[i:i + 1], blocks, layer.number), y[i:i + 1])
+                       for i in range(m))

@@ -23,20 +23,45 @@ from floe.engine.int4 import DENSE_FROM_ROWS, gemm_dtype
 from floe.engine.qgemv import BAND_ROWS, QLinear
 
 BAND = 1 << 20  # weights dequantized at a time
+# Prompts of up to this many rows, where the GEMM runs in float32: floe's own product (gemm_q), each
+# band dequantized into the core's cache and met by every row there, instead of a dequantized band in
+# memory and PyTorch's GEMM. On a 2-core Zen 3 (AVX2), the default model's matrices: 2-3x faster at
+# 8-16 rows, even at ~64, behind from ~128 (PyTorch's GEMM reuses each value across more rows).
+FUSED_ROWS = 64
 
 
 def project(module: nn.Module, x: Tensor, splits: list[int] | None = None) -> Tensor:
     """module(x); a QLinear without a stored bf16 copy given a prompt's rows (DENSE_FROM_ROWS or more,
-    where it would use one) runs banded_linear instead of its kernel row by row.
+    where it would use one) runs fused_linear (a short prompt, float32 GEMMs) or banded_linear instead
+    of its kernel row by row.
 
     splits: x's rows are several prompts' (their row counts): each prompt's product is computed as
     it would be alone (a matrix product's rounding can depend on its row count), the dequantized
     bands shared. Each split must be DENSE_FROM_ROWS rows or more."""
     if x.shape[0] >= DENSE_FROM_ROWS and isinstance(module, QLinear) and module.dense is None:
-        return banded_linear(module, x, splits=splits)
+        parts = [x.shape[0]] if splits is None else splits
+        fused = [fuses(n) for n in parts]
+        if all(fused):  # (each row's outputs alone: the splits as one product)
+            return fused_linear(module, x)
+        if not any(fused):
+            return banded_linear(module, x, splits=splits)
+        return torch.cat([fused_linear(module, part) if f else banded_linear(module, part)
+                          for part, f in zip(x.split(parts), fused, strict=True)])
     if splits is not None and len(splits) > 1:
         return torch.cat([module(part) for part in x.split(splits)])
     return module(x)
+
+
+def fuses(rows: int) -> bool:
+    """Whether a prompt of `rows` rows runs fused_linear here (float32 GEMMs, FUSED_ROWS at most)."""
+    return rows <= FUSED_ROWS and gemm_dtype() == torch.float32
+
+
+def fused_linear(layer: QLinear, x: Tensor) -> Tensor:
+    """x Wᵀ (+ b), float32, by floe's operator (torch.ops.floe.gemm_q): each output row x's row alone
+    times the weight's float32 values (dequant_q's), whatever rows are beside it."""
+    y = torch.ops.floe.gemm_q(x, layer.blocks, layer.number)
+    return y if layer.bias is None else y.add_(layer.bias)
 
 
 def banded_linear(layer: QLinear, x: Tensor, dtype: torch.dtype | None = None,

@@ -88,6 +88,7 @@ VARIANTS = {v.name: v for v in (
 _schema = torch.library.Library("floe", "FRAGMENT")
 _schema.define("gemv_q(Tensor x, Tensor blocks, int kernel) -> Tensor")
 _schema.define("dequant_q(Tensor blocks, int k, ScalarType dtype, int kernel) -> Tensor")
+_schema.define("gemm_q(Tensor x, Tensor blocks, int kernel) -> Tensor")  # a prompt's float32 product
 _schema.define("top_candidates(Tensor y, Tensor bound, Tensor spread) -> Tensor[]")  # exact_top's
 _schema.define("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
                "int[] slots, int[] positions, int n_heads, Tensor(c!) out, int window=0, float softcap=0.0) "
@@ -178,7 +179,8 @@ def _load_operator() -> None:
         return
     try:
         torch.ops.load_library(cbuild.build(
-            "floe_qdot_op", [CSRC / "op.cpp", CSRC / "attend.cpp"], ["-O3", "-fopenmp"], ["-fopenmp"],
+            "floe_qdot_op", [CSRC / "op.cpp", CSRC / "attend.cpp", CSRC / "gemm.cpp"], ["-O3", "-fopenmp"],
+            ["-fopenmp"],
             what="floe's PyTorch operator for the CPU kernels", seconds=OPERATOR_SECONDS))
     except Exception as e:  # noqa: BLE001 - no compiler, no headers...: the caller falls back
         _operator["error"] = f"building floe's CPU kernel operator failed: {type(e).__name__}: {str(e)[:300]}"

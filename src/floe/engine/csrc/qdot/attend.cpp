@@ -17,17 +17,13 @@
 #include <cmath>
 #include <vector>
 
+#include "clones.h"
+#include "gemm.h"
 #include "pool.h"
 
 namespace {
 
-// Built without instruction-set flags (the operator runs on any CPU); on x86-64 Linux the loops below
-// are compiled three times, for AVX-512, AVX2 and baseline, and the loader picks the one this CPU runs.
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
-#define FLOE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FLOE_CLONES
-#endif
+// The loops below: FLOE_CLONES (clones.h), compiled for AVX-512, AVX2 and baseline.
 
 // out[j] = scale * (x[j] cos[j] - x[j + h] sin[j]) for j < h, scale * (x[j] cos[j] + x[j - h] sin[j])
 // after (h = hd / 2): the half-split rotary of Transformer's apply_rotary.
@@ -48,7 +44,6 @@ struct Lanes {
 };
 constexpr int64_t kMaxLanes = 16;  // the scores' padding
 
-#define FLOE_INLINE inline __attribute__((always_inline))  // into each clone: a callee is not cloned
 
 template <class V>
 FLOE_INLINE V splat(float x) { return V{} + x; }
@@ -195,9 +190,15 @@ FLOE_INLINE void head_any(const float* q, const float* k, const float* v, int64_
   for (int64_t j = 0; j < hd; ++j) out[j] = acc[j] / sum;
 }
 
-// The lanes `head` takes: 16 where the CPU runs the x86-64-v4 clone (AVX-512 F, BW, CD, DQ, VL: its
-// 512-bit registers), else 8 (the same results); attend_lanes(n) sets 8 or 16 (a test runs both where
-// the CPU has them), 0 goes back to the CPU's.
+}  // namespace
+
+namespace floe {
+
+// The lanes `head` takes (and gemm.cpp's band_gemm): 16 where the CPU runs the x86-64-v4 clone
+// (AVX-512 F, BW, CD, DQ, VL: its 512-bit registers), else 8 (head: the same results);
+// attend_lanes(n) sets 8 or 16 for head (a test runs both where the CPU has them), 0 goes back to the
+// CPU's.
+
 int64_t cpu_lanes() {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const int64_t lanes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -210,13 +211,17 @@ int64_t cpu_lanes() {
   return 8;
 #endif
 }
+}  // namespace floe
+
+namespace {
+
 std::atomic<int64_t> chosen_lanes{0};
 
 int64_t attend_lanes(int64_t lanes) {
-  TORCH_CHECK(lanes == 0 || lanes == 8 || (lanes == 16 && cpu_lanes() == 16),
+  TORCH_CHECK(lanes == 0 || lanes == 8 || (lanes == 16 && floe::cpu_lanes() == 16),
               "attend_lanes: 0 (the CPU's), 8, or 16 where the CPU has AVX-512, not ", lanes);
   chosen_lanes.store(lanes);
-  return lanes ? lanes : cpu_lanes();
+  return lanes ? lanes : floe::cpu_lanes();
 }
 
 template <int L>
@@ -283,7 +288,7 @@ void attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
   // One item a row and query head (a KV head's K and V, read by each of its query heads in turn, stay in
   // the core's cache).
   const float cap = static_cast<float>(softcap);
-  const int64_t chosen = chosen_lanes.load(), lanes = chosen ? chosen : cpu_lanes();
+  const int64_t chosen = chosen_lanes.load(), lanes = chosen ? chosen : floe::cpu_lanes();
   floe::parallel_for(0, rows * n_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(seq + kMaxLanes);
     for (int64_t i = begin; i < end; ++i) {

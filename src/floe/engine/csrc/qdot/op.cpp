@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "abi.h"
+#include "gemm.h"
 #include "pool.h"
 
 namespace {
@@ -154,6 +155,36 @@ at::Tensor dequant_q(const at::Tensor& blocks, int64_t k, at::ScalarType dtype, 
   return w;
 }
 
+// y [M, N] = x [M, K] (float32) times the weight's values, for a prompt's rows where the CPU has no
+// native bf16 GEMM: each band of 8 weight rows (or 8 of the file's rows) dequantized by the variant's
+// dequant (the values dequant_q gives) into a buffer in the core's cache, then every row of x times it
+// (floe::band_gemm: each output its two rows' dot product alone, in one order whatever M is).
+at::Tensor gemm_q(const at::Tensor& x_in, const at::Tensor& blocks, int64_t number) {
+  const FloeQdotKernel* kernel = kernel_of(number);
+  TORCH_CHECK(x_in.dim() == 2, "x: [M, K]");
+  const int64_t k = x_in.size(1), groups = k / G, m = x_in.size(0);
+  const Layout layout = layout_of(blocks, k);
+  const int64_t n = layout.rows;
+  const floe_qdot_dequant_fn dequant = (layout.bands ? kernel->dequant8 : kernel->dequant)[layout.format][0];
+  TORCH_CHECK(dequant != nullptr, "the '", kernel->name, "' kernel has no interleaved bands");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const uint8_t* b = blocks.data_ptr<uint8_t>();
+  const float* xp = x.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  const int64_t lanes = floe::cpu_lanes(), bands = (n + 7) / 8;
+  floe::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> values(8 * k);  // one band's, in this core's cache while every row meets it
+    for (int64_t band = begin; band < end; ++band) {
+      const int64_t first = 8 * band, rows = std::min<int64_t>(8, n - first);
+      dequant(b, groups, first, first + rows, values.data());
+      floe::band_gemm(xp, m, k, values.data(), rows, out + first, n, lanes);
+    }
+  });
+  return y;
+}
+
 // Rows `index` of an interleaved weight (bands as gemv_q takes them) as values, [len(index), K]: a
 // head's few scattered rows (exact_top), one call on the calling thread.
 at::Tensor dequant_rows_q(const at::Tensor& blocks, int64_t k, const at::Tensor& index, at::ScalarType dtype,
@@ -273,5 +304,6 @@ TORCH_LIBRARY_FRAGMENT(floe, m) {
 TORCH_LIBRARY_IMPL(floe, CPU, m) {
   m.impl("gemv_q", gemv_q);
   m.impl("dequant_q", dequant_q);
+  m.impl("gemm_q", gemm_q);
   m.impl("top_candidates", top_candidates);
 }
