@@ -416,12 +416,13 @@ def test_a_forked_child_gets_a_pool_of_its_own():
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 def test_a_prompts_float32_product_is_each_rows_own_dot_products(qtype, variant):
     """gemm_q (a short prompt's product where the GEMM runs in float32: floe.engine.prefill) on the
-    file's rows (37: a band of 5 at the end) and on interleaved bands, 4-bit weights also from Q4_F
-    blocks: the float32 product of x and the file's values (dequant_q's) up to float rounding, and each
-    row's outputs the same bits whatever rows are beside it (1..13: the 6-, 4- and 1-row tiles and their
-    tails), where a PyTorch GEMM's rounding may depend on the row count."""
+    file's rows (39: a last band of 7, its weight rows in tiles of 4, 2 and 1) and on interleaved bands,
+    4-bit weights also from Q4_F blocks: the float32 product of x and the file's values (dequant_q's)
+    up to float rounding, and each row's outputs the same bits whatever rows are beside it (1..13 rows:
+    tiles of 3 and 6 input rows and their tails), where a PyTorch GEMM's rounding may depend on the row
+    count."""
     rng = np.random.default_rng(11)
-    w = rng.standard_normal((37, 19 * GROUP)).astype(np.float32)
+    w = rng.standard_normal((39, 19 * GROUP)).astype(np.float32)
     q = QuantizedWeight(qtype.name, w.shape, quantize(w, qtype))
     layer = qgemv.QLinear(q, dense=False, kernel=variant)
     layouts = [layer.blocks] + ([qgemv.q4_f_blocks(q)] if qtype != Q.Q8_0 else [])

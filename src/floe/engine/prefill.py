@@ -25,9 +25,10 @@ from floe.engine.qgemv import BAND_ROWS, QLinear
 BAND = 1 << 20  # weights dequantized at a time
 # Prompts of up to this many rows, where the GEMM runs in float32: floe's own product (gemm_q), each
 # band dequantized into the core's cache and met by every row there, instead of a dequantized band in
-# memory and PyTorch's GEMM. On a 2-core Zen 3 (AVX2), the default model's matrices: 2-3x faster at
-# 8-16 rows, even at ~64, behind from ~128 (PyTorch's GEMM reuses each value across more rows).
-FUSED_ROWS = 64
+# memory and PyTorch's GEMM. A prefill of the default model on a 2-core Zen 3 (AVX2; OpenMP threads
+# polite, as floe's CLI sets them: floe.cli.machine.polite_openmp): 1.9x faster at 16 tokens, 1.5x at
+# 32, 1.3x at 64, 1.1x at 128, 0.93x at 256 (PyTorch's GEMM reuses each value across more rows).
+FUSED_ROWS = 128
 
 
 def project(module: nn.Module, x: Tensor, splits: list[int] | None = None) -> Tensor:

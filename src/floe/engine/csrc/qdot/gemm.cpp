@@ -50,9 +50,9 @@ FLOE_INLINE void tile(const float* x, int64_t k, const float* w, float* y, int64
 
 template <int L, int NR>
 FLOE_INLINE void rows_of(const float* x, int64_t rows_x, int64_t k, const float* w, float* y, int64_t ldy) {
-  int64_t m = 0;  // 6 x 2 tiles: 12 accumulators, two weight vectors and an input's: AVX2's 16 registers
-  for (; m + 6 <= rows_x; m += 6) tile<L, 6, NR>(x + m * k, k, w, y + m * ldy, ldy);
-  for (; m + 4 <= rows_x; m += 4) tile<L, 4, NR>(x + m * k, k, w, y + m * ldy, ldy);
+  int64_t m = 0;  // 12 accumulators, NR weight vectors and an input's: within AVX2's 16 registers
+  constexpr int MR = NR == 4 ? 3 : NR == 2 ? 6 : 4;
+  for (; m + MR <= rows_x; m += MR) tile<L, MR, NR>(x + m * k, k, w, y + m * ldy, ldy);
   for (; m < rows_x; ++m) tile<L, 1, NR>(x + m * k, k, w, y + m * ldy, ldy);
 }
 
@@ -60,6 +60,7 @@ template <int L>
 FLOE_INLINE void band(const float* x, int64_t rows_x, int64_t k, const float* w, int64_t rows_w, float* y,
                       int64_t ldy) {
   int64_t n = 0;
+  for (; n + 4 <= rows_w; n += 4) rows_of<L, 4>(x, rows_x, k, w + n * k, y + n, ldy);
   for (; n + 2 <= rows_w; n += 2) rows_of<L, 2>(x, rows_x, k, w + n * k, y + n, ldy);
   for (; n < rows_w; ++n) rows_of<L, 1>(x, rows_x, k, w + n * k, y + n, ldy);
 }
