@@ -25,9 +25,11 @@ from floe.engine.qgemv import BAND_ROWS, QLinear
 BAND = 1 << 20  # weights dequantized at a time
 # Prompts of up to this many rows, where the GEMM runs in float32: floe's own product (gemm_q), each
 # band dequantized into the core's cache and met by every row there, instead of a dequantized band in
-# memory and PyTorch's GEMM. A prefill of the default model on a 2-core Zen 3 (AVX2; OpenMP threads
-# polite, as floe's CLI sets them: floe.cli.machine.polite_openmp): 1.9x faster at 16 tokens, 1.5x at
-# 32, 1.3x at 64, 1.1x at 128, 0.93x at 256 (PyTorch's GEMM reuses each value across more rows).
+# memory and PyTorch's GEMM. A prefill of the default model on a 2-core Zen 3 (AVX2), interleaved: 1.8x
+# faster at 16 tokens, 1.3x at 64, 1.1x at 128 with OpenMP's threads polite (as floe's CLI sets them:
+# floe.cli.machine.polite_openmp); 4.5x / 2.4x / 1.6x with libgomp's default spinning, which holds the
+# cores the band's dequant on floe's pool needs; at 256, 0.95-1.1x (PyTorch's GEMM reuses each value
+# across more rows).
 FUSED_ROWS = 128
 
 

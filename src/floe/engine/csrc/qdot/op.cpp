@@ -174,7 +174,10 @@ at::Tensor gemm_q(const at::Tensor& x_in, const at::Tensor& blocks, int64_t numb
   const float* xp = x.data_ptr<float>();
   float* out = y.data_ptr<float>();
   const int64_t lanes = floe::cpu_lanes(), bands = (n + 7) / 8;
-  floe::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
+  // On PyTorch's intra-op threads (OpenMP), not floe's pool: a prompt's other operators run there, and
+  // their threads, spinning after each one, held the cores the pool's workers needed (with libgomp's
+  // default spin, a 64-token prefill of the default model on 2 cores took 1.2x the time on the pool).
+  at::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> values(8 * k);  // one band's, in this core's cache while every row meets it
     for (int64_t band = begin; band < end; ++band) {
       const int64_t first = 8 * band, rows = std::min<int64_t>(8, n - first);
