@@ -22,7 +22,8 @@ the router costs a loaded model, and two models' sessions at once against one mo
 Each server is a `floe serve` process (its engine core and HTTP front as in production). --shape NAME
 first writes a random Llama model of that shape (floe.model.config.KNOWN_SHAPES; the default model's
 tokenizer, so its vocabulary) as a Hugging Face folder of bf16 safetensors in a temporary folder.
-Writes bench/results/serve_models_<device>.json.
+Writes bench/results/serve_models_<device>.json, with the router's log lines on each load (`load_log`:
+checkpoint, engine, warm-up and core seconds, and the whole load).
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ def free_port() -> int:
 
 def serve(flags: list[str], folder: Path, args) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    log = open(server_log(folder), "w")  # noqa: SIM115 - the server's for its life (load_phases reads it)
     proc = subprocess.Popen([sys.executable, "-m", "floe.cli", "serve", "--port", str(port), "--snapshots",
                              str(folder), "--context", str(args.context), "--device", args.device,
                              "--max-sessions", str(max(4, 2 * args.sessions)), *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=log)
+    log.close()  # (the child holds its own descriptor)
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 600
     while True:
         try:
@@ -66,8 +69,20 @@ def serve(flags: list[str], folder: Path, args) -> tuple[subprocess.Popen, str]:
             pass
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
-            raise SystemExit(f"floe serve did not start: {proc.stderr.read()[-2000:]}")
+            raise SystemExit(f"floe serve did not start: {server_log(folder).read_text()[-2000:]}")
         time.sleep(0.05)
+
+
+def server_log(folder: Path) -> Path:
+    """Where serve(…, folder, …)'s server writes its log (stderr)."""
+    return folder.with_name(folder.name + ".log")
+
+
+def load_phases(folder: Path) -> list[str]:
+    """The server's lines on each model load: where its time went (checkpoint, engine, warm-up, core)
+    and its whole time."""
+    return [line.removeprefix("floe serve: ") for line in server_log(folder).read_text().splitlines()
+            if ": checkpoint " in line or " loaded in " in line]
 
 
 def reply(url: str, model: str, max_tokens: int, text: str = "Tell me about Paris.",
@@ -281,6 +296,8 @@ def report(result: dict) -> None:
     ratio = tm["both_tok_s"] / tm["one_alone_tok_s"]
     print(f"  {result['sessions']} sessions a model: one alone {tm['one_alone_tok_s']:.0f} tok/s, "
           f"two at once {tm['both_tok_s']:.0f} tok/s together ({ratio:.2f}x)")
+    for line in result.get("load_log", []):
+        print(f"  log: {line}")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"serve_models_{result['device']}.json"
     out.write_text(json.dumps(result, indent=1))
@@ -335,6 +352,7 @@ def main() -> None:
         alone = aggregate(router_url, ["a"], args.sessions, args.max_tokens)
         both = aggregate(router_url, ["a", "b"], args.sessions, args.max_tokens)
         result["two_models"] = {"one_alone_tok_s": alone, "both_tok_s": both}
+        result["load_log"] = load_phases(work / "s1")
     finally:
         for p in procs:
             if p.poll() is None:

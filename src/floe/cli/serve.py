@@ -78,22 +78,33 @@ def _one_model(args: argparse.Namespace) -> str | None:
 
 
 def _serve_core(args: argparse.Namespace, checkpoint, device, weights: str, store, model_id: str,
-                aliases=()):
-    """The engine core of one model (its engine warmed up) as `floe serve`'s flags describe it."""
+                aliases=(), phases: dict[str, float] | None = None):
+    """The engine core of one model (its engine warmed up) as `floe serve`'s flags describe it.
+    phases: the seconds of each part of making it are added there ("engine", "warm-up", "core")."""
+    import time
+
     from floe.engine import Engine
     from floe.server.core import ServeCore
 
+    phases = {} if phases is None else phases
     dtype, kind = WEIGHTS[weights]
+    started = time.perf_counter()
     engine = Engine(checkpoint, device=device, dtype=dtype, max_seq_len=args.context,
                     n_slots=args.max_sessions, weights=kind)
+    phases["engine"] = time.perf_counter() - started
     print(f"floe serve: warming up {args.max_sessions} KV slots …", file=sys.stderr, flush=True)
+    started = time.perf_counter()
     engine.warm_up()
-    return ServeCore(engine, snapshots=store, model_id=model_id, aliases=aliases,
+    phases["warm-up"] = time.perf_counter() - started
+    started = time.perf_counter()
+    core = ServeCore(engine, snapshots=store, model_id=model_id, aliases=aliases,
                      idle_seconds=args.idle_seconds, guest=args.guest, max_anonymous=args.max_anonymous,
                      batching={"auto": None, "on": True, "off": False}[args.batching],
                      kv_dtype=args.kv_dtype, persist_anonymous=args.persist_anonymous,
                      freeze_every_turn=args.freeze_every_turn, sweep_seconds=args.sweep_seconds,
                      max_waiting=args.queue, wait_seconds=args.queue_wait)
+    phases["core"] = time.perf_counter() - started
+    return core
 
 
 def _serve_models(args: argparse.Namespace):
@@ -129,12 +140,19 @@ def _model_router(args: argparse.Namespace, specs, device, weights: str):
     if args.max_loaded is not None and args.max_loaded < 1:
         raise FloeError("--max-loaded must be >= 1")
 
-    def load(spec, store):
+    say = lambda text: print(f"floe serve: {text}", file=sys.stderr, flush=True)  # noqa: E731
+
+    def load(spec, store):  # (where a load's time goes, on the log: bench/serve_models.py reads it)
+        import time
+
+        started = time.perf_counter()
         checkpoint = _load_with_progress(spec.path, "float32", quiet=False)
-        return _serve_core(args, checkpoint, device, weights, store, spec.name)
+        phases = {"checkpoint": time.perf_counter() - started}
+        core = _serve_core(args, checkpoint, device, weights, store, spec.name, phases=phases)
+        say(f"model {spec.name}: " + ", ".join(f"{part} {seconds:.2f} s" for part, seconds in phases.items()))
+        return core
 
     stores = [(spec, _serve_store(args, spec.name)) for spec in specs]
-    say = lambda text: print(f"floe serve: {text}", file=sys.stderr, flush=True)  # noqa: E731
     footprint = rss_bytes  # (a model's bytes: what the process grew by while it loaded)
     if device.type == "cuda":
         import torch
