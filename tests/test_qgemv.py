@@ -343,7 +343,8 @@ def test_a_head_with_exact_top_keeps_the_float32_argmax(qtype, variant):
 def test_outputs_do_not_depend_on_the_thread_count_or_the_calling_thread(variant):
     """floe's pool cuts a call into chunks that any thread may take: every output row is computed
     alone, so 1 or 2 threads, or a call from another Python thread (the engine loop's), give the
-    same bits; so do several threads calling at once (the pool runs one call at a time)."""
+    same bits; so do several threads calling at once (the pool runs one call at a time). gemm_q (a
+    prompt's float32 product, on PyTorch's threads) too, at 1 and 2 threads and from other threads."""
     import threading
 
     rng = np.random.default_rng(11)
@@ -354,16 +355,26 @@ def test_outputs_do_not_depend_on_the_thread_count_or_the_calling_thread(variant
           for rows in (1, 3, 1, 7)]
     before = torch.get_num_threads()
     try:
+        prompt = torch.from_numpy(rng.standard_normal((13, w.shape[1])).astype(np.float32))
+
+        def product() -> torch.Tensor:
+            return torch.ops.floe.gemm_q(prompt, layer.blocks, layer.number)
+
         torch.set_num_threads(1)
         alone = [layer(x) for x in xs]
         rows_alone = [layer.rows(slice(0, 1000)) for _ in range(2)]
+        product_alone = product()
         torch.set_num_threads(2)
         assert all(same_bits(layer(x), y) for x, y in zip(xs, alone, strict=True))
         assert same_bits(layer.rows(slice(0, 1000)), rows_alone[0])
+        assert same_bits(product(), product_alone)
         results: dict[int, list] = {}
+
+        products: dict[int, list] = {}
 
         def calls(index: int) -> None:
             results[index] = [layer(xs[(index + j) % len(xs)]) for j in range(40)]
+            products[index] = [product() for _ in range(5)]
 
         threads = [threading.Thread(target=calls, args=(i,)) for i in range(4)]
         for t in threads:
@@ -372,7 +383,8 @@ def test_outputs_do_not_depend_on_the_thread_count_or_the_calling_thread(variant
             t.join()
         for index, ys in results.items():
             assert all(same_bits(y, alone[(index + j) % len(xs)]) for j, y in enumerate(ys))
-        assert len(results) == 4
+        assert len(results) == 4 and len(products) == 4
+        assert all(same_bits(y, product_alone) for ys in products.values() for y in ys)
     finally:
         torch.set_num_threads(before)
 
