@@ -142,9 +142,15 @@ def test_warm_up_leaves_every_slot_empty_and_free(default_checkpoint):
     engine.prefill([5, 6, 7], held)
     seen = []
     engine.warm_up(lambda done, total: seen.append((done, total)))
-    assert seen == [(1, 2), (2, 2)]  # the two free slots, not the held one
+    assert seen == [(1, 1)]  # one free slot (the CPU's step is every slot's), not the held one
     assert engine.kv_len(held) == 3 and [engine.kv_len(s) for s in (1, 2)] == [0, 0]
     assert sorted(engine.claim_slot() for _ in range(2)) == [1, 2]
+    for slot in (1, 2):  # and every slot answers as a fresh engine's
+        engine.prefill([5, 6, 7], slot)
+    fresh = Engine(default_checkpoint, max_seq_len=64, n_slots=1, weights="native")
+    fresh.prefill([5, 6, 7], 0)
+    expected = fresh.decode_step(9, 0).argmax()
+    assert all(engine.decode_step(9, slot).argmax() == expected for slot in (1, 2))
 
 
 def test_the_plain_pytorch_peer_computes_what_floe_computes(default_checkpoint):

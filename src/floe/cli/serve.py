@@ -92,7 +92,7 @@ def _serve_core(args: argparse.Namespace, checkpoint, device, weights: str, stor
     engine = Engine(checkpoint, device=device, dtype=dtype, max_seq_len=args.context,
                     n_slots=args.max_sessions, weights=kind)
     phases["engine"] = time.perf_counter() - started
-    print(f"floe serve: warming up {args.max_sessions} KV slots …", file=sys.stderr, flush=True)
+    print(f"floe serve: warming up the engine ({args.max_sessions} KV slots) …", file=sys.stderr, flush=True)
     started = time.perf_counter()
     engine.warm_up()
     phases["warm-up"] = time.perf_counter() - started
