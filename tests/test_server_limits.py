@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from test_server import CONTEXT, MODEL_ID, ThreadServer, free_port
+from test_server import CONTEXT, MODEL_ID, ThreadServer, free_port, requests_counted
 
 from floe.engine import Engine
 from floe.server import protocol
@@ -83,6 +83,32 @@ def test_a_70_mb_chat_body_is_413_naming_the_limit_and_the_server_goes_on(server
     assert str(MAX_REQUEST_BYTES) in error["message"]
     still_serves(server.url)
     assert server.broken.records == []
+
+
+def test_chat_requests_refused_before_their_handler_are_counted(server):
+    """floe_requests counts a chat API request refused before its handler runs, by status, as it counts
+    those its handler refuses: a body past the limit (declared, and streamed without a length), one not
+    JSON, one not a valid request, and more messages than the context has tokens; a refusal elsewhere
+    (the sessions API) is not a chat request."""
+    before = {status: requests_counted(server.url, status) for status in ("400", "413")}
+    json_body = {"content-type": "application/json"}
+    big = b'{"messages": "' + b"a" * (MAX_REQUEST_BYTES + 1) + b'"}'
+    refused(httpx.post(server.url + CHAT, content=big, headers=json_body, timeout=120), 413,
+            "request_too_large")
+    refused(httpx.post(server.url + CHAT, content=iter([big]), headers=json_body, timeout=120), 413,
+            "request_too_large")
+    refused(httpx.post(server.url + CHAT, content=b"{not json", headers=json_body, timeout=60), 400,
+            "invalid_json")
+    refused(httpx.post(server.url + CHAT, json=body("Hi", temperature="hot"), timeout=60), 400,
+            "invalid_value")
+    many = {"model": MODEL_ID, "messages": [{"role": "user", "content": ""}] * (CONTEXT + 1)}
+    refused(httpx.post(server.url + CHAT, json=many, timeout=60), 400, "context_length_exceeded")
+    refused(httpx.post(server.url + "/v1/completions", content=b"[", headers=json_body, timeout=60), 400,
+            "invalid_json")
+    r = httpx.post(server.url + "/v1/sessions/x/fork", content=b"{not json", headers=json_body, timeout=60)
+    assert r.status_code == 400  # (not a chat request: not counted)
+    assert requests_counted(server.url, "413") == before["413"] + 2
+    assert requests_counted(server.url, "400") == before["400"] + 4
 
 
 def test_a_streamed_body_without_a_length_is_cut_off_at_the_limit(server):

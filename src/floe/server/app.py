@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("floe.serve")
 EXIT_CORE_LOST = 3  # the front's status when its engine core went away (floe serve exits with it)
+CHAT_PATHS = ("/v1/chat/completions", "/v1/completions")  # the chat API: floe_requests counts them
 
 
 FORK_DESCRIPTION = """A new session of the caller's whose conversation and state (KV cache, guest memory,
@@ -116,6 +117,12 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
     requests = Counter("floe_requests", "HTTP requests to the chat API (and those refused for their API "
                        "key, 401)", ["status"], registry=None if several else registry)
 
+    def refused(path: str, status: int) -> None:
+        """A chat API request refused before its handler ran (its body too large, not JSON, not a valid
+        request, too many messages) is counted too, by its status."""
+        if path in CHAT_PATHS:
+            requests.labels(str(status)).inc()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await client.connect()
@@ -140,8 +147,11 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         requests.labels("401").inc()
         return _error(401, message, "invalid_request_error", "invalid_api_key")
 
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes,  # inside the keys: a 401 comes first
-                       reject=lambda text: _error(413, text, "invalid_request_error", "request_too_large"))
+    def too_large(text: str, path: str) -> Response:
+        refused(path, 413)
+        return _error(413, text, "invalid_request_error", "request_too_large")
+
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, reject=too_large)  # inside the keys: 401 first
     app.add_middleware(ApiKeys, keys=keys, reject=unauthorized, operators=operator_keys)
     if cors_origins:  # outside the keys: a browser's preflight carries none, and a 401 needs CORS too
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
@@ -153,6 +163,7 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
+        refused(request.url.path, 400)
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         if first.get("type") == "json_invalid":
@@ -163,6 +174,7 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
+        refused(request.url.path, 400 if isinstance(e.__cause__, RecursionError) else e.status_code)
         if isinstance(e.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body"
             return _error(400, "the request body is JSON nested too deep to read (past ~1,000 levels; "
                                "floe takes at most 512)", "invalid_request_error", "invalid_json")
@@ -293,7 +305,11 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         the front's event loop ~1 s to be refused: json.loads 0.1 s, pydantic the rest."""
         parsed = getattr(request, "_json", None)  # FastAPI's parse of the body (Starlette keeps it there)
         if isinstance(parsed, dict) and isinstance(parsed.get("messages"), list):
-            check_text(parsed["messages"], None, app.state.context)  # (their count only)
+            try:
+                check_text(parsed["messages"], None, app.state.context)  # (their count only)
+            except ServeError as e:
+                refused(request.url.path, e.status)
+                raise
 
     @app.post("/v1/chat/completions", dependencies=[Depends(few_enough_messages)])
     async def chat(body: ChatRequest, request: Request):

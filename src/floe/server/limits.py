@@ -38,12 +38,12 @@ def too_large_message(limit: int) -> str:
 
 
 class BodyLimit:
-    """ASGI middleware: a request whose body is past `max_bytes` is refused with `reject(message)` (a
-    413 in OpenAI's error shape) when its Content-Length says so, else as soon as its bytes pass the
+    """ASGI middleware: a request whose body is past `max_bytes` is refused with `reject(message, path)`
+    (a 413 in OpenAI's error shape) when its Content-Length says so, else as soon as its bytes pass the
     limit (BodyTooLarge). Starlette's RequestBodyLimitMiddleware answers a bare "Content Too Large"
     in plain text, which OpenAI clients show without the limit; this one says what the limit is."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, reject: Callable[[str], Response]) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, reject: Callable[[str, str], Response]) -> None:
         self.app, self.max_bytes, self.reject = app, max_bytes, reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -52,7 +52,7 @@ class BodyLimit:
             return
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await self.reject(too_large_message(self.max_bytes))(scope, receive, send)
+            await self.reject(too_large_message(self.max_bytes), scope["path"])(scope, receive, send)
             return
         received = 0
 
