@@ -236,8 +236,10 @@ def test_a_checkpoint_keeps_no_tensor_it_hands_out(tiny_q8):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
 def test_a_prompt_on_quantized_layers_runs_as_with_a_stored_bf16_copy(tmp_path, qtype):
-    """No stored copy: each matrix is dequantized from the kernel's codes a band at a time, to the
-    values the copy held, and the prompt's logits are the copy's."""
+    """No stored copy: each matrix is dequantized from the kernel's codes (a band at a time, or into
+    the core's cache for a short prompt where the GEMM is float32: floe.engine.prefill), to the values
+    the copy held, and the prompt's logits are the copy's up to float rounding (the products' sums in
+    another order: ~1e-6 of logits that reach ~1,000 on this random model)."""
     from floe.engine.qgemv import QLinear
 
     checkpoint = load_checkpoint(write_gguf(tmp_path / "t.gguf", [qtype]))
@@ -248,4 +250,4 @@ def test_a_prompt_on_quantized_layers_runs_as_with_a_stored_bf16_copy(tmp_path, 
     assert torch.equal(layer.rows(slice(None), copy.dense.dtype), copy.dense)
     ids = list(range(100, 140))  # the bands' products may block their sums otherwise: float rounding only
     torch.testing.assert_close(banded.prefill(ids, all_logits=True), stored.prefill(ids, all_logits=True),
-                               rtol=0, atol=1e-4)
+                               rtol=5e-6, atol=1e-4)
