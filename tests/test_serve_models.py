@@ -273,9 +273,13 @@ def test_floe_serve_loads_a_named_model_on_demand_and_unloads_it_idle(model_file
     url = f"http://127.0.0.1:{port}"
     try:
         rss = psutil.Process(proc.pid).memory_info
+        # smol kept loaded (--keep-alive 1 is every model's: a loaded machine's wait below outlasted it,
+        # smol was unloaded and its health had no sessions)
+        client(url).chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=1, extra_body={"keep_alive": "10m"})
         health = lambda: httpx.get(url + "/health", timeout=60).json()["models"]["smol"]  # noqa: E731
-        wait_for(lambda: health()["sessions"]["spare_actors"] == 4)  # (settled: the first model's spares
-        base = rss().rss  # made, which the RSS below must not count as the second model's)
+        wait_for(lambda: health().get("sessions", {}).get("spare_actors") == 4)  # (settled: the first
+        base = rss().rss  # model's spares made, which the RSS below must not count as the second model's)
         assert loaded(url) == {"smol": True, "tiny-a": False}
         r = client(url).chat.completions.create(model="tiny-a", messages=[{"role": "user", "content": "Hi"}],
                                                 max_tokens=4, temperature=0)
