@@ -4,7 +4,9 @@ or replicas on Ray."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import time
 from pathlib import Path
 
 from floe.cli.machine import _load_with_progress, _threads
@@ -81,30 +83,34 @@ def _serve_core(args: argparse.Namespace, checkpoint, device, weights: str, stor
                 aliases=(), phases: dict[str, float] | None = None):
     """The engine core of one model (its engine warmed up) as `floe serve`'s flags describe it.
     phases: the seconds of each part of making it are added there ("engine", "warm-up", "core")."""
-    import time
-
     from floe.engine import Engine
     from floe.server.core import ServeCore
 
     phases = {} if phases is None else phases
     dtype, kind = WEIGHTS[weights]
-    started = time.perf_counter()
-    engine = Engine(checkpoint, device=device, dtype=dtype, max_seq_len=args.context,
-                    n_slots=args.max_sessions, weights=kind)
-    phases["engine"] = time.perf_counter() - started
+    with _timed(phases, "engine"):
+        engine = Engine(checkpoint, device=device, dtype=dtype, max_seq_len=args.context,
+                        n_slots=args.max_sessions, weights=kind)
     print(f"floe serve: warming up the engine ({args.max_sessions} KV slots) …", file=sys.stderr, flush=True)
+    with _timed(phases, "warm-up"):
+        engine.warm_up()
+    with _timed(phases, "core"):
+        return ServeCore(engine, snapshots=store, model_id=model_id, aliases=aliases,
+                         idle_seconds=args.idle_seconds, guest=args.guest, max_anonymous=args.max_anonymous,
+                         batching={"auto": None, "on": True, "off": False}[args.batching],
+                         kv_dtype=args.kv_dtype, persist_anonymous=args.persist_anonymous,
+                         freeze_every_turn=args.freeze_every_turn, sweep_seconds=args.sweep_seconds,
+                         max_waiting=args.queue, wait_seconds=args.queue_wait)
+
+
+@contextlib.contextmanager
+def _timed(phases: dict[str, float], part: str):
+    """phases[part] = the seconds the with-block took."""
     started = time.perf_counter()
-    engine.warm_up()
-    phases["warm-up"] = time.perf_counter() - started
-    started = time.perf_counter()
-    core = ServeCore(engine, snapshots=store, model_id=model_id, aliases=aliases,
-                     idle_seconds=args.idle_seconds, guest=args.guest, max_anonymous=args.max_anonymous,
-                     batching={"auto": None, "on": True, "off": False}[args.batching],
-                     kv_dtype=args.kv_dtype, persist_anonymous=args.persist_anonymous,
-                     freeze_every_turn=args.freeze_every_turn, sweep_seconds=args.sweep_seconds,
-                     max_waiting=args.queue, wait_seconds=args.queue_wait)
-    phases["core"] = time.perf_counter() - started
-    return core
+    try:
+        yield
+    finally:
+        phases[part] = time.perf_counter() - started
 
 
 def _serve_models(args: argparse.Namespace):
@@ -143,11 +149,9 @@ def _model_router(args: argparse.Namespace, specs, device, weights: str):
     say = lambda text: print(f"floe serve: {text}", file=sys.stderr, flush=True)  # noqa: E731
 
     def load(spec, store):  # (where a load's time goes, on the log: bench/serve_models.py reads it)
-        import time
-
-        started = time.perf_counter()
-        checkpoint = _load_with_progress(spec.path, "float32", quiet=False)
-        phases = {"checkpoint": time.perf_counter() - started}
+        phases: dict[str, float] = {}
+        with _timed(phases, "checkpoint"):
+            checkpoint = _load_with_progress(spec.path, "float32", quiet=False)
         core = _serve_core(args, checkpoint, device, weights, store, spec.name, phases=phases)
         say(f"model {spec.name}: " + ", ".join(f"{part} {seconds:.2f} s" for part, seconds in phases.items()))
         return core

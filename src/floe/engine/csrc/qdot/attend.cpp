@@ -18,7 +18,6 @@
 #include <vector>
 
 #include "clones.h"
-#include "gemm.h"
 #include "pool.h"
 
 namespace {

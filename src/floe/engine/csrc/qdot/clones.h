@@ -10,3 +10,13 @@
 #define FLOE_CLONES
 #endif
 #define FLOE_INLINE inline __attribute__((always_inline))
+
+#include <cstdint>
+
+namespace floe {
+
+// The lanes a FLOE_CLONES loop takes: 16 where the CPU runs the x86-64-v4 clone (AVX-512), else 8
+// (defined in attend.cpp).
+int64_t cpu_lanes();
+
+}  // namespace floe

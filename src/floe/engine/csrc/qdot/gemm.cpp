@@ -8,8 +8,6 @@
 // stays in the core's cache and meets every prompt row there.
 #include "gemm.h"
 
-#include "clones.h"
-
 // Each product added as one fused multiply-add where the clone has FMA (the library is built as ISO
 // C++, where GCC would not fuse them): one instruction, and the product unrounded.
 #pragma GCC optimize("fp-contract=fast")

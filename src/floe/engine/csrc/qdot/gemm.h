@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "clones.h"  // (cpu_lanes: the lanes argument)
+
 namespace floe {
 
 // y[m * ldy + n] = sum_j x[m * k + j] w[n * k + j] for m < rows_x, n < rows_w (a band: at most 8),
@@ -12,8 +14,5 @@ namespace floe {
 // summed as a tree): a prompt's outputs do not depend on which rows are computed beside it.
 void band_gemm(const float* x, int64_t rows_x, int64_t k, const float* w, int64_t rows_w, float* y, int64_t ldy,
                int64_t lanes);
-
-// 16 where the CPU runs the x86-64-v4 clones (AVX-512), else 8 (attend.cpp).
-int64_t cpu_lanes();
 
 }  // namespace floe

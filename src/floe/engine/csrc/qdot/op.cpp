@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -178,11 +179,12 @@ at::Tensor gemm_q(const at::Tensor& x_in, const at::Tensor& blocks, int64_t numb
   // their threads, spinning after each one, held the cores the pool's workers needed (with libgomp's
   // default spin, a 64-token prefill of the default model on 2 cores took 1.2x the time on the pool).
   at::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> values(8 * k);  // one band's, in this core's cache while every row meets it
+    // one band's values, in this core's cache while every row meets it (each written before it is read)
+    const std::unique_ptr<float[]> values(new float[8 * k]);
     for (int64_t band = begin; band < end; ++band) {
       const int64_t first = 8 * band, rows = std::min<int64_t>(8, n - first);
-      dequant(b, groups, first, first + rows, values.data());
-      floe::band_gemm(xp, m, k, values.data(), rows, out + first, n, lanes);
+      dequant(b, groups, first, first + rows, values.get());
+      floe::band_gemm(xp, m, k, values.get(), rows, out + first, n, lanes);
     }
   });
   return y;
