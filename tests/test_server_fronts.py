@@ -1,6 +1,7 @@
 """`floe serve --fronts N`: several HTTP front processes share one port and one engine core (issue 40:
 one front streamed every token of every session through one GIL). Each new connection goes to one of
-them; every front answers the same way and /metrics counts all of them together."""
+them, a burst's spread over them all; every front answers the same way and /metrics counts all of them
+together."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import time
 
 import httpx
+import psutil
 import pytest
 from test_server import CONTEXT, MODEL_ID, free_port, start_serve
 
@@ -32,6 +34,21 @@ def test_several_fronts_share_the_port_and_count_requests_together(tmp_path):
         while httpx.get(url + "/health", timeout=30).json()["fronts"] < 2:
             assert time.time() < deadline, "the second front never connected to the core"
             time.sleep(0.1)
+        # A burst of connections is spread over the fronts (on one shared socket the front whose loop
+        # woke first accepted all of them: 64 of 64 in one of 4 fronts).
+        burst = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]
+        try:
+            for sock in burst:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: floe\r\n\r\n")
+            for sock in burst:
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            held = [sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port
+                        for c in front.net_connections("tcp"))
+                    for front in psutil.Process(proc.pid).children(recursive=True)]
+            assert sorted(held)[-2:] != [0, 16] and sum(held) == 16, held  # (all in one: 2 ** -15 by chance)
+        finally:
+            for sock in burst:
+                sock.close()
         for i in range(6):  # a new connection each: the kernel hands each to one front
             with httpx.Client(timeout=300) as c:
                 r = c.post(url + "/v1/chat/completions", json={
@@ -58,3 +75,22 @@ def test_a_port_in_use_is_an_error_before_the_model_loads(tmp_path):
     assert done.returncode == 1, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
     assert "warming up" not in done.stderr  # refused before the model loaded (then its KV slots warm)
+
+
+def test_several_fronts_do_not_share_a_port_another_server_listens_on(tmp_path):
+    """Each front's socket is bound with SO_REUSEPORT (the kernel spreads connections over them), which
+    would let a second server of the same user join the port: it is refused as any port in use."""
+    from floe.errors import FloeError
+    from floe.server.core_socket import listen
+
+    first = listen("127.0.0.1", 0, 2)
+    try:
+        port = first[0].getsockname()[1]
+        assert len(first) == 2 and {s.getsockname()[1] for s in first} == {port}
+        with pytest.raises(FloeError, match=f"cannot listen on 127.0.0.1:{port}"):
+            listen("127.0.0.1", port, 2)
+        with pytest.raises(FloeError, match=f"cannot listen on 127.0.0.1:{port}"):
+            listen("127.0.0.1", port)
+    finally:
+        for sock in first:
+            sock.close()

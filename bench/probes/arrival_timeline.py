@@ -125,13 +125,14 @@ def main() -> None:
     core_socket.pack = w_pack
     server = CoreServer(core)
     port = serve_load.free_port()
-    listener = core_socket.listen("127.0.0.1", port)  # (as floe serve: one socket its fronts share)
+    listeners = core_socket.listen("127.0.0.1", port, args.fronts)  # (as floe serve: a socket a front)
     environment = core_socket.front_environment((), args.fronts)
     env = environment.__enter__()
     fronts = [subprocess.Popen([sys.executable, "-m", "floe.server.app", "--socket", server.path, "--fd",
                                 str(listener.fileno())], env=os.environ | env, pass_fds=(listener.fileno(),))
-              for _ in range(args.fronts)]
-    listener.close()
+              for listener in listeners]
+    for listener in listeners:
+        listener.close()
     try:
         import urllib.request
 

@@ -47,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # The HTTP front (its own process) streams every token: leave it a core, or the model's parallel
     # GEMVs wait on their slowest thread (2 cores: 40 -> 73 tok/s per stream, docs/PERF.md).
     fronts = args.fronts
-    listener = listen(args.host, args.port)  # a port in use: an error now, not after the model loads
+    listeners = listen(args.host, args.port, fronts)  # a port in use: an error now, not after the model loads
     _threads(args, args.device, reserve=fronts)
     weights = args.weights or ("native" if device.type == "cpu" else "bf16")
     access = (f"{len(keys)} API key{'s' * (len(keys) > 1)}, each seeing its own sessions" if keys else
@@ -68,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{core.engine.max_seq_len} tokens, snapshots in {args.snapshots} "
               f"({len(core.store.sessions)} sessions found); {access}; http://{args.host}:{args.port}/v1",
               file=sys.stderr, flush=True)
-    return serve(core, listener=listener, log_level=args.log_level, keys=keys, fronts=fronts,
+    return serve(core, listeners=listeners, log_level=args.log_level, keys=keys, fronts=fronts,
                  operator_keys=operators,
                  cors_origins=tuple(args.cors_origin), max_request_bytes=args.max_request_bytes,
                  prompt_hints=args.prompt_hints)

@@ -10,6 +10,7 @@ import os
 import queue
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -454,25 +455,27 @@ def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int =
           log_level: str = "warning",
           keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
           max_request_bytes: int = protocol.MAX_REQUEST_BYTES, fronts: int = 1,
-          listener: socket.socket | None = None, operator_keys: tuple[str, ...] = (),
+          listeners: list[socket.socket] | None = None, operator_keys: tuple[str, ...] = (),
           prompt_hints: bool = True, on_ready: Callable[[CoreServer], None] = lambda server: None) -> int:
     """`floe serve` with its engine core in this process: `fronts` HTTP front processes
-    (floe.server.app) share one listening socket this process binds (the kernel hands each new
-    connection to one of them) and each talks to the core's socket in a private temporary folder.
+    (floe.server.app) listen on host:port (each on its own socket where the kernel spreads new
+    connections over them: listen) and each talks to the core's socket in a private temporary folder.
     Returns when a front exits or this process is told to stop (SIGINT, SIGTERM); every live session
     is frozen before it returns. The exit status: 0 after a stop, else the first front's to exit (a
     front that lost its core: 3). keys: its API keys (handed to the fronts in their environment, never
     their command line); cors_origins: web origins that may call it; max_request_bytes: a front's
-    largest request body (floe.server.limits); listener: the socket to serve on (listen()'s), else
-    host:port is bound here; operator_keys: the keys that see /metrics (in the fronts' environment);
-    prompt_hints: the fronts render and tokenize plain chats' conversations for the core
-    (floe.server.hints).
+    largest request body (floe.server.limits); listeners: the sockets to serve on (listen()'s, one a
+    front or one they all share), else host:port is bound here; operator_keys: the keys that see
+    /metrics (in the fronts' environment); prompt_hints: the fronts render and tokenize plain chats'
+    conversations for the core (floe.server.hints).
     Raises FloeError if host:port cannot be listened on."""
     import gc
     import signal
 
-    if listener is None:
-        listener = listen(host, port)  # before anything starts: a port in use is a clear error at once
+    if listeners is None:
+        listeners = listen(host, port, fronts)  # before anything starts: a port in use is an error at once
+    if len(listeners) not in (1, fronts):
+        raise ValueError(f"{len(listeners)} listening sockets for {fronts} fronts")
     # What exists now (the model's modules, the tokenizer, imported code: ~10^5 to 10^6 objects) lives
     # as long as the server: out of the cyclic collector's reach, whose full passes over all of it
     # stalled every session at once for ~0.1 s (docs/PERF_HISTORY.md, "A token without a host call").
@@ -485,15 +488,16 @@ def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int =
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, stop)
-    args = ["--socket", server.path, "--fd", str(listener.fileno()), "--log-level", log_level,
+    args = ["--socket", server.path, "--log-level", log_level,
             "--max-request-bytes", str(max_request_bytes), *([] if prompt_hints else ["--no-prompt-hints"]),
             *(arg for origin in cors_origins for arg in ("--cors-origin", origin))]
     procs, code = [], 0
     try:
         with front_environment(keys, fronts, operator_keys) as env:
             try:
-                procs = [_start_front(args, listener, env) for _ in range(fronts)]
-                listener.close()  # the fronts hold it
+                procs = [_start_front(args, listeners[k % len(listeners)], env) for k in range(fronts)]
+                for listener in listeners:
+                    listener.close()  # the fronts hold them
                 on_ready(server)
                 code = _first_exit(procs)
                 if code:  # not a stop: a supervisor (docs/SERVER.md, "Running it as a service") restarts it
@@ -503,28 +507,48 @@ def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int =
             finally:
                 _stop_fronts(procs)  # (before their metrics folder goes)
     finally:
-        listener.close()
+        for listener in listeners:
+            listener.close()
         signal.signal(signal.SIGTERM, previous)
         server.close()
         core.close()
     return code
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The fronts' listening TCP socket on host:port (as uvicorn binds one: SO_REUSEADDR, backlog
-    2048), inheritable by them. Raises FloeError naming the address if it cannot be had."""
+def listen(host: str, port: int, count: int = 1) -> list[socket.socket]:
+    """The fronts' listening TCP sockets on host:port (as uvicorn binds one: SO_REUSEADDR, backlog
+    2048), inheritable by them: `count` sockets bound with SO_REUSEPORT where the kernel spreads new
+    connections over such a group (Linux), one for each front; else one they all share. (On one
+    shared socket the front whose event loop woke first accepted a whole burst: 64 of 64 connections
+    went to one of 4 fronts.) port 0: a free port, the same for every socket. Raises FloeError naming
+    the address if it cannot be had, also where anything else listens there (SO_REUSEPORT would
+    otherwise let a second server of this user share the port)."""
     from floe.errors import FloeError
 
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    spread = count > 1 and sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
+    socks: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
+        if spread:  # the port to ourselves first: a plain bind fails where anything listens there
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+                port = probe.getsockname()[1]
+        for _ in range(count if spread else 1):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if spread:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            port = sock.getsockname()[1]
+            sock.listen(2048)
+            sock.set_inheritable(True)
     except OSError as e:
-        sock.close()
+        for sock in socks:
+            sock.close()
         raise FloeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
-    return sock
+    return socks
 
 
 @contextlib.contextmanager
@@ -548,10 +572,9 @@ def front_environment(keys: tuple[str, ...], fronts: int, operator_keys: tuple[s
 
 def _start_front(args: list[str], listener: socket.socket, env: dict):
     import subprocess
-    import sys
 
-    return subprocess.Popen([sys.executable, "-m", "floe.server.app", *args], env=env,
-                            pass_fds=(listener.fileno(),))
+    return subprocess.Popen([sys.executable, "-m", "floe.server.app", *args, "--fd", str(listener.fileno())],
+                            env=env, pass_fds=(listener.fileno(),))
 
 
 def _first_exit(procs: list) -> int:
