@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 40 item 2 on the H200: `floe serve --fronts N` (HTTP fronts sharing the port) against one front,
 # 1B shape, 64-token prompts, 128 out, greedy; the engine alone once for the ratio; rounds alternate.
-#   run(command="bash bench/probes/fronts_h200.sh", carry=[".whl", ".tok"])   (FRONTS=3 ROUNDS=2)
+#   run(command="bash bench/probes/fronts_h200.sh", carry=[".whl", ".tok"])   (FRONTS=3 ROUNDS=2 SIZES="16 64")
 set -x
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -20,11 +20,11 @@ sessions() {  # sessions NAME ARGS...
         --name "$name" "$@"
     cp bench/results/sessions_cuda_"$name".json "$OUT"/ 2>/dev/null
 }
-sessions engine --sessions 16 64 --ways engine
+sessions engine --sessions ${SIZES:-16 64} --ways engine
 for r in $(seq 1 "${ROUNDS:-2}"); do
     for f in 1 "${FRONTS:-3}"; do
         [ "$(left)" -gt 90 ] || break 2
-        sessions "serve_fronts${f}_$r" --sessions 16 64 --ways serve --fronts "$f"
+        sessions "serve_fronts${f}_$r" --sessions ${SIZES:-16 64} --ways serve --fronts "$f"
     done
 done
 echo "done in $(( $(date +%s) - start )) s"
