@@ -266,7 +266,7 @@ def stream_turn(client: openai.OpenAI, model_id: str, messages: list[dict], max_
             pieces.append(delta.content)
         usage = chunk.usage or usage
     n = usage.completion_tokens if usage else len(pieces)
-    return {"ttft_s": None if first is None else first - sent, "text": "".join(pieces),
+    return {"ttft_s": None if first is None else first - sent, "text": "".join(pieces), "sent_at": sent,
             "decode_tok_s": (n - 1) / (last - first) if first and last > first else None,
             "completion_tokens": n, "prompt_tokens": usage.prompt_tokens if usage else None,
             "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage else None}
@@ -282,6 +282,7 @@ async def stream_turn_raw(base_url: str, model_id: str, messages: list[dict], ma
                        **({} if session_id is None else {"session_id": session_id})}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: "
             f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    connecting = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
         sent = time.perf_counter()
@@ -310,6 +311,7 @@ async def stream_turn_raw(base_url: str, model_id: str, messages: list[dict], ma
         writer.close()
     n = usage["completion_tokens"] if usage else len(pieces)
     return {"ttft_s": None if first is None else first - sent, "text": "".join(pieces),
+            "connecting_at": connecting, "sent_at": sent,  # (perf_counter: one clock for all processes)
             "decode_tok_s": (n - 1) / (last - first) if first and last > first else None,
             "completion_tokens": n, "prompt_tokens": usage["prompt_tokens"] if usage else None,
             "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"] if usage else None}

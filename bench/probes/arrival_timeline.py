@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -66,8 +67,6 @@ def main() -> None:
                             shape=args.shape, tokenizer=args.tokenizer, sessions=args.sessions * args.rounds,
                             probe=0)
     if args.tiny:
-        import tempfile
-
         from tiny import tiny_engine, tokenizer
 
         engine = tiny_engine(tokenizer(args.tokenizer), ns.sessions, args.device)
@@ -128,8 +127,10 @@ def main() -> None:
     listeners = core_socket.listen("127.0.0.1", port, args.fronts)  # (as floe serve: a socket a front)
     environment = core_socket.front_environment((), args.fronts)
     env = environment.__enter__()
-    fronts = [subprocess.Popen([sys.executable, "-m", "floe.server.app", "--socket", server.path, "--fd",
-                                str(listener.fileno())], env=os.environ | env, pass_fds=(listener.fileno(),))
+    stamps = Path(tempfile.mkdtemp(prefix="floe-timeline-")) / "fronts.txt"  # (bench/probes/front_stamps.py)
+    fronts = [subprocess.Popen([sys.executable, str(HERE / "front_stamps.py"), str(stamps), "--", "--socket",
+                                server.path, "--fd", str(listener.fileno())], env=os.environ | env,
+                               pass_fds=(listener.fileno(),))
               for listener in listeners]
     for listener in listeners:
         listener.close()
@@ -150,11 +151,21 @@ def main() -> None:
                    "--device", args.device, "--sessions", str(args.sessions), "--turns", "1", "--max-tokens",
                    str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens), "--client-processes",
                    str(max(1, args.sessions // 8)), "--tag", f"r{r}-", "--out", os.devnull]
+            loaded = stamps.parent / f"load_{r}.json"
+            cmd[cmd.index(os.devnull)] = str(loaded)
+            started = time.perf_counter()
             out = subprocess.run(cmd + ["--anonymous"] * args.anonymous, capture_output=True, text=True)
             print(f"round {r + 1}: " + " ".join(line for line in out.stdout.splitlines() if "TTFT" in line))
             timed = sorted((v for v in times.values() if "first_id" in v and "received" in v),
                            key=lambda v: v["received"])
-            report(timed[-args.sessions:])  # (not the client's warm-up requests)
+            rows = json.loads(loaded.read_text())["rows"] if loaded.exists() else []
+            front = [line.split() for line in stamps.read_text().splitlines()] if stamps.exists() else []
+            front = [(what, float(t)) for _, what, t in front if float(t) > started]
+            outside = {"client connects": [x["connecting_at"] for x in rows if "connecting_at" in x],
+                       "client sends": [x["sent_at"] for x in rows if "sent_at" in x],
+                       "front gets": [t for what, t in front if what == "request"],
+                       "front to core": [t for what, t in front if what == "to_core"]}
+            report(timed[-args.sessions:], {k: sorted(v)[-args.sessions:] for k, v in outside.items()})
     finally:
         for front in fronts:
             front.terminate()
@@ -165,7 +176,10 @@ def main() -> None:
         core.close()
 
 
-def report(rows: list[dict[str, float]]) -> None:
+def report(rows: list[dict[str, float]], outside: dict[str, list[float]]) -> None:
+    """Each stage's span and start (from the core's first receipt) over the requests; then the
+    moments outside the core (outside: the clients' and the fronts', by name), from the first client's
+    send: whether the requests leave the clients, reach the fronts and the core together or spread."""
     if not rows:
         print("  no request was timed")
         return
@@ -180,6 +194,17 @@ def report(rows: list[dict[str, float]]) -> None:
     ends = [1e3 * (r["first_id"] - t0) for r in rows]
     print(f"  first token id sent: p50 {statistics.median(ends):.1f} ms, max {max(ends):.1f} ms after the "
           "first arrival")
+    sends = outside.get("client sends") or []
+    if not sends:
+        return
+    t1 = min(sends)
+    moments = outside | {"core receives": [r["received"] for r in rows],
+                         "core sends first id": [r["first_id"] for r in rows]}
+    print(f"  moments after the first client's send (ms): first / p50 / max of {len(rows)} requests")
+    for name, ts in moments.items():
+        if ts:
+            ms = sorted(1e3 * (t - t1) for t in ts)
+            print(f"  {name:>20} {ms[0]:7.1f} / {statistics.median(ms):7.1f} / {ms[-1]:7.1f}  ({len(ms)})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""`floe serve`'s HTTP front (floe.server.app) with two moments of each chat request written down: when
+its HTTP request reached the app (the ASGI call, after uvicorn parsed its head) and when the front sent
+it to the engine core (CoreClient.chat). One line a moment, appended to FILE at once (`time.perf_counter`,
+one clock for every process of this machine): "<pid> request <t>" / "<pid> to_core <t>". What
+bench/probes/arrival_timeline.py starts as each front instead of `python -m floe.server.app`.
+
+    python bench/probes/front_stamps.py FILE -- --socket PATH --fd N [floe.server.app's arguments]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def main() -> None:
+    path, rest = sys.argv[1], sys.argv[3:]
+    out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life, a line at a time
+    pid = os.getpid()
+
+    from floe.server import app
+    from floe.server.client import CoreClient
+
+    chat, create_front = CoreClient.chat, app.create_front
+
+    def w_chat(self, request):
+        out.write(f"{pid} to_core {time.perf_counter()}\n")
+        return chat(self, request)
+
+    def w_create_front(*a, **k):
+        inner = create_front(*a, **k)
+
+        async def stamped(scope, receive, send):
+            if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":
+                out.write(f"{pid} request {time.perf_counter()}\n")
+            await inner(scope, receive, send)
+
+        return stamped
+
+    CoreClient.chat, app.create_front = w_chat, w_create_front
+    app.main(rest)
+
+
+if __name__ == "__main__":
+    main()
