@@ -362,6 +362,56 @@ def test_warm_up_captures_every_graph_and_leaves_slots_empty(batching):
     assert batching.cache.lengths == [0, 0, 0, 0] and len(batching.slots.free) == 4
 
 
+def test_graphs_left_for_later_are_captured_beside_decoding_slots(engines):
+    """warm_up(graphs="first") captures the smallest KV bucket's graphs of the batched step (a model
+    loaded on demand answers sooner); warm_up_graphs_later captures the others in another thread while
+    slots decode, one graph at a time under the step lock in slots free then. The decoding slots' tokens
+    and logits are those of a wholly warmed engine's, a graph whose slots were taken is captured by a
+    later call, and then the graphs are a whole warm-up's."""
+    import threading
+
+    from floe.engine import Engine
+
+    def made():
+        return Engine(engines["eager"].checkpoint, device="cuda", max_seq_len=1024, n_slots=4,
+                      fused_kernels=True)
+
+    full, engine = made(), made()
+    full.warm_up()
+    engine.warm_up(graphs="first")
+    first, whole = set(engine._batch.graphs), set(full._batch.graphs)
+    assert first < whole and {bucket for _, bucket, _ in first} == {0, 256}  # (0: the long-prompt graph)
+    assert engine.warm_up_graphs_later(_set_event()) == 0  # stopped at once
+    prompts = [list(range(100, 105)), list(range(300, 560))]  # the second crosses into the 512 bucket
+    slots = [full.claim_slot() for _ in prompts]
+    want_tokens, want_logits = greedy_steps(full, slots, prompts, 12, batched=True)
+    slots = [engine.claim_slot() for _ in prompts]
+    captured = []
+    later = threading.Thread(target=lambda: captured.append(engine.warm_up_graphs_later()))
+    try:
+        later.start()
+        tokens, logits = greedy_steps(engine, slots, prompts, 12, batched=True)
+        later.join(120)
+    finally:
+        for s in slots:
+            engine.release_slot(s)
+    assert tokens == want_tokens
+    for a, b in zip(want_logits, logits, strict=True):
+        torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=1e-3, rtol=1e-3)
+    assert captured and captured[0] > 0
+    engine.warm_up_graphs_later()  # (the 4-row graphs: their slots were decoding)
+    assert set(engine._batch.graphs) == whole
+    assert engine.cache.lengths == [0, 0, 0, 0] and len(engine.slots.free) == 4
+
+
+def _set_event():
+    import threading
+
+    stop = threading.Event()
+    stop.set()
+    return stop
+
+
 def test_short_prompts_prefill_as_one_graph_replay_like_the_eager_forward(engines, batching):
     eager = engines["eager"]
     for n in (1, 5, 40, 256, 300):  # 300: longer than a prefill graph: the fused layers eagerly

@@ -80,9 +80,11 @@ def _one_model(args: argparse.Namespace) -> str | None:
 
 
 def _serve_core(args: argparse.Namespace, checkpoint, device, weights: str, store, model_id: str,
-                aliases=(), phases: dict[str, float] | None = None):
+                aliases=(), phases: dict[str, float] | None = None, graphs: str = "all"):
     """The engine core of one model (its engine warmed up) as `floe serve`'s flags describe it.
-    phases: the seconds of each part of making it are added there ("engine", "warm-up", "core")."""
+    phases: the seconds of each part of making it are added there ("engine", "warm-up", "core").
+    graphs="first": the warm-up captures the smallest KV bucket's CUDA graphs only (Engine.warm_up);
+    the caller has the core capture the others beside its sessions (ServeCore.warm_graphs_later)."""
     from floe.engine import Engine
     from floe.server.core import ServeCore
 
@@ -93,7 +95,7 @@ def _serve_core(args: argparse.Namespace, checkpoint, device, weights: str, stor
                         n_slots=args.max_sessions, weights=kind)
     print(f"floe serve: warming up the engine ({args.max_sessions} KV slots) …", file=sys.stderr, flush=True)
     with _timed(phases, "warm-up"):
-        engine.warm_up()
+        engine.warm_up(graphs=graphs)
     with _timed(phases, "core"):
         return ServeCore(engine, snapshots=store, model_id=model_id, aliases=aliases,
                          idle_seconds=args.idle_seconds, guest=args.guest, max_anonymous=args.max_anonymous,
@@ -152,8 +154,11 @@ def _model_router(args: argparse.Namespace, specs, device, weights: str):
         phases: dict[str, float] = {}
         with _timed(phases, "checkpoint"):
             checkpoint = _load_with_progress(spec.path, "float32", quiet=False)
-        core = _serve_core(args, checkpoint, device, weights, store, spec.name, phases=phases)
+        # (its first token sooner: the other KV buckets' graphs are captured beside its first sessions)
+        core = _serve_core(args, checkpoint, device, weights, store, spec.name, phases=phases, graphs="first")
         say(f"model {spec.name}: " + ", ".join(f"{part} {seconds:.2f} s" for part, seconds in phases.items()))
+        core.warm_graphs_later(lambda graphs, seconds: graphs and say(
+            f"model {spec.name}: {graphs} more CUDA graphs captured beside its sessions in {seconds:.2f} s"))
         return core
 
     stores = [(spec, _serve_store(args, spec.name)) for spec in specs]

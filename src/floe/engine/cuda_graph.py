@@ -35,7 +35,10 @@ def logits(model: Transformer, h: Tensor) -> Tensor:
 
 def capture(run, device: torch.device, pool=None) -> torch.cuda.CUDAGraph:
     """A CUDA graph of run(). It is warmed up first on a side stream (cuBLAS handles, workspaces);
-    warm-up and capture both run the step for real, writing what the first replay will write."""
+    warm-up and capture both run the step for real, writing what the first replay will write. Other
+    threads go on meanwhile (thread_local: only this thread's unsafe calls would break the capture):
+    another engine's loop on the same device, or this engine's waiting for its step in flight while a
+    graph is captured beside its sessions (Engine.warm_up_graphs_later)."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -43,7 +46,7 @@ def capture(run, device: torch.device, pool=None) -> torch.cuda.CUDAGraph:
             run()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         run()
     return graph
 

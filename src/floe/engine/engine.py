@@ -369,13 +369,16 @@ class Engine(BatchedSteps):
         if bad:
             raise FloeError(f"token id {bad[0]} is out of range [0, {self.config.vocab_size})")
 
-    def warm_up(self, progress=lambda done, total: None) -> None:
+    def warm_up(self, progress=lambda done, total: None, graphs: str = "all") -> None:
         """Run a short prefill and a few decode steps in a free slot, then empty it; in every free
         slot where each slot has CUDA graphs of its own (cuda_graphs without the batched step's); then
         capture every graph of the batched step (CUDA): the first draws, TorchScript's profiling passes
         and the graphs' captures happen before a user waits for them (a server calls this at start).
         progress(done, total): after each slot warmed. (Every slot warmed alike cost `floe serve`
-        ~0.1-0.3 s a slot on a 2-core CPU, ~3 s at its default 16 slots, for nothing a slot holds.)"""
+        ~0.1-0.3 s a slot on a 2-core CPU, ~3 s at its default 16 slots, for nothing a slot holds.)
+        graphs="first": only the smallest KV bucket's graphs of the batched step (a model loaded on
+        demand answers sooner: capturing every bucket's was half of a 1B model's load on an H100);
+        warm_up_graphs_later captures the others."""
         slots = self.slots.free
         own_graphs = self.device.type == "cuda" and self.cuda_graphs and not self._batch_graphs
         warmed = slots if own_graphs else slots[:1]
@@ -394,7 +397,34 @@ class Engine(BatchedSteps):
                 self.release_slot(slot)
             progress(done, len(warmed))
         if self._graph_prefill(1):
-            self._warm_up_graphs(slots)
+            buckets = self._batch_decoder().buckets
+            self._warm_up_graphs(slots, buckets if graphs == "all" else buckets[:1])
+
+    @torch.inference_mode()
+    def warm_up_graphs_later(self, stop: threading.Event | None = None) -> int:
+        """Capture the batched step's graphs that warm_up(graphs="first") left out (every KV bucket's
+        past the first) while sessions run: one graph at a time, each under the step lock (a session's
+        step waits for at most one capture, ~10 ms) in slots free at that moment, claimed for it alone;
+        a graph whose slots are all taken is left to be captured when a step first needs it. Stops
+        once `stop` is set. Returns the graphs captured."""
+        if not self._graph_prefill(1):
+            return 0
+        batch, made = self._batch_decoder(), 0
+        for bucket in batch.buckets[1:]:
+            for key, need, run in self._captures(batch, bucket):
+                if stop is not None and stop.is_set():
+                    return made
+                if key in batch.graphs:  # (met by a step meanwhile)
+                    continue
+                free = self.slots.claim_free(self.slots.free[:need])
+                try:
+                    if len(free) == need:
+                        with self._step_lock:
+                            run(free)
+                        made += 1
+                finally:
+                    self._empty(free)
+        return made
 
     @staticmethod
     def _warm_up_sampling(logits: Tensor) -> None:
@@ -407,29 +437,19 @@ class Engine(BatchedSteps):
             sample_token(logits, params, torch.Generator())
 
     @torch.inference_mode()
-    def _warm_up_graphs(self, slots: list[int]) -> None:
-        """Capture every graph of the batched step (prefill row counts and, with several slots,
-        decode batch sizes, each at every KV bucket; the draw of each batch size) by running it on
+    def _warm_up_graphs(self, slots: list[int], buckets: list[int]) -> None:
+        """Capture every graph of the batched step at `buckets` (prefill row counts and, with several
+        slots, decode batch sizes, each at every KV bucket; the draw of each batch size) by running it on
         free slots at the bucket's last positions; the slots are emptied after. Without this, a capture
         (tens of ms, under the step lock) would stall every session the first time a new shape is met."""
         free = self.slots.claim_free(slots)
         batch = self._batch_decoder()
         try:
             with self._step_lock:
-                for bucket in batch.buckets:
-                    for size in batch.prefill_sizes:
-                        if free and size <= bucket:
-                            batch.prefill([0] * size, bucket - size, free[0])
-                    for size in batch.sizes:
-                        if size <= len(free):
-                            batch.step([0] * size, [bucket - 1] * size, free[:size])
-                    for size in batch.mixed_sizes:  # decode rows with prompts along: each slot's rows at
-                        # the bucket's last positions, as many slots as the rows need (a burst's prompts
-                        # at short contexts ride in more rows than one slot's bucket holds)
-                        per = min(size, bucket)
-                        if -(-size // per) <= len(free):
-                            batch.mixed([0] * size, [bucket - per + k % per for k in range(size)],
-                                        [free[k // per] for k in range(size)], [self.cache.n_slots] * size)
+                for bucket in buckets:
+                    for _, need, run in self._captures(batch, bucket):
+                        if need <= len(free):
+                            run(free)
                 if free and batch.prompt_sizes:  # the smallest prompt graph (compiles its attention);
                     # larger ones are captured when a prompt first needs them
                     batch.prompt(torch.zeros(batch.PREFILL_ROWS + 1, dtype=torch.long), 0, free[0])
@@ -439,10 +459,32 @@ class Engine(BatchedSteps):
                     batch.draw(spare, [1.0] * size, [0.9] * size, [vocab] * size, [0.5] * size)
                 batch.draw_done.synchronize()
         finally:
-            for s in free:
-                self.cache.truncate(s, 0)
-                self._forget(s)
-                self.release_slot(s)
+            self._empty(free)
+
+    def _captures(self, batch, bucket: int):
+        """The batched step's graphs at KV `bucket`: (its key in batch.graphs, the free slots it needs,
+        run(free): capture it by running it there at the bucket's last positions)."""
+        for size in batch.prefill_sizes:
+            if size <= bucket:
+                yield (size, bucket, True), 1, lambda free, n=size: batch.prefill(
+                    [0] * n, bucket - n, free[0])
+        for size in batch.sizes:
+            yield (size, bucket, False), size, lambda free, n=size: batch.step(
+                [0] * n, [bucket - 1] * n, free[:n])
+        for size in batch.mixed_sizes:  # decode rows with prompts along: each slot's rows at the bucket's
+            # last positions, as many slots as the rows need (a burst's prompts at short contexts ride
+            # in more rows than one slot's bucket holds)
+            per = min(size, bucket)
+            yield (size, bucket, False), -(-size // per), lambda free, n=size, per=per: batch.mixed(
+                [0] * n, [bucket - per + k % per for k in range(n)], [free[k // per] for k in range(n)],
+                [self.cache.n_slots] * n)
+
+    def _empty(self, slots: list[int]) -> None:
+        """Empty and free slots a warm-up claimed."""
+        for s in slots:
+            self.cache.truncate(s, 0)
+            self._forget(s)
+            self.release_slot(s)
 
     def room(self, slot: int = 0) -> int:
         """Positions still free in `slot`'s context."""

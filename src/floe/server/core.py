@@ -14,7 +14,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -148,6 +148,7 @@ class ServeCore:
         # request's front call paid while a burst of arrivals waited behind it for the GIL)
         self.started = time.time()
         self._closed = threading.Event()
+        self._warming: threading.Thread | None = None  # warm_graphs_later's
         self._evictor = threading.Thread(target=self._evict_loop, name="floe-evict", daemon=True)
         self._evictor.start()
 
@@ -268,6 +269,23 @@ class ServeCore:
     def streams_ids(self, chat: Chat | Completion) -> bool:
         """Whether a chat's reply may go to the front as token ids (its table is this engine's)."""
         return True
+
+    def warm_graphs_later(self, done: Callable[[int, float], None] = lambda graphs, seconds: None) -> None:
+        """Capture the engine's CUDA graphs that its warm_up(graphs="first") left out, in a thread of
+        their own while sessions run (Engine.warm_up_graphs_later); stopped by close(). done(graphs,
+        seconds): once they are captured."""
+        self._warming = threading.Thread(target=self._warm_graphs, args=(done,), name="floe-warm-graphs",
+                                         daemon=True)
+        self._warming.start()
+
+    def _warm_graphs(self, done: Callable[[int, float], None]) -> None:
+        t = time.perf_counter()
+        try:
+            made = self.engine.warm_up_graphs_later(self._closed)
+        except Exception:  # noqa: BLE001 - each graph left is captured when a step first needs it
+            log.exception("capturing the engine's graphs beside its sessions failed")
+            return
+        done(made, time.perf_counter() - t)
 
     def keep_spares(self) -> None:
         """Keep actors made ahead in free KV slots (SessionStore.keep_spares): new sessions find theirs."""
@@ -437,6 +455,8 @@ class ServeCore:
         if not self._closed.is_set():
             self._closed.set()
             self._evictor.join(30)
+            if self._warming is not None:  # (it stops at its next graph)
+                self._warming.join(30)
             self.store.close()
             self.turns.close()
 
