@@ -366,8 +366,8 @@ def test_graphs_left_for_later_are_captured_beside_decoding_slots(engines):
     """warm_up(graphs="first") captures the smallest KV bucket's graphs of the batched step (a model
     loaded on demand answers sooner); warm_up_graphs_later captures the others in another thread while
     slots decode, one graph at a time under the step lock in slots free then. The decoding slots' tokens
-    and logits are those of a wholly warmed engine's, a graph whose slots were taken is captured by a
-    later call, and then the graphs are a whole warm-up's."""
+    and logits are those of a wholly warmed engine's; a graph whose slots are taken waits for them; then
+    the graphs are a whole warm-up's."""
     import threading
 
     from floe.engine import Engine
@@ -385,22 +385,24 @@ def test_graphs_left_for_later_are_captured_beside_decoding_slots(engines):
     prompts = [list(range(100, 105)), list(range(300, 560))]  # the second crosses into the 512 bucket
     slots = [full.claim_slot() for _ in prompts]
     want_tokens, want_logits = greedy_steps(full, slots, prompts, 12, batched=True)
+    del full
     slots = [engine.claim_slot() for _ in prompts]
     captured = []
-    later = threading.Thread(target=lambda: captured.append(engine.warm_up_graphs_later()))
+    later = threading.Thread(target=lambda: captured.append(engine.warm_up_graphs_later(retry_s=0.05)))
+    later.start()
     try:
-        later.start()
         tokens, logits = greedy_steps(engine, slots, prompts, 12, batched=True)
-        later.join(120)
+        assert later.is_alive()  # (the 4-row graphs wait for the slots these rows hold)
     finally:
         for s in slots:
             engine.release_slot(s)
+    later.join(120)
     assert tokens == want_tokens
     for a, b in zip(want_logits, logits, strict=True):
         torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=1e-3, rtol=1e-3)
     assert captured and captured[0] > 0
-    engine.warm_up_graphs_later()  # (the 4-row graphs: their slots were decoding)
-    assert set(engine._batch.graphs) == whole
+    assert set(engine._batch.graphs) == whole  # (the 4-row graphs once the rows gave their slots back)
+    assert engine.warm_up_graphs_later() == 0
     assert engine.cache.lengths == [0, 0, 0, 0] and len(engine.slots.free) == 4
 
 

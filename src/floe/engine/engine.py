@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import time
 
 import numpy as np
 import torch
@@ -396,34 +398,48 @@ class Engine(BatchedSteps):
                 self.cache.truncate(slot, 0)
                 self.release_slot(slot)
             progress(done, len(warmed))
+        if graphs not in ("all", "first"):
+            raise ValueError(f"graphs must be 'all' or 'first', not {graphs!r}")
         if self._graph_prefill(1):
             buckets = self._batch_decoder().buckets
             self._warm_up_graphs(slots, buckets if graphs == "all" else buckets[:1])
 
     @torch.inference_mode()
-    def warm_up_graphs_later(self, stop: threading.Event | None = None) -> int:
+    def warm_up_graphs_later(self, stop: threading.Event | None = None, spare=None, retry_s: float = 0.5,
+                             give_up_s: float = 120.0) -> int:
         """Capture the batched step's graphs that warm_up(graphs="first") left out (every KV bucket's
         past the first) while sessions run: one graph at a time, each under the step lock (a session's
-        step waits for at most one capture, ~10 ms) in slots free at that moment, claimed for it alone;
-        a graph whose slots are all taken is left to be captured when a step first needs it. Stops
-        once `stop` is set. Returns the graphs captured."""
+        step waits for one capture) in slots free at that moment, claimed for it alone. spare(n): a
+        context manager yielding whether n slots may be taken now (a server's admission counts them, so
+        that no arriving session finds its slot taken); default: any free slot may. A graph whose slots
+        are busy is tried again every `retry_s` (a step that needs it first captures it itself), for
+        at most `give_up_s`. Stops once `stop` is set. Returns the graphs captured."""
         if not self._graph_prefill(1):
             return 0
+        stop = threading.Event() if stop is None else stop
+        spare = spare or (lambda n: contextlib.nullcontext(True))
         batch, made = self._batch_decoder(), 0
-        for bucket in batch.buckets[1:]:
-            for key, need, run in self._captures(batch, bucket):
-                if stop is not None and stop.is_set():
-                    return made
-                if key in batch.graphs:  # (met by a step meanwhile)
+        left = [c for bucket in batch.buckets[1:] for c in self._captures(batch, bucket)]
+        end = time.monotonic() + give_up_s
+        while left and not stop.is_set():
+            busy = []
+            for key, need, run in left:
+                if stop.is_set() or key in batch.graphs:  # (met by a step meanwhile)
                     continue
-                free = self.slots.claim_free(self.slots.free[:need])
-                try:
-                    if len(free) == need:
-                        with self._step_lock:
-                            run(free)
-                        made += 1
-                finally:
-                    self._empty(free)
+                with spare(need) as may:
+                    free = self.slots.claim_free(self.slots.free[:need]) if may else []
+                    try:
+                        if len(free) == need:
+                            with self._step_lock:
+                                run(free)
+                            made += 1
+                        else:
+                            busy.append((key, need, run))
+                    finally:
+                        self._empty(free)
+            left = busy
+            if left and (time.monotonic() > end or stop.wait(retry_s)):
+                break
         return made
 
     @staticmethod

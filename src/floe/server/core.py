@@ -281,7 +281,7 @@ class ServeCore:
     def _warm_graphs(self, done: Callable[[int, float], None]) -> None:
         t = time.perf_counter()
         try:
-            made = self.engine.warm_up_graphs_later(self._closed)
+            made = self.engine.warm_up_graphs_later(self._closed, self.store.admission.spare)
         except Exception:  # noqa: BLE001 - each graph left is captured when a step first needs it
             log.exception("capturing the engine's graphs beside its sessions failed")
             return

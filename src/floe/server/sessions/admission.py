@@ -60,6 +60,24 @@ class SlotAdmission:
         with self.lock:
             self._reserved -= 1
 
+    @contextmanager
+    def spare(self, n: int) -> Iterator[bool]:
+        """Count n KV slots for work beside the sessions (the engine's graphs captured while they run:
+        Engine.warm_up_graphs_later) while the with-block runs, if n are free with no request waiting;
+        never one a session would need. Yields whether they were counted."""
+        with self.lock:
+            live = sum(s.live for s in self.registry.sessions.values())
+            counted = not self._waiting and live + self._reserved + n <= self.engine.cache.n_slots
+            if counted:
+                self._reserved += n
+        try:
+            yield counted
+        finally:
+            if counted:
+                with self.lock:
+                    self._reserved -= n
+                    self._slot_freed.notify_all()
+
     def notify_freed(self) -> None:
         """A session went idle: its slot can be taken now (frozen for a waiting request)."""
         with self.lock:
