@@ -45,7 +45,8 @@ def test_several_fronts_share_the_port_and_count_requests_together(tmp_path):
             held = [sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port
                         for c in front.net_connections("tcp"))
                     for front in psutil.Process(proc.pid).children(recursive=True)]
-            assert sorted(held)[-2:] != [0, 16] and sum(held) == 16, held  # (all in one: 2 ** -15 by chance)
+            if sys.platform == "linux":  # (SO_REUSEPORT's spreading; elsewhere one shared socket)
+                assert sum(h > 0 for h in held) == 2 and sum(held) == 16, held  # (all in one: 2 ** -15)
         finally:
             for sock in burst:
                 sock.close()
@@ -77,6 +78,7 @@ def test_a_port_in_use_is_an_error_before_the_model_loads(tmp_path):
     assert "warming up" not in done.stderr  # refused before the model loaded (then its KV slots warm)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="one socket for all fronts without SO_REUSEPORT")
 def test_several_fronts_do_not_share_a_port_another_server_listens_on(tmp_path):
     """Each front's socket is bound with SO_REUSEPORT (the kernel spreads connections over them), which
     would let a second server of the same user join the port: it is refused as any port in use."""

@@ -131,7 +131,7 @@ def main() -> None:
     fronts = [subprocess.Popen([sys.executable, str(HERE / "front_stamps.py"), str(stamps), "--", "--socket",
                                 server.path, "--fd", str(listener.fileno())], env=os.environ | env,
                                pass_fds=(listener.fileno(),))
-              for listener in listeners]
+              for listener in (listeners[k % len(listeners)] for k in range(args.fronts))]
     for listener in listeners:
         listener.close()
     try:
