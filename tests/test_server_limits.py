@@ -175,6 +175,49 @@ def test_an_answer_too_large_for_a_frame_fails_its_request_only(monkeypatch):
     theirs.close()
 
 
+def test_the_cores_reader_takes_every_frame_however_the_bytes_arrive(monkeypatch):
+    """The core reads its socket in large pieces and takes each frame that came whole: frames split
+    anywhere (a header over two reads, a body over many), several in one read, one larger than a read,
+    all come out in order; a connection that ends inside a frame is a ProtocolError, at a frame's end
+    the end."""
+    import random
+    import threading
+
+    from floe.server import core_socket
+    from floe.server.core_socket import _Connection
+    from floe.server.protocol import ProtocolError
+
+    monkeypatch.setattr(core_socket, "RECV_BYTES", 64)  # (reads much smaller than the frames)
+    values = [["chat", k, {"text": "é" * random.Random(k).randrange(0, 400)}] for k in range(60)]
+    values.append(["data", 99, "x" * 5000])  # past 16 reads
+    wire = b"".join(pack(v) for v in values)
+    ours, theirs = socket.socketpair()
+
+    def send() -> None:
+        rng, at = random.Random(1), 0
+        while at < len(wire):
+            n = rng.choice([1, 3, 4, 5, 50, 700, 3000])
+            theirs.sendall(wire[at:at + n])
+            at += n
+        theirs.close()
+
+    writer = threading.Thread(target=send)
+    writer.start()
+    conn = _Connection(ours)
+    assert [conn.read() for _ in values] == values
+    assert conn.read() is None
+    writer.join(10)
+    ours.close()
+    ours, theirs = socket.socketpair()
+    theirs.sendall(pack(values[0]) + pack(values[1])[:9])
+    theirs.close()
+    conn = _Connection(ours)
+    assert conn.read() == values[0]
+    with pytest.raises(ProtocolError, match="ended inside a frame"):
+        conn.read()
+    ours.close()
+
+
 def test_a_conversation_longer_than_the_context_could_hold_is_refused_without_tokenizing(server, monkeypatch):
     core = server.core
     tokenizer = core.engine.tokenizer

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("floe.serve")
 # answered in the reading thread
+RECV_BYTES = 256 << 10  # what the core's reading thread asks its socket for at a time (_Connection.read)
 INLINE_CALLS = ("hello", "health", "sessions", "session", "metrics", "models")
 FLUSH_S = 0.002  # after a flush of streamed text, the next waits this long: its frame gathers more
 UPLOAD_WAIT_S = 300.0  # an import whose next chunk takes longer than this is given up
@@ -62,6 +63,7 @@ class _Connection:
         self.overflowed: set[int] = set()  # chats whose streamed output could not be sent (_write_parts)
         self.exports: dict[int, threading.Semaphore] = {}  # exports under way: the chunks they may send
         self.closed = False
+        self._inbuf, self._at = bytearray(), 0  # what was read and not yet taken: read()'s, from _at
 
     def text(self, rid: int, piece: str) -> None:
         with self.out_lock:
@@ -166,23 +168,30 @@ class _Connection:
             self.lost()
 
     def read(self):
-        """The next frame's value, or None at the end of the connection."""
-        header = self._read_exactly(HEADER.size)
-        if header is None:
-            return None
-        data = self._read_exactly(frame_length(header))
-        if data is None:
-            raise ProtocolError("the connection ended inside a frame")
-        return unpack(data)
-
-    def _read_exactly(self, n: int) -> bytes | None:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
+        """The next frame's value, or None at the end of the connection. The socket is read RECV_BYTES
+        at a time and every frame that came whole is taken from what was read: each recv gives up the
+        GIL and waits to take it back behind the core's other threads (a burst's 64 chats and the engine
+        loop), which one recv a header and one a body paid twice a frame."""
+        buf = self._inbuf
+        while True:
+            if len(buf) - self._at >= HEADER.size:
+                end = self._at + HEADER.size + frame_length(bytes(buf[self._at:self._at + HEADER.size]))
+                if len(buf) >= end:
+                    data = bytes(buf[self._at + HEADER.size:end])
+                    self._at = end
+                    return unpack(data)
+                want = end - len(buf)
+            else:
+                want = 0
+            if self._at:  # (what was taken goes before reading more)
+                del buf[:self._at]
+                self._at = 0
+            chunk = self.sock.recv(min(max(RECV_BYTES, want), 16 * RECV_BYTES))  # (a large frame: in parts)
             if not chunk:
+                if buf:
+                    raise ProtocolError("the connection ended inside a frame")
                 return None
             buf += chunk
-        return bytes(buf)
 
 
 class CoreServer:
