@@ -96,3 +96,26 @@ def test_several_fronts_do_not_share_a_port_another_server_listens_on(tmp_path):
     finally:
         for sock in first:
             sock.close()
+
+
+def test_fronts_started_before_one_that_fails_to_start_are_stopped(tmp_path, monkeypatch):
+    """A front that cannot be started (its process not made) ends `floe serve` with that error, and the
+    fronts started before it are stopped with it, not left serving the port on their own."""
+    from models import tiny_engine
+
+    from floe.server import core_socket
+    from floe.server.core import ServeCore
+
+    started, start = [], core_socket._start_front
+
+    def second_fails(args, listener, env):
+        if started:
+            raise OSError("no process for the second front")
+        started.append(start(args, listener, env))
+        return started[-1]
+
+    monkeypatch.setattr(core_socket, "_start_front", second_fails)
+    core = ServeCore(tiny_engine(n_slots=2), snapshots=tmp_path, model_id="tiny")
+    with pytest.raises(OSError, match="second front"):
+        core_socket.serve(core, fronts=2, listeners=core_socket.listen("127.0.0.1", 0, 2))
+    assert started and started[0].poll() is not None  # (it was stopped: serve waits for it)

@@ -504,7 +504,8 @@ def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int =
     try:
         with front_environment(keys, fronts, operator_keys) as env:
             try:
-                procs = [_start_front(args, listeners[k % len(listeners)], env) for k in range(fronts)]
+                for k in range(fronts):  # (one by one: those started are stopped if a later one fails)
+                    procs.append(_start_front(args, listeners[k % len(listeners)], env))
                 for listener in listeners:
                     listener.close()  # the fronts hold them
                 on_ready(server)
