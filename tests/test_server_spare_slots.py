@@ -6,6 +6,7 @@ session needs."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from models import tiny_engine
@@ -49,7 +50,7 @@ def test_a_waiting_request_goes_before_a_spare(core):
         for _ in range(200):
             if admission.waiting:
                 break
-            threading.Event().wait(0.01)
+            time.sleep(0.01)
         assert admission.waiting == 1
         admission.uncount()  # a slot frees: the waiting request's, not a spare's
         with admission.spare(1) as taken:
