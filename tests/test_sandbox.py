@@ -370,6 +370,49 @@ def test_a_runaway_guest_holding_the_gil_is_stopped_at_its_deadline_and_others_s
 
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="native epoch ticks: Linux")
+def test_an_actors_runaway_on_message_lets_the_gil_go_at_its_first_tick(tiny_engine):
+    """An actor's guest calls off the main thread hold the GIL until their first epoch tick
+    (HOLD_TO_A_TICK, as a server's chat threads make them; the ticks come every 10 ms): a runaway
+    on_message lets it go at its first, so another actor's whole message (its guest calls and the
+    engine loop's steps, each taking the GIL) runs while the runaway does, and the runaway is still
+    stopped at its deadline. (Held throughout, the other message waited for the runaway's end.)"""
+    from floe.wasm import rows, start_guest_thread
+    from floe.wasm.raw import gil_let_go
+
+    if rows.native() is None:
+        pytest.skip("no C++ compiler: an actor's calls release the GIL from their start")
+
+    def on_thread(fn):
+        out: dict = {}
+
+        def run():
+            t = time.monotonic()
+            try:
+                out["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the test
+                out["error"] = e
+            out["took"] = time.monotonic() - t
+
+        thread = threading.Thread(target=run)
+        start_guest_thread(thread)
+        return thread, out
+
+    with Actor(tiny_engine, _module("(loop $l (br $l)) (i32.const 0)"), deadline_s=1.5) as runaway, \
+            Actor(tiny_engine) as well:
+        assert runaway.guest.watchdog.native_tick
+        before = gil_let_go()
+        thread, out = on_thread(lambda: runaway.send("Hi"))
+        time.sleep(0.1)
+        reply = well.send("Hi", max_tokens=4)  # (this thread's guest calls and the loop's, meanwhile)
+        running = thread.is_alive()
+        thread.join(10)
+    assert running and reply.text is not None  # (done before the runaway's end)
+    assert gil_let_go() > before
+    assert isinstance(out.get("error"), GuestDeadlineExceeded), out
+    assert 1.5 <= out["took"] < 1.5 + 5 * OVERRUN_S
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="native epoch ticks: Linux")
 def test_the_native_epoch_timer_outlives_the_engine_object_and_a_forks_child_gets_its_own():
     """The timer ticks its own reference to the engine: the Python engine object freed (as at the
     interpreter's exit, where this crashed a process) leaves the ticks harmless; a fork's child, which

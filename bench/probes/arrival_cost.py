@@ -10,16 +10,23 @@ little and the host's share shows.
 
 --switch-ms: the interpreter's switch interval (sys.setswitchinterval, 5 ms by default): the longest a
 thread that wants the GIL waits for one that holds it without blocking.
+--gil tick release hold: the actors' guest calls (Actor._call: on_message, alloc) as floe makes them,
+holding the GIL until their first epoch tick (tick: floe.wasm.raw.HOLD_TO_A_TICK); releasing it at each
+of an on_message's ~14 crossings into and out of Wasmtime (release: floe before it); or holding it
+throughout, as the engine loop's calls do (hold: an experiment only: a runaway guest's call would let
+other threads have it once a tick, slowing each to that), rounds taking turns.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
@@ -30,6 +37,9 @@ from floe.actor import Actor, EngineLoop  # noqa: E402
 from floe.actor import loop as engine_loop  # noqa: E402
 from floe.engine import Engine  # noqa: E402
 from floe.wasm import start_guest_thread  # noqa: E402
+from floe.wasm.raw import HOLD_TO_A_TICK  # noqa: E402
+
+GIL = {"tick": HOLD_TO_A_TICK, "release": False, "hold": True}  # --gil: GuestInstance.call's hold_gil
 
 
 def main() -> None:
@@ -40,6 +50,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--arrivals", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--switch-ms", type=float, nargs="+", default=[5.0])
+    ap.add_argument("--gil", nargs="+", choices=tuple(GIL), default=["tick"])
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
     args = ap.parse_args()
     tok = tokenizer(args.tokenizer)
@@ -51,12 +62,43 @@ def main() -> None:
         sys.setswitchinterval(switch_ms / 1e3)
         for arrivals in args.arrivals:
             engine_loop.ARRIVALS = arrivals
-            runs = [actors_run(engine, texts, args.tokens, batch=True) for _ in range(args.rounds)]
-            print(f"{args.sessions} at once, {arrivals} arriving at a time, switch {switch_ms:g} ms: "
-                  "TTFT p50 " + ", ".join(f"{r['ttft_ms']:.1f}" for r in runs) + " ms; on_message p50 "
-                  + ", ".join(f"{r['prepare_ms']:.1f}" for r in runs) + " ms, last "
-                  + ", ".join(f"{r['prepare_max_ms']:.1f}" for r in runs) + " ms; tok/s "
-                  + ", ".join(f"{r['tok_s']:.0f}" for r in runs), flush=True)
+            runs: dict[str, list[dict]] = {gil: [] for gil in args.gil}
+            for _ in range(args.rounds):  # (the GIL's ways taking turns)
+                for gil in args.gil:
+                    with _holding_gil(GIL[gil]):
+                        runs[gil].append(actors_run(engine, texts, args.tokens, batch=True))
+            for gil, made in runs.items():
+                print(f"{args.sessions} at once, {arrivals} arriving at a time, switch {switch_ms:g} ms, "
+                      f"guest calls {gil}: TTFT p50 "
+                      + ", ".join(f"{r['ttft_ms']:.1f}" for r in made) + " ms; on_message p50 "
+                      + ", ".join(f"{r['prepare_ms']:.1f}" for r in made) + " ms, last "
+                      + ", ".join(f"{r['prepare_max_ms']:.1f}" for r in made) + " ms; tok/s "
+                      + ", ".join(f"{r['tok_s']:.0f}" for r in made), flush=True)
+
+
+@contextlib.contextmanager
+def _holding_gil(hold: bool | str):
+    """The actors' guest calls (Actor._call: on_message, alloc) made with GuestInstance.call's
+    hold_gil=`hold` while in it (HOLD_TO_A_TICK: as they are)."""
+    call = Actor._call
+
+    def holding(self, name: str, *args: int, deadline: float | None = None) -> int:
+        own_budget = self.abi.budget is None
+        if own_budget:
+            self.abi.begin(self.guest.watchdog, self.guest.memory_cap)
+        seconds = self.deadline_s if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return self.guest.call(name, *args, deadline_s=seconds, pending=self.take_pending, hold_gil=hold)
+        finally:
+            if own_budget:
+                self.abi.budget = None
+
+    if hold != HOLD_TO_A_TICK:
+        Actor._call = holding
+    try:
+        yield
+    finally:
+        Actor._call = call
 
 
 def alone(engine: Engine, texts: list[str]) -> None:

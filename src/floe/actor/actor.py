@@ -40,7 +40,7 @@ from floe.wasm import (
     default_runtime,
     start_guest_thread,
 )
-from floe.wasm.raw import describe
+from floe.wasm.raw import HOLD_TO_A_TICK, describe
 
 DEFAULT_MEMORY_CAP = 256 << 20
 DEFAULT_DEADLINE_S = 600.0
@@ -181,13 +181,17 @@ class Actor(GuestHost):
     def _call(self, name: str, *args: int, deadline: float | None = None) -> int:
         """Call a guest export, by `deadline` (time.monotonic(); default: deadline_s from now), under
         the message's host budget (a fresh one outside a message); a GuestError names the guest's
-        last log line."""
+        last log line. Off the main thread the call holds the GIL until its first epoch tick
+        (HOLD_TO_A_TICK): an on_message's ~14 crossings into and out of Wasmtime each handed it to any
+        waiting thread and waited to take it back (during a burst, behind the engine loop and the other
+        arrivals); a guest that runs longer than a tick lets the others run from then on."""
         own_budget = self.abi.budget is None
         if own_budget:
             self.abi.begin(self.guest.watchdog, self.guest.memory_cap)
         seconds = self.deadline_s if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return self.guest.call(name, *args, deadline_s=seconds, pending=self.take_pending)
+            return self.guest.call(name, *args, deadline_s=seconds, pending=self.take_pending,
+                                   hold_gil=HOLD_TO_A_TICK)
         except GuestError as e:
             self.name_last_log(e)
             raise

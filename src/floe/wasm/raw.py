@@ -24,6 +24,7 @@ import _signal  # signal's own functions wrap these in enums: 70x slower, and th
 import collections
 import ctypes
 import ctypes.util
+import functools
 import sys
 import threading
 import time
@@ -316,6 +317,36 @@ _func_call_unchecked_holding_gil = ctypes.PYFUNCTYPE(
 # PreparedCall.row's results address | this: its function's type is known, () -> i32; call_rows.cpp
 # calls it unchecked, its raw result at that address (what a checked call's result buffer holds room for)
 RAW_RESULTS = 1
+# PreparedCall's hold_gil: held until the call's first epoch tick, then let go for the rest of it
+# (csrc/hold_gil.cpp: floe_call_holding): an actor's calls (its on_message) hold the GIL while short
+# and let other threads run once long. Where the native library is not loaded: released, as False.
+HOLD_TO_A_TICK = "tick"
+# (floe_call_holding, floe_call_holding_unchecked, floe_tick's address): set by floe.wasm.rows once it
+# loads csrc/hold_gil.cpp's library (use_native_holding); stores made since tick through floe_tick.
+_holding: tuple | None = None
+
+
+def use_native_holding(library: ctypes.PyDLL) -> None:
+    """Call with HOLD_TO_A_TICK through `library`'s floe_call_holding (csrc/hold_gil.cpp), in stores
+    whose watchdog is made from now on."""
+    global _holding
+    api = ctypes.pythonapi
+    library.floe_gil_functions.argtypes = [ctypes.c_void_p] * 3
+    library.floe_gil_functions(*(ctypes.cast(f, ctypes.c_void_p) for f in (
+        api.PyEval_SaveThread, api.PyEval_RestoreThread, api.PyGILState_Check)))
+    checked, unchecked = library.floe_call_holding, library.floe_call_holding_unchecked
+    checked.restype, unchecked.restype = _func_call.restype, _func_call_unchecked.restype
+    checked.argtypes = [ctypes.c_void_p, *_func_call.argtypes]
+    unchecked.argtypes = [ctypes.c_void_p, *_func_call_unchecked.argtypes]
+    library.floe_gil_let_go.restype = ctypes.c_int64
+    _holding = (functools.partial(checked, ctypes.cast(_func_call, ctypes.c_void_p)),
+                functools.partial(unchecked, ctypes.cast(_func_call_unchecked, ctypes.c_void_p)),
+                ctypes.cast(library.floe_tick, ctypes.c_void_p).value, library.floe_gil_let_go)
+
+
+def gil_let_go() -> int:
+    """Calls made with HOLD_TO_A_TICK that let the GIL go at a tick so far (0 without the library)."""
+    return 0 if _holding is None else _holding[3]()
 
 
 class PreparedCall:
@@ -352,21 +383,26 @@ class PreparedCall:
         self._trap = ctypes.POINTER(ffi.wasm_trap_t)()
         self._trap_ref = ctypes.byref(self._trap)
 
-    def __call__(self, args: tuple[int, ...], hold_gil: bool = False) -> int:
-        """The call; hold_gil: without releasing the GIL (see _func_call_holding_gil)."""
+    def __call__(self, args: tuple[int, ...], hold_gil: bool | str = False) -> int:
+        """The call; hold_gil: True, without releasing the GIL (see _func_call_holding_gil);
+        HOLD_TO_A_TICK, holding it until the call's first epoch tick (its store's watchdog made with
+        the native library: Watchdog.native_tick)."""
         if len(args) != self._n:
             raise RawCallError(f"called with {len(args)} arguments, prepared for {self._n}", False)
+        holding = _holding if hold_gil == HOLD_TO_A_TICK else None
         if self.raw:
             raw = self._raw
             for i, a in enumerate(args):
                 raw[i].i32 = a  # (a ctypes int32 field wraps, as the guest's i32 would)
-            call = _func_call_unchecked_holding_gil if hold_gil else _func_call_unchecked
+            call = (holding[1] if holding is not None
+                    else _func_call_unchecked_holding_gil if hold_gil is True else _func_call_unchecked)
             error = call(self._context, self._ref, raw, max(1, self._n), self._trap_ref)
         else:
             params = self._params
             for i, a in enumerate(args):
                 params[i].of.i32 = a
-            call = _func_call_holding_gil if hold_gil else _func_call
+            call = (holding[0] if holding is not None
+                    else _func_call_holding_gil if hold_gil is True else _func_call)
             error = call(self._context, self._ref, params, self._n, self._results, 1, self._trap_ref)
         if error:
             raise RawCallError(_message(error, ffi.wasmtime_error_delete, ffi.wasmtime_error_message), False)
@@ -442,6 +478,9 @@ _DEADLINE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p, ctypes.c
                                       ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint8))
 _install_deadline_callback = ctypes.CFUNCTYPE(
     None, ctypes.c_void_p, _DEADLINE_CALLBACK, ctypes.c_void_p, ctypes.c_void_p,
+)(("wasmtime_store_epoch_deadline_callback", _dll))
+_install_native_callback = ctypes.CFUNCTYPE(  # (a C function's address: floe_tick)
+    None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
 )(("wasmtime_store_epoch_deadline_callback", _dll))
 
 
@@ -522,7 +561,8 @@ class Watchdog:
     `reason` says which ("deadline" or the cancellation's reason), for the caller's error.
     """
 
-    __slots__ = ("_when", "when_at", "reason", "cancelled", "interrupt", "_callback", "_context")
+    __slots__ = ("_when", "when_at", "reason", "cancelled", "interrupt", "_callback", "_context",
+                 "native_tick")
 
     def __init__(self, store) -> None:
         # The deadline (time.monotonic()) in a C double: floe.wasm.rows arms it natively (when_at).
@@ -532,7 +572,15 @@ class Watchdog:
         self.cancelled: str | None = None
         self.interrupt: BaseException | None = None  # a Ctrl-C that arrived while guest code ran
         self._callback = _DEADLINE_CALLBACK(self._on_tick)  # kept alive with the store
-        _install_deadline_callback(ctypes.cast(store.ptr(), ctypes.c_void_p), self._callback, None, None)
+        # Through floe_tick where the native library is loaded (HOLD_TO_A_TICK's calls let the GIL go
+        # at a tick there), else _on_tick itself.
+        self.native_tick = _holding is not None
+        store_ptr = ctypes.cast(store.ptr(), ctypes.c_void_p)
+        if self.native_tick:
+            _install_native_callback(store_ptr, _holding[2], ctypes.cast(self._callback, ctypes.c_void_p),
+                                     None)
+        else:
+            _install_deadline_callback(store_ptr, self._callback, None, None)
         self._context = store._context()
         store.set_epoch_deadline(1)
 

@@ -24,11 +24,12 @@ import numpy as np
 
 from floe import memory
 from floe.wasm import runtime
-from floe.wasm.raw import I32, _dll, raw_call_error, signals
+from floe.wasm.raw import I32, _dll, raw_call_error, signals, use_native_holding
 from floe.wasm.runtime import GuestCancelled, GuestInstance, guest_stack
 
 log = logging.getLogger("floe.wasm")
 SOURCE = Path(__file__).parent / "csrc" / "call_rows.cpp"
+HOLDING = Path(__file__).parent / "csrc" / "hold_gil.cpp"  # (floe.wasm.raw.HOLD_TO_A_TICK's calls)
 _lock = threading.Lock()
 _native: Callable | None = None
 _tried = False
@@ -78,8 +79,9 @@ def native() -> Callable | None:
             try:
                 from floe.engine.cbuild import BuildError, build_plain
 
-                library = ctypes.PyDLL(str(build_plain("floe_call_rows", [SOURCE], [],
+                library = ctypes.PyDLL(str(build_plain("floe_call_rows", [SOURCE, HOLDING], [],
                                                        what="the engine loop's native guest calls")))
+                use_native_holding(library)  # (and an actor's calls: hold_gil=HOLD_TO_A_TICK)
                 fn = library.floe_call_slots
                 fn.restype = ctypes.c_int64
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,

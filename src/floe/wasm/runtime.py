@@ -433,19 +433,25 @@ class GuestInstance:
         return f
 
     def call(self, name: str, *args: int, deadline_s: float, pending: Callable[[], BaseException | None],
-             hold_gil: bool = False):
+             hold_gil: bool | str = False):
         """Call an export (i32s in, one i32 out); traps become GuestError subclasses, a host-side error
         found by `pending` (raised inside a host function during the call) is re-raised as itself.
-        hold_gil: the guest's own code runs without releasing the GIL (its host calls still may), for
-        short calls on a thread that others must not delay (the engine loop's), where epochs tick
-        natively (else the deadline could not stop a runaway that holds it)."""
+        hold_gil: True, the guest's own code runs without releasing the GIL (its host calls still may),
+        for short calls on a thread that others must not delay (the engine loop's); HOLD_TO_A_TICK, the
+        same until the call's first epoch tick, then released (an actor's calls: short ones hand the GIL
+        over nowhere, a long one lets others run; released from the start where the native library was
+        not loaded when the guest was made). Either only off the main thread, where epochs tick natively
+        (else the deadline could not stop a runaway that holds it)."""
         call = self.prepared(name, len(args))
         self._before_call()
         self.watchdog.arm(deadline_s)
+        if hold_gil and not (self.module.runtime.native_ticks
+                             and (hold_gil is True or self.watchdog.native_tick)):
+            hold_gil = False
         try:
             with guest_stack, _Running(self.watchdog):
                 if threading.get_ident() != signals.main:
-                    return call(args, hold_gil and self.module.runtime.native_ticks)
+                    return call(args, hold_gil)
                 with signals.held():
                     return call(args)
         except RawCallError as e:
