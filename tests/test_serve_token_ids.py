@@ -71,6 +71,32 @@ class Wire:
                     return out
 
 
+def test_a_fronts_start_up_answers_are_encoded_once_and_each_is_the_cores_own(core_server, monkeypatch):
+    """The "vocab" and "tokenizer" answers (each front asks for both at its start) are the core's own,
+    JSON-encoded once however many fronts ask (ServeCore.fixed_calls); its other calls are not kept."""
+    core = core_server.core
+    asked = []
+    call = core.call
+    monkeypatch.setattr(core, "call",
+                        lambda name, arg=None, owner=None: asked.append(name) or call(name, arg, owner))
+    fronts = [Wire(core_server.path) for _ in range(3)]
+    for rid, wire in enumerate(fronts):
+        for name in ("vocab", "tokenizer", "hello"):
+            wire.send({"op": "call", "id": rid, "name": name})
+            kind, got, answer = wire.read()
+            assert (kind, got) == ("ok", rid)
+            assert answer == call(name), name
+    assert asked.count("hello") == 3
+    assert asked.count("vocab") <= 1 and asked.count("tokenizer") <= 1  # (encoded at the server's start)
+    assert vocab_table(answer_of(fronts[0], "vocab")) == [core.engine.tokenizer.reply_bytes(i)
+                                                          for i in range(core.engine.tokenizer.vocab_size)]
+
+
+def answer_of(wire: Wire, name: str):
+    wire.send({"op": "call", "id": 99, "name": name})
+    return wire.read()[2]
+
+
 def test_a_streamed_reply_goes_as_token_ids_whose_text_is_the_replys(core_server):
     wire = Wire(core_server.path)
     wire.send({"op": "call", "id": 1, "name": "vocab"})

@@ -259,6 +259,9 @@ class ServeCore:
             reason = outcome(constraint, reply.text).finish_reason
         return {"text": reply.text, "finish_reason": reason, "usage": usage}
 
+    # Calls whose answer never changes while it serves (the socket encodes each once: CoreServer)
+    fixed_calls = ("vocab", "tokenizer")
+
     @property
     def pool_threads(self) -> int:
         """Threads the core's socket needs for chats and calls: running chats (each holds a thread for its

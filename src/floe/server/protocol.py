@@ -102,10 +102,23 @@ class ProtocolError(Exception):
 def pack(value) -> bytes:
     """One frame of `value`. A value past MAX_FRAME raises a 413 ServeError and nothing is sent: a frame
     that long would end the connection, and with it every other request on it."""
+    return _framed(encode(value))
+
+
+def encode(value) -> bytes:
+    """`value` as a frame's JSON (pack's, without the frame)."""
     try:  # text as UTF-8, not escaped: 24 MB of emoji as \ud83d escapes would be 72 MB
-        data = json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
     except UnicodeEncodeError:  # a lone surrogate (JSON allows one): escaped, as the peer reads it back
-        data = json.dumps(value, separators=(",", ":")).encode()
+        return json.dumps(value, separators=(",", ":")).encode()
+
+
+def pack_ok(rid: int, answer: bytes) -> bytes:
+    """The frame of ["ok", rid, value] for a value encode() made already (an answer sent many times)."""
+    return _framed(b'["ok",%d,%b]' % (rid, answer))
+
+
+def _framed(data: bytes) -> bytes:
     if len(data) > MAX_FRAME:
         raise ServeError(413, f"the message is {len(data)} bytes between floe's HTTP front and its engine "
                          f"core; the most is {MAX_FRAME}", code="request_too_large")

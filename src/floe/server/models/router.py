@@ -106,6 +106,8 @@ class ModelRouter:
 
     # ---- ServeCore's surface (floe.server.core_socket) ----------------------------------------------
 
+    fixed_calls = ()  # (each model's "vocab" answer is its own: asked by name)
+
     @property
     def pool_threads(self) -> int:
         """Threads the socket's pool needs: every loaded model's running and waiting chats."""
