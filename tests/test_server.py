@@ -734,6 +734,54 @@ def test_a_burst_past_the_anonymous_bound_forgets_one_idle_session_each(default_
     assert len(engine.slots.free) == n
 
 
+def test_a_frozen_sessions_next_message_thaws_it_into_a_spare_actor(default_checkpoint, tmp_path):
+    """A session thawed for its next message is restored into a spare actor where there is one (made
+    ahead: no actor made on the message's path; floe.snapshot.thaw's into), and goes on as a session
+    never frozen does; without spares the thaw makes its own."""
+    from floe.actor import EngineLoop
+    from floe.engine import SamplingParams
+    from floe.server.sessions import SessionStore
+
+    engine = Engine(default_checkpoint, max_seq_len=128, n_slots=2)
+    loop = EngineLoop(engine)
+    turns = ["Tell me a story.", "Make it shorter."]
+    sampled = SamplingParams(1.0, top_p=0.9)
+
+    def conversation(store, freeze: bool) -> tuple[list[str], object]:
+        texts, history, actor = [], [], None
+        for i, text in enumerate(turns):
+            messages = [*history, {"role": "user", "content": text}]
+            session = store.acquire("s", messages, 7)
+            try:
+                store.go_live(session)
+                actor = session.actor
+                reply = store.run(session, store.pending(session, messages), text, max_tokens=8,
+                                  params=sampled)
+            finally:
+                store.release(session)
+            texts.append(reply.text)
+            history = [*messages, {"role": "assistant", "content": reply.text}]
+            if freeze and i == 0:
+                assert store.freeze("s", "")["state"] == "frozen"
+                deadline = time.time() + 60
+                while store.counts()["spare_actors"] != 2:  # (made again while the loop idles)
+                    assert time.time() < deadline, store.counts()
+                    time.sleep(0.02)
+                spares = list(store.spares.ready)
+        return texts, actor in spares if freeze else None
+
+    plain = SessionStore(engine, tmp_path / "plain", loop=loop)
+    expected, _ = conversation(plain, freeze=False)
+    plain.close(freeze=False)
+    store = SessionStore(engine, tmp_path / "spares", loop=loop)
+    store.keep_spares(2)
+    texts, thawed_into_a_spare = conversation(store, freeze=True)
+    assert texts == expected and thawed_into_a_spare
+    assert store.counts()["live"] == 1 and store.counts()["frozen"] == 0
+    store.close(freeze=False)
+    assert len(engine.slots.free) == 2
+
+
 def test_new_sessions_take_spare_actors_made_while_idle(default_checkpoint, tmp_path):
     """Spare actors (without KV slots) are made while the engine loop is idle, whether slots are free or
     held; a new session takes one (seeded as its own would be: the same sampled reply) with a slot, also

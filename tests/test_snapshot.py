@@ -137,6 +137,31 @@ def thaw_fails(engine, path, error, match, **kwargs):
     assert engine.slots.free == free  # nothing was created or loaded half-way
 
 
+def test_a_thaw_into_a_fresh_actor_continues_as_a_thaw_into_its_own(engine, frozen, tmp_path):
+    """thaw(into=): the snapshot restored into an actor made ahead (a server's spare) continues as a
+    thaw that makes its own; an actor of another guest is refused as a programming error; a snapshot
+    refused before its state is restored leaves the actor open (the caller's, for a retry), as it was."""
+    with snapshot.thaw(engine, frozen) as own:
+        expected = own.send(TURNS[1], max_tokens=8).text
+    made = Actor(engine)
+    with snapshot.thaw(engine, frozen, into=made) as into:
+        assert into is made
+        assert into.send(TURNS[1], max_tokens=8).text == expected
+    assert made.closed
+    with Actor(engine, builtin_guest("constrained")) as other:
+        with pytest.raises(ValueError, match="fresh, open actor of the snapshot's guest"):
+            snapshot.thaw(engine, frozen, into=other)
+        assert not other.closed
+    data = bytearray(frozen.read_bytes())
+    data[-1000] ^= 0x40
+    bad = tmp_path / "flipped.safetensors"
+    bad.write_bytes(bytes(data))
+    with Actor(engine) as spare:
+        with pytest.raises(SnapshotCorrupt):
+            snapshot.thaw(engine, bad, into=spare)
+        assert not spare.closed and spare.send(TURNS[0], max_tokens=2).text is not None
+
+
 def test_truncated_file(engine, frozen, tmp_path):
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(frozen.read_bytes()[: frozen.stat().st_size // 2])

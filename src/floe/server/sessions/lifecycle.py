@@ -72,13 +72,19 @@ class SessionLifecycle:
 
     def _thaw(self, session: Session) -> None:
         """The (locked) session's actor thawed from the store, its conversation read from the same
-        snapshot."""
+        snapshot: restored into a spare actor where there is one (made ahead, off the request's path)."""
         t = time.perf_counter()
         actors = self.actors
         try:
-            actor, metadata = self.snapshots.thaw_with_metadata(
-                session.key, actors.engine, actors.guest, seed=session.seed, scheduler=actors.scheduler,
-                loop=actors.loop)
+            spare = self.spares.fresh()
+            try:
+                actor, metadata = self.snapshots.thaw_with_metadata(
+                    session.key, actors.engine, actors.guest, into=spare, seed=session.seed,
+                    scheduler=actors.scheduler, loop=actors.loop)
+            except BaseException:
+                if spare is not None:  # (a failed thaw closes it; the store may fail before the thaw)
+                    spare.close()
+                raise
         except LeaseHeld as e:
             raise SessionLeased(session.id, e) from None
         except SnapshotNotFound:

@@ -77,19 +77,27 @@ class SpareActors:
     def take(self, session: Session) -> bool:
         """Give the session a spare actor, if there is one, in the KV slot its caller counted
         (SlotAdmission.reserve)."""
+        actor = self.fresh()
+        if actor is None:
+            return False
+        actor.generator.manual_seed(session.seed)  # as Actor(seed=...) would start it
+        session.actor = actor
+        return True
+
+    def fresh(self) -> Actor | None:
+        """A spare actor in the KV slot its caller counted (SlotAdmission.reserve), if there is one: a
+        new session's, or one a thaw restores (floe.snapshot.thaw's into)."""
         with self.lock:
             if not self.ready:
-                return False
+                return None
             actor = self.ready.pop()
         try:
             actor.attach_slot()
         except FloeError:  # (no slot after all: a slot held outside the store's count) it makes its own
             log.warning("a spare actor found no free KV slot", exc_info=True)
             actor.close()
-            return False
-        actor.generator.manual_seed(session.seed)  # as Actor(seed=...) would start it
-        session.actor = actor
-        return True
+            return None
+        return actor
 
     def _make(self) -> None:
         loop = self.actors.loop
