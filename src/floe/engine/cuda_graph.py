@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from floe.engine.transformer import Transformer, apply_rotary, norm_heads, qk_norm_weight
+from floe.engine.transformer import Transformer, apply_rotary, qk_norm_weight
 
 
 def kv_buckets(max_seq_len: int, smallest: int = 256) -> list[int]:
@@ -216,7 +216,7 @@ class BatchGraphDecoder:
         # Each row's choice as a later step is fed it: its argmax, or its draw (within the vocabulary).
         self.slot_fed = torch.zeros(n_rows, dtype=torch.long, device=dev)
         self.buckets = kv_buckets(cache.max_seq_len, min_bucket)
-        # Per layer its q/k norm weights as norm_heads takes them (None: the architecture has none).
+        # Per layer its q/k norm weights as rope_kv_write takes them (None: the architecture has none).
         self.qk_norms = [qk_norm_weight(layer.attention) for layer in model.layers]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -272,10 +272,9 @@ class BatchGraphDecoder:
         for i, layer in enumerate(layers):
             k_cache, v_cache = self.cache.k[i], self.cache.v[i]  # every slot: rows pick theirs
             qkv = layer.attention.wqkv(h)
-            if self.qk_norms[i] is not None:  # before the rotary of rope_kv_write
-                norm_heads(qkv, self.qk_norms[i], c.norm_eps, c.n_heads + c.n_kv_heads, c.head_dim)
-            q = tk.rope_kv_write(qkv, m.cos, m.sin, pos, k_cache, v_cache,
-                                 c.n_heads, c.n_kv_heads, c.head_dim, slots=slots)
+            q = tk.rope_kv_write(qkv, m.cos, m.sin, pos, k_cache, v_cache,  # (with Qwen3's q/k norm first)
+                                 c.n_heads, c.n_kv_heads, c.head_dim, slots=slots, norm=self.qk_norms[i],
+                                 eps=c.norm_eps)
             y = (tk.decode_attention(q, k_cache, v_cache, pos, c.n_kv_heads, bucket, slots=slots)
                  if attend is None else attend(i, q))
             h, x = tk.rmsnorm(layer.attention.wo(y), layer.ffn_norm.weight, c.norm_eps, residual=x)

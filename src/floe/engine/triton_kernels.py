@@ -61,9 +61,9 @@ def _position_and_slot(POS, SLOTS, b, HAS_SLOTS: tl.constexpr):
 
 
 @triton.jit
-def _rope_kv_kernel(QKV, COS, SIN, POS, SLOTS, Q_OUT, K_CACHE, V_CACHE, stride_slot, stride_kh, stride_ks,
-                    H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
-                    HAS_SLOTS: tl.constexpr):
+def _rope_kv_kernel(QKV, COS, SIN, POS, SLOTS, Q_OUT, K_CACHE, V_CACHE, NORM, eps, stride_slot, stride_kh,
+                    stride_ks, H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+                    HAS_SLOTS: tl.constexpr, HAS_NORM: tl.constexpr):
     h = tl.program_id(0)
     b = tl.program_id(1)
     pos, slot = _position_and_slot(POS, SLOTS, b, HAS_SLOTS)
@@ -75,6 +75,13 @@ def _rope_kv_kernel(QKV, COS, SIN, POS, SLOTS, Q_OUT, K_CACHE, V_CACHE, stride_s
     row = b * (H + 2 * KV) * HD
     x1 = tl.load(QKV + row + h * HD + offs).to(tl.float32)
     x2 = tl.load(QKV + row + h * HD + HALF + offs).to(tl.float32)
+    if HAS_NORM:  # the head's RMSNorm first (Qwen3's q/k norm), rounded as transformer.norm_heads rounds
+        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + eps)
+        dt = QKV.dtype.element_ty
+        w1 = tl.load(NORM + h * HD + offs).to(tl.float32)
+        w2 = tl.load(NORM + h * HD + HALF + offs).to(tl.float32)
+        x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     o1 = x1 * cos1 - x2 * sin1
     o2 = x2 * cos2 + x1 * sin2
     if h < H:
@@ -91,17 +98,20 @@ def _rope_kv_kernel(QKV, COS, SIN, POS, SLOTS, Q_OUT, K_CACHE, V_CACHE, stride_s
 
 
 def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                  n_heads: int, n_kv_heads: int, head_dim: int, slots: Tensor | None = None) -> Tensor:
+                  n_heads: int, n_kv_heads: int, head_dim: int, slots: Tensor | None = None,
+                  norm: Tensor | None = None, eps: float = 1e-6) -> Tensor:
     """Rotary q [B, n_heads, head_dim] of qkv [B, *]; rotary k and v written into the caches at pos[b]
-    (k_cache/v_cache [n_kv, S, hd], or [n_slots, n_kv, S, hd] with `slots` [B])."""
+    (k_cache/v_cache [n_kv, S, hd], or [n_slots, n_kv, S, hd] with `slots` [B]). norm: each q and k
+    head RMS-normed first with these weights [n_heads + n_kv, head_dim] (transformer.qk_norm_weight:
+    Qwen3's q/k norm, as transformer.norm_heads computes it; ~8 kernels a layer saved)."""
     b = qkv.shape[0]
     q = torch.empty(b, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     stride_slot = k_cache.stride(0) if slots is not None else 0
     _rope_kv_kernel[(n_heads + n_kv_heads, b)](
-        qkv, cos, sin, pos, slots if slots is not None else pos, q, k_cache, v_cache, stride_slot,
-        k_cache.stride(-3), k_cache.stride(-2),
+        qkv, cos, sin, pos, slots if slots is not None else pos, q, k_cache, v_cache,
+        norm if norm is not None else cos, eps, stride_slot, k_cache.stride(-3), k_cache.stride(-2),
         H=n_heads, KV=n_kv_heads, HD=head_dim, HALF=head_dim // 2, HAS_SLOTS=slots is not None,
-        num_warps=1)
+        HAS_NORM=norm is not None, num_warps=1)
     return q
 
 
