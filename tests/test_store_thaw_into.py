@@ -1,6 +1,8 @@
 """A thaw into a spare actor (floe.snapshot.thaw's into=, as a server's SessionLifecycle._thaw makes
 it) through a store whose object-store copy in the local cache was damaged in its KV bytes: the store
-fetches the copy again and thaws once more (SnapshotStore._read), as a thaw without into= does."""
+fetches the copy again and thaws once more (SnapshotStore._read), as a thaw without into= does. The
+spare's restore refused the damaged bytes and closed it (its state is no longer a fresh actor's, its KV
+slot is given back): the second try makes its own actor, and the engine holds exactly that one's slot."""
 
 from pathlib import Path
 
@@ -26,11 +28,13 @@ def test_a_thaw_into_a_spare_refetches_a_cached_copy_damaged_in_its_kv(tmp_path,
     plain = reader.thaw("k", engine)  # without into=: fetched again and thawed
     plain.close()
     cached.write_bytes(damaged)
+    free = len(engine.slots.free)
     spare = Actor(engine)  # (a server's spare: made ahead, never sent anything, with its KV slot)
     try:
         actor = reader.thaw("k", engine, into=spare)
     except BaseException:
         spare.close()
         raise
-    assert actor is spare and not actor.closed
+    assert spare.closed and actor is not spare and not actor.closed
+    assert len(engine.slots.free) == free - 1
     actor.close()

@@ -212,7 +212,10 @@ class SnapshotStore:
 
         def use(source):
             snap = source if isinstance(source, Snapshot) else Snapshot(source, contents=False)
-            return thaw(engine, snap, guest, **actor_options), dict(snap.metadata)
+            options = actor_options
+            if options.get("into") is not None and options["into"].closed:  # (a first try whose restore
+                options = options | {"into": None}  # failed closed it: _read's second makes its own actor)
+            return thaw(engine, snap, guest, **options), dict(snap.metadata)
 
         return self._read(key, use)
 

@@ -321,8 +321,11 @@ RAW_RESULTS = 1
 # (csrc/hold_gil.cpp: floe_call_holding): an actor's calls (its on_message) hold the GIL while short
 # and let other threads run once long. Where the native library is not loaded: released, as False.
 HOLD_TO_A_TICK = "tick"
-# (floe_call_holding, floe_call_holding_unchecked, floe_tick's address): set by floe.wasm.rows once it
-# loads csrc/hold_gil.cpp's library (use_native_holding); stores made since tick through floe_tick.
+# (floe_call_holding, floe_call_holding_unchecked, floe_tick's address, floe_gil_let_go, floe_call_held,
+# floe_call_held_unchecked): set by floe.wasm.rows once it loads csrc/hold_gil.cpp's library
+# (use_native_holding); stores made since tick through floe_tick, and calls holding the GIL throughout
+# (hold_gil=True) go through floe_call_held: a tick inside one, made from a host call of a
+# HOLD_TO_A_TICK call, must not let go of the GIL (the outer call's state is not its own).
 _holding: tuple | None = None
 
 
@@ -334,14 +337,17 @@ def use_native_holding(library: ctypes.PyDLL) -> None:
     library.floe_gil_functions.argtypes = [ctypes.c_void_p] * 3
     library.floe_gil_functions(*(ctypes.cast(f, ctypes.c_void_p) for f in (
         api.PyEval_SaveThread, api.PyEval_RestoreThread, api.PyGILState_Check)))
-    checked, unchecked = library.floe_call_holding, library.floe_call_holding_unchecked
-    checked.restype, unchecked.restype = _func_call.restype, _func_call_unchecked.restype
-    checked.argtypes = [ctypes.c_void_p, *_func_call.argtypes]
-    unchecked.argtypes = [ctypes.c_void_p, *_func_call_unchecked.argtypes]
+    calls = []
+    for checked, unchecked in ((library.floe_call_holding, library.floe_call_holding_unchecked),
+                               (library.floe_call_held, library.floe_call_held_unchecked)):
+        checked.restype, unchecked.restype = _func_call.restype, _func_call_unchecked.restype
+        checked.argtypes = [ctypes.c_void_p, *_func_call.argtypes]
+        unchecked.argtypes = [ctypes.c_void_p, *_func_call_unchecked.argtypes]
+        calls.append((functools.partial(checked, ctypes.cast(_func_call, ctypes.c_void_p)),
+                      functools.partial(unchecked, ctypes.cast(_func_call_unchecked, ctypes.c_void_p))))
     library.floe_gil_let_go.restype = ctypes.c_int64
-    _holding = (functools.partial(checked, ctypes.cast(_func_call, ctypes.c_void_p)),
-                functools.partial(unchecked, ctypes.cast(_func_call_unchecked, ctypes.c_void_p)),
-                ctypes.cast(library.floe_tick, ctypes.c_void_p).value, library.floe_gil_let_go)
+    _holding = (*calls[0], ctypes.cast(library.floe_tick, ctypes.c_void_p).value, library.floe_gil_let_go,
+                *calls[1])
 
 
 def gil_let_go() -> int:
@@ -389,21 +395,25 @@ class PreparedCall:
         the native library: Watchdog.native_tick)."""
         if len(args) != self._n:
             raise RawCallError(f"called with {len(args)} arguments, prepared for {self._n}", False)
-        holding = _holding if hold_gil == HOLD_TO_A_TICK else None
+        if not hold_gil:
+            checked, unchecked = _func_call, _func_call_unchecked
+        elif _holding is None:  # (no store ticks through floe_tick: a tick lets nothing go)
+            checked, unchecked = ((_func_call_holding_gil, _func_call_unchecked_holding_gil)
+                                  if hold_gil is True else (_func_call, _func_call_unchecked))
+        elif hold_gil == HOLD_TO_A_TICK:
+            checked, unchecked = _holding[0], _holding[1]
+        else:
+            checked, unchecked = _holding[4], _holding[5]
         if self.raw:
             raw = self._raw
             for i, a in enumerate(args):
                 raw[i].i32 = a  # (a ctypes int32 field wraps, as the guest's i32 would)
-            call = (holding[1] if holding is not None
-                    else _func_call_unchecked_holding_gil if hold_gil is True else _func_call_unchecked)
-            error = call(self._context, self._ref, raw, max(1, self._n), self._trap_ref)
+            error = unchecked(self._context, self._ref, raw, max(1, self._n), self._trap_ref)
         else:
             params = self._params
             for i, a in enumerate(args):
                 params[i].of.i32 = a
-            call = (holding[0] if holding is not None
-                    else _func_call_holding_gil if hold_gil is True else _func_call)
-            error = call(self._context, self._ref, params, self._n, self._results, 1, self._trap_ref)
+            error = checked(self._context, self._ref, params, self._n, self._results, 1, self._trap_ref)
         if error:
             raise RawCallError(_message(error, ffi.wasmtime_error_delete, ffi.wasmtime_error_message), False)
         if self._trap:

@@ -114,11 +114,33 @@ static inline void take(Row& row, int64_t token) {
     }
 }
 
+// hold_gil.cpp's: this thread's innermost GIL-holding guest call (these calls hold it throughout: none
+// of them may let it go at a tick, as floe_call_holding's do).
+struct Holding {
+    bool active;
+    void* saved;
+};
+extern thread_local Holding floe_holding;
+
+static int64_t call_slots(Row* table, const int64_t* slots, int64_t n, func_call_t call,
+                          func_call_unchecked_t call_unchecked, set_deadline_t set_deadline, int64_t i32_kind,
+                          double bound);
+
 // Call rows table[slots[k]] for k in [0, n): the index of the first that failed, or n.
 __attribute__((visibility("default")))
 int64_t floe_call_slots(Row* table, const int64_t* slots, int64_t n, func_call_t call,
                         func_call_unchecked_t call_unchecked, set_deadline_t set_deadline, int64_t i32_kind,
                         double bound) {
+    const Holding outer = floe_holding;
+    floe_holding = Holding{false, nullptr};
+    const int64_t done = call_slots(table, slots, n, call, call_unchecked, set_deadline, i32_kind, bound);
+    floe_holding = outer;
+    return done;
+}
+
+static int64_t call_slots(Row* table, const int64_t* slots, int64_t n, func_call_t call,
+                          func_call_unchecked_t call_unchecked, set_deadline_t set_deadline, int64_t i32_kind,
+                          double bound) {
     alignas(16) static thread_local unsigned char no_args[32];  // (a valid pointer for zero arguments)
     for (int64_t k = 0; k < n; ++k) {
         Row& row = table[slots[k]];

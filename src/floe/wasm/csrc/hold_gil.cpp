@@ -27,13 +27,17 @@ static save_thread_t save_thread = nullptr;      // PyEval_SaveThread
 static restore_thread_t restore_thread = nullptr;  // PyEval_RestoreThread
 static gil_check_t gil_check = nullptr;          // PyGILState_Check
 
-// The innermost floe_call_holding of this thread: whether one runs, and the thread state it let go of
-// the GIL with (null: it holds the GIL, or never did).
+// The innermost guest call of this thread made holding the GIL: whether it is a floe_call_holding (it
+// lets the GIL go at a tick), and the thread state it let go of the GIL with (null: it holds the GIL, or
+// never did). A call that holds the GIL throughout (floe_call_held, the engine loop's floe_call_slots)
+// sets it inactive for its own duration: inside an actor's message a host call may make one (an on_text
+// callback's send to another actor runs that actor's on_end so), and a tick in it must not let go of a
+// GIL its caller (ctypes, PYFUNCTYPE) expects held at the return.
 struct Holding {
     bool active;
     void* saved;
 };
-static thread_local Holding holding{false, nullptr};
+thread_local Holding floe_holding{false, nullptr};  // (call_rows.cpp's floe_call_slots sets it too)
 static std::atomic<int64_t> let_go{0};  // calls that let the GIL go at a tick (tests, probes)
 
 __attribute__((visibility("default")))
@@ -47,33 +51,54 @@ void floe_gil_functions(void* save, void* restore, void* check) {
 __attribute__((visibility("default")))
 size_t floe_tick(void* context, void* env, uint64_t* delta, uint8_t* kind) {
     const size_t error = reinterpret_cast<tick_t>(env)(context, nullptr, delta, kind);
-    if (error == 0 && holding.active && holding.saved == nullptr && gil_check()) {
-        holding.saved = save_thread();
+    if (error == 0 && floe_holding.active && floe_holding.saved == nullptr && gil_check()) {
+        floe_holding.saved = save_thread();
         let_go.fetch_add(1, std::memory_order_relaxed);
     }
     return error;
 }
 
 static inline void* end(const Holding& outer, void* error) {
-    if (holding.saved != nullptr) restore_thread(holding.saved);
-    holding = outer;  // (a call from a host call of another: the outer one's state again)
+    if (floe_holding.saved != nullptr) restore_thread(floe_holding.saved);
+    floe_holding = outer;  // (a call from a host call of another: the outer one's state again)
     return error;
 }
 
 __attribute__((visibility("default")))
 void* floe_call_holding(func_call_t call, void* context, const void* func, const void* args, size_t nargs,
                         void* results, size_t nresults, void** trap) {
-    const Holding outer = holding;
-    holding = Holding{true, nullptr};
+    const Holding outer = floe_holding;
+    floe_holding = Holding{true, nullptr};
     return end(outer, call(context, func, args, nargs, results, nresults, trap));
 }
 
 __attribute__((visibility("default")))
 void* floe_call_holding_unchecked(func_call_unchecked_t call, void* context, const void* func,
                                   void* args_and_results, size_t n, void** trap) {
-    const Holding outer = holding;
-    holding = Holding{true, nullptr};
+    const Holding outer = floe_holding;
+    floe_holding = Holding{true, nullptr};
     return end(outer, call(context, func, args_and_results, n, trap));
+}
+
+// The same calls holding the GIL throughout (hold_gil=True): never let go at a tick.
+__attribute__((visibility("default")))
+void* floe_call_held(func_call_t call, void* context, const void* func, const void* args, size_t nargs,
+                     void* results, size_t nresults, void** trap) {
+    const Holding outer = floe_holding;
+    floe_holding = Holding{false, nullptr};
+    void* error = call(context, func, args, nargs, results, nresults, trap);
+    floe_holding = outer;
+    return error;
+}
+
+__attribute__((visibility("default")))
+void* floe_call_held_unchecked(func_call_unchecked_t call, void* context, const void* func,
+                               void* args_and_results, size_t n, void** trap) {
+    const Holding outer = floe_holding;
+    floe_holding = Holding{false, nullptr};
+    void* error = call(context, func, args_and_results, n, trap);
+    floe_holding = outer;
+    return error;
 }
 
 __attribute__((visibility("default")))
