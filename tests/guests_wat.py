@@ -75,9 +75,12 @@ def calls_host(body: str, memory_pages: int = 2, extra: str = "") -> bytes:
     return guest(body, imports=import_decls(), memory_pages=memory_pages, extra=extra)
 
 
-def v2_guest(on_token_extra: str = "", *, after: int = 3) -> bytes:
+def v2_guest(on_token_extra: str = "", *, after: int = 3, on_end: str | None = None) -> bytes:
     """An ABI v2 guest: on_message queues token 17; on_token takes the host's sample, and from its
-    `after`-th call on runs `on_token_extra` first (e.g. a trap or an endless loop)."""
+    `after`-th call on runs `on_token_extra` first (e.g. a trap or an endless loop); on_end: the body
+    of an on_end export (param $status, local $i; its result an i32), if given."""
+    end = ("" if on_end is None else
+           f'(func (export "on_end") (param $status i32) (result i32) (local $i i32) {on_end})')
     return wasmtime.wat2wasm(f"""
 (module
   (import "floe" "prefill" (func $prefill (param i32 i32 i32) (result i32)))
@@ -93,7 +96,8 @@ def v2_guest(on_token_extra: str = "", *, after: int = 3) -> bytes:
   (func (export "on_token") (result i32)
     (global.set $n (i32.add (global.get $n) (i32.const 1)))
     (if (i32.ge_u (global.get $n) (i32.const {after})) (then {on_token_extra}))
-    (call $sample (i32.const 0))))""")
+    (call $sample (i32.const 0)))
+  {end})""")
 
 
 def v2_chooser(*, choice: bool, stream: bool, choice_ptr: int = 64, prompt: int = 17,

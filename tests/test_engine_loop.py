@@ -443,20 +443,7 @@ def test_a_guest_looping_in_on_end_fails_only_its_own_message_within_the_loops_c
     """on_end keeps on_token's bound (the loop's step_call_s once warm), not its message's deadline,
     though it runs in the caller's thread once the turn's rows are done. Here the message could run
     10 s; the other turns answer as each alone."""
-    import wasmtime
-
-    loops_at_end = wasmtime.wat2wasm("""
-(module
-  (import "floe" "prefill" (func $prefill (param i32 i32 i32) (result i32)))
-  (import "floe" "sample" (func $sample (param i32) (result i32)))
-  (memory (export "memory") 2)
-  (func (export "floe_abi_version") (result i32) (i32.const 2))
-  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
-  (func (export "on_message") (param i32 i32) (result i32)
-    (i32.store (i32.const 4096) (i32.const 17))
-    (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))
-  (func (export "on_token") (result i32) (call $sample (i32.const 0)))
-  (func (export "on_end") (param i32) (result i32) (loop $l (br $l)) (i32.const 0)))""")
+    loops_at_end = v2_guest(on_end="(loop $l (br $l)) (i32.const 0)")
     expected = [alone(tiny_engine, p, 8) for p in PROMPTS[:2]]
     loop = EngineLoop(tiny_engine, token_call_s=0.5, step_call_s=0.3)  # warm once on_token returned
     with Actor(tiny_engine, loops_at_end, loop=loop, deadline_s=10) as actor:

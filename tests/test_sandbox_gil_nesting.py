@@ -12,8 +12,7 @@ from isolated import run_isolated
 def test_a_v2_actors_on_end_called_from_inside_another_actors_message_keeps_the_gil():
     out = run_isolated("""
         import threading
-        import wasmtime
-        from guests_wat import EMITS_OK
+        from guests_wat import EMITS_OK, v2_guest
         from models import tiny_engine
         from floe.actor import Actor
         from floe.wasm import rows, start_guest_thread
@@ -21,20 +20,10 @@ def test_a_v2_actors_on_end_called_from_inside_another_actors_message_keeps_the_
         if rows.native() is None:
             print("skip")
             raise SystemExit(0)
-        SLOW_ON_END = wasmtime.wat2wasm('''(module
-          (import "floe" "prefill" (func $prefill (param i32 i32 i32) (result i32)))
-          (import "floe" "sample" (func $sample (param i32) (result i32)))
-          (memory (export "memory") 2)
-          (func (export "floe_abi_version") (result i32) (i32.const 2))
-          (func (export "alloc") (param i32) (result i32) (i32.const 1024))
-          (func (export "on_message") (param i32 i32) (result i32)
-            (i32.store (i32.const 4096) (i32.const 17))
-            (call $prefill (i32.const 4096) (i32.const 1) (i32.const 0)))
-          (func (export "on_token") (result i32) (call $sample (i32.const 0)))
-          (func (export "on_end") (param i32) (result i32) (local $i i32)
+        SLOW_ON_END = v2_guest(on_end='''
             (local.set $i (i32.const 100000000))  (; well past an epoch tick ;)
             (loop $l (local.set $i (i32.sub (local.get $i) (i32.const 1))) (br_if $l (local.get $i)))
-            (i32.const 0)))''')
+            (i32.const 0)''')
         engine = tiny_engine()
         outer, inner = Actor(engine, EMITS_OK), Actor(engine, SLOW_ON_END)
         out = {}

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 from wasmtime import _ffi as ffi
 
@@ -321,12 +322,20 @@ RAW_RESULTS = 1
 # (csrc/hold_gil.cpp: floe_call_holding): an actor's calls (its on_message) hold the GIL while short
 # and let other threads run once long. Where the native library is not loaded: released, as False.
 HOLD_TO_A_TICK = "tick"
-# (floe_call_holding, floe_call_holding_unchecked, floe_tick's address, floe_gil_let_go, floe_call_held,
-# floe_call_held_unchecked): set by floe.wasm.rows once it loads csrc/hold_gil.cpp's library
-# (use_native_holding); stores made since tick through floe_tick, and calls holding the GIL throughout
-# (hold_gil=True) go through floe_call_held: a tick inside one, made from a host call of a
-# HOLD_TO_A_TICK call, must not let go of the GIL (the outer call's state is not its own).
-_holding: tuple | None = None
+
+
+class _Holding(NamedTuple):
+    """csrc/hold_gil.cpp's functions (the checked and unchecked calls bound to Wasmtime's)."""
+
+    to_a_tick: Callable  # floe_call_holding: HOLD_TO_A_TICK's calls
+    to_a_tick_unchecked: Callable
+    held: Callable  # floe_call_held: hold_gil=True's, never let go at a tick (made from a host call of a
+    held_unchecked: Callable  # HOLD_TO_A_TICK call, a tick inside one must not let go of the GIL)
+    tick: int  # floe_tick's address: every store's deadline callback from then on
+    let_go: Callable[[], int]  # floe_gil_let_go
+
+
+_holding: _Holding | None = None  # set by floe.wasm.rows once it loads the library (use_native_holding)
 
 
 def use_native_holding(library: ctypes.PyDLL) -> None:
@@ -346,13 +355,13 @@ def use_native_holding(library: ctypes.PyDLL) -> None:
         calls.append((functools.partial(checked, ctypes.cast(_func_call, ctypes.c_void_p)),
                       functools.partial(unchecked, ctypes.cast(_func_call_unchecked, ctypes.c_void_p))))
     library.floe_gil_let_go.restype = ctypes.c_int64
-    _holding = (*calls[0], ctypes.cast(library.floe_tick, ctypes.c_void_p).value, library.floe_gil_let_go,
-                *calls[1])
+    _holding = _Holding(*calls[0], *calls[1], ctypes.cast(library.floe_tick, ctypes.c_void_p).value,
+                        library.floe_gil_let_go)
 
 
 def gil_let_go() -> int:
     """Calls made with HOLD_TO_A_TICK that let the GIL go at a tick so far (0 without the library)."""
-    return 0 if _holding is None else _holding[3]()
+    return 0 if _holding is None else _holding.let_go()
 
 
 class PreparedCall:
@@ -401,9 +410,9 @@ class PreparedCall:
             checked, unchecked = ((_func_call_holding_gil, _func_call_unchecked_holding_gil)
                                   if hold_gil is True else (_func_call, _func_call_unchecked))
         elif hold_gil == HOLD_TO_A_TICK:
-            checked, unchecked = _holding[0], _holding[1]
+            checked, unchecked = _holding.to_a_tick, _holding.to_a_tick_unchecked
         else:
-            checked, unchecked = _holding[4], _holding[5]
+            checked, unchecked = _holding.held, _holding.held_unchecked
         if self.raw:
             raw = self._raw
             for i, a in enumerate(args):
@@ -587,7 +596,7 @@ class Watchdog:
         self.native_tick = _holding is not None
         store_ptr = ctypes.cast(store.ptr(), ctypes.c_void_p)
         if self.native_tick:
-            _install_native_callback(store_ptr, _holding[2], ctypes.cast(self._callback, ctypes.c_void_p),
+            _install_native_callback(store_ptr, _holding.tick, ctypes.cast(self._callback, ctypes.c_void_p),
                                      None)
         else:
             _install_deadline_callback(store_ptr, self._callback, None, None)
