@@ -43,9 +43,9 @@ def held_bytes(store: SessionStore) -> int:
     return sum(memoryview(held[0]).nbytes for e in pinned.entries() if (held := pinned.get(e.key)))
 
 
-def churn(store: SessionStore, engine, actors, n: int, seed: int) -> int:
+def churn(store: SessionStore, engine, actors, n: int, seed: int) -> list[int]:
     """n one-shot sessions frozen into the store from THREADS threads (a third thawed again), the
-    tier's accounting checked after each; returns the bytes frozen."""
+    tier's accounting checked after each; returns each snapshot's bytes."""
     snapshots, rng = store.snapshots, random.Random(seed)
 
     def one(i: int) -> int:
@@ -57,15 +57,18 @@ def churn(store: SessionStore, engine, actors, n: int, seed: int) -> int:
         return made
 
     with ThreadPoolExecutor(THREADS) as pool:
-        return sum(pool.map(one, range(n)))
+        return list(pool.map(one, range(n)))
 
 
 def test_the_ram_tier_holds_within_its_budget_while_one_shot_sessions_churn_through_it(engine, actors,
                                                                                        tmp_path):
     store = SessionStore(engine, snapshot_store(tmp_path, pinned_bytes=BUDGET, pinned_ttl_s=60),
                          sweep_seconds=0)
-    churn(store, engine, actors, 120, seed=0)
-    assert BUDGET // 2 < held_bytes(store) <= BUDGET  # full, and no more than its budget
+    made = churn(store, engine, actors, 120, seed=0)
+    # Full, and no more than its budget: the tier pushes out its oldest only until the newest fits, so
+    # what it holds and the last snapshot it pushed out (at most the largest) exceed the budget. (Half
+    # the budget was asserted here once: [19, 12] MB held and a 2 MB one put leaves 14 MB, as CI saw.)
+    assert BUDGET - max(made) < held_bytes(store) <= BUDGET
     assert held_bytes(store) == store.snapshots.pinned.nbytes
     assert store.snapshots.home.entries() == []  # one-shot: never written to the home
     assert store.snapshots.sweep(now=2**40)["dropped"]  # past their TTL: dropped, not moved down
@@ -79,7 +82,7 @@ def test_the_upkeep_hands_back_what_churned_snapshots_freed_and_the_rss_stays_fl
     store = SessionStore(engine, snapshot_store(tmp_path, pinned_bytes=BUDGET), sweep_seconds=0)
     settled, made = [], 0
     for seed in range(3):
-        made = churn(store, engine, actors, 100, seed=seed)
+        made = sum(churn(store, engine, actors, 100, seed=seed))
         churned = rss_bytes()
         store.maintain()
         settled.append(rss_bytes())
