@@ -6,8 +6,11 @@ racing for it exactly one wins:
 
 - on an object store (`S3Leases`): conditional writes — create with `If-None-Match: *`, replace and
   delete with `If-Match: <ETag>` (a 412 means someone else changed it first);
-- on a local disk (`FileLeases`): the lease file's writers' lock (floe.snapshot.atomic.path_lock,
-  `flock` across processes) around read, compare, atomic replace.
+- on a local disk (`FileLeases`): a new record is hard-linked into place from a temporary (link(2)
+  fails if the name exists: create-if-absent without a lock); replace and delete take the lease
+  file's writers' lock (floe.snapshot.atomic.path_lock, `flock` across processes) around read,
+  compare, atomic replace. A replace finds the file there and keeps it there, and a delete holds the
+  lock, so a lock-free create never slips between a compare and its write.
 
 Another owner's lease that has not expired is refused (LeaseHeld: who, until when); an expired one
 is taken over, and so is one whose owner was a process of this host that has exited (`owner_gone`).
@@ -25,7 +28,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from floe.snapshot.atomic import path_lock, replace_held
+from floe.snapshot.atomic import NoHardLinks, create_exclusive, path_lock, replace_held
 from floe.snapshot.errors import LeaseHeld, LeaseLost, StoreUnavailable
 
 LEASE_SUFFIX = ".lease"
@@ -141,6 +144,7 @@ class FileLeases(Leases):
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
+        self.links = True  # whether the folder's filesystem hard-links (else creates take the lock)
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}{LEASE_SUFFIX}"
@@ -176,6 +180,11 @@ class FileLeases(Leases):
             return True
 
     def _create(self, key: str, lease: Lease) -> str | None:
+        if self.links:
+            try:
+                return lease.token if create_exclusive(self._path(key), lease.record()) else None
+            except NoHardLinks:
+                self.links = False
         return lease.token if self._swap(key, None, lease) else None
 
     def _replace(self, key: str, lease: Lease, etag: str) -> str | None:

@@ -1,0 +1,150 @@
+"""A new session's lease on a local disk is created without a lock (floe.snapshot.atomic.create_exclusive:
+a whole temporary hard-linked to the name, which link(2) refuses if it exists): of creators racing for
+one key, in threads and in processes, exactly one wins; a filesystem without hard links falls back to
+the lease's lock; creates racing releases and replaces never leave two holders at once; the temporary
+of a creator that died is cleaned, a live creator's is not."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import threading
+import time
+
+import pytest
+
+from floe.snapshot.atomic import clean_stale, create_exclusive
+from floe.snapshot.errors import LeaseHeld
+from floe.snapshot.lease import FileLeases
+
+KEYS = 40
+
+
+def race(folder, owner: str, keys: list[str], start: float) -> list[str]:
+    """The keys whose new lease `owner` won, each tried once from `start` (a wall-clock moment)."""
+    leases = FileLeases(folder)
+    time.sleep(max(0.0, start - time.time()))
+    won = []
+    for key in keys:
+        try:
+            leases.acquire(key, owner, 60)
+            won.append(key)
+        except LeaseHeld:
+            pass
+    return won
+
+
+def _race_into(queue, folder, owner, keys, start) -> None:
+    queue.put((owner, race(folder, owner, keys, start)))
+
+
+def race_in_threads(folder, keys: list[str], start: float, n: int = 4) -> dict[str, list[str]]:
+    """Each of n threads' winnings (race), by owner."""
+    winners: dict[str, list[str]] = {}
+    threads = [threading.Thread(target=lambda o=f"thread-{i}": winners.setdefault(
+        o, race(folder, o, keys, start))) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return winners
+
+
+def exactly_one_each(winners: dict[str, list[str]], folder, keys: list[str]) -> None:
+    for key in keys:
+        holders = [owner for owner, won in winners.items() if key in won]
+        assert len(holders) == 1, f"{key}: won by {holders}"
+        assert FileLeases(folder).holder(key)[0] == holders[0]
+    left = [p.name for p in folder.rglob("*")
+            if p.is_file() and not p.name.endswith((".lease", ".floe-lock"))]
+    assert left == [], f"temporaries left: {left}"
+
+
+def test_threads_and_processes_racing_for_new_leases_each_key_won_once(tmp_path):
+    keys = [f"s{i}" for i in range(KEYS)] + [f"owner{i % 3}/s{i}" for i in range(KEYS)]  # new folders too
+    start = time.time() + 1.0
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    processes = [context.Process(target=_race_into, args=(queue, tmp_path, f"proc-{i}", keys, start))
+                 for i in range(2)]
+    for p in processes:
+        p.start()
+    winners = race_in_threads(tmp_path, keys, start)
+    for _ in processes:
+        owner, won = queue.get(timeout=60)
+        winners[owner] = won
+    for p in processes:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    exactly_one_each(winners, tmp_path, keys)
+
+
+def test_without_hard_links_a_new_lease_takes_the_lock_and_is_still_won_once(tmp_path, monkeypatch):
+    def no_links(src, dst, *args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    keys = [f"s{i}" for i in range(KEYS)]
+    exactly_one_each(race_in_threads(tmp_path, keys, time.time() + 0.2), tmp_path, keys)
+    leases = FileLeases(tmp_path)
+    leases.acquire("t", "a", 60)
+    assert not leases.links  # told once; its later creates go straight to the lock
+
+
+def test_creates_racing_releases_never_leave_two_holders(tmp_path):
+    """Owners take one key in turn: each acquires (a lock-free create once the last holder released,
+    a replace under the lock when it renews), checks that nobody else believes they hold it, renews,
+    and releases (a delete under the lock)."""
+    holding: list[str] = []
+    guard, errors = threading.Lock(), []
+    deadline = time.time() + 2.0
+
+    def owner(name: str) -> int:
+        leases, turns = FileLeases(tmp_path), 0
+        while time.time() < deadline:
+            try:
+                lease, _ = leases.acquire("k", name, 60)
+            except LeaseHeld:
+                continue
+            with guard:
+                if holding:
+                    errors.append(f"{name} acquired while {holding} held it")
+                holding.append(name)
+            lease = leases.renew(lease, 60)
+            with guard:
+                holding.remove(name)
+            assert leases.release(lease)
+            turns += 1
+        return turns
+
+    turns = {}
+    threads = [threading.Thread(target=lambda n=f"o{i}": turns.setdefault(n, owner(n))) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sum(turns.values()) > 20, turns  # the key changed hands many times
+    assert FileLeases(tmp_path).holder("k") is None
+
+
+def test_a_dead_creators_temporary_is_cleaned_and_a_live_ones_kept(tmp_path):
+    target = tmp_path / "k.lease"
+    assert create_exclusive(target, b"{}") and not create_exclusive(target, b"{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.lease"]
+    dead_pid = 2**22 + 12345  # above any pid_max a Linux allows by default: no such process
+    dead = tmp_path / f".k.lease.{dead_pid}-1-0123abcd.link.floe-tmp"
+    live = tmp_path / f".k.lease.{os.getpid()}-1-0123abcd.link.floe-tmp"
+    for path in (dead, live):
+        path.write_bytes(b"{\"own")  # what a creator killed before its link leaves
+    assert clean_stale(tmp_path) == [dead]
+    assert live.exists() and target.read_bytes() == b"{}"
+
+
+@pytest.mark.parametrize("existing", [b"", b"{}"])
+def test_a_create_never_replaces_a_file_there(tmp_path, existing):
+    target = tmp_path / "k.lease"
+    target.write_bytes(existing)  # even an empty one (a crash's): replacing that is the lock's job
+    assert not create_exclusive(target, b"new")
+    assert target.read_bytes() == existing
