@@ -28,6 +28,14 @@ CONTEXT = 512
 TURNS = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
 
 
+def folder_state(folder: Path) -> list[Path]:
+    """What a store's folder holds, less its leases' writers'-lock sidecars: a new lease is made without
+    that lock (floe.snapshot.atomic.create_exclusive), so its sidecar appears at the lease's first renewal
+    or release, which a server's upkeep does in the background, whatever the test's requests do."""
+    return sorted(p.relative_to(folder) for p in folder.rglob("*")
+                  if not p.name.endswith(".lease.cas.floe-lock"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

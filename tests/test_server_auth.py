@@ -14,7 +14,16 @@ import time
 import httpx
 import openai
 import pytest
-from test_server import CONTEXT, MODEL_ID, ThreadServer, ask, free_port, requests_counted, start_serve
+from test_server import (
+    CONTEXT,
+    MODEL_ID,
+    ThreadServer,
+    ask,
+    folder_state,
+    free_port,
+    requests_counted,
+    start_serve,
+)
 
 from floe.engine import Engine
 from floe.server.app import create_app
@@ -136,7 +145,7 @@ def fork_source(server) -> str:
 
 @pytest.mark.parametrize("sid", HOSTILE)
 def test_hostile_session_ids_are_refused_on_every_route(server, fork_source, sid):
-    before = sorted(p.relative_to(server.folder.parent) for p in server.folder.parent.rglob("*"))
+    before = folder_state(server.folder.parent)
     routes = (("GET", ""), ("POST", "/freeze"), ("POST", "/thaw"), ("POST", "/fork"), ("DELETE", ""))
     for method, path in routes:
         r = httpx.request(method, f"{server.url}/v1/sessions/{encoded(sid)}{path}", headers=as_(ALICE))
@@ -151,7 +160,7 @@ def test_hostile_session_ids_are_refused_on_every_route(server, fork_source, sid
         r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60,
                        headers=as_(ALICE) | {"X-Floe-Session": sid})
         assert r.status_code == 400, r.text
-    assert sorted(p.relative_to(server.folder.parent) for p in server.folder.parent.rglob("*")) == before
+    assert folder_state(server.folder.parent) == before
 
 
 def test_a_slash_in_a_session_id_reaches_no_session_route(server):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server import CONTEXT, MODEL_ID, ThreadServer
+from test_server import CONTEXT, MODEL_ID, ThreadServer, folder_state
 
 from floe.engine import Engine
 from floe.server.app import create_app
@@ -175,7 +175,7 @@ def encoded(sid: str) -> str:
 
 @pytest.mark.parametrize("sid", HOSTILE_IDS, ids=lambda s: repr(s)[:20])
 def test_hostile_session_ids_are_refused_on_every_route(server, sid):
-    before = sorted(server.folder.parent.rglob("*"))
+    before = folder_state(server.folder.parent)
     routes = [("GET", ""), ("POST", "/freeze"), ("POST", "/thaw"), ("DELETE", ""), ("GET", "/snapshot"),
               ("PUT", "/snapshot")]
     for method, path in routes:
@@ -198,7 +198,7 @@ def test_hostile_session_ids_are_refused_on_every_route(server, sid):
         if raw.strip() == raw and b"\n" not in raw and b"\x00" not in raw:  # what a header can carry
             r = post(server.url, body | {"session_id": None}, path, headers={"X-Floe-Session": raw})
             assert r.status_code == 400, (path, r.text)
-    assert sorted(server.folder.parent.rglob("*")) == before
+    assert folder_state(server.folder.parent) == before
 
 
 def raw_request(port: int, data: bytes) -> bytes:
