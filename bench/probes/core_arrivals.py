@@ -6,7 +6,7 @@ then the turn until its first text, then the rest. A one-layer 64-wide model, so
 little and the host's share shows.
 
     python bench/probes/core_arrivals.py [--device cpu|cuda] [--sessions 64] [--slots 64] [--rounds 4]
-        [--max-anonymous 64] [--tokens 16] [--tokenizer DIR] [--pause S] [--hints]
+        [--max-anonymous 64] [--tokens 16] [--tokenizer DIR] [--pause S] [--hints] [--stored N]
 
 --hints: each request carries its prompt hint (floe.server.hints), made before the burst as the HTTP
 fronts make them (in their own processes): after a first round (a warm-up, not counted), rounds
@@ -29,6 +29,7 @@ from tiny import tiny_engine, tokenizer  # noqa: E402
 
 from floe.server import hints  # noqa: E402
 from floe.server.core import ServeCore  # noqa: E402
+from floe.server.sessions.session import Session  # noqa: E402
 
 
 def main() -> None:
@@ -43,12 +44,17 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=2.0,
                     help="seconds idle before each round (spare actors are made, forgotten ones closed)")
     ap.add_argument("--hints", action="store_true", help="alternate rounds without and with prompt hints")
+    ap.add_argument("--stored", type=int, default=0,
+                    help="frozen sessions the core knows before the rounds (as one restarted over a store "
+                         "holding them; registered, their files not written): half named ones of the open "
+                         "owner, half other keys' anonymous ones; none is one a request continues")
     args = ap.parse_args()
     tok = tokenizer(args.tokenizer)
     engine = tiny_engine(tok, args.slots, args.device)
     core = ServeCore(engine, snapshots=tempfile.mkdtemp(prefix="floe-arrivals-"), model_id="tiny",
                      max_anonymous=args.max_anonymous, max_waiting=args.sessions, wait_seconds=60)
     core.keep_spares()  # as floe serve does
+    known(core, args.stored)
     try:
         for r in range(args.rounds):
             hinted = args.hints and r % 2 == 1  # (round 1, the cold one, unhinted: a warm-up with --hints)
@@ -71,6 +77,17 @@ def main() -> None:
                   flush=True)
     finally:
         core.close()
+
+
+def known(core: ServeCore, n: int) -> None:
+    """n frozen sessions in the core's registry (see --stored)."""
+    sessions = core.store.registry.sessions
+    for i in range(n):
+        owner = "" if i % 2 == 0 else f"{i % 97:016x}"
+        session = Session(f"stored-{i}", messages=[{"role": "user", "content": f"an earlier chat {i}"},
+                                                   {"role": "assistant", "content": "its answer"}],
+                          owner=owner, anonymous=bool(owner), stored=True)
+        sessions[session.key] = session
 
 
 def burst(core: ServeCore, texts: list[str], tokens: int, made: list[dict | None]) -> list[dict]:

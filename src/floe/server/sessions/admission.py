@@ -66,7 +66,7 @@ class SlotAdmission:
         Engine.warm_up_graphs_later) while the with-block runs, if n are free with no request waiting;
         never one a session would need. Yields whether they were counted."""
         with self.lock:
-            live = sum(s.live for s in self.registry.sessions.values())
+            live = self.registry.sessions.live_count()
             counted = not self._waiting and live + self._reserved + n <= self.engine.cache.n_slots
             if counted:
                 self._reserved += n
@@ -100,7 +100,7 @@ class SlotAdmission:
                     if ticket is not None and ticket.bumped is not None:
                         raise NoFreeSlot(ticket.bumped)
                     if ticket is None or self._next_in_line() is ticket:
-                        live = [s for s in sessions.values() if s.live]
+                        live = sessions.live()
                         if len(live) + self._reserved < self.engine.cache.n_slots:
                             self._reserved += 1
                             return
@@ -155,7 +155,7 @@ class SlotAdmission:
         them all."""
         if not self._waiting:
             return None
-        holding = Counter(s.owner for s in self.registry.sessions.values() if s.live) + self._extra_held
+        holding = Counter(s.owner for s in self.registry.sessions.live()) + self._extra_held
         return min(self._waiting, key=lambda t: holding[t.owner])  # (min keeps the first of equals)
 
     @contextmanager

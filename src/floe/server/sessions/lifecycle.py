@@ -240,8 +240,7 @@ class SessionLifecycle:
         """Freeze every live session idle longer than idle_seconds; returns their ids."""
         now = time.monotonic()
         with self.lock:
-            idle = [s for s in self.registry.sessions.values()
-                    if s.live and now - s.last_used > self.idle_seconds]
+            idle = [s for s in self.registry.sessions.live() if now - s.last_used > self.idle_seconds]
         frozen = []
         for session in idle:
             if session.lock.acquire(blocking=False):

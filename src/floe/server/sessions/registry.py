@@ -17,6 +17,7 @@ import uuid
 from floe.server.records import NotASession, app_record, session_key, split_key
 from floe.server.sessions.errors import SessionExists, SessionLeased, ThawFailed, UnknownSession
 from floe.server.sessions.session import Session, checked_id, is_prefix
+from floe.server.sessions.table import SessionTable
 from floe.server.sessions.waits import LockWaits
 from floe.snapshot import SnapshotError, clean_stale
 from floe.snapshot.errors import LeaseHeld, SnapshotNotFound
@@ -35,7 +36,7 @@ class SessionRegistry:
         may wait for a KV slot (for a busy session: twice that, as its holder may wait that long first)."""
         self.snapshots, self.persist_anonymous = snapshots, persist_anonymous
         self.waits = LockWaits(max_waiting, 2 * wait_seconds)  # requests waiting for a busy session's lock
-        self.sessions: dict[str, Session] = {}  # by session_key(owner, id)
+        self.sessions = SessionTable()  # by session_key(owner, id), indexed
         self.lock = threading.Lock()  # guards `sessions` and slot accounting
         self.skipped: list[str] = []  # snapshots in the store that are not loadable sessions
 
@@ -79,8 +80,8 @@ class SessionRegistry:
         """The session for a request (SessionStore.acquire's choice, not yet locked)."""
         if session_id is None:
             with self.lock:
-                candidates = [s for s in self.sessions.values() if s.owner == owner and s.messages
-                              and not s.lock.locked() and is_prefix(s.messages, history)]
+                candidates = [s for s in self.sessions.continuing(owner, history)
+                              if not s.lock.locked() and is_prefix(s.messages, history)]
                 session = max(candidates, key=lambda s: len(s.messages), default=None)
                 if session is None:
                     session = self.new(uuid.uuid4().hex[:16], seed, owner, anonymous=True)

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from floe.actor import Actor, MessageStats
 from floe.server.records import SESSION_ID, make_record, session_key, split_key
 from floe.server.sessions.errors import SessionError
+
+if TYPE_CHECKING:
+    from floe.server.sessions.table import SessionTable
 
 
 @dataclass
@@ -22,24 +26,64 @@ class Answer:
     left: bool  # its client left before its end: the session did not keep the turn
 
 
-@dataclass
 class Session:
-    id: str
-    messages: list[dict] = field(default_factory=list)  # what the actor holds: role, content
-    actor: Actor | None = None
-    last_used: float = field(default_factory=time.monotonic)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    seed: int = 0
-    owner: str = ""  # whose it is (protocol.OWNER; "": a server without API keys)
-    anonymous: bool = False  # made for a request that named no session (kept per owner up to a bound)
-    doomed: bool = False  # claimed to be forgotten (SessionStore._bound_anonymous)
-    persist: bool = True  # its snapshots go to the store's durable home (a one-shot's: RAM only)
-    stored: bool = False  # the store holds a snapshot of it (as far as this server knows)
-    snapshot_bytes: int | None = None
+    """A conversation of `floe serve`: its messages, its actor while live, the lock a request holds
+    while it runs in it. Its table (the registry's SessionTable) is told when its actor or messages
+    change, for the indexes an arrival's choices read."""
+
+    def __init__(self, id: str, messages: list[dict] | None = None, actor: Actor | None = None, *,
+                 seed: int = 0, owner: str = "", anonymous: bool = False, persist: bool = True,
+                 stored: bool = False) -> None:
+        self.id = id
+        self.owner = owner  # whose it is (protocol.OWNER; "": a server without API keys)
+        self.anonymous = anonymous  # made for a request that named no session (kept per owner up to a bound)
+        self._table: SessionTable | None = None
+        self.filed_under: tuple | None = None  # (its table's: the opening it is indexed under)
+        self._messages: list[dict] = [] if messages is None else messages  # what the actor holds
+        self._actor = actor
+        self.last_used = time.monotonic()
+        self.lock = threading.Lock()
+        self.seed = seed
+        self.doomed = False  # claimed to be forgotten (SessionStore._bound_anonymous)
+        self.persist = persist  # its snapshots go to the store's durable home (a one-shot's: RAM only)
+        self.stored = stored  # the store holds a snapshot of it (as far as this server knows)
+        self.snapshot_bytes: int | None = None
+
+    def __repr__(self) -> str:
+        return (f"Session({self.id!r}, owner={self.owner!r}, messages={len(self._messages)}, "
+                f"live={self.live}, stored={self.stored})")
+
+    @property
+    def actor(self) -> Actor | None:
+        return self._actor
+
+    @actor.setter
+    def actor(self, actor: Actor | None) -> None:
+        self._actor = actor
+        if self._table is not None:
+            self._table.noted(self)
+
+    @property
+    def messages(self) -> list[dict]:
+        return self._messages
+
+    @messages.setter
+    def messages(self, messages: list[dict]) -> None:  # (`+=` extends in place, then sets: noted too)
+        self._messages = messages
+        if self._table is not None:
+            self._table.noted(self)
+
+    def watch(self, table: SessionTable | None) -> None:
+        """Be indexed by `table` (None: by none; the table it was in drops it)."""
+        old, self._table = self._table, table
+        if old is not None and old is not table:
+            old.noted(self)
+        if table is not None:
+            table.noted(self)
 
     @property
     def live(self) -> bool:
-        return self.actor is not None
+        return self._actor is not None
 
     @property
     def key(self) -> str:

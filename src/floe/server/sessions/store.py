@@ -191,7 +191,7 @@ class SessionStore:
                 mine = [s for s in self.sessions.values() if s.owner == owner]
                 live = sum(s.live for s in mine)
                 return {"live": live, "frozen": len(mine) - live}
-            live = sum(s.live for s in self.sessions.values())
+            live = self.sessions.live_count()
             return {"live": live, "frozen": len(self.sessions) - live, "spare_actors": len(self.spares.ready)}
 
     # ---- choosing the session for a request --------------------------------------------------------
@@ -284,8 +284,7 @@ class SessionStore:
     def _anonymous(self, owner: str, but: Session | None = None) -> list[Session]:
         """`owner`'s anonymous sessions, less `but` and those another thread is forgetting (caller holds
         the store's lock)."""
-        return [s for s in self.sessions.values()
-                if s.anonymous and s.owner == owner and s is not but and not s.doomed]
+        return [s for s in self.sessions.anonymous(owner) if s is not but and not s.doomed]
 
     def _forget_over_bound(self, victim: Session) -> bool:
         """Forget the (locked, doomed) anonymous session past its owner's bound: True if it is gone."""
