@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from floe.snapshot.atomic import clean_stale, create_exclusive
+from floe.snapshot.atomic import LINK_TEMP_STALE_S, clean_stale, create_exclusive
 from floe.snapshot.errors import LeaseHeld
 from floe.snapshot.lease import FileLeases
 
@@ -129,17 +129,37 @@ def test_creates_racing_releases_never_leave_two_holders(tmp_path):
     assert FileLeases(tmp_path).holder("k") is None
 
 
-def test_a_dead_creators_temporary_is_cleaned_and_a_live_ones_kept(tmp_path):
+def test_a_creators_old_temporary_is_cleaned_by_its_age_and_a_young_one_kept(tmp_path):
+    """No lock tells that a creator's temporary is in use, and its pid tells nothing where another host
+    or pid namespace shares the folder: clean_stale goes by its age, takes no lock, leaves no sidecar."""
     target = tmp_path / "k.lease"
     assert create_exclusive(target, b"{}") and not create_exclusive(target, b"{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k.lease"]
-    dead_pid = 2**22 + 12345  # above any pid_max a Linux allows by default: no such process
-    dead = tmp_path / f".k.lease.{dead_pid}-1-0123abcd.link.floe-tmp"
-    live = tmp_path / f".k.lease.{os.getpid()}-1-0123abcd.link.floe-tmp"
-    for path in (dead, live):
+    old = tmp_path / ".k.lease.999999-1-0123abcd.link.floe-tmp"
+    young = tmp_path / f".k.lease.{2**22 + 12345}-1-4567abcd.link.floe-tmp"  # no such pid here
+    for path in (old, young):
         path.write_bytes(b"{\"own")  # what a creator killed before its link leaves
-    assert clean_stale(tmp_path) == [dead]
-    assert live.exists() and target.read_bytes() == b"{}"
+    long_ago = time.time() - LINK_TEMP_STALE_S - 5
+    os.utime(old, (long_ago, long_ago))
+    assert clean_stale(tmp_path) == [old]
+    assert young.exists() and target.read_bytes() == b"{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [young.name, "k.lease"]  # no lock sidecar
+
+
+def test_a_creator_whose_temporary_was_cleaned_before_its_link_writes_it_again(tmp_path, monkeypatch):
+    link, cleaned = os.link, []
+
+    def cleaned_first(src, dst, *args, **kwargs):
+        if not cleaned:  # a cleaner (another host's, its clock far ahead) removed it meanwhile
+            cleaned.append(src)
+            os.unlink(src)
+        return link(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", cleaned_first)
+    leases = FileLeases(tmp_path)
+    lease, _ = leases.acquire("k", "server-a", 60)
+    assert cleaned and leases.holder("k")[0] == "server-a" and leases.links
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.lease"]
 
 
 @pytest.mark.parametrize("existing", [b"", b"{}"])
@@ -148,3 +168,24 @@ def test_a_create_never_replaces_a_file_there(tmp_path, existing):
     target.write_bytes(existing)  # even an empty one (a crash's): replacing that is the lock's job
     assert not create_exclusive(target, b"new")
     assert target.read_bytes() == existing
+
+
+def test_a_create_under_the_lock_and_a_lock_free_one_never_both_win(tmp_path, monkeypatch):
+    """A store on a filesystem without hard links creates under the lease's lock: read (no record),
+    then make the file with O_EXCL; a lock-free creator that links its record in between wins, and the
+    locked one is refused (review of 2136627: it replaced the record it had found absent)."""
+    locked, free = FileLeases(tmp_path), FileLeases(tmp_path)
+    locked.links = False
+    read, reads = locked._read, []
+
+    def read_then_race(key):
+        found = read(key)
+        reads.append(found)
+        if len(reads) == 2:  # the compare under the lock found no record: the other store links its own
+            free.acquire(key, "free", 60)
+        return found
+
+    monkeypatch.setattr(locked, "_read", read_then_race)
+    with pytest.raises(LeaseHeld):
+        locked.acquire("k", "locked", 60)
+    assert FileLeases(tmp_path).holder("k")[0] == "free"

@@ -648,27 +648,33 @@ def test_a_request_never_runs_in_a_session_the_store_dropped_while_it_waited(def
     store.close(freeze=False)
 
 
+def store_turn(store, sid: str | None, text: str):
+    """One two-token greedy turn of `text` in session `sid` (None: the store chooses or makes an
+    anonymous one) through a SessionStore, as the core runs it; returns the session."""
+    from floe.engine import SamplingParams
+
+    session = store.acquire(sid, [{"role": "user", "content": text}], 0)
+    try:
+        store.go_live(session)
+        store.run(session, [], text, max_tokens=2, params=SamplingParams())
+        return session
+    finally:
+        store.release(session)
+
+
 def test_a_slot_freed_for_another_owner_freezes_a_newer_anonymous_session_past_the_bound(default_checkpoint,
                                                                                         tmp_path):
     """A slot taken for another arrival from an owner past max_anonymous forgets that owner's session
     only if it is the one the owner's next arrival would forget (its least recently used): a newer one
     is frozen, and the oldest (frozen) is the one forgotten when the arrival takes its room."""
     from floe.actor import EngineLoop
-    from floe.engine import SamplingParams
     from floe.server.sessions import SessionStore
 
     engine = Engine(default_checkpoint, max_seq_len=128, n_slots=2)
     store = SessionStore(engine, tmp_path, loop=EngineLoop(engine), max_anonymous=2)
 
     def turn(text: str):
-        messages = [{"role": "user", "content": text}]
-        session = store.acquire(None, messages, 0)
-        try:
-            store.go_live(session)
-            store.run(session, [], text, max_tokens=2, params=SamplingParams())
-            return session
-        finally:
-            store.release(session)
+        return store_turn(store, None, text)
 
     try:
         oldest = turn("Name a colour.")
@@ -839,3 +845,31 @@ def test_new_sessions_take_spare_actors_made_while_idle(default_checkpoint, tmp_
     assert store.thaw("s")["state"] == "live"  # (and back: "t" frozen for it)
     store.close(freeze=False)
     assert len(engine.slots.free) == 2
+
+
+def test_a_snapshot_imported_over_an_anonymous_session_is_named_and_never_forgotten_as_anonymous(
+        default_checkpoint, tmp_path):
+    """An import onto an anonymous session's id makes it named (its record's): the owner's next
+    anonymous arrival past max_anonymous forgets none of it, and its snapshot stays (the session
+    table's anonymous index is told: review of b69b946)."""
+    from floe.actor import EngineLoop
+    from floe.server.sessions import SessionStore
+
+    engine = Engine(default_checkpoint, max_seq_len=128, n_slots=2)
+    store = SessionStore(engine, tmp_path, loop=EngineLoop(engine), max_anonymous=1)
+
+    def turn(sid: str | None, text: str):
+        return store_turn(store, sid, text)
+
+    try:
+        named = turn("carried", "Name a colour.")
+        exported = b"".join(bytes(chunk) for chunk in store.export("carried"))
+        anonymous = turn(None, "Name a fruit.")
+        assert anonymous.anonymous and store.sessions.anonymous("") == [anonymous]
+        store.import_(anonymous.id, "", [exported])
+        assert not anonymous.anonymous and store.sessions.anonymous("") == []
+        turn(None, "Name a tree.")  # past the bound of one if the import still counted as anonymous
+        assert store.sessions.get(anonymous.key) is anonymous and store.snapshots.has(anonymous.key)
+        assert store.sessions.get(named.key) is named
+    finally:
+        store.close(freeze=False)

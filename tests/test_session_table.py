@@ -21,6 +21,7 @@ def check(table: SessionTable) -> None:
     assert {id(s) for s in table.live()} == {id(s) for s in sessions if s.live}
     assert table.live_count() == sum(s.live for s in sessions)
     for owner in OWNERS:
+        assert {id(s) for s in table.owned(owner)} == {id(s) for s in sessions if s.owner == owner}
         assert {id(s) for s in table.anonymous(owner)} == {id(s) for s in sessions
                                                             if s.anonymous and s.owner == owner}
         for first in OPENINGS:
@@ -33,11 +34,12 @@ def check(table: SessionTable) -> None:
     filed = sum(len(group) for group in table._openings.values())
     assert filed == sum(1 for s in sessions if s.messages), "an opening holds a session it should not"
     assert sum(len(group) for group in table._anonymous.values()) == sum(s.anonymous for s in sessions)
+    assert sum(len(group) for group in table._owned.values()) == len(sessions)
 
 
 def change(table: SessionTable, rng: random.Random, made: list[Session]) -> None:
     """One random change of what a server does to its sessions."""
-    op = rng.randrange(8)
+    op = rng.randrange(9)
     if op == 0 or not table:
         owner = rng.choice(OWNERS)
         session = Session(f"s{len(made)}", messages=[rng.choice(OPENINGS)] if rng.random() < 0.5 else None,
@@ -61,6 +63,8 @@ def change(table: SessionTable, rng: random.Random, made: list[Session]) -> None
     elif op == 6:  # another session takes its key (a store's copy read anew)
         table[key] = Session(session.id, messages=[rng.choice(OPENINGS)], owner=session.owner,
                              anonymous=session.anonymous)
+    elif op == 7:  # an import makes an anonymous session named (and a test, the reverse)
+        session.anonymous = not session.anonymous
     else:
         table.setdefault(key, Session(session.id, owner=session.owner))
 

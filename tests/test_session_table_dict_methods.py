@@ -62,3 +62,14 @@ def test_a_session_replaced_under_its_key_leaves_every_index_and_stays_out():
     assert indexed(table) == {id(new)} and table.live_count() == 0
     old.actor, old.messages = object(), [HI, {"role": "assistant", "content": "x"}]  # changed afterwards
     assert indexed(table) == {id(new)} and table.live_count() == 0
+
+
+def test_in_place_union_indexes_what_it_adds_and_a_session_goes_under_its_own_key_only():
+    table = SessionTable()
+    session = made("a", live=True)
+    table |= {session.key: session}
+    assert table.anonymous(session.owner) == [session] and table.live() == [session]
+    assert table.continuing(session.owner, [HI]) == [session] and table.owned(session.owner) == [session]
+    with pytest.raises(KeyError, match="its own key"):
+        table["another"] = made("b")
+    assert "another" not in table

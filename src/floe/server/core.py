@@ -395,9 +395,7 @@ class ServeCore:
             return generate_latest(self.metrics.registry).decode()
         owner = _owner(owner)
         if name == "sessions":
-            with self.store.lock:
-                items = [s for s in self.store.sessions.values() if s.owner == owner]
-            return [s.describe() for s in items]
+            return [s.describe() for s in self.store.sessions.owned(owner)]
         if name == "fork":  # arg: {"id": the source's id, "new_id": the fork's, or None for a fresh one}
             if not (isinstance(arg, dict) and isinstance(arg.get("id"), str)
                     and (arg.get("new_id") is None or isinstance(arg["new_id"], str))):

@@ -21,15 +21,17 @@ import re
 import secrets
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 TEMP_SUFFIX = ".floe-tmp"
 LOCK_SUFFIX = ".floe-lock"
 _TEMP = re.compile(r"\.(?P<target>.+)\.(?P<pid>\d+)-(?P<tid>\d+)-[0-9a-f]{8}" + re.escape(TEMP_SUFFIX))
 _LEGACY_TEMP = re.compile(r"\.(?P<target>.+)\.(?P<pid>\d+)\.tmp")  # floe before per-writer names
-# create_exclusive's, which no lock guards: kept while its process lives
+# create_exclusive's, which no lock guards: removed once this old (seconds; a creator's lives microseconds)
+LINK_TEMP_STALE_S = 600.0
 _LINK_TEMP = re.compile(r"\.(?P<target>.+)\.(?P<pid>\d+)-(?P<tid>\d+)-[0-9a-f]{8}\.link"
                         + re.escape(TEMP_SUFFIX))
 _NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV, errno.EMLINK)
@@ -165,30 +167,53 @@ def create_exclusive(target: Path, data: bytes) -> bool:
     exists, so of creators racing for one name exactly one wins and a reader sees no file or the whole
     one. Not durable (as replace_held). A new session's lease so costs ~5 calls into the filesystem
     where the compare-and-swap under the lease's lock costs ~12, each a GIL hand-off in a burst.
-    Raises NoHardLinks where the filesystem has none. The temporary is kept by clean_stale while its
-    process lives (no lock tells it is in use) and removed once that process is gone."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}-{threading.get_native_id()}-"
-                           f"{secrets.token_hex(4)}.link{TEMP_SUFFIX}")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    try:
-        fd = os.open(tmp, flags, 0o644)
-    except FileNotFoundError:  # the key's folder (an owner's) is new
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, flags, 0o644)
-    try:
+    Raises NoHardLinks where the filesystem has none. No lock tells that the temporary is in use:
+    clean_stale removes one only once it is LINK_TEMP_STALE_S old (a creator's lives microseconds),
+    and a creator whose temporary was removed anyway (a clock far off, a stopped process) writes
+    it again."""
+    for _ in range(3):
+        tmp = target.with_name(f".{target.name}.{os.getpid()}-{threading.get_native_id()}-"
+                               f"{secrets.token_hex(4)}.link{TEMP_SUFFIX}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            os.write(fd, data)  # (a record of ~100 bytes: one write)
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:  # the key's folder (an owner's) is new
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, flags, 0o644)
+        try:
+            try:
+                os.write(fd, data)  # (a record of ~100 bytes: one write)
+            finally:
+                os.close(fd)
+            os.link(tmp, target)
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError:  # the temporary was cleaned meanwhile: again
+            continue
+        except OSError as e:
+            if e.errno in _NO_LINKS:
+                raise NoHardLinks(e.errno, f"cannot hard-link in {target.parent}: {e.strerror}") from e
+            raise
         finally:
-            os.close(fd)
-        os.link(tmp, target)
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
+    raise OSError(errno.ENOENT, f"creating {target.name}: its temporary was removed three times in a row "
+                                "(by a clean_stale that takes it for a dead writer's)")
+
+
+def write_new(target: Path, data: bytes) -> bool:
+    """Make `target` with `data` if no file is there (False if one is), in place (O_EXCL): for a writer
+    that holds path_lock of it already where the filesystem cannot hard-link (create_exclusive's way).
+    A reader may see the file empty for a moment (as a crash may leave it); not durable."""
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     except FileExistsError:
         return False
-    except OSError as e:
-        if e.errno in _NO_LINKS:
-            raise NoHardLinks(e.errno, f"cannot hard-link in {target.parent}: {e.strerror}") from e
-        raise
+    try:
+        os.write(fd, data)
     finally:
-        os.unlink(tmp)
+        os.close(fd)
     return True
 
 
@@ -213,8 +238,8 @@ def _remove_stale_of(target: Path) -> list[Path]:
         match = _temp_match(entry.name)
         if match is None or match["target"] != target.name:
             continue
-        if match.re is not _TEMP and _pid_alive(int(match["pid"])):
-            continue  # a writer that takes no lock (an older floe's, create_exclusive) may be at work
+        if match.re is _LEGACY_TEMP and _pid_alive(int(match["pid"])):
+            continue  # an older floe's writer, which takes no lock, may still be at work
         _remove(entry)
         removed.append(entry)
     return removed
@@ -231,7 +256,7 @@ def clean_stale(folder: Path) -> list[Path]:
         match = _LEGACY_TEMP.fullmatch(entry.name)
         if match is not None:
             targets.add(match["target"])
-    removed: list[Path] = []
+    removed = _remove_old_link_temps(folder)
     for name in sorted(targets):
         with path_lock(folder / name, blocking=False) as held:
             if held:
@@ -240,7 +265,22 @@ def clean_stale(folder: Path) -> list[Path]:
 
 
 def _temp_match(name: str) -> re.Match | None:
-    return _TEMP.fullmatch(name) or _LINK_TEMP.fullmatch(name) or _LEGACY_TEMP.fullmatch(name)
+    return _TEMP.fullmatch(name) or _LEGACY_TEMP.fullmatch(name)
+
+
+def _remove_old_link_temps(folder: Path) -> list[Path]:
+    """create_exclusive's temporaries in `folder` older than LINK_TEMP_STALE_S (no lock to take: their
+    age tells, not a pid, which another host or pid namespace sharing the folder would not show)."""
+    removed, now = [], time.time()
+    for entry in folder.glob(f"*.link{TEMP_SUFFIX}"):
+        try:
+            old = _LINK_TEMP.fullmatch(entry.name) and now - entry.lstat().st_mtime > LINK_TEMP_STALE_S
+        except FileNotFoundError:
+            continue
+        if old:
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
 
 
 def _remove(entry: Path) -> None:

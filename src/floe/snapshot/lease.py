@@ -10,7 +10,11 @@ racing for it exactly one wins:
   fails if the name exists: create-if-absent without a lock); replace and delete take the lease
   file's writers' lock (floe.snapshot.atomic.path_lock, `flock` across processes) around read,
   compare, atomic replace. A replace finds the file there and keeps it there, and a delete holds the
-  lock, so a lock-free create never slips between a compare and its write.
+  lock, so a lock-free create never slips between a compare and its write; a create under the lock
+  (a filesystem without hard links) makes the file with O_EXCL, so neither overwrites the other.
+  A floe from before lock-free creates (2026-12-06) replaced a record it had found absent: if such a
+  server shares the folder, two servers creating the same new session's lease in the same moment can
+  both take it (the later one's renewal then raises LeaseLost): upgrade a folder's servers together.
 
 Another owner's lease that has not expired is refused (LeaseHeld: who, until when); an expired one
 is taken over, and so is one whose owner was a process of this host that has exited (`owner_gone`).
@@ -28,7 +32,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from floe.snapshot.atomic import NoHardLinks, create_exclusive, path_lock, replace_held
+from floe.snapshot.atomic import NoHardLinks, create_exclusive, path_lock, replace_held, write_new
 from floe.snapshot.errors import LeaseHeld, LeaseLost, StoreUnavailable
 
 LEASE_SUFFIX = ".lease"
@@ -172,6 +176,8 @@ class FileLeases(Leases):
                 return False
             if lease is None:
                 path.unlink()
+            elif current is None:  # a create: exclusive also against a lock-free creator's link
+                return write_new(path, lease.record())
             else:
                 # Not flushed to disk: a hold with an expiry needs only the atomic replace (every
                 # process sees the old record or the new one); a crash that empties it ends its

@@ -29,14 +29,15 @@ class Answer:
 class Session:
     """A conversation of `floe serve`: its messages, its actor while live, the lock a request holds
     while it runs in it. Its table (the registry's SessionTable) is told when its actor or messages
-    change, for the indexes an arrival's choices read."""
+    change (its actor, messages, anonymity; its owner and id never do), for the indexes an arrival's
+    choices read."""
 
     def __init__(self, id: str, messages: list[dict] | None = None, actor: Actor | None = None, *,
                  seed: int = 0, owner: str = "", anonymous: bool = False, persist: bool = True,
                  stored: bool = False) -> None:
         self.id = id
         self.owner = owner  # whose it is (protocol.OWNER; "": a server without API keys)
-        self.anonymous = anonymous  # made for a request that named no session (kept per owner up to a bound)
+        self._anonymous = anonymous
         self._table: SessionTable | None = None
         self.filed_under: tuple | None = None  # (its table's: the opening it is indexed under)
         self._messages: list[dict] = [] if messages is None else messages  # what the actor holds
@@ -60,6 +61,18 @@ class Session:
     @actor.setter
     def actor(self, actor: Actor | None) -> None:
         self._actor = actor
+        if self._table is not None:
+            self._table.noted(self)
+
+    @property
+    def anonymous(self) -> bool:
+        """Made for a request that named no session (kept per owner up to a bound); an import makes it
+        named."""
+        return self._anonymous
+
+    @anonymous.setter
+    def anonymous(self, anonymous: bool) -> None:
+        self._anonymous = anonymous
         if self._table is not None:
             self._table.noted(self)
 

@@ -188,7 +188,7 @@ class SessionStore:
         """Sessions live and frozen, and spare actors; of one owner's sessions only: live and frozen."""
         with self.lock:
             if owner is not None:
-                mine = [s for s in self.sessions.values() if s.owner == owner]
+                mine = self.sessions.owned(owner)
                 live = sum(s.live for s in mine)
                 return {"live": live, "frozen": len(mine) - live}
             live = self.sessions.live_count()
