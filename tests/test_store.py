@@ -482,3 +482,25 @@ def test_a_disk_tiers_listing_passes_over_a_writers_temporary_folder_that_vanish
 
     monkeypatch.setattr(os, "scandir", vanishing)
     assert [e.key for e in tier.entries()] == ["alice/a0"]
+
+
+@pytest.mark.parametrize("record_bytes", [0, 200 << 10])  # (a header shorter and longer than one read)
+def test_a_header_from_the_object_store_is_read_whole_in_one_request_or_two(tmp_path, s3, bucket, engine,
+                                                                            record_bytes):
+    """RemoteTier.header asks for the first HEADER_READ bytes and reads the rest of a longer header
+    (a long conversation's record) with a second request; either way the header is the file's."""
+    from floe.snapshot.layout import read_header_buffer
+    from floe.snapshot.remote import HEADER_READ
+
+    with Actor(engine, seed=5) as actor:
+        actor.send("The lighthouse keeper wrote", max_tokens=4)
+        data = bytes(snapshot.encode(actor, app={"note": "x" * record_bytes}))
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    assert (header_end > HEADER_READ) == bool(record_bytes)
+    store = make_store(spec("s3", tmp_path, s3, bucket))
+    store.put("k", data)
+    tier = store.home
+    got = tier.header("k")
+    assert got is not None and got.metadata == read_header_buffer(data, tmp_path / "k").metadata
+    assert json.loads(got.metadata["app"]) == {"note": "x" * record_bytes}
+    assert tier.header("absent") is None

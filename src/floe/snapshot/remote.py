@@ -25,6 +25,8 @@ from floe.snapshot.lease import LEASE_SUFFIX, S3Leases
 from floe.snapshot.stream import StreamCheck, checked
 from floe.snapshot.tiers import SUFFIX, DiskTier, Entry
 
+HEADER_READ = 64 << 10  # bytes a header's first GET asks for
+
 PART_BYTES = 8 << 20  # multipart part size (S3 wants >= 5 MiB for every part but the last)
 READ_BYTES = 8 << 20
 
@@ -103,14 +105,17 @@ class RemoteTier:
         return self.etag(key) is not None
 
     def header(self, key: str) -> Header | None:
-        """The object's checked header, read by two ranged GETs (its length, then it), or None."""
+        """The object's checked header, or None: one ranged GET of its first HEADER_READ bytes, which
+        hold a session's whole header but for a long conversation's (a second GET reads the rest)."""
         name = Path(f"{self.url}/{key}{SUFFIX}")
         try:
-            prefix = self.fs.cat_file(self._object(key), start=0, end=8)
-            if len(prefix) < 8:
-                raise corrupt(name, f"{len(prefix)} bytes, shorter than a safetensors header length")
-            n = header_length(prefix, None, name)
-            raw = self.fs.cat_file(self._object(key), start=8, end=8 + n)
+            head = self.fs.cat_file(self._object(key), start=0, end=HEADER_READ)
+            if len(head) < 8:
+                raise corrupt(name, f"{len(head)} bytes, shorter than a safetensors header length")
+            n = header_length(head[:8], None, name)
+            raw = head[8:8 + n]
+            if len(raw) < n and len(head) == HEADER_READ:  # (a shorter read was the whole object)
+                raw += self.fs.cat_file(self._object(key), start=8 + len(raw), end=8 + n)
         except FileNotFoundError:
             return None
         except OSError as e:

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from floe.server.records import NotASession, app_record, session_key, split_key
 from floe.server.sessions.errors import SessionExists, SessionLeased, ThawFailed, UnknownSession
@@ -25,6 +26,7 @@ from floe.snapshot.store import SnapshotStore
 from floe.snapshot.tiers import SUFFIX, DiskTier
 
 log = logging.getLogger("floe.serve")
+LOAD_THREADS = 16  # a start's header reads at once
 
 
 class SessionRegistry:
@@ -51,17 +53,27 @@ class SessionRegistry:
                 for path in clean_stale(folder):
                     log.info("removed %s, left by a snapshot writer that was killed", path.name)
         now_wall, now = time.time(), time.monotonic()
-        for entry in sorted(home.entries(), key=lambda e: e.key):
+        entries = sorted(home.entries(), key=lambda e: e.key)
+
+        def read(key: str) -> Session | Exception:
             try:
-                session = self.read(entry.key)
+                return self.read(key)
             except (SnapshotError, NotASession) as e:
-                self.skipped.append(f"{entry.key}{SUFFIX}: {e}")
-                log.warning("skipping %s%s: %s", entry.key, SUFFIX, e)
-                continue
-            # Least recently used first, also across a restart: its last use was its last freeze.
-            session.last_used = now - max(0.0, now_wall - entry.used_at)
-            session.snapshot_bytes = entry.nbytes
-            self.sessions[session.key] = session
+                return e
+
+        # The headers in parallel: from an object store each is a request (12 ms each, one after
+        # another, on loopback: two minutes' start for 10,000 sessions)
+        with ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="floe-load") as pool:
+            found = pool.map(read, [e.key for e in entries])
+            for entry, session in zip(entries, found, strict=True):
+                if isinstance(session, Exception):
+                    self.skipped.append(f"{entry.key}{SUFFIX}: {session}")
+                    log.warning("skipping %s%s: %s", entry.key, SUFFIX, session)
+                    continue
+                # Least recently used first, also across a restart: its last use was its last freeze.
+                session.last_used = now - max(0.0, now_wall - entry.used_at)
+                session.snapshot_bytes = entry.nbytes
+                self.sessions[session.key] = session
         return len(self.sessions)
 
     def read(self, key: str) -> Session:
