@@ -504,3 +504,23 @@ def test_a_header_from_the_object_store_is_read_whole_in_one_request_or_two(tmp_
     assert got is not None and got.metadata == read_header_buffer(data, tmp_path / "k").metadata
     assert json.loads(got.metadata["app"]) == {"note": "x" * record_bytes}
     assert tier.header("absent") is None
+
+
+def test_renew_all_extends_every_lease_held_and_names_the_ones_taken_over(tmp_path, s3, bucket, frozen):
+    """SnapshotStore.renew_all (the server's upkeep, every lease_s / 3; on an object store several at
+    once): every lease this store still holds runs lease_s from now; one another store took over once
+    it expired is reported lost, and this store stops trusting its copies of it."""
+    a = make_store(spec("s3", tmp_path / "a", s3, bucket, owner="server-a", lease_s=1.0))
+    b = make_store(spec("s3", tmp_path / "b", s3, bucket, owner="server-b", lease_s=30.0))
+    keys = [f"k{i}" for i in range(6)]
+    for key in keys:
+        a.put(key, frozen)
+    first = {key: a.holder(key)[1] for key in keys}
+    time.sleep(1.2)  # every lease of a's has expired (none renewed meanwhile)
+    b.acquire("k0")
+    assert a.renew_all() == ["k0"]
+    assert a.holder("k0")[0] == "server-b" and "k0" not in a.leased()
+    for key in keys[1:]:
+        owner, expires = a.holder(key)
+        assert owner == "server-a" and expires > first[key] + 1.0, key
+    assert sorted(a.leased()) == keys[1:]
