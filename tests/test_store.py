@@ -5,6 +5,7 @@ second process is refused while a lease runs and takes over once it expires; dam
 refused; export and import round-trip; a thaw through the store continues an actor bit-identically."""
 
 import json
+import math
 import re
 import secrets
 import signal
@@ -524,3 +525,61 @@ def test_renew_all_extends_every_lease_held_and_names_the_ones_taken_over(tmp_pa
         owner, expires = a.holder(key)
         assert owner == "server-a" and expires > first[key] + 1.0, key
     assert sorted(a.leased()) == keys[1:]
+
+
+def test_a_sweep_past_its_time_stops_says_so_and_the_next_goes_on(tmp_path, s3, bucket, frozen):
+    """SnapshotStore.sweep(until=): from an object store each deletion is several requests; a sweep
+    takes nothing more out once its time has passed (the server's upkeep gives it a sixth of a lease,
+    so that the leases' renewals after it come in time), reports `unfinished`, and the next sweep
+    deletes the rest."""
+    store = make_store(spec("s3", tmp_path, s3, bucket, home_ttl_s=10))
+    keys = [f"k{i}" for i in range(5)]
+    for key in keys:
+        store.put(key, frozen)
+        store.release(key)
+    later = time.time() + 100  # past the home's TTL
+    stopped = store.sweep(later, until=time.monotonic() - 1)  # its time passed before it began
+    assert stopped["unfinished"] and stopped["deleted"] == [] and sorted(store.keys()) == keys
+    calls, delete = [], store.delete
+
+    def slow_delete(key):  # (each deletion outlasts the sweep's time: one a sweep)
+        calls.append(key)
+        delete(key)
+        time.sleep(0.3)
+
+    store.delete = slow_delete
+    first = store.sweep(later, until=time.monotonic() + 0.1)
+    assert first["unfinished"] and len(first["deleted"]) == 1
+    rest = store.sweep(later)
+    assert not rest["unfinished"] and sorted(first["deleted"] + rest["deleted"]) == keys == sorted(calls)
+    assert store.keys() == []
+
+
+def test_the_servers_upkeep_sweeps_a_slice_at_a_time_and_goes_on_at_its_next_round(tmp_path, engine, frozen):
+    """The upkeep (floe.server.sessions.upkeep) gives a sweep a sixth of a lease; one it left unfinished
+    goes on at the next round (a second later in a server), not a whole sweep_seconds later."""
+    from floe.server.sessions import SessionStore, snapshot_store
+
+    snapshots = snapshot_store(tmp_path / "home", ttl_s=0.5, lease_s=0.6)  # a sweep's slice: 0.1 s
+    store = SessionStore(engine, snapshots, sweep_seconds=3600)
+    try:
+        keys = [f"k{i}" for i in range(4)]
+        for key in keys:
+            snapshots.put(key, frozen)
+            snapshots.release(key)
+        time.sleep(0.6)  # past the home's TTL
+        delete = snapshots.delete
+
+        def slow_delete(key):
+            delete(key)
+            time.sleep(0.15)
+
+        snapshots.delete = slow_delete
+        store.upkeep._swept = -math.inf  # (due now)
+        rounds = []
+        while snapshots.keys() and len(rounds) < 10:
+            rounds.append(store.maintain()["deleted"])
+        assert sorted(k for done in rounds for k in done) == keys and len(rounds) == 4, rounds
+        assert store.maintain()["deleted"] == []  # done: the next sweep a whole sweep_seconds later
+    finally:
+        store.close(freeze=False)

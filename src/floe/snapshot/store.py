@@ -312,17 +312,19 @@ class SnapshotStore:
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def sweep(self, now: float | None = None, keep: Iterable[str] = (),
-              group: Callable[[str], str] | None = None) -> dict[str, list[str]]:
+              group: Callable[[str], str] | None = None, until: float | None = None) -> dict:
         """Apply every tier's TTL (seconds since an entry's last use) and byte budget (oldest use out
         first): out of RAM or the disk cache an entry moves down (a one-shot one is dropped); out of
         the home it is deleted, unless another owner holds its lease, or it is in `keep` (a server's
         sessions in use: their last snapshot is not taken from under them). group(key): the home's
         budget applies to each group of keys on its own (a server's: each owner's sessions), so that
-        one group's growth deletes only its own oldest. Returns what moved, was dropped, deleted, or
-        kept for its lease."""
+        one group's growth deletes only its own oldest. `until` (time.monotonic()): take nothing more out
+        once it has passed, and say so (`unfinished`: a later sweep goes on; from an object store each
+        deletion is several requests, and a thousand expired at once took the upkeep, and the lease
+        renewals after it, minutes). Returns what moved, was dropped, deleted, or kept for its lease."""
         now = time.time() if now is None else now
         self._keep = set(keep)
-        report: dict[str, list[str]] = {"moved": [], "dropped": [], "deleted": [], "leased": []}
+        report: dict = {"moved": [], "dropped": [], "deleted": [], "leased": [], "unfinished": False}
         for i, tier in enumerate(self.tiers):
             by_group: dict[str, list[Entry]] = {}
             for entry in sorted(tier.entries(), key=lambda e: e.used_at):
@@ -332,7 +334,12 @@ class SnapshotStore:
                 for entry in entries:
                     expired = tier.ttl_s is not None and now - entry.used_at > tier.ttl_s
                     over = tier.budget_bytes is not None and total > tier.budget_bytes
-                    if (expired or over) and self._leave(i, entry, report):
+                    if not (expired or over):
+                        continue
+                    if until is not None and time.monotonic() > until:
+                        report["unfinished"] = True
+                        return report
+                    if self._leave(i, entry, report):
                         total -= entry.nbytes
         return report
 
