@@ -115,7 +115,9 @@ class RemoteTier:
             n = header_length(head[:8], None, name)
             raw = head[8:8 + n]
             if len(raw) < n and len(head) == HEADER_READ:  # (a shorter read was the whole object)
-                raw += self.fs.cat_file(self._object(key), start=8 + len(raw), end=8 + n)
+                # from the last byte read, inside the object whatever its length (from just past it, an
+                # object of exactly HEADER_READ bytes would be answered 416: "unavailable", not corrupt)
+                raw += self.fs.cat_file(self._object(key), start=HEADER_READ - 1, end=8 + n)[1:]
         except FileNotFoundError:
             return None
         except OSError as e:

@@ -21,6 +21,7 @@ object is refused with SnapshotCorrupt.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
 import time
@@ -39,6 +40,7 @@ from floe.snapshot.tiers import DiskTier, Entry, PinnedTier, check_key, not_foun
 MAX_BYTES = 1 << 34  # the largest snapshot an import accepts, unless told (16 GiB)
 EXPORT_CHUNK = 1 << 20
 RENEW_THREADS = 16  # leases renewed at once (renew_all)
+log = logging.getLogger("floe.snapshot")
 
 
 class SnapshotStore:
@@ -56,6 +58,7 @@ class SnapshotStore:
         self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
         self._keep: set[str] = set()  # sweep's: keys the caller is using
+        self._held_elsewhere: dict[str, float] = {}  # sweep's: home keys another owner's lease kept, until
 
     # ---- leases ------------------------------------------------------------------------------------
 
@@ -101,25 +104,34 @@ class SnapshotStore:
         return lease
 
     def renew_all(self) -> list[str]:
-        """Renew every lease this store holds (a server runs this every lease_s / 3); the keys lost. On
-        an object store RENEW_THREADS at once: each is a conditional PUT, a network round trip, and
-        one after another 300 of them at 20 ms took 9.7-9.9 s, a round as long as lease_s / 3
-        (python bench/probes/store_load.py --rtt-ms 20); in a folder one after another (threads only
-        add their hand-offs to calls of microseconds)."""
+        """Renew every lease this store holds (a server runs this every lease_s / 3); the keys lost,
+        also where others' renewals failed (logged, tried again at the next round: a lost key is
+        dropped from this store's leases as it is found, so a round that raised would never report
+        it). On an object store RENEW_THREADS at once: each is a conditional PUT, a network round
+        trip, and one after another 300 of them at 20 ms took 9.7-9.9 s, a round as long as
+        lease_s / 3 (python bench/probes/store_load.py --rtt-ms 20); in a folder one after another
+        (threads only add their hand-offs to calls of microseconds)."""
         with self._lock:
             keys = list(self._leases)
 
-        def renew(key: str) -> str | None:
+        def renew(key: str) -> Exception | None:
             try:
                 self.renew(key)
-            except LeaseLost:
-                return key
+            except Exception as e:  # noqa: BLE001 - each key's outcome, reported below
+                return e
             return None
 
-        if len(keys) <= 1 or not isinstance(self.home, RemoteTier):
-            return [key for key in map(renew, keys) if key is not None]
-        with ThreadPoolExecutor(min(RENEW_THREADS, len(keys)), thread_name_prefix="floe-renew") as pool:
-            return [key for key in pool.map(renew, keys) if key is not None]
+        if len(keys) > 1 and isinstance(self.home, RemoteTier):
+            with ThreadPoolExecutor(min(RENEW_THREADS, len(keys)), thread_name_prefix="floe-renew") as pool:
+                outcomes = list(pool.map(renew, keys))
+        else:
+            outcomes = [renew(key) for key in keys]
+        failed = [(key, e) for key, e in zip(keys, outcomes, strict=True)
+                  if e is not None and not isinstance(e, LeaseLost)]
+        if failed:
+            log.warning("%d of %d leases were not renewed (tried again at the next round), e.g. %r: %s",
+                        len(failed), len(keys), failed[0][0], failed[0][1])
+        return [key for key, e in zip(keys, outcomes, strict=True) if isinstance(e, LeaseLost)]
 
     def release(self, key: str) -> None:
         """Give up this store's lease on `key` (another server may take the session at once)."""
@@ -312,18 +324,23 @@ class SnapshotStore:
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def sweep(self, now: float | None = None, keep: Iterable[str] = (),
-              group: Callable[[str], str] | None = None, until: float | None = None) -> dict:
+              group: Callable[[str], str] | None = None, budget_s: float | None = None) -> dict:
         """Apply every tier's TTL (seconds since an entry's last use) and byte budget (oldest use out
         first): out of RAM or the disk cache an entry moves down (a one-shot one is dropped); out of
         the home it is deleted, unless another owner holds its lease, or it is in `keep` (a server's
         sessions in use: their last snapshot is not taken from under them). group(key): the home's
         budget applies to each group of keys on its own (a server's: each owner's sessions), so that
-        one group's growth deletes only its own oldest. `until` (time.monotonic()): take nothing more out
-        once it has passed, and say so (`unfinished`: a later sweep goes on; from an object store each
-        deletion is several requests, and a thousand expired at once took the upkeep, and the lease
-        renewals after it, minutes). Returns what moved, was dropped, deleted, or kept for its lease."""
+        one group's growth deletes only its own oldest. `budget_s`: take nothing more out once that long
+        has passed since the first (always taken: every sweep gets on; a slow listing is not counted),
+        and say so (`unfinished`: a later sweep goes on; from an object store each deletion is several
+        requests, and a mass expiry would hold the server's upkeep, and the lease renewals after it, for
+        minutes). An entry of the home another owner's lease kept is not tried again before that lease
+        ends. Returns what moved, was dropped, deleted, or kept for its lease."""
         now = time.time() if now is None else now
         self._keep = set(keep)
+        wall = time.time()
+        self._held_elsewhere = {k: t for k, t in self._held_elsewhere.items() if t > wall}
+        deadline = None
         report: dict = {"moved": [], "dropped": [], "deleted": [], "leased": [], "unfinished": False}
         for i, tier in enumerate(self.tiers):
             by_group: dict[str, list[Entry]] = {}
@@ -336,9 +353,15 @@ class SnapshotStore:
                     over = tier.budget_bytes is not None and total > tier.budget_bytes
                     if not (expired or over):
                         continue
-                    if until is not None and time.monotonic() > until:
-                        report["unfinished"] = True
-                        return report
+                    if tier is self.home and entry.key in self._held_elsewhere:
+                        report["leased"].append(entry.key)
+                        continue
+                    if budget_s is not None:
+                        if deadline is None:
+                            deadline = time.monotonic() + budget_s
+                        elif time.monotonic() > deadline:
+                            report["unfinished"] = True
+                            return report
                     if self._leave(i, entry, report):
                         total -= entry.nbytes
         return report
@@ -352,7 +375,8 @@ class SnapshotStore:
                 return False
             try:
                 self.delete(entry.key)
-            except LeaseHeld:
+            except LeaseHeld as e:
+                self._held_elsewhere[entry.key] = e.expires_at
                 report["leased"].append(entry.key)
                 return False
             report["deleted"].append(entry.key)

@@ -47,8 +47,7 @@ class StoreUpkeep:
                 busy = [s.key for s in sessions.values() if s.live or s.lock.locked()]
             # The home's budget is each owner's: one key's sessions never push another key's out. A
             # sweep takes at most a sixth of a lease's time: the leases' renewals wait for it.
-            swept = self.snapshots.sweep(keep=busy, group=owner_of_key,
-                                         until=time.monotonic() + self.snapshots.lease_s / 6)
+            swept = self.snapshots.sweep(keep=busy, group=owner_of_key, budget_s=self.snapshots.lease_s / 6)
             if swept["unfinished"]:
                 self._swept = now - self.sweep_seconds  # (the rest at the next upkeep, in a second)
             for key in swept["deleted"]:
