@@ -6,14 +6,18 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from floe.actor import Actor, MessageStats
 from floe.server.records import SESSION_ID, make_record, session_key, split_key
 from floe.server.sessions.errors import SessionError
 
-if TYPE_CHECKING:
-    from floe.server.sessions.table import SessionTable
+
+class Indexes(Protocol):
+    """What a session tells of its changes (floe.server.sessions.table.SessionTable)."""
+
+    def noted(self, session: Session) -> None:
+        """Index `session` as it is now (drop it, if no longer held)."""
 
 
 @dataclass
@@ -38,7 +42,7 @@ class Session:
         self.id = id
         self.owner = owner  # whose it is (protocol.OWNER; "": a server without API keys)
         self._anonymous = anonymous
-        self._table: SessionTable | None = None
+        self._table: Indexes | None = None
         self.filed_under: tuple | None = None  # (its table's: the opening it is indexed under)
         self._messages: list[dict] = [] if messages is None else messages  # what the actor holds
         self._actor = actor
@@ -86,7 +90,7 @@ class Session:
         if self._table is not None:
             self._table.noted(self)
 
-    def watch(self, table: SessionTable | None) -> None:
+    def watch(self, table: Indexes | None) -> None:
         """Be indexed by `table` (None: by none; the table it was in drops it)."""
         old, self._table = self._table, table
         if old is not None and old is not table:
