@@ -210,3 +210,24 @@ def test_ctrl_c_ends_with_interrupted_and_exit_130(when):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "floe: interrupted" and "Traceback" not in err, err
+
+
+def test_a_ctrl_c_during_torchs_import_is_held_until_it_is_done_then_ends_the_run():
+    """A Ctrl-C inside torch's C++ start-up could end `floe run` by std::terminate (SIGABRT) instead
+    of "floe: interrupted" (130): the command holds it until torch is imported, then raises it. Sent
+    here as torch's C module is about to load: the import finishes, and the run ends as interrupted."""
+    code = ("import importlib.abc, os, signal, sys\n"
+            "class Poke(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'torch._C':\n"
+            "            sys.meta_path.remove(self)\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "        return None\n"
+            "sys.meta_path.insert(0, Poke())\n"
+            "from floe.cli import main\n"
+            "code = main(['run', 'x', '--max-tokens', '1'])\n"
+            "print(code, 'torch._C' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["130", "True"], (proc.stdout, proc.stderr)
+    assert proc.stderr.strip().splitlines()[-1] == "floe: interrupted", proc.stderr

@@ -9,7 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from floe.cli.machine import _check_device, _load_with_progress, _stderr_console, _threads
+from floe.cli.machine import (
+    _check_device,
+    _load_with_progress,
+    _stderr_console,
+    _threads,
+    import_torch_holding_ctrl_c,
+)
 from floe.cli.options import WEIGHTS
 from floe.errors import FloeError
 
@@ -42,6 +48,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise FloeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     prompt = _prompt(args)
 
+    import_torch_holding_ctrl_c()
     from floe.actor import Actor
     from floe.engine import Engine
 

@@ -116,3 +116,27 @@ def _load_with_progress(model: str | None, dtype: str, quiet: bool):
             bar.update(task, completed=done, total=total)
 
         return load_checkpoint(model, torch_dtype, progress)
+
+
+def import_torch_holding_ctrl_c() -> None:
+    """Import torch with a Ctrl-C held until the import is done, then raised. Raised inside torch's
+    C++ start-up (pybind11 calling back into Python), a KeyboardInterrupt ended the process by
+    std::terminate ("terminate called after throwing an instance of 'pybind11::error_already_set'",
+    SIGABRT) instead of "floe: interrupted" and 130: tests/test_cli.py's Ctrl-C 0.5 s after `floe run`
+    started did so once in three runs of the suite on a busy 2-core VM. The import takes ~1-3 s."""
+    import signal
+    import threading
+
+    previous = signal.getsignal(signal.SIGINT)
+    if ("torch" in sys.modules or threading.current_thread() is not threading.main_thread()
+            or previous in (signal.SIG_IGN, signal.SIG_DFL, None)):  # (ignored, or not Python's to raise)
+        import torch  # noqa: F401
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
