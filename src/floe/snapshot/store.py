@@ -30,7 +30,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from floe.snapshot import Snapshot, encode, thaw
-from floe.snapshot.errors import LeaseHeld, LeaseLost, SnapshotCorrupt, SnapshotTooLarge, SnapshotUnreadable
+from floe.snapshot.errors import (
+    LeaseHeld,
+    LeaseLost,
+    SnapshotCorrupt,
+    SnapshotError,
+    SnapshotTooLarge,
+    SnapshotUnreadable,
+)
 from floe.snapshot.layout import Header, read_header_buffer
 from floe.snapshot.lease import Lease, default_owner
 from floe.snapshot.remote import RemoteTier
@@ -117,7 +124,7 @@ class SnapshotStore:
         def renew(key: str) -> Exception | None:
             try:
                 self.renew(key)
-            except Exception as e:  # noqa: BLE001 - each key's outcome, reported below
+            except SnapshotError as e:  # (LeaseLost, or the store unavailable: each key's outcome)
                 return e
             return None
 
