@@ -2,6 +2,7 @@
 inside the turn that caused them, and concurrent actors answer exactly as each would alone (greedy)."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -62,6 +63,36 @@ def test_concurrent_actors_share_steps_and_answer_exactly_as_alone(tiny_engine):
     # (a turn's last token is appended only if the turn goes on: not at max_tokens)
     appended = [len(r.stats.token_ids) - (r.stats.finish_reason == "length") for r in replies]
     assert loop.rows == sum(appended) and loop.steps <= max(appended) + len(PROMPTS)  # joins may lag
+
+
+def test_turns_ending_one_by_one_leave_the_others_answering_as_alone(tiny_engine):
+    """Turns of staggered lengths end at different steps (each end makes the loop's roster of live
+    turns again: floe.actor.turn.Roster); the turns left go on as each alone, and every step's rows are
+    exactly the live turns' (none asked or run after its end)."""
+    lengths = [3, 6, 9, 13, 18, 24]
+    expected = [alone(tiny_engine, p, n) for p, n in zip(PROMPTS, lengths, strict=True)]
+    loop = EngineLoop(tiny_engine)
+    replies = concurrently(tiny_engine, loop, [(None, p, n) for p, n in zip(PROMPTS, lengths, strict=True)])
+    assert [r.stats.token_ids for r in replies] == expected
+    appended = [len(r.stats.token_ids) - (r.stats.finish_reason == "length") for r in replies]
+    assert loop.rows == sum(appended)
+
+
+def test_a_turn_tells_its_table_when_it_ends_and_when_it_is_done(tiny_engine):
+    """Turn.end set and Turn.set_done move the table's changes (what the loop's roster is keyed by);
+    before it is bound a turn tells no table."""
+    from floe.actor.turn import END_STOP, Turn, TurnTable
+
+    with Actor(tiny_engine) as actor:
+        turn = Turn(actor, max_tokens=2, deadline=time.monotonic() + 60)
+        turn.end = None  # (its own row yet: nothing to tell)
+        table = TurnTable(tiny_engine.cache.n_slots)
+        turn.bind(table)
+        assert table.changes == 0
+        turn.end = END_STOP
+        assert table.changes == 1 and turn.end == END_STOP
+        turn.set_done()
+        assert table.changes == 2 and turn.over
 
 
 @pytest.mark.parametrize("arrivals", [1, 4])

@@ -87,9 +87,9 @@ def asking_ab(engine: Engine, texts: list[str], args) -> None:
     ask, usable = GuestCalls.ask, guest_rows.usable
     spent = {"native": [], "row by row": []}
 
-    def timed(self, turns) -> None:
+    def timed(self, turns, *roster) -> None:
         t = time.perf_counter()
-        ask(self, turns)
+        ask(self, turns, *roster)
         timed.seconds += time.perf_counter() - t
         timed.rows += len(turns)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from floe.actor.choices import host_choices
-from floe.actor.turn import END_CANCELLED, END_LENGTH, END_STOP, STOP, Turn, TurnTable
+from floe.actor.turn import END_CANCELLED, END_LENGTH, END_STOP, STOP, Roster, Turn, TurnTable
 from floe.wasm import GuestDeadlineExceeded, GuestError, GuestReportedError, GuestResultError
 from floe.wasm import rows as guest_rows
 from floe.wasm.rows import NONE, PLAIN, Col
@@ -61,32 +61,47 @@ class GuestCalls:
                 turn.abi.give_choice(token, record=False)
                 turn.choices += 1  # (recorded by Turn.record, which charges its budget)
 
-    def ask(self, turns: list[Turn]) -> None:
+    def ask(self, turns: list[Turn], roster: Roster | None = None) -> None:
         """Give each of `turns` still running its host choice and ask its guest (ask_one): the
-        guests' calls in one native loop (floe.wasm.rows) where it can run, else one by one."""
-        asking = [t for t in turns if t.end is None]
+        guests' calls in one native loop (floe.wasm.rows) where it can run, else one by one.
+        roster: the loop's roster whose list `turns` is, every turn of it live (its slots and guests)."""
+        asking = turns if roster is not None else [t for t in turns if t.end is None]
         if not asking:
             return
+        headed = roster is not None and roster.headed()
         # (a turn's guest checked at its first on_token here: Turn.head)
-        if not (self.native_rows and guest_rows.usable([t.guest for t in asking if not t.headed])):
+        if not (self.native_rows and guest_rows.usable(
+                [] if headed else [t.guest for t in asking if not t.headed])):
             self.give_choices(asking)
             for turn in asking:
                 if turn.end is None:
                     self.ask_one(turn)
             return
-        self.give_choices(asking, write=False)
-        asking = [t for t in asking if t.end is None]  # (a choice that failed ended its turn)
-        for turn in asking:
-            if not turn.headed:  # its first on_token here (its choice's address is fixed for the turn)
-                turn.head()
+        table = self.table.array
+        if headed:  # every turn's choice address in its row: those that asked one, all known?
+            rows = table[roster.slots]
+            if ((rows[:, Col.CHOICE_AT] != 0) & (rows[:, Col.CHOICE] == NONE)).any():
+                headed = False
+        if not headed:
+            changes = self.table.changes
+            self.give_choices(asking, write=False)
+            if self.table.changes != changes:
+                roster = None
+                asking = [t for t in asking if t.end is None]  # (a choice that failed ended its turn)
+            for turn in asking:
+                if not turn.headed:  # its first on_token here (its choice's address is fixed for the turn)
+                    turn.head()
         bound = self.step_call_s if self.warm else self.token_call_s
-        slots = np.array([t.slot for t in asking], np.int64)
-        failed = guest_rows.call_slots(self.table.array, slots, [t.guest for t in asking], "on_token", bound,
+        if roster is not None:
+            slots, guests = roster.slots, roster.guests
+        else:
+            slots, guests = np.array([t.slot for t in asking], np.int64), [t.guest for t in asking]
+        failed = guest_rows.call_slots(table, slots, guests, "on_token", bound,
                                        lambda k: asking[k].actor.take_pending())
         self.native_calls += len(asking)
         if len(failed) < len(asking):
             self.warm = True
-        rows = self.table.array[slots]
+        rows = table[slots]
         judged = rows[:, Col.JUDGED]
         # A plain token was taken whole into its row natively (floe.wasm.rows): its decoded id, and its
         # stream where the reply streams ids (Turn.head). Python sees the rest: failures (judged 0),

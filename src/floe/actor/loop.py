@@ -32,7 +32,7 @@ import numpy as np
 from floe.actor.abi import LOGITS_COPIED, LOGITS_IN_PLACE, OK
 from floe.actor.calls import GuestCalls
 from floe.actor.speculation import Speculation
-from floe.actor.turn import END_CANCELLED, END_CONTEXT_FULL, FED, Turn, TurnTable
+from floe.actor.turn import END_CANCELLED, END_CONTEXT_FULL, FED, Roster, Turn, TurnTable
 from floe.engine import Engine
 from floe.engine.batch import LaunchedStep
 from floe.engine.sampling import draw_uniforms
@@ -110,6 +110,8 @@ class EngineLoop(Speculation):
         self._cond = threading.Condition()
         self._arrived: list[Turn] = []
         self._active: list[Turn] = []
+        self._roster: Roster | None = None  # its live turns, as _live() found them last
+        self._left = 0  # the table's changes when those done last left _active
         # A step looks for turns to cancel (a deadline passed, a stop asked, a caller gone, an actor
         # closed) only when one may be there: a stop or a departure pokes the loop (poke()), and no
         # active turn's deadline is before `_soonest` (not a scan of every turn every step).
@@ -228,8 +230,10 @@ class EngineLoop(Speculation):
                     turn.bind(self.table)
                 if self._arrived:  # (a stop asked before it arrived poked an earlier step, not this one)
                     self._poked = True
-                self._active.extend(self._arrived)
-                self._arrived.clear()
+                if self._arrived:
+                    self._active.extend(self._arrived)
+                    self._arrived.clear()
+                    self._roster = None
             t0 = time.perf_counter()
             try:
                 self._step()
@@ -244,7 +248,9 @@ class EngineLoop(Speculation):
                             turn.error = turn.error or e
                             turn.set_done()
             self.step_s += time.perf_counter() - t0
-            self._active = [t for t in self._active if not t.over]
+            if self.table.changes != self._left:  # (a turn ended or is done: those done leave)
+                self._active = [t for t in self._active if not t.over]
+                self._left = self.table.changes
 
     def _wait_out(self, turn: Turn) -> None:
         """Wait for an abandoned turn to end, through further interrupts: until it has, the loop may
@@ -300,7 +306,8 @@ class EngineLoop(Speculation):
         # Prompts ride in the next decode step's launch where the engine runs them with it (CUDA: in its
         # replay) or together (the CPU: one forward for several, before the decode rows; a prompt
         # alone is prefilled with its logits computed where its guest asked).
-        prompts = [t for t in self._active if t.prompt and t.end is None and not t.flying]
+        roster = self._roster_now()
+        prompts = [] if roster.prompted() else [t for t in roster.turns if t.prompt and not t.flying]
         for turn in prompts:
             turn.prompt = bool(turn.abi.queued_tokens)
         prompts = [t for t in prompts if t.prompt]
@@ -327,8 +334,12 @@ class EngineLoop(Speculation):
         # A fed step launched already: a fresh turn without a row in it (a prompt that rode in the
         # forward just taken, a fed row undone above) is asked first, and its token joins the next launch.
         ahead = self._speculate(slots) if fed is None else self.table.array[slots, Col.SPECULATED] != NONE
-        speculated = [fresh[k] for k in np.flatnonzero(ahead).tolist()]
-        self.calls.ask([fresh[k] for k in np.flatnonzero(~ahead).tolist()])
+        if ahead.any():
+            speculated = [fresh[k] for k in np.flatnonzero(ahead).tolist()]
+            self.calls.ask([fresh[k] for k in np.flatnonzero(~ahead).tolist()])
+        else:  # (every fresh turn asked now: the roster's list where they are every live turn)
+            speculated = []
+            self.calls.ask(fresh, self._roster_of(fresh))
         t2 = time.perf_counter()
         # The device idles from the end of the last forward to this launch: only what the launch
         # needs comes before it; speculated turns' bookkeeping and guests come after.
@@ -337,7 +348,7 @@ class EngineLoop(Speculation):
         t3 = time.perf_counter()
         self.calls.ask(speculated)  # while the device computes their next logits
         t4 = time.perf_counter()
-        for turn in self._active:
+        for turn in self._active if len(self._live()) != len(self._active) else ():  # (one has ended)
             if turn.end is None or turn.over or turn.flying:
                 continue
             if turn.error is not None:  # failed while a forward had its row: wake its caller now
@@ -352,13 +363,30 @@ class EngineLoop(Speculation):
         phase["end"] += time.perf_counter() - t4
 
     def _live(self) -> list[Turn]:
-        return [t for t in self._active if t.end is None]
+        """The turns that have not ended, in order (the roster's list: not to be changed)."""
+        return self._roster_now().turns
+
+    def _roster_now(self) -> Roster:
+        """The live turns' roster, made again once a turn has ended or arrived since it was made."""
+        roster = self._roster
+        if roster is None or roster.key != self.table.changes:
+            roster = self._roster = Roster([t for t in self._active if t.end is None], self.table.changes)
+        return roster
+
+    def _roster_of(self, turns: list[Turn]) -> Roster | None:
+        """The roster whose list `turns` is, if every turn of it is still live; else None."""
+        roster = self._roster
+        if roster is not None and turns is roster.turns and roster.key == self.table.changes:
+            return roster
+        return None
 
     def _with_next_token(self) -> list[Turn]:
         """The live turns with a next token to append."""
-        live = self._live()
-        slots = np.array([t.slot for t in live], np.int64)
-        return [live[k] for k in np.flatnonzero(self.table.array[slots, Col.NEXT_TOKEN] != NONE).tolist()]
+        roster = self._roster_now()
+        ks = np.flatnonzero(self.table.array[roster.slots, Col.NEXT_TOKEN] != NONE)
+        if len(ks) == len(roster.turns):
+            return roster.turns
+        return [roster.turns[k] for k in ks.tolist()]
 
     def _prefill(self, turn: Turn) -> None:
         abi = turn.abi
@@ -388,18 +416,21 @@ class EngineLoop(Speculation):
             return
         # A fed turn's token is its slot's own choice from the forward in flight (None: Engine.feeds).
         table = self.table.array
-        at = np.array([t.slot for t in turns], np.int64)
+        roster = self._roster_of(turns)
+        if roster is not None:
+            at, slots, drawing = roster.slots, roster.slot_list, roster.drawing
+        else:
+            at = np.array([t.slot for t in turns], np.int64)
+            slots, drawing = at.tolist(), [t for t in turns if t.draws]
         speculated = table[at, Col.SPECULATED]
         tokens = table[at, Col.NEXT_TOKEN].tolist()
         for k in np.flatnonzero(speculated == FED).tolist():
             tokens[k] = None
-        slots = at.tolist()
         lengths = self.engine.cache.lengths
         positions = [lengths[slot] for slot in slots]
         prompts = [(t.abi.take_queued(), t.slot) for t in riding]
         # The next host choice of rows whose guest takes it with sampling parameters: drawn by the
         # step itself (on CUDA right after the forward, on the device), one uniform of each actor's.
-        drawing = [t for t in turns if t.draws]
         for turn in drawing:  # a speculated row may be undone: its draw is then given back too
             turn.rng_before = turn.context.generator.get_state() if turn.speculated is not None else None
         uniforms = draw_uniforms([t.context.generator for t in drawing]).tolist() if drawing else []
@@ -449,7 +480,9 @@ class EngineLoop(Speculation):
                 turn.fresh = True
         n = len(turns)
         moved = self._moved(n) if n else []
-        if n and not void and all([t.end is None and t.target is None for t in turns]) and not any(
+        roster = self._roster_of(turns)
+        if n and not void and (roster.targetless() if roster is not None else all(
+                [t.end is None and t.target is None for t in turns])) and not any(
                 [isinstance(r, BaseException) for r in results]):  # the common case, in the table at once
             for turn, result in zip(turns, results, strict=True):
                 turn.flying -= 1

@@ -45,8 +45,7 @@ class Speculation:
         if not (self.feed and len(self._launched) == 1):
             return None
         flight, table = self._launched[0], self.table.array
-        live = self._live()
-        if table[np.array([t.slot for t in live], np.int64), Col.FRESH].any():
+        if table[self._roster_now().slots, Col.FRESH].any():
             return None
         fed = [t for t in flight.turns if t.end is None]
         if not fed or any(t.flying != 1 for t in fed) or (flight.void and any(t in flight.void for t in fed)):
@@ -67,16 +66,21 @@ class Speculation:
         """The live turns with fresh logits and their slots, each given its host choice: what its step
         computed (the argmax, or the draw its launch asked for); a fed row's token, now known, is its
         speculated one (a row whose fed token is not known is undone: its guest is asked as any)."""
-        live = self._live()
+        roster = self._roster_now()
+        live = roster.turns
         if not live:
             return [], np.zeros(0, np.int64)
         table = self.table.array
-        slots = np.array([t.slot for t in live], np.int64)
-        ks = np.flatnonzero(table[slots, Col.FRESH]).tolist()
-        fresh, slots = [live[k] for k in ks], slots[ks]
-        if not fresh:
-            return fresh, slots
-        choices = self.engine.choices(slots.tolist(), [t.draws for t in fresh])
+        slots = roster.slots
+        ks = np.flatnonzero(table[slots, Col.FRESH])
+        if len(ks) == len(live):  # (every live turn: the roster's list, slots and draws)
+            fresh, slot_list, draws = live, roster.slot_list, roster.draws
+        else:
+            fresh, slots = [live[k] for k in ks.tolist()], slots[ks]
+            if not fresh:
+                return fresh, slots
+            slot_list, draws = slots.tolist(), [t.draws for t in fresh]
+        choices = self.engine.choices(slot_list, draws)
         table[slots, Col.CHOICE] = [NONE if c is None else c for c in choices]
         for k in np.flatnonzero(table[slots, Col.SPECULATED] == FED).tolist():
             turn = fresh[k]  # its next row was fed the choice as the device made it

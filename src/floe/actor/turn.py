@@ -41,6 +41,46 @@ class TurnTable:
         self.words, self.dwords = _views(self.array)  # (scalar access: ~5x numpy's)
         # The boundaries Col.IN_* and Col.OUT_* count (Engine.input_transfer / output_transfer's names)
         self.moved_names: list[str | None] = [None, None]
+        # +1 whenever one of its turns ends or is done (Turn.end set, Turn.set_done): the loop keeps what
+        # it derives from its live turns (EngineLoop._live: their list, slots, guests) until this changes.
+        self.changes = 0
+
+
+class Roster:
+    """An engine loop's live turns as of one TurnTable.changes (EngineLoop._live), and what the loop's
+    steps derive from them, made once for as long as no turn ends or arrives rather than at every step:
+    their list (never changed in place), slots (int64, read-only), guests, draws; and facts that hold
+    for every one of them once they hold (asked until they do, then kept): each has its call words
+    (Turn.headed), none has a prompt queued (Turn.prompt: once taken, never queued again in a turn),
+    each keeps no logits of its own (Turn.target None: set once, at its first decode row)."""
+
+    __slots__ = ("turns", "key", "slot_list", "slots", "guests", "draws", "drawing", "_headed",
+                 "_prompted", "_targetless")
+
+    def __init__(self, turns: list[Turn], key: int) -> None:
+        self.turns, self.key = turns, key
+        self.slot_list = [t.slot for t in turns]
+        self.slots = np.array(self.slot_list, np.int64)
+        self.slots.flags.writeable = False
+        self.guests = [t.guest for t in turns]
+        self.draws = [t.draws for t in turns]
+        self.drawing = [t for t in turns if t.draws]
+        self._headed = self._prompted = self._targetless = False
+
+    def headed(self) -> bool:
+        if not self._headed:
+            self._headed = all([t.headed for t in self.turns])
+        return self._headed
+
+    def prompted(self) -> bool:
+        if not self._prompted:
+            self._prompted = not any([t.prompt for t in self.turns])
+        return self._prompted
+
+    def targetless(self) -> bool:
+        if not self._targetless:
+            self._targetless = all([t.target is None for t in self.turns])
+        return self._targetless
 
 
 _NEW_ROW = np.zeros(guest_rows.WIDTH, np.int64)  # a turn's row before its first step: nothing yet
@@ -91,9 +131,10 @@ class Turn:
     """One message of one actor, as the loop runs it. Its per-token state is in its TurnTable row
     (the properties below); the rest, read once a turn or on its rarer paths, in slots."""
 
-    __slots__ = ("actor", "deadline", "speculated_at", "rng_before", "flying", "prompt", "end", "error",
+    __slots__ = ("actor", "deadline", "speculated_at", "rng_before", "flying", "prompt", "_end", "error",
                  "abandoned", "calls_on_end", "done", "over", "woken", "abi", "context", "guest", "draws",
-                 "target", "slot", "_row", "_words", "_dwords", "_base", "_moved_names", "headed", "decoded")
+                 "target", "slot", "_row", "_words", "_dwords", "_base", "_moved_names", "headed", "decoded",
+                 "_table")
 
     generated = _word(W.GENERATED)  # tokens it generated
     max_tokens = _word(W.MAX_TOKENS)
@@ -117,13 +158,14 @@ class Turn:
 
     def __init__(self, actor: GuestHost, max_tokens: int, deadline: float,
                  woken: threading.Event | None = None) -> None:
+        self._table: TurnTable | None = None  # its loop's, once bound
         self.actor = actor
         self.deadline = deadline  # time.monotonic()
         self.speculated_at = 0  # that row's position in its KV slot
         self.rng_before: torch.Tensor | None = None  # its generator before a speculated row's draw
         self.flying = 0  # rows of this turn in launched forwards not yet finished (two when fed)
         self.prompt = True  # its prompt may still be queued (HostABI.queued_tokens is asked only then)
-        self.end: int | None = None  # why it ended (END_*), once it has
+        self.end = None  # why it ended (END_*), once it has
         self.error: BaseException | None = None
         self.abandoned = False  # its caller stopped waiting (Ctrl-C): end it at the next step
         self.calls_on_end = False  # ended well: its caller calls its guest's on_end (GuestCalls.on_end)
@@ -152,6 +194,16 @@ class Turn:
         w[W.DECODED_AT], w[W.DECODED_CAP] = self.decoded.ctypes.data, len(self.decoded)
         self._dwords[W.DEADLINE] = deadline
 
+    @property
+    def end(self) -> int | None:
+        return self._end
+
+    @end.setter
+    def end(self, value: int | None) -> None:
+        self._end = value
+        if self._table is not None:  # (what its loop derived from its live turns is stale)
+            self._table.changes += 1
+
     def bind(self, table: TurnTable) -> None:
         """Its row moves to `table` (its loop's, at the row of its slot): from the loop's thread, once
         the turn that held the slot before is gone from the loop."""
@@ -159,6 +211,7 @@ class Turn:
         words, base = table.words, self.slot * guest_rows.WIDTH
         self._words, self._dwords, self._base = words, table.dwords, base
         self._moved_names = table.moved_names
+        self._table = table
         self.abi.sampled_at = (words, base + W.SAMPLED)
 
     def head(self) -> None:
@@ -262,6 +315,8 @@ class Turn:
         self.settle()
         self.abi.sampled_at = None  # (its row is the slot's next turn's from now on)
         self.over = True
+        if self._table is not None:
+            self._table.changes += 1
         self.done.set()
         if self.woken is not None:
             self.woken.set()
