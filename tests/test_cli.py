@@ -212,10 +212,17 @@ def test_ctrl_c_ends_with_interrupted_and_exit_130(when):
     assert err.strip().splitlines()[-1] == "floe: interrupted" and "Traceback" not in err, err
 
 
-def test_a_ctrl_c_during_torchs_import_is_held_until_it_is_done_then_ends_the_run():
-    """A Ctrl-C inside torch's C++ start-up could end `floe run` by std::terminate (SIGABRT) instead
-    of "floe: interrupted" (130): the command holds it until torch is imported, then raises it. Sent
-    here as torch's C module is about to load: the import finishes, and the run ends as interrupted."""
+HOLDING_COMMANDS = [["run", "x", "--max-tokens", "1"], ["serve", "--port", "0"], ["profile", "x"],
+                    ["bench", "decode"], ["bench", "dispatch", "--device", "cpu"], ["probe", "zero-copy"],
+                    ["snapshot", "inspect", "x.safetensors"], ["snapshot", "verify", "x.safetensors"]]
+
+
+@pytest.mark.parametrize("argv", HOLDING_COMMANDS, ids=lambda argv: " ".join(argv[:2]))
+def test_a_ctrl_c_during_torchs_import_is_held_until_it_is_done_then_ends_the_command(argv):
+    """A Ctrl-C inside torch's C++ start-up could end a command by std::terminate (SIGABRT) instead
+    of "floe: interrupted" (130): each command that imports torch holds it until torch is imported,
+    then raises it. Sent here as torch's C module is about to load: the import finishes, and the
+    command ends as interrupted (before it does anything: serve listens nowhere, bench measures nothing)."""
     code = ("import importlib.abc, os, signal, sys\n"
             "class Poke(importlib.abc.MetaPathFinder):\n"
             "    def find_spec(self, name, path, target=None):\n"
@@ -225,7 +232,7 @@ def test_a_ctrl_c_during_torchs_import_is_held_until_it_is_done_then_ends_the_ru
             "        return None\n"
             "sys.meta_path.insert(0, Poke())\n"
             "from floe.cli import main\n"
-            "code = main(['run', 'x', '--max-tokens', '1'])\n"
+            f"code = main({argv!r})\n"
             "print(code, 'torch._C' in sys.modules)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

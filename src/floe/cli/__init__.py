@@ -17,7 +17,11 @@ from floe.cli.commands import (  # noqa: F401 - (_tokenizer: the tests')
     cmd_snapshot_inspect,
     cmd_snapshot_verify,
 )
-from floe.cli.machine import idle_cpus, polite_openmp  # noqa: F401 - (idle_cpus: the tests')
+from floe.cli.machine import (  # noqa: F401 - (idle_cpus: the tests')
+    idle_cpus,
+    import_torch_holding_ctrl_c,
+    polite_openmp,
+)
 from floe.cli.options import (
     DEFAULT_PROMPT_HELP,
     MODEL_HELP,
@@ -239,6 +243,7 @@ KNOWN_SHAPE_NAMES = ("smollm2-135m", "llama-3.2-1b", "llama-3-8b", "qwen2.5-0.5b
 
 
 def _cuda_present() -> bool:
+    import_torch_holding_ctrl_c()
     import torch
 
     return torch.cuda.is_available()

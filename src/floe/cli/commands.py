@@ -138,6 +138,7 @@ def _run_record(engine, reply, finish: str, guest: str | None) -> dict:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
+    import_torch_holding_ctrl_c()
     from floe.engine import parse_device
     from floe.probe import probe_zero_copy
 
@@ -161,6 +162,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_snapshot_inspect(args: argparse.Namespace) -> int:
+    import_torch_holding_ctrl_c()
     from floe.snapshot import Snapshot
 
     s = Snapshot(args.file).summary()
@@ -181,6 +183,7 @@ def cmd_snapshot_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_snapshot_verify(args: argparse.Namespace) -> int:
+    import_torch_holding_ctrl_c()
     from floe.actor import SUPPORTED_ABI_VERSIONS
     from floe.snapshot import Snapshot, model_fingerprint
 
@@ -212,6 +215,7 @@ def _tokenizer(folder: str | None):
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    import_torch_holding_ctrl_c()
     from floe.engine import parse_device, parse_dtype
     from floe.profiling import profile_turn
     from floe.report import html_report, print_report, roofline_png
@@ -265,6 +269,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
+    import_torch_holding_ctrl_c()
     from floe.bench import decode
     from floe.engine import parse_device
 
@@ -280,6 +285,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_dispatch(args: argparse.Namespace) -> int:
+    import_torch_holding_ctrl_c()
     from floe.bench import dispatch
     from floe.engine import parse_device
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from floe.cli.machine import _load_with_progress, _threads
+from floe.cli.machine import _load_with_progress, _threads, import_torch_holding_ctrl_c
 from floe.cli.options import WEIGHTS
 from floe.errors import FloeError
 
@@ -19,6 +19,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import fastapi  # noqa: F401 - the HTTP front's, checked before the model loads
         import uvicorn  # noqa: F401
 
+        import_torch_holding_ctrl_c()  # (the core's modules import it)
         from floe.server.auth import OPERATOR_KEYS_ENV, BadApiKey, api_keys
         from floe.server.core_socket import listen, serve
     except ImportError as e:
