@@ -628,7 +628,8 @@ def test_a_request_never_runs_in_a_session_the_store_dropped_while_it_waited(def
     from floe.server.sessions import NoFreeSlot, SessionStore
 
     engine = Engine(default_checkpoint, max_seq_len=64, n_slots=1)
-    store = SessionStore(engine, tmp_path)
+    # The first waits 3 s for a slot before its 503 (not the default 30); the second, 6 s for its lock
+    store = SessionStore(engine, tmp_path, wait_seconds=3.0)
     hi = [{"role": "user", "content": "hi"}]
     busy = store.acquire("busy", hi, 0)
     store.go_live(busy)  # the only slot, held by a running request
