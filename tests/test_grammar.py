@@ -9,7 +9,7 @@ import pytest
 
 from floe.actor import IncompleteJSON, SchemaUnsupported, builtin_guest, grammar_actor, send_json
 from floe.actor.grammar import SchemaCheck
-from floe.engine import Engine, SamplingParams
+from floe.engine import SamplingParams
 
 PERSON = {  # nested objects
     "type": "object",
@@ -106,10 +106,10 @@ def test_the_validator_used_here_rejects_what_it_should():
 
 
 @pytest.fixture(scope="module")
-def engine(default_checkpoint):
-    """The default model as `floe run` and `floe serve` run it on a CPU: the GGUF's own 4/8-bit weights
-    (a decode step ~5x quicker than dequantized float32; the mask, not the weights, makes replies valid)."""
-    return Engine(default_checkpoint, max_seq_len=2048, n_slots=2, weights="native")
+def engine(native_engine):
+    """The default model as `floe run` and `floe serve` run it on a CPU (conftest's native_engine): the
+    mask, not the weights, makes a reply valid."""
+    return native_engine
 
 
 def replies(engine, name, n, params=None, seed=0):

@@ -590,15 +590,15 @@ def test_pydantic_bounds_dates_and_patterns_are_all_compiled(automaton):
     drawn_values_validate(automaton, schema, n=30)
 
 
-def test_default_model_replies_to_a_pydantic_schema_validate(default_engine):
-    """Greedy and sampled replies of the default model, masked by the grammar guest, each valid against
-    the schema pydantic emits, formats included."""
+def test_default_model_replies_to_a_pydantic_schema_validate(native_engine):
+    """Greedy and sampled replies of the default model (as floe run and floe serve run it on a CPU),
+    masked by the grammar guest, each valid against the schema pydantic emits, formats included."""
     from floe.actor import grammar_actor, send_json
     from floe.engine import SamplingParams
 
     schema, check = booking_schema(), validator(booking_schema())
     prompt = "Book a room for two guests arriving on the 3rd of March 2025 for four nights."
-    with grammar_actor(default_engine, seed=7) as actor:
+    with grammar_actor(native_engine, seed=7) as actor:
         replies = [send_json(actor, prompt, schema, fresh=True, max_tokens=120)]
         replies += [send_json(actor, prompt, schema, fresh=True, max_tokens=120,
                               params=SamplingParams(temperature=1.0)) for _ in range(3)]
