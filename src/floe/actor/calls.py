@@ -8,7 +8,7 @@ other turn waits for it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -36,7 +36,7 @@ class GuestCalls:
         self.native_calls = 0  # on_token calls made so
         self.refuse = refuse
 
-    def give_choices(self, turns: list[Turn], write: bool = True) -> None:
+    def give_choices(self, turns: Sequence[Turn], write: bool = True) -> None:
         """Write the host's choice into the memory of each of `turns`' guests that asked for it
         (choice_at): what its step computed (turn.choice), else drawn now, all in one batch (a
         prompt's first token). write=False: only turn.choice is set; floe.wasm.rows writes (and
@@ -61,10 +61,12 @@ class GuestCalls:
                 turn.abi.give_choice(token, record=False)
                 turn.choices += 1  # (recorded by Turn.record, which charges its budget)
 
-    def ask(self, turns: list[Turn], roster: Roster | None = None) -> None:
+    def ask(self, turns: Sequence[Turn], roster: Roster | None = None) -> None:
         """Give each of `turns` still running its host choice and ask its guest (ask_one): the
         guests' calls in one native loop (floe.wasm.rows) where it can run, else one by one.
         roster: the loop's roster whose list `turns` is, every turn of it live (its slots and guests)."""
+        if roster is not None and (turns is not roster.turns or roster.key != self.table.changes):
+            roster = None  # (not the roster of these turns as they are now)
         asking = turns if roster is not None else [t for t in turns if t.end is None]
         if not asking:
             return

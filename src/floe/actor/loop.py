@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -73,7 +73,7 @@ class Launched(NamedTuple):
     """A forward the loop launched: the engine's step, its decode turns and riding prompts' turns."""
 
     step: LaunchedStep
-    turns: list[Turn]
+    turns: Sequence[Turn]
     riding: list[Turn]
     started: float  # time.perf_counter()
     positions: list[int]  # each decode row's position in its turn's slot
@@ -251,6 +251,7 @@ class EngineLoop(Speculation):
             if self.table.changes != self._left:  # (a turn ended or is done: those done leave)
                 self._active = [t for t in self._active if not t.over]
                 self._left = self.table.changes
+                self._roster = None  # (nor does the roster hold them)
 
     def _wait_out(self, turn: Turn) -> None:
         """Wait for an abandoned turn to end, through further interrupts: until it has, the loop may
@@ -328,25 +329,28 @@ class EngineLoop(Speculation):
         t1 = time.perf_counter()
         fed = self._feedable()
         if fed is not None:  # the next forward now, before the one in flight is finished
-            self._launch([*fed, *self._with_next_token()], riding)
+            more = self._with_next_token()
+            self._launch([*fed, *more] if more else fed, riding)
         self._take_results()
         fresh, slots = self._fresh()
         # A fed step launched already: a fresh turn without a row in it (a prompt that rode in the
         # forward just taken, a fed row undone above) is asked first, and its token joins the next launch.
         ahead = self._speculate(slots) if fed is None else self.table.array[slots, Col.SPECULATED] != NONE
-        if ahead.any():
+        if not ahead.any():  # (every fresh turn asked now, or after the launch: the roster's turns where
+            speculated = []  # they are every live turn)
+            self.calls.ask(fresh, self._roster_of(fresh))
+        elif ahead.all():
+            speculated = fresh
+        else:
             speculated = [fresh[k] for k in np.flatnonzero(ahead).tolist()]
             self.calls.ask([fresh[k] for k in np.flatnonzero(~ahead).tolist()])
-        else:  # (every fresh turn asked now: the roster's list where they are every live turn)
-            speculated = []
-            self.calls.ask(fresh, self._roster_of(fresh))
         t2 = time.perf_counter()
         # The device idles from the end of the last forward to this launch: only what the launch
         # needs comes before it; speculated turns' bookkeeping and guests come after.
         if fed is None:
             self._launch(self._with_next_token(), riding)
         t3 = time.perf_counter()
-        self.calls.ask(speculated)  # while the device computes their next logits
+        self.calls.ask(speculated, self._roster_of(speculated))  # while the device computes their logits
         t4 = time.perf_counter()
         for turn in self._active if len(self._live()) != len(self._active) else ():  # (one has ended)
             if turn.end is None or turn.over or turn.flying:
@@ -362,7 +366,7 @@ class EngineLoop(Speculation):
         phase["guests"] += t4 - t3  # speculated rows' guests, while the device computes
         phase["end"] += time.perf_counter() - t4
 
-    def _live(self) -> list[Turn]:
+    def _live(self) -> tuple[Turn, ...]:
         """The turns that have not ended, in order (the roster's list: not to be changed)."""
         return self._roster_now().turns
 
@@ -370,17 +374,18 @@ class EngineLoop(Speculation):
         """The live turns' roster, made again once a turn has ended or arrived since it was made."""
         roster = self._roster
         if roster is None or roster.key != self.table.changes:
-            roster = self._roster = Roster([t for t in self._active if t.end is None], self.table.changes)
+            live = tuple(t for t in self._active if t.end is None)
+            roster = self._roster = Roster(live, self.table.changes)
         return roster
 
-    def _roster_of(self, turns: list[Turn]) -> Roster | None:
+    def _roster_of(self, turns: Sequence[Turn]) -> Roster | None:
         """The roster whose list `turns` is, if every turn of it is still live; else None."""
         roster = self._roster
         if roster is not None and turns is roster.turns and roster.key == self.table.changes:
             return roster
         return None
 
-    def _with_next_token(self) -> list[Turn]:
+    def _with_next_token(self) -> Sequence[Turn]:
         """The live turns with a next token to append."""
         roster = self._roster_now()
         ks = np.flatnonzero(self.table.array[roster.slots, Col.NEXT_TOKEN] != NONE)
@@ -400,7 +405,7 @@ class EngineLoop(Speculation):
         elif not abi.queued_tokens:
             turn.fresh = True
 
-    def _launch(self, turns: list[Turn], riding: list[Turn] = ()) -> None:
+    def _launch(self, turns: Sequence[Turn], riding: list[Turn] = ()) -> None:
         """Launch one forward for every turn with a next token and the whole queued prompt of each
         `riding` turn (the rows' steps one by one if not batching). Speculated turns' guests read their
         logits during it (they outlive it: see __init__)."""

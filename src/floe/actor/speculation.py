@@ -23,6 +23,8 @@ finished, and those join the next launch); the decode rows beside them are.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from floe.actor.turn import FED, Turn
@@ -33,7 +35,7 @@ class Speculation:
     """Which rows run ahead of their guests, and undoing a row its guest refused: on an EngineLoop
     (its table, engine, forwards in flight, overlap and feed settings, counters)."""
 
-    def _feedable(self) -> list[Turn] | None:
+    def _feedable(self) -> Sequence[Turn] | None:
         """The turns to launch fed before the forward in flight is finished (module doc), or None
         where that would not do: not feeding, not exactly one forward in flight, a prompt prefilled
         now (its guest chooses first), or a live turn in it its guest must see before its next row
@@ -47,7 +49,8 @@ class Speculation:
         flight, table = self._launched[0], self.table.array
         if table[self._roster_now().slots, Col.FRESH].any():
             return None
-        fed = [t for t in flight.turns if t.end is None]
+        fed = (flight.turns if self._roster_of(flight.turns) is not None  # (every one live)
+               else [t for t in flight.turns if t.end is None])
         if not fed or any(t.flying != 1 for t in fed) or (flight.void and any(t in flight.void for t in fed)):
             return None
         slots = (flight.slots if len(fed) == len(flight.turns)
@@ -62,7 +65,7 @@ class Speculation:
             self.fed_past_prompts += len(fed)
         return fed
 
-    def _fresh(self) -> tuple[list[Turn], np.ndarray]:
+    def _fresh(self) -> tuple[Sequence[Turn], np.ndarray]:
         """The live turns with fresh logits and their slots, each given its host choice: what its step
         computed (the argmax, or the draw its launch asked for); a fed row's token, now known, is its
         speculated one (a row whose fed token is not known is undone: its guest is asked as any)."""

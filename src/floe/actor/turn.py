@@ -49,7 +49,7 @@ class TurnTable:
 class Roster:
     """An engine loop's live turns as of one TurnTable.changes (EngineLoop._live), and what the loop's
     steps derive from them, made once for as long as no turn ends or arrives rather than at every step:
-    their list (never changed in place), slots (int64, read-only), guests, draws; and facts that hold
+    their tuple, slots (int64, read-only), guests, draws (tuples: never changed in place); and facts that hold
     for every one of them once they hold (asked until they do, then kept): each has its call words
     (Turn.headed), none has a prompt queued (Turn.prompt: once taken, never queued again in a turn),
     each keeps no logits of its own (Turn.target None: set once, at its first decode row)."""
@@ -57,14 +57,14 @@ class Roster:
     __slots__ = ("turns", "key", "slot_list", "slots", "guests", "draws", "drawing", "_headed",
                  "_prompted", "_targetless")
 
-    def __init__(self, turns: list[Turn], key: int) -> None:
+    def __init__(self, turns: tuple[Turn, ...], key: int) -> None:
         self.turns, self.key = turns, key
-        self.slot_list = [t.slot for t in turns]
+        self.slot_list = tuple(t.slot for t in turns)
         self.slots = np.array(self.slot_list, np.int64)
         self.slots.flags.writeable = False
-        self.guests = [t.guest for t in turns]
-        self.draws = [t.draws for t in turns]
-        self.drawing = [t for t in turns if t.draws]
+        self.guests = tuple(t.guest for t in turns)
+        self.draws = tuple(t.draws for t in turns)
+        self.drawing = tuple(t for t in turns if t.draws)
         self._headed = self._prompted = self._targetless = False
 
     def headed(self) -> bool:
