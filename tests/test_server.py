@@ -571,7 +571,7 @@ def test_a_full_server_answers_a_stream_with_503_and_forgets_the_new_session(def
     have made is not listed."""
     from guests_wat import v2_guest
 
-    engine = Engine(default_checkpoint, max_seq_len=256, n_slots=1)
+    engine = Engine(default_checkpoint, max_seq_len=256, n_slots=1, weights="native")  # (floe serve's)
     # A guest that never stops by itself: its request holds the one slot until max_tokens, far longer
     # than the 0.3 s a request may wait for it.
     s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, guest=v2_guest(after=10**6),

@@ -165,7 +165,8 @@ def test_a_completion_has_no_session(server):
 def test_a_completion_holds_a_kv_slot_as_the_store_counts_them(default_checkpoint, tmp_path):
     """One slot, held by a running completion: a chat arriving then waits its 0.3 s and gets 503 with
     Retry-After; once the completion ends its slot is free again (a chat and a completion run)."""
-    engine = Engine(default_checkpoint, max_seq_len=CONTEXT, n_slots=1)
+    # (native weights, as floe serve's on a CPU: the 200 tokens that hold the slot ~5x sooner than float32)
+    engine = Engine(default_checkpoint, max_seq_len=CONTEXT, n_slots=1, weights="native")
     s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, wait_seconds=0.3))
     try:
         long = {"model": MODEL_ID, "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 200, "temperature": 0}
