@@ -219,3 +219,75 @@ def test_a_guests_output_past_a_frame_ends_its_own_reply_not_the_connections(def
     finally:
         server.close()
         core.close()
+
+
+def test_while_the_loop_steps_its_thread_sends_each_steps_ids_not_the_flusher(core_server, monkeypatch):
+    """The engine loop's thread sends what each step streamed (CoreServer._after_step, a step watcher)
+    while the flusher thread stays out of it (its polls took the GIL from the loop); the reply's ids
+    still arrive whole and in order."""
+    import threading
+
+    from floe.actor.loop import in_engine_loop
+    from floe.server import core_socket
+
+    senders = []
+    parts = core_socket._Connection._write_parts
+
+    def noted(self, kind, sent, write=None):  # (who sends each frame of ids)
+        if kind == "ids":
+            senders.append("loop" if in_engine_loop() else threading.current_thread().name)
+        parts(self, kind, sent, write)
+
+    monkeypatch.setattr(core_socket._Connection, "_write_parts", noted)
+    wire = Wire(core_server.path)
+    frames = wire.chat(11, stream=True, max_tokens=24)
+    ids = [i for k, part in frames if k == "ids" for i in part]
+    done = frames[-1][1]
+    assert frames[-1][0] == "done" and done["usage"]["completion_tokens"] == len(ids)
+    # Each step's ids from the loop's thread; the flusher's only before the steps' pace is known (the
+    # first after an idle loop), or past a step twice as long as the one before (a busy machine).
+    assert senders.count("loop") >= max(2, len(senders) // 2), senders
+    wire.sock.close()
+
+
+def test_a_front_that_stops_reading_never_holds_the_loops_thread_and_loses_nothing():
+    """The loop's sends never wait: into a socket its reader has stopped draining, a frame goes out as
+    far as the socket takes it and the rest waits (pending) for the next writer, who sends it first;
+    every frame arrives whole and in order once the reader reads again."""
+    import threading
+    import time
+
+    from floe.actor.stream import TokenStream
+    from floe.server.core_socket import _Connection
+
+    ours, theirs = socket.socketpair()
+    conn = _Connection(ours)
+    stream = TokenStream()
+    conn.watch(5, stream, sent=True)
+    sent_ids = []
+    longest = 0.0
+    for token in range(20000):  # (far past what the socket holds unread)
+        stream.append(token % 1000)
+        sent_ids.append(token % 1000)
+        t = time.perf_counter()
+        conn.try_flush()
+        longest = max(longest, time.perf_counter() - t)
+    assert conn.pending, "the socket took everything: the test did not fill it"
+    assert longest < 0.5  # (never waited for the reader)
+    got = []
+
+    def drain() -> None:
+        wire = Wire.__new__(Wire)
+        wire.sock = theirs
+        while len(got) < len(sent_ids):
+            frame = wire.read()
+            assert frame[0] == "ids"
+            got.extend(i for r, part in frame[1] if r == 5 for i in part)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    conn.flush()  # (a writer that may wait: the rest first, then what is new)
+    reader.join(60)
+    assert not reader.is_alive() and got == sent_ids and not conn.pending
+    ours.close()
+    theirs.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
+import math
 import os
 import queue
 import shutil
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from floe.actor.loop import watch_steps
 from floe.actor.stream import TokenStream
 from floe.server import protocol
 from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length, pack, unpack
@@ -33,6 +35,11 @@ log = logging.getLogger("floe.serve")
 RECV_BYTES = 256 << 10  # what the core's reading thread asks its socket for at a time (_Connection.read)
 INLINE_CALLS = ("hello", "health", "sessions", "session", "metrics", "models")
 FLUSH_S = 0.002  # after a flush of streamed text, the next waits this long: its frame gathers more
+# While an engine loop steps, its thread sends what each step streamed (CoreServer._after_step); the
+# flusher thread sends only once no step has for twice the last gap between steps, and at least this long
+# (or at once where a step left a frame half sent).
+STEPPED_S = 0.02
+STEP_GAP_S = 0.5  # a longer gap between two steps is the loop's idling, not its pace
 UPLOAD_WAIT_S = 300.0  # an import whose next chunk takes longer than this is given up
 MAX_IMPORTS = 4  # snapshot uploads at once (each holds a thread while its client sends); more: a 503,
 # as is an API key's past half of them (a client trickling 4 uploads held them all, every key's, for hours)
@@ -63,6 +70,7 @@ class _Connection:
         self.overflowed: set[int] = set()  # chats whose streamed output could not be sent (_write_parts)
         self.exports: dict[int, threading.Semaphore] = {}  # exports under way: the chunks they may send
         self.closed = False
+        self.pending = b""  # the rest of a frame the engine loop's thread sent without waiting (try_flush)
         self._inbuf, self._at = bytearray(), 0  # what was read and not yet taken: read()'s, from _at
 
     def text(self, rid: int, piece: str) -> None:
@@ -101,8 +109,9 @@ class _Connection:
 
     @property
     def streaming(self) -> bool:
-        """Whether a watched chat streams ids (the flusher then looks every FLUSH_S)."""
-        return any(sent for _, _, sent in list(self.watched.values()))
+        """Whether a watched chat streams ids, or a frame is half sent (the flusher then looks every
+        FLUSH_S)."""
+        return bool(self.pending) or any(sent for _, _, sent in list(self.watched.values()))
 
     def send(self, value) -> None:
         """Send a frame after every piece of text gathered before it (a chat's text precedes its end).
@@ -126,11 +135,27 @@ class _Connection:
         with self.send_lock:
             self._flush_locked()
 
-    def _flush_locked(self) -> None:
+    def try_flush(self) -> bool:
+        """flush() from the engine loop's thread, which must never wait: nothing if another thread is
+        sending or a frame is left half sent; the frame goes out as far as the socket takes it at once,
+        its rest kept for the next writer (pending). Whether all of it went."""
+        if not (self.outbox or self.watched) or not self.send_lock.acquire(blocking=False):
+            return not self.pending
+        try:
+            if not self.pending:
+                self._flush_locked(self._write_without_waiting)
+            return not self.pending
+        finally:
+            self.send_lock.release()
+
+    def _flush_locked(self, write=None) -> None:
+        write = write or self._write
+        if self.pending:
+            self._write(b"")  # (what was left of a frame first)
         with self.out_lock:
             pieces, self.outbox = self.outbox, []
         if pieces:
-            self._write_parts("text", pieces)
+            self._write_parts("text", pieces, write)
         ids = []
         for rid, watched in self.watched.items():
             stream, taken, sent = watched
@@ -142,20 +167,21 @@ class _Connection:
                     new = [i if type(i) is int else i.decode("latin-1") for i in new]
                 ids.append([rid, new])
         if ids:
-            self._write_parts("ids", ids)
+            self._write_parts("ids", ids, write)
 
-    def _write_parts(self, kind: str, parts: list[list]) -> None:
+    def _write_parts(self, kind: str, parts: list[list], write=None) -> None:
         """One frame of every chat's [id, output] part; past a frame's limit (a guest that emitted tens
         of MB between two flushes) a frame each, and a chat whose own part cannot go in a frame ends with
         an error (its output stops; the connection's other chats go on)."""
+        write = write or self._write
         try:
-            self._write(pack([kind, parts]))
+            write(pack([kind, parts]))
             return
         except ServeError:
             pass
         for part in parts:
             try:
-                self._write(pack([kind, [part]]))
+                write(pack([kind, [part]]))
             except ServeError:
                 self.overflowed.add(part[0])
                 log.warning("chat %s: its output between two flushes is past a frame's limit: it is ended",
@@ -169,9 +195,29 @@ class _Connection:
         if self.closed:
             return
         try:
+            if self.pending:
+                self.sock.sendall(self.pending)
+                self.pending = b""
             self.sock.sendall(frame)
         except OSError:  # the front is gone: its chats stop at their next token
             self.lost()
+
+    def _write_without_waiting(self, frame: bytes) -> None:
+        """As far as the socket takes it now; the rest is pending (sent first by the next _write)."""
+        if self.closed:
+            return
+        if self.pending:
+            self.pending += frame
+            return
+        try:
+            sent = self.sock.send(frame, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.lost()
+            return
+        if sent < len(frame):
+            self.pending = frame[sent:]
 
     def read(self):
         """The next frame's value, or None at the end of the connection. The socket is read RECV_BYTES
@@ -227,6 +273,9 @@ class CoreServer:
         self._fixed_lock = threading.Lock()
         self._wake = threading.Event()  # text is waiting in an outbox
         self._closed = False
+        self._stepped = -math.inf  # when an engine loop's step last sent the streams (_after_step)
+        self._step_at, self._step_gap = -math.inf, 0.0  # the last step's end, and the gap before it
+        self._unwatch_steps = watch_steps(self._after_step)
         for target, name in ((self._accept, "floe-accept"), (self._flush_loop, "floe-flush")):
             threading.Thread(target=target, name=name, daemon=True).start()
 
@@ -428,11 +477,35 @@ class CoreServer:
                            "output_too_large")
         return ["error", rid, error.payload()]
 
+    def _after_step(self) -> None:
+        """After each engine loop step (in the loop's thread, on a GPU while its forward computes):
+        what the step streamed goes to each front now, in one frame a connection, instead of the
+        flusher thread polling every FLUSH_S, whose work at 128 streams (~0.2 ms) took the GIL from
+        the loop; a connection busy sending, or a frame the socket did not take whole, is the
+        flusher's."""
+        whole = True
+        for conn in list(self.connections):
+            try:
+                whole = conn.try_flush() and whole
+            except Exception:  # noqa: BLE001 - the flusher tries again; the loop goes on
+                log.exception("sending a front's streamed output after a step failed")
+                whole = False
+        now = time.monotonic()
+        if now - self._step_at < STEP_GAP_S:
+            self._step_gap = now - self._step_at
+        self._step_at = now
+        self._stepped = now if whole else -math.inf
+        if not whole:
+            self._wake.set()
+
     def _flush_loop(self) -> None:
         while not self._closed:
             if not any(conn.streaming for conn in list(self.connections)):
                 self._wake.wait()
             self._wake.clear()
+            if time.monotonic() - self._stepped < max(STEPPED_S, 2 * self._step_gap):  # (the steps send it)
+                time.sleep(FLUSH_S)
+                continue
             for conn in list(self.connections):
                 try:
                     conn.flush()
@@ -443,6 +516,7 @@ class CoreServer:
     def close(self) -> None:
         """Stop serving: no new connections or requests; running chats stop at their next token."""
         self._closed = True
+        self._unwatch_steps()
         self._wake.set()
         for conn in list(self.connections):
             conn.lost()
