@@ -234,7 +234,11 @@ def test_a_ctrl_c_during_torchs_import_is_held_until_it_is_done_then_ends_the_co
             "from floe.cli import main\n"
             f"code = main({argv!r})\n"
             "print(code, 'torch._C' in sys.modules)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    import signal
+
+    # (a background job of a non-interactive shell inherits SIGINT ignored: the child gets a terminal's)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["130", "True"], (proc.stdout, proc.stderr)
     assert proc.stderr.strip().splitlines()[-1] == "floe: interrupted", proc.stderr
