@@ -20,7 +20,31 @@ sys.path.insert(0, str(Path(__file__).parent))
 def default_checkpoint():
     from floe.model import load_checkpoint
 
-    return load_checkpoint()
+    return dequantized_once(load_checkpoint())
+
+
+def dequantized_once(checkpoint):
+    """`checkpoint`, its block-quantized weights dequantized once per dtype for the whole session and
+    each engine given a copy of its own (the same values): a float32 engine of the default model
+    dequantized them again at every start, ~1.5-3 s each of the many such starts in the suite."""
+    from floe.model.checkpoint import LazyWeights
+
+    weights = checkpoint.weights
+    if not isinstance(weights, LazyWeights):
+        return checkpoint
+    done: dict = {}
+
+    def once(name: str):
+        def load(dtype):
+            if (name, dtype) not in done:
+                done[name, dtype] = weights.load(name, dtype)
+            return done[name, dtype].clone()
+        return load
+
+    checkpoint.weights = LazyWeights({name: once(name) if name in checkpoint.quantized
+                                      else lambda dtype, name=name: weights.load(name, dtype)
+                                      for name in weights}, weights.dtype)
+    return checkpoint
 
 
 @pytest.fixture(scope="session")
