@@ -184,6 +184,18 @@ def test_every_token_stands_for_its_byte_level_bytes(default_checkpoint):
     assert len(tok._bytes) == kept <= tok.vocab_size
 
 
+def test_ids_bytes_join_each_tokens_bytes_kept_or_not():
+    """ids_bytes (a guest's detokenize) is token_bytes of each id joined: ids not asked for yet, ids past
+    the vocabulary and negative ones (nothing, and not kept) among kept ones, in order."""
+    from floe.model import load_checkpoint
+
+    tok = load_checkpoint(None, dtype="float32").tokenizer  # (a fresh one: nothing kept yet)
+    ids = [5, 17, 5, tok.vocab_size + 3, 300, -1, 17, tok.vocab_size - 1]
+    assert tok.ids_bytes(ids) == b"".join(tok.token_bytes(i) for i in ids)
+    assert tok.ids_bytes([5, 17, 300]) == tok.token_bytes(5) + tok.token_bytes(17) + tok.token_bytes(300)
+    assert tok.ids_bytes([]) == b"" and len(tok._bytes) <= tok.vocab_size
+
+
 def test_reply_bytes_leave_out_control_tokens(default_checkpoint):
     """reply_bytes (what the engine loop streams) is a token's bytes, none for a special token, for the
     whole vocabulary once filled (a server's start-up); ids outside the vocabulary stand for nothing."""

@@ -592,4 +592,4 @@ def _samplable(logits: torch.Tensor) -> bool:
 
 def _token_bytes(tokenizer, ids: list[int]) -> bytes:
     """The exact bytes of byte-level BPE tokens (which may end inside a UTF-8 character)."""
-    return b"".join(tokenizer.token_bytes(i) for i in ids)
+    return tokenizer.ids_bytes(ids)

@@ -145,6 +145,15 @@ class Tokenizer:
             data = self._bytes[token_id] = self._token_bytes(token_id)
         return data
 
+    def ids_bytes(self, ids: Sequence[int]) -> bytes:
+        """token_bytes() of each id, joined: the kept ones looked up in one pass in C (a chat guest's
+        on_end detokenizes its whole reply: ~0.4 us a token through token_bytes, in 64 sessions' threads
+        ending at once)."""
+        try:
+            return b"".join(map(self._bytes.__getitem__, ids))
+        except KeyError:  # (one not asked for yet, or past the vocabulary)
+            return b"".join(map(self.token_bytes, ids))
+
     def reply_bytes(self, token_id: int) -> bytes:
         """The bytes a token adds to reply text: token_bytes(), none for a special (control) token (its
         text, e.g. "<|im_start|>", is not reply text). Kept per token, as token_bytes: one dict lookup
