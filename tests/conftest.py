@@ -117,6 +117,19 @@ def chat_v1(tmp_path_factory):
     return build(HERE / "chat.c", tmp_path_factory.mktemp("guests"), ("FLOE_ABI_V1",), name="chat_v1")
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_as_found():
+    """A test that runs a command in this process (floe.cli.main: `floe run` sets torch's threads to the
+    cores idle at that moment) leaves the run's thread count as it found it: one such test at a busy
+    moment left every later test on one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def pytest_configure(config):
     """PyTorch's CPU threads for this run: the cores idle now. A thread on a core another process keeps
     busy makes every parallel op wait for it (decode ~50x slower on a busy 2-core machine), as
