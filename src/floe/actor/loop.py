@@ -226,14 +226,13 @@ class EngineLoop(Speculation):
                     if not self._cond.wait(IDLE_EXIT_S) and not self._arrived:
                         self._thread = None  # nothing holds the engine alive through this thread
                         return
-                for turn in self._arrived:  # (the turn that held its slot's row before is gone)
-                    turn.bind(self.table)
-                if self._arrived:  # (a stop asked before it arrived poked an earlier step, not this one)
-                    self._poked = True
                 if self._arrived:
+                    for turn in self._arrived:  # (the turn that held its slot's row before is gone)
+                        turn.bind(self.table)
+                    self._poked = True  # (a stop asked before it arrived poked an earlier step, not this one)
                     self._active.extend(self._arrived)
                     self._arrived.clear()
-                    self._roster = None
+                    self._roster = None  # (the live turns are more)
             t0 = time.perf_counter()
             try:
                 self._step()

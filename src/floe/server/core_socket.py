@@ -273,8 +273,8 @@ class CoreServer:
         self._fixed_lock = threading.Lock()
         self._wake = threading.Event()  # text is waiting in an outbox
         self._closed = False
-        self._stepped = -math.inf  # when an engine loop's step last sent the streams (_after_step)
-        self._step_at, self._step_gap = -math.inf, 0.0  # the last step's end, and the gap before it
+        # The last engine loop step's end (_after_step), the gap before it, and whether it sent all
+        self._step_at, self._step_gap, self._step_sent = -math.inf, 0.0, False
         self._unwatch_steps = watch_steps(self._after_step)
         for target, name in ((self._accept, "floe-accept"), (self._flush_loop, "floe-flush")):
             threading.Thread(target=target, name=name, daemon=True).start()
@@ -493,8 +493,7 @@ class CoreServer:
         now = time.monotonic()
         if now - self._step_at < STEP_GAP_S:
             self._step_gap = now - self._step_at
-        self._step_at = now
-        self._stepped = now if whole else -math.inf
+        self._step_at, self._step_sent = now, whole
         if not whole:
             self._wake.set()
 
@@ -503,7 +502,7 @@ class CoreServer:
             if not any(conn.streaming for conn in list(self.connections)):
                 self._wake.wait()
             self._wake.clear()
-            if time.monotonic() - self._stepped < max(STEPPED_S, 2 * self._step_gap):  # (the steps send it)
+            if self._step_sent and time.monotonic() - self._step_at < max(STEPPED_S, 2 * self._step_gap):
                 time.sleep(FLUSH_S)
                 continue
             for conn in list(self.connections):
