@@ -29,6 +29,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -101,6 +102,9 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=600)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--timeline", type=Path, default=None,
+                    help="with --server-process: a folder for which of the core's threads ran when "
+                         "(probes/thread_timeline.py: timeline.json, names.json, marks.json)")
     ap.add_argument("--url", default=None,
                     help="load a running `floe serve` (e.g. http://127.0.0.1:8000) instead of starting one "
                          "in this process; its model id is read from /v1/models")
@@ -119,6 +123,8 @@ def main() -> None:
         from floe.server.core_socket import serve
 
         engine, model_id, folder, _ = make_engine(args)
+        if args.timeline:
+            write_thread_names(args.timeline / "names.json")
         serve(ServeCore(engine, snapshots=folder, model_id=model_id, idle_seconds=3600, batching=BATCHING[
             args.batching]), port=args.serve_on, log_level="error", fronts=args.fronts,
             prompt_hints=args.prompt_hints)
@@ -198,6 +204,38 @@ def make_server(args, port: int) -> tuple[uvicorn.Server, dict]:
     return server, about | {"decode_batching": app.state.core.scheduler is not None}
 
 
+def write_thread_names(path: Path, every_s: float = 0.2) -> None:
+    """{native thread id: name} of this process's threads, written every `every_s` by a daemon thread
+    (for probes/thread_timeline.py: Python's names are not the OS's)."""
+    seen: dict[str, str] = {}
+
+    def write() -> None:
+        while True:
+            seen.update({str(t.native_id): t.name for t in threading.enumerate()})
+            path.with_suffix(".tmp").write_text(json.dumps(seen))
+            path.with_suffix(".tmp").replace(path)
+            time.sleep(every_s)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    threading.Thread(target=write, name="load-thread-names", daemon=True).start()
+
+
+def start_timeline(args, pid: int) -> subprocess.Popen | None:
+    """probes/thread_timeline.py sampling the core `pid` into args.timeline (None: no --timeline)."""
+    if not args.timeline:
+        return None
+    args.timeline.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, str(Path(__file__).parent / "probes" / "thread_timeline.py"),
+                             "--pid", str(pid), "--out", str(args.timeline / "timeline.json"),
+                             "--names", str(args.timeline / "names.json"), "--every-ms", "1"])
+
+
+def stop_timeline(sampler: subprocess.Popen | None) -> None:
+    if sampler is not None:
+        sampler.send_signal(signal.SIGTERM)
+        sampler.wait(60)
+
+
 def run_against_child(args) -> None:
     """Start the server in a child process, wait for /health, load it from this one."""
     port = free_port()
@@ -225,7 +263,11 @@ def run_against_child(args) -> None:
         about = {"device": health["device"], "model": health["model"], "server": "child process",
                  "fronts": health.get("fronts", 1),
                  "decode_batching": health["decode_batching"], "switch_interval_ms": args.switch_interval_ms}
-        run_load(args, client, health["model"], about)
+        sampler = start_timeline(args, child.pid)
+        try:
+            run_load(args, client, health["model"], about)
+        finally:
+            stop_timeline(sampler)
     finally:
         child.terminate()
         child.wait(30)
@@ -399,6 +441,21 @@ def client_process(args, base_url: str, model_id: str, indices: list[int], deadl
         out.put(run_sessions(args, client, model_id, indices, deadline, decoding))
 
 
+def write_marks(path: Path, rows: list[dict]) -> None:
+    """When the load's first turns were sent, their first and last first tokens and their first and last
+    ends (time.perf_counter: CLOCK_MONOTONIC, one clock for every process of this machine)."""
+    first = [r for r in rows if r["turn"] == 0 and r["ttft_s"] is not None]
+    if not first:
+        return
+    tokens = [r["sent_at"] + r["ttft_s"] for r in first]
+    ends = [t + (r["completion_tokens"] - 1) / r["decode_tok_s"] if r["decode_tok_s"] else t
+            for r, t in zip(first, tokens, strict=True)]
+    marks = {"sent": min(r["sent_at"] for r in first), "last_sent": max(r["sent_at"] for r in first),
+             "first_token": min(tokens), "ttft_p50": sorted(tokens)[len(tokens) // 2],
+             "last_first_token": max(tokens), "first_end": min(ends), "last_end": max(ends)}
+    path.write_text(json.dumps(marks, indent=1))
+
+
 def user_turn(args, i: int, t: int) -> dict:
     """Session i's user message at turn t."""
     return {"role": "user", "content": first_message(i, args.prompt_tokens) if t == 0
@@ -507,6 +564,8 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
         print(f"new sessions while {args.sessions} decode: TTFT p50 {result['probe_ttft_p50_ms']:.1f} ms, "
               f"p95 {result['probe_ttft_p95_ms']:.1f} ms ({len(probes)} probes, "
               f"{result['probe_prompt_tokens']} prompt tokens)")
+    if getattr(args, "timeline", None) and rows:
+        write_marks(args.timeline / "marks.json", rows)
     device = about["device"].split(":")[0]
     out = Path(args.out or Path(__file__).parent / "results" / f"serve_load_{device}.json")
     out.parent.mkdir(exist_ok=True)

@@ -91,7 +91,8 @@ def serve(args, sessions: int) -> dict:
            "--temperature", str(args.temperature), "--top-p", str(args.top_p), "--out", str(out),
            "--fronts", str(args.fronts), "--client", args.client,
            *([] if args.ride_rows is None else ["--ride-rows", str(args.ride_rows)]),
-           *([] if args.prompt_hints else ["--no-prompt-hints"])]
+           *([] if args.prompt_hints else ["--no-prompt-hints"]),
+           *([] if args.timeline is None else ["--timeline", str(args.timeline / f"serve_{sessions}")])]
     if args.shape:
         cmd += ["--shape", args.shape, "--tokenizer", args.tokenizer]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.serve_timeout_s)
@@ -122,6 +123,9 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--name", default=None)
     ap.add_argument("--fronts", type=int, default=1, help="serve: `floe serve --fronts N`")
+    ap.add_argument("--timeline", type=Path, default=None,
+                    help="serve: which of the core's threads ran when, into DIR/serve_S "
+                         "(probes/thread_timeline.py --show DIR/serve_S/timeline.json)")
     ap.add_argument("--ride-rows", type=int, default=None,
                     help="prompt rows a CUDA decode step takes along (bench/serve_load.py --ride-rows)")
     ap.add_argument("--no-prompt-hints", dest="prompt_hints", action="store_false",

@@ -10,6 +10,9 @@
 #               (`--no-prompt-hints`), taking turns (ROUNDS rounds) at SIZES sessions (default "16 64");
 #   PART=table  `bench/sessions.py` (every way) at SIZES for this checkout, then the serve way for the
 #               earlier source, TABLE_ARGS added to both (e.g. "--shape llama-3-8b");
+#   PART=timeline  `bench/sessions.py --ways serve` at SIZES (default "16 64") for this checkout with
+#               each core's threads sampled (probes/thread_timeline.py): $OUT/timeline/serve_S/, and its
+#               tables (BIN_MS, default 10) in $OUT/timeline_S.txt;
 #   PART=profile  py-spy (a wheel in .whl) samples every process of `--ways serve --sessions 64` (this
 #               checkout): $OUT/serve64_pyspy.txt, raw stacks with their process (bench/probes/stacks.py
 #               reads them); RATE (200 a second), TOKENS (128 out), PYSPY_ARGS (e.g. --gil: only the
@@ -49,6 +52,14 @@ if [ "${PART:-check}" = hints ]; then
             flag=""; [ $v = off ] && flag=--no-prompt-hints
             sessions "$NEW" hints_${v}_$r --sessions ${SIZES:-16 64} --ways serve $flag
         done
+    done
+elif [ "${PART:-check}" = timeline ]; then
+    sessions "$NEW" timeline --sessions ${SIZES:-16 64} --ways serve --timeline "$OUT/timeline"
+    for d in "$OUT"/timeline/serve_*; do
+        python3 bench/probes/thread_timeline.py --show "$d/timeline.json" --bin-ms "${BIN_MS:-10}" --top 8 \
+            > "$OUT/timeline_${d##*_}.txt" 2>&1
+        head -12 "$OUT/timeline_${d##*_}.txt"
+        gzip "$d/timeline.json"
     done
 elif [ "${PART:-check}" = tests ]; then
     FLOE_TEST_TOKENIZER=$PWD/.tok PYTHONPATH=$NEW timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
