@@ -3,6 +3,10 @@ little), S chat-guest actors through one EngineLoop, the loop's phases per step,
 loop thread's time goes (cProfile of its steps, the top functions by own time).
 
     python bench/probes/loop_host_cost.py [--sessions 64] [--tokens 64] [--tokenizer DIR] [--rounds 3] [--ids]
+        [--device cuda --shape llama-3.2-1b]
+
+--shape: seeded random weights of that shape (dense, bfloat16 off the CPU) instead of the tiny model:
+where a real step's host time goes (its launch, its results) on the device it runs on.
 
 --ids: each reply streamed as token ids (a TokenStream, as `floe serve` streams), not as text.
 
@@ -39,9 +43,11 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the native / row-by-row comparison")
     ap.add_argument("--ids", action="store_true", help="replies streamed as token ids, not text")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shape", default=None, help="a real shape's seeded random weights (e.g. llama-3.2-1b)")
     args = ap.parse_args()
     tok = tokenizer(args.tokenizer)
-    engine = tiny_engine(tok, args.sessions)
+    engine = shaped_engine(tok, args) if args.shape else tiny_engine(tok, args.sessions, args.device)
     texts = [message(tok, i, 64) for i in range(args.sessions)]
     actors_run(engine, texts[:2], 4, batch=True, ids=args.ids)
     asking_ab(engine, texts, args)
@@ -80,10 +86,27 @@ def main() -> None:
               f"{Path(file).name}:{line}({name})")
 
 
+def shaped_engine(tok, args) -> Engine:
+    """An engine of args.shape's seeded random weights on args.device (as bench/sessions.py makes it)."""
+    import torch
+
+    from floe.model.synthetic import random_checkpoint
+
+    device = torch.device(args.device)
+    cpu = device.type == "cpu"
+    checkpoint = random_checkpoint(args.shape, tok, dtype=torch.bfloat16, device=device)
+    engine = Engine(checkpoint, device=device, dtype="float32" if cpu else "bfloat16", max_seq_len=1024,
+                    n_slots=args.sessions, weights="native" if cpu else "dense")
+    engine.warm_up()
+    return engine
+
+
 def asking_ab(engine: Engine, texts: list[str], args) -> None:
-    """µs a row of GuestCalls.ask, native loop vs row by row, `args.rounds` rounds each."""
+    """µs a row of GuestCalls.ask, native loop vs row by row, `args.rounds` rounds each (0: none)."""
     from floe.wasm import rows as guest_rows
 
+    if not args.rounds:
+        return
     ask, usable = GuestCalls.ask, guest_rows.usable
     spent = {"native": [], "row by row": []}
 
