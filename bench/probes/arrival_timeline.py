@@ -76,13 +76,16 @@ def main() -> None:
     core = ServeCore(engine, snapshots=folder, model_id=model_id, idle_seconds=3600)
     core.keep_spares()
     times: dict[tuple[int, int], dict[str, float]] = {}  # (connection, rid) -> stage -> perf_counter
+    cpu: dict[tuple[int, int], dict[str, float]] = {}  # ... -> stage -> its chat thread's CPU s (thread_time)
     local = threading.local()
     lock = threading.Lock()
 
-    def mark(key, stage: str) -> None:
+    def mark(key, stage: str, thread_cpu: bool = False) -> None:
         if key is not None:
             with lock:
                 times.setdefault(key, {}).setdefault(stage, time.perf_counter())
+                if thread_cpu:  # (a stage in the chat's own thread)
+                    cpu.setdefault(key, {}).setdefault(stage, time.thread_time())
 
     dispatch, chat, pack_ = CoreServer._dispatch, CoreServer._chat, core_socket.pack
     open_, run_ = ServeCore.open, type(core.loop).run
@@ -93,22 +96,26 @@ def main() -> None:
         return dispatch(self, conn, message)
 
     def w_chat(self, conn, rid, request):
-        local.key = (id(conn), rid)
-        mark(local.key, "thread")
+        local.key = key = (id(conn), rid)
+        mark(key, "thread", True)
         try:
             return chat(self, conn, rid, request)
         finally:
+            mark(key, "done", True)
             local.key = None
 
     def w_open(self, request):
         try:
             return open_(self, request)
         finally:
-            mark(getattr(local, "key", None), "opened")
+            mark(getattr(local, "key", None), "opened", True)
 
     def w_run(self, actor, *a, **k):
-        mark(getattr(local, "key", None), "handed")
-        return run_(self, actor, *a, **k)
+        mark(getattr(local, "key", None), "handed", True)
+        try:
+            return run_(self, actor, *a, **k)
+        finally:
+            mark(getattr(local, "key", None), "returned", True)
 
     def w_pack(value):
         if isinstance(value, list) and value and value[0] == "ids":
@@ -162,6 +169,7 @@ def main() -> None:
             started_fronts.acquire(timeout=60)
         for r in range(args.rounds):
             times.clear()
+            cpu.clear()
             cmd = [sys.executable, str(HERE.parent / "serve_load.py"), "--url", f"http://127.0.0.1:{port}",
                    "--device", args.device, "--sessions", str(args.sessions), "--turns", "1", "--max-tokens",
                    str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens), "--client-processes",
@@ -181,6 +189,7 @@ def main() -> None:
                        "front gets": [t for what, t in front if what == "request"],
                        "front to core": [t for what, t in front if what == "to_core"]}
             report(timed[-args.sessions:], {k: sorted(v)[-args.sessions:] for k, v in outside.items()})
+            report_cpu(list(cpu.values()))
     finally:
         for front in fronts:
             front.terminate()
@@ -189,6 +198,21 @@ def main() -> None:
         environment.__exit__(None, None, None)
         server.close()
         core.close()
+
+
+def report_cpu(rows: list[dict[str, float]]) -> None:
+    """Each chat thread's CPU by stage (time.thread_time: its own, not the GIL's waits), p50 / sum."""
+    stages = [("thread", "opened", "open"), ("opened", "handed", "its turn to the loop (on_message)"),
+              ("handed", "returned", "in the loop"), ("returned", "done", "after the loop (on_end, reply)")]
+    parts = []
+    for a, b, name in stages:
+        spans = [1e3 * (r[b] - r[a]) for r in rows if a in r and b in r]
+        if spans:
+            parts.append(f"{name} {statistics.median(spans):.3f} / {sum(spans):.1f}")
+    whole = [1e3 * (r["done"] - r["thread"]) for r in rows if "done" in r and "thread" in r]
+    if whole:
+        print(f"  chat threads' CPU ms, p50 / sum over {len(whole)}: whole {statistics.median(whole):.3f} / "
+              f"{sum(whole):.1f}; " + "; ".join(parts))
 
 
 def report(rows: list[dict[str, float]], outside: dict[str, list[float]]) -> None:
