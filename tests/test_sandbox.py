@@ -646,6 +646,23 @@ def test_negative_lengths_and_caps_answer_bad_argument(tiny_engine):
         actor.send("Hi")
 
 
+@pytest.mark.parametrize("bad", [-1, "vocab", -(1 << 31)])
+def test_detokenize_refuses_an_id_outside_the_vocabulary_among_good_ones(tiny_engine, bad):
+    """A guest's detokenize of ids with one outside [0, vocab) anywhere among them answers bad token
+    (-2) and writes nothing; the same ids without it are their text."""
+    bad = tiny_engine.config.vocab_size if bad == "vocab" else bad
+    ids = "".join(f"(i32.store (i32.const {4096 + 4 * k}) (i32.const {t}))"
+                  for k, t in enumerate([17, 5, bad, 9]))
+    body = (ids + "(i32.store8 (i32.const 8192) (i32.const 120))"
+            + _expect("(call $detokenize (i32.const 4096) (i32.const 4) (i32.const 8192) (i32.const 64))", -2)
+            + _expect("(i32.load8_u (i32.const 8192))", 120)  # (nothing written)
+            + _expect("(i32.gt_s (call $detokenize (i32.const 4096) (i32.const 2) (i32.const 8192) "
+                      "(i32.const 64)) (i32.const 0))", 1)
+            + "(i32.const 0)")
+    with Actor(tiny_engine, calls_host(body)) as actor:
+        actor.send("Hi")
+
+
 @pytest.mark.parametrize("call", ["(call $request (i32.const 4100))",
                                   "(call $sample (i32.const 4098))",
                                   "(call $chat_render (i32.const 4098) (i32.const 1) (i32.const 1) "

@@ -196,6 +196,17 @@ def test_ids_bytes_join_each_tokens_bytes_kept_or_not():
     assert tok.ids_bytes([]) == b"" and len(tok._bytes) <= tok.vocab_size
 
 
+def test_ids_reply_bytes_join_each_tokens_reply_bytes(default_checkpoint):
+    """ids_reply_bytes (a streamed reply's text at its end) is reply_bytes of each id joined: special
+    tokens' none, ids not asked for yet and ids past the vocabulary among kept ones, in order."""
+    tok = default_checkpoint.tokenizer
+    special = sorted(tok.special_ids)[0]
+    ids = [5, 17, special, 5, tok.vocab_size + 3, 301, 17, tok.vocab_size - 1]
+    assert tok.ids_reply_bytes(ids) == b"".join(tok.reply_bytes(i) for i in ids)
+    assert tok.ids_reply_bytes([300, special, 1000]) == tok.token_bytes(300) + tok.token_bytes(1000)
+    assert tok.ids_reply_bytes([]) == b""
+
+
 def test_reply_bytes_leave_out_control_tokens(default_checkpoint):
     """reply_bytes (what the engine loop streams) is a token's bytes, none for a special token, for the
     whole vocabulary once filled (a server's start-up); ids outside the vocabulary stand for nothing."""

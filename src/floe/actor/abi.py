@@ -234,7 +234,7 @@ class HostABI(GuestIO):
         if ids_ptr % 4:
             raise GuestPointerError(f"token ids: pointer {ids_ptr} is not 4-byte aligned")
         ids = struct.unpack(f"<{n}i", self._bytes(ids_ptr, 4 * n, "token ids"))  # a tensor costs more
-        if any(not 0 <= i < self.vocab for i in ids):
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab):  # (in C: a reply's ids at its end)
             return ERR_BAD_TOKEN
         data = _token_bytes(self.tokenizer, ids)
         self._write(out_ptr, out_cap, data, "text")

@@ -20,7 +20,7 @@ from floe.actor.abi import IMPORT_MODULE, SUPPORTED_ABI_VERSIONS, HostABI
 from floe.actor.host import GuestHost, MessageStats, Request
 from floe.actor.loop import EngineLoop, engine_loop, in_engine_loop
 from floe.actor.scheduler import DecodeScheduler
-from floe.actor.stream import TokenStream, reply_bytes
+from floe.actor.stream import TokenStream
 from floe.actor.turn import END_REASONS
 from floe.engine import Engine, SamplingParams
 from floe.engine.kvcache import PendingLoad
@@ -313,7 +313,7 @@ class Actor(GuestHost):
                 if self.scheduler is not None:
                     self.scheduler.leave(self.slot)
             if tokens is not None:  # the reply's text, once (its reader made it as it came, elsewhere)
-                made = reply_bytes(tokens.items, self.engine.tokenizer.reply_bytes)
+                made = tokens.reply_bytes(self.engine.tokenizer)
                 collect(self.abi.utf8.decode(made))  # (on_text is None: it keeps the text, its start cut)
             tail = self.abi.utf8.decode(b"", final=True)
             if tail:

@@ -80,6 +80,14 @@ class TokenStream:
             out.extend(self.ids[taken:n].tolist())
         return out, (max(n, taken), m)
 
+    def reply_bytes(self, tokenizer) -> bytes:
+        """The reply bytes of every item so far (a token's: tokenizer.reply_bytes): where a guest emitted
+        none, its ids' looked up in one pass (Tokenizer.ids_reply_bytes: ~0.1 us a token, against ~1
+        through a Python call each, at every reply's end in 64 sessions' threads)."""
+        if not self.emitted:
+            return tokenizer.ids_reply_bytes(self.ids[:int(self.count[0])].tolist())
+        return reply_bytes(self.items, tokenizer.reply_bytes)
+
     @property
     def items(self) -> list[int | bytes]:
         """Every item so far, in order."""
