@@ -51,6 +51,13 @@ def capture(run, device: torch.device, pool=None) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def record(event: torch.cuda.Event, device: torch.device) -> None:
+    """event.record() on `device`'s current stream, asked for by its index: Event.record() without a
+    stream asks torch.cuda.current_stream() for the current device's through torch's device-index
+    helpers (a chain of Python calls, twice a step of the engine loop's host time)."""
+    event.record(torch.cuda.current_stream(device.index))
+
+
 class GraphDecoder:
     """Decode steps of one KV cache slot, replayed from CUDA graphs."""
 
@@ -126,7 +133,7 @@ class GraphDecoder:
         if graph is None:
             graph = self.graphs[bucket] = self._capture(bucket)
         graph.replay()
-        self.done.record()
+        record(self.done, self.device)
         return self.logits
 
 
@@ -310,7 +317,7 @@ class BatchGraphDecoder:
         # Padding rows: the spare logits row, drawn plainly; nobody reads them.
         host[:, n:size] = [[self.n_slots], [1.0], [1.0], [self.slot_logits.shape[1]], [0.5]]
         self.dev_draw_in.copy_(self.draw_in[turn], non_blocking=True)
-        self._draw_copied[turn].record()
+        record(self._draw_copied[turn], self.device)
         graph = self.draw_graphs.get(size)
         if graph is None:
             graph = capture(lambda: self._draw(size), self.device, self.pool)
@@ -318,7 +325,7 @@ class BatchGraphDecoder:
             self.draw_graphs[size] = graph
         graph.replay()
         self.draw_done = torch.cuda.Event()
-        self.draw_done.record()
+        record(self.draw_done, self.device)
         return self.draw_done
 
     def row(self, slot: int) -> int:
@@ -387,7 +394,7 @@ class BatchGraphDecoder:
         self._in_copied[turn].synchronize()  # the copy out of this buffer, two replays ago, is done
         fill_rows(host_rows[turn], size, tokens, positions, slots, rows, self.n_slots, feeds)
         dev.copy_(host[turn], non_blocking=True)
-        self._in_copied[turn].record()
+        record(self._in_copied[turn], self.device)
         graph = self.graphs.get((size, bucket, prefill))
         if graph is None:  # capturing runs the step for real, twice first: a fed row reads a row it
             # does not write (a slot's earlier row), so each run computes the same thing
@@ -396,5 +403,5 @@ class BatchGraphDecoder:
             self.graphs[size, bucket, prefill] = graph
         graph.replay()
         self.done = torch.cuda.Event()
-        self.done.record()
+        record(self.done, self.device)
         return rows
