@@ -207,6 +207,26 @@ def test_ids_reply_bytes_join_each_tokens_reply_bytes(default_checkpoint):
     assert tok.ids_reply_bytes([]) == b""
 
 
+def test_joins_after_every_ids_bytes_are_kept_are_the_same():
+    """Once every id's bytes are kept (fill_reply_bytes, as a server starts), ids_bytes and
+    ids_reply_bytes look ids up with nothing for one past the vocabulary or negative: the same bytes
+    as each id's token_bytes / reply_bytes, special tokens' included."""
+    from floe.model import load_checkpoint
+
+    tok = load_checkpoint(None, dtype="float32").tokenizer  # (a fresh one: nothing kept yet)
+    special = sorted(tok.special_ids)
+    ids = [*special, 300, tok.vocab_size, tok.vocab_size + 70_000, -1, 17, tok.vocab_size - 1]
+    tok.fill_reply_bytes()  # (nothing asked for before it)
+    assert tok._every_id
+
+    def made(i: int) -> bytes:  # (worked out again, nothing kept)
+        return tok._token_bytes(i) if 0 <= i < tok.vocab_size else b""
+
+    assert tok.ids_bytes(ids) == b"".join(made(i) for i in ids)
+    assert tok.ids_bytes(special[:1]) == made(special[0]) != b""
+    assert tok.ids_reply_bytes(ids) == b"".join(b"" if i in tok.special_ids else made(i) for i in ids)
+
+
 def test_reply_bytes_leave_out_control_tokens(default_checkpoint):
     """reply_bytes (what the engine loop streams) is a token's bytes, none for a special token, for the
     whole vocabulary once filled (a server's start-up); ids outside the vocabulary stand for nothing."""
