@@ -255,7 +255,6 @@ def random_model(shape: str, folder: Path, tokenizer_folder: str | None = None) 
     """A random Llama model of `shape` as a Hugging Face folder (bf16 safetensors), the default model's
     tokenizer or `tokenizer_folder`'s (its tokenizer.json and tokenizer_config.json copied: where the
     default model's package is not installed, as on a lent GPU machine)."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from floe.model.config import KNOWN_SHAPES
@@ -276,12 +275,56 @@ def random_model(shape: str, folder: Path, tokenizer_folder: str | None = None) 
                          vocab_size=tokenizer.vocab_size, max_position_embeddings=8192,
                          rms_norm_eps=c.norm_eps,
                          tie_word_embeddings=c.tie_embeddings, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    write_random_weights(config, LlamaForCausalLM, folder)
     tokenizer.backend.save(str(folder / "tokenizer.json"))
     if tokenizer_folder:
         shutil.copy(Path(tokenizer_folder) / "tokenizer_config.json", folder)
     return folder
+
+
+SHARD_BYTES = 4 << 30  # a safetensors shard of the random model, as transformers shards (index beside)
+
+
+def write_random_weights(config, model_class, folder: Path, seed: int = 0) -> None:
+    """`model_class(config)`'s weights, seeded random bf16 (std 0.02; norms 1), written shard by shard
+    with their index: the model's tensors' names and shapes from a model made on the meta device, each
+    tensor drawn on the GPU where there is one (an 8B model made and written in seconds, where
+    transformers' own init on the CPU took minutes and twice its size in memory)."""
+    import torch
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        model = model_class(config)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", torch.bfloat16)
+    config.save_pretrained(folder)
+    names = [n for n, _ in model.named_parameters()]  # (a tied head is one tensor: named once)
+    shapes = dict(model.state_dict(keep_vars=True).items())
+    shards, shard, size = [], {}, 0
+    for name in names:
+        shape = shapes[name].shape
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(
+                torch.bfloat16).cpu()
+        shard[name] = t
+        size += t.numel() * 2
+        if size >= SHARD_BYTES:
+            shards.append(shard)
+            shard, size = {}, 0
+    if shard:
+        shards.append(shard)
+    weight_map, total = {}, 0
+    for k, tensors in enumerate(shards):
+        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        total += sum(t.numel() * 2 for t in tensors.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
 def report(result: dict) -> None:
