@@ -698,3 +698,46 @@ def test_a_fifo_is_refused_at_once_by_the_cli_and_skipped_by_the_server_scan(tmp
     for name in ("fifo", "folder", "broken"):
         assert f"skipping {name}.safetensors" in proc.stderr  # the server's log lines
     assert not stale.exists()
+
+
+def test_a_header_checked_once_is_kept_by_its_bytes_and_each_reader_gets_its_own(monkeypatch, tmp_path):
+    """encode() checks the header it wrote, as a thaw will (layout.parse_header keeps it by its bytes and
+    the file's size): the thaw checks nothing again, each reader gets its own Header (one's change is
+    no other's), a damaged header is refused every time and never kept, and no more than HEADERS_KEPT
+    are kept."""
+    from floe.snapshot import encode, layout
+    from floe.snapshot.store import DiskTier, PinnedTier, SnapshotStore
+
+    monkeypatch.setattr(layout, "_checked", type(layout._checked)())
+    parsed = []
+    monkeypatch.setattr(layout, "_parse_header",
+                        lambda *a, parse=layout._parse_header: parsed.append(1) or parse(*a))
+    engine = tiny_engine()
+    with Actor(engine, seed=3) as actor:
+        actor.send("one")
+        data = encode(actor)
+    assert len(parsed) == 1
+    store = SnapshotStore([PinnedTier(1 << 26), DiskTier(tmp_path)], owner="t")
+    store.put("k", data)
+    store.thaw("k", engine).close()
+    first = layout.read_header_buffer(data, Path("x"))
+    first.metadata["kv_len"] = "0"
+    first.tensors.clear()
+    again = layout.read_header_buffer(data, Path("x"))
+    assert len(parsed) == 1 and again.metadata["kv_len"] != "0" and again.tensors
+    assert again == layout._parse_header(data[8:again.data_offset], len(data), Path("x"))
+    n = struct.unpack("<Q", data[:8])[0]
+    assert data[8:8 + n].count(b'"dtype":"F32"')
+    bad = data[:8] + data[8:8 + n].replace(b'"dtype":"F32"', b'"dtype":"X32"', 1) + data[8 + n:]
+    for _ in range(2):
+        with pytest.raises(SnapshotCorrupt):
+            layout.read_header_buffer(bad, Path("x"))
+    assert len(layout._checked) == 1
+    with pytest.raises(SnapshotCorrupt, match="bytes after its last tensor"):  # its header kept, not its size
+        layout.read_header_buffer(data + bytes(8), Path("x"))
+    monkeypatch.setattr(layout, "HEADERS_KEPT", 2)
+    for text in ("two", "three", "four"):
+        with Actor(engine, seed=3) as actor:
+            actor.send(text)
+            encode(actor)
+    assert len(layout._checked) == 2

@@ -162,7 +162,12 @@ def encode(actor: Actor, kv_dtype: str | None = None, app: dict | None = None) -
     with actor.between_messages():
         tensors, metadata = _contents(actor.capture_state(), kv_dtype, app)
     seal(tensors, metadata)
-    return save(tensors, metadata=metadata)
+    data = save(tensors, metadata=metadata)
+    # Checked now, as a thaw checks it: kept by its bytes (layout.parse_header), so that thawing it back
+    # (the store's pinned tier, a page-cached file) checks nothing again (a freeze is off a request's
+    # first token; a thaw is on it). A header this writes that does not read back fails here.
+    read_header_buffer(data, Path("<a snapshot being made>"))
+    return data
 
 
 def _write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path, t0: float) -> dict:
