@@ -127,10 +127,12 @@ def test_a_cuda_thaw_continues_identically_and_refuses_a_damaged_kv_byte(engines
     assert engine.slots.free == free
 
 
+@pytest.mark.parametrize("pinned", [False, True])
 @pytest.mark.parametrize("staging", ["one group", "a group per tensor"])
-def test_a_checked_load_onto_the_gpu_lands_exactly_in_groups_too(engines, monkeypatch, staging):
+def test_a_checked_load_onto_the_gpu_lands_exactly_in_groups_too(engines, monkeypatch, staging, pinned):
     """Host tensors through the pinned buffer (hashed as they land) into a slot, in one group or,
-    with a tiny staging buffer, a group per tensor; a wrong digest leaves the slot empty."""
+    with a tiny staging buffer, a group per tensor; tensors already in pinned memory (the store's
+    pinned tier) sent from there, hashed where they lie; a wrong digest leaves the slot empty."""
     from floe.engine import copyhash, kvcache
 
     if staging != "one group":
@@ -140,18 +142,56 @@ def test_a_checked_load_onto_the_gpu_lands_exactly_in_groups_too(engines, monkey
     g = torch.Generator().manual_seed(3)
     k = [torch.randn(c.n_kv_heads, n, c.head_dim, generator=g).to(engine.dtype) for _ in range(c.n_layers)]
     v = [torch.randn(c.n_kv_heads, n, c.head_dim, generator=g).to(engine.dtype) for _ in range(c.n_layers)]
+    if pinned:
+        k, v = [t.pin_memory() for t in k], [t.pin_memory() for t in v]
     digests = copyhash.digests(k + v)
     slot = engine.claim_slot()
     try:
-        engine.cache.load(slot, k, v, list(range(n)), digests)
+        load = engine.cache.start_load(k, v, digests)
+        assert (load.direct, load.staged) == (pinned, not pinned)
+        load.into(slot, list(range(n)))
         got_k, got_v = engine.cache.export(slot)
         assert engine.kv_len(slot) == n
         assert all(torch.equal(a.cpu(), b) for a, b in zip(got_k + got_v, k + v, strict=True))
-        with pytest.raises(kvcache.KVDigestMismatch):
-            engine.cache.load(slot, k, v, list(range(n)), digests[:-1] + ["0" * 32])
-        assert engine.kv_len(slot) == 0
+        for wrong in (len(digests) - 1, 0):
+            bad = [*digests]
+            bad[wrong] = "0" * 32
+            with pytest.raises(kvcache.KVDigestMismatch):
+                engine.cache.load(slot, k, v, list(range(n)), bad)
+            assert engine.kv_len(slot) == 0
     finally:
         engine.release_slot(slot)
+
+
+def test_a_thaw_from_the_pinned_tier_is_checked_where_it_lies(engines, tmp_path):
+    """A session in the store's pinned tier thaws onto the GPU straight from that memory, hashed there:
+    it continues token for token; a KV byte damaged in the tier's memory is refused, the slot left free."""
+    import json
+    import struct
+
+    from floe.actor import Actor
+    from floe.snapshot import SnapshotCorrupt, encode
+    from floe.snapshot.store import DiskTier, PinnedTier, SnapshotStore
+
+    engine = engines["graph"]
+    with Actor(engine) as a:
+        a.send("Tell me about the sea.", max_tokens=6)
+        data = encode(a)
+        expected = a.send("And the sky?", max_tokens=8).stats.token_ids
+    pinned = PinnedTier(1 << 30)
+    store = SnapshotStore([pinned, DiskTier(tmp_path / "home")], owner="t")
+    store.put("s", data)
+    with store.thaw("s", engine) as b:
+        assert any("hashed where it lies" in x for x in b.ledger.boundaries)
+        assert b.send("And the sky?", max_tokens=8).stats.token_ids == expected
+    held = pinned._held["s"][0]  # (the tier's pinned memory, as numpy bytes)
+    (n,) = struct.unpack_from("<Q", data, 0)
+    start, end = json.loads(data[8:8 + n])["kv.2.k"]["data_offsets"]
+    held[8 + n + (start + end) // 2] ^= 0x10
+    free = engine.slots.free
+    with pytest.raises(SnapshotCorrupt, match="kv.2.k"):
+        store.thaw("s", engine)
+    assert engine.slots.free == free
 
 
 def test_fused_triton_decode_tracks_the_eager_step(engines, tokenizer):
