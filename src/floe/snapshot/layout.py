@@ -144,16 +144,18 @@ _checked_lock = threading.Lock()
 def parse_header(raw: bytes, size: int | None, path: Path) -> Header:
     """The header's bytes checked, for a file of `size` bytes (None: a stream, whose length the
     header decides: the end of its last tensor)."""
-    raw = bytes(raw)
-    with _checked_lock:
-        header = _checked.get(raw)
-        if header is not None and (size is None or size == header.file_bytes):
-            _checked.move_to_end(raw)
-        else:
-            header = None
+    raw, header = bytes(raw), None
+    kept = len(raw) <= HEADER_KEPT_BYTES
+    if kept:
+        with _checked_lock:
+            header = _checked.get(raw)
+            if header is not None and (size is None or size == header.file_bytes):
+                _checked.move_to_end(raw)
+            else:
+                header = None
     if header is None:
         header = _parse_header(raw, size, path)
-        if len(raw) <= HEADER_KEPT_BYTES:
+        if kept:
             with _checked_lock:
                 _checked[raw] = header
                 while len(_checked) > HEADERS_KEPT:
