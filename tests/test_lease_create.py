@@ -181,7 +181,8 @@ def test_a_create_under_the_lock_and_a_lock_free_one_never_both_win(tmp_path, mo
     def read_then_race(key):
         found = read(key)
         reads.append(found)
-        if len(reads) == 2:  # the compare under the lock found no record: the other store links its own
+        if len(reads) == 1:  # the compare under the lock (a new hold's create comes before any other
+            # read) found no record: the other store links its own
             free.acquire(key, "free", 60)
         return found
 
@@ -189,3 +190,25 @@ def test_a_create_under_the_lock_and_a_lock_free_one_never_both_win(tmp_path, mo
     with pytest.raises(LeaseHeld):
         locked.acquire("k", "locked", 60)
     assert FileLeases(tmp_path).holder("k")[0] == "free"
+
+
+def test_a_new_lease_is_created_without_a_read_and_an_existing_record_is_still_read(tmp_path, monkeypatch):
+    """A hold the store does not have tries the create first: a new key's lease takes no read; where a
+    record exists (held by another owner, expired, or this owner's own from before), the create loses
+    and the record is read and judged as before."""
+    leases = FileLeases(tmp_path)
+    reads = []
+    read = leases._read
+    monkeypatch.setattr(leases, "_read", lambda key: reads.append(key) or read(key))
+    first, continues = leases.acquire("new", "server-a", 60)
+    assert reads == [] and not continues and leases.holder("new")[0] == "server-a"
+    with pytest.raises(LeaseHeld):
+        leases.acquire("new", "server-b", 60)
+    assert reads
+    again, continues = leases.acquire("new", "server-a", 60, held=first)
+    assert continues and again.token == first.token
+    mine, continues = leases.acquire("new", "server-a", 60)  # (its own record, its hold forgotten)
+    assert not continues and mine.token != first.token and leases.holder("new")[0] == "server-a"
+    expired, _ = leases.acquire("old", "server-c", -1)
+    taken, continues = leases.acquire("old", "server-b", 60)
+    assert leases.holder("old")[0] == "server-b" and not continues and taken.token != expired.token

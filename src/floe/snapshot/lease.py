@@ -59,6 +59,13 @@ class Leases(ABC):
     def acquire(self, key: str, owner: str, seconds: float, held: Lease | None = None) -> tuple[Lease, bool]:
         """Take (or extend, if `owner` holds it) `key`'s lease for `seconds`. Returns the lease and
         whether it continues `held` (nobody else held the session in between). Raises LeaseHeld."""
+        if held is None:  # a hold this store does not have: most often no record exists (a new session,
+            # one released), so the create is tried before any read (a new session's lease: one call
+            # into the backend instead of two; a bucket's round trip fewer). A record there: as below.
+            lease = self._new(key, owner, time.time() + seconds)
+            etag = self._create(key, lease)
+            if etag is not None:
+                return _with_etag(lease, etag), False
         for _ in range(16):  # each turn loses only to another store's successful write
             current = self._read(key)
             now = time.time()
