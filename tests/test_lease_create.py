@@ -212,3 +212,25 @@ def test_a_new_lease_is_created_without_a_read_and_an_existing_record_is_still_r
     expired, _ = leases.acquire("old", "server-c", -1)
     taken, continues = leases.acquire("old", "server-b", 60)
     assert leases.holder("old")[0] == "server-b" and not continues and taken.token != expired.token
+
+
+def test_an_object_store_reads_a_lease_before_it_creates_one():
+    """A bucket's new hold reads first (its conditional write may be ignored by a compatible server: a
+    live lease must be refused, not overwritten); a folder's creates first."""
+    from floe.snapshot.lease import Leases, S3Leases
+
+    assert FileLeases.create_first and not S3Leases.create_first and not Leases.create_first
+
+
+def test_a_folder_it_cannot_write_still_says_who_holds_a_lease(tmp_path, monkeypatch):
+    """A create that fails for the folder (not for a record there) falls through to the read: another
+    owner's live lease is LeaseHeld, as before the create came first."""
+    leases = FileLeases(tmp_path)
+    leases.acquire("k", "server-a", 60)
+
+    def denied(key, lease):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(leases, "_create", denied)
+    with pytest.raises(LeaseHeld):
+        leases.acquire("k", "server-b", 60)

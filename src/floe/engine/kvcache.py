@@ -170,9 +170,16 @@ class PendingLoad:
         self._locked = False
         self._job: copyhash.Job | None = None
         self.copies: list[tuple[str, int]] = []  # after `into`: (boundary, bytes) of each copy made
-        if self.direct:
-            self._groups = _groups(self.sizes, max(STAGING_BYTES, max(self.sizes)))  # (a device buffer each)
-            self._job = copyhash.Job([[(copyhash.as_bytes(s), None)] for s in src])  # hashing from now on
+        if self.direct:  # (one load onto this GPU at a time, as through the staging buffer: each group's
+            # device buffer is up to STAGING_BYTES, and thaws at once would each hold theirs)
+            self._groups = _groups(self.sizes, max(STAGING_BYTES, max(self.sizes)))
+            cache._staging_lock.acquire()
+            self._locked = True
+            try:
+                self._job = copyhash.Job([[(copyhash.as_bytes(s), None)] for s in src])  # hashing from now on
+            except BaseException:
+                self.close()
+                raise
         if self.staged:
             self._groups = _groups(self.sizes, max(STAGING_BYTES, max(self.sizes)))
             cache._staging_lock.acquire()  # one upload at a time through the pinned buffer

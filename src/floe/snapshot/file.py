@@ -23,6 +23,7 @@ from floe.actor import SUPPORTED_ABI_VERSIONS, Actor, ActorState, builtin_guest
 from floe.engine import Engine, copyhash
 from floe.engine.kvcache import KVDigestMismatch
 from floe.errors import FloeError
+from floe.snapshot import layout
 from floe.snapshot.atomic import replace_file
 from floe.snapshot.errors import (
     SnapshotCorrupt,
@@ -165,8 +166,9 @@ def encode(actor: Actor, kv_dtype: str | None = None, app: dict | None = None) -
     data = save(tensors, metadata=metadata)
     # Checked now, as a thaw checks it: kept by its bytes (layout.parse_header), so that thawing it back
     # (the store's pinned tier, a page-cached file) checks nothing again (a freeze is off a request's
-    # first token; a thaw is on it). A header this writes that does not read back fails here.
-    read_header_buffer(data, Path("<a snapshot being made>"))
+    # first token; a thaw is on it). A longer header than the cache keeps (a long conversation's) is not.
+    if int.from_bytes(data[:8], "little") <= layout.HEADER_KEPT_BYTES:
+        read_header_buffer(data, Path("<a snapshot being made>"))
     return data
 
 

@@ -54,16 +54,24 @@ class Lease:
 
 class Leases(ABC):
     """The compare-and-swap logic shared by every backend; a backend supplies _read, _create,
-    _replace and _delete (None / False on a lost race)."""
+    _replace and _delete (None / False on a lost race). create_first: a new hold tries _create before
+    reading, where a create can never replace a record (a local folder's hard link or O_EXCL; not an
+    object store, whose conditional write a compatible server may ignore: a live lease would then be
+    overwritten, where the read first refuses it)."""
+
+    create_first = False
 
     def acquire(self, key: str, owner: str, seconds: float, held: Lease | None = None) -> tuple[Lease, bool]:
         """Take (or extend, if `owner` holds it) `key`'s lease for `seconds`. Returns the lease and
         whether it continues `held` (nobody else held the session in between). Raises LeaseHeld."""
-        if held is None:  # a hold this store does not have: most often no record exists (a new session,
-            # one released), so the create is tried before any read (a new session's lease: one call
-            # into the backend instead of two; a bucket's round trip fewer). A record there: as below.
+        if held is None and self.create_first:  # a hold this store does not have: most often no record
+            # exists (a new session, one released), so the create is tried before any read (a new
+            # session's lease: one call into the folder instead of two). A record there: as below.
             lease = self._new(key, owner, time.time() + seconds)
-            etag = self._create(key, lease)
+            try:
+                etag = self._create(key, lease)
+            except OSError:  # (a folder it cannot write: the read below says who holds it, if anyone)
+                etag = None
             if etag is not None:
                 return _with_etag(lease, etag), False
         for _ in range(16):  # each turn loses only to another store's successful write
@@ -152,6 +160,8 @@ def parse_record(raw: bytes, where: str) -> dict:
 
 class FileLeases(Leases):
     """Leases as files in a local folder; the lease file's lock makes read-compare-replace atomic."""
+
+    create_first = True
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
