@@ -148,8 +148,10 @@ def test_a_checked_load_onto_the_gpu_lands_exactly_in_groups_too(engines, monkey
     slot = engine.claim_slot()
     try:
         load = engine.cache.start_load(k, v, digests)
-        assert (load.direct, load.staged) == (pinned, not pinned)
-        load.into(slot, list(range(n)))
+        try:
+            assert (load.direct, load.staged) == (pinned, not pinned)
+        finally:  # (a load holds the GPU's staging lock until it is finished or closed)
+            load.into(slot, list(range(n)))
         got_k, got_v = engine.cache.export(slot)
         assert engine.kv_len(slot) == n
         assert all(torch.equal(a.cpu(), b) for a, b in zip(got_k + got_v, k + v, strict=True))
