@@ -227,7 +227,7 @@ def start_timeline(args, pid: int) -> subprocess.Popen | None:
     args.timeline.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([sys.executable, str(Path(__file__).parent / "probes" / "thread_timeline.py"),
                              "--pid", str(pid), "--out", str(args.timeline / "timeline.json"),
-                             "--names", str(args.timeline / "names.json"), "--every-ms", "1"])
+                             "--names", str(args.timeline / "names.json"), "--every-ms", "1", "--children"])
 
 
 def stop_timeline(sampler: subprocess.Popen | None) -> None:

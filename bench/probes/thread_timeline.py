@@ -30,25 +30,43 @@ from pathlib import Path
 
 
 class Threads:
-    """Each thread's CPU time of one process, its schedstat files kept open (pread again each sample:
-    ~2 µs a thread instead of an open and a close), the list of threads read again every RELIST
-    samples (a pool's new threads)."""
+    """Each thread's CPU time of one process (children: and of its child processes, e.g. `floe serve`'s
+    HTTP fronts, their threads named "child PID: NAME"), its schedstat files kept open (pread again
+    each sample: ~2 µs a thread instead of an open and a close), the lists of threads read again every
+    RELIST samples (a pool's new threads)."""
 
     RELIST = 20
 
-    def __init__(self, pid: int) -> None:
-        self.pid, self.fds, self.names, self.reads = pid, {}, {}, 0
+    def __init__(self, pid: int, children: bool = False) -> None:
+        self.pid, self.children, self.fds, self.names, self.reads = pid, children, {}, {}, 0
 
-    def _list(self) -> None:
-        task = f"/proc/{self.pid}/task"
-        for tid in map(int, os.listdir(task)):
-            if tid not in self.fds:
+    def _pids(self) -> list[int]:
+        pids = [self.pid]
+        if self.children:
+            for tid in os.listdir(f"/proc/{self.pid}/task"):
                 try:
-                    self.fds[tid] = os.open(f"{task}/{tid}/schedstat", os.O_RDONLY)
-                    with open(f"{task}/{tid}/comm") as f:
-                        self.names[tid] = f.read().strip()
+                    with open(f"/proc/{self.pid}/task/{tid}/children") as f:
+                        pids += map(int, f.read().split())
                 except OSError:
                     continue
+        return pids
+
+    def _list(self) -> None:
+        for pid in self._pids():
+            task = f"/proc/{pid}/task"
+            try:
+                tids = list(map(int, os.listdir(task)))
+            except OSError:  # (a child that ended)
+                continue
+            for tid in tids:
+                if tid not in self.fds:
+                    try:
+                        self.fds[tid] = os.open(f"{task}/{tid}/schedstat", os.O_RDONLY)
+                        with open(f"{task}/{tid}/comm") as f:
+                            name = f.read().strip()
+                    except OSError:
+                        continue
+                    self.names[tid] = name if pid == self.pid else f"child {pid}: {name}"
 
     def read(self) -> dict[int, int]:
         """{tid: ns on a CPU so far} of every live thread (one that ended is closed and left out)."""
@@ -65,12 +83,12 @@ class Threads:
         return out
 
 
-def sample(pid: int, every_s: float, stop: threading.Event) -> dict:
+def sample(pid: int, every_s: float, stop: threading.Event, children: bool = False) -> dict:
     """Samples until `stop` (or the process ends): {"t": [monotonic s], "cpu": {tid: [ns or None]},
     "comm": {tid: name}}."""
     times: list[float] = []
     cpu: dict[int, list[int | None]] = {}
-    threads = Threads(pid)
+    threads = Threads(pid, children)
     next_at = time.monotonic()
     while not stop.is_set():
         try:
@@ -100,8 +118,10 @@ def sample(pid: int, every_s: float, stop: threading.Event) -> dict:
 
 
 def group(name: str) -> str:
-    """A thread's group: its name less the numbers a pool adds (floe-chat_12 -> floe-chat)."""
-    return re.sub(r"[_-]?\d+$", "", re.sub(r" \(.*\)$", "", name)) or name
+    """A thread's group: its name less the numbers a pool adds (floe-chat_12 -> floe-chat), a child
+    process's threads as one group per name whatever the child (child 1234: python3 -> child: python3)."""
+    name = re.sub(r"^child \d+: ", "child: ", name)
+    return re.sub(r"(?<=[_-])\d+$|[_-]\d+$", "", re.sub(r" \(.*\)$", "", name)).rstrip("_-") or name
 
 
 def ms_by_group(data: dict, names: dict[str, str], start: float, end: float) -> dict[str, float]:
@@ -159,6 +179,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--names", type=Path, default=None, help="{tid: name} written by the watched process")
     ap.add_argument("--every-ms", type=float, default=1.0)
+    ap.add_argument("--children", action="store_true",
+                    help="the child processes' threads too (floe serve's fronts), named 'child PID: NAME'")
     ap.add_argument("--show", type=Path, default=None, help="a timeline this wrote: its tables")
     ap.add_argument("--marks", type=Path, default=None,
                     help="with --show: {name: monotonic s} (default: marks.json beside the timeline)")
@@ -173,7 +195,7 @@ def main() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    data = sample(args.pid, args.every_ms / 1e3, stop)
+    data = sample(args.pid, args.every_ms / 1e3, stop, args.children)
     if args.names and args.names.exists():
         data["names"] = json.loads(args.names.read_text())
     args.out.write_text(json.dumps(data))
