@@ -236,7 +236,7 @@ class HostABI(GuestIO):
         ids = struct.unpack(f"<{n}i", self._bytes(ids_ptr, 4 * n, "token ids"))  # a tensor costs more
         if ids and (min(ids) < 0 or max(ids) >= self.vocab):  # (in C: a reply's ids at its end)
             return ERR_BAD_TOKEN
-        data = _token_bytes(self.tokenizer, ids)
+        data = self.tokenizer.ids_bytes(ids)  # (exact bytes: a token may end inside a character)
         self._write(out_ptr, out_cap, data, "text")
         return len(data)
 
@@ -588,8 +588,3 @@ def _samplable(logits: torch.Tensor) -> bool:
     """Logits a distribution can be drawn from: no NaN, no +inf, and not every token masked (-inf).
     One pass: the maximum propagates a NaN, is +inf if any is, and -inf only if all are."""
     return math.isfinite(float(logits.max()))
-
-
-def _token_bytes(tokenizer, ids: list[int]) -> bytes:
-    """The exact bytes of byte-level BPE tokens (which may end inside a UTF-8 character)."""
-    return tokenizer.ids_bytes(ids)

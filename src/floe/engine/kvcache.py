@@ -170,27 +170,20 @@ class PendingLoad:
         self._locked = False
         self._job: copyhash.Job | None = None
         self.copies: list[tuple[str, int]] = []  # after `into`: (boundary, bytes) of each copy made
-        if self.direct:  # (one load onto this GPU at a time, as through the staging buffer: each group's
-            # device buffer is up to STAGING_BYTES, and thaws at once would each hold theirs)
+        if self.direct or self.staged:
             self._groups = _groups(self.sizes, max(STAGING_BYTES, max(self.sizes)))
-            cache._staging_lock.acquire()
-            self._locked = True
+            cache._staging_lock.acquire()  # one load onto this GPU at a time (its pinned buffer; each
+            self._locked = True  # group's device buffer is up to STAGING_BYTES)
             try:
-                self._job = copyhash.Job([[(copyhash.as_bytes(s), None)] for s in src])  # hashing from now on
-            except BaseException:
-                self.close()
-                raise
-        if self.staged:
-            self._groups = _groups(self.sizes, max(STAGING_BYTES, max(self.sizes)))
-            cache._staging_lock.acquire()  # one upload at a time through the pinned buffer
-            self._locked = True
-            try:
-                need = max(sum(self.sizes[j] for j in g) for g in self._groups)
-                if cache._staging is None or cache._staging.numel() < need:
-                    with torch.cuda.device(cache.k.device):
-                        cache._staging = torch.empty(need, dtype=torch.uint8, pin_memory=True)
-                        cache._staged = torch.cuda.Event()
-                self._views = self._start(self._groups[0])
+                if self.direct:  # (hashing from now on)
+                    self._job = copyhash.Job([[(copyhash.as_bytes(s), None)] for s in src])
+                else:
+                    need = max(sum(self.sizes[j] for j in g) for g in self._groups)
+                    if cache._staging is None or cache._staging.numel() < need:
+                        with torch.cuda.device(cache.k.device):
+                            cache._staging = torch.empty(need, dtype=torch.uint8, pin_memory=True)
+                            cache._staged = torch.cuda.Event()
+                    self._views = self._start(self._groups[0])
             except BaseException:
                 self.close()
                 raise
@@ -219,16 +212,13 @@ class PendingLoad:
                 return
             total = sum(self.sizes)
             hashed = " (hashed in the same pass)" if self.digests is not None else ""
-            if self.direct:
+            if self.direct or self.staged:
                 landed = self._upload(slot, n)
                 device = cache.k.device.type
-                self.copies = [(f"KV pinned→{device} (DMA; hashed where it lies)", total),
-                               (f"KV {device} staging→cache slot", total)]
-            elif self.staged:
-                landed = self._upload(slot, n)
-                device = cache.k.device.type
-                self.copies = [(f"KV host→pinned{hashed}", total), (f"KV pinned→{device} (DMA)", total),
-                               (f"KV {device} staging→cache slot", total)]
+                self.copies = [
+                    *([(f"KV pinned→{device} (DMA; hashed where it lies)", total)] if self.direct else
+                      [(f"KV host→pinned{hashed}", total), (f"KV pinned→{device} (DMA)", total)]),
+                    (f"KV {device} staging→cache slot", total)]
             else:
                 layers = range(len(self.src) // 2)
                 dst = [cache.k[i, slot, :, :n] for i in layers] + [cache.v[i, slot, :, :n] for i in layers]
@@ -254,7 +244,6 @@ class PendingLoad:
         kernel per run of K or V layers puts them into the slot; then the next group. Returns the
         tensors' digests (meaningless when not hashing)."""
         cache, layers, landed = self.cache, len(self.src) // 2, []
-        sent = torch.cuda.Event()
         with torch.cuda.device(cache.k.device):
             try:
                 for g, group in enumerate(self._groups):
@@ -281,8 +270,7 @@ class PendingLoad:
                     landed = self._job.digests()
             finally:
                 if self.direct:  # the sources (a tier's pinned memory, which may go once this returns) read
-                    sent.record(torch.cuda.current_stream(cache.k.device.index))
-                    sent.synchronize()
+                    torch.cuda.current_stream(cache.k.device.index).synchronize()
         return landed
 
     def __del__(self) -> None:

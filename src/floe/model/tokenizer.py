@@ -151,12 +151,7 @@ class Tokenizer:
         """token_bytes() of each id, joined: the kept ones looked up in one pass in C (a chat guest's
         on_end detokenizes its whole reply: ~0.4 us a token through token_bytes, in 64 sessions' threads
         ending at once)."""
-        if self._every_id:  # (an id past the vocabulary, or negative, stands for nothing)
-            return b"".join(map(self._bytes.get, ids, repeat(b"")))
-        try:
-            return b"".join(map(self._bytes.__getitem__, ids))
-        except KeyError:  # (one not asked for yet, or past the vocabulary)
-            return b"".join(map(self.token_bytes, ids))
+        return self._joined(self._bytes, self.token_bytes, ids)
 
     def reply_bytes(self, token_id: int) -> bytes:
         """The bytes a token adds to reply text: token_bytes(), none for a special (control) token (its
@@ -171,12 +166,16 @@ class Tokenizer:
 
     def ids_reply_bytes(self, ids: Sequence[int]) -> bytes:
         """reply_bytes() of each id, joined: the kept ones looked up in one pass in C, as ids_bytes."""
-        if self._every_id:
-            return b"".join(map(self._reply_bytes.get, ids, repeat(b"")))
+        return self._joined(self._reply_bytes, self.reply_bytes, ids)
+
+    def _joined(self, kept: dict[int, bytes], each, ids: Sequence[int]) -> bytes:
+        """each(id) of every id joined, looked up in `kept` in one pass in C where it can be."""
+        if self._every_id:  # (an id past the vocabulary, or negative, stands for nothing)
+            return b"".join(map(kept.get, ids, repeat(b"")))
         try:
-            return b"".join(map(self._reply_bytes.__getitem__, ids))
+            return b"".join(map(kept.__getitem__, ids))
         except KeyError:  # (one not asked for yet, or past the vocabulary)
-            return b"".join(map(self.reply_bytes, ids))
+            return b"".join(map(each, ids))
 
     def reply_lengths(self, n: int) -> np.ndarray:
         """len(reply_bytes(i)) of every id below n (at least the vocabulary: a model's may be larger,
