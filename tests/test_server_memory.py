@@ -6,6 +6,7 @@ what the snapshots it made and dropped freed (glibc keeps freed buffers in its a
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -91,3 +92,35 @@ def test_the_upkeep_hands_back_what_churned_snapshots_freed_and_the_rss_stays_fl
     # left in the arenas adds a small part of them.
     assert max(settled) - settled[0] < made // 4, \
         f"RSS after each upkeep (MB): {[r >> 20 for r in settled]}, a round made {made >> 20} MB of snapshots"
+
+
+def test_a_one_shot_session_frozen_into_ram_then_forgotten_leaves_no_snapshot_there(engine, tmp_path):
+    """An anonymous session frozen while idle goes to the RAM tier only; when its owner's next one-shot
+    session pushes it past max_anonymous, its snapshot leaves the tier with it (a forget asks the tiers
+    only for sessions that were ever frozen: floe.server.sessions.Session.may_be_stored)."""
+    from floe.engine import SamplingParams
+
+    store = SessionStore(engine, snapshot_store(tmp_path, pinned_bytes=BUDGET), sweep_seconds=0,
+                         max_anonymous=1, idle_seconds=0.01)
+
+    def one_shot(text: str):
+        messages = [{"role": "user", "content": text}]
+        session = store.acquire(None, messages, seed=0)
+        try:
+            store.go_live(session)
+            store.run(session, [], text, max_tokens=2, params=SamplingParams())
+        finally:
+            store.release(session)
+        return session
+
+    try:
+        first = one_shot("Name a colour.")
+        time.sleep(0.05)
+        store.lifecycle.evict_idle()  # (idle past idle_seconds: frozen, as the store's upkeep would)
+        assert not first.live and store.snapshots.pinned.has(first.key)
+        assert store.snapshots.home.entries() == []  # one-shot: never written to the home
+        second = one_shot("Name a fruit.")
+        assert first.key not in store.sessions and second.key in store.sessions
+        assert not store.snapshots.has(first.key) and store.snapshots.keys() == []
+    finally:
+        store.close()

@@ -158,11 +158,15 @@ class Actor(GuestHost):
                 raise GuestLoadError(f"guest speaks floe ABI {version}; this host speaks "
                                      f"{' and '.join(map(str, SUPPORTED_ABI_VERSIONS))}")
             self.abi_version = self.abi.version = version
+            # Each export's type checked and its call prepared now: an actor made ahead (a spare) spares
+            # a new session's first message making them (a third of a one-shot chat's on_end).
             for name, n_params in EXPORTS[version].items():
                 self.guest.function(name, n_params)
+                self.guest.prepared(name, n_params)
             for name, n_params in OPTIONAL_EXPORTS[version].items():
                 if self.guest.has_function(name):
                     self.guest.function(name, n_params)
+                    self.guest.prepared(name, n_params)
         except BaseException:
             if self.guest is not None:
                 self.guest.close()

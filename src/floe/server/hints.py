@@ -55,10 +55,10 @@ def from_wire(value: object, messages: list[dict], vocab: int, kwargs: dict | No
         return None
     if len(raw) % 4:
         return None
-    array = np.frombuffer(raw, "<i4")
-    if array.size == 0 or array.min() < 0 or array.max() >= vocab:
+    ids = np.frombuffer(raw, "<i4").tolist()  # (a prompt's few hundred: min and max of a list cost less)
+    if not ids or min(ids) < 0 or max(ids) >= vocab:
         return None
-    return Hint(messages, Rendered(text, tuple(tuple(s) for s in spans)), array.tolist(), kwargs)
+    return Hint(messages, Rendered(text, tuple(tuple(s) for s in spans)), ids, kwargs)
 
 
 class FrontHints:

@@ -163,6 +163,7 @@ class SessionLifecycle:
         session.lock). A session another server took over meanwhile (this one's lease expired) is
         dropped here and SessionLeased raised: its state is that server's now."""
         t = time.perf_counter()
+        session.may_be_stored = True
         try:
             info = self.snapshots.freeze(session.key, session.actor, kv_dtype=self.kv_dtype,
                                          app=session.record(), persist=session.persist)
@@ -266,7 +267,7 @@ class SessionLifecycle:
                 return False
         try:  # (a one-shot session never frozen is in no tier and holds no lease: nothing to delete — the
             # store's delete would take a lease first, a file written and removed on the arrival's path)
-            if session.persist or self.snapshots.has(session.key):
+            if session.persist or (session.may_be_stored and self.snapshots.has(session.key)):
                 self.snapshots.delete(session.key)
         except LeaseHeld as e:
             raise SessionLeased(session.id, e) from None

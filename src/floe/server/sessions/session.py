@@ -52,6 +52,10 @@ class Session:
         self.doomed = False  # claimed to be forgotten (SessionStore._bound_anonymous)
         self.persist = persist  # its snapshots go to the store's durable home (a one-shot's: RAM only)
         self.stored = stored  # the store holds a snapshot of it (as far as this server knows)
+        # A snapshot of it may be in the store: found there, or this server put (or tried to put) one
+        # (SessionLifecycle.freeze_locked). A one-shot session never frozen is in no tier: forgetting it
+        # asks no tier (a stat of the disk's on a burst's every arrival).
+        self.may_be_stored = stored
         self.snapshot_bytes: int | None = None
 
     def __repr__(self) -> str:

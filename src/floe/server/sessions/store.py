@@ -17,6 +17,7 @@ one explicitly.
 from __future__ import annotations
 
 import logging
+import operator
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -435,7 +436,16 @@ def snapshot_store(snapshots: Path | str, *, idle_seconds: float = 300.0, pinned
                       pinned_ttl_s=idle_seconds if pinned_ttl_s is None else pinned_ttl_s, lease_s=lease_s)
 
 
-def _forget_order(sessions: list[Session]) -> list[Session]:
+def _forget_order(sessions: list[Session]) -> Iterator[Session]:
     """An owner's anonymous sessions in the order arrivals past max_anonymous forget them: least recently
-    used first, only those that hold a conversation (not one just made)."""
-    return sorted((s for s in sessions if s.messages), key=lambda s: s.last_used)
+    used first, only those that hold a conversation (not one just made). Lazily: the first is nearly
+    always the one taken, found without sorting the others (each arrival of a burst asks)."""
+    held = [s for s in sessions if s.messages]
+    if not held:
+        return
+    first = min(held, key=_LAST_USED)
+    yield first
+    yield from (s for s in sorted(held, key=_LAST_USED) if s is not first)
+
+
+_LAST_USED = operator.attrgetter("last_used")
