@@ -4,6 +4,11 @@ lies while hashed there), beside an unchecked load from pinned memory and the bu
 buffer of the same bytes), interleaved, medians.
 
     python bench/probes/kv_load_paths.py [--shape llama-3.2-1b] [--tokens 4080] [--repeats 9]
+        [--hash-threads N]
+
+--hash-threads N: the copy-and-hash routine's threads (floe.engine.copyhash.threads(); its pool is made
+at the first load, so one count a process); "hash only" then times the hashing of the pinned tensors
+alone (no copy, no bus).
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4080)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--tokenizer", default=None, help="a tokenizer folder (else the default model's)")
+    ap.add_argument("--hash-threads", type=int, default=None)
     args = ap.parse_args()
+    if args.hash_threads:
+        copyhash.threads = lambda: args.hash_threads  # (before the first job makes the pool)
     if args.tokenizer:
         from floe.model.hf_folder import tokenizer_from_folder
 
@@ -53,6 +61,8 @@ def main() -> None:
         "checked, pinned (direct)": lambda: engine.cache.load(slot, pk, pv, tokens, digests),
         "unchecked, pinned": lambda: engine.cache.load(slot, pk, pv, tokens),
         "bus floor (one pinned buffer)": lambda: floor_dst.copy_(floor_src, non_blocking=True),
+        "hash only, pinned": lambda: copyhash.Job([[(copyhash.as_bytes(t), None)] for t in pk + pv])
+        .digests(),
     }
     times: dict[str, list[float]] = {w: [] for w in ways}
     for r in range(args.repeats + 1):
@@ -63,7 +73,8 @@ def main() -> None:
             torch.cuda.synchronize()
             if r:
                 times[way].append(1e3 * (time.perf_counter() - t))
-    out = {"shape": args.shape, "tokens": n, "kv_bytes": nbytes, "device": torch.cuda.get_device_name()}
+    out = {"shape": args.shape, "tokens": n, "kv_bytes": nbytes, "device": torch.cuda.get_device_name(),
+           "hash_threads": copyhash.threads()}
     for way, ts in times.items():
         out[way] = statistics.median(ts)
         print(f"{way:32s} {statistics.median(ts):7.2f} ms (min {min(ts):.2f})")
