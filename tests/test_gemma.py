@@ -2,8 +2,9 @@
 q·k scaled by query_pre_attn_scalar, a window on every layer but each 2nd (Gemma 2) or 6th (Gemma 3);
 Gemma 2's attention and logit soft-capping; Gemma 3's q/k norms and its windowed layers' own rotary base)
 give transformers' logits and greedy tokens on the CPU, from a Hugging Face folder and from the same
-weights as llama.cpp writes them in GGUF; the steps without those hooks (CUDA, WebGPU) refuse them by
-name (the CPU's lean step has them: test_gemma_cpu_decode.py)."""
+weights as llama.cpp writes them in GGUF; the steps without those hooks (WebGPU, CUDA's reference graph)
+refuse them by name (the CPU's lean step has them: test_gemma_cpu_decode.py; CUDA's fused step and its
+module forward too: test_gemma_on_cuda_matches_the_cpu)."""
 
 import dataclasses
 
@@ -177,14 +178,51 @@ def test_native_quantized_gemma_tracks_the_dense_engine(gemma3, tmp_path):
         assert (a - b).norm() / a.norm() < 4e-2, position  # int8 inputs: ~5e-3 per product
 
 
-@pytest.mark.parametrize("backend", ["cuda", "webgpu"])
+@pytest.mark.parametrize("backend", ["cuda-graph", "webgpu"])
 def test_backends_without_gemma_refuse_it_by_name(gemma2, gemma3, backend):
+    """WebGPU's shaders and CUDA's reference graph of one slot (graphs without the fused kernels) compute
+    Llama's layer: they refuse Gemma, naming what they lack and what runs it; the CPU's steps and
+    CUDA's fused ones (and its module forward) take it, windows and all."""
+    want = ("run on CUDA through the fused Triton step.*post-attention.*fused_kernels=True"
+            if backend == "cuda-graph" else "run on the CPU and CUDA only.*post-attention.*--device cpu or "
+            "cuda")
     for folder, arch in ((gemma2, "gemma2"), (gemma3, "gemma3")):
         c = load_checkpoint(folder).config
-        with pytest.raises(UnsupportedModel, match=f"{arch} models run on the CPU only.*post-attention.*"
-                                                   "--device cpu"):
+        with pytest.raises(UnsupportedModel, match=f"{arch} models {want}"):
             check_backend(c, backend, WINDOW)  # even where no window applies
         check_backend(c, "cpu", 64)
+        check_backend(c, "cuda", 64)
+
+
+CUDA_STEPS = {"eager": {"cuda_graphs": False}, "fused": {"cuda_graphs": True, "fused_kernels": True}}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("steps", list(CUDA_STEPS))
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_on_cuda_matches_the_cpu(gemma2, gemma3, arch, steps):
+    """CUDA's module forward and its fused Triton graphs (a prompt graph past PREFILL_ROWS with its flash
+    attention, decode rows, a short prompt riding in the rows' graph, two slots at once) compute Gemma's
+    layer as the CPU does: its scaled embeddings, GeGLU, post-norms, query scale, a window of 8 on its
+    local layers over 336 positions, Gemma 2's soft-capping, Gemma 3's q/k norms and local rotary base."""
+    long = IDS * 7  # 336 positions: 42 windows
+    ckpt = load_checkpoint(gemma2 if arch == "gemma2" else gemma3)
+    full = Engine(ckpt, max_seq_len=512).prefill(long, all_logits=True)
+    cuda = Engine(ckpt, device="cuda", max_seq_len=512, n_slots=2, **CUDA_STEPS[steps])
+    got = [cuda.prefill(long[:300]).cpu()] + [cuda.decode_step(t).cpu() for t in long[300:-1]]
+    got = torch.stack(got)
+    assert (got - full[299:-1]).abs().max().item() <= 1e-3
+    assert torch.equal(got.argmax(-1), full[299:-1].argmax(-1))
+    cuda.prefill(long[:20], slot=1)
+    rows = cuda.decode_batch([long[-1], long[20]], [0, 1])
+    assert (rows[0].cpu() - full[-1]).abs().max().item() <= 1e-3
+    assert (rows[1].cpu() - full[20]).abs().max().item() <= 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cudas_reference_graph_refuses_gemma(gemma3):
+    with pytest.raises(UnsupportedModel, match="gemma3 models run on CUDA through the fused Triton step"):
+        Engine(load_checkpoint(gemma3), device="cuda", max_seq_len=64, cuda_graphs=True, fused_kernels=False)
 
 
 def test_gemma3_image_text_folders_are_refused_by_name():

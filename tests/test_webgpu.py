@@ -210,7 +210,7 @@ def test_webgpu_runs_qwen3_and_still_refuses_gemma_and_short_sliding_windows():
     check_backend(qwen3, "webgpu", 256)
     with pytest.raises(UnsupportedModel, match="qwen3 models with sliding-window attention"):
         check_backend(dataclasses.replace(qwen3, sliding_window=64), "webgpu", 256)
-    with pytest.raises(UnsupportedModel, match="gemma3 models run on the CPU only"):
+    with pytest.raises(UnsupportedModel, match="gemma3 models run on the CPU and CUDA only"):
         check_backend(KNOWN_SHAPES["gemma-3-1b"], "webgpu", 256)
 
 

@@ -29,8 +29,11 @@ def kv_buckets(max_seq_len: int, smallest: int = 256) -> list[int]:
 
 def logits(model: Transformer, h: Tensor) -> Tensor:
     """Float32 logits of h [B, dim]: through the model's head where it has one (bf16 weights: the
-    LogitsHead (floe.engine.weights), fp32 out of cuBLAS), else the fp32 projection."""
-    return model.head(h) if model.head is not None else F.linear(h, model.output_weight()).float()
+    LogitsHead (floe.engine.weights), fp32 out of cuBLAS), else the fp32 projection; soft-capped where
+    the model caps them (Gemma 2), as Transformer._logits does."""
+    out = model.head(h) if model.head is not None else F.linear(h, model.output_weight()).float()
+    cap = model.config.logit_softcap
+    return out if cap is None else torch.tanh(out / cap) * cap
 
 
 def capture(run, device: torch.device, pool=None) -> torch.cuda.CUDAGraph:
@@ -225,6 +228,14 @@ class BatchGraphDecoder:
         self.buckets = kv_buckets(cache.max_seq_len, min_bucket)
         # Per layer its q/k norm weights as rope_kv_write takes them (None: the architecture has none).
         self.qk_norms = [qk_norm_weight(layer.attention) for layer in model.layers]
+        # Per layer what its attention takes beyond Llama's (Mistral's window; Gemma's query scale,
+        # window on some layers, soft-capping, its windowed layers' own rotary tables): None where not.
+        c = model.config
+        self.attend_args = [{"scale": layer.attention.scale, "window": layer.attention.window,
+                             "softcap": layer.attention.softcap} for layer in model.layers]
+        self.rope = [(model.cos_local, model.sin_local) if layer.attention.local_rope
+                     else (model.cos, model.sin) for layer in model.layers]
+        self.gelu = c.activation != "silu"  # Gemma's GeGLU
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.done = torch.cuda.Event()  # the latest replay's (each replay records a new one)
@@ -256,7 +267,7 @@ class BatchGraphDecoder:
 
             def attend(i: int, q: Tensor) -> Tensor:
                 return tk.flash_prompt_attention(q, self.cache.k[i], self.cache.v[i], pos, slots,
-                                           self.model.config.n_kv_heads)
+                                                 self.model.config.n_kv_heads, **self.attend_args[i])
         h = self._core(tokens, pos, slots, bucket, attend)
         if prefill:  # only the last row's logits: rows[0] is its index, rows[1] its slot
             h, rows = h.index_select(0, rows[:1]), rows[1:2]
@@ -275,17 +286,26 @@ class BatchGraphDecoder:
         m, c = self.model, self.model.config
         layers = m.layers
         x = m.tok_embeddings(tokens)  # [B, dim], the residual stream
+        if c.embedding_scale != 1.0:  # (Gemma) rounded to x's dtype first, as Transformer._layers
+            x = x * torch.tensor(c.embedding_scale, dtype=x.dtype)
         h, _ = tk.rmsnorm(x, layers[0].attention_norm.weight, c.norm_eps)
         for i, layer in enumerate(layers):
             k_cache, v_cache = self.cache.k[i], self.cache.v[i]  # every slot: rows pick theirs
             qkv = layer.attention.wqkv(h)
-            q = tk.rope_kv_write(qkv, m.cos, m.sin, pos, k_cache, v_cache,  # (with Qwen3's q/k norm first)
+            cos, sin = self.rope[i]
+            q = tk.rope_kv_write(qkv, cos, sin, pos, k_cache, v_cache,  # (with Qwen3's q/k norm first)
                                  c.n_heads, c.n_kv_heads, c.head_dim, slots=slots, norm=self.qk_norms[i],
                                  eps=c.norm_eps)
-            y = (tk.decode_attention(q, k_cache, v_cache, pos, c.n_kv_heads, bucket, slots=slots)
+            y = (tk.decode_attention(q, k_cache, v_cache, pos, c.n_kv_heads, bucket, slots=slots,
+                                     **self.attend_args[i])
                  if attend is None else attend(i, q))
-            h, x = tk.rmsnorm(layer.attention.wo(y), layer.ffn_norm.weight, c.norm_eps, residual=x)
-            d = layer.feed_forward.w2(tk.swiglu(layer.feed_forward.w13(h)))
+            a = layer.attention.wo(y)
+            if layer.post_attention_norm is not None:  # (Gemma) each sub-layer's output normed again
+                a, _ = tk.rmsnorm(a, layer.post_attention_norm.weight, c.norm_eps)
+            h, x = tk.rmsnorm(a, layer.ffn_norm.weight, c.norm_eps, residual=x)
+            d = layer.feed_forward.w2(tk.swiglu(layer.feed_forward.w13(h), gelu=self.gelu))
+            if layer.post_ffn_norm is not None:
+                d, _ = tk.rmsnorm(d, layer.post_ffn_norm.weight, c.norm_eps)
             next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else m.norm
             h, x = tk.rmsnorm(d, next_norm.weight, c.norm_eps, residual=x)
         return h  # final-normed rows [B, dim]

@@ -125,7 +125,19 @@ class Engine(BatchedSteps):
             raise FloeError("device 'webgpu' runs float32 or float16 dense weights (--weights fp32 or f16)")
         if weights == "f16" and not webgpu:
             raise FloeError("--weights f16 is WebGPU's storage (--device webgpu); on cuda choose bf16")
-        check_backend(self.config, self.backend, self.max_seq_len)  # before any weight is read
+        # On CUDA, decode steps replay captured graphs unless asked not to (eager is the reference).
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.compile_decode = compile_decode
+        # Fused decode: on CUDA Triton's kernels (by default wherever graphs run and Triton is
+        # installed); on the CPU the lean TorchScript step (by default, every architecture's layer;
+        # off: the module forward).
+        if fused_kernels is None:
+            fused_kernels = self.device.type == "cpu" or (self.cuda_graphs and _has_triton())
+        self.fused_kernels = fused_kernels
+        # (CUDA's reference graph of one slot, where graphs run without the fused step, is Llama's layer)
+        reference = self.backend == "cuda" and self.cuda_graphs and not self._batch_graphs
+        check_backend(self.config, "cuda-graph" if reference else self.backend, self.max_seq_len)  # (before
+        # any weight is read)
         # WebGPU: the host model is float32; the decoder stores its matrices as f16 where asked.
         loaded = load_model(checkpoint, self.max_seq_len, self.device, self.dtype,
                             "dense" if webgpu else weights, native_kernel, prefill_copy)
@@ -138,15 +150,6 @@ class Engine(BatchedSteps):
             self.cache = KVCache(self.config, self.max_seq_len, n_slots, self.dtype, self.device)
         self.slots = SlotPool(n_slots)
         self._step_lock = FairLock()  # one forward at a time, in arrival order, across threads
-        # On CUDA, decode steps replay captured graphs unless asked not to (eager is the reference).
-        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.compile_decode = compile_decode
-        # Fused decode: on CUDA Triton's kernels (by default wherever graphs run and Triton is
-        # installed); on the CPU the lean TorchScript step (by default, every architecture's layer;
-        # off: the module forward).
-        if fused_kernels is None:
-            fused_kernels = self.device.type == "cpu" or (self.cuda_graphs and _has_triton())
-        self.fused_kernels = fused_kernels
         self._decoders: dict[int, object] = {}
         self._batch = None  # the batched decode step (CUDA graphs; the CPU's lean step), made on first use
         self._init_batched_steps()

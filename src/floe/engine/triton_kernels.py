@@ -21,6 +21,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh(x):
+    # (tanh through the sigmoid: Triton's libdevice path differs between versions; the soft-capped
+    # scores it bends are within ~1e-7 of torch.tanh's relative to the cap)
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Y, RES_OUT, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
@@ -117,9 +126,10 @@ def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: T
 
 @triton.jit
 def _attention_split_kernel(Q, K, V, POS, SLOTS, M_OUT, L_OUT, ACC_OUT, stride_slot, stride_kh, stride_ks,
-                            scale, H: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-                            HD: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
-                            IEEE: tl.constexpr, HAS_SLOTS: tl.constexpr):
+                            scale, window, softcap, H: tl.constexpr, GROUP: tl.constexpr,
+                            GROUP_P: tl.constexpr, HD: tl.constexpr, CHUNK: tl.constexpr,
+                            SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                            HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     # One program: one row, one KV head, one chunk of positions, all GROUP query heads that share them
     # (padded to GROUP_P rows for the tensor cores), so each K/V row is read once. Writes the chunk's
     # max, sum of exponentials and weighted values for the combine kernel.
@@ -132,6 +142,8 @@ def _attention_split_kernel(Q, K, V, POS, SLOTS, M_OUT, L_OUT, ACC_OUT, stride_s
     d = tl.arange(0, HD)
     n = split * CHUNK + tl.arange(0, CHUNK)
     valid = (n <= pos) & (slot >= 0)
+    if HAS_WINDOW:  # (Mistral, Gemma's local layers) the last `window` positions, its own included
+        valid = valid & (n > pos - window)
     q = tl.load(Q + (b * H + kh * GROUP + g)[:, None] * HD + d[None, :], mask=real[:, None], other=0.0)
     base = tl.maximum(slot, 0).to(tl.int64) * stride_slot + kh * stride_kh
     rows = base + n[:, None] * stride_ks + d[None, :]
@@ -141,7 +153,10 @@ def _attention_split_kernel(Q, K, V, POS, SLOTS, M_OUT, L_OUT, ACC_OUT, stride_s
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(valid[None, :], s * scale, float("-inf"))  # [GROUP_P, CHUNK]
+    if HAS_SOFTCAP:  # (Gemma 2) softcap * tanh(scores / softcap), before the softmax
+        s = tl.where(valid[None, :], softcap * _tanh(s * scale / softcap), float("-inf"))
+    else:
+        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [GROUP_P, CHUNK]
     m = tl.max(s, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     p = tl.exp(s - m_safe[:, None])
@@ -171,9 +186,12 @@ def _attention_reduce_kernel(M_IN, L_IN, ACC_IN, OUT, HD: tl.constexpr, SPLITS: 
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, n_kv_heads: int,
-                     bucket: int, chunk: int = 64, slots: Tensor | None = None) -> Tensor:
+                     bucket: int, chunk: int = 64, slots: Tensor | None = None, scale: float | None = None,
+                     window: int | None = None, softcap: float | None = None) -> Tensor:
     """Attention of q [B, n_heads, hd] (or [n_heads, hd]) over positions 0..pos[b] (< bucket) of the
-    caches ([n_kv, S, hd], or [n_slots, n_kv, S, hd] with `slots` [B]).
+    caches ([n_kv, S, hd], or [n_slots, n_kv, S, hd] with `slots` [B]). scale: the factor on q·k (None:
+    hd ** -0.5); window: each row sees only its last `window` positions, its own included (None: all);
+    softcap: the scores soft-capped (Gemma 2), as transformer.Attention computes them.
 
     Split over the positions (flash-decoding): (KV heads x bucket/chunk x B) programs, then a combine.
     Returns [B, n_heads * hd].
@@ -188,18 +206,22 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, n
     stride_slot = k_cache.stride(0) if slots is not None else 0
     _attention_split_kernel[(n_kv_heads, splits, b)](
         q, k_cache, v_cache, pos, slots if slots is not None else pos, m, lsum, acc, stride_slot,
-        k_cache.stride(-3), k_cache.stride(-2), hd**-0.5, H=n_heads,
-        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HD=hd, CHUNK=chunk,
-        SPLITS=splits, IEEE=q.dtype == torch.float32, HAS_SLOTS=slots is not None, num_warps=4)
+        k_cache.stride(-3), k_cache.stride(-2), hd**-0.5 if scale is None else scale, window or 0,
+        softcap or 1.0, H=n_heads, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HD=hd,
+        CHUNK=chunk, SPLITS=splits, IEEE=q.dtype == torch.float32, HAS_SLOTS=slots is not None,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, num_warps=4)
     out = torch.empty(b, n_heads * hd, dtype=q.dtype, device=q.device)
     _attention_reduce_kernel[(b * n_heads,)](m, lsum, acc, out, HD=hd, SPLITS=splits, num_warps=2)
     return out
 
 
 @triton.jit
-def _prompt_attention_tile(q, K, V, base, stride_ks, cols, pos, hi, d, m_i, l_i, acc, scale,
-                           MASKED: tl.constexpr, IEEE: tl.constexpr):
-    """One BLOCK_N tile of keys for a block of rows (online softmax, exp2 with log2(e) in `scale`)."""
+def _prompt_attention_tile(q, K, V, base, stride_ks, cols, pos, hi, d, m_i, l_i, acc, scale, window,
+                           softcap, MASKED: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                           HAS_SOFTCAP: tl.constexpr):
+    """One BLOCK_N tile of keys for a block of rows (online softmax, exp2 with log2(e) in `scale`;
+    with HAS_SOFTCAP `scale` is q·k's own and log2(e) comes after the cap). With HAS_WINDOW a row may
+    see no key of a tile: its running max stays -inf and the tile adds nothing."""
     if MASKED:
         inside = cols < hi
         k = tl.load(K + base + cols[:, None] * stride_ks + d[None, :], mask=inside[:, None], other=0.0)
@@ -211,11 +233,20 @@ def _prompt_attention_tile(q, K, V, base, stride_ks, cols, pos, hi, d, m_i, l_i,
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:
         s = tl.dot(q, tl.trans(k)) * scale
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap) * 1.4426950408889634
     if MASKED:
-        s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every row sees key 0 in the first tile
-    p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+        seen = cols[None, :] <= pos[:, None]
+        if HAS_WINDOW:
+            seen = seen & (cols[None, :] > pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite without a window: every row sees key 0 first
+    if HAS_WINDOW:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -226,8 +257,9 @@ def _prompt_attention_tile(q, K, V, base, stride_ks, cols, pos, hi, d, m_i, l_i,
 
 @triton.jit
 def _prompt_attention_kernel(Q, K, V, POS, SLOTS, OUT, stride_slot, stride_kh, stride_ks, n_rows, scale,
-                             H: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                             window, softcap, H: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                             HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     # One program: BLOCK_M consecutive rows of one prompt (one slot: row 0's) and one query head. Keys
     # 0..the block's last position are read from the cache in BLOCK_N tiles (flash attention: running
     # max and sum); row r sees keys up to its own position, read from POS on the device. Tiles below
@@ -246,32 +278,46 @@ def _prompt_attention_kernel(Q, K, V, POS, SLOTS, OUT, stride_slot, stride_kh, s
     acc = tl.zeros([BLOCK_M, HD], tl.float32)
     hi = tl.max(pos, axis=0) + 1
     # (a padding row, past n_rows, sees unmasked keys too: its output is not stored)
-    lo = (tl.min(tl.where(real, pos, hi), axis=0) // BLOCK_N) * BLOCK_N
-    for start in range(0, lo, BLOCK_N):
-        m_i, l_i, acc = _prompt_attention_tile(q, K, V, base, stride_ks, start + tl.arange(0, BLOCK_N), pos,
-                                               hi, d, m_i, l_i, acc, scale, False, IEEE)
-    for start in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _prompt_attention_tile(q, K, V, base, stride_ks, start + tl.arange(0, BLOCK_N), pos,
-                                               hi, d, m_i, l_i, acc, scale, True, IEEE)
+    first = tl.min(tl.where(real, pos, hi), axis=0)
+    if HAS_WINDOW:  # from the tile of the block's first row's first key, every tile masked
+        for start in range((tl.maximum(first - window + 1, 0) // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+            m_i, l_i, acc = _prompt_attention_tile(q, K, V, base, stride_ks, start + tl.arange(0, BLOCK_N),
+                                                   pos, hi, d, m_i, l_i, acc, scale, window, softcap, True,
+                                                   IEEE, True, HAS_SOFTCAP)
+    else:
+        lo = (first // BLOCK_N) * BLOCK_N
+        for start in range(0, lo, BLOCK_N):
+            m_i, l_i, acc = _prompt_attention_tile(q, K, V, base, stride_ks, start + tl.arange(0, BLOCK_N),
+                                                   pos, hi, d, m_i, l_i, acc, scale, window, softcap, False,
+                                                   IEEE, False, HAS_SOFTCAP)
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _prompt_attention_tile(q, K, V, base, stride_ks, start + tl.arange(0, BLOCK_N),
+                                                   pos, hi, d, m_i, l_i, acc, scale, window, softcap, True,
+                                                   IEEE, False, HAS_SOFTCAP)
     out = acc / l_i[:, None]
     tl.store(OUT + (rows[:, None] * H + h) * HD + d[None, :], out.to(OUT.dtype.element_ty),
              mask=real[:, None])
 
 
 def flash_prompt_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, slots: Tensor,
-                           n_kv_heads: int, config: tuple[int, int, int, int] | None = None) -> Tensor:
+                           n_kv_heads: int, config: tuple[int, int, int, int] | None = None,
+                           scale: float | None = None, window: int | None = None,
+                           softcap: float | None = None) -> Tensor:
     """Causal attention of one prompt's rows q [T, n_heads, hd] at positions pos [T] (on the device)
     over their slot's cache (k_cache/v_cache [n_slots, n_kv, S, hd]; the slot is slots[0]): row t sees
-    positions 0..pos[t]. No host value depends on the positions, so the call can be graph-captured.
-    config: (BLOCK_M, BLOCK_N, warps, stages). Returns [T, n_heads * hd]."""
+    positions 0..pos[t] (with `window`, only the last `window` of them). No host value depends on the
+    positions, so the call can be graph-captured. config: (BLOCK_M, BLOCK_N, warps, stages); scale,
+    window, softcap: as decode_attention's. Returns [T, n_heads * hd]."""
     t, n_heads, hd = q.shape
     out = torch.empty(t, n_heads * hd, dtype=q.dtype, device=q.device)
     ieee = q.dtype == torch.float32
     block_m, block_n, warps, stages = config or ((64, 32, 4, 2) if ieee else (64, 64, 4, 3))
     _prompt_attention_kernel[(triton.cdiv(t, block_m), n_heads)](
         q, k_cache, v_cache, pos, slots, out, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), t,
-        hd**-0.5 * 1.4426950408889634, H=n_heads, GROUP=n_heads // n_kv_heads, HD=hd, BLOCK_M=block_m,
-        BLOCK_N=block_n, IEEE=ieee, num_warps=warps, num_stages=stages)
+        (hd**-0.5 if scale is None else scale) * (1.0 if softcap is not None else LOG2E), window or 0,
+        softcap or 1.0, H=n_heads, GROUP=n_heads // n_kv_heads, HD=hd, BLOCK_M=block_m, BLOCK_N=block_n,
+        IEEE=ieee, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, num_warps=warps,
+        num_stages=stages)
     return out
 
 
@@ -308,20 +354,25 @@ def argmax(x: Tensor, block: int = 4096) -> Tensor:
 
 
 @triton.jit
-def _swiglu_kernel(GU, OUT, F, BLOCK: tl.constexpr):
+def _swiglu_kernel(GU, OUT, F, BLOCK: tl.constexpr, GELU: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
     row = tl.program_id(1) * F
     g = tl.load(GU + 2 * row + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + 2 * row + F + offs, mask=mask, other=0.0)
-    silu = (g * tl.sigmoid(g)).to(OUT.dtype.element_ty)
-    tl.store(OUT + row + offs, silu * u, mask=mask)
+    if GELU:  # GeGLU (Gemma): GELU's tanh approximation, as torch's gelu(approximate="tanh")
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = (0.5 * g * (1.0 + _tanh(inner))).to(OUT.dtype.element_ty)
+    else:
+        act = (g * tl.sigmoid(g)).to(OUT.dtype.element_ty)
+    tl.store(OUT + row + offs, act * u, mask=mask)
 
 
-def swiglu(gate_up: Tensor) -> Tensor:
-    """silu(gate) * up for rows gate_up [B, 2F] (gate first): [B, F]."""
+def swiglu(gate_up: Tensor, gelu: bool = False) -> Tensor:
+    """silu(gate) * up for rows gate_up [B, 2F] (gate first): [B, F]; gelu: GELU's tanh form for SiLU
+    (Gemma's GeGLU)."""
     b, f = gate_up.shape[0], gate_up.shape[-1] // 2
     out = torch.empty(b, f, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _swiglu_kernel[(triton.cdiv(f, block), b)](gate_up, out, f, BLOCK=block, num_warps=4)
+    _swiglu_kernel[(triton.cdiv(f, block), b)](gate_up, out, f, BLOCK=block, GELU=gelu, num_warps=4)
     return out

@@ -46,22 +46,29 @@ class LogitsHead(nn.Module):
 
 
 def check_backend(c: ModelConfig, backend: str, max_seq_len: int) -> None:
-    """Raise UnsupportedModel, naming the architecture, where `backend` ("cpu", "cuda", "webgpu")
-    has no step for something the model computes in a context of max_seq_len positions; before any
-    weight is read."""
-    # Gemma's extras (GeGLU, post-norms, soft-capping, ...): only the CPU's steps have them.
+    """Raise UnsupportedModel, naming the architecture, where `backend` ("cpu", "cuda", "cuda-graph":
+    CUDA's reference graph of one slot without the fused kernels, "webgpu") has no step for something
+    the model computes in a context of max_seq_len positions; before any weight is read."""
+    # Gemma's extras (GeGLU, post-norms, soft-capping, ...): the CPU's steps and CUDA's fused ones.
     lacks = c.llama_step_lacks(backend)
-    if lacks and backend != "cpu":
-        raise UnsupportedModel(f"{c.arch} models run on the CPU only in this version: floe's {backend} steps "
-                               f"compute Llama's layer without {', '.join(lacks)}; use --device cpu")
-    # A sliding window shorter than the context: the CPU's module forward and lean step mask it; CUDA's
-    # graph and Triton steps and WebGPU's shaders attend over every written position.
-    if c.window_limits(max_seq_len) and backend != "cpu":
+    if lacks and backend == "cuda-graph":
+        raise UnsupportedModel(f"{c.arch} models run on CUDA through the fused Triton step or the module "
+                               f"forward: floe's reference graph step computes Llama's layer without "
+                               f"{', '.join(lacks)}; use Engine(fused_kernels=True) (Triton installed) or "
+                               "cuda_graphs=False")
+    if lacks:
+        raise UnsupportedModel(f"{c.arch} models run on the CPU and CUDA only in this version: floe's "
+                               f"{backend} steps compute Llama's layer without {', '.join(lacks)}; use "
+                               "--device cpu or cuda")
+    # A sliding window shorter than the context: the CPU's steps, CUDA's fused ones and the module
+    # forward mask it; CUDA's reference graph and WebGPU's shaders attend over every written position.
+    if c.window_limits(max_seq_len) and backend in ("cuda-graph", "webgpu"):
         raise UnsupportedModel(
             f"{c.arch} models with sliding-window attention (a window of {c.sliding_window} positions, "
-            f"shorter than this engine's context of {max_seq_len}) run on the CPU only in this version: "
-            f"floe's {backend} steps attend over the whole context; use --device cpu, or a context of "
-            f"at most {c.sliding_window} positions (--context, Engine(max_seq_len=...))")
+            f"shorter than this engine's context of {max_seq_len}) run on the CPU and CUDA's fused step "
+            f"only in this version: floe's {backend} steps attend over the whole context; use --device "
+            f"cpu or cuda, or a context of at most {c.sliding_window} positions (--context, "
+            "Engine(max_seq_len=...))")
 
 
 @dataclass

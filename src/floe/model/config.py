@@ -121,10 +121,11 @@ class ModelConfig:
         return lacks
 
     def llama_step_lacks(self, backend: str = "cpu") -> list[str]:
-        """What the fused decode step of `backend` ("cpu", "cuda", "webgpu") lacks for this model: the
-        CPU's lean step has Gemma's hooks too (nothing); CUDA's and WebGPU's steps compute Llama's layer
-        with the q/k norm, bias and window hooks only (`beyond_llama`: Gemma's list)."""
-        return [] if backend == "cpu" else self.beyond_llama()
+        """What the decode step of `backend` lacks for this model: "cpu" (its lean step) and "cuda" (the
+        fused Triton graphs; the module forward without graphs) have Gemma's hooks too (nothing);
+        "cuda-graph" (CUDA's reference graph of one slot, without the fused kernels) and "webgpu" compute
+        Llama's layer with the q/k norm and bias hooks only (`beyond_llama`: Gemma's list)."""
+        return [] if backend in ("cpu", "cuda") else self.beyond_llama()
 
     def window_limits(self, max_seq_len: int) -> bool:
         """Whether the sliding window is shorter than a context of max_seq_len positions (else every
