@@ -279,3 +279,25 @@ def test_gemma_merges_follow_the_files_order_and_space_runs_are_one_token(gemma_
     assert spaces == ["a", "\u2581\u2581\u2581\u2581", "b"]
     learned = [ours.token_text(i) for i in ours.encode("The quick brown fox", add_bos=False)]
     assert len(learned) <= 5, learned  # merged in the file's order (by the scores, hardly anything merges)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_gemma_3_1b_heads_on_cudas_fused_step_equal_its_module_forward():
+    """Gemma 3 1B's own attention (head_dim 256, four query heads on one KV head, a window of 512) and
+    vocabulary, six layers of it, float32 random weights: the fused step's kernels at that head size (a
+    600-token prompt's flash attention past the window, then decode rows) give the module forward's
+    logits on CUDA, and its greedy tokens."""
+    from floe.model.config import KNOWN_SHAPES
+    from floe.model.synthetic import random_checkpoint
+
+    shape = dataclasses.replace(KNOWN_SHAPES["gemma-3-1b"], n_layers=6, context_length=1024)
+    ckpt = random_checkpoint(shape, load_checkpoint().tokenizer, dtype=torch.float32, device="cuda")
+    ids = torch.randint(0, shape.vocab_size, (608,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits = {}
+    for steps, kwargs in CUDA_STEPS.items():
+        engine = Engine(ckpt, device="cuda", max_seq_len=1024, **kwargs)
+        logits[steps] = torch.stack([engine.prefill(ids[:600])] + [engine.decode_step(t) for t in ids[600:]])
+        del engine
+    eager, fused = logits["eager"], logits["fused"]
+    assert ((fused - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item() < 1e-4
+    assert torch.equal(fused.argmax(-1), eager.argmax(-1))
