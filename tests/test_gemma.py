@@ -291,7 +291,7 @@ def test_gemma_3_1b_heads_on_cudas_fused_step_equal_its_module_forward():
     from floe.model.synthetic import random_checkpoint
 
     shape = dataclasses.replace(KNOWN_SHAPES["gemma-3-1b"], n_layers=6, context_length=1024)
-    ckpt = random_checkpoint(shape, load_checkpoint().tokenizer, dtype=torch.float32, device="cuda")
+    ckpt = random_checkpoint(shape, _tokenizer(), dtype=torch.float32, device="cuda")
     ids = torch.randint(0, shape.vocab_size, (608,), generator=torch.Generator().manual_seed(0)).tolist()
     logits = {}
     for steps, kwargs in CUDA_STEPS.items():
@@ -301,3 +301,17 @@ def test_gemma_3_1b_heads_on_cudas_fused_step_equal_its_module_forward():
     eager, fused = logits["eager"], logits["fused"]
     assert ((fused - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item() < 1e-4
     assert torch.equal(fused.argmax(-1), eager.argmax(-1))
+
+
+def _tokenizer():
+    """The tests' tokenizer: the folder FLOE_TEST_TOKENIZER names (tokenizer.json), else the default
+    model's (as tests/test_cuda.py's; a random model's text is not read)."""
+    import os
+    from pathlib import Path
+
+    folder = os.environ.get("FLOE_TEST_TOKENIZER")
+    if folder:
+        from floe.model.hf_folder import tokenizer_from_folder
+
+        return tokenizer_from_folder(Path(folder), {})
+    return load_checkpoint().tokenizer
