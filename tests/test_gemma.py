@@ -296,7 +296,9 @@ def test_gemma_3_1b_heads_on_cudas_fused_step_equal_its_module_forward():
     logits = {}
     for steps, kwargs in CUDA_STEPS.items():
         engine = Engine(ckpt, device="cuda", max_seq_len=1024, **kwargs)
-        logits[steps] = torch.stack([engine.prefill(ids[:600])] + [engine.decode_step(t) for t in ids[600:]])
+        # (each step's logits copied: the fused step's are its graph's buffer, valid until its next step)
+        logits[steps] = torch.stack([engine.prefill(ids[:600]).clone()]
+                                    + [engine.decode_step(t).clone() for t in ids[600:]])
         del engine
     eager, fused = logits["eager"], logits["fused"]
     assert ((fused - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item() < 1e-4
