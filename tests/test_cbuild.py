@@ -2,7 +2,10 @@
 left by a builder that was killed is not waited for forever."""
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from toolchain import has_compiler
@@ -43,3 +46,24 @@ def test_a_stale_lock_of_a_killed_build_is_removed_and_the_build_finishes(built)
 
 def test_other_flags_build_apart(built):
     assert cbuild.build("floe_copy_hash", SOURCES, [*FLAGS, "-DFLOE_TEST_FLAG"]).parent != built.parent
+
+
+def test_floe_looks_for_its_builds_in_pytorchs_extension_folder(monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(cpp_extension.os, "makedirs", lambda *a, **k: None)
+    folder, name = cbuild._folder("floe_copy_hash", SOURCES, FLAGS)
+    assert folder == Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
+def test_loading_built_kernels_imports_no_setuptools(built):
+    """(PyTorch's cpp_extension brings setuptools and distutils: ~3 MB of `floe run`'s peak memory.)"""
+    from floe.engine import qgemv
+
+    qgemv.load("auto")  # built here first, if this machine had not yet
+    code = ("import sys\nfrom floe.engine import qgemv\nqgemv.load('auto')\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('setuptools', 'distutils', "
+            "'torch.utils.cpp_extension'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
 from models import save_hf_folder, write_gguf
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -15,6 +16,7 @@ from floe import snapshot
 from floe.engine import Engine
 from floe.errors import ModelNotFound, NotAModel, UnsupportedModel
 from floe.model import load_checkpoint
+from floe.model.gguf_file import GGUFFile
 
 IDS = [1, 504, 3575, 282, 4649, 314, 7042, 30, 17, 42, 9000, 31000] * 4  # 48 positions
 
@@ -191,6 +193,30 @@ def test_truncated_gguf_is_not_a_model(tmp_path):
     cut.write_bytes(data[: len(data) // 2])
     with pytest.raises(NotAModel, match="truncated or corrupt"):
         load_checkpoint(cut)
+
+
+def test_gguf_string_arrays_read_back_as_written(tmp_path):
+    """A GGUF's arrays of strings (a vocabulary's tokens, kept as the file's bytes) read as the writer's
+    list: every string in order, by index from either end and by slice; one that is not UTF-8 is refused."""
+    tokens = ["<s>", "é", "Ġthe", "", "日本", "a b"]
+    read = GGUFFile(_strings_gguf(tmp_path / "s.gguf", tokens)).fields["tokenizer.ggml.tokens"]
+    assert len(read) == len(tokens) and list(read) == tokens
+    assert [read[i] for i in range(-len(tokens), len(tokens))] == tokens * 2
+    assert read[1:5:2] == tokens[1:5:2]
+    with pytest.raises(IndexError):
+        read[len(tokens)]
+    with pytest.raises(NotAModel, match="truncated or corrupt"):
+        GGUFFile(_strings_gguf(tmp_path / "bad.gguf", [b"ok", b"\xff"]))
+
+
+def _strings_gguf(path, tokens):
+    writer = GGUFWriter(path, "llama")
+    writer.add_token_list(tokens)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def test_missing_paths_and_non_models(tmp_path):

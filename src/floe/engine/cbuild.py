@@ -38,16 +38,17 @@ def build(name: str, sources: list[Path], cflags: list[str], ldflags: list[str] 
           what: str = "", seconds: float = 30) -> Path:
     """The built PyTorch extension for `sources` (built now if needed; it registers whatever it
     registers when loaded by the caller). Raises what the build raises (no compiler, ...)."""
-    from torch.utils import cpp_extension
-
     directory, name = _folder(name, sources, [*cflags, "|", *ldflags])
     library = directory / f"{name}.so"
     if library.exists() and (directory / STAMP).exists():
         return library
+    from torch.utils import cpp_extension
+
     _clear_stale_lock(directory / "lock")
     started = _announce(what or name, seconds)
+    directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name=name, sources=[str(s) for s in sources], is_python_module=False,
-                       extra_cflags=cflags, extra_ldflags=list(ldflags))
+                       extra_cflags=cflags, extra_ldflags=list(ldflags), build_directory=str(directory))
     (directory / STAMP).touch()
     _done(what or name, started)
     return library
@@ -85,15 +86,31 @@ def build_plain(name: str, sources: list[Path], cflags: list[str], what: str = "
 
 def _folder(name: str, sources: list[Path], flags: list[str]) -> tuple[Path, str]:
     """(build folder, versioned name): each version of sources, headers and flags in its own."""
-    from torch.utils import cpp_extension
-
     digest = hashlib.sha256()
     for path in _with_headers(sources):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     native = any(f.startswith(("-march=native", "-mcpu=native")) for f in flags)
     digest.update(repr((flags, _cpu() if native else "")).encode())
     name = f"{name}_{digest.hexdigest()[:12]}"
-    return Path(cpp_extension._get_build_directory(name, verbose=False)), name
+    return _extensions_root() / name, name
+
+
+def _extensions_root() -> Path:
+    """PyTorch's per-user folder of built extensions, as its cpp_extension._get_build_directory names
+    it, without importing cpp_extension to ask: setuptools and distutils come with it, ~3 MB of resident
+    memory for one path (1 MB of `floe run`'s peak); a build up to date needs nothing else of it."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is not None:
+        return Path(root)
+    import torch
+    from torch import _appdirs
+
+    version = torch.version
+    accelerator = (f"rocm{version.hip.replace('.', '')}" if version.hip is not None
+                   else f"cu{version.cuda.replace('.', '')}" if version.cuda is not None else "cpu")
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    cache = Path(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")))
+    return cache / f"{python}_{accelerator}"
 
 
 _INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)

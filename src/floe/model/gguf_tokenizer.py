@@ -74,10 +74,12 @@ def tokenizer_from_gguf(fields: dict) -> Tokenizer:
             f"pre-tokenizer {pre_name!r} is not supported; known: {', '.join(sorted(_PRE_TOKENIZERS))}"
         )
     make_pre, ignore_merges = _PRE_TOKENIZERS[pre_name]
-    tokens: list[str] = fields["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    backend = HFTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+    tokens: Sequence[str] = fields["tokenizer.ggml.tokens"]
+    # The vocabulary and merges as Python objects exist for this call only: gone before anything that stays
+    # is made (~100,000 small objects among which one kept object pins a 1 MB arena of them).
+    backend = HFTokenizer(models.BPE({tok: i for i, tok in enumerate(tokens)},
+                                     [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]],
+                                     ignore_merges=ignore_merges))
     backend.pre_tokenizer = make_pre()
     backend.decoder = decoders.ByteLevel()
     _add_gguf_tokens(backend, fields, ())
@@ -101,7 +103,7 @@ def _sentencepiece_from_gguf(fields: dict) -> Tokenizer:
     (Gemma: its place in the file), with byte fallback to the `<0xNN>` tokens; spaces spelled "▁", and
     one prepended (not Gemma)."""
     arch = fields.get("general.architecture")
-    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    tokens: Sequence[str] = fields["tokenizer.ggml.tokens"]
     gemma, respelled = arch in _GEMMA, []
     if gemma:  # "  " is looked up as "▁▁"
         respelled = [i for i, t in enumerate(tokens) if " " in t and not t.strip()]
@@ -153,7 +155,7 @@ def _add_gguf_tokens(backend: HFTokenizer, fields: dict, named: Sequence[int],
     """Control tokens (and the `named` ids: BOS, EOS, ...) as special tokens, user-defined ones (but
     those in `plain`: Gemma's space runs, which transformers leaves to the BPE) as added tokens, so
     that their text in a prompt is read as that one token."""
-    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    tokens: Sequence[str] = fields["tokenizer.ggml.tokens"]
     types: list[int] = fields.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     special = sorted({*named, *(i for i, t in enumerate(types) if t == _CONTROL)})
     skipped = set(plain)
@@ -167,7 +169,7 @@ def _add_gguf_tokens(backend: HFTokenizer, fields: dict, named: Sequence[int],
 def _gguf_tokenizer(backend: HFTokenizer, fields: dict, *, add_bos: bool) -> Tokenizer:
     eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                "tokenizer.ggml.eom_token_id") if k in fields]
-    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    tokens: Sequence[str] = fields["tokenizer.ggml.tokens"]
     # What the chat template sees by name: the file's special ids' texts, as transformers reads a GGUF.
     special = {name: tokens[fields[key]] for name, key in (
         ("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
