@@ -317,3 +317,19 @@ def _tokenizer():
 
         return tokenizer_from_folder(Path(folder), {})
     return load_checkpoint().tokenizer
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_post_norm_gives_the_bits_of_two_norms(dtype):
+    """Gemma's post norm inside the residual's norm kernel (rmsnorm's pre_weight) rounds as the two
+    kernels did: norm(a) * w_post, rounded, plus the residual, rounded, normed."""
+    from floe.engine import triton_kernels as tk
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, x = (torch.randn(5, 1152, generator=g, device="cuda").to(dtype) for _ in range(2))
+    w_post, w_next = ((1 + 0.1 * torch.randn(1152, generator=g, device="cuda")).to(dtype) for _ in range(2))
+    post, _ = tk.rmsnorm(a, w_post, 1e-6)
+    want_h, want_x = tk.rmsnorm(post, w_next, 1e-6, residual=x)
+    got_h, got_x = tk.rmsnorm(a, w_next, 1e-6, residual=x, pre_weight=w_post)
+    assert torch.equal(got_x, want_x) and torch.equal(got_h, want_h)

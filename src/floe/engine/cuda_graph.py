@@ -236,6 +236,9 @@ class BatchGraphDecoder:
         self.rope = [(model.cos_local, model.sin_local) if layer.attention.local_rope
                      else (model.cos, model.sin) for layer in model.layers]
         self.gelu = c.activation != "silu"  # Gemma's GeGLU
+        self.post_norms = [(None, None) if layer.post_attention_norm is None
+                           else (layer.post_attention_norm.weight, layer.post_ffn_norm.weight)
+                           for layer in model.layers]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.done = torch.cuda.Event()  # the latest replay's (each replay records a new one)
@@ -299,15 +302,14 @@ class BatchGraphDecoder:
             y = (tk.decode_attention(q, k_cache, v_cache, pos, c.n_kv_heads, bucket, slots=slots,
                                      **self.attend_args[i])
                  if attend is None else attend(i, q))
-            a = layer.attention.wo(y)
-            if layer.post_attention_norm is not None:  # (Gemma) each sub-layer's output normed again
-                a, _ = tk.rmsnorm(a, layer.post_attention_norm.weight, c.norm_eps)
-            h, x = tk.rmsnorm(a, layer.ffn_norm.weight, c.norm_eps, residual=x)
+            # (Gemma: each sub-layer's output normed again before it joins the residual stream, in the
+            # residual's norm kernel)
+            post_attention, post_ffn = self.post_norms[i]
+            h, x = tk.rmsnorm(layer.attention.wo(y), layer.ffn_norm.weight, c.norm_eps, residual=x,
+                              pre_weight=post_attention)
             d = layer.feed_forward.w2(tk.swiglu(layer.feed_forward.w13(h), gelu=self.gelu))
-            if layer.post_ffn_norm is not None:
-                d, _ = tk.rmsnorm(d, layer.post_ffn_norm.weight, c.norm_eps)
             next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else m.norm
-            h, x = tk.rmsnorm(d, next_norm.weight, c.norm_eps, residual=x)
+            h, x = tk.rmsnorm(d, next_norm.weight, c.norm_eps, residual=x, pre_weight=post_ffn)
         return h  # final-normed rows [B, dim]
 
     @torch.inference_mode()

@@ -32,11 +32,16 @@ def _tanh(x):
 
 
 @triton.jit
-def _rmsnorm_kernel(X, R, W, Y, RES_OUT, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(X, R, W, Y, RES_OUT, W_PRE, N, eps, HAS_RES: tl.constexpr, HAS_PRE: tl.constexpr,
+                    BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     row = tl.program_id(0) * N
     x = tl.load(X + row + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_PRE:  # (Gemma's post norms) x normed on its own first, rounded as RMSNorm rounds, then added
+        pre = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+        w_pre = tl.load(W_PRE + offs, mask=mask, other=0.0)
+        x = ((x * pre).to(Y.dtype.element_ty) * w_pre).to(Y.dtype.element_ty).to(tl.float32)
     if HAS_RES:
         x = x + tl.load(R + row + offs, mask=mask, other=0.0).to(tl.float32)
         x = x.to(RES_OUT.dtype.element_ty)  # the residual stream is stored in the model dtype
@@ -48,13 +53,18 @@ def _rmsnorm_kernel(X, R, W, Y, RES_OUT, N, eps, HAS_RES: tl.constexpr, BLOCK: t
     tl.store(Y + row + offs, y, mask=mask)
 
 
-def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(norm(x + residual) * weight, x + residual) for rows x [B, N]."""
+def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
+            pre_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(norm(x + residual) * weight, x + residual) for rows x [B, N]; pre_weight: x is first
+    norm(x) * pre_weight (Gemma's post-attention and post-feed-forward norms, in the same kernel as the
+    residual's: the same bits as two calls)."""
     n = x.shape[-1]
     y = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
-    _rmsnorm_kernel[(x.shape[0],)](x, residual if residual is not None else x, weight, y, res_out, n, eps,
-                          HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=8)
+    _rmsnorm_kernel[(x.shape[0],)](x, residual if residual is not None else x, weight, y, res_out,
+                                   pre_weight if pre_weight is not None else weight, n, eps,
+                                   HAS_RES=residual is not None, HAS_PRE=pre_weight is not None,
+                                   BLOCK=triton.next_power_of_2(n), num_warps=8)
     return y, res_out
 
 
