@@ -48,14 +48,16 @@ def runtime_bytes() -> int:
     return peak_rss(RUNTIME)["vmhwm"]
 
 
-def test_floe_run_on_the_default_model_peaks_under_407_mb():
+def test_floe_run_on_the_default_model_peaks_under_408_mb():
     """Measured before: 1.26-2.0 GB (a float32 checkpoint, bf16 prefill copies, the whole KV cache
     written by torch.zeros); then 419 MB; then 405-407 MB on the Xeon, 392-393 on an AVX2 Zen 3 (the
     chat guest loaded compiled, not run through Cranelift; rich, safetensors and the snapshot format not
     imported); now 388-389 on the Zen 3 (no setuptools imported to name the kernels' build folder; the
     vocabulary's strings kept as the file's bytes), of which 248 MB is torch and floe's modules and 96 MB
     the weights (docs/PERF.md, "Memory (peak RSS)"). The bound leaves the Xeon (AMX and AVX-512 paths:
-    11-12 MB above the Zen 3 until now, not re-measured) the 4-6 MB margin it had under 411 MB."""
+    11-12 MB above the Zen 3 until now, so ~402-404 MB, not re-measured) the 4-6 MB margin it had
+    under 411 MB: runs differ by ~1 MB, and what came off here (setuptools, the vocabulary's strings)
+    does not depend on the CPU."""
     from floe.actor import builtin_guest
     from floe.wasm.runtime import default_runtime
 
@@ -63,7 +65,7 @@ def test_floe_run_on_the_default_model_peaks_under_407_mb():
     r = peak_rss(RUN, "run", "What is the capital of France?", "--max-tokens", "8", "--threads", "2",
                  "--context", "256", "--json")
     assert "Paris" in json.loads(r["stdout"])["text"]
-    assert r["vmhwm"] <= 407e6, f"peak RSS {r['vmhwm'] / 1e6:.0f} MB"
+    assert r["vmhwm"] <= 408e6, f"peak RSS {r['vmhwm'] / 1e6:.0f} MB"
 
 
 def write_q4_0_gguf(path: Path, dim: int, n_layers: int, n_heads: int, n_kv: int, ffn: int, vocab: int,
