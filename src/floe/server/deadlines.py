@@ -2,15 +2,16 @@
 keep-alive connection, so a client that sends its headers a byte at a time, trickles its body, or
 connects and sends nothing holds a connection (and its request's memory) for ever.
 
-`DeadlineH11Protocol` is uvicorn's HTTP/1.1 protocol with two more timers: a request's headers must
-have arrived `HEADER_TIMEOUT_S` after the connection opened or the request's first byte came; while its
-body arrives, every `BODY_CHUNK` bytes (or the rest) must come within `BODY_TIMEOUT_S` (about 2 KB/s
-at least: a snapshot upload of any size passes, a trickle does not). A request past its deadline gets
-`408` (nothing has answered it yet) and its connection is closed; the app, if it was reading the body,
-sees its client leave. Once a request is complete, a reply may stream for minutes; but one whose client
-reads none of it (the socket's buffers full, uvicorn waits to write) for `SEND_TIMEOUT_S` has its
-connection closed: uvicorn waits for ever, holding what the reply had ready (a snapshot export's chunks)
-and keeping a stop of the server waiting.
+`DeadlineHttpProtocol` is uvicorn's HTTP/1.1 protocol (its httptools one: llhttp's C parser, ~18 % less of
+the front's CPU a request than its h11 one, bench/probes/front_cost.py) with two more timers: a request's
+headers must have arrived `HEADER_TIMEOUT_S` after the connection opened or the request's first byte came;
+while its body arrives, every `BODY_CHUNK` bytes (or the rest) must come within `BODY_TIMEOUT_S` (about 2
+KB/s at least: a snapshot upload of any size passes, a trickle does not). A request past its deadline gets
+`408` (nothing has answered it yet) and its connection is closed; the app, if it was reading the body, sees
+its client leave. Once a request is complete, a reply may stream for minutes; but one whose client reads
+none of it (the socket's buffers full, uvicorn waits to write) for `SEND_TIMEOUT_S` has its connection
+closed: uvicorn waits for ever, holding what the reply had ready (a snapshot export's chunks) and keeping a
+stop of the server waiting.
 
 A stop (uvicorn's shutdown, which waited for every open request: a trickling snapshot upload or an
 export nobody read held `floe serve`'s SIGTERM ~30 s) ends each connection in bounded time: a request
@@ -25,19 +26,21 @@ from __future__ import annotations
 import asyncio
 import json
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
 BODY_CHUNK = 64 * 1024
 SEND_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0  # at a stop, what a reply under way has to end (s)
+HEADERS, BODY = "headers", "body"  # the phases of a request that has a deadline
 
 
-class DeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol whose requests must arrive in time (see the module's docstring)."""
+class DeadlineHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol whose requests must arrive in time (see the module's docstring).
+    A request's phase: HEADERS from the connection's start or its next request's first byte until its
+    headers are complete; BODY until its body is; then none (its reply may take its time)."""
 
     header_timeout_s = HEADER_TIMEOUT_S
     body_timeout_s = BODY_TIMEOUT_S
@@ -49,15 +52,29 @@ class DeadlineH11Protocol(H11Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._stalled: asyncio.TimerHandle | None = None  # the reply's client has read nothing since
         self._grace: asyncio.TimerHandle | None = None  # a stop: the end of this reply's grace
-        self._phase: h11.Sentinel | None = None
+        self._phase: str | None = None
         self._body_bytes = 0
-        self._rearm()
+        self._enter(HEADERS)
 
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self._phase is h11.SEND_BODY:
-            self._body_bytes += len(data)
-        self._rearm()
+    # (the parser's callbacks, within data_received)
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._phase is not HEADERS:  # a keep-alive connection's next request: from its first byte
+            self._enter(HEADERS)
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._enter(BODY)
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        self._body_bytes += len(body)
+        if self._body_bytes >= BODY_CHUNK:  # a chunk in time: the next one's deadline
+            self._enter(BODY)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._enter(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
@@ -72,7 +89,7 @@ class DeadlineH11Protocol(H11Protocol):
         cycle = self.cycle
         if cycle is None or cycle.response_complete or self.transport.is_closing():
             super().shutdown()
-        elif self._phase is h11.SEND_BODY or self._stalled is not None:
+        elif self._phase is BODY or self._stalled is not None:
             self._stopped()
         else:
             super().shutdown()  # (keep-alive off: the connection closes after this reply)
@@ -86,8 +103,8 @@ class DeadlineH11Protocol(H11Protocol):
             return
         answered = self.cycle.response_started
         if not answered:
-            self._refuse(503, b"Service Unavailable", "the server is stopping; send the request again once "
-                         "it is back", "server_error", "server_stopping")
+            self._refuse(503, "the server is stopping; send the request again once it is back",
+                         "server_error", "server_stopping")
         self.cycle.disconnected = True
         if answered:  # (its client may read nothing: what is buffered is dropped, not waited for)
             self.transport.abort()
@@ -121,20 +138,17 @@ class DeadlineH11Protocol(H11Protocol):
             self._timer.cancel()
             self._timer = None
 
-    def _rearm(self) -> None:
-        """Start the deadline of the phase the request is in, if it changed (or a body chunk came)."""
-        phase = self.conn.their_state if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) else None
-        if phase is self._phase and not (phase is h11.SEND_BODY and self._body_bytes >= BODY_CHUNK):
-            return
+    def _enter(self, phase: str | None) -> None:
+        """Start `phase`'s deadline (HEADERS, BODY, or none), from now."""
         self._cancel()
         self._phase, self._body_bytes = phase, 0
         if phase is not None and not self.transport.is_closing():
-            timeout = self.header_timeout_s if phase is h11.IDLE else self.body_timeout_s
+            timeout = self.header_timeout_s if phase is HEADERS else self.body_timeout_s
             self._timer = self.loop.call_later(timeout, self._expired)
 
     def _expired(self) -> None:
         self._timer = None
-        if self._phase is h11.SEND_BODY and self.flow.read_paused:  # the app is not reading: not the client
+        if self._phase is BODY and self.flow.read_paused:  # the app is not reading: not the client
             self._timer = self.loop.call_later(self.body_timeout_s, self._expired)
             return
         if self.cycle is None or not self.cycle.response_started:
@@ -144,23 +158,18 @@ class DeadlineH11Protocol(H11Protocol):
         self.transport.close()
 
     def _send_408(self) -> None:
-        what = "headers" if self._phase is h11.IDLE else "body"
-        timeout = self.header_timeout_s if self._phase is h11.IDLE else self.body_timeout_s
-        self._refuse(408, b"Request Timeout", f"the request's {what} did not arrive within {timeout:g} s",
+        what = "headers" if self._phase is HEADERS else "body"
+        timeout = self.header_timeout_s if self._phase is HEADERS else self.body_timeout_s
+        self._refuse(408, f"the request's {what} did not arrive within {timeout:g} s",
                      "invalid_request_error", "request_timeout")
 
-    def _refuse(self, status: int, reason: bytes, message: str, type_: str, code: str) -> None:
+    def _refuse(self, status: int, message: str, type_: str, code: str) -> None:
         """Answer the request (none has yet) with an OpenAI-shaped error; the caller closes."""
         error = {"message": message, "type": type_, "param": None, "code": code}
         body = json.dumps({"error": error}).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                   (b"content-length", str(len(body)).encode())]
-        try:
-            for event in (h11.Response(status_code=status, headers=headers, reason=reason),
-                          h11.Data(data=body), h11.EndOfMessage()):
-                self.transport.write(self.conn.send(event))
-        except h11.LocalProtocolError:  # h11 cannot answer in this state: the close says it
-            pass
+        self.transport.write(b"".join([
+            STATUS_LINE[status], b"content-type: application/json\r\nconnection: close\r\n",
+            b"content-length: ", str(len(body)).encode(), b"\r\n\r\n", body]))
 
 
 def uvicorn_config(app, *, host: str, port: int, log_level: str = "warning",
@@ -168,7 +177,7 @@ def uvicorn_config(app, *, host: str, port: int, log_level: str = "warning",
                    send_timeout_s: float = SEND_TIMEOUT_S,
                    stop_grace_s: float = STOP_GRACE_S) -> uvicorn.Config:
     """How `floe serve` runs its HTTP front under uvicorn: HTTP/1.1 with the deadlines above (in s)."""
-    protocol = type("DeadlineH11Protocol", (DeadlineH11Protocol,),
+    protocol = type("DeadlineHttpProtocol", (DeadlineHttpProtocol,),
                     {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s,
                      "send_timeout_s": send_timeout_s, "stop_grace_s": stop_grace_s})
     # (past the grace every connection is closed; a request that still runs then is cancelled)
