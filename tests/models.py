@@ -386,3 +386,27 @@ def tiny_engine(n_slots: int = 8, max_seq_len: int = 512):
     checkpoint = random_checkpoint(config, tokenizer_from_gguf(GGUFFile(default_model_path()).fields),
                                    dtype=torch.float32, scale=0.5)
     return Engine(checkpoint, max_seq_len=max_seq_len, n_slots=n_slots)
+
+
+# Engine's CUDA steps by name: the module forward, its graph of one slot, the fused Triton graphs
+CUDA_STEPS = {"eager": {"cuda_graphs": False}, "graph": {"cuda_graphs": True, "fused_kernels": False},
+              "fused": {"cuda_graphs": True, "fused_kernels": True}}
+
+
+def assert_cuda_matches_the_cpu(checkpoint, steps: dict, ids: list[int], two_slots: bool = True) -> None:
+    """CUDA's `steps` (Engine's keywords) against the CPU's one-shot prefill of `ids` (over 300 of
+    them): a 300-token prompt (a prompt graph past PREFILL_ROWS on the fused step), then each decode
+    step, within 1e-3 with the same greedy tokens; with two_slots, a 20-token prompt in a second slot
+    (riding in the rows' graph) and one decode_batch of both slots' next rows."""
+    from floe.engine import Engine
+
+    full = Engine(checkpoint, max_seq_len=512).prefill(ids, all_logits=True)
+    cuda = Engine(checkpoint, device="cuda", max_seq_len=512, n_slots=2, **steps)
+    got = torch.stack([cuda.prefill(ids[:300]).cpu()] + [cuda.decode_step(t).cpu() for t in ids[300:-1]])
+    assert (got - full[299:-1]).abs().max().item() <= 1e-3
+    assert torch.equal(got.argmax(-1), full[299:-1].argmax(-1))
+    if two_slots:
+        cuda.prefill(ids[:20], slot=1)
+        rows = cuda.decode_batch([ids[-1], ids[20]], [0, 1])
+        assert (rows[0].cpu() - full[-1]).abs().max().item() <= 1e-3
+        assert (rows[1].cpu() - full[20]).abs().max().item() <= 1e-3

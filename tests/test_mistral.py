@@ -6,8 +6,8 @@ prompt longer than it computes; backends that attend over the whole context refu
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from models import CUDA_STEPS, assert_cuda_matches_the_cpu, convert_to_gguf, save_hf_folder
 from models import assert_matches_transformers as assert_matches
-from models import convert_to_gguf, save_hf_folder
 
 from floe.engine import Engine
 from floe.engine.weights import check_backend
@@ -121,19 +121,8 @@ def test_a_qwen_folder_with_its_partial_sliding_window_is_refused_by_name():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("steps", [{"cuda_graphs": False}, {"cuda_graphs": True, "fused_kernels": True}],
-                         ids=["eager", "fused"])
+@pytest.mark.parametrize("steps", ["eager", "fused"])
 def test_the_window_on_cuda_matches_the_cpu(folder, steps):
     """A window of 8 over 336 positions on CUDA's module forward and its fused Triton graphs (a prompt
     graph's flash attention, decode rows, a short prompt in the rows' graph, two slots at once)."""
-    long = IDS * 7
-    ckpt = load_checkpoint(folder)
-    full = Engine(ckpt, max_seq_len=512).prefill(long, all_logits=True)
-    cuda = Engine(ckpt, device="cuda", max_seq_len=512, n_slots=2, **steps)
-    got = torch.stack([cuda.prefill(long[:300]).cpu()] + [cuda.decode_step(t).cpu() for t in long[300:-1]])
-    assert (got - full[299:-1]).abs().max().item() <= 1e-3
-    assert torch.equal(got.argmax(-1), full[299:-1].argmax(-1))
-    cuda.prefill(long[:20], slot=1)
-    rows = cuda.decode_batch([long[-1], long[20]], [0, 1])
-    assert (rows[0].cpu() - full[-1]).abs().max().item() <= 1e-3
-    assert (rows[1].cpu() - full[20]).abs().max().item() <= 1e-3
+    assert_cuda_matches_the_cpu(load_checkpoint(folder), CUDA_STEPS[steps], IDS * 7)

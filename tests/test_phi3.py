@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from models import CUDA_STEPS, assert_cuda_matches_the_cpu, convert_to_gguf, reference_logits, save_hf_folder
 from models import assert_matches_transformers as assert_matches
-from models import convert_to_gguf, reference_logits, save_hf_folder
 
 from floe.engine import Engine
 from floe.engine.weights import check_backend
@@ -133,15 +133,8 @@ def test_an_unknown_phi3_rope_scaling_is_refused_by_name():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("steps", [{"cuda_graphs": False}, {"cuda_graphs": True, "fused_kernels": False},
-                                   {"cuda_graphs": True, "fused_kernels": True}],
-                         ids=["eager", "graph", "fused"])
+@pytest.mark.parametrize("steps", list(CUDA_STEPS))
 def test_phi3_on_cuda_matches_the_cpu(long_folder, steps):
     """The partial rotary and LongRoPE are the tables' and the rows' order: CUDA's steps run them."""
-    long = IDS * 7  # 336 positions
-    ckpt = load_checkpoint(long_folder)
-    full = Engine(ckpt, max_seq_len=512).prefill(long, all_logits=True)
-    cuda = Engine(ckpt, device="cuda", max_seq_len=512, n_slots=2, **steps)
-    got = torch.stack([cuda.prefill(long[:300]).cpu()] + [cuda.decode_step(t).cpu() for t in long[300:-1]])
-    assert (got - full[299:-1]).abs().max().item() <= 1e-3
-    assert torch.equal(got.argmax(-1), full[299:-1].argmax(-1))
+    assert_cuda_matches_the_cpu(load_checkpoint(long_folder), CUDA_STEPS[steps], IDS * 7,  # 336 positions
+                                two_slots=False)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
+from models import CUDA_STEPS, assert_cuda_matches_the_cpu, convert_to_gguf, save_hf_folder
 from models import assert_matches_transformers as assert_matches
-from models import convert_to_gguf, save_hf_folder
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -157,27 +157,12 @@ def test_qwen3_on_webgpu_matches_the_cpu(folder):
     assert torch.equal(got.argmax(-1), full[29:-1].argmax(-1))
 
 
-CUDA_STEPS = {"eager": {"cuda_graphs": False}, "graph": {"cuda_graphs": True, "fused_kernels": False},
-              "fused": {"cuda_graphs": True, "fused_kernels": True}}
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("steps", list(CUDA_STEPS))
 def test_qwen3_on_cuda_matches_the_cpu(folder, steps):
     """Each CUDA step (the module forward, its graph, the fused Triton graphs: a prompt graph past
     PREFILL_ROWS, decode rows, two slots at once) applies the q/k norm as the CPU does."""
-    long = IDS * 7  # 336 positions
-    ckpt = load_checkpoint(folder)
-    full = Engine(ckpt, max_seq_len=512).prefill(long, all_logits=True)
-    cuda = Engine(ckpt, device="cuda", max_seq_len=512, n_slots=2, **CUDA_STEPS[steps])
-    got = [cuda.prefill(long[:300]).cpu()] + [cuda.decode_step(t).cpu() for t in long[300:-1]]
-    got = torch.stack(got)
-    assert (got - full[299:-1]).abs().max().item() <= 1e-3
-    assert torch.equal(got.argmax(-1), full[299:-1].argmax(-1))
-    cuda.prefill(long[:20], slot=1)
-    rows = cuda.decode_batch([long[-1], long[20]], [0, 1])
-    assert (rows[0].cpu() - full[-1]).abs().max().item() <= 1e-3
-    assert (rows[1].cpu() - full[20]).abs().max().item() <= 1e-3
+    assert_cuda_matches_the_cpu(load_checkpoint(folder), CUDA_STEPS[steps], IDS * 7)  # 336 positions
 
 
 def test_llama_configs_keep_their_json(folder):

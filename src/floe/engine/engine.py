@@ -134,10 +134,10 @@ class Engine(BatchedSteps):
         if fused_kernels is None:
             fused_kernels = self.device.type == "cpu" or (self.cuda_graphs and _has_triton())
         self.fused_kernels = fused_kernels
-        # (CUDA's reference graph of one slot, where graphs run without the fused step, is Llama's layer)
+        # Before any weight is read. (CUDA's reference graph of one slot, where graphs run without the
+        # fused step, is Llama's layer.)
         reference = self.backend == "cuda" and self.cuda_graphs and not self._batch_graphs
-        check_backend(self.config, "cuda-graph" if reference else self.backend, self.max_seq_len)  # (before
-        # any weight is read)
+        check_backend(self.config, "cuda-graph" if reference else self.backend, self.max_seq_len)
         # WebGPU: the host model is float32; the decoder stores its matrices as f16 where asked.
         loaded = load_model(checkpoint, self.max_seq_len, self.device, self.dtype,
                             "dense" if webgpu else weights, native_kernel, prefill_copy)

@@ -57,7 +57,8 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = Non
             pre_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(norm(x + residual) * weight, x + residual) for rows x [B, N]; pre_weight: x is first
     norm(x) * pre_weight (Gemma's post-attention and post-feed-forward norms, in the same kernel as the
-    residual's: the same bits as two calls)."""
+    residual's: within a rounding of two calls, not their bits: the product and the sum may become one
+    FMA)."""
     n = x.shape[-1]
     y = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
@@ -244,7 +245,7 @@ def _prompt_attention_tile(q, K, V, base, stride_ks, cols, pos, hi, d, m_i, l_i,
     else:
         s = tl.dot(q, tl.trans(k)) * scale
     if HAS_SOFTCAP:
-        s = softcap * _tanh(s / softcap) * 1.4426950408889634
+        s = softcap * _tanh(s / softcap) * 1.4426950408889634  # (LOG2E: a jit function reads no global)
     if MASKED:
         seen = cols[None, :] <= pos[:, None]
         if HAS_WINDOW:
