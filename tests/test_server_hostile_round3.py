@@ -290,34 +290,32 @@ def test_trickling_uploads_hold_at_most_a_few_threads_and_end(server):
         assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=60).status_code == 404
 
 
-def rss_mb() -> int:
-    return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) >> 10
-
-
 def test_an_upload_to_a_busy_session_is_not_read_ahead_while_it_waits(server):
     """An import waits for its session (a running turn); its body went on streaming into the core's
     memory meanwhile (1.5 GB of body to a busy session: the core from 570 to 2,163 MB, floe serve;
     here, front and core in this process, +136 MB in the 2 s it may wait). Now the front sends at most
-    a few MiB ahead of what the import has taken."""
-    started, peak, done = threading.Event(), [rss_mb()], threading.Event()
+    a few MiB ahead of what the import has taken: the client can send no more than that and the
+    sockets' buffers while the import waits. (Counted at the client, not as this process's RSS: the
+    turn running beside it and malloc's arenas moved that by tens of MB, +20 here, +77 on CI.)"""
+    started, sent = threading.Event(), []
 
-    def sample() -> None:
-        while not done.wait(0.02):
-            peak[0] = max(peak[0], rss_mb())
+    def body():
+        for _ in range(800):
+            sent.append(time.monotonic())
+            yield b"\0" * (1 << 20)
 
-    body = (b"\0" * (1 << 20) for _ in range(800))
     with ThreadPoolExecutor(2) as pool:
         long = {"model": MODEL_ID, "max_tokens": 900, "temperature": 0, "session_id": "up-busy",
                 "messages": [{"role": "user", "content": STORY}]}
         turn = pool.submit(streamed, server.url, {}, long, started)
         assert started.wait(60)
-        before = rss_mb()
-        pool.submit(sample)
-        r = httpx.put(f"{server.url}/v1/sessions/up-busy/snapshot", content=body, timeout=120)
-        done.set()
+        r = httpx.put(f"{server.url}/v1/sessions/up-busy/snapshot", content=body(), timeout=120)
         assert r.status_code == 503 and r.json()["error"]["code"] == "session_busy", r.text
-        # (measured: +20 MB; before, +136 MB: ~250 MB/s for the 2 s the import may wait)
-        assert peak[0] - before < 64, (before, peak[0])
+        # The MiB the client got out in the import's first 1.5 s of waiting (of the 2 s it may): without
+        # the window 180 (measured, 2-core EPYC: all it could send); with it 6 (the window, a frame in the
+        # front and the loopback sockets' buffers).
+        early = sum(t < sent[0] + 1.5 for t in sent)
+        assert early < 48, early
         assert turn.result() == 200
 
 
