@@ -223,6 +223,56 @@ def test_broken_http_gets_a_4xx_or_a_clean_close(server):
         assert status is None and answer == b"" or 400 <= status < 500, answer[:300]
 
 
+def test_a_head_past_its_bound_gets_a_431_and_others_are_served_meanwhile(server):
+    """Headers streamed as fast as a client can (uvicorn's httptools protocol keeps them all: ~1 GB a
+    second into the front for the 10 s they may take), a URL of 1 MB, one header of 1 MB: each gets a
+    431 and its connection closes, within one read of the bound; a head just under it is served, and
+    so is a request whose head and 1 MB body come in one write."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        sent, answer = 0, b""
+        line = b"X-Filler: " + b"a" * 1000 + b"\r\n"
+        try:
+            while sent < 64 << 20:  # (the server refuses long before)
+                s.sendall(line * 64)
+                sent += len(line) * 64
+        except OSError:  # it closed the connection as we sent
+            pass
+        s.settimeout(10)
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except OSError:  # (a reset: what it answered may be lost with it)
+            pass
+    assert sent < 8 << 20, sent  # refused within a few reads of the bound, not after 64 MB
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:300]
+    for data in (b"GET /" + b"a" * (1 << 20) + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (1 << 20) + b"\r\n\r\n"):
+        try:
+            answer = raw_request(server.port, data)
+        except ConnectionResetError:  # (refused and closed before all of it was read)
+            continue
+        assert answer.startswith(b"HTTP/1.1 431"), answer[:300]
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "headers_too_large"
+    under = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: " + b"c" * 60000 + b"\r\n\r\n"
+    assert raw_request(server.port, under).startswith(b"HTTP/1.1 200"), "a 60 KB head was refused"
+    body = json.dumps(BASE | {"messages": [{"role": "user", "content": "hi"}], "padding": "p" * (1 << 20)})
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    answer = raw_request(server.port, head + body.encode())
+    assert not answer.startswith(b"HTTP/1.1 431"), answer[:300]  # (the padding: a 400 of its own)
+    assert post(server.url, BASE).status_code == 200
+
+
+def test_an_upgrade_to_websocket_is_answered_as_plain_http(server):
+    """floe serves no WebSocket: a handshake is answered as the plain request it also is, not switched
+    to a WebSocket protocol (with its own timeouts) for the app to refuse."""
+    answer = raw_request(server.port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, close\r\n"
+                                      b"Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+                                      b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+
+
 def test_slow_senders_are_dropped_and_others_are_served_meanwhile(server):
     """A client sending its headers a byte at a time, one whose body trickles in, and one that sends
     nothing: the server answers a normal request meanwhile, and ends each slow one within its timeouts."""

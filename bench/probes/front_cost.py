@@ -37,6 +37,7 @@ import time
 
 import psutil
 
+NATIVE: list[str] = []  # ["--native"] with --spy-native: C frames too (uvloop's, the kernel calls' callers)
 TEXT = "Background notes: rivers, mountains, harbours, markets, libraries, gardens, railways, festivals. " * 2
 
 
@@ -119,7 +120,7 @@ class Phase:
         self.spies = []
         if self.spy:
             os.makedirs(self.spy, exist_ok=True)
-            self.spies = [subprocess.Popen(["py-spy", "record", "-r", "1000", "-f", "raw", "-o",
+            self.spies = [subprocess.Popen(["py-spy", "record", "-r", "1000", "-f", "raw", *NATIVE, "-o",
                                             f"{self.spy}/{self.name}_{p.pid}.txt", "-p", str(p.pid)],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                           for p in self.fronts]
@@ -168,9 +169,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--start-timeout", type=float, default=180.0)
     ap.add_argument("--spy", default=None, help="a folder for py-spy's raw stacks of each front, each phase")
+    ap.add_argument("--spy-native", action="store_true", help="py-spy with --native (C frames too)")
     ap.add_argument("--out", default=None, help="write the rounds as JSON here")
     ap.add_argument("serve", nargs="*", help="after --: more options of floe serve")
     args = ap.parse_args()
+    NATIVE[:] = ["--native"] if args.spy_native else []
     server, model = start(args)
     try:
         fronts, core = processes(psutil.Process(server.pid))

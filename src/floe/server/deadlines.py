@@ -13,6 +13,11 @@ none of it (the socket's buffers full, uvicorn waits to write) for `SEND_TIMEOUT
 closed: uvicorn waits for ever, holding what the reply had ready (a snapshot export's chunks) and keeping a
 stop of the server waiting.
 
+A request's head (its request line and headers) may have at most `MAX_HEAD_BYTES`: past them it gets `431`
+and its connection is closed. uvicorn's h11 protocol bounded it (h11's 16 KiB); its httptools one does not:
+a client streaming headers for the 10 s they may take grew the front by ~1 GB a second, and each piece of a
+long URL or header is appended to what came before (time quadratic in its length).
+
 A stop (uvicorn's shutdown, which waited for every open request: a trickling snapshot upload or an
 export nobody read held `floe serve`'s SIGTERM ~30 s) ends each connection in bounded time: a request
 whose body is still arriving gets `503 server_stopping` and is closed at once (the app sees its client
@@ -32,6 +37,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
 BODY_CHUNK = 64 * 1024
+MAX_HEAD_BYTES = 64 * 1024  # a request line and headers: past this, 431
 SEND_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0  # at a stop, what a reply under way has to end (s)
 HEADERS, BODY = "headers", "body"  # the phases of a request that has a deadline
@@ -44,6 +50,7 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
 
     header_timeout_s = HEADER_TIMEOUT_S
     body_timeout_s = BODY_TIMEOUT_S
+    max_head_bytes = MAX_HEAD_BYTES
     send_timeout_s = SEND_TIMEOUT_S
     stop_grace_s = STOP_GRACE_S
 
@@ -54,7 +61,26 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
         self._grace: asyncio.TimerHandle | None = None  # a stop: the end of this reply's grace
         self._phase: str | None = None
         self._body_bytes = 0
+        self._head_bytes = 0  # bytes received while its head was incomplete (HEADERS)
         self._enter(HEADERS)
+
+    def data_received(self, data: bytes) -> None:
+        """As uvicorn's, but a head still incomplete past max_head_bytes is refused: it is counted by
+        the reads (at most 256 KiB each) that found it incomplete, from the one after its first byte."""
+        if self._phase is HEADERS:  # (a read that completes the head may hold its body too: counted
+            self._head_bytes += len(data)  # only if the head is still incomplete after it)
+        super().data_received(data)
+        if self._phase is HEADERS and self._head_bytes > self.max_head_bytes and (
+                not self.transport.is_closing()):
+            self._too_large()
+
+    def _too_large(self) -> None:
+        self._cancel()
+        self._refuse(431, f"the request's line and headers are over {self.max_head_bytes} bytes",
+                     "invalid_request_error", "headers_too_large")
+        if self.cycle is not None:
+            self.cycle.disconnected = True
+        self.transport.close()
 
     # (the parser's callbacks, within data_received)
     def on_message_begin(self) -> None:
@@ -141,6 +167,8 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
     def _enter(self, phase: str | None) -> None:
         """Start `phase`'s deadline (HEADERS, BODY, or none), from now."""
         self._cancel()
+        if phase is HEADERS and self._phase is not HEADERS:
+            self._head_bytes = 0
         self._phase, self._body_bytes = phase, 0
         if phase is not None and not self.transport.is_closing():
             timeout = self.header_timeout_s if phase is HEADERS else self.body_timeout_s
@@ -181,5 +209,7 @@ def uvicorn_config(app, *, host: str, port: int, log_level: str = "warning",
                     {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s,
                      "send_timeout_s": send_timeout_s, "stop_grace_s": stop_grace_s})
     # (past the grace every connection is closed; a request that still runs then is cancelled)
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+    # ws="none": floe serves no WebSocket; an `Upgrade: websocket` request is answered as plain HTTP,
+    # not handed to the websockets library's protocol (past these deadlines) for the app to refuse.
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol, ws="none",
                           timeout_graceful_shutdown=stop_grace_s + 1)
