@@ -155,10 +155,10 @@ def test_not_usable_on_the_main_thread():
     assert not guest_rows.usable([g])  # (the main thread takes Ctrl-C through Python's handler)
 
 
-SPIN = """(local $i i32) (local.set $i (i32.const 0))
-    (loop $l (local.set $i (i32.add (local.get $i) (i32.const 1)))
-             (br_if $l (i32.lt_u (local.get $i) (i32.load (i32.const 128)))))
-    (i32.const 1)"""  # counts to the i32 at 128
+SPIN = """(local $i i64) (local.set $i (i64.const 0))
+    (loop $l (local.set $i (i64.add (local.get $i) (i64.const 1)))
+             (br_if $l (i64.lt_u (local.get $i) (i64.load (i32.const 128)))))
+    (i32.const 1)"""  # counts to the i64 at 128 (0.6 s of an i32 count overflowed it on a Zen 4: 2.5e9)
 
 
 def test_each_row_gets_its_whole_bound_from_its_own_start():
@@ -170,7 +170,7 @@ def test_each_row_gets_its_whole_bound_from_its_own_start():
     probe = guest(SPIN)
     if not on_a_guest_thread(lambda: guest_rows.usable([probe])):
         pytest.skip("no native loop here")
-    probe.region.numpy(128, 1, np.int32)[0] = 1 << 24
+    probe.region.numpy(128, 1, np.int64)[0] = 1 << 24
 
     def seconds_of_one() -> float:
         t = time.perf_counter()
@@ -180,7 +180,7 @@ def test_each_row_gets_its_whole_bound_from_its_own_start():
     one = min(on_a_guest_thread(seconds_of_one) for _ in range(3))
     guests = [guest(SPIN) for _ in range(8)]
     for g in guests:  # ~0.6 s a call
-        g.region.numpy(128, 1, np.int32)[0] = int((1 << 24) * 0.6 / one)
+        g.region.numpy(128, 1, np.int64)[0] = int((1 << 24) * 0.6 / one)
     t = time.perf_counter()
     answers, _ = on_a_guest_thread(lambda: call_rows(
         guests, "on_token", [0] * 8, [0] * 8, [math.inf] * 8, 2.0, [lambda: None] * 8))
