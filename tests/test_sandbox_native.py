@@ -180,7 +180,8 @@ def test_an_interrupted_caller_gets_control_back_only_once_the_loop_has_let_go_o
     # Ctrl-C in a v2 actor's caller while the engine loop is stalled (here its on_step callback waits,
     # as a step waits for other guests' on_token, up to token_call_s each): the caller used to give up
     # after 30 s and could then free the actor's memory and KV slot — which the loop still stepped,
-    # and another actor could have been given.
+    # and another actor could have been given. (A stall of 6 s: any give-up shorter fails this; it
+    # stalled 35 s, past the old one, the suite's longest test.)
     out = run_isolated("""
         import os, signal, threading, time
         from models import tiny_engine
@@ -195,7 +196,7 @@ def test_an_interrupted_caller_gets_control_back_only_once_the_loop_has_let_go_o
         threading.Thread(target=lambda: (stalled.wait(), os.kill(os.getpid(), signal.SIGINT)),
                          daemon=True).start()
         released = []
-        threading.Timer(35.0, lambda: (released.append(time.monotonic()), release.set())).start()
+        threading.Timer(6.0, lambda: (released.append(time.monotonic()), release.set())).start()
         with Actor(engine, loop=loop) as actor:
             try:
                 actor.send("Hi", max_tokens=200)
