@@ -223,19 +223,16 @@ def test_broken_http_gets_a_4xx_or_a_clean_close(server):
         assert status is None and answer == b"" or 400 <= status < 500, answer[:300]
 
 
-def test_a_head_past_its_bound_gets_a_431_and_others_are_served_meanwhile(server):
-    """Headers streamed as fast as a client can (uvicorn's httptools protocol keeps them all: ~1 GB a
-    second into the front for the 10 s they may take), a URL of 1 MB, one header of 1 MB: each gets a
-    431 and its connection closes, within one read of the bound; a head just under it is served, and
-    so is a request whose head and 1 MB body come in one write."""
-    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+def flood(port: int, start: bytes, piece: bytes) -> tuple[int, bytes]:
+    """Send `start`, then `piece` again and again (up to 64 MB) until the server closes: (bytes sent,
+    what it answered)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(start)
         sent, answer = 0, b""
-        line = b"X-Filler: " + b"a" * 1000 + b"\r\n"
         try:
             while sent < 64 << 20:  # (the server refuses long before)
-                s.sendall(line * 64)
-                sent += len(line) * 64
+                s.sendall(piece)
+                sent += len(piece)
         except OSError:  # it closed the connection as we sent
             pass
         s.settimeout(10)
@@ -244,8 +241,22 @@ def test_a_head_past_its_bound_gets_a_431_and_others_are_served_meanwhile(server
                 answer += chunk
         except OSError:  # (a reset: what it answered may be lost with it)
             pass
-    assert sent < 8 << 20, sent  # refused within a few reads of the bound, not after 64 MB
-    assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:300]
+    return sent, answer
+
+
+def test_a_head_past_its_bound_gets_a_431_and_others_are_served_meanwhile(server):
+    """Headers streamed as fast as a client can (uvicorn's httptools protocol keeps them all: ~0.9 GB a
+    second into the front for the 10 s they may take), a chunked body's trailers (kept too, for the 30 s
+    its next bytes may take) or a chunk's endless extension, a URL of 1 MB, one header of 1 MB: each
+    gets a 431 and its connection closes, within one read of the bound; a head just under it is served,
+    and so is a request whose head and 1 MB body come in one write, and a body of 4,096 tiny chunks."""
+    chunked = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    for start, piece in ((b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n", b"X-Filler: " + b"a" * 1000),
+                         (chunked + b"2\r\n{}\r\n0\r\n", b"X-Trailer: " + b"t" * 1000),
+                         (chunked + b"2;", b"e=" + b"x" * 1000 + b";")):
+        sent, answer = flood(server.port, start, (piece + b"\r\n" * piece.startswith(b"X")) * 64)
+        assert sent < 8 << 20, (start, sent)  # refused within a few reads of the bound, not after 64 MB
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:300]
     for data in (b"GET /" + b"a" * (1 << 20) + b" HTTP/1.1\r\nHost: x\r\n\r\n",
                  b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (1 << 20) + b"\r\n\r\n"):
         try:
@@ -261,6 +272,12 @@ def test_a_head_past_its_bound_gets_a_431_and_others_are_served_meanwhile(server
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     answer = raw_request(server.port, head + body.encode())
     assert not answer.startswith(b"HTTP/1.1 431"), answer[:300]  # (the padding: a 400 of its own)
+    body = json.dumps(BASE).encode()
+    tiny = b"".join(b"1\r\n%c\r\n" % byte for byte in body.ljust(4096))  # (JSON ends in spaces)
+    answer = raw_request(server.port, chunked.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n"
+                                                                b"Content-Type: application/json\r\n\r\n")
+                         + tiny + b"0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
     assert post(server.url, BASE).status_code == 200
 
 

@@ -1,8 +1,8 @@
-"""A client streaming one request's headers as fast as it can at floe's HTTP front (uvicorn with
-floe.server.deadlines' protocol, a one-route app: no engine): what the front's process grows by, and how
-much the client got to send before the front closed the connection.
+"""A client streaming one request's headers (or a chunked body's trailers) as fast as it can at floe's
+HTTP front (uvicorn with floe.server.deadlines' protocol, a one-route app: no engine): what the front's
+process grows by, and how much the client got to send before the front closed the connection.
 
-    python bench/probes/head_flood.py [--seconds 4] [--max-head-bytes N] [--port 8799]
+    python bench/probes/head_flood.py [--trailers] [--seconds 4] [--max-head-bytes N] [--port 8799]
 
 --max-head-bytes: the protocol's bound on a request's head (default floe's, MAX_HEAD_BYTES; a huge
 value shows uvicorn's httptools protocol without it, which keeps every header it is sent).
@@ -27,6 +27,8 @@ deadlines.DeadlineHttpProtocol.max_head_bytes = {limit}
 async def app(scope, receive, send):
     if scope["type"] != "http":
         return
+    while (await receive()).get("more_body"):
+        pass
     await send({{"type": "http.response.start", "status": 200, "headers": []}})
     await send({{"type": "http.response.body", "body": b"ok"}})
 uvicorn.Server(deadlines.uvicorn_config(app, host="127.0.0.1", port={port}, log_level="error")).run()
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--max-head-bytes", type=int, default=MAX_HEAD_BYTES)
     ap.add_argument("--port", type=int, default=8799)
+    ap.add_argument("--trailers", action="store_true", help="a chunked body's trailers, not headers")
     args = ap.parse_args()
     code = SERVER.format(limit=args.max_head_bytes, port=args.port)
     server = subprocess.Popen([sys.executable, "-c", code])
@@ -54,7 +57,8 @@ def main() -> None:
         time.sleep(0.5)
         front = psutil.Process(server.pid)
         before = peak = front.memory_info().rss
-        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")
+        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n" + (
+            b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n" if args.trailers else b""))
         lines = (b"X-Filler: " + b"a" * 1000 + b"\r\n") * 64
         sent, closed, t0 = 0, "no", time.monotonic()
         try:
@@ -66,7 +70,8 @@ def main() -> None:
         except OSError as e:
             closed = f"yes ({type(e).__name__})"
         peak = max(peak, front.memory_info().rss)
-        print(f"max head bytes {args.max_head_bytes}: sent {sent / 2**20:.1f} MiB in "
+        what = "trailers" if args.trailers else "headers"
+        print(f"{what}, max head bytes {args.max_head_bytes}: sent {sent / 2**20:.1f} MiB in "
               f"{time.monotonic() - t0:.1f} s; closed by the front: {closed}; its RSS "
               f"+{(peak - before) / 2**20:.0f} MiB (from {before / 2**20:.0f})")
         s.close()

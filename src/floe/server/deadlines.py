@@ -13,10 +13,12 @@ none of it (the socket's buffers full, uvicorn waits to write) for `SEND_TIMEOUT
 closed: uvicorn waits for ever, holding what the reply had ready (a snapshot export's chunks) and keeping a
 stop of the server waiting.
 
-A request's head (its request line and headers) may have at most `MAX_HEAD_BYTES`: past them it gets `431`
-and its connection is closed. uvicorn's h11 protocol bounded it (h11's 16 KiB); its httptools one does not:
-a client streaming headers for the 10 s they may take grew the front by ~1 GB a second, and each piece of a
-long URL or header is appended to what came before (time quadratic in its length).
+A request's head (its request line and headers) may have at most `MAX_HEAD_BYTES`, and so may a chunked
+body's framing beyond `CHUNK_FRAMING` bytes a chunk (its chunk extensions and trailers): past either it gets
+`431` and its connection is closed. uvicorn's h11 protocol bounded a head (h11's 16 KiB); its httptools one
+does not, and keeps every trailer too: a client streaming headers for the 10 s they may take, or trailers for
+the 30 s a body's next bytes may, grew the front by ~0.9 GB a second (bench/probes/head_flood.py), and each
+piece of a long URL, header or trailer is appended to what came before (time quadratic in its length).
 
 A stop (uvicorn's shutdown, which waited for every open request: a trickling snapshot upload or an
 export nobody read held `floe serve`'s SIGTERM ~30 s) ends each connection in bounded time: a request
@@ -37,7 +39,8 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
 BODY_CHUNK = 64 * 1024
-MAX_HEAD_BYTES = 64 * 1024  # a request line and headers: past this, 431
+MAX_HEAD_BYTES = 64 * 1024  # a request line and headers: past this, 431 (and a chunked body's framing)
+CHUNK_FRAMING = 32  # bytes a chunk's size line and line ends may take (a 16-digit size, CRLFs)
 SEND_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0  # at a stop, what a reply under way has to end (s)
 HEADERS, BODY = "headers", "body"  # the phases of a request that has a deadline
@@ -62,25 +65,37 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
         self._phase: str | None = None
         self._body_bytes = 0
         self._head_bytes = 0  # bytes received while its head was incomplete (HEADERS)
+        self._body_seen = self._chunks = self._framing = 0  # its body's bytes, chunks, and the rest
         self._enter(HEADERS)
 
     def data_received(self, data: bytes) -> None:
         """As uvicorn's, but a head still incomplete past max_head_bytes is refused: it is counted by
-        the reads (at most 256 KiB each) that found it incomplete, from the one after its first byte."""
-        if self._phase is HEADERS:  # (a read that completes the head may hold its body too: counted
-            self._head_bytes += len(data)  # only if the head is still incomplete after it)
+        the reads (at most 256 KiB each) that found it incomplete, from the one after its first byte;
+        and so is a body whose reads bring more than its bytes and their chunks' framing allow."""
+        phase, seen = self._phase, self._body_seen
+        if phase is HEADERS:  # (a read that completes the head may hold its body too: counted only
+            self._head_bytes += len(data)  # if the head is still incomplete after it)
         super().data_received(data)
-        if self._phase is HEADERS and self._head_bytes > self.max_head_bytes and (
-                not self.transport.is_closing()):
-            self._too_large()
+        if self.transport.is_closing():
+            return
+        if self._phase is HEADERS and self._head_bytes > self.max_head_bytes:
+            self._too_large("line and headers")
+        elif phase is BODY and self._phase is BODY:  # (all of the read was this body's)
+            self._framing += len(data) - (self._body_seen - seen)
+            if self._framing > self.max_head_bytes + CHUNK_FRAMING * self._chunks:
+                self._too_large("chunks' extensions and trailers")
 
-    def _too_large(self) -> None:
+    def _too_large(self, what: str) -> None:
         self._cancel()
-        self._refuse(431, f"the request's line and headers are over {self.max_head_bytes} bytes",
-                     "invalid_request_error", "headers_too_large")
+        if self.cycle is None or not self.cycle.response_started:
+            self._refuse(431, f"the request's {what} are over {self.max_head_bytes} bytes",
+                         "invalid_request_error", "headers_too_large")
         if self.cycle is not None:
-            self.cycle.disconnected = True
+            self.cycle.disconnected = True  # (an app reading the body sees its client leave)
         self.transport.close()
+
+    def on_chunk_header(self) -> None:  # (httptools calls it where the protocol has it)
+        self._chunks += 1
 
     # (the parser's callbacks, within data_received)
     def on_message_begin(self) -> None:
@@ -94,6 +109,7 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         super().on_body(body)
+        self._body_seen += len(body)
         self._body_bytes += len(body)
         if self._body_bytes >= BODY_CHUNK:  # a chunk in time: the next one's deadline
             self._enter(BODY)
@@ -167,8 +183,8 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
     def _enter(self, phase: str | None) -> None:
         """Start `phase`'s deadline (HEADERS, BODY, or none), from now."""
         self._cancel()
-        if phase is HEADERS and self._phase is not HEADERS:
-            self._head_bytes = 0
+        if phase is HEADERS and self._phase is not HEADERS:  # (a request's start)
+            self._head_bytes = self._body_seen = self._chunks = self._framing = 0
         self._phase, self._body_bytes = phase, 0
         if phase is not None and not self.transport.is_closing():
             timeout = self.header_timeout_s if phase is HEADERS else self.body_timeout_s
