@@ -281,6 +281,25 @@ def test_a_head_past_its_bound_gets_a_431_and_others_are_served_meanwhile(server
     assert post(server.url, BASE).status_code == 200
 
 
+def test_a_connection_pipelining_past_its_bound_is_closed_once_its_answer_is_written(server):
+    """HTTP/1.1 pipelining: 20 requests in one write get 20 answers, in order; 100,000 (uvicorn's
+    httptools protocol parsed every one a read held and read more after each answer: 200,000 took the
+    server from 566 to 1,040 MB) get the one being answered, then the connection closes; others are
+    served meanwhile."""
+    get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+        s.sendall(get * 19 + get.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.count(b"HTTP/1.1 200") == 20, answer[-300:]
+    sent, answer = flood(server.port, b"", get * 4096)
+    assert sent < 16 << 20, sent  # (closed long before 64 MB)
+    assert answer.count(b"HTTP/1.1 ") <= 1 + 32, answer[-300:]  # (a reset may lose even that one)
+    assert b"HTTP/1.1 400" not in answer, answer[-300:]
+    assert post(server.url, BASE).status_code == 200
+
+
 def test_an_upgrade_to_websocket_is_answered_as_plain_http(server):
     """floe serves no WebSocket: a handshake is answered as the plain request it also is, not switched
     to a WebSocket protocol (with its own timeouts) for the app to refuse."""

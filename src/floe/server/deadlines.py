@@ -20,6 +20,12 @@ does not, and keeps every trailer too: a client streaming headers for the 10 s t
 the 30 s a body's next bytes may, grew the front by ~0.9 GB a second (bench/probes/head_flood.py), and each
 piece of a long URL, header or trailer is appended to what came before (time quadratic in its length).
 
+A connection may have at most `MAX_PIPELINED` requests waiting behind the one being answered (HTTP/1.1
+pipelining): past them it is closed once the one being answered is. h11 parsed one request at a time;
+httptools parses every request a read holds, and uvicorn read more after each answer, so the requests
+waiting grew with what the client sent (200,000 `GET /health` in one write, 6.6 MB: `floe serve` from 566
+to 1,040 MB). While requests wait, nothing more is read.
+
 A stop (uvicorn's shutdown, which waited for every open request: a trickling snapshot upload or an
 export nobody read held `floe serve`'s SIGTERM ~30 s) ends each connection in bounded time: a request
 whose body is still arriving gets `503 server_stopping` and is closed at once (the app sees its client
@@ -41,9 +47,14 @@ BODY_TIMEOUT_S = 30.0
 BODY_CHUNK = 64 * 1024
 MAX_HEAD_BYTES = 64 * 1024  # a request line and headers: past this, 431 (and a chunked body's framing)
 CHUNK_FRAMING = 32  # bytes a chunk's size line and line ends may take (a 16-digit size, CRLFs)
+MAX_PIPELINED = 32  # requests a connection may have waiting behind the one being answered
 SEND_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0  # at a stop, what a reply under way has to end (s)
 HEADERS, BODY = "headers", "body"  # the phases of a request that has a deadline
+
+
+class PipelinedTooDeep(Exception):
+    """A connection pipelined past DeadlineHttpProtocol.max_pipelined (it is closed)."""
 
 
 class DeadlineHttpProtocol(HttpToolsProtocol):
@@ -54,6 +65,7 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
     header_timeout_s = HEADER_TIMEOUT_S
     body_timeout_s = BODY_TIMEOUT_S
     max_head_bytes = MAX_HEAD_BYTES
+    max_pipelined = MAX_PIPELINED
     send_timeout_s = SEND_TIMEOUT_S
     stop_grace_s = STOP_GRACE_S
 
@@ -66,6 +78,8 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
         self._body_bytes = 0
         self._head_bytes = 0  # bytes received while its head was incomplete (HEADERS)
         self._body_seen = self._chunks = self._framing = 0  # its body's bytes, chunks, and the rest
+        self._too_deep = False  # it pipelined past max_pipelined: closed, not answered with a 400
+        self._answering = None  # the request being answered (uvicorn's cycle)
         self._enter(HEADERS)
 
     def data_received(self, data: bytes) -> None:
@@ -106,6 +120,32 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         self._enter(BODY)
+        if len(self.pipeline) > self.max_pipelined:  # (raised through the parser, which stops there:
+            self._too_deep = True  # uvicorn's data_received takes it for a bad request, send_400_response)
+            raise PipelinedTooDeep(f"more than {self.max_pipelined} requests pipelined")
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._too_deep:
+            return super().send_400_response(msg)
+        self.logger.warning("a connection pipelined more than %d requests: closed once the one being "
+                            "answered is", self.max_pipelined)
+        self._cancel()
+        self.pipeline.clear()  # (not answered)
+        self.flow.pause_reading()
+        answering = self._answering
+        if answering is not None and not answering.response_complete:
+            answering.keep_alive = False  # uvicorn closes the connection once it is answered
+        else:
+            self.transport.close()
+
+    def _start_asgi_task(self, cycle, app) -> None:  # (the request answered now)
+        self._answering = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # (it reads again: not while requests are still waiting)
+        if self.pipeline and not self.transport.is_closing():
+            self.flow.pause_reading()
 
     def on_body(self, body: bytes) -> None:
         super().on_body(body)
