@@ -30,8 +30,9 @@ from floe.model.config import KNOWN_SHAPES, ModelConfig  # noqa: E402
 from floe.model.synthetic import random_checkpoint  # noqa: E402
 
 # Small random models: grouped-query attention, a tied and an untied head, QKV biases (Qwen2), a
-# 128-wide head (two dimensions per attention thread), and Qwen3's per-head q/k norm with its heads
-# wider than dim / n_heads (32 against 16, as Qwen3-0.6B's 128 against 64).
+# 128-wide head (two dimensions per attention thread), Qwen3's per-head q/k norm with its heads
+# wider than dim / n_heads (32 against 16, as Qwen3-0.6B's 128 against 64), and Mistral's sliding window
+# (40 positions: the prompts below are 3 and 5 windows long, and it is no multiple of a chunk).
 CONFIGS = {
     "llama-tied": ModelConfig("llama", 64, 2, 4, 2, 160, 1024, 512, head_dim=16, tie_embeddings=True),
     "qwen2-bias": ModelConfig("qwen2", 64, 2, 4, 2, 160, 1024, 512, head_dim=16, qkv_bias=True,
@@ -39,6 +40,7 @@ CONFIGS = {
     "wide-heads": ModelConfig("llama", 256, 1, 2, 1, 256, 512, 512, head_dim=128, tie_embeddings=True),
     "qwen3-qk-norm": ModelConfig("qwen3", 64, 2, 4, 2, 160, 1024, 512, head_dim=32, norm_eps=1e-6,
                                  rope_theta=1e6),
+    "mistral-window": ModelConfig("mistral", 64, 2, 4, 2, 160, 1024, 512, head_dim=16, sliding_window=40),
 }
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 # The default model's conversations open with this one-token system message instead of its template's
@@ -199,19 +201,37 @@ def test_without_its_qk_norm_a_qwen3_step_is_not_the_cpus(default_checkpoint, mo
     assert not close(webgpu.decode_step(9), cpu.decode_step(9))
 
 
-def test_webgpu_runs_qwen3_and_still_refuses_gemma_and_short_sliding_windows():
-    import dataclasses
-
+def test_webgpu_runs_qwen3_and_sliding_windows_and_still_refuses_gemma():
     from floe.engine.weights import check_backend
     from floe.errors import UnsupportedModel
 
     qwen3 = CONFIGS["qwen3-qk-norm"]
     assert qwen3.qk_norm
     check_backend(qwen3, "webgpu", 256)
-    with pytest.raises(UnsupportedModel, match="qwen3 models with sliding-window attention"):
-        check_backend(dataclasses.replace(qwen3, sliding_window=64), "webgpu", 256)
+    check_backend(CONFIGS["mistral-window"], "webgpu", 256)
     with pytest.raises(UnsupportedModel, match="gemma3 models run on the CPU and CUDA only"):
         check_backend(KNOWN_SHAPES["gemma-3-1b"], "webgpu", 256)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_a_windowed_mistral_greedy_on_webgpu_equals_the_cpu_and_the_window_matters(default_checkpoint,
+                                                                                   fused, monkeypatch):
+    """Greedy tokens past five windows equal the CPU's; and what these comparisons would catch: the
+    shaders without the window (every WINDOW constant 0) compute other logits past it."""
+    webgpu, cpu = tiny("mistral-window", default_checkpoint.tokenizer, fused_kernels=fused)
+    prompt = [(11 * i + 5) % 1000 for i in range(5 * 40)]
+    assert greedy(webgpu, prompt, 10) == greedy(cpu, prompt, 10)
+    from floe.engine.webgpu.decoder import WebGPUDecoder
+
+    constants = WebGPUDecoder._attention_constants
+    monkeypatch.setattr(WebGPUDecoder, "_attention_constants", lambda self, layer: constants(self, layer)
+                        | {"WINDOW": 0})
+    unwindowed, cpu = tiny("mistral-window", default_checkpoint.tokenizer, fused_kernels=fused)
+    assert close(unwindowed.prefill(prompt[:40]), cpu.prefill(prompt[:40]))  # (within the window)
+    unwindowed.kv_truncate(0)
+    cpu.kv_truncate(0)
+    assert not close(unwindowed.prefill(prompt), cpu.prefill(prompt))
+    assert not close(unwindowed.decode_step(9), cpu.decode_step(9))
 
 
 def test_the_1b_shape_decodes_in_at_most_60_dispatches_where_its_layer_matrices_fit_a_binding():

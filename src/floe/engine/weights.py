@@ -60,15 +60,15 @@ def check_backend(c: ModelConfig, backend: str, max_seq_len: int) -> None:
         raise UnsupportedModel(f"{c.arch} models run on the CPU and CUDA only in this version: floe's "
                                f"{backend} steps compute Llama's layer without {', '.join(lacks)}; use "
                                "--device cpu or cuda")
-    # A sliding window shorter than the context: the CPU's steps, CUDA's fused ones and the module
-    # forward mask it; CUDA's reference graph and WebGPU's shaders attend over every written position.
-    if c.window_limits(max_seq_len) and backend in ("cuda-graph", "webgpu"):
+    # A sliding window shorter than the context: the CPU's steps, CUDA's fused ones, the module forward
+    # and WebGPU's shaders mask it; CUDA's reference graph attends over every written position.
+    if c.window_limits(max_seq_len) and backend == "cuda-graph":
         raise UnsupportedModel(
             f"{c.arch} models with sliding-window attention (a window of {c.sliding_window} positions, "
-            f"shorter than this engine's context of {max_seq_len}) run on the CPU and CUDA's fused step "
-            f"only in this version: floe's {backend} steps attend over the whole context; use --device "
-            f"cpu or cuda, or a context of at most {c.sliding_window} positions (--context, "
-            "Engine(max_seq_len=...))")
+            f"shorter than this engine's context of {max_seq_len}) run on the CPU, WebGPU and CUDA's "
+            "fused step only in this version: floe's cuda-graph step attends over the whole context; use "
+            f"Engine(fused_kernels=True) (Triton installed), or a context of at most {c.sliding_window} "
+            "positions (--context, Engine(max_seq_len=...))")
 
 
 @dataclass

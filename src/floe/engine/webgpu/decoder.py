@@ -20,6 +20,8 @@ ablation the dispatch-overhead study ran (arXiv 2604.02344). A prompt's rows att
 so its keys are written (rope_kv) before any row attends; prefill keeps the five-a-layer plan.
 Qwen3's q/k norm is one more dispatch a layer in every plan, right after the QKV projection: each
 query and key head normalised in place (rmsnorm.wgsl over heads), so every rotary reads normed heads.
+A sliding window (Mistral, Phi-3) is each attention shader's `WINDOW` constant: a row sees its last
+WINDOW positions (the cache keeps every one).
 
 Weights are stored as f32 or f16 (`weights`, WEIGHT_FORMATS); the GEMVs are laid out for the adapter
 (Gpu.gemv_layout: a thread a row on a CPU adapter, lanes splitting each row on a GPU).
@@ -208,12 +210,15 @@ class WebGPUDecoder:
                            self.sums if zero else None], -(-c.dim // (4 * WG)))
                 for start, rows, buf in table.bands]
 
-    def _attention_constants(self) -> dict:
+    def _attention_constants(self, layer) -> dict:
+        """The attention shaders' constants for `layer` (its window: 0 where it has none shorter than
+        the cache, where every row sees every earlier position anyway)."""
         c = self.config
+        window = layer.attention.window if c.window_limits(self.cache.max_seq_len) else None
         return {"AWG": WG, "HEAD_DIM": c.head_dim, "HALF": c.head_dim // 2,
                 "GROUP": c.n_heads // c.n_kv_heads, "N_HEADS": c.n_heads, "N_KV": c.n_kv_heads,
                 "MAX_SEQ": self.cache.max_seq_len, "QKV_STRIDE": (c.n_heads + 2 * c.n_kv_heads) * c.head_dim,
-                "SCALE": float(c.head_dim ** -0.5)}
+                "SCALE": float(c.head_dim ** -0.5), "WINDOW": window or 0}
 
     def _deep_layer(self, i: int, layer, wqkv: Matrix, wo: Matrix, w13: Matrix, w2: Matrix, att_norm,
                     ffn_norm, bias, qk_norm: list[Op]) -> list[Op]:
@@ -226,7 +231,7 @@ class WebGPUDecoder:
         qkv_n = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
         qkv = self._gemv(wqkv, self.x, self.qkv, qkv_n, mode=3, epi=0 if bias is None else 2, norm=att_norm,
                          bias=bias, res=self.h)
-        const = {**self._attention_constants(), "AWG": awg, "DIM": c.dim, "NT": nt, "ROWS": self.rows,
+        const = {**self._attention_constants(layer), "AWG": awg, "DIM": c.dim, "NT": nt, "ROWS": self.rows,
                  "LPR": attend_lanes}
         attend = self._one("attend_out", "attend_out", const,
                            [self.rows_buffer, self.qkv, k, v, self.cos, self.sin, wo.bands[0][2],
@@ -254,7 +259,6 @@ class WebGPUDecoder:
         qkv_n, half = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.head_dim // 2
         table = self._matrix(model.output_weight(), "head")  # the tied head's weight is the embedding's
         embed_table = table if model.output is None else self._matrix(model.tok_embeddings.weight, "embed")
-        att = self._attention_constants()
         rope = {"WG": WG, "HEAD_DIM": c.head_dim, "HALF": half, "N_HEADS": c.n_heads, "N_KV": c.n_kv_heads,
                 "MAX_SEQ": self.cache.max_seq_len, "QKV_STRIDE": qkv_n}
         rope_x = -(-((c.n_heads + c.n_kv_heads) * half + c.n_kv_heads * c.head_dim) // WG)
@@ -263,6 +267,7 @@ class WebGPUDecoder:
         prefill = Plan(embed=self._embed(embed_table, zero=False)) if self.deep else Plan(embed=decode.embed)
         for i, layer in enumerate(model.layers):
             a, f = layer.attention, layer.feed_forward
+            att = self._attention_constants(layer)
             att_norm, ffn_norm = self._vector(layer.attention_norm.weight, f"n{i}a"), self._vector(
                 layer.ffn_norm.weight, f"n{i}f")
             wqkv, wo = self._matrix(a.wqkv.weight, f"qkv{i}"), self._matrix(a.wo.weight, f"o{i}")

@@ -6,7 +6,7 @@
 // partial[h, b, n] = Σ_{c in h's columns} Wo[n, c] · att[c]. The next dispatch adds the N_KV partials to
 // the residual (mlp.wgsl). Workgroup (0, b) also zeroes row b's fixed-point sums, which the MLP
 // dispatch after it accumulates. Every row is a distinct slot. Wo's rows are read LPR lanes a row.
-// Constants: AWG, HEAD_DIM, HALF, GROUP, N_HEADS, N_KV, MAX_SEQ, QKV_STRIDE, SCALE, DIM, NT (rows a
+// Constants: AWG, HEAD_DIM, HALF, GROUP, N_HEADS, N_KV, MAX_SEQ, QKV_STRIDE, SCALE, WINDOW, DIM, NT (rows a
 // tile), ROWS (the partials' rows), LPR (a power of two dividing AWG).
 
 struct Step { n_rows: u32, head_first: u32, head_count: u32, pad: u32, rows: array<vec4<u32>> };
@@ -97,7 +97,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         }
     }
     let kbase = cache_at(slot, kvh, 0u);
-    for (var c0 = 0u; c0 < length; c0 += AWG) {
+    // A sliding window (WINDOW > 0): the row sees its last WINDOW positions, its own included.
+    let first = select(0u, length - WINDOW, WINDOW != 0u && length > WINDOW);
+    for (var c0 = first; c0 < length; c0 += AWG) {
         let p = c0 + t;
         var dots: array<f32, GROUP>;
         for (var g = 0u; g < GROUP; g++) {

@@ -6,7 +6,7 @@
 // key, and the key and value written at pos_b, are done here first (one dispatch instead of two);
 // src is then the qkv rows [b, QKV_STRIDE]. FUSED 0: src is the rotated queries [b, N_HEADS·HEAD_DIM]
 // (rope_kv.wgsl wrote them and the keys).
-// Constants: AWG, HEAD_DIM, HALF, GROUP, N_HEADS, N_KV, MAX_SEQ, QKV_STRIDE, FUSED, SCALE.
+// Constants: AWG, HEAD_DIM, HALF, GROUP, N_HEADS, N_KV, MAX_SEQ, QKV_STRIDE, FUSED, SCALE, WINDOW (0: none).
 
 struct Step { n_rows: u32, head_first: u32, head_count: u32, pad: u32, rows: array<vec4<u32>> };
 
@@ -83,7 +83,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         }
     }
     let kbase = cache_at(slot, kvh, 0u);
-    for (var c0 = 0u; c0 < length; c0 += AWG) {
+    // A sliding window (WINDOW > 0): the row sees its last WINDOW positions, its own included.
+    let first = select(0u, length - WINDOW, WINDOW != 0u && length > WINDOW);
+    for (var c0 = first; c0 < length; c0 += AWG) {
         let p = c0 + t;
         var dots: array<f32, GROUP>;
         for (var g = 0u; g < GROUP; g++) {
