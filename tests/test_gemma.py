@@ -2,9 +2,9 @@
 q·k scaled by query_pre_attn_scalar, a window on every layer but each 2nd (Gemma 2) or 6th (Gemma 3);
 Gemma 2's attention and logit soft-capping; Gemma 3's q/k norms and its windowed layers' own rotary base)
 give transformers' logits and greedy tokens on the CPU, from a Hugging Face folder and from the same
-weights as llama.cpp writes them in GGUF; the steps without those hooks (WebGPU, CUDA's reference graph)
-refuse them by name (the CPU's lean step has them: test_gemma_cpu_decode.py; CUDA's fused step and its
-module forward too: test_gemma_on_cuda_matches_the_cpu)."""
+weights as llama.cpp writes them in GGUF; the step without those hooks (CUDA's reference graph) refuses
+them by name (the CPU's lean step has them: test_gemma_cpu_decode.py; CUDA's fused step and its module
+forward too: test_gemma_on_cuda_matches_the_cpu; WebGPU's shaders: test_gemma_on_webgpu_matches_the_cpu)."""
 
 import dataclasses
 
@@ -178,20 +178,41 @@ def test_native_quantized_gemma_tracks_the_dense_engine(gemma3, tmp_path):
         assert (a - b).norm() / a.norm() < 4e-2, position  # int8 inputs: ~5e-3 per product
 
 
-@pytest.mark.parametrize("backend", ["cuda-graph", "webgpu"])
-def test_backends_without_gemma_refuse_it_by_name(gemma2, gemma3, backend):
-    """WebGPU's shaders and CUDA's reference graph of one slot (graphs without the fused kernels) compute
-    Llama's layer: they refuse Gemma, naming what they lack and what runs it; the CPU's steps and
-    CUDA's fused ones (and its module forward) take it, windows and all."""
-    want = ("run on CUDA through the fused Triton step.*post-attention.*fused_kernels=True"
-            if backend == "cuda-graph" else "run on the CPU and CUDA only.*post-attention.*--device cpu or "
-            "cuda")
+def test_cudas_reference_graph_refuses_gemma_by_name(gemma2, gemma3):
+    """CUDA's reference graph of one slot (graphs without the fused kernels) computes Llama's layer: it
+    refuses Gemma, naming what it lacks and what runs it; the CPU's steps, CUDA's fused ones (and its
+    module forward) and WebGPU's shaders take it, windows and all."""
     for folder, arch in ((gemma2, "gemma2"), (gemma3, "gemma3")):
         c = load_checkpoint(folder).config
-        with pytest.raises(UnsupportedModel, match=f"{arch} models {want}"):
-            check_backend(c, backend, WINDOW)  # even where no window applies
-        check_backend(c, "cpu", 64)
-        check_backend(c, "cuda", 64)
+        with pytest.raises(UnsupportedModel, match=f"{arch} models run on CUDA through the fused Triton step"
+                                                   ".*post-attention.*fused_kernels=True"):
+            check_backend(c, "cuda-graph", WINDOW)  # even where no window applies
+        for backend in ("cpu", "cuda", "webgpu"):
+            check_backend(c, backend, 64)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_on_webgpu_matches_the_cpu(gemma2, gemma3, arch):
+    """transformers' Gemma 2 and 3 folders on WebGPU's shaders (lavapipe in CI): a prompt past the
+    window and decode steps give the CPU's float32 logits, and the same greedy tokens."""
+    from floe.engine.webgpu import WebGPUUnavailable, adapter
+
+    try:
+        adapter()
+    except WebGPUUnavailable as e:
+        pytest.skip(f"no WebGPU adapter: {e}")
+    ckpt = load_checkpoint(gemma2 if arch == "gemma2" else gemma3)
+    webgpu = Engine(ckpt, device="webgpu", max_seq_len=64)
+    cpu = Engine(ckpt, max_seq_len=64, fused_kernels=False)
+    a, b = webgpu.prefill(PROMPT, all_logits=True), cpu.prefill(PROMPT, all_logits=True)
+    assert (a - b).abs().max() <= 2e-5 * max(1.0, float(b.abs().max())), float((a - b).abs().max())
+    tokens = {}
+    for name, engine in (("webgpu", webgpu), ("cpu", cpu)):
+        out = [int(engine.decode_step(int(a[-1].argmax())).argmax())]
+        for _ in range(5):
+            out.append(int(engine.decode_step(out[-1]).argmax()))
+        tokens[name] = out
+    assert tokens["webgpu"] == tokens["cpu"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -41,6 +41,17 @@ CONFIGS = {
     "qwen3-qk-norm": ModelConfig("qwen3", 64, 2, 4, 2, 160, 1024, 512, head_dim=32, norm_eps=1e-6,
                                  rope_theta=1e6),
     "mistral-window": ModelConfig("mistral", 64, 2, 4, 2, 160, 1024, 512, head_dim=16, sliding_window=40),
+    # Gemma 3: GeGLU, scaled embeddings, post norms, q/k norms, its query scale, a window on two layers
+    # of three with their own rotary base; Gemma 2: its attention and logit soft-capping (caps low
+    # enough to bend these random weights' scores and logits).
+    "gemma3-like": ModelConfig("gemma3", 64, 3, 4, 2, 160, 1024, 512, head_dim=32, norm_eps=1e-6,
+                               rope_theta=1e6, tie_embeddings=True, sliding_window=40, activation="gelu_tanh",
+                               embedding_scale=8.0, post_norms=True, attention_scale=0.15,
+                               sliding_window_pattern=3, rope_local_theta=10000.0),
+    "gemma2-like": ModelConfig("gemma2", 64, 2, 4, 2, 160, 1024, 512, head_dim=16, tie_embeddings=True,
+                               sliding_window=40, activation="gelu_tanh", embedding_scale=8.0,
+                               post_norms=True, attention_scale=0.2, attn_softcap=2.0, logit_softcap=1.5,
+                               sliding_window_pattern=2),
 }
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 # The default model's conversations open with this one-token system message instead of its template's
@@ -74,7 +85,8 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_prefill_and_decode_logits_equal_the_cpu_float32_forward(default_checkpoint, name, fused, layout):
     webgpu, cpu = tiny(name, default_checkpoint.tokenizer, fused_kernels=fused)
-    assert webgpu._batch_decoder().deep == fused  # one band a matrix here: three dispatches a layer
+    # one band a matrix here: three dispatches a layer (Gemma's layers: five)
+    assert webgpu._batch_decoder().deep == (fused and not CONFIGS[name].beyond_llama())
     prompt = [(7 * i + 3) % 500 for i in range(CHUNK * 2 + 9)]  # three chunks of a prompt
     assert close(webgpu.prefill(prompt, all_logits=True), cpu.prefill(prompt, all_logits=True))
     for token in (11, 400, 2):
@@ -171,8 +183,13 @@ def test_a_decode_token_is_the_planned_dispatches_three_a_layer_fused_nine_unfus
         counts[fused] = decoder.last_dispatches
         assert counts[fused] == decoder.dispatches_per_step() == planned_dispatches(
             engine.config, gpu().max_binding, fused)
-    assert counts[True] == 2 + (3 + CONFIGS[name].qk_norm) * CONFIGS[name].n_layers  # Qwen3: its q/k norm
-    assert counts[False] - counts[True] == 6 * CONFIGS[name].n_layers + 1
+    c = CONFIGS[name]
+    if not c.post_norms:  # (Qwen3: its q/k norm a dispatch more)
+        assert counts[True] == 2 + (3 + c.qk_norm) * c.n_layers
+        assert counts[False] - counts[True] == 6 * c.n_layers + 1
+    else:  # Gemma: five a layer fused (no deferred residual), two post norms, and its q/k norm (Gemma 3)
+        assert counts[True] == 2 + (5 + 2 + c.qk_norm) * c.n_layers
+        assert counts[False] - counts[True] == 4 * c.n_layers + 1
 
 
 def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
@@ -201,16 +218,41 @@ def test_without_its_qk_norm_a_qwen3_step_is_not_the_cpus(default_checkpoint, mo
     assert not close(webgpu.decode_step(9), cpu.decode_step(9))
 
 
-def test_webgpu_runs_qwen3_and_sliding_windows_and_still_refuses_gemma():
+def test_webgpu_runs_qwen3_gemma_and_sliding_windows_and_cudas_reference_graph_refuses_gemma():
     from floe.engine.weights import check_backend
     from floe.errors import UnsupportedModel
 
     qwen3 = CONFIGS["qwen3-qk-norm"]
     assert qwen3.qk_norm
-    check_backend(qwen3, "webgpu", 256)
-    check_backend(CONFIGS["mistral-window"], "webgpu", 256)
-    with pytest.raises(UnsupportedModel, match="gemma3 models run on the CPU and CUDA only"):
-        check_backend(KNOWN_SHAPES["gemma-3-1b"], "webgpu", 256)
+    for c in (qwen3, CONFIGS["mistral-window"], KNOWN_SHAPES["gemma-3-1b"], CONFIGS["gemma2-like"]):
+        check_backend(c, "webgpu", 4096)
+    with pytest.raises(UnsupportedModel, match="gemma3 models run on CUDA through the fused Triton step"):
+        check_backend(KNOWN_SHAPES["gemma-3-1b"], "cuda-graph", 256)
+
+
+@pytest.mark.parametrize("name", ["gemma3-like", "gemma2-like"])
+def test_gemma_greedy_on_webgpu_equals_the_cpu_and_each_of_its_extras_matters(default_checkpoint, name,
+                                                                              monkeypatch):
+    """Greedy tokens past two windows equal the CPU's float32 ones; and what the comparisons would
+    catch: the step without its post norms, or with SwiGLU for GeGLU, computes other logits."""
+    webgpu, cpu = tiny(name, default_checkpoint.tokenizer)
+    prompt = [(13 * i + 7) % 1000 for i in range(90)]
+    assert greedy(webgpu, prompt, 8) == greedy(cpu, prompt, 8)
+    from floe.engine.webgpu.decoder import WebGPUDecoder
+
+    pipeline = WebGPUDecoder._pipeline
+
+    def silu(self, shader, const):
+        return pipeline(self, shader, const | ({"GELU": 0} if "GELU" in const else {}))
+
+    for leave_out in ("_post", "gelu"):
+        with monkeypatch.context() as m:
+            if leave_out == "_post":
+                m.setattr(WebGPUDecoder, "_post", lambda self, i, norm: [])
+            else:
+                m.setattr(WebGPUDecoder, "_pipeline", silu)
+            broken, cpu = tiny(name, default_checkpoint.tokenizer)
+            assert not close(broken.prefill(prompt[:30]), cpu.prefill(prompt[:30])), leave_out
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])

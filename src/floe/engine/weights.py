@@ -49,17 +49,13 @@ def check_backend(c: ModelConfig, backend: str, max_seq_len: int) -> None:
     """Raise UnsupportedModel, naming the architecture, where `backend` ("cpu", "cuda", "cuda-graph":
     CUDA's reference graph of one slot without the fused kernels, "webgpu") has no step for something
     the model computes in a context of max_seq_len positions; before any weight is read."""
-    # Gemma's extras (GeGLU, post-norms, soft-capping, ...): the CPU's steps and CUDA's fused ones.
-    lacks = c.llama_step_lacks(backend)
-    if lacks and backend == "cuda-graph":
+    # Gemma's extras (GeGLU, post-norms, soft-capping, ...): the CPU's steps, CUDA's fused ones, WebGPU's.
+    lacks = c.llama_step_lacks(backend)  # (none but CUDA's reference graph's)
+    if lacks:
         raise UnsupportedModel(f"{c.arch} models run on CUDA through the fused Triton step or the module "
                                f"forward: floe's reference graph step computes Llama's layer without "
                                f"{', '.join(lacks)}; use Engine(fused_kernels=True) (Triton installed) or "
                                "cuda_graphs=False")
-    if lacks:
-        raise UnsupportedModel(f"{c.arch} models run on the CPU and CUDA only in this version: floe's "
-                               f"{backend} steps compute Llama's layer without {', '.join(lacks)}; use "
-                               "--device cpu or cuda")
     # A sliding window shorter than the context: the CPU's steps, CUDA's fused ones, the module forward
     # and WebGPU's shaders mask it; CUDA's reference graph attends over every written position.
     if c.window_limits(max_seq_len) and backend == "cuda-graph":

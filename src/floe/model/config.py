@@ -121,12 +121,12 @@ class ModelConfig:
         return lacks
 
     def llama_step_lacks(self, backend: str = "cpu") -> list[str]:
-        """What the decode step of `backend` lacks for this model: "cpu" (its lean step) and "cuda" (the
-        fused Triton graphs; the module forward without graphs) have Gemma's hooks too (nothing);
-        "cuda-graph" (CUDA's reference graph of one slot, without the fused kernels) and "webgpu" compute
-        Llama's layer with the q/k norm and bias hooks only (`beyond_llama`: Gemma's list; WebGPU masks
-        a window too, CUDA's reference graph does not: floe.engine.weights.check_backend)."""
-        return [] if backend in ("cpu", "cuda") else self.beyond_llama()
+        """What the decode step of `backend` lacks for this model: "cpu" (its lean step), "cuda" (the
+        fused Triton graphs; the module forward without graphs) and "webgpu" (its shaders) have Gemma's
+        hooks too (nothing); "cuda-graph" (CUDA's reference graph of one slot, without the fused
+        kernels) computes Llama's layer with the q/k norm and bias hooks only (`beyond_llama`: Gemma's
+        list; nor does it mask a window: floe.engine.weights.check_backend)."""
+        return [] if backend in ("cpu", "cuda", "webgpu") else self.beyond_llama()
 
     def window_limits(self, max_seq_len: int) -> bool:
         """Whether the sliding window is shorter than a context of max_seq_len positions (else every

@@ -143,14 +143,36 @@ class WebGPUDecoder:
         self.logits_bytes = 4 * r * c.vocab_size
         self.readback = gpu.readback(self.logits_bytes, label="logits")
         self.logits = self.readback if gpu.mappable_storage else gpu.buffer(self.logits_bytes, label="logits")
-        cos, sin = model.cos[:cache.max_seq_len].contiguous(), model.sin[:cache.max_seq_len].contiguous()
-        self.cos = gpu.buffer(cos.numel() * 4, data=cos.numpy(), label="cos")  # the CPU path's tables
-        self.sin = gpu.buffer(sin.numel() * 4, data=sin.numpy(), label="sin")
+        self.gelu = int(c.activation == "gelu_tanh")  # Gemma's GeGLU for SwiGLU
+        # Gemma's post norms: a projection's output lands here, normalised into the residual (_post)
+        self.post_out = gpu.buffer(4 * r * c.dim, label="post-norm input") if c.post_norms else None
+        self.cos, self.sin = self._table(model.cos, "cos"), self._table(model.sin, "sin")  # the CPU's tables
+        # Gemma 3's windowed layers rotate by tables of their own base
+        self.local = None if model.cos_local is None else (self._table(model.cos_local, "cos (local)"),
+                                                           self._table(model.sin_local, "sin (local)"))
         self.weight_bytes = 0
         self.decode_plan, self.prefill_plan = self._plan(model)
         self.last_dispatches = 0  # dispatches the latest submit recorded
 
     # ---- set-up: weights and the plan ------------------------------------------------------------
+
+    def _table(self, t: Tensor, label: str):
+        t = t[:self.cache.max_seq_len].contiguous()
+        return self.gpu.buffer(t.numel() * 4, data=t.numpy(), label=label)
+
+    def _rotary(self, layer) -> tuple:
+        """The (cos, sin) buffers `layer` rotates by."""
+        return self.local if layer.attention.local_rope and self.local is not None else (self.cos, self.sin)
+
+    def _post(self, i: int, norm) -> list[Op]:
+        """Gemma's post norm of layer i (`norm`: its module, None for other models): the projection's
+        output (self.post_out) normalised and added into the residual; nothing where there is none."""
+        if norm is None:
+            return []
+        c = self.config
+        const = {"WG": WG, "DIM": c.dim, "EPS": float(c.norm_eps), "STRIDE": c.dim, "IN_PLACE": 0, "ADD": 1}
+        buffers = [self.rows_buffer, self.post_out, self._vector(norm.weight, f"post{i}"), self.x]
+        return [self._one("rmsnorm", "rmsnorm", const, buffers, 1)]
 
     def _vector(self, t: Tensor, label: str):
         self.weight_bytes += t.numel() * 4
@@ -169,7 +191,7 @@ class WebGPUDecoder:
         deferred residual inp + self.sums (and writes it whole into `res` where given)."""
         gpu, ops = self.gpu, []
         const = {"MODE": mode, "EPI": epi, "HEAD": int(head), "RES": int(res is not None),
-                 "EPS": float(self.config.norm_eps)}
+                 "EPS": float(self.config.norm_eps), "GELU": self.gelu}
         if self.layout == "lanes":
             shader, (lanes, per_group) = "gemv_lanes", lanes_shape()
             const |= {"WG": lanes, "R": per_group}
@@ -205,7 +227,8 @@ class WebGPUDecoder:
     def _embed(self, table: Matrix, zero: bool) -> list[Op]:
         """x = the rows' embeddings, a dispatch per band of the table (zero: and self.sums = 0)."""
         c, gpu = self.config, self.gpu
-        return [self._one("embed", "embed", {"WG": WG, "DIM": c.dim, "ZERO": int(zero)},
+        return [self._one("embed", "embed", {"WG": WG, "DIM": c.dim, "ZERO": int(zero),
+                                             "SCALE": float(c.embedding_scale)},
                           [self.rows_buffer, gpu.uniform([start, rows]), buf, self.x,
                            self.sums if zero else None], -(-c.dim // (4 * WG)))
                 for start, rows, buf in table.bands]
@@ -218,7 +241,8 @@ class WebGPUDecoder:
         return {"AWG": WG, "HEAD_DIM": c.head_dim, "HALF": c.head_dim // 2,
                 "GROUP": c.n_heads // c.n_kv_heads, "N_HEADS": c.n_heads, "N_KV": c.n_kv_heads,
                 "MAX_SEQ": self.cache.max_seq_len, "QKV_STRIDE": (c.n_heads + 2 * c.n_kv_heads) * c.head_dim,
-                "SCALE": float(c.head_dim ** -0.5), "WINDOW": window or 0}
+                "SCALE": float(c.attention_scale or c.head_dim ** -0.5), "WINDOW": window or 0,
+                "SOFTCAP": float(c.attn_softcap or 0.0)}
 
     def _deep_layer(self, i: int, layer, wqkv: Matrix, wo: Matrix, w13: Matrix, w2: Matrix, att_norm,
                     ffn_norm, bias, qk_norm: list[Op]) -> list[Op]:
@@ -250,7 +274,7 @@ class WebGPUDecoder:
             return []
         c = self.config
         const = {"WG": WG, "DIM": c.head_dim, "EPS": float(c.norm_eps),
-                 "STRIDE": (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, "IN_PLACE": 1}
+                 "STRIDE": (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, "IN_PLACE": 1, "ADD": 0}
         buffers = [self.rows_buffer, self.qkv, self._vector(weight, f"qk{i}")]
         return [self._one("rmsnorm", "rmsnorm", const, buffers, c.n_heads + c.n_kv_heads)]
 
@@ -262,7 +286,7 @@ class WebGPUDecoder:
         rope = {"WG": WG, "HEAD_DIM": c.head_dim, "HALF": half, "N_HEADS": c.n_heads, "N_KV": c.n_kv_heads,
                 "MAX_SEQ": self.cache.max_seq_len, "QKV_STRIDE": qkv_n}
         rope_x = -(-((c.n_heads + c.n_kv_heads) * half + c.n_kv_heads * c.head_dim) // WG)
-        norm = {"WG": WG, "DIM": c.dim, "EPS": float(c.norm_eps), "STRIDE": c.dim, "IN_PLACE": 0}
+        norm = {"WG": WG, "DIM": c.dim, "EPS": float(c.norm_eps), "STRIDE": c.dim, "IN_PLACE": 0, "ADD": 0}
         decode = Plan(embed=self._embed(embed_table, zero=self.deep))
         prefill = Plan(embed=self._embed(embed_table, zero=False)) if self.deep else Plan(embed=decode.embed)
         for i, layer in enumerate(model.layers):
@@ -274,15 +298,20 @@ class WebGPUDecoder:
             w13, w2 = self._matrix(f.w13.weight, f"w13_{i}"), self._matrix(f.w2.weight, f"w2_{i}")
             bias = None if a.wqkv.bias is None else self._vector(a.wqkv.bias, f"b{i}")
             epi = 0 if bias is None else 2
-            swiglu = self._one("swiglu", "swiglu", {"WG": WG, "FFN": c.ffn_dim},
+            swiglu = self._one("swiglu", "swiglu", {"WG": WG, "FFN": c.ffn_dim, "GELU": self.gelu},
                                [self.rows_buffer, self.gate_up, self.act], -(-c.ffn_dim // WG))
             k, v = self.cache.k_buffers[i], self.cache.v_buffers[i]
+            cos, sin = self._rotary(layer)
             qk_norm = self._qk_norm(i, layer)
             rope_kv = self._one("rope_kv", "rope_kv", rope,
-                                [self.rows_buffer, self.qkv, k, v, self.cos, self.sin, self.q], rope_x)
+                                [self.rows_buffer, self.qkv, k, v, cos, sin, self.q], rope_x)
             attend = self._one("attention", "attention", {**att, "FUSED": 0},
-                               [self.rows_buffer, self.q, k, v, self.cos, self.sin, self.att], c.n_kv_heads)
-            out = self._gemv(wo, self.att, self.x, c.dim, epi=1)
+                               [self.rows_buffer, self.q, k, v, cos, sin, self.att], c.n_kv_heads)
+            # The output and down projections add into the residual, or (Gemma) land in post_out, whose
+            # post norm adds them
+            post_a, post_f = self._post(i, layer.post_attention_norm), self._post(i, layer.post_ffn_norm)
+            res, res_epi = (self.x, 1) if self.post_out is None else (self.post_out, 0)
+            out = self._gemv(wo, self.att, res, c.dim, epi=res_epi) + post_a
             if self.fused:
                 if self.deep:
                     decode.layers += self._deep_layer(i, layer, wqkv, wo, w13, w2, att_norm, ffn_norm, bias,
@@ -290,25 +319,25 @@ class WebGPUDecoder:
                 else:
                     qkv = self._gemv(wqkv, self.x, self.qkv, qkv_n, mode=1, epi=epi, norm=att_norm, bias=bias)
                     mlp = (self._gemv(w13, self.x, self.gate_up, 2 * c.ffn_dim, mode=1, norm=ffn_norm)
-                           + self._gemv(w2, self.gate_up, self.x, c.dim, mode=2, epi=1,
-                                        in_stride=2 * c.ffn_dim))
+                           + self._gemv(w2, self.gate_up, res, c.dim, mode=2, epi=res_epi,
+                                        in_stride=2 * c.ffn_dim) + post_f)
                     fused_attend = self._one("attention", "attention", {**att, "FUSED": 1},
-                                             [self.rows_buffer, self.qkv, k, v, self.cos, self.sin, self.att],
+                                             [self.rows_buffer, self.qkv, k, v, cos, sin, self.att],
                                              c.n_kv_heads)
                     decode.layers += qkv + qk_norm + [fused_attend] + out + mlp
                 prefill.layers += [*self._gemm(wqkv, self.x, self.qkv, qkv_n, mode=1, epi=epi, norm=att_norm,
                                                bias=bias), *qk_norm, rope_kv, attend,
-                                   *self._gemm(wo, self.att, self.x, c.dim, epi=1),
+                                   *self._gemm(wo, self.att, res, c.dim, epi=res_epi), *post_a,
                                    *self._gemm(w13, self.x, self.gate_up, 2 * c.ffn_dim, mode=1,
                                                norm=ffn_norm),
-                                   swiglu, *self._gemm(w2, self.act, self.x, c.dim, epi=1)]
+                                   swiglu, *self._gemm(w2, self.act, res, c.dim, epi=res_epi), *post_f]
             else:
                 qkv = [self._one("rmsnorm", "rmsnorm", norm, [self.rows_buffer, self.x, att_norm, self.h], 1),
                        *self._gemv(wqkv, self.h, self.qkv, qkv_n, epi=epi, bias=bias)]
                 mlp = [self._one("rmsnorm", "rmsnorm", norm, [self.rows_buffer, self.x, ffn_norm, self.h], 1),
                        *self._gemv(w13, self.h, self.gate_up, 2 * c.ffn_dim),
                        swiglu,
-                       *self._gemv(w2, self.act, self.x, c.dim, epi=1)]
+                       *self._gemv(w2, self.act, res, c.dim, epi=res_epi), *post_f]
                 decode.layers += qkv + qk_norm + [rope_kv, attend] + out + mlp
         if not self.fused:
             prefill.layers = decode.layers
@@ -361,7 +390,8 @@ class WebGPUDecoder:
             np.copyto(result.numpy(), mapped.reshape(rows, -1))
         finally:
             self.readback.unmap()
-        return result
+        cap = self.config.logit_softcap  # Gemma 2's, on the host as the CPU's forward caps its logits
+        return result if cap is None else result.div_(cap).tanh_().mul_(cap)
 
     def step(self, tokens: list[int], positions: list[int], slots: list[int],
              out: Tensor | None = None) -> Tensor:
@@ -427,6 +457,8 @@ def deep_fused(c: ModelConfig, max_binding: int, weights: str = "f32", layout: s
                storage_buffers: int = 16, workgroup_bytes: int = 32768) -> bool:
     """Whether a fused decode layer runs as three dispatches (the deep plan): every layer matrix in one
     band, and the adapter's limits hold attend_out's nine storage bindings and mlp's workgroup memory."""
+    if c.beyond_llama():  # Gemma's (post norms, GeGLU, caps, ...): the five-a-layer plan
+        return False
     q_n, qkv_n = c.n_heads * c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
     one_band = all(_bands(n, k, max_binding, weights) == 1
                    for n, k in ((qkv_n, c.dim), (c.dim, q_n), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim)))
@@ -448,7 +480,7 @@ def planned_dispatches(c: ModelConfig, max_binding: int, fused: bool = True, wei
     layer = sum(_bands(n, k, max_binding, weights)
                 for n, k in ((qkv_n, c.dim), (c.dim, q_n), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim)))
     layer += 1 if fused else 5  # attention with rotary inside | two norms, rope_kv, attention, SwiGLU
-    layer += qk_norm
+    layer += qk_norm + 2 * int(c.post_norms)  # (Gemma's post norms: a dispatch each)
     return table + c.n_layers * layer + table + (0 if fused else 1)
 
 

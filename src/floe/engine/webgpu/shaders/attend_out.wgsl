@@ -6,7 +6,7 @@
 // partial[h, b, n] = Σ_{c in h's columns} Wo[n, c] · att[c]. The next dispatch adds the N_KV partials to
 // the residual (mlp.wgsl). Workgroup (0, b) also zeroes row b's fixed-point sums, which the MLP
 // dispatch after it accumulates. Every row is a distinct slot. Wo's rows are read LPR lanes a row.
-// Constants: AWG, HEAD_DIM, HALF, GROUP, N_HEADS, N_KV, MAX_SEQ, QKV_STRIDE, SCALE, WINDOW, DIM, NT (rows a
+// Constants: AWG, HEAD_DIM, HALF, GROUP, N_HEADS, N_KV, MAX_SEQ, QKV_STRIDE, SCALE, WINDOW, SOFTCAP, DIM, NT (rows a
 // tile), ROWS (the partials' rows), LPR (a power of two dividing AWG).
 
 struct Step { n_rows: u32, head_first: u32, head_count: u32, pad: u32, rows: array<vec4<u32>> };
@@ -34,6 +34,14 @@ var<workgroup> ss: array<f32, GROUP * AWG>;
 var<workgroup> ps: array<f32, GROUP * AWG>;
 var<workgroup> att: array<vec4<f32>, COLS4>;
 var<workgroup> red: array<f32, AWG>;
+
+// Gemma 2's scores soft-capped (SOFTCAP > 0): SOFTCAP · tanh(score / SOFTCAP), as the CPU's forward.
+fn capped(score: f32) -> f32 {
+    if (SOFTCAP > 0.0) {
+        return SOFTCAP * tanh(clamp(score / SOFTCAP, -15.0, 15.0));
+    }
+    return score;
+}
 
 fn cache_at(slot: u32, kvh: u32, pos: u32) -> u32 {
     return ((slot * N_KV + kvh) * MAX_SEQ + pos) * HEAD_DIM;
@@ -122,7 +130,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             }
         }
         for (var g = 0u; g < GROUP; g++) {
-            ss[g * AWG + t] = select(LOW, dots[g] * SCALE, p < length);
+            ss[g * AWG + t] = select(LOW, capped(dots[g] * SCALE), p < length);
         }
         workgroupBarrier();
         let n = min(AWG, length - c0);

@@ -6,7 +6,7 @@
 // key, and the key and value written at pos_b, are done here first (one dispatch instead of two);
 // src is then the qkv rows [b, QKV_STRIDE]. FUSED 0: src is the rotated queries [b, N_HEADS·HEAD_DIM]
 // (rope_kv.wgsl wrote them and the keys).
-// Constants: AWG, HEAD_DIM, HALF, GROUP, N_HEADS, N_KV, MAX_SEQ, QKV_STRIDE, FUSED, SCALE, WINDOW (0: none).
+// Constants: AWG, HEAD_DIM, HALF, GROUP, N_HEADS, N_KV, MAX_SEQ, QKV_STRIDE, FUSED, SCALE, WINDOW (0: none), SOFTCAP (0: none).
 
 struct Step { n_rows: u32, head_first: u32, head_count: u32, pad: u32, rows: array<vec4<u32>> };
 
@@ -24,6 +24,14 @@ const LOW: f32 = -3.0e38;
 var<workgroup> qs: array<f32, GROUP * HEAD_DIM>;
 var<workgroup> ss: array<f32, GROUP * AWG>;
 var<workgroup> ps: array<f32, GROUP * AWG>;
+
+// Gemma 2's scores soft-capped (SOFTCAP > 0): SOFTCAP · tanh(score / SOFTCAP), as the CPU's forward.
+fn capped(score: f32) -> f32 {
+    if (SOFTCAP > 0.0) {
+        return SOFTCAP * tanh(clamp(score / SOFTCAP, -15.0, 15.0));
+    }
+    return score;
+}
 
 fn cache_at(slot: u32, kvh: u32, pos: u32) -> u32 {
     return ((slot * N_KV + kvh) * MAX_SEQ + pos) * HEAD_DIM;
@@ -101,7 +109,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             }
         }
         for (var g = 0u; g < GROUP; g++) {
-            ss[g * AWG + t] = select(LOW, dots[g] * SCALE, p < length);
+            ss[g * AWG + t] = select(LOW, capped(dots[g] * SCALE), p < length);
         }
         workgroupBarrier();
         let n = min(AWG, length - c0);

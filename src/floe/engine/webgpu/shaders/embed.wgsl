@@ -2,7 +2,8 @@
 // table's rows (the tied head's own weight: one copy serves both), four weights (a W4) a thread; a
 // row whose token is outside the band is left to the other bands' dispatches. ZERO 1 (the deeply
 // fused decode): the row's fixed-point residual sums (mlp.wgsl) are zeroed too.
-// Constants: WG, DIM, ZERO.
+// SCALE: the embeddings' factor (Gemma's sqrt(dim), rounded to float32 as the CPU's forward has it; 1 else).
+// Constants: WG, DIM, ZERO, SCALE.
 
 struct Step { n_rows: u32, head_first: u32, head_count: u32, pad: u32, rows: array<vec4<u32>> };
 struct Params { start: u32, count: u32, p0: u32, p1: u32 };
@@ -30,5 +31,5 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     if (token < P.start || token >= P.start + P.count) {
         return;
     }
-    x[b * DIM4 + d] = w4(table[(token - P.start) * DIM4 + d]);
+    x[b * DIM4 + d] = w4(table[(token - P.start) * DIM4 + d]) * SCALE;
 }

@@ -6,12 +6,13 @@
 // in'[b, k] is staged in workgroup memory KT at a time, transformed on the way (MODE):
 //   0: in[b, k]
 //   1: RMSNorm, in[b, k] · rsqrt(mean_k in[b, k]² + EPS) · norm_w[k]  (the norm before the projection)
-//   2: SwiGLU, silu(in[b, k]) · in[b, K + k]                          (the MLP's gate and up halves)
+//   2: SwiGLU, silu(in[b, k]) · in[b, K + k]                          (the MLP's gate and up halves;
+//      GELU 1: Gemma's GeGLU, gelu for silu)
 //   3: RMSNorm of the deferred residual in[b, k] + acc[b, k] (acc: the MLP's fixed-point sums, see
 //      mlp.wgsl); with RES 1 the workgroups of x 0 write that residual whole into res.
 // EPI: 0 store, 1 add into out (the residual stream), 2 store + bias[n].
 // HEAD 1: the rows are step.head_first.. (head_count of them), written from out row 0.
-// Constants prepended by floe.engine.webgpu.device: WG, TB, KT, MODE, EPI, HEAD, RES, EPS.
+// Constants prepended by floe.engine.webgpu.device: WG, TB, KT, MODE, EPI, HEAD, RES, EPS, GELU.
 
 struct Step { n_rows: u32, head_first: u32, head_count: u32, pad: u32, rows: array<vec4<u32>> };
 struct Params { k: u32, n: u32, out_stride: u32, row0: u32, in_stride: u32, p0: u32, p1: u32, p2: u32 };
@@ -36,6 +37,15 @@ fn fixed(v: vec2<u32>) -> f32 {
     return f32(bitcast<i32>(v.y)) + f32(v.x) * 2.3283064365386963e-10;
 }
 
+// Gemma's GeGLU gate (GELU 1): gelu, tanh-approximated as PyTorch's; else SwiGLU's silu. (tanh's argument
+// clamped: tanh(±15) is ±1 in float32, and some drivers' tanh of a large argument is inf / inf.)
+fn gate(g: f32) -> f32 {
+    if (GELU == 1u) {
+        return 0.5 * g * (1.0 + tanh(clamp(0.7978845608028654 * (g + 0.044715 * g * g * g), -15.0, 15.0)));
+    }
+    return g / (1.0 + exp(-g));
+}
+
 fn raw(base: u32, k: u32) -> f32 {
     if (MODE == 3u) {
         return inp[base + k] + fixed(acc_in[base + k]);
@@ -45,8 +55,7 @@ fn raw(base: u32, k: u32) -> f32 {
 
 fn staged(base: u32, k: u32, scale: f32) -> f32 {
     if (MODE == 2u) {
-        let g = inp[base + k];
-        return g / (1.0 + exp(-g)) * inp[base + P.k + k];
+        return gate(inp[base + k]) * inp[base + P.k + k];
     }
     if (MODE == 1u || MODE == 3u) {
         return raw(base, k) * scale * norm_w[k];

@@ -4,7 +4,7 @@
 // added in workgroup memory (a tree, in a fixed order: the result is the same every run). Each lane
 // keeps TB input rows, so a weight is read once per TB rows. in' (MODE), EPI, HEAD and RES as gemv.wgsl;
 // the bindings are gemv's.
-// Constants: WG (a power of two), R, TB, MODE, EPI, HEAD, RES, EPS.
+// Constants: WG (a power of two), R, TB, MODE, EPI, HEAD, RES, EPS, GELU.
 
 struct Step { n_rows: u32, head_first: u32, head_count: u32, pad: u32, rows: array<vec4<u32>> };
 struct Params { k: u32, n: u32, out_stride: u32, row0: u32, in_stride: u32, p0: u32, p1: u32, p2: u32 };
@@ -27,11 +27,19 @@ fn fixed(v: vec2<u32>) -> f32 {
     return f32(bitcast<i32>(v.y)) + f32(v.x) * 2.3283064365386963e-10;
 }
 
+// Gemma's GeGLU gate (GELU 1): gelu, tanh-approximated as PyTorch's; else SwiGLU's silu (see gemv.wgsl).
+fn gate(g: vec4<f32>) -> vec4<f32> {
+    if (GELU == 1u) {
+        return 0.5 * g * (1.0 + tanh(clamp(0.7978845608028654 * (g + 0.044715 * g * g * g), vec4<f32>(-15.0),
+                                           vec4<f32>(15.0))));
+    }
+    return g / (1.0 + exp(-g));
+}
+
 // The input's four elements at vec4 c of a row starting at vec4 base, before any norm.
 fn raw(base: u32, c: u32) -> vec4<f32> {
     if (MODE == 2u) {
-        let g = inp[base + c];
-        return g / (1.0 + exp(-g)) * inp[base + P.k / 4u + c];
+        return gate(inp[base + c]) * inp[base + P.k / 4u + c];
     }
     if (MODE == 3u) {
         let a = 4u * (base + c);

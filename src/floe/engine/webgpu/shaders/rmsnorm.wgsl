@@ -3,8 +3,9 @@
 // vector a row, STRIDE DIM) into out [b, DIM] (the fused one normalises inside the next projection,
 // gemv.wgsl MODE 1). Qwen3's q/k norm: every query head and then every key head of the qkv rows
 // (STRIDE QKV_STRIDE, DIM HEAD_DIM, the weights stacked per head), in place before rotary (IN_PLACE 1:
-// x is written, out unused).
-// Constants: WG, DIM, EPS, STRIDE, IN_PLACE.
+// x is written, out unused). Gemma's post norms: ADD 1 adds the normalised rows into out (the residual
+// stream) instead of storing them.
+// Constants: WG, DIM, EPS, STRIDE, IN_PLACE, ADD.
 
 struct Step { n_rows: u32, head_first: u32, head_count: u32, pad: u32, rows: array<vec4<u32>> };
 
@@ -36,6 +37,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         let y = x[base + k] * scale * weight[w + k];
         if (IN_PLACE == 1u) {
             x[base + k] = y;
+        } else if (ADD == 1u) {
+            out[base + k] += y;
         } else {
             out[base + k] = y;
         }
