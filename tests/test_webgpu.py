@@ -411,9 +411,59 @@ def test_floe_run_on_webgpu_replies_as_on_the_cpu(capsys):
     assert any(b["name"].startswith("logits webgpu→host") for b in replies[0]["boundaries"])
 
 
+@pytest.mark.slow
+def test_floe_serve_on_webgpu_answers_as_floe_run_on_the_cpu(capsys, tmp_path):
+    """`floe serve --device webgpu` (its own processes; the official openai client): a streamed chat and
+    the same chat again in its session's next turn, each greedy reply the CPU's."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import openai
+
+    from floe.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = ["serve", "--device", "webgpu", "--port", str(port), "--context", "256", "--max-sessions", "2",
+               "--snapshots", str(tmp_path), "--log-level", "error"]
+    server = subprocess.Popen([sys.executable, "-m", "floe.cli", *command], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0,
+                               timeout=600)
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()[-2000:]
+            try:
+                model = client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "floe serve --device webgpu did not start"
+                time.sleep(1)
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPTS[0]}]
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0,
+                                                stream=True, extra_body={"session_id": "w"})
+        first = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        messages += [{"role": "assistant", "content": first}, {"role": "user", "content": PROMPTS[1]}]
+        second = client.chat.completions.create(model=model, messages=messages[-1:], max_tokens=4,
+                                                temperature=0, extra_body={"session_id": "w"})
+    finally:
+        server.terminate()
+        server.wait(60)
+    assert main(["run", PROMPTS[0], "--device", "cpu", "--weights", "fp32", "--max-tokens", "4",
+                 "--context", "256", "--system", SYSTEM, "--json"]) == 0
+    assert first == json.loads(capsys.readouterr().out)["text"]
+    assert second.choices[0].message.content and second.usage.prompt_tokens > 20  # (the turn before)
+
+
 def test_commands_that_do_not_run_on_webgpu_yet_refuse_it_as_a_usage_error(capsys):
     from floe.cli import main
 
     with pytest.raises(SystemExit) as refused:
         main(["profile", "hi", "--device", "webgpu"])
     assert refused.value.code == 2 and "'webgpu'" in capsys.readouterr().err
+    assert main(["serve", "--device", "webgpu", "--ray", "local"]) == 1  # (before any model loads)
+    assert "--ray runs its replicas on cpu or cuda" in capsys.readouterr().err

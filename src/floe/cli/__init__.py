@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-id", action="append", metavar="NAME",
                        help="the model name clients send (default: the file's name); again for aliases "
                             "(many tools hard-code a name), '*' to accept any")
-    serve.add_argument("--device", type=_device, default="cpu", help="cpu (default) or cuda")
+    serve.add_argument("--device", type=_device_or_webgpu, default="cpu",
+                       help="cpu (default), cuda or webgpu")
     serve.add_argument("--weights", choices=list(WEIGHTS), default=None, help=WEIGHTS_HELP)
     serve.add_argument("--guest", help="guest module (.wasm) every session runs (default: built-in chat)")
     serve.add_argument("--snapshots", default="floe-sessions",

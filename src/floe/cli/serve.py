@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from floe.cli.machine import _load_with_progress, _threads, import_torch_holding_ctrl_c
+from floe.cli.machine import _check_device, _load_with_progress, _threads, import_torch_holding_ctrl_c
 from floe.cli.options import WEIGHTS
 from floe.errors import FloeError
 
@@ -28,7 +28,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from floe.engine import bound_kernel_caches, parse_device
 
     bound_kernel_caches()  # (before the model's first matmul: a server sees many prompt lengths)
-    device = parse_device(args.device)
+    webgpu = args.device == "webgpu"  # (Engine takes the name: WGSL shaders through wgpu)
+    if webgpu and args.ray is not None:
+        raise FloeError("floe serve --ray runs its replicas on cpu or cuda; --device webgpu serves here")
+    if webgpu:
+        _check_device("webgpu")  # no adapter: said now, before the model loads
+    device = "webgpu" if webgpu else parse_device(args.device)
     if args.max_sessions < 1 or args.idle_seconds <= 0 or args.max_anonymous < 1:
         raise FloeError("--max-sessions and --max-anonymous must be >= 1 and --idle-seconds > 0")
     try:
@@ -50,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     fronts = args.fronts
     listeners = listen(args.host, args.port, fronts)  # a port in use: an error now, not after the model loads
     _threads(args, args.device, reserve=fronts)
-    weights = args.weights or ("native" if device.type == "cpu" else "bf16")
+    weights = args.weights or ("fp32" if webgpu else "native" if device.type == "cpu" else "bf16")
     access = (f"{len(keys)} API key{'s' * (len(keys) > 1)}, each seeing its own sessions" if keys else
               "open: no API keys, anyone who reaches the port uses and manages every session")
     specs = _serve_models(args)
@@ -164,7 +169,7 @@ def _model_router(args: argparse.Namespace, specs, device, weights: str):
 
     stores = [(spec, _serve_store(args, spec.name)) for spec in specs]
     footprint = rss_bytes  # (a model's bytes: what the process grew by while it loaded)
-    if device.type == "cuda":
+    if str(device).startswith("cuda"):
         import torch
 
         footprint = lambda: torch.cuda.memory_allocated(device)  # noqa: E731
