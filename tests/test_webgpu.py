@@ -459,11 +459,47 @@ def test_floe_serve_on_webgpu_answers_as_floe_run_on_the_cpu(capsys, tmp_path):
     assert second.choices[0].message.content and second.usage.prompt_tokens > 20  # (the turn before)
 
 
+@pytest.mark.parametrize("name", ["llama-tied", "gemma2-like"])
+def test_floe_profile_on_webgpu_counts_its_planned_dispatches_against_its_ceilings(default_checkpoint, name):
+    """`floe profile --device webgpu`'s measurements (profile_turn) on a small random model: the
+    dispatches a decode step and a prompt record, fused and unfused (the ablation), are the planned
+    ones; the ceilings are the adapter's (a copy's bandwidth, the GEMM shader's rate); the ledger shows
+    the logits readback and a snapshot's KV; the report prints."""
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    from floe.profiling import profile_turn
+    from floe.report import print_report
+
+    # (the default model's vocabulary: the chat guest's prompt is its tokenizer's)
+    config = dataclasses.replace(CONFIGS[name], vocab_size=default_checkpoint.config.vocab_size)
+    checkpoint = random_checkpoint(config, default_checkpoint.tokenizer, dtype=torch.float32, scale=0.1)
+    r = profile_turn(checkpoint, "Hi", device="webgpu", max_tokens=3, fusion="both", repeats=1, context=256)
+    c, binding = checkpoint.config, gpu().max_binding
+    assert r["device"] == "webgpu" and r["dispatches"]["counted"] == "webgpu_dispatches"
+    fused, unfused = r["ablation"]
+    assert r["dispatches"]["decode_per_token"] == fused["decode_dispatches_per_token"] == planned_dispatches(
+        c, binding, True)
+    assert unfused["decode_dispatches_per_token"] == planned_dispatches(c, binding, False)
+    prompt = r["run"]["prompt_tokens"]  # (a prompt's chunks each record the layers and, last, the head)
+    assert r["dispatches"]["prefill"] > -(-prompt // CHUNK) * c.n_layers
+    roof = r["roofline"]
+    assert roof["bandwidth_gb_s"] > 0 and roof["matmul_tflop_s"] > 0 and roof["decode_pct_of_ceiling"] > 0
+    names = [b["name"] for b in r["boundaries"]]
+    assert any(n.startswith("logits webgpu→host") for n in names), names
+    assert any(n.startswith("snapshot read: KV") for n in names), names
+    out = io.StringIO()
+    print_report(r, Console(file=out, width=160))
+    assert "webgpu" in out.getvalue()
+
+
 def test_commands_that_do_not_run_on_webgpu_yet_refuse_it_as_a_usage_error(capsys):
     from floe.cli import main
 
     with pytest.raises(SystemExit) as refused:
-        main(["profile", "hi", "--device", "webgpu"])
+        main(["bench", "decode", "--device", "webgpu"])
     assert refused.value.code == 2 and "'webgpu'" in capsys.readouterr().err
     assert main(["serve", "--device", "webgpu", "--ray", "local"]) == 1  # (before any model loads)
     assert "--ray runs its replicas on cpu or cuda" in capsys.readouterr().err

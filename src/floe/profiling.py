@@ -7,6 +7,8 @@ medians over `repeats` fresh actors after a warm-up one); a freeze and a thaw of
 decode step; for the roofline, a timed prefill of the same prompt and 32 timed decode steps after
 it (host-driven, so the guest's share is not in them). With `fusion="both"` the
 decode and TTFT numbers are taken again with the engine's fused decode off, on the same weights.
+On WebGPU (device "webgpu") the ceilings are the adapter's: a buffer-to-buffer copy's bandwidth and the
+prompt's GEMM shader's FLOP/s; the dispatches are the shaders a step records (WebGPUDecoder).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _snapshot_io(engine: Engine, prompt: str, ledger: Ledger) -> None:
             kv = [b for b in thawed.ledger.boundaries.values() if b.name.startswith("KV ")]
         size = path.stat().st_size
         kv_bytes = max((b.bytes_copied // b.copies for b in kv if b.copies), default=0)
-        ledger.copy(f"snapshot read (file → actor, all but the KV; KV to {engine.device.type} below)",
+        ledger.copy(f"snapshot read (file → actor, all but the KV; KV to {engine.backend} below)",
                     size - kv_bytes, seconds=seconds)
         for b in kv:
             ledger.copy(f"snapshot read: {b.name}", b.bytes_copied // max(b.copies, 1), copies=b.copies)
@@ -66,6 +68,17 @@ def _snapshot_io(engine: Engine, prompt: str, ledger: Ledger) -> None:
 
 def _dispatches(engine: Engine, ids: list[int]) -> dict:
     slot = engine.claim_slot()
+    if engine.backend == "webgpu":  # the shaders each submit records (a prompt: one submit per chunk)
+        decoder = engine._batch_decoder()
+        try:
+            engine.kv_truncate(0, slot)
+            engine.prefill(ids, slot)
+            prefill = decoder.last_dispatches
+            engine.decode_step(ids[-1], slot)
+            decode = decoder.last_dispatches
+        finally:
+            engine.release_slot(slot)
+        return {"prefill": prefill, "decode_per_token": decode, "counted": "webgpu_dispatches"}
     try:
         prefill = count_dispatches(lambda: (engine.kv_truncate(0, slot), engine.prefill(ids, slot)),
                                    engine.device, steps=3)
@@ -103,7 +116,8 @@ def profile_turn(checkpoint: Checkpoint, prompt: str, *, device: str = "cpu", dt
     """Everything `floe profile` reports, as one JSON-ready dict."""
     if fusion not in ("on", "off", "both"):
         raise ValueError(f"fusion must be on, off or both, not {fusion!r}")
-    dev = torch.device(device)
+    webgpu = device == "webgpu"
+    dev = device if webgpu else torch.device(device)
     n_ctx = context or min(checkpoint.config.context_length, 4096)
 
     def make(fused: bool) -> Engine:
@@ -112,12 +126,18 @@ def profile_turn(checkpoint: Checkpoint, prompt: str, *, device: str = "cpu", dt
 
     engine = make(fusion != "off")
     progress("measuring the device's bandwidth and matmul rate")
-    bandwidth = copy_bandwidth(dev)
-    # The dtype the prompt's matmuls run in: a native engine's bands in gemm_dtype (float32 where
-    # this CPU has no native bf16 product), a dense engine's weights as they are.
-    matmul_dtype = (torch.bfloat16 if dev.type == "cuda" else gemm_dtype() if weights == "native"
-                    else engine.dtype)
-    rate = matmul_rate(dev, matmul_dtype)
+    if webgpu:  # (the shaders compute in float32, whatever the weights are stored as)
+        from floe.engine.webgpu.dispatch import copy_bandwidth as webgpu_copy_bandwidth
+
+        bandwidth, matmul_dtype = webgpu_copy_bandwidth(), torch.float32
+        rate = engine._batch_decoder().gemm_rate()
+    else:
+        bandwidth = copy_bandwidth(dev)
+        # The dtype the prompt's matmuls run in: a native engine's bands in gemm_dtype (float32 where
+        # this CPU has no native bf16 product), a dense engine's weights as they are.
+        matmul_dtype = (torch.bfloat16 if dev.type == "cuda" else gemm_dtype() if weights == "native"
+                        else engine.dtype)
+        rate = matmul_rate(dev, matmul_dtype)
     progress("one actor turn (ledger on)")
     _turn(engine, prompt, max_tokens, 1)  # warm-up: compiled guest, decode graphs, TorchScript
     reply, run = _turn(engine, prompt, max_tokens, repeats)
@@ -128,7 +148,13 @@ def profile_turn(checkpoint: Checkpoint, prompt: str, *, device: str = "cpu", dt
     progress("counting dispatches")
     dispatches = _dispatches(engine, ids)
     prefill_s, step_s = _timed_engine(engine, ids)
-    roof = roofline(decode_bytes(engine), step_s, bandwidth, len(ids), prefill_s,
+    if webgpu:  # what its buffers hold: every weight as stored (the tied head once), read each step
+        from floe.engine.webgpu.decoder import decode_bytes as webgpu_decode_bytes
+
+        step_bytes = webgpu_decode_bytes(engine._batch_decoder(), 0)
+    else:
+        step_bytes = decode_bytes(engine)
+    roof = roofline(step_bytes, step_s, bandwidth, len(ids), prefill_s,
                     prefill_flops(engine.config, len(ids)), rate)
     layers, head = linear_params(engine.config)
     roof["decode_flops_per_token"] = 2 * (layers + head)  # two per weight read; attention is small
@@ -162,7 +188,9 @@ def profile_turn(checkpoint: Checkpoint, prompt: str, *, device: str = "cpu", dt
              "decode_tok_s": 1 / s, "actor_decode_tok_s": r["decode_tok_s"]}
             for name, d, r, p, s in rows
         ]
-        result["ablation_what"] = ("CPU: lean TorchScript decode step vs the module forward"
-                                   if dev.type == "cpu" else
-                                   "CUDA graphs with fused Triton kernels vs graphs of the plain ops")
+        result["ablation_what"] = (
+            "WebGPU: the fused plan (three dispatches a layer; five where a matrix needs bands, and "
+            "Gemma's) vs norm, rotary + KV write and SwiGLU as dispatches of their own" if webgpu else
+            "CPU: lean TorchScript decode step vs the module forward" if dev.type == "cpu" else
+            "CUDA graphs with fused Triton kernels vs graphs of the plain ops")
     return result

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seeded random weights at a real architecture's shape instead of --model")
     prof.add_argument("--tokenizer",
                       help="folder with tokenizer.json for --shape (default: the default model's)")
-    prof.add_argument("--device", type=_device, default="cpu", help="cpu (default) or cuda")
+    prof.add_argument("--device", type=_device_or_webgpu, default="cpu", help="cpu (default), cuda or webgpu")
     prof.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     prof.add_argument("--weights", choices=list(WEIGHTS), default=None, help=WEIGHTS_HELP)
     prof.add_argument("--max-tokens", type=int, default=64, help="most tokens the turn generates (64)")

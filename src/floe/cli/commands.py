@@ -220,11 +220,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from floe.profiling import profile_turn
     from floe.report import html_report, print_report, roofline_png
 
-    device = parse_device(args.device)
+    webgpu = args.device == "webgpu"  # (Engine takes the name: WGSL shaders through wgpu)
+    if webgpu:
+        _check_device("webgpu")  # no adapter: said now, before the model loads
+    device = "webgpu" if webgpu else parse_device(args.device)
     if args.max_tokens < 1:
         raise FloeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     _threads(args, args.device)
-    weights = args.weights or ("native" if device.type == "cpu" else "bf16")
+    weights = args.weights or ("fp32" if webgpu else "native" if device.type == "cpu" else "bf16")
     dtype, kind = WEIGHTS[weights]
     if args.shape:
         if args.model:
@@ -232,7 +235,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from floe.model.synthetic import random_checkpoint
 
         checkpoint = random_checkpoint(args.shape, _tokenizer(args.tokenizer), dtype=parse_dtype(dtype),
-                                       device=device)
+                                       device="cpu" if webgpu else device)
     else:
         checkpoint = _load_with_progress(args.model, "float32", quiet=args.json)
     if args.plot:

@@ -425,6 +425,45 @@ class WebGPUDecoder:
             return out if out is not None else torch.cat(pieces)
         return self._read(1, None if out is None else out.view(1, -1))[0]
 
+    def gemm_rate(self, k: int = 1024, n: int = 1024, repeats: int = 8) -> float:
+        """FLOP/s of the prompt's GEMM shader (gemm.wgsl, in this decoder's weight format) on CHUNK rows
+        times a random [n, k] matrix (`floe profile`'s prefill ceiling): `repeats` dispatches in one
+        pass and submit, waited for as a step is; the median of 3 after 1. Not within a step (it writes
+        the step's row count)."""
+        import time
+
+        gpu = self.gpu
+        weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
+        m = upload_matrix(gpu, weight, "gemm rate", self.weights)
+        inp = gpu.buffer(4 * CHUNK * k, data=np.ones((CHUNK, k), np.float32), label="gemm rate input")
+        out = gpu.buffer(4 * CHUNK * n, label="gemm rate output")
+        ops = self._gemm(m, inp, out, n)
+        words = np.zeros(4 + 4 * CHUNK, dtype=np.uint32)
+        words[0] = CHUNK
+        u = gpu.wgpu.BufferUsage
+        mapped = gpu.device.create_buffer(size=16, usage=u.MAP_READ | u.COPY_DST, label="gemm rate sync")
+
+        def run() -> float:
+            t = time.perf_counter()
+            gpu.queue.write_buffer(self.rows_buffer, 0, words)
+            encoder = gpu.device.create_command_encoder()
+            compute = encoder.begin_compute_pass()
+            for _ in range(repeats):
+                for op in ops:
+                    compute.set_pipeline(op.pipelines[MANY])
+                    compute.set_bind_group(0, op.group)
+                    compute.dispatch_workgroups(op.x, op.workgroups_y(CHUNK, 0, MANY))
+            compute.end()
+            encoder.copy_buffer_to_buffer(out, 0, mapped, 0, 16)
+            gpu.queue.submit([encoder.finish()])
+            mapped.map_sync(gpu.wgpu.MapMode.READ)
+            mapped.unmap()
+            return time.perf_counter() - t
+
+        run()
+        seconds = sorted(run() for _ in range(3))[1]
+        return 2 * CHUNK * k * n * repeats / seconds
+
     def dispatches_per_step(self, rows: int = 1) -> int:
         """Dispatches one decode step records (independent of the row count)."""
         plan = self.decode_plan

@@ -206,3 +206,25 @@ def framework_on_shape(shape: str = "smollm2-135m", layers: int = 2) -> dict:
                "unfused": planned_dispatches(KNOWN_SHAPES[name], g.max_binding, False)}
         for name in dict.fromkeys((shape, "llama-3.2-1b"))}
     return cost
+
+
+def copy_bandwidth(nbytes: int = 64 << 20, copies: int = 4) -> float:
+    """Bytes/s a buffer-to-buffer copy moves on the adapter (read + write: `floe profile`'s decode
+    ceiling): `copies` copies of nbytes in one submit, waited for as a decode step is (a mapped 16 bytes
+    copied after them); the median of 5 after 2."""
+    g = gpu()
+    u = g.wgpu.BufferUsage
+    src, dst = g.buffer(nbytes, label="copy source"), g.buffer(nbytes, label="copy target")
+    mapped = g.device.create_buffer(size=16, usage=u.MAP_READ | u.COPY_DST, label="sync")
+
+    def run() -> None:
+        encoder = g.device.create_command_encoder()
+        for _ in range(copies):
+            encoder.copy_buffer_to_buffer(src, 0, dst, 0, nbytes)
+        encoder.copy_buffer_to_buffer(dst, 0, mapped, 0, 16)
+        g.queue.submit([encoder.finish()])
+        mapped.map_sync(g.wgpu.MapMode.READ)
+        mapped.unmap()
+
+    return 2 * nbytes * copies / _median(run)
+
