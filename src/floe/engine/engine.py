@@ -53,8 +53,8 @@ def bound_kernel_caches() -> None:
 
 def parse_device(name: str | torch.device) -> torch.device:
     if str(name) == "webgpu":  # not a torch device: Engine takes the name itself (see Engine.backend)
-        raise FloeError("device 'webgpu' runs an Engine, `floe run`, `serve`, `profile` and `bench dispatch`; "
-                        "this command runs on cpu or cuda")
+        raise FloeError("device 'webgpu' runs an Engine, `floe run`, `serve`, `profile` and `bench "
+                        "dispatch`; this command runs on cpu or cuda")
     try:
         device = torch.device(name)
     except RuntimeError as e:
