@@ -45,7 +45,9 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
 BODY_CHUNK = 64 * 1024
-MAX_HEAD_BYTES = 64 * 1024  # a request line and headers: past this, 431 (and a chunked body's framing)
+# A request line and headers: past this, 431 (and a chunked body's framing). nginx's 4 × 8 KiB: what a
+# connection may hold while its head arrives (20,000 connections, a common descriptor limit: 640 MiB).
+MAX_HEAD_BYTES = 32 * 1024
 CHUNK_FRAMING = 32  # bytes a chunk's size line and line ends may take (a 16-digit size, CRLFs)
 MAX_PIPELINED = 32  # requests a connection may have waiting behind the one being answered
 SEND_TIMEOUT_S = 60.0
