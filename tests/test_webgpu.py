@@ -503,3 +503,9 @@ def test_commands_that_do_not_run_on_webgpu_yet_refuse_it_as_a_usage_error(capsy
     assert refused.value.code == 2 and "'webgpu'" in capsys.readouterr().err
     assert main(["serve", "--device", "webgpu", "--ray", "local"]) == 1  # (before any model loads)
     assert "--ray runs its replicas on cpu or cuda" in capsys.readouterr().err
+    for command in ("run", "serve", "profile"):  # weights WebGPU does not store, before any model loads
+        args = [command, *(["hi"] if command != "serve" else []), "--device", "webgpu", "--weights", "native"]
+        assert main(args) == 1
+        assert "--weights native: --device webgpu runs fp32 or f16" in capsys.readouterr().err
+    assert main(["run", "hi", "--device", "cpu", "--weights", "f16"]) == 1
+    assert "f16 is WebGPU's storage" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from floe.cli.machine import (
     _threads,
     import_torch_holding_ctrl_c,
 )
-from floe.cli.options import WEIGHTS
+from floe.cli.options import WEIGHTS, weights_for
 from floe.errors import FloeError
 
 
@@ -54,7 +54,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _check_device(args.device)  # before the model loads: no CUDA (or WebGPU adapter) here is said at once
     _threads(args, args.device)
-    weights = args.weights or {"cpu": "native", "webgpu": "fp32"}.get(args.device, "bf16")
+    weights = weights_for(args.device, args.weights)
     dtype, kind = WEIGHTS[weights]
     started = time.perf_counter()
     checkpoint = _load_with_progress(args.model, "float32", quiet=args.json)
@@ -227,7 +227,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise FloeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     _threads(args, args.device)
-    weights = args.weights or ("fp32" if webgpu else "native" if device.type == "cpu" else "bf16")
+    weights = weights_for(args.device, args.weights)
     dtype, kind = WEIGHTS[weights]
     if args.shape:
         if args.model:

@@ -16,6 +16,20 @@ WEIGHTS = {"native": ("float32", "native"), "bf16": ("bfloat16", "dense"), "fp32
            "f16": ("float32", "f16")}
 
 
+def weights_for(device: str, weights: str | None) -> str:
+    """--weights on `device` (cpu, cuda…, webgpu): its default where not given; a choice the device cannot
+    run is an error now, before the model loads (Engine refuses it too, after)."""
+    from floe.errors import FloeError
+
+    webgpu = device == "webgpu"
+    chosen = weights or ("fp32" if webgpu else "native" if device.startswith("cpu") else "bf16")
+    if webgpu and chosen not in ("fp32", "f16"):
+        raise FloeError(f"--weights {chosen}: --device webgpu runs fp32 or f16 weights")
+    if chosen == "f16" and not webgpu:
+        raise FloeError("--weights f16 is WebGPU's storage (--device webgpu); elsewhere choose fp32 or bf16")
+    return chosen
+
+
 THREADS_HELP = "CPU threads for the model (default: the cores idle when floe starts)"
 
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from floe.cli.machine import _check_device, _load_with_progress, _threads, import_torch_holding_ctrl_c
-from floe.cli.options import WEIGHTS
+from floe.cli.options import WEIGHTS, weights_for
 from floe.errors import FloeError
 
 
@@ -55,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     fronts = args.fronts
     listeners = listen(args.host, args.port, fronts)  # a port in use: an error now, not after the model loads
     _threads(args, args.device, reserve=fronts)
-    weights = args.weights or ("fp32" if webgpu else "native" if device.type == "cpu" else "bf16")
+    weights = weights_for(args.device, args.weights)
     access = (f"{len(keys)} API key{'s' * (len(keys) > 1)}, each seeing its own sessions" if keys else
               "open: no API keys, anyone who reaches the port uses and manages every session")
     specs = _serve_models(args)
