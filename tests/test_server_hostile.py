@@ -249,7 +249,8 @@ def test_a_head_past_its_bound_gets_a_431_and_others_are_served_meanwhile(server
     second into the front for the 10 s they may take), a chunked body's trailers (kept too, for the 30 s
     its next bytes may take) or a chunk's endless extension, a URL of 1 MB, one header of 1 MB: each
     gets a 431 and its connection closes, within one read of the bound; a head just under it is served,
-    and so is a request whose head and 1 MB body come in one write, and a body of 4,096 tiny chunks."""
+    and so is a request whose head and 1 MB body come in one write, and a body of 16,384 one-byte chunks
+    (80 KB of framing: allowed by the chunks' count, not by the bound alone)."""
     chunked = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
     for start, piece in ((b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n", b"X-Filler: " + b"a" * 1000),
                          (chunked + b"2\r\n{}\r\n0\r\n", b"X-Trailer: " + b"t" * 1000),
@@ -273,10 +274,18 @@ def test_a_head_past_its_bound_gets_a_431_and_others_are_served_meanwhile(server
     answer = raw_request(server.port, head + body.encode())
     assert not answer.startswith(b"HTTP/1.1 431"), answer[:300]  # (the padding: a 400 of its own)
     body = json.dumps(BASE).encode()
-    tiny = b"".join(b"1\r\n%c\r\n" % byte for byte in body.ljust(4096))  # (JSON ends in spaces)
-    answer = raw_request(server.port, chunked.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n"
-                                                                b"Content-Type: application/json\r\n\r\n")
-                         + tiny + b"0\r\n\r\n")
+    tiny = b"".join(b"1\r\n%c\r\n" % byte for byte in body.ljust(16384))  # (JSON ends in spaces)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=120) as s:
+        s.sendall(chunked.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n"
+                                                 b"Content-Type: application/json\r\n\r\n"))
+        time.sleep(0.3)  # (the chunks in reads of their own, after the head: counted as the body's)
+        for at in range(0, len(tiny), 8192):
+            s.sendall(tiny[at:at + 8192])
+            time.sleep(0.002)
+        s.sendall(b"0\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
     assert post(server.url, BASE).status_code == 200
 
