@@ -95,7 +95,7 @@ def test_prefill_and_decode_logits_equal_the_cpu_float32_forward(default_checkpo
     assert close(webgpu.prefill(more), cpu.prefill(more))
 
 
-@pytest.mark.parametrize("name", ["llama-tied", "wide-heads"])
+@pytest.mark.parametrize("name", ["llama-tied", "wide-heads", "gemma3-like"])
 def test_f16_weights_compute_what_the_cpu_float32_forward_does_on_those_weights(default_checkpoint, name,
                                                                                   layout):
     webgpu, cpu = tiny(name, default_checkpoint.tokenizer, weights="f16")
