@@ -44,6 +44,28 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> No
     assert pattern in lines[0]
 
 
+def test_run_raw_continues_the_text_as_the_engine_does_without_a_chat_template(default_checkpoint):
+    """`floe run --raw`: the prompt continued as raw text (the complete guest, as /v1/completions), for
+    base models without a chat template — greedy, the engine's own continuation of the prompt's ids."""
+    from floe.engine import Engine
+
+    prompt = "The capital of France is"
+    proc = floe("run", prompt, "--raw", "--json", "--max-tokens", "6", "--temperature", "0")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    engine = Engine(default_checkpoint, max_seq_len=256, weights="native")
+    tokenizer = engine.tokenizer
+    bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+    ids = bos + tokenizer.encode(prompt)
+    tokens = [int(engine.prefill(ids).argmax())]
+    while len(tokens) < 6:
+        tokens.append(int(engine.decode_step(tokens[-1]).argmax()))
+    assert record["token_ids"] == tokens and record["prompt_tokens"] == len(ids)
+    assert "Paris" in record["text"]
+    proc = floe("run", prompt, "--raw", "--system", "Be brief.")
+    assert proc.returncode == 1 and "--raw continues a text" in proc.stderr
+
+
 def test_missing_model_file(tmp_path):
     assert_one_line_error(floe("run", "hi", "--model", str(tmp_path / "absent.gguf")), "no such model")
 

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--context", type=_positive_int, default=None,
                      help="KV cache length in tokens (default: the model's context length)")
     run.add_argument("--guest", help="guest module (.wasm) that drives the model (default: built-in chat)")
+    run.add_argument("--raw", action="store_true",
+                     help="continue the prompt as raw text, no chat template (a base model; the built-in "
+                          "complete guest, as /v1/completions)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     run.add_argument("--json-schema", metavar="FILE",
                      help="reply with JSON valid against this JSON Schema (the built-in grammar guest)")

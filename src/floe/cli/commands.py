@@ -46,6 +46,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_tokens < 1:
         raise FloeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.raw and (args.system or args.json_schema or args.thaw):
+        raise FloeError("--raw continues a text: it takes no --system, --json-schema or --thaw (a chat's)")
     prompt = _prompt(args)
 
     import_torch_holding_ctrl_c()
@@ -61,6 +63,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine = Engine(checkpoint, device=args.device, dtype=dtype, max_seq_len=args.context, weights=kind)
     stream = None if args.json else _write_stdout
     guest = args.guest
+    if args.raw:  # the complete guest: the sequence's start, a NUL, the prompt (floe.server.completions)
+        from floe.actor import builtin_guest
+        from floe.server.completions import sequence_start
+
+        guest = guest or builtin_guest("complete")
+        prompt = f"{sequence_start(engine.tokenizer)}\0{prompt}"
     if args.json_schema:  # the grammar guest reads the schema from the message (docs/GUESTS.md)
         from floe.actor import builtin_guest
         from floe.actor.grammar import grammar_message
@@ -74,7 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise FloeError("--system applies to a new conversation; a thawed one keeps its own")
         actor = snapshot.thaw(engine, args.thaw, guest, seed=args.seed)
     else:
-        actor = Actor(engine, guest, seed=args.seed, system_prompt=args.system or "")
+        actor = Actor(engine, guest, seed=args.seed, system_prompt=args.system or "", continues_text=args.raw)
     if args.json_schema:
         from floe.actor.grammar import GRAMMAR_EXPORT
 

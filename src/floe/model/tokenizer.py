@@ -247,7 +247,8 @@ class Tokenizer:
     @cached_property
     def _template(self) -> jinja2.Template:
         if not self.chat_template:
-            raise ChatTemplateError("this model has no chat template; pass a raw prompt instead")
+            raise ChatTemplateError("this model has no chat template (a base model, not tuned for chat): "
+                                    "continue a raw text instead (floe run --raw, or /v1/completions)")
         return _compile_template(self.chat_template)
 
     @cached_property

@@ -24,6 +24,18 @@ from floe.server.stops import StopText
 from floe.wasm import default_runtime
 
 
+def sequence_start(tokenizer) -> str:
+    """The text the complete guest tokenizes before a prompt: the BOS token's where the tokenizer adds
+    one, else none. Its message is this, a NUL, then the prompt (guests/complete.c)."""
+    if not (tokenizer.add_bos and tokenizer.bos_id is not None):
+        return ""
+    start = tokenizer.decode([tokenizer.bos_id])
+    if tokenizer.encode_many([start])[0] != [tokenizer.bos_id]:
+        raise FloeError(f"the BOS token's text {start!r} does not tokenize back to it: text completions "
+                        "cannot start a sequence with it")
+    return start
+
+
 @dataclass
 class Completion:
     """A text completion request checked against the engine (ServeCore.open), until ServeCore.run returns."""
@@ -45,13 +57,7 @@ class TextCompletions:
         self.store = store
         self.engine = store.engine
         self.module = default_runtime().compile(builtin_guest("complete"))
-        tokenizer = self.engine.tokenizer
-        self.start = ""  # the text the guest tokenizes before the prompt: the BOS token's, if one is added
-        if tokenizer.add_bos and tokenizer.bos_id is not None:
-            self.start = tokenizer.decode([tokenizer.bos_id])
-            if tokenizer.encode_many([self.start])[0] != [tokenizer.bos_id]:
-                raise FloeError(f"the BOS token's text {self.start!r} does not tokenize back to it: "
-                                "text completions cannot start a sequence with it")
+        self.start = sequence_start(self.engine.tokenizer)
 
     def open(self, prompt: str, max_tokens: int | None, params: SamplingParams, seed: int | None,
              stops: tuple[str, ...], owner: str) -> Completion:
