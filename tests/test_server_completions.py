@@ -186,3 +186,26 @@ def test_a_completion_holds_a_kv_slot_as_the_store_counts_them(default_checkpoin
         assert r.status_code == 200, r.text
     finally:
         s.stop()
+
+
+def test_a_base_model_without_a_chat_template_serves_completions_and_refuses_chats(reference, tmp_path):
+    """A base model (no chat template) is served: its warm-up runs the complete guest (the chat guest's
+    render failed and `floe serve` exited before it listened); a chat gets a 400 naming /v1/completions,
+    streamed or not; a completion is generate's."""
+    from floe.model import load_checkpoint
+
+    checkpoint = load_checkpoint()
+    checkpoint.tokenizer.chat_template = None  # (its own tokenizer: a base model's has no template)
+    engine = Engine(checkpoint, max_seq_len=CONTEXT, n_slots=2, weights="native")
+    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, idle_seconds=3600))
+    try:
+        c = client(s.url)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as refused:
+                c.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2, stream=stream)
+            assert refused.value.code == "no_chat_template" and "/v1/completions" in str(refused.value)
+        _, want = greedy(reference, PROMPT, 8)
+        assert complete(c, PROMPT, max_tokens=8).choices[0].text == want.text
+    finally:
+        s.stop()

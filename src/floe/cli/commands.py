@@ -65,10 +65,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     guest = args.guest
     if args.raw:  # the complete guest: the sequence's start, a NUL, the prompt (floe.server.completions)
         from floe.actor import builtin_guest
-        from floe.server.completions import sequence_start
 
         guest = guest or builtin_guest("complete")
-        prompt = f"{sequence_start(engine.tokenizer)}\0{prompt}"
+        prompt = f"{engine.tokenizer.sequence_start()}\0{prompt}"
     if args.json_schema:  # the grammar guest reads the schema from the message (docs/GUESTS.md)
         from floe.actor import builtin_guest
         from floe.actor.grammar import grammar_message

@@ -127,6 +127,17 @@ class Tokenizer:
             return self.backend.encode(text, add_special_tokens=False).ids
         return self.encode_many([text])[0]
 
+    def sequence_start(self) -> str:
+        """The text a raw continuation (the complete guest, /v1/completions, `floe run --raw`) tokenizes
+        before its prompt: the BOS token's where this tokenizer adds one, else none."""
+        if not (self.add_bos and self.bos_id is not None):
+            return ""
+        start = self.decode([self.bos_id])
+        if self.encode_many([start])[0] != [self.bos_id]:
+            raise FloeError(f"the BOS token's text {start!r} does not tokenize back to it: text completions "
+                            "cannot start a sequence with it")
+        return start
+
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 

@@ -17,23 +17,10 @@ from dataclasses import dataclass
 from floe.actor import Actor, builtin_guest
 from floe.actor.stream import TokenStream
 from floe.engine import SamplingParams
-from floe.errors import FloeError
 from floe.server.protocol import ServeError
 from floe.server.sessions import Answer, SessionStore
 from floe.server.stops import StopText
 from floe.wasm import default_runtime
-
-
-def sequence_start(tokenizer) -> str:
-    """The text the complete guest tokenizes before a prompt: the BOS token's where the tokenizer adds
-    one, else none. Its message is this, a NUL, then the prompt (guests/complete.c)."""
-    if not (tokenizer.add_bos and tokenizer.bos_id is not None):
-        return ""
-    start = tokenizer.decode([tokenizer.bos_id])
-    if tokenizer.encode_many([start])[0] != [tokenizer.bos_id]:
-        raise FloeError(f"the BOS token's text {start!r} does not tokenize back to it: text completions "
-                        "cannot start a sequence with it")
-    return start
 
 
 @dataclass
@@ -57,7 +44,7 @@ class TextCompletions:
         self.store = store
         self.engine = store.engine
         self.module = default_runtime().compile(builtin_guest("complete"))
-        self.start = sequence_start(self.engine.tokenizer)
+        self.start = self.engine.tokenizer.sequence_start()  # (the BOS token's text, if one is added)
 
     def open(self, prompt: str, max_tokens: int | None, params: SamplingParams, seed: int | None,
              stops: tuple[str, ...], owner: str) -> Completion:

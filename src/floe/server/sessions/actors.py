@@ -48,7 +48,13 @@ class ActorMaker:
         the chat template, start the engine loop and load the sampling kernels, which a server's first
         request would otherwise wait for (~0.3 s on the H200 host), and which the loop's bound on a
         warm guest call (floe.actor.loop.STEP_CALL_S) leaves no room for."""
-        with Actor(self.engine, self.guest, scheduler=self.scheduler, loop=self.loop) as actor:
+        guest, message, raw = self.guest, "Hello.", False
+        if guest is None and not self.engine.tokenizer.chat_template:  # a base model: no chats, only text
+            from floe.actor import builtin_guest  # completions (the chat guest would fail to render one)
+
+            guest, raw = builtin_guest("complete"), True
+            message = f"{self.engine.tokenizer.sequence_start()}\0Hello."
+        with Actor(self.engine, guest, scheduler=self.scheduler, loop=self.loop, continues_text=raw) as actor:
             for params in (SamplingParams(), SamplingParams(temperature=0.7, top_k=40, top_p=0.9)):
-                actor.send("Hello.", max_tokens=2, params=params)
+                actor.send(message, max_tokens=2, params=params)
         self.engine.tokenizer.fill_reply_bytes()  # (the engine loop streams each token's in one lookup)
