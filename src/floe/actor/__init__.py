@@ -10,6 +10,7 @@ from floe.actor.actor import (
     Reply,
     Request,
     builtin_guest,
+    complete_message,
 )
 from floe.actor.grammar import IncompleteJSON, SchemaUnsupported, StructuredReply, grammar_actor, send_json
 from floe.actor.loop import EngineLoop
@@ -17,4 +18,5 @@ from floe.actor.scheduler import DecodeScheduler
 
 __all__ = ["ABI_VERSION", "Actor", "ActorClosed", "ActorReentrantCall", "ActorState", "DecodeScheduler",
            "EngineLoop", "IncompleteJSON", "MessageStats", "Reply", "Request", "SUPPORTED_ABI_VERSIONS",
-           "SchemaUnsupported", "StructuredReply", "builtin_guest", "grammar_actor", "send_json"]
+           "SchemaUnsupported", "StructuredReply", "builtin_guest", "complete_message", "grammar_actor",
+           "send_json"]

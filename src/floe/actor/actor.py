@@ -81,6 +81,13 @@ def builtin_guest(name: str) -> Path:
     return path
 
 
+def complete_message(tokenizer, text: str) -> str:
+    """The built-in `complete` guest's message that continues `text` as raw text, no chat template
+    (guests/complete.c): the sequence's start (Tokenizer.sequence_start: the BOS token's text where one
+    is added), a NUL, the text."""
+    return f"{tokenizer.sequence_start}\0{text}"
+
+
 @dataclass
 class ActorState:
     """Everything that makes an actor between messages, as tensors and plain values: what

@@ -63,11 +63,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine = Engine(checkpoint, device=args.device, dtype=dtype, max_seq_len=args.context, weights=kind)
     stream = None if args.json else _write_stdout
     guest = args.guest
-    if args.raw:  # the complete guest: the sequence's start, a NUL, the prompt (floe.server.completions)
-        from floe.actor import builtin_guest
+    if args.raw:  # the complete guest, as /v1/completions
+        from floe.actor import builtin_guest, complete_message
 
         guest = guest or builtin_guest("complete")
-        prompt = f"{engine.tokenizer.sequence_start()}\0{prompt}"
+        prompt = complete_message(engine.tokenizer, prompt)
     if args.json_schema:  # the grammar guest reads the schema from the message (docs/GUESTS.md)
         from floe.actor import builtin_guest
         from floe.actor.grammar import grammar_message

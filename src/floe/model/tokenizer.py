@@ -127,6 +127,7 @@ class Tokenizer:
             return self.backend.encode(text, add_special_tokens=False).ids
         return self.encode_many([text])[0]
 
+    @cached_property
     def sequence_start(self) -> str:
         """The text a raw continuation (the complete guest, /v1/completions, `floe run --raw`) tokenizes
         before its prompt: the BOS token's where this tokenizer adds one, else none."""

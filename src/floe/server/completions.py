@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from floe.actor import Actor, builtin_guest
+from floe.actor import Actor, builtin_guest, complete_message
 from floe.actor.stream import TokenStream
 from floe.engine import SamplingParams
 from floe.server.protocol import ServeError
@@ -44,7 +44,7 @@ class TextCompletions:
         self.store = store
         self.engine = store.engine
         self.module = default_runtime().compile(builtin_guest("complete"))
-        self.start = self.engine.tokenizer.sequence_start()  # (the BOS token's text, if one is added)
+        self.start = self.engine.tokenizer.sequence_start  # (a BOS that does not round-trip: refused now)
 
     def open(self, prompt: str, max_tokens: int | None, params: SamplingParams, seed: int | None,
              stops: tuple[str, ...], owner: str) -> Completion:
@@ -65,7 +65,7 @@ class TextCompletions:
             raise ServeError(400, f"max_tokens {max_tokens} + the prompt's {bound} tokens exceed this "
                              f"server's context of {n_ctx}", code="context_length_exceeded",
                              param="max_tokens")
-        return Completion(f"{self.start}\0{prompt}", max_tokens, params,
+        return Completion(complete_message(self.engine.tokenizer, prompt), max_tokens, params,
                           secrets.randbits(63) if seed is None else seed, stops, owner)
 
     def run(self, c: Completion, on_text: Callable[[str], None] | None = None,

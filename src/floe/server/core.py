@@ -159,7 +159,7 @@ class ServeCore:
         completion's (a request with a `prompt`, no `messages`) takes nothing until it runs."""
         if "prompt" in request:
             return self._open_completion(request)
-        if self.store.actors.guest is None and not self.engine.tokenizer.chat_template:
+        if not self.store.actors.chats:
             raise ServeError(400, "this model has no chat template (a base model, not tuned for chat): send "
                              "its text to /v1/completions instead", code="no_chat_template")
         structured = request.get("structured")

@@ -30,6 +30,7 @@ Weights are stored as f32 or f16 (`weights`, WEIGHT_FORMATS); the GEMVs are laid
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -430,8 +431,6 @@ class WebGPUDecoder:
         times a random [n, k] matrix (`floe profile`'s prefill ceiling): `repeats` dispatches in one
         pass and submit, waited for as a step is; the median of 3 after 1. Not within a step (it writes
         the step's row count)."""
-        import time
-
         gpu = self.gpu
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
         m = upload_matrix(gpu, weight, "gemm rate", self.weights)

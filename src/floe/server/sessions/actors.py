@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from floe.actor import Actor, DecodeScheduler, EngineLoop
+from floe.actor import Actor, DecodeScheduler, EngineLoop, builtin_guest, complete_message
 from floe.engine import Engine, SamplingParams
 
 
@@ -18,6 +18,12 @@ class ActorMaker:
                  loop: EngineLoop | None) -> None:
         self.engine, self.guest, self.scheduler, self.loop = engine, guest, scheduler, loop
         self.one_at_a_time = threading.Lock()
+
+    @property
+    def chats(self) -> bool:
+        """Whether its actors can hold chats: a guest of the server's own, or the built-in chat guest on
+        a model with a chat template (a base model has none: text completions only)."""
+        return self.guest is not None or bool(self.engine.tokenizer.chat_template)
 
     def new(self, seed: int = 0, kv_slot: bool | str = True) -> Actor:
         """A fresh actor (kv_slot "later": without a KV slot, floe.actor.Actor.attach_slot)."""
@@ -49,11 +55,9 @@ class ActorMaker:
         request would otherwise wait for (~0.3 s on the H200 host), and which the loop's bound on a
         warm guest call (floe.actor.loop.STEP_CALL_S) leaves no room for."""
         guest, message, raw = self.guest, "Hello.", False
-        if guest is None and not self.engine.tokenizer.chat_template:  # a base model: no chats, only text
-            from floe.actor import builtin_guest  # completions (the chat guest would fail to render one)
-
+        if not self.chats:  # a base model: text completions only (the chat guest could render no chat)
             guest, raw = builtin_guest("complete"), True
-            message = f"{self.engine.tokenizer.sequence_start()}\0Hello."
+            message = complete_message(self.engine.tokenizer, message)
         with Actor(self.engine, guest, scheduler=self.scheduler, loop=self.loop, continues_text=raw) as actor:
             for params in (SamplingParams(), SamplingParams(temperature=0.7, top_k=40, top_p=0.9)):
                 actor.send(message, max_tokens=2, params=params)
