@@ -25,24 +25,40 @@ def _check_device(device: str) -> None:
 # How long an OpenMP thread spins at the end of a parallel region before it sleeps (libgomp's
 # GOMP_SPINCOUNT; its default is 300,000 spins, ~0.1-1 ms).
 GOMP_SPINS = "3000"
+# ... also in a thread other than the first to run parallel regions (libgomp's OMP_WAIT_POLICY: see
+# polite_openmp).
+OMP_WAIT = "ACTIVE"
 
 
 def polite_openmp(env: MutableMapping[str, str] | None = None) -> None:
     """Before torch is imported: PyTorch's intra-op threads (OpenMP: a prompt's matrix products and
-    element-wise ops, ~900 parallel regions in a 64-token prefill of the default model) spin briefly,
+    element-wise ops, 3,211 parallel regions in a 64-token prefill of the default model) spin briefly,
     not ~0.1-1 ms, while the others finish a region. On a machine whose cores are busy with other work
     (a server's HTTP front and clients beside its engine, another job) a thread that spins holds the
     core its descheduled partner needs to finish the region. A 64-token prefill on 2 threads of the
     2-core VM, quiet / beside one busy process (`yes`): 74-76 / 475 ms by default (up to seconds with
-    more load), 76-77 / 170 ms at 3,000 spins (1,000: 112 / 122; 30,000: 80 / 800). Results do not
-    change (the same threads do the same work); decode's operators run on floe's own pool. A value the
-    environment sets is kept; once torch is imported its OpenMP runtime has read it already. env: a
-    child process's environment to set it in instead (`floe serve`'s processes inherit this one's)."""
+    more load), 76-77 / 170 ms at 3,000 spins (1,000: 112 / 122; 30,000: 80 / 800).
+
+    The same spins in every thread: libgomp keeps a team of threads for each thread that runs
+    parallel regions (the main thread loading and warming up the model, then the engine loop's), and
+    once it keeps more threads than there are CPUs it spins only 100 times (its "throttled" count)
+    unless the wait policy is ACTIVE, where GOMP_SPINCOUNT holds there too. Each region's workers
+    then slept and were woken by the kernel: a 64-token prefill in the engine loop's thread (every
+    actor's, every `floe serve` request's) took 72-76 ms against 46-50 ms in the main thread on a
+    2-core Zen 4; with ACTIVE, 51-54 ms (bench/probes/omp_threads.py). Results do not change (the
+    same threads do the same work); decode's operators run on floe's own pool (no parallel region a
+    decode token). Values the environment sets are kept, both (a user who set either has taken the
+    runtime's waits into their own hands); once torch is imported its OpenMP runtime has read them
+    already. env: a child process's environment to set them in instead (`floe serve`'s processes
+    inherit this one's)."""
     if env is None:
         if "torch" in sys.modules:
             return
         env = os.environ
-    env.setdefault("GOMP_SPINCOUNT", GOMP_SPINS)
+    if "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env:
+        return
+    env["GOMP_SPINCOUNT"] = GOMP_SPINS
+    env["OMP_WAIT_POLICY"] = OMP_WAIT
 
 
 def _threads(args: argparse.Namespace, device: str, reserve: int = 0) -> int | None:

@@ -150,7 +150,11 @@ at::Tensor dequant_q(const at::Tensor& blocks, int64_t k, at::ScalarType dtype, 
   const uint8_t* b = blocks.data_ptr<uint8_t>();
   char* out = static_cast<char*>(w.data_ptr());
   const int64_t row_bytes = k * w.element_size();
-  floe::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  // On PyTorch's intra-op threads (OpenMP), as gemm_q: a prompt's bands (prefill.banded_linear) are
+  // dequantized between its GEMMs, which run there; on floe's pool each band's workers spun and yielded
+  // after it while OpenMP's needed the cores (a 64-token prefill in the engine loop's thread, 2-core Zen
+  // 4: 51-54 ms here against 54-61 on the pool, with the wait policy floe sets: cli.machine.polite_openmp).
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     dequant(b, groups, begin, end, out + begin * row_bytes);
   });
   return w;
