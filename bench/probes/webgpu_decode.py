@@ -126,7 +126,12 @@ def main() -> None:
     ap.add_argument("--out", default="decode_webgpu.json")
     ap.add_argument("--skip-cuda", action="store_true")
     ap.add_argument("--layers", type=int, default=None, help="cut the shape to N layers (a quick check)")
+    ap.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                    help="only these of VARIANTS (their names, e.g. 'lanes f16 five a layer'); default: all")
     args = ap.parse_args()
+    unknown = set(args.variants or ()) - {v[0] for v in VARIANTS}
+    if unknown:
+        ap.error(f"no such variants: {sorted(unknown)} (known: {[v[0] for v in VARIANTS]})")
 
     from floe.cli import _tokenizer
     from floe.engine import Engine
@@ -170,6 +175,8 @@ def main() -> None:
     engine = Engine(host, device="webgpu", max_seq_len=2304, n_slots=1)
     real_deep = webgpu_decoder.deep_fused
     for name, layout, environment, weights, plan in VARIANTS:
+        if args.variants and name not in args.variants:
+            continue
         try:
             g.gemv_layout = layout
             os.environ.update({**DEFAULT, **environment})
