@@ -192,6 +192,27 @@ def test_a_decode_token_is_the_planned_dispatches_three_a_layer_fused_nine_unfus
         assert counts[False] - counts[True] == 4 * c.n_layers + 1
 
 
+@pytest.mark.parametrize("name", ["llama-tied", "gemma3-like"])
+def test_a_steps_dispatches_timed_one_by_one_are_its_plan_with_every_projections_weights(default_checkpoint,
+                                                                                          name):
+    # (WebGPUDecoder.op_times: issue 21's per-kernel device time; each projection's weights counted once:
+    # the GEMVs' bands, the deep plan's attention-and-output and MLP dispatches)
+    engine, _ = tiny(name, default_checkpoint.tokenizer)
+    engine.prefill([1, 2, 3])
+    decoder = engine._batch_decoder()
+    if not gpu().timestamps:
+        assert decoder.op_times(4, 3) == []
+        return
+    times = decoder.op_times(4, 3)
+    assert len(times) == decoder.dispatches_per_step()
+    assert all(t["us"] >= 0 for t in times) and sum(t["us"] for t in times) > 0
+    model, size = engine.model, 4
+    projections = [model.output_weight()] + [w for layer in model.layers for w in (
+        layer.attention.wqkv.weight, layer.attention.wo.weight, layer.feed_forward.w13.weight,
+        layer.feed_forward.w2.weight)]
+    assert sum(t["weight_bytes"] for t in times) == size * sum(w.numel() for w in projections)
+
+
 def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
     """n greedy tokens after `prompt` (argmax of each step's logits)."""
     tokens = [int(engine.prefill(prompt).argmax())]

@@ -72,12 +72,22 @@ def webgpu_row(engine, decoder, steps: int, agree: list[int]) -> dict:
             walls.append(t2 - t0)
             records.append(t1 - t0)
     wall, record = statistics.median(walls), statistics.median(records)
+    by_kind: dict[str, dict] = {}  # each dispatch in a pass of its own between timestamps, median of 5
+    runs = [decoder.op_times(300, pos, slot) for _ in range(5)]
+    for k, op in enumerate(runs[0]):
+        kind = by_kind.setdefault(op["kind"], {"dispatches": 0, "us": 0.0, "weight_bytes": 0})
+        kind["dispatches"] += 1
+        kind["us"] += statistics.median(run[k]["us"] for run in runs)
+        kind["weight_bytes"] += op["weight_bytes"]
+    for kind in by_kind.values():
+        rated = kind["us"] and kind["weight_bytes"]
+        kind["weight_gb_s"] = kind["weight_bytes"] / kind["us"] / 1e3 if rated else None
     engine.kv_truncate(0)
     row = {"tok_s": 1 / wall, "ms_per_token": wall * 1e3, "record_submit_ms": record * 1e3,
            "wait_read_ms": (wall - record) * 1e3, "dispatches_per_token": len(ops),
            "deep": decoder.deep, "layout": decoder.layout, "weights": decoder.weights,
            "weight_bytes": decoder.weight_bytes, "prefill_256_ms": prefill_s * 1e3,
-           "gb_s": decoder.weight_bytes / wall / 1e9}
+           "gb_s": decoder.weight_bytes / wall / 1e9, "device_us_by_kind": by_kind}
     # engine.decode_step as an actor would call it (the logits copied out to a host tensor)
     engine.prefill(list(range(100, 100 + CONTEXT)))
     times = []
@@ -197,6 +207,10 @@ def main() -> None:
                   f"{row['dispatches_per_token']} dispatches, {row['gb_s']:.0f} GB/s of weights, "
                   f"x{row.get('vs_cuda', float('nan')):.2f} of cuda, agreement "
                   f"{row.get('greedy_agreement_with_cuda')}", flush=True)
+            for kind, k in row["device_us_by_kind"].items():
+                rate = "" if k["weight_gb_s"] is None else f", weights at {k['weight_gb_s']:.1f} GB/s"
+                print(f"    {kind}: {k['dispatches']} dispatches, {k['us']:.0f} us of device time{rate}",
+                      flush=True)
         except Exception as e:  # noqa: BLE001 - one variant's failure is reported, the others run
             webgpu_decoder.deep_fused = real_deep
             result["rows"][name] = failure(e)

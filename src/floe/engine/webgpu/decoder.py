@@ -95,6 +95,7 @@ class Op:
     group: object
     x: int
     y: str = "rows"
+    weight_bytes: int = 0  # a projection band's weights, read once a step (op_times' GB/s)
 
     def workgroups_y(self, rows: int, head_rows: int, tile: int) -> int:
         if self.y == "rows":
@@ -205,7 +206,8 @@ class WebGPUDecoder:
         for start, rows, weight in m.bands:
             params = gpu.uniform([m.k, rows, out_n, start, in_stride or m.k])
             group = gpu.bind("gemv", [self.rows_buffer, params, inp, weight, out, norm, bias, sums, res])
-            ops.append(Op("gemv", pipelines, group, -(-rows // per_group), "head" if head else "tiles"))
+            ops.append(Op("gemv", pipelines, group, -(-rows // per_group), "head" if head else "tiles",
+                          rows * m.k * WEIGHT_FORMATS[self.weights][0]))
         return ops
 
     def _gemm(self, m: Matrix, inp, out, out_n: int, mode: int = 0, epi: int = 0, norm=None,
@@ -265,6 +267,8 @@ class WebGPUDecoder:
                                        "N_KV": c.n_kv_heads, "ROWS": self.rows, "EPS": float(c.norm_eps)},
                         [self.rows_buffer, self.h, self.partials, ffn_norm, w13.bands[0][2], w2.bands[0][2],
                          self.x, self.sums], -(-c.ffn_dim // ft))
+        size = WEIGHT_FORMATS[self.weights][0]
+        attend.weight_bytes, mlp.weight_bytes = size * wo.n * wo.k, size * (w13.n * w13.k + w2.n * w2.k)
         return [*qkv, *qk_norm, attend, mlp]
 
     def _qk_norm(self, i: int, layer) -> list[Op]:
@@ -404,6 +408,36 @@ class WebGPUDecoder:
             raise ValueError(f"a WebGPU step takes at most {self.rows} rows, got {n}")
         self._submit(plan.embed + plan.layers + plan.head, tokens, positions, [int(s) for s in slots], 0, n)
         return self._read(n, out)
+
+    def op_times(self, token: int, position: int, slot: int = 0) -> list[dict]:
+        """One decode step of one row (token at `position` of `slot`, as step() appends it) with each
+        planned dispatch in a compute pass of its own between two timestamps: per dispatch its kind,
+        the weight bytes it streams and its device microseconds, in plan order (a pass a dispatch adds
+        the gaps between passes, not counted). [] where the adapter has no timestamp queries."""
+        gpu = self.gpu
+        if not gpu.timestamps:
+            return []
+        ops = self.decode_plan.embed + self.decode_plan.layers + self.decode_plan.head
+        words = self.step_words
+        words[:8] = (1, 0, 1, 0, token, position, slot, 0)
+        gpu.queue.write_buffer(self.rows_buffer, 0, words[:8])
+        w = gpu.wgpu
+        queries = gpu.device.create_query_set(type=w.QueryType.timestamp, count=2 * len(ops))
+        encoder = gpu.device.create_command_encoder()
+        for k, op in enumerate(ops):
+            stamps = {"query_set": queries, "beginning_of_pass_write_index": 2 * k,
+                      "end_of_pass_write_index": 2 * k + 1}
+            compute = encoder.begin_compute_pass(timestamp_writes=stamps)
+            compute.set_pipeline(op.pipelines[1])
+            compute.set_bind_group(0, op.group)
+            compute.dispatch_workgroups(op.x, op.workgroups_y(1, 1, 1))
+            compute.end()
+        resolved = gpu.buffer(16 * len(ops), usage=w.BufferUsage.QUERY_RESOLVE)
+        encoder.resolve_query_set(queries, 0, 2 * len(ops), resolved, 0)
+        gpu.queue.submit([encoder.finish()])
+        stamps = np.frombuffer(gpu.queue.read_buffer(resolved), dtype=np.uint64).reshape(-1, 2)
+        return [{"kind": op.kind, "weight_bytes": op.weight_bytes, "us": float(end - begin) / 1e3}
+                for op, (begin, end) in zip(ops, stamps.tolist(), strict=True)]
 
     def prefill(self, ids: list[int], start: int, slot: int, all_logits: bool = False,
                 out: Tensor | None = None) -> Tensor:
