@@ -23,7 +23,8 @@ from floe import snapshot  # noqa: E402
 from floe.actor import Actor, builtin_guest  # noqa: E402
 from floe.engine import Engine  # noqa: E402
 from floe.engine.kvcache import KVDigestMismatch  # noqa: E402
-from floe.engine.webgpu.decoder import CHUNK, input_bytes, planned_dispatches  # noqa: E402
+from floe.engine.webgpu import decoder as webgpu_decoder  # noqa: E402
+from floe.engine.webgpu.decoder import CHUNK, SPLIT, input_bytes, planned_dispatches  # noqa: E402
 from floe.engine.webgpu.device import gpu  # noqa: E402
 from floe.errors import FloeError  # noqa: E402
 from floe.model.config import KNOWN_SHAPES, ModelConfig  # noqa: E402
@@ -85,7 +86,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_prefill_and_decode_logits_equal_the_cpu_float32_forward(default_checkpoint, name, fused, layout):
     webgpu, cpu = tiny(name, default_checkpoint.tokenizer, fused_kernels=fused)
-    # one band a matrix here: three dispatches a layer (Gemma's layers: five)
+    # one band a matrix here: three dispatches a layer (Gemma's layers: six)
     assert webgpu._batch_decoder().deep == (fused and not CONFIGS[name].beyond_llama())
     prompt = [(7 * i + 3) % 500 for i in range(CHUNK * 2 + 9)]  # three chunks of a prompt
     assert close(webgpu.prefill(prompt, all_logits=True), cpu.prefill(prompt, all_logits=True))
@@ -135,6 +136,25 @@ def test_a_decode_row_beside_others_is_bitwise_that_row_alone(default_checkpoint
         assert torch.equal(webgpu.decode_step(token, slot), row)
 
 
+@pytest.mark.parametrize("name", ["llama-tied", "mistral-window", "gemma2-like", "qwen3-qk-norm"])
+def test_decode_attention_in_splits_equals_the_cpu_over_many_splits_a_window_and_rows_of_other_lengths(
+        default_checkpoint, monkeypatch, layout, name):
+    # (attention_split.wgsl + attention_merge.wgsl: the fused plan where it is not the deep one; rows
+    # at other positions in one step; a window of 40 that starts inside a split of SPLIT positions)
+    monkeypatch.setattr(webgpu_decoder, "deep_fused", lambda *a, **k: False)
+    checkpoint = random_checkpoint(CONFIGS[name], default_checkpoint.tokenizer, scale=0.1)
+    webgpu = Engine(checkpoint, device="webgpu", max_seq_len=256, n_slots=2)
+    cpu = Engine(checkpoint, max_seq_len=256, fused_kernels=False, n_slots=2)
+    assert not webgpu._batch_decoder().deep
+    long = [(5 * i + 1) % 500 for i in range(9 * SPLIT + 3)]  # nine splits and a bit: past the window
+    short = [(3 * i + 7) % 500 for i in range(SPLIT - 5)]  # not one whole split
+    for ids, slot in ((long, 0), (short, 1)):
+        assert close(webgpu.prefill(ids, slot), cpu.prefill(ids, slot))
+    for tokens in ([3, 77], [401, 12], [9, 250]):
+        got, want = webgpu.decode_batch(tokens, [0, 1]), cpu.decode_batch(tokens, [0, 1])
+        assert all(close(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_prompts_launched_together_prefill_on_webgpu_as_each_alone(default_checkpoint):
     webgpu, cpu = tiny("llama-tied", default_checkpoint.tokenizer, n_slots=3)
     prompts = [(list(range(20, 40)), 1), (list(range(50, 80)), 2)]  # long enough to go together on a CPU
@@ -161,7 +181,7 @@ def test_projections_split_into_bands_compute_what_one_band_does(default_checkpo
 @pytest.mark.parametrize("binding", [64 << 10, 128 << 10], ids=["gate-up-banded", "head-banded"])
 def test_a_fused_step_with_banded_matrices_equals_the_cpu_and_is_the_planned_dispatches(
         default_checkpoint, monkeypatch, binding):
-    monkeypatch.setattr(gpu(), "max_binding", binding)  # 64 KiB: gate/up in 2 bands (five a layer);
+    monkeypatch.setattr(gpu(), "max_binding", binding)  # 64 KiB: gate/up in 2 bands (six a layer);
     webgpu, cpu = tiny("qwen2-bias", default_checkpoint.tokenizer)  # 128: the head in 2, layers whole
     decoder = webgpu._batch_decoder()
     assert decoder.deep == (binding > 64 << 10)
@@ -170,6 +190,27 @@ def test_a_fused_step_with_banded_matrices_equals_the_cpu_and_is_the_planned_dis
     assert close(webgpu.decode_step(9), cpu.decode_step(9))
     planned = planned_dispatches(webgpu.config, binding)
     assert decoder.last_dispatches == decoder.dispatches_per_step() == planned
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "gemma3-like"])
+def test_a_head_of_more_workgroups_than_a_dispatch_may_have_is_dispatched_in_pieces(default_checkpoint,
+                                                                                   monkeypatch, layout, name):
+    # (Gemma 3's 262,144-row head is 65,536 workgroups of the lanes layout's four rows, one past the
+    # limit on a dimension, which the H100's Vulkan driver enforces: here a limit this head passes)
+    limit = 100 if layout == "lanes" else 10  # the head: 256 workgroups (lanes), 16 (threads); no other
+    monkeypatch.setattr(gpu(), "max_workgroups", limit)
+    webgpu, cpu = tiny(name, default_checkpoint.tokenizer)
+    decoder = webgpu._batch_decoder()
+    assert len(decoder.decode_plan.head) == (3 if layout == "lanes" else 2)
+    prompt = list(range(40, 90))
+    assert close(webgpu.prefill(prompt), cpu.prefill(prompt))
+    for token in (9, 300):
+        assert close(webgpu.decode_step(token), cpu.decode_step(token))
+    g = gpu()
+    limits = {"layout": layout, "storage_buffers": g.max_storage_buffers,
+              "workgroup_bytes": g.device.limits["max-compute-workgroup-storage-size"]}
+    assert decoder.last_dispatches == decoder.dispatches_per_step() == planned_dispatches(
+        webgpu.config, g.max_binding, max_workgroups=limit, **limits)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -187,9 +228,10 @@ def test_a_decode_token_is_the_planned_dispatches_three_a_layer_fused_nine_unfus
     if not c.post_norms:  # (Qwen3: its q/k norm a dispatch more)
         assert counts[True] == 2 + (3 + c.qk_norm) * c.n_layers
         assert counts[False] - counts[True] == 6 * c.n_layers + 1
-    else:  # Gemma: five a layer fused (no deferred residual), two post norms, and its q/k norm (Gemma 3)
-        assert counts[True] == 2 + (5 + 2 + c.qk_norm) * c.n_layers
-        assert counts[False] - counts[True] == 4 * c.n_layers + 1
+    else:  # Gemma: six a layer fused (no deferred residual; attention in splits and their merge), two post
+        # norms, and its q/k norm (Gemma 3)
+        assert counts[True] == 2 + (6 + 2 + c.qk_norm) * c.n_layers
+        assert counts[False] - counts[True] == 3 * c.n_layers + 1
 
 
 @pytest.mark.parametrize("name", ["llama-tied", "gemma3-like"])
@@ -304,7 +346,7 @@ def test_the_1b_shape_decodes_in_at_most_60_dispatches_where_its_layer_matrices_
     assert planned_dispatches(llama, lavapipe, weights="f16") == 4 + 3 * 16 + 4 == 56  # the head in 4 bands
     assert planned_dispatches(llama, lavapipe) == 8 + 3 * 16 + 8 == 64  # f32: in 8
     assert planned_dispatches(llama, one_band, fused=False) == 2 + 9 * 16 + 1  # the head's norm apart
-    assert planned_dispatches(llama, one_band, storage_buffers=8) == 2 + 5 * 16  # no room for attend_out
+    assert planned_dispatches(llama, one_band, storage_buffers=8) == 2 + 6 * 16  # no room for attend_out
     smollm2 = KNOWN_SHAPES["smollm2-135m"]
     assert planned_dispatches(smollm2, one_band) == 2 + 3 * smollm2.n_layers
 

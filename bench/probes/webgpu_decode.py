@@ -1,8 +1,9 @@
 """Batch-1 decode at a real shape on WebGPU next to the CUDA path, in one process, on the same seeded
 random weights (issue 21): the CUDA engine (bf16, graphs: `floe bench decode`'s "floe" row) first,
 then WebGPU decoders over one float32 host model (the same bf16 values): layouts, weight formats,
-the deep plan vs five dispatches a layer vs unfused. Each row: tok/s (wall clock, median), the host's
-record + submit share of a step and the wait, dispatches per token, and greedy agreement with CUDA.
+the deep plan vs six dispatches a layer (five before the attention in splits) vs unfused. Each row:
+tok/s (wall clock, median), the host's record + submit share of a step and the wait, dispatches per
+token, greedy agreement with CUDA, and each kind of dispatch's device time (op_times).
 The JSON is rewritten after every row, so a run cut short keeps what it measured.
 
     python bench/probes/webgpu_decode.py --shape llama-3.2-1b --tokenizer .tok --out decode.json
@@ -121,7 +122,7 @@ VARIANTS = [
     ("lanes f16 deep, mlp 256x64x32", "lanes", {"FLOE_WEBGPU_MLP": "256x64x32"}, "f16", "deep"),
     ("lanes f16 deep, mlp 128x16x16", "lanes", {"FLOE_WEBGPU_MLP": "128x16x16"}, "f16", "deep"),
     ("lanes f16 deep, attend 64x128x1", "lanes", {"FLOE_WEBGPU_ATTEND": "64x128x1"}, "f16", "deep"),
-    ("lanes f16 five a layer", "lanes", {}, "f16", "five"),
+    ("lanes f16 six a layer", "lanes", {}, "f16", "five"),  # (five before the split attention)
     ("lanes f16 unfused", "lanes", {}, "f16", "unfused"),
     ("threads f16 deep", "threads", {}, "f16", "deep"),
 ]
@@ -137,7 +138,7 @@ def main() -> None:
     ap.add_argument("--skip-cuda", action="store_true")
     ap.add_argument("--layers", type=int, default=None, help="cut the shape to N layers (a quick check)")
     ap.add_argument("--variants", nargs="+", default=None, metavar="NAME",
-                    help="only these of VARIANTS (their names, e.g. 'lanes f16 five a layer'); default: all")
+                    help="only these of VARIANTS (their names, e.g. 'lanes f16 six a layer'); default: all")
     args = ap.parse_args()
     unknown = set(args.variants or ()) - {v[0] for v in VARIANTS}
     if unknown:

@@ -13,11 +13,14 @@ write and the output projection inside it (attend_out.wgsl: a partial sum per KV
 to the residual); and the whole MLP (mlp.wgsl: the partials added, the norm, gate/up, SwiGLU and the
 down projection's columns, summed in fixed point so the order workgroups add in changes nothing).
 The residual is thus deferred: the next projection reads it as base + fixed-point sums (gemv.wgsl
-MODE 3) and writes it whole. Where a matrix needs bands, a layer is five dispatches: QKV, attention,
-the output projection adding into the residual, gate/up, the down projection with SwiGLU inside it.
+MODE 3) and writes it whole. Where a matrix needs bands, a layer is six dispatches: QKV; attention in
+splits of SPLIT positions with rotary and the KV write inside (attention_split.wgsl: a workgroup per
+split, KV head and row, as flash-decoding; one per KV head and row kept a GPU's SMs idle) and their
+merge; the output projection adding into the residual; gate/up; the down projection with SwiGLU inside.
 Unfused, norm, rotary + KV write and SwiGLU are dispatches of their own (nine per layer): the
 ablation the dispatch-overhead study ran (arXiv 2604.02344). A prompt's rows attend to each other,
-so its keys are written (rope_kv) before any row attends; prefill keeps the five-a-layer plan.
+so its keys are written (rope_kv) before any row attends; prefill keeps the five-a-layer plan (its
+attention a workgroup per KV head and row: a prompt's rows are enough of them).
 Qwen3's q/k norm is one more dispatch a layer in every plan, right after the QKV projection: each
 query and key head normalised in place (rmsnorm.wgsl over heads), so every rotary reads normed heads.
 A sliding window (Mistral, Phi-3) is each attention shader's `WINDOW` constant: a row sees its last
@@ -43,6 +46,7 @@ from floe.engine.webgpu.kvcache import WebGPUKVCache
 from floe.model.config import ModelConfig
 
 WG = 64  # threads per workgroup (GEMV columns / 4, attention positions per chunk)
+SPLIT = 16  # positions a workgroup of a decode row's attention takes (attention_split.wgsl)
 GEMV_WG_WIDE = 256  # a GEMV's threads per workgroup where it has rows enough (fewer workgroups: less set-up)
 KT = 1024  # input elements a GEMV workgroup stages at once
 MANY = 4  # rows a GEMV thread computes when a step has several (one alone: 1)
@@ -137,6 +141,9 @@ class WebGPUDecoder:
         self.gate_up, self.act = gpu.buffer(8 * r * c.ffn_dim, label="gate_up"), gpu.buffer(4 * r * c.ffn_dim)
         self.deep = fused and deep_fused(c, gpu.max_binding, weights, self.layout, gpu.max_storage_buffers,
                                          gpu.device.limits["max-compute-workgroup-storage-size"])
+        # a decode row's attention partials per query head and split (_split_attention)
+        n_split = -(-cache.max_seq_len // SPLIT)
+        self.parts = gpu.buffer(4 * cache.n_slots * c.n_heads * n_split * (c.head_dim + 2), label="partials")
         if self.deep:  # the deferred residual: the output projection's partials, the MLP's sums
             self.partials = gpu.buffer(4 * c.n_kv_heads * r * c.dim, label="partials")
             self.sums = gpu.buffer(8 * r * c.dim, label="fixed-point sums")
@@ -203,11 +210,15 @@ class WebGPUDecoder:
             const |= {"WG": per_group, "KT": KT}
         pipelines = {tb: self._pipeline(shader, {**const, "TB": tb}) for tb in (1, MANY)}
         sums = self.sums if mode == 3 else None
+        size = WEIGHT_FORMATS[self.weights][0]
         for start, rows, weight in m.bands:
-            params = gpu.uniform([m.k, rows, out_n, start, in_stride or m.k])
-            group = gpu.bind("gemv", [self.rows_buffer, params, inp, weight, out, norm, bias, sums, res])
-            ops.append(Op("gemv", pipelines, group, -(-rows // per_group), "head" if head else "tiles",
-                          rows * m.k * WEIGHT_FORMATS[self.weights][0]))
+            groups = -(-rows // per_group)
+            for first in range(0, groups, gpu.max_workgroups):  # (one dispatch where the limit allows)
+                x = min(gpu.max_workgroups, groups - first)
+                params = gpu.uniform([m.k, rows, out_n, start, in_stride or m.k, first])
+                group = gpu.bind("gemv", [self.rows_buffer, params, inp, weight, out, norm, bias, sums, res])
+                covered = min(rows, (first + x) * per_group) - first * per_group
+                ops.append(Op("gemv", pipelines, group, x, "head" if head else "tiles", covered * m.k * size))
         return ops
 
     def _gemm(self, m: Matrix, inp, out, out_n: int, mode: int = 0, epi: int = 0, norm=None,
@@ -246,6 +257,20 @@ class WebGPUDecoder:
                 "MAX_SEQ": self.cache.max_seq_len, "QKV_STRIDE": (c.n_heads + 2 * c.n_kv_heads) * c.head_dim,
                 "SCALE": float(c.attention_scale or c.head_dim ** -0.5), "WINDOW": window or 0,
                 "SOFTCAP": float(c.attn_softcap or 0.0)}
+
+    def _split_attention(self, att: dict, k, v, cos, sin) -> list[Op]:
+        """A decode layer's attention in splits of SPLIT positions (attention_split.wgsl, rotary and the
+        KV write inside it) and their merge into self.att (attention_merge.wgsl): two dispatches."""
+        c, n_split = self.config, -(-self.cache.max_seq_len // SPLIT)
+        const = {**att, "SPLIT": SPLIT, "NSPLIT": n_split}
+        splits = n_split if not att["WINDOW"] else min(n_split, -(-att["WINDOW"] // SPLIT) + 1)
+        split = self._one("attention_split", "attention_split", const,
+                          [self.rows_buffer, self.qkv, k, v, cos, sin, self.parts], c.n_kv_heads * splits)
+        merge = self._one("attention_merge", "attention_merge",
+                          {name: const[name] for name in ("AWG", "SPLIT", "NSPLIT", "HEAD_DIM", "N_HEADS",
+                                                          "WINDOW")},
+                          [self.rows_buffer, self.parts, self.att], c.n_heads)
+        return [split, merge]
 
     def _deep_layer(self, i: int, layer, wqkv: Matrix, wo: Matrix, w13: Matrix, w2: Matrix, att_norm,
                     ffn_norm, bias, qk_norm: list[Op]) -> list[Op]:
@@ -310,7 +335,7 @@ class WebGPUDecoder:
             qk_norm = self._qk_norm(i, layer)
             rope_kv = self._one("rope_kv", "rope_kv", rope,
                                 [self.rows_buffer, self.qkv, k, v, cos, sin, self.q], rope_x)
-            attend = self._one("attention", "attention", {**att, "FUSED": 0},
+            attend = self._one("attention", "attention", att,
                                [self.rows_buffer, self.q, k, v, cos, sin, self.att], c.n_kv_heads)
             # The output and down projections add into the residual, or (Gemma) land in post_out, whose
             # post norm adds them
@@ -326,10 +351,7 @@ class WebGPUDecoder:
                     mlp = (self._gemv(w13, self.x, self.gate_up, 2 * c.ffn_dim, mode=1, norm=ffn_norm)
                            + self._gemv(w2, self.gate_up, res, c.dim, mode=2, epi=res_epi,
                                         in_stride=2 * c.ffn_dim) + post_f)
-                    fused_attend = self._one("attention", "attention", {**att, "FUSED": 1},
-                                             [self.rows_buffer, self.qkv, k, v, cos, sin, self.att],
-                                             c.n_kv_heads)
-                    decode.layers += qkv + qk_norm + [fused_attend] + out + mlp
+                    decode.layers += qkv + qk_norm + self._split_attention(att, k, v, cos, sin) + out + mlp
                 prefill.layers += [*self._gemm(wqkv, self.x, self.qkv, qkv_n, mode=1, epi=epi, norm=att_norm,
                                                bias=bias), *qk_norm, rope_kv, attend,
                                    *self._gemm(wo, self.att, res, c.dim, epi=res_epi), *post_a,
@@ -509,6 +531,18 @@ def _bands(n: int, k: int, max_binding: int, weights: str = "f32") -> int:
     return -(-n // per_band)
 
 
+def _gemv_dispatches(n: int, k: int, max_binding: int, weights: str = "f32", layout: str = "threads",
+                     max_workgroups: int = 65535) -> int:
+    """Dispatches WebGPUDecoder._gemv records for an [n, k] weight: one a band (upload_matrix's), more
+    where a band's workgroups pass the adapter's limit on one dimension."""
+    def up(a: int, b: int) -> int:
+        return -(-a // b)
+
+    per_band = up(up(n, _bands(n, k, max_binding, weights)), WG) * WG
+    per_group = lanes_shape()[1] if layout == "lanes" else GEMV_WG_WIDE if n >= 8 * GEMV_WG_WIDE else WG
+    return sum(up(up(min(per_band, n - start), per_group), max_workgroups) for start in range(0, n, per_band))
+
+
 def _shape(variable: str, default: tuple[int, ...]) -> tuple[int, ...]:
     forced = os.environ.get(variable, "")
     return tuple(int(n) for n in forced.split("x")) if forced else default
@@ -529,7 +563,7 @@ def deep_fused(c: ModelConfig, max_binding: int, weights: str = "f32", layout: s
                storage_buffers: int = 16, workgroup_bytes: int = 32768) -> bool:
     """Whether a fused decode layer runs as three dispatches (the deep plan): every layer matrix in one
     band, and the adapter's limits hold attend_out's nine storage bindings and mlp's workgroup memory."""
-    if c.beyond_llama():  # Gemma's (post norms, GeGLU, caps, ...): the five-a-layer plan
+    if c.beyond_llama():  # Gemma's (post norms, GeGLU, caps, ...): the six-a-layer plan
         return False
     q_n, qkv_n = c.n_heads * c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
     one_band = all(_bands(n, k, max_binding, weights) == 1
@@ -544,16 +578,20 @@ def planned_dispatches(c: ModelConfig, max_binding: int, fused: bool = True, wei
                        **limits) -> int:
     """Dispatches one decode step of WebGPUDecoder records for config `c` on an adapter whose largest
     binding is max_binding bytes, weights stored as `weights` (as its plan would hold them; no weights
-    needed; `limits`: deep_fused's layout and adapter limits)."""
+    needed; `limits`: deep_fused's layout and adapter limits, and max_workgroups, the adapter's limit
+    on a dispatch's workgroups along one dimension)."""
     q_n, qkv_n = c.n_heads * c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
     table, qk_norm = _bands(c.vocab_size, c.dim, max_binding, weights), int(c.qk_norm)
+    head = _gemv_dispatches(c.vocab_size, c.dim, max_binding, weights, limits.get("layout", "threads"),
+                            limits.pop("max_workgroups", 65535))
     if fused and deep_fused(c, max_binding, weights, **limits):
-        return table + (3 + qk_norm) * c.n_layers + table
+        return table + (3 + qk_norm) * c.n_layers + head
     layer = sum(_bands(n, k, max_binding, weights)
                 for n, k in ((qkv_n, c.dim), (c.dim, q_n), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim)))
-    layer += 1 if fused else 5  # attention with rotary inside | two norms, rope_kv, attention, SwiGLU
+    layer += 2 if fused else 5  # attention in splits with rotary inside, and their merge | two norms,
+    # rope_kv, attention, SwiGLU
     layer += qk_norm + 2 * int(c.post_norms)  # (Gemma's post norms: a dispatch each)
-    return table + c.n_layers * layer + table + (0 if fused else 1)
+    return table + c.n_layers * layer + head + (0 if fused else 1)
 
 
 def input_bytes(n_tokens: int, batch_rows: int = 1) -> int:

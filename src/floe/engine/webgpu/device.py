@@ -87,6 +87,9 @@ class Gpu:
         self.max_binding = self.device.limits["max-storage-buffer-binding-size"]
         self.max_buffer = self.device.limits["max-buffer-size"]
         self.max_storage_buffers = self.device.limits["max-storage-buffers-per-shader-stage"]
+        # (a GEMV band of more workgroups is dispatched in pieces: Gemma 3's 262,144-row head is 65,536
+        # workgroups of four rows)
+        self.max_workgroups = self.device.limits["max-compute-workgroups-per-dimension"]
         self.description = adapter_description()
         self.gemv_layout = gemv_layout(a.info["adapter_type"])
 
@@ -162,7 +165,8 @@ class Gpu:
 # normalises in place (the q/k norm).
 LAYOUTS = {"gemv": "rurrwrrrw", "gemv_lanes": "rurrwrrrw", "gemm": "rurrwrrrw", "attention": "rrwwrrw",
            "rope_kv": "rrwwrrw", "attend_out": "rrwwrrrww", "mlp": "rrrrrrww", "rmsnorm": "rwrw",
-           "swiglu": "rrw", "embed": "rurww", "tick": "w"}
+           "swiglu": "rrw", "embed": "rurww", "tick": "w", "attention_split": "rrwwrrw",
+           "attention_merge": "rrw"}
 
 
 def gemv_layout(adapter_type: str) -> str:

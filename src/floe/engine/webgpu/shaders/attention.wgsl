@@ -1,12 +1,11 @@
 // Attention of one row's query heads over its slot's KV cache, one workgroup per (KV head, row): the
 // GROUP query heads that share a KV head read each cached key and value once. Online softmax over
 // chunks of AWG positions (running max and sum per head), float32 throughout; row b attends to
-// positions 0..pos_b of its slot (causal within a prompt: its rows' keys are written before).
-// FUSED 1 (decode: every row a distinct slot): rotary for the group's query heads and the KV head's
-// key, and the key and value written at pos_b, are done here first (one dispatch instead of two);
-// src is then the qkv rows [b, QKV_STRIDE]. FUSED 0: src is the rotated queries [b, N_HEADS·HEAD_DIM]
-// (rope_kv.wgsl wrote them and the keys).
-// Constants: AWG, HEAD_DIM, HALF, GROUP, N_HEADS, N_KV, MAX_SEQ, QKV_STRIDE, FUSED, SCALE, WINDOW (0: none), SOFTCAP (0: none).
+// positions 0..pos_b of its slot (causal within a prompt: its rows' keys are written before). src: the
+// rotated queries [b, N_HEADS·HEAD_DIM] (rope_kv.wgsl wrote them and the keys). A prompt's rows and
+// the unfused decode plan's; the fused decode rows' attention is attention_split.wgsl's.
+// Constants: AWG, HEAD_DIM, HALF, GROUP, N_HEADS, N_KV, MAX_SEQ, QKV_STRIDE, SCALE, WINDOW (0: none),
+// SOFTCAP (0: none).
 
 struct Step { n_rows: u32, head_first: u32, head_count: u32, pad: u32, rows: array<vec4<u32>> };
 
@@ -45,37 +44,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let pos = row.y;
     let slot = row.z;
     let length = pos + 1u;
-    if (FUSED == 1u) {
-        let base = b * QKV_STRIDE;
-        let at = cache_at(slot, kvh, pos);
-        for (var i = t; i < HALF; i += AWG) {
-            let c0 = cos_t[pos * HEAD_DIM + i];
-            let s0 = sin_t[pos * HEAD_DIM + i];
-            let c1 = cos_t[pos * HEAD_DIM + i + HALF];
-            let s1 = sin_t[pos * HEAD_DIM + i + HALF];
-            for (var g = 0u; g < GROUP; g++) {
-                let h = (kvh * GROUP + g) * HEAD_DIM;
-                let x0 = src[base + h + i];
-                let x1 = src[base + h + i + HALF];
-                qs[g * HEAD_DIM + i] = x0 * c0 - x1 * s0;
-                qs[g * HEAD_DIM + i + HALF] = x1 * c1 + x0 * s1;
-            }
-            let kb = base + (N_HEADS + kvh) * HEAD_DIM;
-            let k0 = src[kb + i];
-            let k1 = src[kb + i + HALF];
-            kc[at + i] = k0 * c0 - k1 * s0;
-            kc[at + i + HALF] = k1 * c1 + k0 * s1;
-        }
-        let vb = base + (N_HEADS + N_KV + kvh) * HEAD_DIM;
-        for (var d = t; d < HEAD_DIM; d += AWG) {
-            vc[at + d] = src[vb + d];
-        }
-        storageBarrier();
-    } else {
-        let qb = b * N_HEADS * HEAD_DIM + kvh * GROUP * HEAD_DIM;
-        for (var i = t; i < GROUP * HEAD_DIM; i += AWG) {
-            qs[i] = src[qb + i];
-        }
+    let qb = b * N_HEADS * HEAD_DIM + kvh * GROUP * HEAD_DIM;
+    for (var i = t; i < GROUP * HEAD_DIM; i += AWG) {
+        qs[i] = src[qb + i];
     }
     workgroupBarrier();
 

@@ -72,7 +72,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         count = step.head_count;
     }
     let b0 = wg.y * TB;
-    let n = wg.x * WG + t;
+    let g = wg.x + P.p0;  // (P.p0: the dispatch's first workgroup, where a band takes several)
+    let n = g * WG + t;
     let k4 = P.k / 4u;
     var scale: array<f32, TB>;
     for (var i = 0u; i < TB; i++) {
@@ -86,7 +87,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                 for (var k = t; k < P.k; k += WG) {
                     let v = raw(base, k);
                     s += v * v;
-                    if (RES == 1u && wg.x == 0u) {
+                    if (RES == 1u && g == 0u) {
                         res[base + k] = v;
                     }
                 }

@@ -71,6 +71,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         count = step.head_count;
     }
     let b0 = wg.y * TB;
+    let g = wg.x + P.p0;  // (P.p0: the dispatch's first workgroup, where a band takes several)
     let k4 = P.k / 4u;
     let s4 = P.in_stride / 4u;
     var scale: array<f32, TB>;
@@ -85,7 +86,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                 for (var c = t; c < k4; c += WG) {
                     let v = raw(base, c);
                     s += dot(v, v);
-                    if (RES == 1u && wg.x == 0u) {
+                    if (RES == 1u && g == 0u) {
                         res[base + c] = v;
                     }
                 }
@@ -102,7 +103,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     for (var j = 0u; j < RT; j++) {
         acc[j] = 0.0;
     }
-    let n0 = wg.x * R;
+    let n0 = g * R;
     let last = P.n - 1u;
     for (var c = t; c < k4; c += WG) {
         var xs: array<vec4<f32>, TB>;
