@@ -65,7 +65,8 @@ def webgpu_row(engine, decoder, steps: int, agree: list[int]) -> dict:
     walls, records = [], []
     for i in range(steps + 5):
         t0 = time.perf_counter()
-        decoder._submit(ops, [300], [pos], [slot], 0, 1)
+        decoder._submit(ops, [300], [pos], [slot], 0, 1, ahead=True)  # (as step(): the next one recorded
+        # while this one computes)
         t1 = time.perf_counter()
         decoder._read(1, None)
         t2 = time.perf_counter()
