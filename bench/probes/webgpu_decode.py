@@ -124,6 +124,9 @@ VARIANTS = [
     ("lanes f16 deep, mlp 128x16x16", "lanes", {"FLOE_WEBGPU_MLP": "128x16x16"}, "f16", "deep"),
     ("lanes f16 deep, attend 64x128x1", "lanes", {"FLOE_WEBGPU_ATTEND": "64x128x1"}, "f16", "deep"),
     ("lanes f16 six a layer", "lanes", {}, "f16", "five"),  # (five before the split attention)
+    ("lanes f16 six a layer, gemv 64x8", "lanes", {"FLOE_WEBGPU_LANES": "64x8"}, "f16", "five"),
+    ("lanes f16 six a layer, gemv 256x2", "lanes", {"FLOE_WEBGPU_LANES": "256x2"}, "f16", "five"),
+    ("lanes f16 six a layer, gemv 32x8", "lanes", {"FLOE_WEBGPU_LANES": "32x8"}, "f16", "five"),
     ("lanes f16 unfused", "lanes", {}, "f16", "unfused"),
     ("threads f16 deep", "threads", {}, "f16", "deep"),
 ]
