@@ -46,7 +46,7 @@ from floe.engine.webgpu.kvcache import WebGPUKVCache
 from floe.model.config import ModelConfig
 
 WG = 64  # threads per workgroup (GEMV columns / 4, attention positions per chunk)
-SPLIT = 16  # positions a workgroup of a decode row's attention takes (attention_split.wgsl)
+SPLIT = 16  # positions a workgroup of a decode row's attention takes (attention_split.wgsl), at most
 GEMV_WG_WIDE = 256  # a GEMV's threads per workgroup where it has rows enough (fewer workgroups: less set-up)
 KT = 1024  # input elements a GEMV workgroup stages at once
 MANY = 4  # rows a GEMV thread computes when a step has several (one alone: 1)
@@ -141,8 +141,13 @@ class WebGPUDecoder:
         self.gate_up, self.act = gpu.buffer(8 * r * c.ffn_dim, label="gate_up"), gpu.buffer(4 * r * c.ffn_dim)
         self.deep = fused and deep_fused(c, gpu.max_binding, weights, self.layout, gpu.max_storage_buffers,
                                          gpu.device.limits["max-compute-workgroup-storage-size"])
-        # a decode row's attention partials per query head and split (_split_attention)
-        n_split = -(-cache.max_seq_len // SPLIT)
+        # a decode row's attention partials per query head and split (_split_attention), of as many
+        # positions as attention_split's workgroup memory holds (its keys or values, queries, scores)
+        group, room = c.n_heads // c.n_kv_heads, gpu.device.limits["max-compute-workgroup-storage-size"]
+        self.split = SPLIT
+        while self.split > 1 and 4 * (group * c.head_dim + self.split * (c.head_dim + group)) > room:
+            self.split //= 2
+        n_split = -(-cache.max_seq_len // self.split)
         self.parts = gpu.buffer(4 * cache.n_slots * c.n_heads * n_split * (c.head_dim + 2), label="partials")
         if self.deep:  # the deferred residual: the output projection's partials, the MLP's sums
             self.partials = gpu.buffer(4 * c.n_kv_heads * r * c.dim, label="partials")
@@ -264,9 +269,10 @@ class WebGPUDecoder:
     def _split_attention(self, att: dict, k, v, cos, sin) -> list[Op]:
         """A decode layer's attention in splits of SPLIT positions (attention_split.wgsl, rotary and the
         KV write inside it) and their merge into self.att (attention_merge.wgsl): two dispatches."""
-        c, n_split = self.config, -(-self.cache.max_seq_len // SPLIT)
-        const = {**att, "SPLIT": SPLIT, "NSPLIT": n_split}
-        splits = n_split if not att["WINDOW"] else min(n_split, -(-att["WINDOW"] // SPLIT) + 1)
+        c, split = self.config, self.split
+        n_split = -(-self.cache.max_seq_len // split)
+        const = {**att, "SPLIT": split, "NSPLIT": n_split}
+        splits = n_split if not att["WINDOW"] else min(n_split, -(-att["WINDOW"] // split) + 1)
         split = self._one("attention_split", "attention_split", const,
                           [self.rows_buffer, self.qkv, k, v, cos, sin, self.parts], c.n_kv_heads * splits)
         merge = self._one("attention_merge", "attention_merge",
