@@ -103,10 +103,16 @@ def test_a_stopped_stream_ends_its_message_and_the_actor_goes_on(tiny_engine):
     never_stops = v2_chooser(choice=True, stream=True, on_token_first="(return (i32.const 5))")
     with Actor(tiny_engine, never_stops, loop=EngineLoop(tiny_engine)) as actor:
         stream = TokenStream()
-        timer = threading.Timer(0.3, stream.stop)
-        timer.start()
+
+        def stop_once_streaming() -> None:  # (not a timer: a fast machine decoded the whole reply first)
+            while len(stream.items) < 3:
+                time.sleep(0.0005)
+            stream.stop()
+
+        stopper = threading.Thread(target=stop_once_streaming, daemon=True)
+        stopper.start()
         r = actor.send("x", max_tokens=tiny_engine.max_seq_len - 8, tokens=stream)
-        timer.join()
+        stopper.join(5)
         assert r.stats.finish_reason == "cancelled" and 0 < len(stream.items) < tiny_engine.max_seq_len - 8
         early = TokenStream()
         early.stop()
