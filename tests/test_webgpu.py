@@ -72,8 +72,10 @@ def tiny(name: str, tokenizer, **engine) -> tuple[Engine, Engine]:
 
 @pytest.fixture(params=["threads", "lanes"])
 def layout(request, monkeypatch):
-    """Each GEMV layout in turn (the adapter's own choice is Gpu.gemv_layout)."""
+    """Each GEMV layout in turn (the adapter's own choice is Gpu.gemv_layout), the deep plan wherever it
+    applies (a GPU adapter's lanes take it only with FLOE_WEBGPU_DEEP=1: deep_fused)."""
     monkeypatch.setattr(gpu(), "gemv_layout", request.param)
+    monkeypatch.setenv("FLOE_WEBGPU_DEEP", "1")
     return request.param
 
 
@@ -337,6 +339,16 @@ def test_a_windowed_mistral_greedy_on_webgpu_equals_the_cpu_and_the_window_matte
     cpu.kv_truncate(0)
     assert not close(unwindowed.prefill(prompt), cpu.prefill(prompt))
     assert not close(unwindowed.decode_step(9), cpu.decode_step(9))
+
+
+def test_a_gpus_lanes_layout_takes_the_six_a_layer_plan_unless_told_to_go_deep(monkeypatch):
+    llama, one_band = KNOWN_SHAPES["llama-3.2-1b"], 1 << 31
+    monkeypatch.delenv("FLOE_WEBGPU_DEEP", raising=False)
+    assert webgpu_decoder.deep_fused(llama, one_band, "f16", "threads")
+    assert not webgpu_decoder.deep_fused(llama, one_band, "f16", "lanes")
+    assert planned_dispatches(llama, one_band, weights="f16", layout="lanes") == 2 + 6 * 16
+    monkeypatch.setenv("FLOE_WEBGPU_DEEP", "1")
+    assert webgpu_decoder.deep_fused(llama, one_band, "f16", "lanes")
 
 
 def test_the_1b_shape_decodes_in_at_most_60_dispatches_where_its_layer_matrices_fit_a_binding():

@@ -194,7 +194,7 @@ def main() -> None:
             continue
         try:
             g.gemv_layout = layout
-            os.environ.update({**DEFAULT, **environment})
+            os.environ.update({**DEFAULT, **environment, "FLOE_WEBGPU_DEEP": "1" if plan == "deep" else "0"})
             if plan == "five":
                 webgpu_decoder.deep_fused = lambda *a, **k: False
             t = time.perf_counter()
@@ -223,7 +223,7 @@ def main() -> None:
         engine._batch = decoder = None
         gc.collect()
         save()
-    for variable in DEFAULT:
+    for variable in (*DEFAULT, "FLOE_WEBGPU_DEEP"):
         os.environ.pop(variable, None)
 
 

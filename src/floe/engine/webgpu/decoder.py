@@ -583,8 +583,13 @@ def deep_shape(layout: str, dispatch: str) -> tuple[int, int, int]:
 def deep_fused(c: ModelConfig, max_binding: int, weights: str = "f32", layout: str = "threads",
                storage_buffers: int = 16, workgroup_bytes: int = 32768) -> bool:
     """Whether a fused decode layer runs as three dispatches (the deep plan): every layer matrix in one
-    band, and the adapter's limits hold attend_out's nine storage bindings and mlp's workgroup memory."""
+    band, and the adapter's limits hold attend_out's nine storage bindings and mlp's workgroup memory;
+    and the adapter a CPU (the threads layout) unless FLOE_WEBGPU_DEEP=1: attend_out's attention is a
+    workgroup per KV head, which on a GPU held a token longer than the six-a-layer plan's dispatches
+    cost (an H100 through Vulkan, 1B shape: 103 against 325 tok/s)."""
     if c.beyond_llama():  # Gemma's (post norms, GeGLU, caps, ...): the six-a-layer plan
+        return False
+    if layout == "lanes" and os.environ.get("FLOE_WEBGPU_DEEP") != "1":
         return False
     q_n, qkv_n = c.n_heads * c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
     one_band = all(_bands(n, k, max_binding, weights) == 1

@@ -201,9 +201,12 @@ def framework_on_shape(shape: str = "smollm2-135m", layers: int = 2) -> dict:
     decoder.step([1], [0], [0])  # compiles the pipelines
     cost = framework_cost(decoder)
     cost["measured_on"] = f"{shape}, {layers} layers, random weights"
+    limits = {"layout": g.gemv_layout, "storage_buffers": g.max_storage_buffers,  # (this adapter's plan)
+              "workgroup_bytes": g.device.limits["max-compute-workgroup-storage-size"],
+              "max_workgroups": g.max_workgroups}
     cost["dispatches_per_decode_token"] = {
-        name: {"fused": planned_dispatches(KNOWN_SHAPES[name], g.max_binding, True),
-               "unfused": planned_dispatches(KNOWN_SHAPES[name], g.max_binding, False)}
+        name: {"fused": planned_dispatches(KNOWN_SHAPES[name], g.max_binding, True, **limits),
+               "unfused": planned_dispatches(KNOWN_SHAPES[name], g.max_binding, False, **limits)}
         for name in dict.fromkeys((shape, "llama-3.2-1b"))}
     return cost
 
