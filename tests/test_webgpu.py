@@ -341,6 +341,19 @@ def test_a_windowed_mistral_greedy_on_webgpu_equals_the_cpu_and_the_window_matte
     assert not close(unwindowed.decode_step(9), cpu.decode_step(9))
 
 
+@pytest.mark.parametrize("unroll", ["2", "3"])
+def test_the_lanes_gemv_reading_adjacent_weights_a_lane_computes_what_the_cpu_does(default_checkpoint,
+                                                                                 monkeypatch, unroll):
+    # (FLOE_WEBGPU_UNROLL: 3 leaves a row's last iteration short of its W4s; f16 weights and f32)
+    monkeypatch.setattr(gpu(), "gemv_layout", "lanes")
+    monkeypatch.setenv("FLOE_WEBGPU_UNROLL", unroll)
+    for weights in ("f16", "dense"):
+        webgpu, cpu = tiny("qwen2-bias", default_checkpoint.tokenizer, weights=weights)
+        prompt = list(range(40, 90))
+        assert close(webgpu.prefill(prompt), cpu.prefill(prompt))
+        assert close(webgpu.decode_step(9), cpu.decode_step(9))
+
+
 def test_a_gpus_lanes_layout_takes_the_six_a_layer_plan_unless_told_to_go_deep(monkeypatch):
     llama, one_band = KNOWN_SHAPES["llama-3.2-1b"], 1 << 31
     monkeypatch.delenv("FLOE_WEBGPU_DEEP", raising=False)

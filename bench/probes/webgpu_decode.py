@@ -113,7 +113,8 @@ def failure(e: Exception) -> dict:
 
 # (name, layout, environment (GEMV lanes x rows; attend_out lanes x rows x lanes a row; mlp lanes x
 # columns x lanes a row), weights, plan)
-DEFAULT = {"FLOE_WEBGPU_LANES": "128x4", "FLOE_WEBGPU_ATTEND": "64x256x4", "FLOE_WEBGPU_MLP": "256x32x32"}
+DEFAULT = {"FLOE_WEBGPU_LANES": "128x4", "FLOE_WEBGPU_ATTEND": "64x256x4", "FLOE_WEBGPU_MLP": "256x32x32",
+           "FLOE_WEBGPU_UNROLL": "1"}
 VARIANTS = [
     ("lanes f16 deep", "lanes", {}, "f16", "deep"),
     ("lanes f32 deep", "lanes", {}, "f32", "deep"),
@@ -124,6 +125,10 @@ VARIANTS = [
     ("lanes f16 deep, mlp 128x16x16", "lanes", {"FLOE_WEBGPU_MLP": "128x16x16"}, "f16", "deep"),
     ("lanes f16 deep, attend 64x128x1", "lanes", {"FLOE_WEBGPU_ATTEND": "64x128x1"}, "f16", "deep"),
     ("lanes f16 six a layer", "lanes", {}, "f16", "five"),  # (five before the split attention)
+    ("lanes f16 six a layer, unroll 2", "lanes", {"FLOE_WEBGPU_UNROLL": "2"}, "f16", "five"),
+    ("lanes f16 six a layer, unroll 4", "lanes", {"FLOE_WEBGPU_UNROLL": "4"}, "f16", "five"),
+    ("lanes f16 six a layer, gemv 256x4 unroll 2", "lanes", {"FLOE_WEBGPU_LANES": "256x4",
+                                                             "FLOE_WEBGPU_UNROLL": "2"}, "f16", "five"),
     ("lanes f16 six a layer, gemv 64x8", "lanes", {"FLOE_WEBGPU_LANES": "64x8"}, "f16", "five"),
     ("lanes f16 six a layer, gemv 256x2", "lanes", {"FLOE_WEBGPU_LANES": "256x2"}, "f16", "five"),
     ("lanes f16 six a layer, gemv 32x8", "lanes", {"FLOE_WEBGPU_LANES": "32x8"}, "f16", "five"),

@@ -47,6 +47,7 @@ from floe.model.config import ModelConfig
 
 WG = 64  # threads per workgroup (GEMV columns / 4, attention positions per chunk)
 SPLIT = 16  # positions a workgroup of a decode row's attention takes (attention_split.wgsl), at most
+UNROLL = 1  # W4s a lane of the lanes GEMV reads a row an iteration (lanes_unroll)
 GEMV_WG_WIDE = 256  # a GEMV's threads per workgroup where it has rows enough (fewer workgroups: less set-up)
 KT = 1024  # input elements a GEMV workgroup stages at once
 MANY = 4  # rows a GEMV thread computes when a step has several (one alone: 1)
@@ -142,10 +143,10 @@ class WebGPUDecoder:
         self.deep = fused and deep_fused(c, gpu.max_binding, weights, self.layout, gpu.max_storage_buffers,
                                          gpu.device.limits["max-compute-workgroup-storage-size"])
         # a decode row's attention partials per query head and split (_split_attention), of as many
-        # positions as attention_split's workgroup memory holds (its keys or values, queries, scores)
+        # positions as attention_split's workgroup memory holds the scores of (beside the queries)
         group, room = c.n_heads // c.n_kv_heads, gpu.device.limits["max-compute-workgroup-storage-size"]
         self.split = SPLIT
-        while self.split > 1 and 4 * (group * c.head_dim + self.split * (c.head_dim + group)) > room:
+        while self.split > 1 and 4 * (group * c.head_dim + self.split * group) > room:
             self.split //= 2
         n_split = -(-cache.max_seq_len // self.split)
         self.parts = gpu.buffer(4 * cache.n_slots * c.n_heads * n_split * (c.head_dim + 2), label="partials")
@@ -210,8 +211,8 @@ class WebGPUDecoder:
         const = {"MODE": mode, "EPI": epi, "HEAD": int(head), "RES": int(res is not None),
                  "EPS": float(self.config.norm_eps), "GELU": self.gelu}
         if self.layout == "lanes":
-            shader, (lanes, per_group) = "gemv_lanes", lanes_shape()
-            const |= {"WG": lanes, "R": per_group}
+            shader, (lanes, per_group), unroll = "gemv_lanes", lanes_shape(), lanes_unroll()
+            const |= {"WG": lanes, "R": per_group, "U": unroll}
         else:
             shader = "gemv"
             per_group = GEMV_WG_WIDE if m.n >= 8 * GEMV_WG_WIDE else WG
@@ -572,6 +573,11 @@ def _shape(variable: str, default: tuple[int, ...]) -> tuple[int, ...]:
 def lanes_shape() -> tuple[int, int]:
     """The lanes layout's GEMV workgroup: (lanes, output rows); FLOE_WEBGPU_LANES=128x4 overrides."""
     return _shape("FLOE_WEBGPU_LANES", LANES)
+
+
+def lanes_unroll() -> int:
+    """W4s a lane of the lanes layout's GEMV reads a row an iteration; FLOE_WEBGPU_UNROLL=2 overrides."""
+    return _shape("FLOE_WEBGPU_UNROLL", (UNROLL,))[0]
 
 
 def deep_shape(layout: str, dispatch: str) -> tuple[int, int, int]:

@@ -6,9 +6,7 @@
 // of values) to `parts`; attention_merge.wgsl combines a row's splits. The split that holds the row's
 // own position rotates its key and writes it and its value into the cache first (storageBarrier: its
 // own reads see them); every split rotates the group's queries from the qkv row itself. Row b attends
-// to positions first..pos_b (first: WINDOW's start, else 0); splits start at `first`. A split's keys, then
-// its values, are read into workgroup memory once, coalesced (consecutive threads, consecutive floats),
-// and every thread reads them there.
+// to positions first..pos_b (first: WINDOW's start, else 0); splits start at `first`.
 // Constants: AWG, SPLIT, NSPLIT, HEAD_DIM, HALF, GROUP, N_HEADS, N_KV, MAX_SEQ, QKV_STRIDE, SCALE,
 // WINDOW (0: none), SOFTCAP (0: none).
 
@@ -29,7 +27,6 @@ const PSTRIDE: u32 = HEAD_DIM + 2u;  // a partial: m, l, then HEAD_DIM sums
 const LOW: f32 = -3.0e38;
 
 var<workgroup> qs: array<f32, GROUP * HEAD_DIM>;
-var<workgroup> tile: array<f32, SPLIT * HEAD_DIM>;  // the split's keys, then its values
 var<workgroup> ps: array<f32, PAIRS>;
 
 // Gemma 2's scores soft-capped (SOFTCAP > 0): SOFTCAP · tanh(score / SOFTCAP), as the CPU's forward.
@@ -90,12 +87,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         }
         storageBarrier();
     }
-    let kv0 = cache_at(slot, kvh, c0);  // (the split's positions: consecutive rows of the cache)
-    for (var i = t; i < n * HEAD_DIM; i += AWG) {
-        tile[i] = kc[kv0 + i];
-    }
     workgroupBarrier();
-    // Scores: a thread per (query head, position) pair.
+    // Scores: a thread per (query head, position) pair, its key row read once per pair.
     for (var k = 0u; k < PPT; k++) {
         let pair = t + k * AWG;
         if (pair < PAIRS) {
@@ -103,9 +96,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             let j = pair % SPLIT;
             var score = LOW;
             if (j < n) {
+                let kp = cache_at(slot, kvh, c0 + j);
                 var dot = 0.0;
                 for (var d = 0u; d < HEAD_DIM; d++) {
-                    dot += qs[g * HEAD_DIM + d] * tile[j * HEAD_DIM + d];
+                    dot += qs[g * HEAD_DIM + d] * kc[kp + d];
                 }
                 score = capped(dot * SCALE);
             }
@@ -113,9 +107,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         }
     }
     workgroupBarrier();
-    for (var i = t; i < n * HEAD_DIM; i += AWG) {  // (every score is made: the keys are done with)
-        tile[i] = vc[kv0 + i];
-    }
     // Each query head's max, the exps and their sum: a thread a head, over the split's positions.
     let out = ((b * N_HEADS + kvh * GROUP) * NSPLIT + s) * PSTRIDE;  // head g: + g * NSPLIT * PSTRIDE
     if (t < GROUP) {
@@ -134,6 +125,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     workgroupBarrier();
     // The exp-weighted values: a thread a dimension (or a few), every query head of the group.
+    let vbase = cache_at(slot, kvh, c0);
     for (var dd = 0u; dd < DPT; dd++) {
         let d = t + dd * AWG;
         if (d < HEAD_DIM) {
@@ -142,7 +134,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                 acc[g] = 0.0;
             }
             for (var j = 0u; j < n; j++) {
-                let v = tile[j * HEAD_DIM + d];
+                let v = vc[vbase + j * HEAD_DIM + d];
                 for (var g = 0u; g < GROUP; g++) {
                     acc[g] += ps[g * SPLIT + j] * v;
                 }

@@ -4,7 +4,7 @@
 // added in workgroup memory (a tree, in a fixed order: the result is the same every run). Each lane
 // keeps TB input rows, so a weight is read once per TB rows. in' (MODE), EPI, HEAD and RES as gemv.wgsl;
 // the bindings are gemv's.
-// Constants: WG (a power of two), R, TB, MODE, EPI, HEAD, RES, EPS, GELU.
+// Constants: WG (a power of two), R, U, TB, MODE, EPI, HEAD, RES, EPS, GELU.
 
 struct Step { n_rows: u32, head_first: u32, head_count: u32, pad: u32, rows: array<vec4<u32>> };
 struct Params { k: u32, n: u32, out_stride: u32, row0: u32, in_stride: u32, p0: u32, p1: u32, p2: u32 };
@@ -105,22 +105,35 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     let n0 = g * R;
     let last = P.n - 1u;
-    for (var c = t; c < k4; c += WG) {
-        var xs: array<vec4<f32>, TB>;
-        for (var i = 0u; i < TB; i++) {
-            var v = vec4<f32>(0.0);
-            if (b0 + i < count) {
-                v = raw((first + b0 + i) * s4, c);
-                if (MODE == 1u || MODE == 3u) {
-                    v = v * scale[i] * norm_w[c];
-                }
+    // Lane t reads U adjacent W4s of each of its R rows an iteration (every load issued before any sum:
+    // more of a row's bytes in flight a lane), then the next U at + WG·U.
+    for (var c0 = t * U; c0 < k4; c0 += WG * U) {
+        var wv: array<vec4<f32>, U * R>;
+        for (var u = 0u; u < U; u++) {
+            let c = min(c0 + u, k4 - 1u);  // (past the row's end: a valid weight, its sum discarded)
+            for (var r = 0u; r < R; r++) {
+                wv[u * R + r] = w4(w[min(n0 + r, last) * k4 + c]);
             }
-            xs[i] = v;
         }
-        for (var r = 0u; r < R; r++) {
-            let wv = w4(w[min(n0 + r, last) * k4 + c]);
-            for (var i = 0u; i < TB; i++) {
-                acc[r * TB + i] += dot(wv, xs[i]);
+        for (var u = 0u; u < U; u++) {
+            let c = c0 + u;
+            if (c < k4) {
+                var xs: array<vec4<f32>, TB>;
+                for (var i = 0u; i < TB; i++) {
+                    var v = vec4<f32>(0.0);
+                    if (b0 + i < count) {
+                        v = raw((first + b0 + i) * s4, c);
+                        if (MODE == 1u || MODE == 3u) {
+                            v = v * scale[i] * norm_w[c];
+                        }
+                    }
+                    xs[i] = v;
+                }
+                for (var r = 0u; r < R; r++) {
+                    for (var i = 0u; i < TB; i++) {
+                        acc[r * TB + i] += dot(wv[u * R + r], xs[i]);
+                    }
+                }
             }
         }
     }
