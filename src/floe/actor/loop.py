@@ -33,6 +33,7 @@ from floe.actor.abi import LOGITS_COPIED, LOGITS_IN_PLACE, OK
 from floe.actor.calls import GuestCalls
 from floe.actor.speculation import Speculation
 from floe.actor.turn import END_CANCELLED, END_CONTEXT_FULL, FED, Roster, Turn, TurnTable
+from floe.actor.watchers import stepped
 from floe.engine import Engine
 from floe.engine.batch import LaunchedStep
 from floe.engine.sampling import draw_uniforms
@@ -358,13 +359,7 @@ class EngineLoop(Speculation):
                 turn.set_done()
             else:
                 self._end(turn)
-        for watcher in _STEP_WATCHERS:  # (what this step streamed, taken in this thread)
-            try:
-                watcher()
-            except Exception:  # noqa: BLE001 - a reader's bug must not fail the turns
-                if id(watcher) not in _FAILED_WATCHERS:  # (said once, not at every step)
-                    _FAILED_WATCHERS.add(id(watcher))
-                    log.exception("a step watcher failed (said once; it is still called)")
+        stepped()  # (what this step streamed, taken in this thread: floe.actor.watchers)
         phase = self.phase_s
         phase["prefill"] += t1 - t0
         phase["results"] += t2 - t1  # waiting for the forward (wait_s), and guests asked before the launch
@@ -563,6 +558,7 @@ class EngineLoop(Speculation):
             turn.calls_on_end = actor.guest.has_function("on_end")
         turn.finish(turn.end, error)
 
+
 _LOOPS: weakref.WeakKeyDictionary[Engine, EngineLoop] = weakref.WeakKeyDictionary()
 _LOOPS_LOCK = threading.Lock()
 
@@ -582,25 +578,8 @@ def in_engine_loop() -> bool:
 
 
 _ALL_LOOPS: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
-_STEP_WATCHERS: tuple[Callable[[], None], ...] = ()  # (replaced whole: each step reads it without a lock)
-_FAILED_WATCHERS: set[int] = set()
 
 
-def watch_steps(watcher: Callable[[], None]) -> Callable[[], None]:
-    """Call watcher() at the end of every step of every engine loop in this process, in the loop's
-    thread (on a GPU while the forward the step launched computes): for a reader of what the steps
-    stream (the serve core's connections: floe.server.core_socket) that otherwise polls from a thread of
-    its own, which took the GIL from the loop at every poll (each release in a launch waited to take it
-    back). It must be quick and never block. Returns the function that stops it."""
-    global _STEP_WATCHERS
-    with _LOOPS_LOCK:
-        _STEP_WATCHERS = (*_STEP_WATCHERS, watcher)
-
-    def unwatch() -> None:
-        global _STEP_WATCHERS
-        with _LOOPS_LOCK:
-            _STEP_WATCHERS = tuple(w for w in _STEP_WATCHERS if w is not watcher)
-    return unwatch
 EXIT_WAIT_S = 10.0  # the most the interpreter's exit waits for guests and loops to stop
 
 

@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from floe.actor.loop import watch_steps
 from floe.actor.stream import TokenStream
+from floe.actor.watchers import watch_steps
 from floe.server import protocol
 from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length, pack, unpack
 
