@@ -142,14 +142,6 @@ class WebGPUDecoder:
         self.gate_up, self.act = gpu.buffer(8 * r * c.ffn_dim, label="gate_up"), gpu.buffer(4 * r * c.ffn_dim)
         self.deep = fused and deep_fused(c, gpu.max_binding, weights, self.layout, gpu.max_storage_buffers,
                                          gpu.device.limits["max-compute-workgroup-storage-size"])
-        # a decode row's attention partials per query head and split (_split_attention), of as many
-        # positions as attention_split's workgroup memory holds the scores of (beside the queries)
-        group, room = c.n_heads // c.n_kv_heads, gpu.device.limits["max-compute-workgroup-storage-size"]
-        self.split = SPLIT
-        while self.split > 1 and 4 * (group * c.head_dim + self.split * group) > room:
-            self.split //= 2
-        n_split = -(-cache.max_seq_len // self.split)
-        self.parts = gpu.buffer(4 * cache.n_slots * c.n_heads * n_split * (c.head_dim + 2), label="partials")
         if self.deep:  # the deferred residual: the output projection's partials, the MLP's sums
             self.partials = gpu.buffer(4 * c.n_kv_heads * r * c.dim, label="partials")
             self.sums = gpu.buffer(8 * r * c.dim, label="fixed-point sums")
@@ -166,6 +158,7 @@ class WebGPUDecoder:
         self.local = None if model.cos_local is None else (self._table(model.cos_local, "cos (local)"),
                                                            self._table(model.sin_local, "sin (local)"))
         self.weight_bytes = 0
+        self.split, self.parts = SPLIT, None  # the decode attention's splits (_split_attention)
         self.decode_plan, self.prefill_plan = self._plan(model)
         plan = self.decode_plan
         self._decode_ops = plan.embed + plan.layers + plan.head
@@ -270,8 +263,17 @@ class WebGPUDecoder:
     def _split_attention(self, att: dict, k, v, cos, sin) -> list[Op]:
         """A decode layer's attention in splits of SPLIT positions (attention_split.wgsl, rotary and the
         KV write inside it) and their merge into self.att (attention_merge.wgsl): two dispatches."""
-        c, split = self.config, self.split
-        n_split = -(-self.cache.max_seq_len // split)
+        c, gpu = self.config, self.gpu
+        if self.parts is None:  # (made for the first layer: the deep plan needs none)
+            # as many positions a split as attention_split's workgroup memory holds the scores of (beside
+            # the queries); the partials per decode row, query head and split
+            group, room = c.n_heads // c.n_kv_heads, gpu.device.limits["max-compute-workgroup-storage-size"]
+            while self.split > 1 and 4 * (group * c.head_dim + self.split * group) > room:
+                self.split //= 2
+            n_split = -(-self.cache.max_seq_len // self.split)
+            self.parts = gpu.buffer(4 * self.cache.n_slots * c.n_heads * n_split * (c.head_dim + 2),
+                                    label="attention partials")
+        split, n_split = self.split, -(-self.cache.max_seq_len // self.split)
         const = {**att, "SPLIT": split, "NSPLIT": n_split}
         splits = n_split if not att["WINDOW"] else min(n_split, -(-att["WINDOW"] // split) + 1)
         split = self._one("attention_split", "attention_split", const,
@@ -461,7 +463,7 @@ class WebGPUDecoder:
         gpu = self.gpu
         if not gpu.timestamps:
             return []
-        ops = self.decode_plan.embed + self.decode_plan.layers + self.decode_plan.head
+        ops = self._decode_ops
         words = self.step_words
         words[:8] = (1, 0, 1, 0, token, position, slot, 0)
         gpu.queue.write_buffer(self.rows_buffer, 0, words[:8])
