@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import tempfile
 from importlib import resources
 
@@ -189,10 +190,17 @@ def _layout(gpu: Gpu, bindings: str):
     return gpu.device.create_bind_group_layout(entries=entries, label=bindings)
 
 
+def _included(shader: str) -> str:
+    """shaders/`shader`.wgsl with each `// #include NAME` line replaced by shaders/NAME.wgsl (WGSL has no
+    includes: the attention shaders' helpers live once, in attention_common.wgsl)."""
+    text = resources.files("floe.engine.webgpu").joinpath("shaders", f"{shader}.wgsl").read_text()
+    return re.sub(r"^// #include (\w+)$", lambda m: _included(m.group(1)), text, flags=re.M)
+
+
 def shader_source(shader: str, constants: tuple[tuple[str, int | float], ...], weights: str = "f32") -> str:
     """WGSL of shaders/`shader`.wgsl after `const NAME: T = value;` lines (u32 for ints, f32 for
     floats) and the weight format's W4/w4 (WEIGHT_FORMATS)."""
-    text = resources.files("floe.engine.webgpu").joinpath("shaders", f"{shader}.wgsl").read_text()
+    text = _included(shader)
     lines = [f"const {name}: u32 = {value}u;" if isinstance(value, int) else
              f"const {name}: f32 = {float(value)!r};" for name, value in constants]
     return "\n".join(lines) + "\n" + WEIGHT_FORMATS[weights][1] + "\n" + text

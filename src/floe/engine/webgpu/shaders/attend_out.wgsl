@@ -35,17 +35,7 @@ var<workgroup> ps: array<f32, GROUP * AWG>;
 var<workgroup> att: array<vec4<f32>, COLS4>;
 var<workgroup> red: array<f32, AWG>;
 
-// Gemma 2's scores soft-capped (SOFTCAP > 0): SOFTCAP · tanh(score / SOFTCAP), as the CPU's forward.
-fn capped(score: f32) -> f32 {
-    if (SOFTCAP > 0.0) {
-        return SOFTCAP * tanh(clamp(score / SOFTCAP, -15.0, 15.0));
-    }
-    return score;
-}
-
-fn cache_at(slot: u32, kvh: u32, pos: u32) -> u32 {
-    return ((slot * N_KV + kvh) * MAX_SEQ + pos) * HEAD_DIM;
-}
+// #include attention_common
 
 @compute @workgroup_size(AWG)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
@@ -64,22 +54,16 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let base = b * QKV_STRIDE;
     let at = cache_at(slot, kvh, pos);
     for (var i = t; i < HALF; i += AWG) {
-        let c0 = cos_t[pos * HEAD_DIM + i];
-        let s0 = sin_t[pos * HEAD_DIM + i];
-        let c1 = cos_t[pos * HEAD_DIM + i + HALF];
-        let s1 = sin_t[pos * HEAD_DIM + i + HALF];
         for (var g = 0u; g < GROUP; g++) {
-            let h = (kvh * GROUP + g) * HEAD_DIM;
-            let x0 = src[base + h + i];
-            let x1 = src[base + h + i + HALF];
-            qs[g * HEAD_DIM + i] = x0 * c0 - x1 * s0;
-            qs[g * HEAD_DIM + i + HALF] = x1 * c1 + x0 * s1;
+            let h = base + (kvh * GROUP + g) * HEAD_DIM;
+            let q = rotated(pos, i, src[h + i], src[h + i + HALF]);
+            qs[g * HEAD_DIM + i] = q.x;
+            qs[g * HEAD_DIM + i + HALF] = q.y;
         }
         let kb = base + (N_HEADS + kvh) * HEAD_DIM;
-        let k0 = src[kb + i];
-        let k1 = src[kb + i + HALF];
-        kcur[i] = k0 * c0 - k1 * s0;
-        kcur[i + HALF] = k1 * c1 + k0 * s1;
+        let k = rotated(pos, i, src[kb + i], src[kb + i + HALF]);
+        kcur[i] = k.x;
+        kcur[i + HALF] = k.y;
     }
     let vb = base + (N_HEADS + N_KV + kvh) * HEAD_DIM;
     for (var d = t; d < HEAD_DIM; d += AWG) {

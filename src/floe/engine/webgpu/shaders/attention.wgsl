@@ -24,17 +24,7 @@ var<workgroup> qs: array<f32, GROUP * HEAD_DIM>;
 var<workgroup> ss: array<f32, GROUP * AWG>;
 var<workgroup> ps: array<f32, GROUP * AWG>;
 
-// Gemma 2's scores soft-capped (SOFTCAP > 0): SOFTCAP · tanh(score / SOFTCAP), as the CPU's forward.
-fn capped(score: f32) -> f32 {
-    if (SOFTCAP > 0.0) {
-        return SOFTCAP * tanh(clamp(score / SOFTCAP, -15.0, 15.0));
-    }
-    return score;
-}
-
-fn cache_at(slot: u32, kvh: u32, pos: u32) -> u32 {
-    return ((slot * N_KV + kvh) * MAX_SEQ + pos) * HEAD_DIM;
-}
+// #include attention_common
 
 @compute @workgroup_size(AWG)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {

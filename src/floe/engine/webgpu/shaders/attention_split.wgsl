@@ -29,17 +29,7 @@ const LOW: f32 = -3.0e38;
 var<workgroup> qs: array<f32, GROUP * HEAD_DIM>;
 var<workgroup> ps: array<f32, PAIRS>;
 
-// Gemma 2's scores soft-capped (SOFTCAP > 0): SOFTCAP · tanh(score / SOFTCAP), as the CPU's forward.
-fn capped(score: f32) -> f32 {
-    if (SOFTCAP > 0.0) {
-        return SOFTCAP * tanh(clamp(score / SOFTCAP, -15.0, 15.0));
-    }
-    return score;
-}
-
-fn cache_at(slot: u32, kvh: u32, pos: u32) -> u32 {
-    return ((slot * N_KV + kvh) * MAX_SEQ + pos) * HEAD_DIM;
-}
+// #include attention_common
 
 @compute @workgroup_size(AWG)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
@@ -59,24 +49,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let base = b * QKV_STRIDE;
     let holds_pos = c0 + n == length;
     for (var i = t; i < HALF; i += AWG) {
-        let c_lo = cos_t[pos * HEAD_DIM + i];
-        let s_lo = sin_t[pos * HEAD_DIM + i];
-        let c_hi = cos_t[pos * HEAD_DIM + i + HALF];
-        let s_hi = sin_t[pos * HEAD_DIM + i + HALF];
         for (var g = 0u; g < GROUP; g++) {
-            let h = (kvh * GROUP + g) * HEAD_DIM;
-            let x0 = src[base + h + i];
-            let x1 = src[base + h + i + HALF];
-            qs[g * HEAD_DIM + i] = x0 * c_lo - x1 * s_lo;
-            qs[g * HEAD_DIM + i + HALF] = x1 * c_hi + x0 * s_hi;
+            let h = base + (kvh * GROUP + g) * HEAD_DIM;
+            let q = rotated(pos, i, src[h + i], src[h + i + HALF]);
+            qs[g * HEAD_DIM + i] = q.x;
+            qs[g * HEAD_DIM + i + HALF] = q.y;
         }
         if (holds_pos) {
             let at = cache_at(slot, kvh, pos);
             let kb = base + (N_HEADS + kvh) * HEAD_DIM;
-            let k0 = src[kb + i];
-            let k1 = src[kb + i + HALF];
-            kc[at + i] = k0 * c_lo - k1 * s_lo;
-            kc[at + i + HALF] = k1 * c_hi + k0 * s_hi;
+            let k = rotated(pos, i, src[kb + i], src[kb + i + HALF]);
+            kc[at + i] = k.x;
+            kc[at + i + HALF] = k.y;
         }
     }
     if (holds_pos) {
