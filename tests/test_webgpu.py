@@ -341,12 +341,14 @@ def test_a_windowed_mistral_greedy_on_webgpu_equals_the_cpu_and_the_window_matte
     assert not close(unwindowed.decode_step(9), cpu.decode_step(9))
 
 
-@pytest.mark.parametrize("unroll", ["2", "3"])
+@pytest.mark.parametrize("unroll, wide", [("2", "0"), ("3", "0"), ("1", "1"), ("3", "1")])
 def test_the_lanes_gemv_reading_adjacent_weights_a_lane_computes_what_the_cpu_does(default_checkpoint,
-                                                                                 monkeypatch, unroll):
-    # (FLOE_WEBGPU_UNROLL: 3 leaves a row's last iteration short of its W4s; f16 weights and f32)
+                                                                                 monkeypatch, unroll, wide):
+    # (FLOE_WEBGPU_UNROLL: 3 leaves a row's last iteration short of its loads; FLOE_WEBGPU_WIDE: f16
+    # weights eight a load; f16 weights and f32)
     monkeypatch.setattr(gpu(), "gemv_layout", "lanes")
     monkeypatch.setenv("FLOE_WEBGPU_UNROLL", unroll)
+    monkeypatch.setenv("FLOE_WEBGPU_WIDE", wide)
     for weights in ("f16", "dense"):
         webgpu, cpu = tiny("qwen2-bias", default_checkpoint.tokenizer, weights=weights)
         prompt = list(range(40, 90))

@@ -114,7 +114,7 @@ def failure(e: Exception) -> dict:
 # (name, layout, environment (GEMV lanes x rows; attend_out lanes x rows x lanes a row; mlp lanes x
 # columns x lanes a row), weights, plan)
 DEFAULT = {"FLOE_WEBGPU_LANES": "128x4", "FLOE_WEBGPU_ATTEND": "64x256x4", "FLOE_WEBGPU_MLP": "256x32x32",
-           "FLOE_WEBGPU_UNROLL": "1"}
+           "FLOE_WEBGPU_UNROLL": "1", "FLOE_WEBGPU_WIDE": "0"}
 VARIANTS = [
     ("lanes f16 deep", "lanes", {}, "f16", "deep"),
     ("lanes f32 deep", "lanes", {}, "f32", "deep"),
@@ -129,6 +129,13 @@ VARIANTS = [
     ("lanes f16 six a layer, unroll 4", "lanes", {"FLOE_WEBGPU_UNROLL": "4"}, "f16", "five"),
     ("lanes f16 six a layer, gemv 256x4 unroll 2", "lanes", {"FLOE_WEBGPU_LANES": "256x4",
                                                              "FLOE_WEBGPU_UNROLL": "2"}, "f16", "five"),
+    ("lanes f16 six a layer, wide", "lanes", {"FLOE_WEBGPU_WIDE": "1"}, "f16", "five"),
+    ("lanes f16 six a layer, wide unroll 2", "lanes", {"FLOE_WEBGPU_WIDE": "1", "FLOE_WEBGPU_UNROLL": "2"},
+     "f16", "five"),
+    ("lanes f16 six a layer, wide gemv 128x8", "lanes",
+     {"FLOE_WEBGPU_WIDE": "1", "FLOE_WEBGPU_LANES": "128x8"}, "f16", "five"),
+    ("lanes f16 six a layer, wide gemv 64x4", "lanes", {"FLOE_WEBGPU_WIDE": "1", "FLOE_WEBGPU_LANES": "64x4"},
+     "f16", "five"),
     ("lanes f16 six a layer, gemv 64x8", "lanes", {"FLOE_WEBGPU_LANES": "64x8"}, "f16", "five"),
     ("lanes f16 six a layer, gemv 256x2", "lanes", {"FLOE_WEBGPU_LANES": "256x2"}, "f16", "five"),
     ("lanes f16 six a layer, gemv 32x8", "lanes", {"FLOE_WEBGPU_LANES": "32x8"}, "f16", "five"),

@@ -47,7 +47,8 @@ from floe.model.config import ModelConfig
 
 WG = 64  # threads per workgroup (GEMV columns / 4, attention positions per chunk)
 SPLIT = 16  # positions a workgroup of a decode row's attention takes (attention_split.wgsl), at most
-UNROLL = 1  # W4s a lane of the lanes GEMV reads a row an iteration (lanes_unroll)
+UNROLL = 1  # WLs a lane of the lanes GEMV reads a row an iteration (lanes_unroll)
+WIDE = 0  # 1: the lanes GEMV reads f16 weights eight at a time, 16 bytes a load (lanes_wide; LANE_LOADS)
 GEMV_WG_WIDE = 256  # a GEMV's threads per workgroup where it has rows enough (fewer workgroups: less set-up)
 KT = 1024  # input elements a GEMV workgroup stages at once
 MANY = 4  # rows a GEMV thread computes when a step has several (one alone: 1)
@@ -205,7 +206,8 @@ class WebGPUDecoder:
                  "EPS": float(self.config.norm_eps), "GELU": self.gelu}
         if self.layout == "lanes":
             shader, (lanes, per_group), unroll = "gemv_lanes", lanes_shape(), lanes_unroll()
-            const |= {"WG": lanes, "R": per_group, "U": unroll}
+            wide = int(lanes_wide() and self.weights == "f16" and m.k % 8 == 0)  # (else a W4 a load)
+            const |= {"WG": lanes, "R": per_group, "U": unroll, "WIDE": wide}
         else:
             shader = "gemv"
             per_group = GEMV_WG_WIDE if m.n >= 8 * GEMV_WG_WIDE else WG
@@ -578,8 +580,13 @@ def lanes_shape() -> tuple[int, int]:
 
 
 def lanes_unroll() -> int:
-    """W4s a lane of the lanes layout's GEMV reads a row an iteration; FLOE_WEBGPU_UNROLL=2 overrides."""
+    """WLs a lane of the lanes layout's GEMV reads a row an iteration; FLOE_WEBGPU_UNROLL=2 overrides."""
     return _shape("FLOE_WEBGPU_UNROLL", (UNROLL,))[0]
+
+
+def lanes_wide() -> bool:
+    """Whether the lanes layout's GEMV reads f16 weights 16 bytes a load; FLOE_WEBGPU_WIDE=1|0 overrides."""
+    return bool(_shape("FLOE_WEBGPU_WIDE", (WIDE,))[0])
 
 
 def deep_shape(layout: str, dispatch: str) -> tuple[int, int, int]:

@@ -27,6 +27,15 @@ WEIGHT_FORMATS = {
     "f16": (2, "alias W4 = vec2<u32>;\nfn w4(v: W4) -> vec4<f32> {\n"
                "    return vec4<f32>(unpack2x16float(v.x), unpack2x16float(v.y));\n}"),
 }
+# The lanes GEMV's load (gemv_lanes.wgsl): WL, WE weights of a row read at once, wl(v, h) their four at
+# 4h. A W4 (WIDE 0), or with f16 weights eight in one 16-byte load (WIDE 1: a W4 of f16 is 8 bytes,
+# half what a GPU's lane loads at once; f32's W4 is 16 already).
+LANE_LOADS = {
+    0: "alias WL = W4;\nconst WE: u32 = 4u;\nfn wl(v: WL, h: u32) -> vec4<f32> { return w4(v); }",
+    1: "alias WL = vec4<u32>;\nconst WE: u32 = 8u;\nfn wl(v: WL, h: u32) -> vec4<f32> {\n"
+       "    if (h == 0u) {\n        return vec4<f32>(unpack2x16float(v.x), unpack2x16float(v.y));\n    }\n"
+       "    return vec4<f32>(unpack2x16float(v.z), unpack2x16float(v.w));\n}",
+}
 # GEMV layouts: "threads", a thread per output row streaming its row (a CPU adapter such as lavapipe,
 # where lanes run one after another); "lanes", a workgroup's lanes splitting each row's inputs
 # (coalesced loads, a reduction in workgroup memory: a GPU). FLOE_WEBGPU_GEMV=threads|lanes overrides.
@@ -199,11 +208,12 @@ def _included(shader: str) -> str:
 
 def shader_source(shader: str, constants: tuple[tuple[str, int | float], ...], weights: str = "f32") -> str:
     """WGSL of shaders/`shader`.wgsl after `const NAME: T = value;` lines (u32 for ints, f32 for
-    floats) and the weight format's W4/w4 (WEIGHT_FORMATS)."""
+    floats), the weight format's W4/w4 (WEIGHT_FORMATS) and the lanes GEMV's load (LANE_LOADS[WIDE])."""
     text = _included(shader)
     lines = [f"const {name}: u32 = {value}u;" if isinstance(value, int) else
              f"const {name}: f32 = {float(value)!r};" for name, value in constants]
-    return "\n".join(lines) + "\n" + WEIGHT_FORMATS[weights][1] + "\n" + text
+    lanes = LANE_LOADS[dict(constants).get("WIDE", 0)] if shader == "gemv_lanes" else ""
+    return "\n".join(lines) + "\n" + WEIGHT_FORMATS[weights][1] + "\n" + lanes + "\n" + text
 
 
 @functools.cache

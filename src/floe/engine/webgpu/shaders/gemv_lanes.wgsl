@@ -4,7 +4,8 @@
 // added in workgroup memory (a tree, in a fixed order: the result is the same every run). Each lane
 // keeps TB input rows, so a weight is read once per TB rows. in' (MODE), EPI, HEAD and RES as gemv.wgsl;
 // the bindings are gemv's.
-// Constants: WG (a power of two), R, U, TB, MODE, EPI, HEAD, RES, EPS, GELU.
+// A lane's load is a WL of WE weights (LANE_LOADS: a W4, or eight f16 weights in 16 bytes where WIDE).
+// Constants: WG (a power of two), R, U, TB, MODE, EPI, HEAD, RES, EPS, GELU, WIDE.
 
 struct Step { n_rows: u32, head_first: u32, head_count: u32, pad: u32, rows: array<vec4<u32>> };
 struct Params { k: u32, n: u32, out_stride: u32, row0: u32, in_stride: u32, p0: u32, p1: u32, p2: u32 };
@@ -12,7 +13,7 @@ struct Params { k: u32, n: u32, out_stride: u32, row0: u32, in_stride: u32, p0: 
 @group(0) @binding(0) var<storage, read> step: Step;
 @group(0) @binding(1) var<uniform> P: Params;
 @group(0) @binding(2) var<storage, read> inp: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> w: array<W4>;
+@group(0) @binding(3) var<storage, read> w: array<WL>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read> norm_w: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read> bias: array<f32>;
@@ -105,33 +106,37 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     let n0 = g * R;
     let last = P.n - 1u;
-    // Lane t reads U adjacent W4s of each of its R rows an iteration (every load issued before any sum:
+    let ke = P.k / WE;  // WLs a row
+    // Lane t reads U adjacent WLs of each of its R rows an iteration (every load issued before any sum:
     // more of a row's bytes in flight a lane), then the next U at + WG·U.
-    for (var c0 = t * U; c0 < k4; c0 += WG * U) {
-        var wv: array<vec4<f32>, U * R>;
+    for (var c0 = t * U; c0 < ke; c0 += WG * U) {
+        var wv: array<WL, U * R>;
         for (var u = 0u; u < U; u++) {
-            let c = min(c0 + u, k4 - 1u);  // (past the row's end: a valid weight, its sum discarded)
+            let c = min(c0 + u, ke - 1u);  // (past the row's end: a valid weight, its sum discarded)
             for (var r = 0u; r < R; r++) {
-                wv[u * R + r] = w4(w[min(n0 + r, last) * k4 + c]);
+                wv[u * R + r] = w[min(n0 + r, last) * ke + c];
             }
         }
         for (var u = 0u; u < U; u++) {
-            let c = c0 + u;
-            if (c < k4) {
-                var xs: array<vec4<f32>, TB>;
-                for (var i = 0u; i < TB; i++) {
-                    var v = vec4<f32>(0.0);
-                    if (b0 + i < count) {
-                        v = raw((first + b0 + i) * s4, c);
-                        if (MODE == 1u || MODE == 3u) {
-                            v = v * scale[i] * norm_w[c];
-                        }
-                    }
-                    xs[i] = v;
-                }
-                for (var r = 0u; r < R; r++) {
+            if (c0 + u < ke) {
+                for (var h = 0u; h < WE / 4u; h++) {
+                    let c = (c0 + u) * (WE / 4u) + h;  // (the input's vec4)
+                    var xs: array<vec4<f32>, TB>;
                     for (var i = 0u; i < TB; i++) {
-                        acc[r * TB + i] += dot(wv[u * R + r], xs[i]);
+                        var v = vec4<f32>(0.0);
+                        if (b0 + i < count) {
+                            v = raw((first + b0 + i) * s4, c);
+                            if (MODE == 1u || MODE == 3u) {
+                                v = v * scale[i] * norm_w[c];
+                            }
+                        }
+                        xs[i] = v;
+                    }
+                    for (var r = 0u; r < R; r++) {
+                        let wr = wl(wv[u * R + r], h);
+                        for (var i = 0u; i < TB; i++) {
+                            acc[r * TB + i] += dot(wr, xs[i]);
+                        }
                     }
                 }
             }
