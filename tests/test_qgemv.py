@@ -17,6 +17,7 @@ from models import write_gguf
 from toolchain import has_compiler
 
 from floe.engine import cbuild, qgemv
+from floe.errors import FloeError
 from floe.model import load_checkpoint
 from floe.model.quant import GROUP, QuantizedWeight
 
@@ -190,12 +191,30 @@ def test_interleaved_bands_are_the_exact_linear_of_int8_rounded_inputs(qtype, va
             assert same_bits(layer.rows(index, torch.bfloat16), values.bfloat16())
 
 
+@pytest.fixture(params=[1, 9], ids=["pairs-from-1-row", "pairs-from-9-rows"])
+def pair_rows(request):
+    """The input rows from which a variant with band pairs takes them (qgemv.pair_rows), set for the
+    test: 1, every pass; 9, none (a pass has 8 rows at most); the machine's own restored after."""
+    numbers = [qgemv.load(name) for name in qgemv.runnable() if qgemv.interleaves(qgemv.load(name))
+               ] if has_compiler() else []
+    before = [torch.ops.floe.qdot_pair_rows(n, 0) for n in numbers]
+    for n in numbers:
+        torch.ops.floe.qdot_pair_rows(n, request.param)
+    yield request.param
+    for n, rows in zip(numbers, before, strict=True):
+        if rows:
+            torch.ops.floe.qdot_pair_rows(n, rows)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
-def test_bands_taken_two_at_a_time_give_each_bands_own_bits(qtype, variant):
-    """A variant may run neighbouring bands together (AVX-512 VNNI: 16 rows a 512-bit register); every
-    output is bitwise what its band gives alone (a weight of that one band), for 1..9 input rows, an
-    odd number of bands (the last one alone), Q4_F blocks too, and extreme codes and inputs."""
+def test_bands_taken_two_at_a_time_give_each_bands_own_bits(qtype, variant, pair_rows):
+    """A variant may run neighbouring bands together (AVX-512 VNNI: 16 rows a 512-bit register, from
+    qgemv.pair_rows() input rows on); every output is bitwise what its band gives alone (a weight of
+    that one band), for 1..9 input rows, an odd number of bands (the last one alone), Q4_F blocks too,
+    and extreme codes and inputs, with pairs from one input row on and with none."""
     variant = banded(variant)
+    number = qgemv.load(variant)
+    assert torch.ops.floe.qdot_pair_rows(number, 0) in ((pair_rows,) if variant == "vnni" else (0,))
     rng = np.random.default_rng(11)
     w = rng.standard_normal((40, 7 * GROUP)).astype(np.float32)
     w[:8, :GROUP] = np.where(np.arange(GROUP) % 2 == 0, 1e3, -1e3)  # codes at their extremes
@@ -235,6 +254,22 @@ def test_interleaved_codes_at_their_extremes_do_not_saturate(variant):
         layer = qgemv.QLinear(q, dense=False, kernel=variant)
         assert layer.interleaved
         assert_exact(layer(x), x, q.dequantize())
+
+
+def test_band_pairs_start_where_the_cpu_runs_them_faster(monkeypatch):
+    """Intel's AVX-512 cores run a 512-bit operation whole: pairs from one input row; AMD's Zen 4 runs it
+    as two 256-bit halves: from four (qgemv.pair_rows); FLOE_QDOT_PAIR_ROWS sets it, a bad value refused."""
+    monkeypatch.delenv("FLOE_QDOT_PAIR_ROWS", raising=False)
+    monkeypatch.setattr(qgemv, "cpu_vendor", lambda: "GenuineIntel")
+    assert qgemv.pair_rows() == 1
+    monkeypatch.setattr(qgemv, "cpu_vendor", lambda: "AuthenticAMD")
+    assert qgemv.pair_rows() == 4
+    monkeypatch.setenv("FLOE_QDOT_PAIR_ROWS", "2")
+    assert qgemv.pair_rows() == 2
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("FLOE_QDOT_PAIR_ROWS", bad)
+        with pytest.raises(FloeError, match="FLOE_QDOT_PAIR_ROWS"):
+            qgemv.pair_rows()
 
 
 def test_auto_takes_the_best_variant_the_cpu_flags_name(monkeypatch):

@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#define FLOE_QDOT_ABI 6
+#define FLOE_QDOT_ABI 7
 
 #ifdef __cplusplus
 extern "C" {
@@ -54,6 +54,10 @@ typedef struct FloeQdotKernel {
   // 8 begin .. 8 end), rows for dequant8 (row n: lane n % 8 of band n / 8).
   floe_qdot_rows_fn rows8[FLOE_QDOT_FORMATS];
   floe_qdot_dequant_fn dequant8[FLOE_QDOT_FORMATS][2];
+  // The input rows of a pass from which rows8 takes neighbouring bands two at a time in 512-bit
+  // registers (the same values either way): rows > 0 sets it; returns the one in force. NULL: the
+  // variant has no band pairs.
+  int (*pair_rows)(int rows);
 } FloeQdotKernel;
 
 const FloeQdotKernel* floe_qdot_kernel(void);

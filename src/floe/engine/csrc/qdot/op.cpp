@@ -247,6 +247,14 @@ at::Tensor interleave_q(const at::Tensor& blocks, int64_t k) {
 
 bool qdot_interleaves(int64_t number) { return kernel_of(number)->rows8[0] != nullptr; }
 
+// The input rows from which the variant takes band pairs (abi.h): rows > 0 sets it; the one in force,
+// 0 where the variant has none.
+int64_t qdot_pair_rows(int64_t number, int64_t rows) {
+  const FloeQdotKernel* kernel = kernel_of(number);
+  TORCH_CHECK(rows >= 0 && rows <= 1 << 20, "pair rows: a count of input rows, not ", rows);
+  return kernel->pair_rows != nullptr ? kernel->pair_rows(static_cast<int>(rows)) : 0;
+}
+
 // exact_top's candidates (qgemv.QLinear.exact_top): per row m of y [M, N] (float32, a head's
 // outputs), the indices j whose interval y[m, j] +- b reaches the best lower end, b = spread[m] *
 // bound[j] + 1e-4. Two passes over the row on the calling thread, in vectors (compiled for AVX-512,
@@ -306,6 +314,7 @@ TORCH_LIBRARY_FRAGMENT(floe, m) {
   m.def("qdot_load(str path) -> int", &qdot_load);
   m.def("qdot_name(int kernel) -> str", &qdot_name);
   m.def("qdot_interleaves(int kernel) -> bool", &qdot_interleaves);
+  m.def("qdot_pair_rows(int kernel, int rows) -> int", &qdot_pair_rows);
   m.def("interleave_q(Tensor blocks, int k) -> Tensor", &interleave_q);
   m.def("dequant_rows_q(Tensor blocks, int k, Tensor index, ScalarType dtype, int kernel) -> Tensor", &dequant_rows_q);
 }

@@ -22,6 +22,7 @@
 #ifndef FLOE_QDOT_H
 #define FLOE_QDOT_H
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -384,16 +385,30 @@ struct HasBandPairs : std::false_type {};
 template <class Isa>
 struct HasBandPairs<Isa, std::enable_if_t<Isa::kBandPairs>> : std::true_type {};
 
+// The input rows of a pass from which bands_of takes band pairs (abi.h's pair_rows; floe.engine.qgemv
+// sets it for the CPU): where a core runs a 512-bit operation as two 256-bit halves (AMD's Zen 4), one
+// input row's pairs were slower than single bands (a Llama-3.2-1B-shape decode step 15 % slower, two
+// rows 13 %), and from four rows on they are the faster (eight rows: 1.6x); where it runs them whole
+// (Intel's AVX-512 cores), pairs were the faster from one row.
+inline std::atomic<int> g_pair_rows{1};
+
+inline int pair_rows(int rows) {
+  if (rows > 0) g_pair_rows.store(rows, std::memory_order_relaxed);
+  return g_pair_rows.load(std::memory_order_relaxed);
+}
+
 // Bands [begin, end) for R input rows (as rows_of for the file's rows): band b's outputs at y + 8 b;
-// two at a time where the variant has Isa::band_pair_dots (the same values).
+// two at a time where the variant has Isa::band_pair_dots and R reaches g_pair_rows (the same values).
 template <class Isa, class Fmt, int R>
 void bands_of(const uint8_t* bands, const int8_t* q, const float* xsu, int64_t groups, int64_t begin,
               int64_t end, float* y, int64_t ldy) {
   const int64_t width = groups * 8 * Fmt::kBytes;
   int64_t b = begin;
   if constexpr (HasBandPairs<Isa>::value) {
-    for (; b + 2 <= end; b += 2) {
-      Isa::template band_pair_dots<Fmt, R>(bands + b * width, width, q, xsu, groups, y + 8 * b, ldy);
+    if (R >= g_pair_rows.load(std::memory_order_relaxed)) {
+      for (; b + 2 <= end; b += 2) {
+        Isa::template band_pair_dots<Fmt, R>(bands + b * width, width, q, xsu, groups, y + 8 * b, ldy);
+      }
     }
   }
   for (; b < end; ++b) {
@@ -456,7 +471,8 @@ const FloeQdotKernel* kernel(const char* name) {
          {&dequant<Isa, Q8_0, float>, &dequant<Isa, Q8_0, uint16_t>},
          {&dequant<Isa, Q4_F, float>, &dequant<Isa, Q4_F, uint16_t>}},
         {},
-        {}};
+        {},
+        HasBandPairs<Isa>::value ? &pair_rows : nullptr};
     if constexpr (HasBands<Isa>::value) {
       const floe_qdot_rows_fn rows[] = {&rows8<Isa, Q4_0>, &rows8<Isa, Q4_1>, &rows8<Isa, Q8_0>, &rows8<Isa, Q4_F>};
       const floe_qdot_dequant_fn values[][2] = {
