@@ -120,7 +120,7 @@ def main() -> None:
         return
     if args.serve_on:  # the child of --server-process: `floe serve`'s two processes, until terminated
         from floe.server.core import ServeCore
-        from floe.server.core_socket import serve
+        from floe.server.fronts import serve
 
         engine, model_id, folder, _ = make_engine(args)
         if args.timeline:

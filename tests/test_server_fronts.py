@@ -83,7 +83,7 @@ def test_several_fronts_do_not_share_a_port_another_server_listens_on(tmp_path):
     """Each front's socket is bound with SO_REUSEPORT (the kernel spreads connections over them), which
     would let a second server of the same user join the port: it is refused as any port in use."""
     from floe.errors import FloeError
-    from floe.server.core_socket import listen
+    from floe.server.fronts import listen
 
     first = listen("127.0.0.1", 0, 2)
     try:
@@ -103,10 +103,10 @@ def test_fronts_started_before_one_that_fails_to_start_are_stopped(tmp_path, mon
     fronts started before it are stopped with it, not left serving the port on their own."""
     from models import tiny_engine
 
-    from floe.server import core_socket
+    from floe.server import fronts
     from floe.server.core import ServeCore
 
-    started, start = [], core_socket._start_front
+    started, start = [], fronts._start_front
 
     def second_fails(args, listener, env):
         if started:
@@ -114,8 +114,8 @@ def test_fronts_started_before_one_that_fails_to_start_are_stopped(tmp_path, mon
         started.append(start(args, listener, env))
         return started[-1]
 
-    monkeypatch.setattr(core_socket, "_start_front", second_fails)
+    monkeypatch.setattr(fronts, "_start_front", second_fails)
     core = ServeCore(tiny_engine(n_slots=2), snapshots=tmp_path, model_id="tiny")
     with pytest.raises(OSError, match="second front"):
-        core_socket.serve(core, fronts=2, listeners=core_socket.listen("127.0.0.1", 0, 2))
+        fronts.serve(core, fronts=2, listeners=fronts.listen("127.0.0.1", 0, 2))
     assert started and started[0].poll() is not None  # (it was stopped: serve waits for it)

@@ -62,6 +62,7 @@ def main() -> None:
     from floe.server import core_socket
     from floe.server.core import ServeCore
     from floe.server.core_socket import CoreServer
+    from floe.server.fronts import front_environment, listen
 
     ns = argparse.Namespace(switch_interval_ms=None, threads=args.threads, device=args.device, weights=None,
                             shape=args.shape, tokenizer=args.tokenizer, sessions=args.sessions * args.rounds,
@@ -142,8 +143,8 @@ def main() -> None:
     core_socket.pack = w_pack
     server = CoreServer(core)
     port = serve_load.free_port()
-    listeners = core_socket.listen("127.0.0.1", port, args.fronts)  # (as floe serve: a socket a front)
-    environment = core_socket.front_environment((), args.fronts)
+    listeners = listen("127.0.0.1", port, args.fronts)  # (as floe serve: a socket a front)
+    environment = front_environment((), args.fronts)
     env = environment.__enter__()
     stamps = Path(tempfile.mkdtemp(prefix="floe-timeline-")) / "fronts.txt"  # (bench/probes/front_stamps.py)
     fronts = [subprocess.Popen([sys.executable, str(HERE / "front_stamps.py"), str(stamps), "--", "--socket",

@@ -21,7 +21,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         import_torch_holding_ctrl_c()  # (the core's modules import it)
         from floe.server.auth import OPERATOR_KEYS_ENV, BadApiKey, api_keys
-        from floe.server.core_socket import listen, serve
+        from floe.server.fronts import listen, serve
     except ImportError as e:
         raise FloeError(f"floe serve needs fastapi and uvicorn ({e.name} is missing): "
                         "pip install floe") from e
