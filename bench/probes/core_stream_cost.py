@@ -110,6 +110,11 @@ def main() -> None:
                   f"{1e6 * host / rows:.1f} µs a row-token; core CPU {1e6 * cpu / rows:.1f} µs a token; "
                   f"front read {got['frames']} frames {got['kinds']}, TTFT p50 {1e3 * got['first_s']:.0f} ms",
                   flush=True)
+            steps = after["steps"] - before["steps"]
+            print(f"  {steps} steps; phases, µs a row-token: " + ", ".join(
+                f"{k} {1e6 * (v - before['phase_s'][k]) / rows:.1f}" for k, v in after["phase_s"].items())
+                + f"; wait {1e6 * (after['wait_s'] - before['wait_s']) / rows:.1f}, launch "
+                f"{1e6 * (after['launch_s'] - before['launch_s']) / rows:.1f}", flush=True)
             if profile is not None:
                 top(profile, rows)
     finally:
