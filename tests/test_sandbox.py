@@ -422,7 +422,7 @@ def test_the_native_epoch_timer_outlives_the_engine_object_and_a_forks_child_get
         import gc, os, signal, time
         import wasmtime
         from floe.wasm import GuestDeadlineExceeded, GuestInstance, default_runtime
-        from floe.wasm.raw import EpochTimer
+        from floe.wasm.watchdog import EpochTimer
         engine = wasmtime.Engine()
         timer = EpochTimer.start(engine.ptr(), 0.01)
         assert timer is not None

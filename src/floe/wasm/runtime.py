@@ -24,19 +24,18 @@ from floe.wasm import compiled, shape
 from floe.wasm.process import thread_stack_bytes
 from floe.wasm.raw import (
     NUMERIC,
-    EpochTimer,
     HostCallback,
     HostFunctions,
     MemoryCreator,
     PreparedCall,
     RawCallError,
-    Watchdog,
     describe,
     global_bits,
     global_kind,
     set_global_bits,
     signals,
 )
+from floe.wasm.watchdog import EpochTimer, Watchdog
 
 EPOCH_TICK_S = 0.01  # deadline granularity
 # Guest code runs on the calling thread's native stack, and Wasmtime traps a guest that uses more than
