@@ -11,8 +11,9 @@ from pathlib import Path
 import jinja2
 import pytest
 
+from floe.model.chat_template import ChatTemplateError
 from floe.model.hf_folder import tokenizer_from_folder
-from floe.model.tokenizer import ChatTemplateError, Tokenizer
+from floe.model.tokenizer import Tokenizer
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 

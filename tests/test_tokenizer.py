@@ -2,7 +2,8 @@
 
 import pytest
 
-from floe.model.tokenizer import ChatTemplateError, Tokenizer
+from floe.model.chat_template import ChatTemplateError
+from floe.model.tokenizer import Tokenizer
 
 HARD_STRINGS = [
     "In 2024, 12345 people paid $3.14 each; 1000000 > 999,999.",

@@ -10,15 +10,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from floe.model.chat_template import ChatTemplateError
     from floe.model.checkpoint import Checkpoint, Progress
     from floe.model.config import KNOWN_SHAPES, ModelConfig, RopeScaling
     from floe.model.default import default_model_path
     from floe.model.load import load_checkpoint
-    from floe.model.tokenizer import ChatTemplateError, Tokenizer
+    from floe.model.tokenizer import Tokenizer
 
 _WHERE = {"KNOWN_SHAPES": "config", "ModelConfig": "config", "RopeScaling": "config",
           "Checkpoint": "checkpoint", "Progress": "checkpoint", "default_model_path": "default",
-          "load_checkpoint": "load", "ChatTemplateError": "tokenizer", "Tokenizer": "tokenizer"}
+          "load_checkpoint": "load", "ChatTemplateError": "chat_template", "Tokenizer": "tokenizer"}
 
 __all__ = [
     "KNOWN_SHAPES",

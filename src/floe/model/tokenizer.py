@@ -1,4 +1,6 @@
-"""Tokenizer (Hugging Face `tokenizers`) and chat template (jinja2, rendered as transformers does)."""
+"""Tokenizer (Hugging Face `tokenizers`): text <-> token ids, the bytes each token stands for, and a
+conversation rendered with the model's chat template (floe.model.chat_template) and tokenized so that no
+message's content becomes a special token."""
 
 from __future__ import annotations
 
@@ -9,19 +11,17 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from datetime import datetime
 from functools import cached_property
 from itertools import repeat
 from typing import NamedTuple
 
 import jinja2
-import jinja2.ext
 import jinja2.meta
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from floe.errors import FloeError
+from floe.model.chat_template import ChatTemplateError, compile_template, template_messages
 from floe.model.template_vars import TEMPLATE_NAMES, TemplateKwargsError
 
 # The tools a chat template is offered in this thread's renders (Tokenizer.offering_tools): the host ABI's
@@ -52,10 +52,6 @@ _HINT: ContextVar[Hint | None] = ContextVar("floe_prompt_hint", default=None)
 
 # A text up to this long is tokenized holding the GIL (Tokenizer.encode_plain): ~1 ms of work at most.
 GIL_HELD_CHARS = 4096
-
-
-class ChatTemplateError(FloeError):
-    """The model's chat template raised an error, or the model has none."""
 
 
 class Rendered(NamedTuple):
@@ -261,7 +257,7 @@ class Tokenizer:
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template (a base model, not tuned for chat): "
                                     "continue a raw text instead (floe run --raw, or /v1/completions)")
-        return _compile_template(self.chat_template)
+        return compile_template(self.chat_template)
 
     @cached_property
     def uses_tools(self) -> bool:
@@ -333,7 +329,7 @@ class Tokenizer:
         the variables of rendering_with, if any, come before chat_template_kwargs'."""
         try:
             return self._template.render(
-                messages=_template_messages(messages),
+                messages=template_messages(messages),
                 add_generation_prompt=add_generation_prompt,
                 tools=_OFFERED_TOOLS.get(),
                 documents=None,
@@ -527,27 +523,9 @@ def _parts(spec: dict | None, key: str) -> list[dict]:
     return spec[key] if spec.get("type") == "Sequence" else [spec]
 
 
-# The names a message's reasoning comes under; chat templates read the first (Qwen3's).
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
 def _given(chat_template_kwargs: Mapping | None) -> dict:
     """The template's extra variables of a render: this thread's (rendering_with), then the call's."""
     return {**(_TEMPLATE_KWARGS.get() or {}), **(chat_template_kwargs or {})}
-
-
-def _template_messages(messages: Sequence[dict]) -> list[dict]:
-    """`messages` as transformers hands them to a chat template: a key whose value is None dropped (an
-    OpenAI message's content=None or tool_calls=None: templates test `is defined`), and the reasoning
-    under any of its names copied to `reasoning_content` and `thinking`."""
-    shown = []
-    for message in messages:
-        message = {k: v for k, v in message.items() if v is not None}
-        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        shown.append(message)
-    return shown
 
 
 def _text(message: dict) -> bool:
@@ -576,28 +554,3 @@ _BYTE_LEVEL_BYTES = {ord(c): chr(b) for b, c in _bytes_to_unicode().items()}
 _BYTE_LEVEL_DELETE = dict.fromkeys(_BYTE_LEVEL_BYTES)
 # A byte of SentencePiece's byte fallback, as its token is spelled.
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    # Mirrors transformers' _compile_jinja_template so templates render identically.
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat template does not parse: {e}") from e
