@@ -440,8 +440,16 @@ def test_32_sessions_on_8_slots_with_30_disconnects_keep_what_their_clients_saw(
         sid = f"crowd-{i}"
         seen = turn(server.url, sid, [], f"Say a word about the number {i}.", streamed=i % 2 == 0)
         if i < 30:
+            before = seen
             seen = leave(server.url, sid, seen, streamed=i % 2 == 0)
-            assert stored(server.url, sid) == seen, sid
+            kept = stored(server.url, sid)
+            if kept != seen and i % 2 and seen == before:
+                # A plain reply that ended as its client hung up, before the front saw it go: the turn is
+                # kept whole (the reply was sent), never in part; the client goes on from what it saw.
+                assert kept[:-2] == seen and kept[-2] == {"role": "user", "content": LONG}, sid
+                assert kept[-1]["role"] == "assistant", sid
+            else:
+                assert kept == seen, sid
         return sid, turn(server.url, sid, seen, "And one more?", streamed=i % 3 == 0)
 
     with ThreadPoolExecutor(32) as pool:
