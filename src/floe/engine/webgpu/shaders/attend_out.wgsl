@@ -54,14 +54,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let base = b * QKV_STRIDE;
     let at = cache_at(slot, kvh, pos);
     for (var i = t; i < HALF; i += AWG) {
-        for (var g = 0u; g < GROUP; g++) {
-            let h = base + (kvh * GROUP + g) * HEAD_DIM;
-            let q = rotated(pos, i, src[h + i], src[h + i + HALF]);
-            qs[g * HEAD_DIM + i] = q.x;
-            qs[g * HEAD_DIM + i + HALF] = q.y;
-        }
-        let kb = base + (N_HEADS + kvh) * HEAD_DIM;
-        let k = rotated(pos, i, src[kb + i], src[kb + i + HALF]);
+        rotate_queries(base, kvh, pos, i);
+        let k = rotated_key(base, kvh, pos, i);
         kcur[i] = k.x;
         kcur[i + HALF] = k.y;
     }
