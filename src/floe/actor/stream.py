@@ -66,10 +66,10 @@ class TokenStream:
     def read(self, mark: Mark = (0, 0)) -> tuple[list[int | bytes], Mark]:
         """The items after `mark` (ints: ids; bytes: emitted) in order, and the mark after them."""
         taken, emits = mark
-        n = int(self.count[0])
+        n = self.count.item()
         m = len(self.emitted)  # (after: one emitted since is at >= n, and the ids before it are written)
-        if m == emits:
-            return (self.ids[taken:n].tolist() if n > taken else []), (max(n, taken), m)
+        if m == emits:  # (ids only since the mark: a serve core's flush of every stream, each step)
+            return (self.ids[taken:n].tolist() if n > taken else []), (n if n > taken else taken, m)
         out: list[int | bytes] = []
         for at, data in self.emitted[emits:m]:
             if at > taken:

@@ -157,15 +157,11 @@ class _Connection:
             stream, mark, sent = watched
             if not sent:
                 continue
-            n = stream.count.item()  # (before emitted is looked at: one emitted since is at >= n)
-            if not stream.emitted:  # token ids only, the common case: TokenStream.read's, inline
-                if n > mark[0]:
-                    ids.append([rid, stream.ids[mark[0]:n].tolist()])
-                    watched[1] = (n, 0)
-                continue
             new, watched[1] = stream.read(mark)  # (appended only: what came since, whole)
-            if new:  # a guest's emitted bytes among them: JSON carries them as latin-1 text
-                ids.append([rid, [i if type(i) is int else i.decode("latin-1") for i in new]])
+            if new:
+                if stream.emitted:  # a guest's emitted bytes among them: JSON carries them as latin-1 text
+                    new = [i if type(i) is int else i.decode("latin-1") for i in new]
+                ids.append([rid, new])
         if ids:
             self._write_parts("ids", ids, write)
 
