@@ -107,15 +107,10 @@ def cpu_flags() -> frozenset[str]:
     the x86 vector extensions this process cannot execute (cpu_executes: /proc/cpuinfo is the host's
     under an emulator such as qemu-user, whose CPU may have fewer); elsewhere, what PyTorch's CPU
     capability implies."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = frozenset(line.split(":", 1)[1].split())
-                    return flags if platform.machine() not in X86 else frozenset(
-                        f for f in flags if cpu_executes(f))
-    except OSError:
-        pass
+    line = _cpuinfo(("flags", "Features"))
+    if line is not None:
+        flags = frozenset(line.split())
+        return flags if platform.machine() not in X86 else frozenset(f for f in flags if cpu_executes(f))
     if platform.machine() == "arm64" and platform.system() == "Darwin":
         return frozenset({"asimddp"})  # every Apple silicon core
     capability = torch.backends.cpu.get_cpu_capability()
@@ -190,14 +185,19 @@ def pair_rows() -> int:
 
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), '' where there is none."""
+    return (_cpuinfo(("vendor_id",)) or "").strip()
+
+
+def _cpuinfo(keys: tuple[str, ...]) -> str | None:
+    """The value of the first /proc/cpuinfo line starting with one of `keys`; None: no such line or file."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                if line.startswith(keys):
+                    return line.split(":", 1)[1]
     except OSError:
         pass
-    return ""
+    return None
 
 
 def _load_operator() -> None:
