@@ -217,22 +217,6 @@ def test_cuda_asked_for_on_a_machine_without_it_is_refused_before_loading():
     assert_one_line_error(proc, "no usable CUDA device")  # not "no such model file": nothing was loaded
 
 
-def test_serve_refuses_an_unusable_core_switch_interval_before_loading(monkeypatch):
-    from floe.server.fronts import SWITCH_ENV, core_switch_interval
-
-    for bad in ("abc", "0", "-0.001", "0.5", "nan"):
-        monkeypatch.setenv(SWITCH_ENV, bad)
-        with pytest.raises(ValueError, match=SWITCH_ENV):
-            core_switch_interval()
-    monkeypatch.setenv(SWITCH_ENV, "0.0005")
-    assert core_switch_interval() == 0.0005
-    monkeypatch.setenv(SWITCH_ENV, " ")
-    assert core_switch_interval() is None
-    monkeypatch.setenv(SWITCH_ENV, "abc")
-    proc = floe("serve", "--model", "/nonexistent.gguf", "--port", "0")
-    assert_one_line_error(proc, SWITCH_ENV)  # not "no such model file": nothing was loaded
-
-
 def test_a_ctrl_c_wrapped_on_its_way_up_still_ends_as_interrupted(monkeypatch, capsys):
     """During an import, Python wraps a KeyboardInterrupt raised in a class's __set_name__ in a
     RuntimeError (torch's imports have such classes): still "interrupted", exit 130."""

@@ -21,7 +21,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         import_torch_holding_ctrl_c()  # (the core's modules import it)
         from floe.server.auth import OPERATOR_KEYS_ENV, BadApiKey, api_keys
-        from floe.server.fronts import core_switch_interval, listen, serve
+        from floe.server.fronts import listen, serve
     except ImportError as e:
         raise FloeError(f"floe serve needs fastapi and uvicorn ({e.name} is missing): "
                         "pip install floe") from e
@@ -34,10 +34,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if webgpu:
         _check_device("webgpu")  # no adapter: said now, before the model loads
     device = "webgpu" if webgpu else parse_device(args.device)
-    try:
-        core_switch_interval()  # (an unusable value: said before the model loads)
-    except ValueError as e:
-        raise FloeError(str(e)) from None
     if args.max_sessions < 1 or args.idle_seconds <= 0 or args.max_anonymous < 1:
         raise FloeError("--max-sessions and --max-anonymous must be >= 1 and --idle-seconds > 0")
     try:

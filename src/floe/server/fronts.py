@@ -56,9 +56,6 @@ def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int =
     # stalled every session at once for ~0.1 s (docs/PERF_HISTORY.md, "A token without a host call").
     gc.collect()
     gc.freeze()
-    switch = core_switch_interval()
-    if switch is not None:
-        sys.setswitchinterval(switch)
     core.keep_spares()  # after the freeze: spare actors are made and dropped while the server runs
     server = CoreServer(core)
     server.encode_fixed()
@@ -93,27 +90,6 @@ def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int =
         server.close()
         core.close()
     return code
-
-
-# The core process's GIL switch interval (seconds; Python's default 0.005): how long the engine loop's
-# thread may wait to take the GIL back after each release inside a launch (a host-to-device copy, a graph's
-# replay) while the chat threads of a burst run Python. An experiment's knob until measured on a GPU.
-SWITCH_ENV = "FLOE_CORE_SWITCH_S"
-
-
-def core_switch_interval() -> float | None:
-    """FLOE_CORE_SWITCH_S as seconds (None: unset, Python's own interval); a value that is not a positive
-    number of at most 0.1 s is an error."""
-    raw = os.environ.get(SWITCH_ENV)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 0.1:
-        raise ValueError(f"{SWITCH_ENV}={raw!r}: a switch interval in seconds, above 0 and at most 0.1")
-    return value
 
 
 def listen(host: str, port: int, count: int = 1) -> list[socket.socket]:
