@@ -91,6 +91,8 @@ def serve(args, sessions: int) -> dict:
            "--temperature", str(args.temperature), "--top-p", str(args.top_p), "--out", str(out),
            "--fronts", str(args.fronts), "--client", args.client,
            *([] if args.ride_rows is None else ["--ride-rows", str(args.ride_rows)]),
+           *([] if args.switch_interval_ms is None else
+             ["--switch-interval-ms", str(args.switch_interval_ms)]),
            *([] if args.prompt_hints else ["--no-prompt-hints"]),
            *([] if args.timeline is None else ["--timeline", str(args.timeline / f"serve_{sessions}")])]
     if args.shape:
@@ -123,6 +125,8 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--name", default=None)
     ap.add_argument("--fronts", type=int, default=1, help="serve: `floe serve --fronts N`")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="serve: the core process's GIL switch interval (serve_load.py's; Python's: 5 ms)")
     ap.add_argument("--timeline", type=Path, default=None,
                     help="serve: which of the core's threads ran when, into DIR/serve_S "
                          "(probes/thread_timeline.py --show DIR/serve_S/timeline.json)")
