@@ -128,3 +128,26 @@ def test_batched_step_inputs_pad_with_rows_that_write_nothing():
     fill_rows(host, 2, [0, 5], [3, 4], [1, 0], [1, 0], spare=6, feeds=[8, -1])
     assert host[:, :2].tolist() == [[0, 5], [3, 4], [1, 0], [1, 0], [8, -1]]
     assert (host[:, 4:] == 99).all()  # columns beyond the padded size are not touched
+
+
+def test_a_mixed_step_picks_the_rows_that_keep_their_logits():
+    """A mixed step's head runs on fill_rows' pick: the rows whose logits row is not the spare, then a
+    row whose is (as many times as it takes), so that the picked rows' logits are those of the rows."""
+    import numpy as np
+
+    from floe.engine.cuda_graph import fill_rows
+
+    host = np.full((6, 12), 99, dtype=np.int64)
+    # two decode rows (slots 0, 3), then a 4-token prompt of slot 1 (its last row keeps logits), padded to 8
+    rows = [0, 3, 6, 6, 6, 1]
+    fill_rows(host, 8, [11, 12, 20, 21, 22, 23], [5, 9, 0, 1, 2, 3], [0, 3, 1, 1, 1, 1], rows, spare=6,
+              pick=5)
+    assert host[3, :8].tolist() == [0, 3, 6, 6, 6, 1, 6, 6]
+    assert host[5, :5].tolist() == [0, 1, 5, 2, 2]  # kept rows, then the first spare row's index
+    assert host[3, host[5, :5]].tolist() == [0, 3, 1, 6, 6]
+    assert (host[5, 5:] == 99).all()
+    # every row kept but the padding's
+    fill_rows(host, 4, [1, 2, 3], [0, 0, 0], [0, 1, 2], [0, 1, 2], spare=6, pick=4)
+    assert host[5, :4].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="keep logits"):  # no row left for the spare
+        fill_rows(host, 3, [1, 2, 3], [0, 0, 0], [0, 1, 2], [0, 1, 2], spare=6, pick=4)

@@ -10,6 +10,8 @@ attention from reading the whole static cache at short contexts.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -141,11 +143,13 @@ class GraphDecoder:
 
 
 def fill_rows(host, size: int, tokens: list[int], positions: list[int], slots: list[int],
-              rows: list[int], spare: int, feeds: list[int] | None = None) -> None:
-    """Write a batched step's inputs into the first `size` columns of host [5, top] (int64): token,
+              rows: list[int], spare: int, feeds: list[int] | None = None, pick: int = 0) -> None:
+    """Write a batched step's inputs into the first `size` columns of host [5 or 6, top] (int64): token,
     position, KV slot, logits row and feed per row (feeds: -1 for the token column, else the logits
     row whose choice is the token; None: every row -1); padding rows get token 0, position 0, slot -1
-    (no cache write), the spare logits row and no feed."""
+    (no cache write), the spare logits row and no feed. pick > 0: host[5, :pick] lists the rows whose
+    logits are kept (a logits row not the spare), then a row whose is not, repeated (a mixed step's
+    head computes only these: BatchGraphDecoder.PICK_LOGITS); at most pick - 1 rows may keep theirs."""
     n = len(tokens)
     host[0, :n], host[1, :n], host[2, :n] = tokens, positions, slots
     host[:2, n:size] = 0
@@ -157,6 +161,13 @@ def fill_rows(host, size: int, tokens: list[int], positions: list[int], slots: l
     else:
         host[4, :n] = feeds
         host[4, n:size] = -1
+    if pick:
+        kept = host[3, :size] != spare
+        keep = np.flatnonzero(kept)
+        if len(keep) >= pick or len(keep) == size:
+            raise ValueError(f"{len(keep)} of {size} rows keep logits: a mixed step keeps fewer than {pick}")
+        host[5, :len(keep)] = keep
+        host[5, len(keep):pick] = int(np.argmin(kept))  # (the first row whose logits go to the spare)
 
 
 class BatchGraphDecoder:
@@ -183,6 +194,11 @@ class BatchGraphDecoder:
     PREFILL_ROWS = 256  # longer prompts: prompt graphs (per-row attention re-reads the prefix per row)
     PROMPT_STEP = 256  # a prompt graph's rows: a multiple of this (padding rows cost at most this)
     MIXED_ROWS = 256  # prompt rows a decode step takes along (see mixed)
+    # A mixed step's head (vocabulary-wide logits, float32) only for the rows that keep their logits (a
+    # slot's at most: n_slots + 1 rows, gathered by fill_rows' pick), not for every prompt row beside them
+    # (512 rows at the 1B shape: 269 GFLOP and 263 MB of logits written, copied and read for argmax, of
+    # which the spare row keeps nothing). FLOE_MIXED_PICK=1: on; off until measured on a GPU.
+    PICK_LOGITS = os.environ.get("FLOE_MIXED_PICK", "0") == "1"
 
     def __init__(self, model: Transformer, cache, min_bucket: int = 256) -> None:
         self.model, self.cache = model, cache
@@ -202,9 +218,12 @@ class BatchGraphDecoder:
         # the token column; else a logits row whose choice is the token). Two pinned buffers taken in
         # turn (a step is filled while the one before may still be copying from the other), each with
         # the event of its last copy to the device; the copy is outside the graphs.
-        self.host_in = torch.zeros(2, 5, top, dtype=torch.long, pin_memory=True)
+        # A sixth row, with PICK_LOGITS: a mixed step's rows that keep their logits (fill_rows' pick).
+        self.pick = n_slots + 1 if self.PICK_LOGITS else 0
+        width = 6 if self.pick else 5
+        self.host_in = torch.zeros(2, width, top, dtype=torch.long, pin_memory=True)
         self.host_rows = self.host_in.numpy()  # the same pinned memory, written without a tensor op
-        self.dev_in = torch.zeros(5, top, dtype=torch.long, device=dev)
+        self.dev_in = torch.zeros(width, top, dtype=torch.long, device=dev)
         self._in_copied, self._in_turn = [torch.cuda.Event(), torch.cuda.Event()], 0
         # Prompt graphs' rows (prompt_sizes: up to the cache's length) in buffers of their own, so a
         # decode step copies no more than its rows' block.
@@ -261,7 +280,7 @@ class BatchGraphDecoder:
     @torch.inference_mode()
     def _forward(self, size: int, bucket: int, prefill: bool) -> None:
         long = prefill and size > self.PREFILL_ROWS  # a prompt graph
-        tokens, pos, slots, rows, feed = (self.prompt_dev_in if long else self.dev_in)[:, :size]
+        tokens, pos, slots, rows, feed = (self.prompt_dev_in if long else self.dev_in)[:5, :size]
         # A device-fed row's token: the choice its feed row holds (written by an earlier step or draw).
         tokens = torch.where(feed < 0, tokens, self.slot_fed.index_select(0, feed.clamp(min=0)))
         attend = None
@@ -274,6 +293,9 @@ class BatchGraphDecoder:
         h = self._core(tokens, pos, slots, bucket, attend)
         if prefill:  # only the last row's logits: rows[0] is its index, rows[1] its slot
             h, rows = h.index_select(0, rows[:1]), rows[1:2]
+        elif self._picks(size):  # a mixed step: only the rows that keep their logits (fill_rows' pick)
+            take = self.dev_in[5, :self.pick]
+            h, rows = h.index_select(0, take), rows.index_select(0, take)
         out = logits(self.model, h)
         self.slot_logits.index_copy_(0, rows, out)
         argmax = out.argmax(-1)  # the first maximum, as torch.argmax
@@ -350,6 +372,11 @@ class BatchGraphDecoder:
         record(self.draw_done, self.device)
         return self.draw_done
 
+    def _picks(self, size: int) -> bool:
+        """Whether a (not prefill) step of `size` rows computes its head for fill_rows' pick only: a mixed
+        step's, with PICK_LOGITS (more rows than keep logits: a slot's at most, and the spare)."""
+        return 0 < self.pick < size
+
     def row(self, slot: int) -> int:
         """The row of slot_logits / host_argmax holding `slot`'s latest logits (n_slots: the spare)."""
         return slot if slot == self.n_slots else slot + self._half[slot] * (self.n_slots + 1)
@@ -414,7 +441,8 @@ class BatchGraphDecoder:
         host_rows = self.prompt_host_rows if long else self.host_rows
         turn, self._in_turn = self._in_turn, self._in_turn ^ 1
         self._in_copied[turn].synchronize()  # the copy out of this buffer, two replays ago, is done
-        fill_rows(host_rows[turn], size, tokens, positions, slots, rows, self.n_slots, feeds)
+        fill_rows(host_rows[turn], size, tokens, positions, slots, rows, self.n_slots, feeds,
+                  self.pick if not prefill and self._picks(size) else 0)
         dev.copy_(host[turn], non_blocking=True)
         record(self._in_copied[turn], self.device)
         graph = self.graphs.get((size, bucket, prefill))
