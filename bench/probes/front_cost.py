@@ -7,7 +7,9 @@ line read), runs per round:
 - a burst: `--sessions` streamed chat requests at once, max_tokens 1 (admission: parse, validate,
   hint, open the stream, one chunk, [DONE]);
 - a long reply: one streamed chat of up to `--tokens` tokens (temperature 0; the model may end it
-  sooner: the tokens are the usage's completion_tokens; the prompt and they must fit `--context`).
+  sooner: the tokens are the usage's completion_tokens; the prompt and they must fit `--context`);
+  `--streams N`: N such replies at once (each its own prompt), as many sessions stream through one
+  front (each step's token of every stream: the front's work a token where a GPU core steps 64 rows).
 
 Each process's CPU seconds (the scheduler's run time of its threads, /proc/PID/task/*/schedstat, in
 ns; elsewhere psutil's user + system) are read before and after each phase: the fronts'
@@ -15,8 +17,8 @@ ns; elsewhere psutil's user + system) are read before and after each phase: the 
 front's CPU ms a request and the core's, then µs a streamed token for both; `--out F` writes the rounds
 as JSON; `--spy DIR` records each front with py-spy (raw stacks, 1 kHz) during the phases.
 
-    python bench/probes/front_cost.py [--sessions 64] [--tokens 960] [--rounds 3] [--fronts 1] \\
-        [-- --max-sessions 64 --context 1024]
+    python bench/probes/front_cost.py [--sessions 64] [--tokens 960] [--streams 1] [--rounds 3] \\
+        [--fronts 1] [-- --max-sessions 64 --context 1024]
 
 A thread that ends during a phase takes its time with it (the fronts' threads live on). Other work on
 the machine changes a process's CPU seconds less than its wall time, but some (caches, frequency,
@@ -77,10 +79,16 @@ async def burst(port: int, model: str, n: int) -> int:
     return n - len(failed)
 
 
-async def long_reply(port: int, model: str, tokens: int) -> tuple[int, int]:
+async def long_replies(port: int, model: str, tokens: int, streams: int = 1) -> tuple[int, int]:
+    """`streams` streamed chats of up to `tokens` each, at once: (completion tokens, content chunks), all."""
+    done = await asyncio.gather(*(long_reply(port, model, tokens, k) for k in range(streams)))
+    return sum(t for t, _ in done), sum(c for _, c in done)
+
+
+async def long_reply(port: int, model: str, tokens: int, k: int = 0) -> tuple[int, int]:
     """One streamed chat of up to `tokens`: (completion tokens, content chunks)."""
-    answer = await request(port, chat(model, "Write a long story about a lighthouse keeper and the sea.",
-                                      tokens))
+    subject = "a lighthouse keeper and the sea" if k == 0 else f"traveller number {k} and the mountains"
+    answer = await request(port, chat(model, f"Write a long story about {subject}.", tokens))
     head, _, body = answer.partition(b"\r\n\r\n")
     if b" 200 " not in head.partition(b"\r\n")[0]:
         sys.exit(f"the long reply failed: {body[:300].decode(errors='replace')}")
@@ -166,6 +174,7 @@ def main() -> None:
     ap.add_argument("--fronts", type=int, default=1, help="floe serve's --fronts")
     ap.add_argument("--sessions", type=int, default=64, help="requests in a burst")
     ap.add_argument("--tokens", type=int, default=960, help="max_tokens of the long reply")
+    ap.add_argument("--streams", type=int, default=1, help="long replies streamed at once")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--start-timeout", type=float, default=180.0)
     ap.add_argument("--spy", default=None, help="a folder for py-spy's raw stacks of each front, each phase")
@@ -178,9 +187,10 @@ def main() -> None:
     try:
         fronts, core = processes(psutil.Process(server.pid))
         asyncio.run(burst(args.port, model, args.sessions))  # warm: first requests, connections, caches
-        asyncio.run(long_reply(args.port, model, 32))
+        asyncio.run(long_replies(args.port, model, 32, args.streams))
         rounds = []
-        print(f"{len(fronts)} front(s); burst of {args.sessions}, one reply of up to {args.tokens} tokens")
+        print(f"{len(fronts)} front(s); burst of {args.sessions}, {args.streams} reply(ies) at once of up to "
+              f"{args.tokens} tokens")
         print("round  burst ok  front ms/req  core ms/req  wall s | "
               "tokens  chunks  front µs/tok  core µs/tok")
         for r in range(args.rounds):
@@ -190,7 +200,7 @@ def main() -> None:
                 ok = asyncio.run(burst(args.port, model, args.sessions))
                 wall = time.perf_counter() - t
             with Phase(fronts, core, args.spy, f"stream{r}") as s:
-                tokens, chunks = asyncio.run(long_reply(args.port, model, args.tokens))
+                tokens, chunks = asyncio.run(long_replies(args.port, model, args.tokens, args.streams))
             row = {"ok": ok, "burst_wall_s": wall, "front_ms_per_request": 1e3 * b.front_s / args.sessions,
                    "core_ms_per_request": 1e3 * b.core_s / args.sessions, "tokens": tokens, "chunks": chunks,
                    "front_us_per_token": 1e6 * s.front_s / max(tokens, 1),
