@@ -290,6 +290,22 @@ def test_trickling_uploads_hold_at_most_a_few_threads_and_end(server):
         assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=60).status_code == 404
 
 
+def test_uploads_sent_at_once_all_end(server):
+    """Snapshot uploads at the same time share the front's socket to the core: while its write buffer
+    was full, each waited on one future that the next waiter replaced, so all but the last waited for
+    ever (2-4 uploads of a 1.6 MB snapshot: all but one never answered, each holding an import place and
+    a core thread for 300 s; the next uploads were 503s meanwhile). Each is answered now."""
+    assert chat(server.url, "at-once-source").status_code == 200
+    data = exported(server.url, "at-once-source")
+
+    def upload(sid: str) -> int:
+        return httpx.put(f"{server.url}/v1/sessions/{sid}/snapshot", content=data, timeout=30).status_code
+
+    for _ in range(3):
+        with ThreadPoolExecutor(MAX_IMPORTS) as pool:
+            assert list(pool.map(upload, [f"at-once-{i}" for i in range(MAX_IMPORTS)])) == [200] * MAX_IMPORTS
+
+
 def test_an_upload_to_a_busy_session_is_not_read_ahead_while_it_waits(server):
     """An import waits for its session (a running turn); its body went on streaming into the core's
     memory meanwhile (1.5 GB of body to a busy session: the core from 570 to 2,163 MB, floe serve;

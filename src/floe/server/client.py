@@ -288,10 +288,13 @@ class _Frames(asyncio.Protocol):
             self._resumed.set_result(None)
 
     async def drain(self) -> None:
-        """Wait while the transport's write buffer is full (an upload's frames)."""
+        """Wait while the transport's write buffer is full (an upload's frames). Every upload waiting
+        shares one future (a waiter that made its own replaced the others', which then waited for ever),
+        shielded: a waiter cancelled (its client left) does not cancel the others' wait."""
         if self._paused:
-            self._resumed = asyncio.get_running_loop().create_future()
-            await self._resumed
+            if self._resumed is None or self._resumed.done():
+                self._resumed = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._resumed)
 
 
 async def _granted(credit: asyncio.Semaphore, answered: asyncio.Future) -> bool:
