@@ -290,6 +290,26 @@ def test_a_head_past_its_bound_gets_a_431_and_others_are_served_meanwhile(server
     assert post(server.url, BASE).status_code == 200
 
 
+def test_a_request_whose_head_comes_in_the_read_that_ends_the_last_body_is_not_a_431(server):
+    """A keep-alive connection's next request whose head arrives in the same read as the end of the
+    last one's body (pipelined; or a client sending its next request right after an upload the server
+    refused before reading all of it): the next request's body count started again from 0 while the
+    read's bytes were taken from the last one's, so more than 32 KiB of the last body looked like chunk
+    framing: a 431 'chunks' extensions and trailers' and the connection closed. Both are answered."""
+    body = json.dumps(BASE).encode().ljust(100_000)  # (JSON may end in spaces)
+    request = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    last = request.replace(b"Host: x\r\n", b"Host: x\r\nConnection: close\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+        s.sendall(request[:50_000])
+        time.sleep(0.3)  # (the first body's start in reads of its own)
+        s.sendall(request[50_000:] + last)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.count(b"HTTP/1.1 200") == 2 and b"431" not in answer, answer[:300]
+
+
 def test_a_connection_pipelining_past_its_bound_is_closed_once_its_answer_is_written(server):
     """HTTP/1.1 pipelining: 20 requests in one write get 20 answers, in order; 100,000 (uvicorn's
     httptools protocol parsed every one a read held and read more after each answer: 200,000 took the

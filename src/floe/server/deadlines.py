@@ -80,6 +80,7 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
         self._body_bytes = 0
         self._head_bytes = 0  # bytes received while its head was incomplete (HEADERS)
         self._body_seen = self._chunks = self._framing = 0  # its body's bytes, chunks, and the rest
+        self._began = False  # a request began within the read being parsed
         self._too_deep = False  # it pipelined past max_pipelined: closed, not answered with a 400
         self._answering = None  # the request being answered (uvicorn's cycle)
         self._enter(HEADERS)
@@ -88,7 +89,7 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
         """As uvicorn's, but a head still incomplete past max_head_bytes is refused: it is counted by
         the reads (at most 256 KiB each) that found it incomplete, from the one after its first byte;
         and so is a body whose reads bring more than its bytes and their chunks' framing allow."""
-        phase, seen = self._phase, self._body_seen
+        phase, seen, self._began = self._phase, self._body_seen, False
         if phase is HEADERS:  # (a read that completes the head may hold its body too: counted only
             self._head_bytes += len(data)  # if the head is still incomplete after it)
         super().data_received(data)
@@ -96,7 +97,10 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
             return
         if self._phase is HEADERS and self._head_bytes > self.max_head_bytes:
             self._too_large("line and headers")
-        elif phase is BODY and self._phase is BODY:  # (all of the read was this body's)
+        elif phase is BODY and self._phase is BODY and not self._began:  # (all of the read was this body's;
+            # one that ended a body and began the next request's is neither's framing: its bytes are not
+            # told apart, and the last body's counted as the next's framing made a 431 of a keep-alive
+            # connection's next request past 32 KiB of body)
             self._framing += len(data) - (self._body_seen - seen)
             if self._framing > self.max_head_bytes + CHUNK_FRAMING * self._chunks:
                 self._too_large("chunks' extensions and trailers")
@@ -116,6 +120,7 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
     # (the parser's callbacks, within data_received)
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._began = True
         if self._phase is not HEADERS:  # a keep-alive connection's next request: from its first byte
             self._enter(HEADERS)
 
