@@ -310,6 +310,24 @@ def test_a_request_whose_head_comes_in_the_read_that_ends_the_last_body_is_not_a
     assert answer.count(b"HTTP/1.1 200") == 2 and b"431" not in answer, answer[:300]
 
 
+def test_a_pipelined_request_past_its_bound_closes_the_connection_under_the_answer_before_it(server):
+    """A chat pipelined with a chunked request whose trailers pass the bound while the chat is still
+    being answered: the 431 was written where the chat's answer goes (after its first bytes, or as its
+    status line), and the chat's answer was then written on the closed connection ('internal error',
+    two tracebacks). Now the connection closes with no 431 inside the chat's answer and nothing logged."""
+    errors = len(server.errors.records)
+    long = json.dumps(BASE | {"max_tokens": 400, "messages": [{"role": "user", "content": LONG}]})
+    chat = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(long)}\r\n\r\n{long}").encode()
+    chunked = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    chunked += b"2\r\n{}\r\n0\r\n"  # (its trailers follow)
+    sent, answer = flood(server.port, chat + chunked, b"X-Trailer: " + b"t" * 1000 + b"\r\n")
+    assert sent < 8 << 20 and b"431" not in answer, answer[-300:]
+    time.sleep(3.0)  # (the chat ends meanwhile, its answer going nowhere)
+    assert [r.getMessage() for r in server.errors.records[errors:]] == []
+    assert post(server.url, BASE).status_code == 200
+
+
 def test_a_connection_pipelining_past_its_bound_is_closed_once_its_answer_is_written(server):
     """HTTP/1.1 pipelining: 20 requests in one write get 20 answers, in order; 100,000 (uvicorn's
     httptools protocol parsed every one a read held and read more after each answer: 200,000 took the

@@ -107,12 +107,22 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
 
     def _too_large(self, what: str) -> None:
         self._cancel()
-        if self.cycle is None or not self.cycle.response_started:
+        if not self._abandon_earlier() and (self.cycle is None or not self.cycle.response_started):
             self._refuse(431, f"the request's {what} are over {self.max_head_bytes} bytes",
                          "invalid_request_error", "headers_too_large")
         if self.cycle is not None:
             self.cycle.disconnected = True  # (an app reading the body sees its client leave)
         self.transport.close()
+
+    def _abandon_earlier(self) -> bool:
+        """Whether an earlier request of this connection (pipelined) is still being answered as it is
+        closed under it: its answer goes nowhere now (it wrote on the closed transport: 'internal error'
+        and a traceback), and a refusal of this one is not written inside it."""
+        earlier = self._answering
+        if earlier is None or earlier is self.cycle or earlier.response_complete:
+            return False
+        earlier.disconnected = True
+        return True
 
     def on_chunk_header(self) -> None:  # (httptools calls it where the protocol has it)
         self._chunks += 1
@@ -242,7 +252,7 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
         if self._phase is BODY and self.flow.read_paused:  # the app is not reading: not the client
             self._timer = self.loop.call_later(self.body_timeout_s, self._expired)
             return
-        if self.cycle is None or not self.cycle.response_started:
+        if not self._abandon_earlier() and (self.cycle is None or not self.cycle.response_started):
             self._send_408()
         if self.cycle is not None:
             self.cycle.disconnected = True  # what the app sends now goes nowhere
