@@ -151,3 +151,20 @@ def test_a_mixed_step_picks_the_rows_that_keep_their_logits():
     assert host[5, :4].tolist() == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="keep logits"):  # no row left for the spare
         fill_rows(host, 3, [1, 2, 3], [0, 0, 0], [0, 1, 2], [0, 1, 2], spare=6, pick=4)
+
+
+def test_the_gil_held_launch_falls_back_to_pytorchs_calls_where_it_cannot_run(monkeypatch, caplog):
+    """FLOE_GIL_LAUNCH=1 without what the driver's launch needs (here: no GPU, or no CUDA driver) is
+    PyTorch's launch calls, said on the log, not an error."""
+    import torch
+
+    from floe.engine import cuda_launch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA (tests/test_cuda.py runs the driver's launch)")
+    monkeypatch.setattr(cuda_launch, "ENABLED", False)
+    assert cuda_launch.driver_launch(torch.device("cuda")) is None
+    monkeypatch.setattr(cuda_launch, "ENABLED", True)
+    with caplog.at_level("WARNING", logger="floe.engine"):
+        assert cuda_launch.driver_launch(torch.device("cuda")) is None
+    assert "FLOE_GIL_LAUNCH" in caplog.text

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from floe.engine.cuda_launch import created, driver_launch
 from floe.engine.transformer import Transformer, apply_rotary, qk_norm_weight
 
 
@@ -224,7 +225,9 @@ class BatchGraphDecoder:
         self.host_in = torch.zeros(2, width, top, dtype=torch.long, pin_memory=True)
         self.host_rows = self.host_in.numpy()  # the same pinned memory, written without a tensor op
         self.dev_in = torch.zeros(width, top, dtype=torch.long, device=dev)
-        self._in_copied, self._in_turn = [torch.cuda.Event(), torch.cuda.Event()], 0
+        # The launch's CUDA calls through the driver, the GIL held (FLOE_GIL_LAUNCH=1; else None)
+        self._driver = driver_launch(dev)
+        self._in_copied, self._in_turn = self._events(2), 0
         # Prompt graphs' rows (prompt_sizes: up to the cache's length) in buffers of their own, so a
         # decode step copies no more than its rows' block.
         longest = self.prompt_sizes[-1] if self.prompt_sizes else 0
@@ -268,7 +271,7 @@ class BatchGraphDecoder:
         # while its slot's next step runs, as its logits do).
         self.draw_in = torch.zeros(2, 5, self.sizes[-1], dtype=torch.float64, pin_memory=True)
         self.dev_draw_in = torch.zeros(5, self.sizes[-1], dtype=torch.float64, device=dev)
-        self._draw_copied, self._draw_turn = [torch.cuda.Event(), torch.cuda.Event()], 0
+        self._draw_copied, self._draw_turn = self._events(2), 0
         self.slot_drawn = torch.zeros(n_rows, dtype=torch.long, device=dev)
         self.slot_wider = torch.zeros(n_rows, dtype=torch.bool, device=dev)
         self.host_drawn = torch.zeros(n_rows, dtype=torch.long, pin_memory=True)
@@ -355,22 +358,51 @@ class BatchGraphDecoder:
         n = len(rows)
         size = next(s for s in self.sizes if s >= n)
         turn, self._draw_turn = self._draw_turn, self._draw_turn ^ 1
-        self._draw_copied[turn].synchronize()  # the copy out of this buffer, two draws ago, is done
+        self._copied(self._draw_copied[turn])  # the copy out of this buffer, two draws ago, is done
         host = self.draw_in[turn].numpy()
         host[:, :n] = rows, temps, top_p, ks, uniforms
         # Padding rows: the spare logits row, drawn plainly; nobody reads them.
         host[:, n:size] = [[self.n_slots], [1.0], [1.0], [self.slot_logits.shape[1]], [0.5]]
-        self.dev_draw_in.copy_(self.draw_in[turn], non_blocking=True)
-        record(self._draw_copied[turn], self.device)
-        graph = self.draw_graphs.get(size)
-        if graph is None:
-            graph = capture(lambda: self._draw(size), self.device, self.pool)
-            self.pool = graph.pool()
-            self.draw_graphs[size] = graph
-        graph.replay()
-        self.draw_done = torch.cuda.Event()
-        record(self.draw_done, self.device)
+        self.draw_done = self._enqueue(self.dev_draw_in, self.draw_in[turn], self._draw_copied[turn],
+                                       self.draw_graphs, size, lambda: self._draw(size))
         return self.draw_done
+
+    def _copied(self, event: torch.cuda.Event) -> None:
+        """Wait for the copy out of an input buffer (two launches ago): done already, nearly always."""
+        if self._driver is None or not self._driver.done(event):
+            event.synchronize()
+
+    def _enqueue(self, dev: Tensor, host: Tensor, copied: torch.cuda.Event, graphs: dict, key, run
+                 ) -> torch.cuda.Event:
+        """Copy the (pinned) inputs `host` to `dev` and record `copied`, then replay graphs[key] (captured
+        now by running `run` if it is new): the event recorded after it, returned. Through the driver
+        with the GIL held where FLOE_GIL_LAUNCH asks (floe.engine.cuda_launch), else PyTorch's calls."""
+        driver = self._driver
+        stream = None if driver is None else driver.bind()
+        if driver is None:
+            dev.copy_(host, non_blocking=True)
+            record(copied, self.device)
+        else:
+            driver.copy(dev, host, stream)
+            driver.record(copied, stream)
+        graph = graphs.get(key)
+        if graph is None:  # capturing runs the step for real, twice first: a fed row reads a row it
+            # does not write (a slot's earlier row), so each run computes the same thing
+            graph = capture(run, self.device, self.pool)
+            self.pool = graph.pool()
+            graphs[key] = graph
+        if driver is not None:
+            driver.launch(graph, stream)
+            return driver.next_done(stream)
+        graph.replay()
+        done = torch.cuda.Event()
+        record(done, self.device)
+        return done
+
+    def _events(self, n: int) -> list[torch.cuda.Event]:
+        """n events for the copies' records (made now where the driver records them: created)."""
+        return [torch.cuda.Event() if self._driver is None else created(torch.cuda.Event(), self.device)
+                for _ in range(n)]
 
     def _picks(self, size: int) -> bool:
         """Whether a (not prefill) step of `size` rows computes its head for fill_rows' pick only: a mixed
@@ -440,18 +472,9 @@ class BatchGraphDecoder:
         host, dev = (self.prompt_host_in, self.prompt_dev_in) if long else (self.host_in, self.dev_in)
         host_rows = self.prompt_host_rows if long else self.host_rows
         turn, self._in_turn = self._in_turn, self._in_turn ^ 1
-        self._in_copied[turn].synchronize()  # the copy out of this buffer, two replays ago, is done
+        self._copied(self._in_copied[turn])  # the copy out of this buffer, two replays ago, is done
         fill_rows(host_rows[turn], size, tokens, positions, slots, rows, self.n_slots, feeds,
                   self.pick if not prefill and self._picks(size) else 0)
-        dev.copy_(host[turn], non_blocking=True)
-        record(self._in_copied[turn], self.device)
-        graph = self.graphs.get((size, bucket, prefill))
-        if graph is None:  # capturing runs the step for real, twice first: a fed row reads a row it
-            # does not write (a slot's earlier row), so each run computes the same thing
-            graph = capture(lambda: self._forward(size, bucket, prefill), self.device, self.pool)
-            self.pool = graph.pool()
-            self.graphs[size, bucket, prefill] = graph
-        graph.replay()
-        self.done = torch.cuda.Event()
-        record(self.done, self.device)
+        self.done = self._enqueue(dev, host[turn], self._in_copied[turn], self.graphs,
+                                  (size, bucket, prefill), lambda: self._forward(size, bucket, prefill))
         return rows
