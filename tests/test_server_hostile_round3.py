@@ -24,7 +24,7 @@ from test_server_hostile import Errors, metric, refused
 
 from floe.engine import Engine
 from floe.server.app import create_app
-from floe.server.core_socket import EXPORT_WINDOW, MAX_IMPORTS
+from floe.server.core_socket import EXPORT_WINDOW, EXPORTS, MAX_IMPORTS
 
 SLOTS = 4
 WAIT_S = 2.0  # a request's wait for a slot here, twice that for a busy session (floe serve's: 30 s)
@@ -391,6 +391,40 @@ def test_one_key_trickling_uploads_leaves_another_key_room_to_upload(default_che
             for conn in slow:
                 conn.close()
     finally:
+        s.stop()
+
+
+def test_one_key_exporting_to_clients_that_read_nothing_leaves_another_key_room_to_export(
+        default_checkpoint, tmp_path):
+    """A client of key A asking EXPORTS exports of a 20 MB session and reading none held every export
+    thread: key B's export of a small session waited ~57 s (floe serve, measured; again each time A
+    asked again). Now a key may have half of them under way or waiting; past that, a 503 at once."""
+    engine = Engine(default_checkpoint, max_seq_len=512, n_slots=2, weights="native")
+    s = ThreadServer(create_app(engine, snapshots=tmp_path, model_id=MODEL_ID, keys=("key-a", "key-b")),
+                     send_timeout_s=SEND_TIMEOUT_S * 10)
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    stalled = []
+    try:
+        for key, sid, text, n in ((a, "big", STORY, 400), (b, "small", "hi", 2)):
+            body = {"model": MODEL_ID, "max_tokens": n, "temperature": 0, "session_id": sid,
+                    "messages": [{"role": "user", "content": text}]}
+            assert httpx.post(s.url + CHAT, json=body, headers=key, timeout=120).status_code == 200
+        for _ in range(EXPORTS):
+            conn = socket.socket()
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            conn.connect(("127.0.0.1", s.port))
+            conn.sendall(b"GET /v1/sessions/big/snapshot HTTP/1.1\r\nHost: x\r\n"
+                         b"Authorization: Bearer key-a\r\n\r\n")
+            stalled.append(conn)
+        time.sleep(1.0)
+        r = httpx.get(f"{s.url}/v1/sessions/big/snapshot", headers=a, timeout=60)
+        assert r.status_code == 503 and "this API key" in r.text, r.text[:300]
+        started = time.monotonic()
+        r = httpx.get(f"{s.url}/v1/sessions/small/snapshot", headers=b, timeout=60)
+        assert r.status_code == 200 and time.monotonic() - started < 10, r.text[:300]
+    finally:
+        for conn in stalled:
+            conn.close()
         s.stop()
 
 

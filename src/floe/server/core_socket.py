@@ -42,7 +42,9 @@ MAX_IMPORTS = 4  # snapshot uploads at once (each holds a thread while its clien
 # as is an API key's past half of them (a client trickling 4 uploads held them all, every key's, for hours)
 # An export sends at most EXPORT_WINDOW chunks (1 MiB each) ahead of what its client has taken ("more"
 # frames): without it, exports to clients that read nothing piled in the front's memory (10 of a 70 MB
-# snapshot: +780 MB). EXPORTS send at once (each holds a thread of their own pool); more wait for one.
+# snapshot: +780 MB). EXPORTS send at once (each holds a thread of their own pool); more wait for one,
+# but an API key's past half of them are a 503 (one key's 8 exports nobody read held every key's export
+# waiting ~60 s, again and again).
 EXPORT_WINDOW, EXPORTS = 4, 8
 EXPORT_STALL_S = 60.0  # an export whose client takes nothing for this long is given up
 
@@ -259,6 +261,7 @@ class CoreServer:
         self.pool = ThreadPoolExecutor(core.pool_threads + MAX_IMPORTS, "floe-chat")
         self._importing: Counter = Counter()  # imports under way, by owner
         self._imports_lock = threading.Lock()
+        self._exporting: Counter = Counter()  # exports under way or waiting, by API key (none: open)
         self.exporting = ThreadPoolExecutor(EXPORTS, "floe-export")  # (never a chat's thread)
         self.connections: list[_Connection] = []
         # The answers of the core's calls that never change while it serves (ServeCore.fixed_calls: a
@@ -317,6 +320,9 @@ class CoreServer:
         elif op == "call":  # freeze, thaw, delete: may wait for a session's lock
             self.pool.submit(self._call, conn, rid, message.get("name"), message.get("arg"),
                              message.get("owner"))
+        elif op == "export" and (refused := self._take_export(_text_or_none(message.get("owner")))):
+            _answer_error(conn, rid, ServeError(503, f"{refused}; send this one once one has ended",
+                                                "server_error", "server_busy"), "an export")
         elif op == "export":
             conn.exports[rid] = threading.Semaphore(EXPORT_WINDOW)
             self.exporting.submit(self._export, conn, rid, message.get("arg"), message.get("owner"))
@@ -377,6 +383,23 @@ class CoreServer:
             conn.exports.pop(rid, None)
             if chunks is not None and hasattr(chunks, "close"):  # (a model's export holds it loaded)
                 chunks.close()
+            if owner := _text_or_none(owner):  # (counted by _take_export)
+                with self._imports_lock:
+                    self._exporting[owner] -= 1
+                    if not self._exporting[owner]:
+                        del self._exporting[owner]
+
+    def _take_export(self, owner) -> str | None:
+        """Count an export of API key `owner`'s, or say why it may not start: the key has half of
+        EXPORTS under way or waiting (an open server's exports only wait for a thread)."""
+        if not owner:
+            return None
+        with self._imports_lock:
+            if self._exporting[owner] >= EXPORTS // 2:
+                return (f"this API key has {EXPORTS // 2} snapshot exports under way (each key may have "
+                        f"half of the server's {EXPORTS})")
+            self._exporting[owner] += 1
+            return None
 
     def _take_import(self, owner) -> str | None:
         """Count an import of `owner`'s as under way, or say why it may not start now: MAX_IMPORTS run
