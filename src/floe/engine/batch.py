@@ -422,7 +422,7 @@ class BatchedSteps:
             else:
                 chunk_slots = [step.prompts[k][1] for k, _ in step.chunks]
                 with self._step_lock:
-                    step.done.synchronize()  # every row's greedy choice is on the host now
+                    self._batch.wait(step.done)  # every row's greedy choice is on the host now
                 argmax = self._batch.host_argmax_np[step.logit_rows].tolist()
                 lengths = self.cache.lengths
                 void = {s for s, p in zip(row_slots, step.positions, strict=True) if lengths[s] <= p}
@@ -439,7 +439,7 @@ class BatchedSteps:
             slots, draw = step.draw
             step.draw = None
             if draw.tokens is None:  # the draw graph's: its results are in pinned host memory
-                step.draw_done.synchronize()
+                self._batch.wait(step.draw_done)
                 wider = self._batch.host_wider[step.draw_rows]
                 again = self._batch.slot_logits[step.draw_rows] if bool(wider.any()) else None  # drawn again
                 draw = draw._replace(tokens=self._batch.host_drawn[step.draw_rows], wider=wider, logits=again)

@@ -369,6 +369,11 @@ class BatchGraphDecoder:
 
     def _copied(self, event: torch.cuda.Event) -> None:
         """Wait for the copy out of an input buffer (two launches ago): done already, nearly always."""
+        self.wait(event)
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        """Wait for `event` (a replay's done, a copy's): asked first through the driver where it launches
+        (floe.engine.cuda_launch): an event already reached costs no hand-off of the GIL."""
         if self._driver is None or not self._driver.done(event):
             event.synchronize()
 

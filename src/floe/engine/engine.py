@@ -287,7 +287,7 @@ class Engine(BatchedSteps):
         batch = self._batch_decoder()
         short = len(ids) <= batch.PREFILL_ROWS
         row = batch.prefill(ids, start, slot) if short else batch.prompt(tokens, start, slot)
-        batch.done.synchronize()  # its greedy choice is on the host now (the caller samples next)
+        batch.wait(batch.done)  # its greedy choice is on the host now (the caller samples next)
         self._greedy[slot] = int(batch.host_argmax[row])
         logits = batch.slot_logits[row]
         return logits if logits_out is None else logits_out.copy_(logits)
