@@ -204,6 +204,7 @@ static void consume_array(const grammar *g, frame *c, int d, const schema_node *
             cset_emit(out, c, d);
             return;
         }
+        if (t->state == A_OPEN && n->max == 0) return; /* maxItems 0: no first item (only A_AFTER's ',' checked it) */
         uint32_t count = t->state == A_OPEN ? 1 : (uint32_t)t->idx + 1, prefix = n->n - 1;
         t->state = A_AFTER;
         /* past minItems and the prefix, without maxItems: all counts alike */

@@ -187,6 +187,20 @@ def test_a_reply_completes_within_a_tight_max_tokens(tiny_engine):
             assert valid(reply.value, PERSON) and reply.reply.stats.generated_tokens <= max_tokens
 
 
+@pytest.mark.parametrize("schema", [{"type": "array", "items": {"type": "integer"}, "maxItems": 0},
+                                    {"type": "object", "required": ["x"],
+                                     "properties": {"x": {"type": "array", "maxItems": 0}}}],
+                         ids=["array", "property"])
+def test_an_array_of_max_items_zero_is_written_empty(tiny_engine, schema):
+    """maxItems 0 let one item through: an array's first item was not checked against its maximum
+    (floe serve's json_schema replies and tool calls: `[1225147655384116]` for such a schema)."""
+    with grammar_actor(tiny_engine, seed=3) as actor:
+        for _ in range(6):
+            reply = send_json(actor, "x", schema, instruct=False, fresh=True, max_tokens=40,
+                              params=SamplingParams(temperature=1.5))
+            assert valid(reply.value, schema), reply.text
+
+
 def test_a_max_tokens_below_the_schema_minimum_is_reported(tiny_engine):
     with grammar_actor(tiny_engine) as actor:
         with pytest.raises(IncompleteJSON, match="max_tokens"):
