@@ -566,6 +566,48 @@ def test_prompts_riding_along_decode_rows_equal_their_own_prefill(batching):
             batching.release_slot(s)
 
 
+@pytest.mark.parametrize("pick, driver", [(True, False), (False, True), (True, True)])
+def test_a_mixed_steps_head_on_its_kept_rows_and_the_drivers_launch_step_as_before(engines, monkeypatch, pick,
+                                                                                   driver):
+    """BatchGraphDecoder.PICK_LOGITS (a mixed step's head only on the rows that keep logits) and the launch
+    through the driver with the GIL held (FLOE_GIL_LAUNCH: floe.engine.cuda_launch) give the logits and
+    greedy choices of the plain step: a decode row with two prompts riding, then batched decode steps."""
+    from floe.engine import Engine, cuda_launch
+    from floe.engine.cuda_graph import BatchGraphDecoder
+
+    def engine(pick: bool, driver: bool) -> Engine:
+        monkeypatch.setattr(BatchGraphDecoder, "PICK_LOGITS", pick)
+        monkeypatch.setattr(cuda_launch, "ENABLED", driver)
+        made = Engine(engines["eager"].checkpoint, device="cuda", max_seq_len=512, n_slots=4,
+                      fused_kernels=True)
+        graph = made._batch_decoder()
+        assert (graph.pick > 0) == pick and (graph._driver is not None) == driver
+        return made
+
+    def run(e: Engine):
+        slots = [e.claim_slot() for _ in range(3)]
+        try:
+            a, b, c = slots
+            first = int(e.prefill(list(range(100, 130)), a).argmax())
+            step = e.launch_batch([first], [a], [(list(range(7, 47)), b), (list(range(300, 317)), c)])
+            mixed = [r.float().cpu().clone() for r in e.finish_batch(step) + step.prompt_results]
+            greedy = [e.greedy_token(s) for s in slots]
+            for s in slots:
+                e.kv_truncate(0, s)
+            tokens, logits = greedy_steps(e, slots, [list(range(100, 105)), list(range(7, 47)),
+                                                     list(range(300, 600))], 6, batched=True)
+            return mixed, greedy, tokens, [torch.stack(rows) for rows in logits]
+        finally:
+            for s in slots:
+                e.kv_truncate(0, s)
+                e.release_slot(s)
+
+    got, want = run(engine(pick, driver)), run(engine(False, False))
+    assert got[1] == want[1] and got[2] == want[2]
+    for a, b in zip([*got[0], *got[3]], [*want[0], *want[3]], strict=True):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
 def test_a_burst_of_prompts_fills_the_padded_mixed_graph_beside_the_decode_rows(batching):
     """ride_room: the prompt rows a step of D decode rows takes along fill the graph it replays (padded to
     a captured size) rather than MIXED_ROWS of it; prompts of more rows than MIXED_ROWS in all ride in
