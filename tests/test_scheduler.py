@@ -154,8 +154,8 @@ def test_a_mixed_step_picks_the_rows_that_keep_their_logits():
 
 
 def test_the_gil_held_launch_falls_back_to_pytorchs_calls_where_it_cannot_run(monkeypatch, caplog):
-    """FLOE_GIL_LAUNCH=1 without what the driver's launch needs (here: no GPU, or no CUDA driver) is
-    PyTorch's launch calls, said on the log, not an error."""
+    """The GIL-held launch (on unless FLOE_GIL_LAUNCH=0) without what the driver's launch needs (here: no
+    GPU, or no CUDA driver) is PyTorch's launch calls, said on the log, not an error."""
     import torch
 
     from floe.engine import cuda_launch

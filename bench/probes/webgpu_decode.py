@@ -124,7 +124,9 @@ VARIANTS = [
     ("lanes f16 deep, mlp 256x64x32", "lanes", {"FLOE_WEBGPU_MLP": "256x64x32"}, "f16", "deep"),
     ("lanes f16 deep, mlp 128x16x16", "lanes", {"FLOE_WEBGPU_MLP": "128x16x16"}, "f16", "deep"),
     ("lanes f16 deep, attend 64x128x1", "lanes", {"FLOE_WEBGPU_ATTEND": "64x128x1"}, "f16", "deep"),
-    ("lanes f16 six a layer", "lanes", {}, "f16", "five"),  # (five before the split attention)
+    ("lanes f16 six a layer", "lanes", {}, "f16", "five"),  # (five before the split attention; wide loads
+    # by default since the eighth session of 2026-12-06: plan.WIDE)
+    ("lanes f16 six a layer, narrow", "lanes", {"FLOE_WEBGPU_WIDE": "0"}, "f16", "five"),  # (8-byte loads)
     ("lanes f16 six a layer, unroll 2", "lanes", {"FLOE_WEBGPU_UNROLL": "2"}, "f16", "five"),
     ("lanes f16 six a layer, unroll 4", "lanes", {"FLOE_WEBGPU_UNROLL": "4"}, "f16", "five"),
     ("lanes f16 six a layer, gemv 256x4 unroll 2", "lanes", {"FLOE_WEBGPU_LANES": "256x4",

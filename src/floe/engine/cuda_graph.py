@@ -198,8 +198,8 @@ class BatchGraphDecoder:
     # A mixed step's head (vocabulary-wide logits, float32) only for the rows that keep their logits (a
     # slot's at most: n_slots + 1 rows, gathered by fill_rows' pick), not for every prompt row beside them
     # (512 rows at the 1B shape: 269 GFLOP and 263 MB of logits written, copied and read for argmax, of
-    # which the spare row keeps nothing). FLOE_MIXED_PICK=1: on; off until measured on a GPU.
-    PICK_LOGITS = os.environ.get("FLOE_MIXED_PICK", "0") == "1"
+    # which the spare row keeps nothing). FLOE_MIXED_PICK=0 turns it off (an H100, 128 actors: +2-3 %).
+    PICK_LOGITS = os.environ.get("FLOE_MIXED_PICK", "1") != "0"
 
     def __init__(self, model: Transformer, cache, min_bucket: int = 256) -> None:
         self.model, self.cache = model, cache
@@ -225,7 +225,7 @@ class BatchGraphDecoder:
         self.host_in = torch.zeros(2, width, top, dtype=torch.long, pin_memory=True)
         self.host_rows = self.host_in.numpy()  # the same pinned memory, written without a tensor op
         self.dev_in = torch.zeros(width, top, dtype=torch.long, device=dev)
-        # The launch's CUDA calls through the driver, the GIL held (FLOE_GIL_LAUNCH=1; else None)
+        # The launch's CUDA calls through the driver, the GIL held (None with FLOE_GIL_LAUNCH=0)
         self._driver = driver_launch(dev)
         self._in_copied, self._in_turn = self._events(2), 0
         # Prompt graphs' rows (prompt_sizes: up to the cache's length) in buffers of their own, so a

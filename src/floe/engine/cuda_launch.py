@@ -11,8 +11,11 @@ DriverLaunch makes those four calls through the CUDA driver's C API with ctypes.
 GIL for the call (each is an enqueue of a few microseconds: nothing waits on the device there). The
 handles are PyTorch's own: the current stream's, the events' (created up front: a torch.cuda.Event
 makes its CUDA event at its first record), the graph's instantiated executable
-(CUDAGraph.raw_cuda_graph_exec). FLOE_GIL_LAUNCH=1 turns it on (BatchGraphDecoder), off until measured
-on a GPU.
+(CUDAGraph.raw_cuda_graph_exec). On by default (BatchGraphDecoder); FLOE_GIL_LAUNCH=0 turns it off. On an
+H100 (1B shape, floe serve, 64 / 128 sessions, taking turns with PyTorch's calls): the loop's launches
+0.04-0.05 s against 0.11-0.14 at 64 and 0.06-0.07 against 0.18-0.19 at 128 (the actors' own: 0.05-0.06), a
+64-burst's TTFT p50 82-91 ms against 101-125; tok/s within the runs' spread (docs/PERF_HISTORY.md, the
+eighth session of 2026-12-06).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import threading
 
 import torch
 
-ENABLED = os.environ.get("FLOE_GIL_LAUNCH", "0") == "1"
+ENABLED = os.environ.get("FLOE_GIL_LAUNCH", "1") != "0"
 RING = 16  # done events taken in turn (steps' and draws'): each recorded again 16 records later (4 in flight)
 
 
@@ -101,8 +104,8 @@ def created(event: torch.cuda.Event, device: torch.device) -> torch.cuda.Event:
 
 
 def driver_launch(device: torch.device) -> DriverLaunch | None:
-    """A DriverLaunch for `device` where FLOE_GIL_LAUNCH=1 asks for one and the driver and this PyTorch
-    have what it needs (else None: PyTorch's calls, as before)."""
+    """A DriverLaunch for `device` unless FLOE_GIL_LAUNCH=0, where the driver and this PyTorch have what
+    it needs (else None: PyTorch's calls)."""
     if not ENABLED:
         return None
     try:

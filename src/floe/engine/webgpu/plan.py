@@ -12,7 +12,11 @@ from floe.model.config import ModelConfig
 
 WG = 64  # threads per workgroup (GEMV columns / 4, attention positions per chunk)
 UNROLL = 1  # WLs a lane of the lanes GEMV reads a row an iteration (lanes_unroll)
-WIDE = 0  # 1: the lanes GEMV reads f16 weights eight at a time, 16 bytes a load (lanes_wide; LANE_LOADS)
+# 1: the lanes GEMV reads f16 weights eight at a time, 16 bytes a load (lanes_wide; LANE_LOADS): an H100
+# through Vulkan, 1B shape, six a layer: 283.0 against 258.7 tok/s (GEMVs 2.85 against 3.21 ms a token);
+# unroll 2 beside it 261.2, alone 265.0 (bench/probes/webgpu_decode.py, docs/PERF_HISTORY.md's eighth
+# session of 2026-12-06)
+WIDE = 1
 GEMV_WG_WIDE = 256  # a GEMV's threads per workgroup where it has rows enough (fewer workgroups: less set-up)
 LANES = (128, 4)  # the lanes layout's GEMV: lanes per workgroup, output rows per workgroup
 # The deep plan's fused dispatches per layout: attend_out (lanes, output rows a tile, lanes a row of
