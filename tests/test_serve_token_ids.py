@@ -291,3 +291,21 @@ def test_a_front_that_stops_reading_never_holds_the_loops_thread_and_loses_nothi
     assert not reader.is_alive() and got == sent_ids and not conn.pending
     ours.close()
     theirs.close()
+
+
+def test_the_loops_send_takes_what_the_socket_takes_now_and_says_when_the_front_is_gone():
+    """core_socket.send_now (the engine loop's sends, the GIL held): the bytes the socket took, 0 once it
+    takes nothing, and an OSError once its reader has closed (the connection is then lost)."""
+    from floe.server.core_socket import _Connection, send_now
+
+    ours, theirs = socket.socketpair()
+    assert send_now(ours, b"hello") == 5 and theirs.recv(5) == b"hello"
+    taken = [send_now(ours, b"x" * 65536) for _ in range(64)]
+    assert taken[0] > 0 and taken[-1] == 0  # (full: nothing taken, no wait)
+    theirs.close()
+    with pytest.raises(OSError):
+        send_now(ours, b"y")
+    conn = _Connection(ours)
+    conn._write_without_waiting(b"z")
+    assert conn.closed  # (lost: its chats stop at their next token)
+    ours.close()
