@@ -374,7 +374,8 @@ class BatchGraphDecoder:
     def wait(self, event: torch.cuda.Event) -> None:
         """Wait for `event` (a replay's done, a copy's): asked first through the driver where it launches
         (floe.engine.cuda_launch): an event already reached costs no hand-off of the GIL."""
-        if self._driver is None or not self._driver.done(event):
+        driver = self._driver
+        if driver is None or not driver.usable() or not driver.done(event):
             event.synchronize()
 
     def _enqueue(self, dev: Tensor, host: Tensor, copied: torch.cuda.Event, graphs: dict, key, run
@@ -382,8 +383,8 @@ class BatchGraphDecoder:
         """Copy the (pinned) inputs `host` to `dev` and record `copied`, then replay graphs[key] (captured
         now by running `run` if it is new): the event recorded after it, returned. Through the driver
         with the GIL held where FLOE_GIL_LAUNCH asks (floe.engine.cuda_launch), else PyTorch's calls."""
-        driver = self._driver
-        stream = None if driver is None else driver.bind()
+        driver = self._driver if self._driver is not None and self._driver.usable() else None
+        stream = None if driver is None else driver.stream()
         if driver is None:
             dev.copy_(host, non_blocking=True)
             record(copied, self.device)

@@ -7,12 +7,13 @@ during a burst, the engine loop's thread waits to take it back after each releas
 interval, 5 ms, behind a thread running Python), and the same launches took 3.1x the actors' time (an
 H100, 64 sessions: 108 against 35 ms; docs/PERF_HISTORY.md, "the 64-burst on an H100").
 
-DriverLaunch makes those four calls through the CUDA driver's C API with ctypes.PyDLL, which keeps the
-GIL for the call (each is an enqueue of a few microseconds: nothing waits on the device there). The
-handles are PyTorch's own: the current stream's, the events' (created up front: a torch.cuda.Event
-makes its CUDA event at its first record), the graph's instantiated executable
-(CUDAGraph.raw_cuda_graph_exec). On by default (BatchGraphDecoder); FLOE_GIL_LAUNCH=0 turns it off. On an
-H100 (1B shape, floe serve, 64 / 128 sessions, taking turns with PyTorch's calls): the loop's launches
+DriverLaunch makes those four calls through the CUDA driver's C API with ctypes.PyDLL, which keeps the GIL
+for the call (each is an enqueue of a few microseconds: nothing waits on the device there). The handles are
+PyTorch's own: the current stream's, the events' (created up front: a torch.cuda.Event makes its CUDA event
+at its first record), the graph's instantiated executable (CUDAGraph.raw_cuda_graph_exec); and only where
+the calling thread's current CUDA context is the device's (DriverLaunch.usable: else that launch takes
+PyTorch's calls, which set the device). On by default (BatchGraphDecoder); FLOE_GIL_LAUNCH=0 turns it off.
+On an H100 (1B shape, floe serve, 64 / 128 sessions, taking turns with PyTorch's calls): the loop's launches
 0.04-0.05 s against 0.11-0.14 at 64 and 0.06-0.07 against 0.18-0.19 at 128 (the actors' own: 0.05-0.06), a
 64-burst's TTFT p50 82-91 ms against 101-125; tok/s within the runs' spread (docs/PERF_HISTORY.md, the
 eighth session of 2026-12-06).
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 
 import torch
 
@@ -46,21 +46,27 @@ class DriverLaunch:
         self._query = _fn(lib, "cuEventQuery", ptr)
         self._launch = _fn(lib, "cuGraphLaunch", ptr, ptr)
         self._current = _fn(lib, "cuCtxGetCurrent", ctypes.POINTER(ptr))
-        self._bound = threading.local()  # (a thread's driver calls need the device's context current)
+        with torch.cuda.device(device):  # the device's (primary) context, current in this block
+            torch.cuda.synchronize(device)
+            self._context = self._current_context()
+        if not self._context:
+            raise DriverError(f"no CUDA context is current for {device}")
         self.ring = [created(torch.cuda.Event(), device) for _ in range(RING)]
         self._execs: dict[torch.cuda.CUDAGraph, int] = {}  # each graph's instantiated executable
         self._turn = 0
 
-    def bind(self) -> int:
-        """The device's current stream (its handle), once this thread's driver calls have a context:
-        PyTorch's runtime calls make the device's primary context current in a thread; a thread that has
-        made none (the engine loop's, started after the warm-up) synchronizes the device once."""
-        if not getattr(self._bound, "ok", False):
-            ctx = ctypes.c_void_p()
-            self._check(self._current(ctypes.byref(ctx)), "cuCtxGetCurrent")
-            if not ctx.value:
-                torch.cuda.synchronize(self.device)
-            self._bound.ok = True
+    def usable(self) -> bool:
+        """Whether this thread's driver calls go to the device's context (the one current in it): a thread
+        that has made no CUDA call yet, or whose current device is another GPU, launches through
+        PyTorch's calls instead (which set the device themselves, and make its context current here)."""
+        return self._current_context() == self._context
+
+    def _current_context(self) -> int | None:
+        ctx = ctypes.c_void_p()
+        return ctx.value if self._current(ctypes.byref(ctx)) == 0 else None
+
+    def stream(self) -> int:
+        """The device's current stream in this thread (its handle)."""
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: int) -> None:
