@@ -461,3 +461,19 @@ def test_a_snapshot_imported_under_a_new_id_goes_to_the_model_it_names(server):
     junk = httpx.put(f"{server.url}/v1/sessions/junk/snapshot", content=b"\x10" + b"\x00" * 7 + b"{}" * 8,
                      timeout=60)
     assert junk.status_code == 400 and "refused" in junk.text
+
+
+def test_a_keep_alive_that_is_not_a_duration_is_a_400():
+    """Ollama's keep_alive: seconds or a duration ("5m"), negative for ever; NaN (JSON's NaN literal, which
+    Python's parser takes), a flag or a word is a 400 (NaN was taken: a model never compared idle)."""
+    import math
+
+    from floe.server.models import keep_alive_seconds
+    from floe.server.protocol import ServeError
+
+    assert keep_alive_seconds("5m") == 300 and keep_alive_seconds(0) == 0
+    assert keep_alive_seconds(-1) == math.inf
+    for bad in (float("nan"), True, "soon", None, [1]):
+        with pytest.raises(ServeError) as e:
+            keep_alive_seconds(bad)
+        assert e.value.status == 400, bad

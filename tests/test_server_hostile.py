@@ -114,6 +114,7 @@ WRONG = [  # each a change to a valid request; every one is a 400 naming what is
     {"n": 0}, {"stream": 2}, {"stream_options": 5}, {"stop": 5}, {"stop": ["a"] * 5},
     {"stop": [""]}, {"stop": "x" * 10_000}, {"session_id": 5}, {"session_id": ["a"]}, {"logprobs": "x"},
     {"presence_penalty": 1e308}, {"logit_bias": {"x": 1}}, {"response_format": 5}, {"tools": 5},
+    {"stream_options": {"include_usage": "yes"}}, {"stream_options": {"include_usage": 1}},
 ]
 
 

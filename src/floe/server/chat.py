@@ -39,7 +39,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = Field(default=False, strict=True)  # ("yes": a 400, as the other flags)
 
 
 class Sampling(BaseModel):

@@ -82,7 +82,7 @@ def keep_alive_seconds(value) -> float:
     ever (math.inf). Raises a 400 for anything else."""
     if isinstance(value, bool):
         value = "?"
-    if isinstance(value, int | float):
+    if isinstance(value, int | float) and not math.isnan(value):  # (NaN: never < or > a clock: a 400)
         seconds = float(value)
     elif isinstance(value, str) and (m := DURATION.fullmatch(value.strip())):
         seconds = float(m[1]) * UNITS[m[2]]
