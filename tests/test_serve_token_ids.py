@@ -294,9 +294,10 @@ def test_a_front_that_stops_reading_never_holds_the_loops_thread_and_loses_nothi
 
 
 def test_the_loops_send_takes_what_the_socket_takes_now_and_says_when_the_front_is_gone():
-    """core_socket.send_now (the engine loop's sends, the GIL held): the bytes the socket took, 0 once it
+    """protocol.send_now (the engine loop's sends, the GIL held): the bytes the socket took, 0 once it
     takes nothing, and an OSError once its reader has closed (the connection is then lost)."""
-    from floe.server.core_socket import _Connection, send_now
+    from floe.server.core_socket import _Connection
+    from floe.server.protocol import send_now
 
     ours, theirs = socket.socketpair()
     assert send_now(ours, b"hello") == 5 and theirs.recv(5) == b"hello"

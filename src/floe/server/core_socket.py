@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import base64
-import ctypes
-import errno
 import logging
 import math
 import os
@@ -23,7 +21,7 @@ from typing import TYPE_CHECKING
 from floe.actor.stream import TokenStream
 from floe.actor.watchers import watch_steps
 from floe.server import protocol
-from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length, pack, unpack
+from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length, pack, send_now, unpack
 
 if TYPE_CHECKING:
     from floe.server.core import ServeCore
@@ -49,40 +47,6 @@ MAX_IMPORTS = 4  # snapshot uploads at once (each holds a thread while its clien
 # waiting ~60 s, again and again).
 EXPORT_WINDOW, EXPORTS = 4, 8
 EXPORT_STALL_S = 60.0  # an export whose client takes nothing for this long is given up
-
-
-def send_now(sock: socket.socket, data: bytes) -> int:
-    """Send as much of `data` as `sock` takes now, without waiting (0 where it takes nothing), keeping the
-    GIL: libc's send through ctypes.PyDLL, where socket.send lets the GIL go and then waits to take it
-    back, in the engine loop's thread behind a burst's chat threads (bench/probes/gil_handoff.py: 5 such
-    calls 13 ms a step under 64 threads of Python, 19 us held). Raises OSError where the peer is gone."""
-    if _send is None:  # (not Linux: the socket's own, letting the GIL go)
-        try:
-            return sock.send(data, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return 0
-    while True:
-        sent = _send(sock.fileno(), data, len(data), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-        if sent >= 0:
-            return sent
-        code = ctypes.get_errno()
-        if code in (errno.EAGAIN, errno.EWOULDBLOCK):
-            return 0
-        if code != errno.EINTR:
-            raise OSError(code, os.strerror(code))
-
-
-def _libc_send():
-    """libc's send(2), called with the GIL held (ctypes.PyDLL), or None where there is no MSG_NOSIGNAL."""
-    if not hasattr(socket, "MSG_NOSIGNAL"):
-        return None
-    fn = ctypes.PyDLL(None, use_errno=True).send
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_ssize_t
-    return fn
-
-
-_send = _libc_send()
 
 
 class _Connection:
