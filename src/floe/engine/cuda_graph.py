@@ -382,7 +382,7 @@ class BatchGraphDecoder:
                  ) -> torch.cuda.Event:
         """Copy the (pinned) inputs `host` to `dev` and record `copied`, then replay graphs[key] (captured
         now by running `run` if it is new): the event recorded after it, returned. Through the driver
-        with the GIL held where FLOE_GIL_LAUNCH asks (floe.engine.cuda_launch), else PyTorch's calls."""
+        with the GIL held (floe.engine.cuda_launch; unless FLOE_GIL_LAUNCH=0), else PyTorch's calls."""
         driver = self._driver if self._driver is not None and self._driver.usable() else None
         stream = None if driver is None else driver.stream()
         if driver is None:
