@@ -102,6 +102,8 @@ def test_models_health_and_a_plain_completion(server):
     c = client(server.url)
     assert [m.id for m in c.models.list().data] == [MODEL_ID]
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    head = httpx.head(f"{server.url}/health")  # (a load balancer's probe: the status, no body)
+    assert head.status_code == 200 and head.content == b""
     r = ask(c, [{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0

@@ -186,7 +186,7 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         log.exception("internal error")
         return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error", "internal_error")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: a load balancer's probe, the same status)
     async def health(request: Request):
         if request.state.owner is None:  # no key on a server with keys: up, and nothing more
             return {"status": "ok"}
