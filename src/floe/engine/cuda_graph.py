@@ -358,7 +358,7 @@ class BatchGraphDecoder:
         n = len(rows)
         size = next(s for s in self.sizes if s >= n)
         turn, self._draw_turn = self._draw_turn, self._draw_turn ^ 1
-        self._copied(self._draw_copied[turn])  # the copy out of this buffer, two draws ago, is done
+        self.wait(self._draw_copied[turn])  # the copy out of this buffer, two draws ago: done, nearly always
         host = self.draw_in[turn].numpy()
         host[:, :n] = rows, temps, top_p, ks, uniforms
         # Padding rows: the spare logits row, drawn plainly; nobody reads them.
@@ -366,10 +366,6 @@ class BatchGraphDecoder:
         self.draw_done = self._enqueue(self.dev_draw_in, self.draw_in[turn], self._draw_copied[turn],
                                        self.draw_graphs, size, lambda: self._draw(size))
         return self.draw_done
-
-    def _copied(self, event: torch.cuda.Event) -> None:
-        """Wait for the copy out of an input buffer (two launches ago): done already, nearly always."""
-        self.wait(event)
 
     def wait(self, event: torch.cuda.Event) -> None:
         """Wait for `event` (a replay's done, a copy's): asked first through the driver where it launches
@@ -478,7 +474,7 @@ class BatchGraphDecoder:
         host, dev = (self.prompt_host_in, self.prompt_dev_in) if long else (self.host_in, self.dev_in)
         host_rows = self.prompt_host_rows if long else self.host_rows
         turn, self._in_turn = self._in_turn, self._in_turn ^ 1
-        self._copied(self._in_copied[turn])  # the copy out of this buffer, two replays ago, is done
+        self.wait(self._in_copied[turn])  # the copy out of this buffer, two replays ago: done, nearly always
         fill_rows(host_rows[turn], size, tokens, positions, slots, rows, self.n_slots, feeds,
                   self.pick if not prefill and self._picks(size) else 0)
         self.done = self._enqueue(dev, host[turn], self._in_copied[turn], self.graphs,

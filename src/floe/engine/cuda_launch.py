@@ -22,9 +22,12 @@ eighth session of 2026-12-06).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 
 import torch
+
+log = logging.getLogger("floe.engine")
 
 ENABLED = os.environ.get("FLOE_GIL_LAUNCH", "1") != "0"
 RING = 16  # done events taken in turn (steps' and draws'): each recorded again 16 records later (4 in flight)
@@ -119,9 +122,7 @@ def driver_launch(device: torch.device) -> DriverLaunch | None:
             raise DriverError("this PyTorch's CUDAGraph has no raw_cuda_graph_exec")
         return DriverLaunch(device)
     except (OSError, AttributeError, RuntimeError) as e:  # (no driver, no GPU, an old PyTorch)
-        import logging
-
-        logging.getLogger("floe.engine").warning("FLOE_GIL_LAUNCH: PyTorch's launch calls instead (%s)", e)
+        log.warning("FLOE_GIL_LAUNCH: PyTorch's launch calls instead (%s)", e)
         return None
 
 
