@@ -60,10 +60,11 @@ def engine_run(engine: Engine, prompts: list[list[int]], steps: int, batched: bo
 
 
 def actors_run(engine: Engine, messages: list[str], max_tokens: int, batch: bool,
-               params: SamplingParams = GREEDY, ids: bool = False) -> dict:
+               params: SamplingParams = GREEDY, ids: bool = False, **loop_options) -> dict:
     """Every message sent by its own actor (chat guest) at once through one engine loop; ids: each
-    reply streamed as token ids (a TokenStream, as `floe serve` streams), else as text."""
-    loop = EngineLoop(engine, batch=batch)
+    reply streamed as token ids (a TokenStream, as `floe serve` streams), else as text. loop_options:
+    EngineLoop's (overlap, feed)."""
+    loop = EngineLoop(engine, batch=batch, **loop_options)
     actors = [Actor(engine, loop=loop, seed=i) for i in range(len(messages))]
     streams = (lambda: {"tokens": TokenStream()}) if ids else dict
     replies, wall = together([lambda a=a, m=m: a.send(m, max_tokens=max_tokens, params=params,

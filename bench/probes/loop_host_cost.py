@@ -10,6 +10,9 @@ where a real step's host time goes (its launch, its results) on the device it ru
 
 --ids: each reply streamed as token ids (a TokenStream, as `floe serve` streams), not as text.
 
+--overlap: the loop's speculation and feeding (floe.actor.speculation) forced on, as on CUDA, where the
+CPU's step is not asynchronous: the Python a CUDA step pays for them, measured on a CPU.
+
 First, asking the guests alone (GuestCalls.ask: host choices, on_token, what it returned),
 µs a row, with the step's calls in one native loop (floe.wasm.rows) and row by row, taking turns.
 """
@@ -45,13 +48,15 @@ def main() -> None:
     ap.add_argument("--ids", action="store_true", help="replies streamed as token ids, not text")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shape", default=None, help="a real shape's seeded random weights (e.g. llama-3.2-1b)")
+    ap.add_argument("--overlap", action="store_true", help="speculation and feeding forced on (as on CUDA)")
     args = ap.parse_args()
+    options = {"overlap": True, "feed": True} if args.overlap else {}
     tok = tokenizer(args.tokenizer)
     engine = shaped_engine(tok, args) if args.shape else tiny_engine(tok, args.sessions, args.device)
     texts = [message(tok, i, 64) for i in range(args.sessions)]
-    actors_run(engine, texts[:2], 4, batch=True, ids=args.ids)
+    actors_run(engine, texts[:2], 4, batch=True, ids=args.ids, **options)
     asking_ab(engine, texts, args)
-    s = actors_run(engine, texts, args.tokens, batch=True, ids=args.ids)["engine_loop"]
+    s = actors_run(engine, texts, args.tokens, batch=True, ids=args.ids, **options)["engine_loop"]
     steps = s["steps"]
     print(f"{args.sessions} actors: {steps} steps, {1e3 * s['step_s'] / steps:.2f} ms a step, "
           f"{1e6 * s['step_s'] / s['rows']:.1f} µs a row-token; phases (ms a step): "
@@ -71,7 +76,8 @@ def main() -> None:
 
     engine_loop.EngineLoop._step = profiled
     try:
-        rows = actors_run(engine, texts, args.tokens, batch=True, ids=args.ids)["engine_loop"]["rows"]
+        run = actors_run(engine, texts, args.tokens, batch=True, ids=args.ids, **options)
+        rows = run["engine_loop"]["rows"]
     finally:
         engine_loop.EngineLoop._step = step
     stats = pstats.Stats(profile)
@@ -122,7 +128,8 @@ def asking_ab(engine: Engine, texts: list[str], args) -> None:
             for way in spent:
                 guest_rows.usable = usable if way == "native" else (lambda guests: False)
                 timed.seconds, timed.rows = 0.0, 0
-                actors_run(engine, texts, args.tokens, batch=True, ids=args.ids)
+                actors_run(engine, texts, args.tokens, batch=True, ids=args.ids,
+                           **({"overlap": True, "feed": True} if args.overlap else {}))
                 spent[way].append(1e6 * timed.seconds / max(timed.rows, 1))
     finally:
         GuestCalls.ask, guest_rows.usable = ask, usable
