@@ -13,13 +13,18 @@ the engine loop (on_message done: EngineLoop.run), its first token id sent to th
 
 Prints per round, for each stage, p50 and max over the requests (ms), and each stage's start relative
 to the burst's first arrival: whether the requests are admitted together or one after another.
+`--profile N`: cProfile of each chat thread from its start to its turn's hand-off (open and on_message,
+the part of a burst that takes the core's GIL one chat after another), the top N functions over the
+last round's chats, µs a chat.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -48,6 +53,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true",
                     help="the probes' one-layer 64-wide model over --tokenizer's (or the default model's) "
                          "vocabulary: the host's share alone")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="the top N functions of the chat threads' admission (cProfile, the last round)")
     ap.add_argument("--ride-rows", type=int, default=None,
                     help="prompt rows a CUDA decode step takes along (loop.RIDE_ROWS, graphs' MIXED_ROWS)")
     args = ap.parse_args()
@@ -80,6 +87,7 @@ def main() -> None:
     cpu: dict[tuple[int, int], dict[str, float]] = {}  # ... -> stage -> its chat thread's CPU s (thread_time)
     local = threading.local()
     lock = threading.Lock()
+    profiles: list[cProfile.Profile] = []  # (--profile) each chat's, from its thread's start to its hand-off
 
     def mark(key, stage: str, thread_cpu: bool = False) -> None:
         if key is not None:
@@ -99,11 +107,22 @@ def main() -> None:
     def w_chat(self, conn, rid, request):
         local.key = key = (id(conn), rid)
         mark(key, "thread", True)
+        if args.profile:
+            local.profile = cProfile.Profile()
+            local.profile.enable()
         try:
             return chat(self, conn, rid, request)
         finally:
+            stop_profile()
             mark(key, "done", True)
             local.key = None
+
+    def stop_profile() -> None:
+        profile, local.profile = getattr(local, "profile", None), None
+        if profile is not None:
+            profile.disable()
+            with lock:
+                profiles.append(profile)
 
     def w_open(self, request):
         try:
@@ -112,6 +131,7 @@ def main() -> None:
             mark(getattr(local, "key", None), "opened", True)
 
     def w_run(self, actor, *a, **k):
+        stop_profile()
         mark(getattr(local, "key", None), "handed", True)
         try:
             return run_(self, actor, *a, **k)
@@ -171,6 +191,7 @@ def main() -> None:
         for r in range(args.rounds):
             times.clear()
             cpu.clear()
+            profiles.clear()
             cmd = [sys.executable, str(HERE.parent / "serve_load.py"), "--url", f"http://127.0.0.1:{port}",
                    "--device", args.device, "--sessions", str(args.sessions), "--turns", "1", "--max-tokens",
                    str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens), "--client-processes",
@@ -191,6 +212,8 @@ def main() -> None:
                        "front to core": [t for what, t in front if what == "to_core"]}
             report(timed[-args.sessions:], {k: sorted(v)[-args.sessions:] for k, v in outside.items()})
             report_cpu(list(cpu.values()))
+        if profiles:
+            report_profile(profiles, args.profile)
     finally:
         for front in fronts:
             front.terminate()
@@ -199,6 +222,19 @@ def main() -> None:
         environment.__exit__(None, None, None)
         server.close()
         core.close()
+
+
+def report_profile(profiles: list[cProfile.Profile], top: int) -> None:
+    """The chats' admission profiles together: the top functions by own time, µs a chat."""
+    stats = pstats.Stats(profiles[0])
+    for profile in profiles[1:]:
+        stats.add(profile)
+    n = len(profiles)
+    print(f"the chat threads' admission (start to hand-off), cProfile over {n} chats, µs a chat:")
+    ranked = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    for (file, line, name), (_, calls, own, cum, _) in ranked:
+        print(f"  {1e6 * own / n:7.1f} own {1e6 * cum / n:7.1f} cum  {calls / n:6.1f} calls  "
+              f"{Path(file).name}:{line}({name})")
 
 
 def report_cpu(rows: list[dict[str, float]]) -> None:
