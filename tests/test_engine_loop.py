@@ -211,6 +211,28 @@ def test_overlapped_steps_answer_and_cache_exactly_as_plain_steps(tiny_engine, f
     assert (overlapped.fed > 0) == feed
 
 
+def test_a_fed_row_whose_token_the_engine_did_not_keep_is_undone_and_the_answers_stay(tiny_engine,
+                                                                                   monkeypatch):
+    """A fed row whose token the engine kept no record of (fed_tokens: None) is refused: undone, its
+    guest asked as any; the rows beside it in the same step keep theirs. Every answer and cache as
+    plain steps'."""
+    jobs = [(None, PROMPTS[0], 16), (None, PROMPTS[1], 12), (None, "x", 12)]  # (none refuses a row)
+    expected = contexts(tiny_engine, EngineLoop(tiny_engine, overlap=False), jobs)
+    fed_tokens, forgotten = type(tiny_engine).fed_tokens, []
+
+    def forgetful(self, slots):
+        tokens = fed_tokens(self, slots)
+        if len(slots) > 1 and len(forgotten) < 3:  # the first of a step's rows, three times
+            forgotten.append(slots[0])
+            tokens[0] = None
+        return tokens
+
+    monkeypatch.setattr(type(tiny_engine), "fed_tokens", forgetful)
+    fed = EngineLoop(tiny_engine, overlap=True, feed=True)
+    assert contexts(tiny_engine, fed, jobs) == expected
+    assert len(forgotten) == 3 and fed.undone == 3 and fed.fed > 0
+
+
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(1.0, top_p=0.95)], ids=["greedy", "sampled"])
 def test_fed_rows_answer_and_cache_exactly_as_plain_steps(tiny_engine, params):
     """Chat guests that take the host's choice, all at once with feeding forced on: after their first

@@ -85,14 +85,18 @@ class Speculation:
             slot_list, draws = slots.tolist(), [t.draws for t in fresh]
         choices = self.engine.choices(slot_list, draws)
         table[slots, Col.CHOICE] = [NONE if c is None else c for c in choices]
-        for k in np.flatnonzero(table[slots, Col.SPECULATED] == FED).tolist():
-            turn = fresh[k]  # its next row was fed the choice as the device made it
-            token = self.engine.fed_token(turn.slot)
-            if token is None:  # which token was fed is not known (an engine that kept no record of it)
-                self._refuse(turn)
-            else:
-                turn.fresh = False
-                turn.speculated = token
+        ks = np.flatnonzero(table[slots, Col.SPECULATED] == FED)
+        if len(ks):  # their next rows were fed the choices as the device made them: those tokens, at once
+            at = slots[ks]
+            tokens = self.engine.fed_tokens(at.tolist())
+            if None in tokens:  # which token was fed is not known (an engine that kept no record of it)
+                for k, token in zip(ks.tolist(), tokens, strict=True):
+                    if token is None:
+                        self._refuse(fresh[k])
+                known = [k for k, token in enumerate(tokens) if token is not None]
+                at, tokens = at[known], [tokens[k] for k in known]
+            table[at, Col.FRESH] = 0
+            table[at, Col.SPECULATED] = tokens
         return fresh, slots
 
     def _speculate(self, slots: np.ndarray) -> np.ndarray:

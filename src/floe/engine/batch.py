@@ -308,6 +308,11 @@ class BatchedSteps:
         fed = self._fed.get(slot)
         return None if fed is None else fed[1]
 
+    def fed_tokens(self, slots: list[int]) -> list[int | None]:
+        """fed_token of each slot (the engine loop's fed rows of a step, at once)."""
+        fed = self._fed
+        return [None if (f := fed.get(slot)) is None else f[1] for slot in slots]
+
     def _ride_along(self, step: LaunchedStep, prompts: list[tuple[list[int], int]]) -> list[int]:
         """The prompts (indices) that ride in the decode step's replay (CUDA: as many rows as the largest
         mixed graph holds beside the decode rows; ride_room says how many to send); the others run now,
