@@ -49,8 +49,13 @@ class Speculation:
         flight, table = self._launched[0], self.table.array
         if table[self._roster_now().slots, Col.FRESH].any():
             return None
-        fed = (flight.turns if self._roster_of(flight.turns) is not None  # (every one live)
-               else [t for t in flight.turns if t.end is None])
+        if self._roster_of(flight.turns) is not None:  # (every one live)
+            fed = flight.turns
+        else:
+            fed = [t for t in flight.turns if t.end is None]
+            live = self._roster_now().turns
+            if len(fed) == len(live):  # every live turn, in another list: the roster's own instead (its
+                fed = live  # slots and guests made once: this launch and the next ones skip a pass a row)
         if not fed or any(t.flying != 1 for t in fed) or (flight.void and any(t in flight.void for t in fed)):
             return None
         slots = (flight.slots if len(fed) == len(flight.turns)
