@@ -1,0 +1,103 @@
+"""The fourth hostile round: a server of several models (floe.server.models) on loopback, front and core
+as `floe serve` runs them, attacked through its sessions, snapshots and model routes. What must hold: no
+500, a clear 4xx that changes nothing, every other session and key unaffected, healthy afterwards."""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+from gguf import GGMLQuantizationType as Q
+from models import write_gguf
+from test_server import ThreadServer
+from test_server_hostile import Errors, refused
+
+from floe.engine import Engine
+from floe.model import load_checkpoint
+from floe.server.app import app_of
+from floe.server.core import ServeCore
+from floe.server.models import ModelRouter, ModelSpec
+from floe.server.sessions import snapshot_store
+
+CONTEXT = 256
+CHAT = "/v1/chat/completions"
+LOGGERS = ("floe", "uvicorn", "uvicorn.error", "asyncio")  # an ERROR record in any: a failure
+KEYS = ("key-a" * 4, "key-b" * 4)
+OPERATOR = "operator" * 3
+A, B, OP = ({"Authorization": f"Bearer {k}"} for k in (*KEYS, OPERATOR))
+
+
+@pytest.fixture(scope="module")
+def models(default_checkpoint, tmp_path_factory):
+    """A router over the default model ("smol") and a tiny random one ("tiny"), each its own engine and
+    store; API keys A and B, the operator's OP."""
+    errors = Errors()
+    for name in LOGGERS:
+        logging.getLogger(name).addHandler(errors)
+    tiny = str(write_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf", [Q.F32], seed=1, dim=64))
+    folder = tmp_path_factory.mktemp("sessions")
+
+    def load(spec: ModelSpec, store) -> ServeCore:
+        checkpoint = default_checkpoint if spec.path is None else load_checkpoint(spec.path)
+        return ServeCore(Engine(checkpoint, max_seq_len=CONTEXT, n_slots=2, weights="native"),
+                         snapshots=store, model_id=spec.name, idle_seconds=3600)
+
+    router = ModelRouter([(ModelSpec(name, path), snapshot_store(folder / name))
+                          for name, path in (("smol", None), ("tiny", tiny))], load)
+    s = ThreadServer(app_of(router, keys=(*KEYS, OPERATOR), operator_keys=(OPERATOR,)))
+    s.errors, s.router = errors, router
+    yield s
+    s.stop()
+    for name in LOGGERS:
+        logging.getLogger(name).removeHandler(errors)
+
+
+def chat(url: str, model: str, sid: str, headers: dict, text: str = "hi") -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 3,
+            "temperature": 0, "session_id": sid}
+    return httpx.post(url + CHAT, json=body, headers=headers, timeout=120)
+
+
+def exported(url: str, sid: str, headers: dict) -> bytes:
+    r = httpx.get(f"{url}/v1/sessions/{sid}/snapshot", headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def made_of(data: bytes) -> tuple[str, list[dict]]:
+    """A snapshot file's model fingerprint and conversation."""
+    from floe.snapshot import header
+
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        f.write(data)
+        f.flush()
+        metadata = header(Path(f.name))
+    return metadata["model_fingerprint"], json.loads(metadata["app"])["floe_server"]["messages"]
+
+
+def test_a_snapshot_of_another_model_uploaded_over_a_session_is_refused_and_changes_nothing(models):
+    """A's session `x` on smol, B's `x` on tiny: each one's snapshot uploaded over the other's session was
+    stored (200 or a 500), and then every request of the session was `500 thaw_failed`
+    (SnapshotModelMismatch) and a restart skipped it: the session was lost."""
+    url = models.url
+    for model, headers in (("smol", A), ("tiny", B)):
+        assert chat(url, model, "x", headers).status_code == 200
+    before = {k: exported(url, "x", h) for k, h in (("A", A), ("B", B))}
+    for headers, foreign in ((A, before["B"]), (B, before["A"])):
+        r = httpx.put(f"{url}/v1/sessions/x/snapshot", headers=headers, content=foreign, timeout=60)
+        refused(r)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "snapshot_invalid", r.text
+        assert "model" in r.json()["error"]["message"]
+    assert made_of(exported(url, "x", A)) == made_of(before["A"])
+    assert made_of(exported(url, "x", B)) == made_of(before["B"])
+    for model, headers in (("smol", A), ("tiny", B)):
+        assert chat(url, model, "x", headers, "again").status_code == 200
+    # A new id: the upload goes to the model the snapshot names, as before
+    r = httpx.put(f"{url}/v1/sessions/y/snapshot", headers=A, content=before["B"], timeout=60)
+    assert r.status_code == 200, r.text
+    assert chat(url, "tiny", "y", A).status_code == 200
+    assert not models.errors.records
