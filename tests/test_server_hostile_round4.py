@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import threading
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -100,4 +102,35 @@ def test_a_snapshot_of_another_model_uploaded_over_a_session_is_refused_and_chan
     r = httpx.put(f"{url}/v1/sessions/y/snapshot", headers=A, content=before["B"], timeout=60)
     assert r.status_code == 200, r.text
     assert chat(url, "tiny", "y", A).status_code == 200
+    assert not models.errors.records
+
+
+def test_a_live_session_stays_found_while_its_model_is_unloaded(models):
+    """An unload drops the model's core first and then freezes its live sessions: meanwhile the session was
+    in neither (GET /v1/sessions/{id}: 404 session_not_found, or a 500 StopIteration while the model was
+    not loaded; a request of another model could make a second session of the same id). A look at a live
+    session while a freeze closed its actor was a 500 (TypeError: its KV slot already given back)."""
+    url, answers = models.url, Counter()
+    stop = threading.Event()
+
+    def look() -> None:
+        with httpx.Client(timeout=60, headers=A) as c:
+            while not stop.is_set():
+                answers[c.get(f"{url}/v1/sessions/held-0").status_code] += 1
+
+    assert chat(url, "smol", "held-0", A).status_code == 200
+    pollers = [threading.Thread(target=look) for _ in range(2)]
+    for t in pollers:
+        t.start()
+    try:
+        for _ in range(6):
+            for i in range(2):  # (both slots: two sessions to freeze at the unload)
+                assert chat(url, "smol", f"held-{i}", A).status_code == 200
+            r = httpx.post(f"{url}/v1/models/smol/unload", headers=OP, timeout=60)
+            assert r.status_code == 200 and r.json()["loaded"] is False, r.text
+    finally:
+        stop.set()
+        for t in pollers:
+            t.join()
+    assert set(answers) == {200}, (answers, [r.getMessage() for r in models.errors.records])
     assert not models.errors.records

@@ -129,9 +129,13 @@ class Residency:
                 core = served.core
                 if core is None or served.users:
                     return False
-                served.core = None
+                served.core, served.unloading = None, core
             started = time.perf_counter()
-            core.close()  # freezes every live session into the model's store, stops its evictor
+            try:
+                core.close()  # freezes every live session into the model's store, stops its evictor
+            finally:
+                with self.lock:
+                    served.unloading = None
             self._released.append((weakref.ref(core.engine), served.name, time.monotonic() + COLLECT_S))
             self.say(f"model {served.name} unloaded ({why}) in {time.perf_counter() - started:.2f} s")
             return True

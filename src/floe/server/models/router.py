@@ -212,15 +212,18 @@ class ModelRouter:
         if name in ("health", "metrics"):
             return self._health(arg, owner) if name == "health" else self._metrics()
         if name == "sessions":  # a model not loaded: its frozen sessions, from its store's headers
-            return [s | {"model": m.name} for m in self.models.values()
-                    for s in (m.core.call(name, arg, owner) if m.core else m.stored_sessions(owner))]
+            cores = {m: m.core or m.unloading for m in self.models.values()}  # (each read once)
+            return [s | {"model": m.name} for m, core in cores.items()
+                    for s in (core.call(name, arg, owner) if core else m.stored_sessions(owner))]
         if name == "session" and isinstance(arg, str) and isinstance(owner, str):
             # Answered in the socket's reading thread (core_socket.INLINE_CALLS): no model's lock, no load
             served = self._session_model(arg, owner)
-            if (core := served.core) is not None:
+            if (core := served.core or served.unloading) is not None:
                 return core.call(name, arg, owner)
-            if served.holds(owner, arg):  # (read, not loaded for a look)
-                return next(s for s in served.stored_sessions(owner) if s["id"] == arg)
+            # (read, not loaded for a look; a snapshot it cannot read: the model's core says why)
+            if served.holds(owner, arg) and (found := next(
+                    (s for s in served.stored_sessions(owner) if s["id"] == arg), None)):
+                return found
         sid = arg
         if name == "fork" and isinstance(arg, dict):
             sid, new_id = arg.get("id"), arg.get("new_id")

@@ -33,6 +33,9 @@ class ServedModel:
         self.spec, self.snapshots = spec, snapshots
         self._reader = SessionRegistry(snapshots)  # reads its sessions' records while it is not loaded
         self.core: ServeCore | None = None
+        # Its core while an unload closes it (Residency.unload): its live sessions are in neither the core
+        # nor the store until each is frozen, so a look-up asks this core's registry meanwhile
+        self.unloading: ServeCore | None = None
         self.lock = threading.Lock()  # one load or unload of this model at a time
         self.users = 0  # requests and calls holding the core now (never unloaded under them)
         self.last_used = time.monotonic()
@@ -56,8 +59,9 @@ class ServedModel:
         return self.spec.name
 
     def registered(self, owner: str, sid: str) -> bool:
-        """Whether `owner`'s session `sid` is registered in this model's loaded core (no I/O)."""
-        core = self.core
+        """Whether `owner`'s session `sid` is registered in this model's loaded core, or the one an unload
+        closes (no I/O)."""
+        core = self.core or self.unloading
         if core is None:
             return False
         with core.store.lock:

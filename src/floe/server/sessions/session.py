@@ -115,9 +115,10 @@ class Session:
 
     def describe(self) -> dict:
         """What a client may know of it (not where its snapshot lies)."""
-        actor = self.actor  # once: a freeze may close it meanwhile
+        actor = self.actor  # once: a freeze may close it meanwhile (a look takes no session's lock)
+        slot = None if actor is None else actor.slot  # (None once closed: its slot given back)
         return {"id": self.id, "state": "live" if actor else "frozen", "messages": len(self.messages),
-                "kv_tokens": actor.engine.kv_len(actor.slot) if actor else None,
+                "kv_tokens": None if slot is None else actor.engine.kv_len(slot),
                 "idle_seconds": round(time.monotonic() - self.last_used, 3),
                 "snapshot_bytes": self.snapshot_bytes if self.stored else None,
                 "anonymous": self.anonymous, "persisted": self.persist}
