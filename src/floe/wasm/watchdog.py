@@ -93,7 +93,12 @@ class EpochTimer:
         return cls(timer, libc, engine)
 
 
-_set_epoch_deadline = _dll.wasmtime_context_set_epoch_deadline  # (typed by wasmtime's bindings)
+# Called with the GIL held (ctypes.PyDLL of the same library): it only sets a field of the store, and
+# through wasmtime's CDLL each guest call's arm let the GIL go and waited to take it back behind every
+# other thread (a burst's chats: ~0.1-0.4 ms a call on a 2-core CPU, bench/probes/arrival_timeline.py).
+_set_epoch_deadline = ctypes.PyDLL(_dll._name).wasmtime_context_set_epoch_deadline
+_set_epoch_deadline.argtypes = _dll.wasmtime_context_set_epoch_deadline.argtypes  # (wasmtime's bindings')
+_set_epoch_deadline.restype = _dll.wasmtime_context_set_epoch_deadline.restype
 
 
 class Watchdog:
