@@ -8,7 +8,9 @@ import json
 import logging
 import tempfile
 import threading
+import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -58,8 +60,9 @@ def models(default_checkpoint, tmp_path_factory):
         logging.getLogger(name).removeHandler(errors)
 
 
-def chat(url: str, model: str, sid: str, headers: dict, text: str = "hi") -> httpx.Response:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 3,
+def chat(url: str, model: str, sid: str, headers: dict, text: str = "hi",
+         max_tokens: int = 3) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
             "temperature": 0, "session_id": sid}
     return httpx.post(url + CHAT, json=body, headers=headers, timeout=120)
 
@@ -133,4 +136,53 @@ def test_a_live_session_stays_found_while_its_model_is_unloaded(models):
         for t in pollers:
             t.join()
     assert set(answers) == {200}, (answers, [r.getMessage() for r in models.errors.records])
+    assert not models.errors.records
+
+
+def test_a_fork_or_upload_and_a_chat_of_another_model_never_both_make_one_id(models):
+    """A fork into a new id (waiting for its source, busy), or an upload under a new id (its header still
+    arriving), while a request of another model makes a session of that id: both were made (the id a
+    session of two models: its requests went to whichever model the router found first, the other's state
+    unreachable). The fork holds the id for its model (the other model's request: a 409); the upload is
+    refused where the id became another model's meanwhile."""
+    url = models.url
+    assert chat(url, "smol", "source", A).status_code == 200
+    snapshot = exported(url, "source", A)
+
+    def held_upload(pool, sid: str, at: int):
+        """An upload of `snapshot` to `sid` whose body stops after `at` bytes until the event returned is
+        set."""
+        sent_head, go_on = threading.Event(), threading.Event()
+
+        def body():
+            yield snapshot[:at]
+            sent_head.set()
+            go_on.wait(60)
+            yield snapshot[at:]
+
+        upload = pool.submit(httpx.put, f"{url}/v1/sessions/{sid}/snapshot", content=body(), headers=A,
+                             timeout=120)
+        assert sent_head.wait(60)
+        time.sleep(0.3)
+        return upload, go_on
+
+    with ThreadPoolExecutor(3) as pool:
+        busy, go_on = held_upload(pool, "source", len(snapshot) // 2)  # (held by its upload: a fork waits)
+        fork = pool.submit(httpx.post, f"{url}/v1/sessions/source/fork", json={"id": "forked"}, headers=A,
+                           timeout=120)
+        time.sleep(0.5)
+        r = chat(url, "tiny", "forked", A)
+        go_on.set()
+        refused(r)
+        assert r.json()["error"]["code"] == "session_model_mismatch", r.text
+        assert busy.result().status_code == 200 and fork.result().status_code == 200
+        upload, go_on = held_upload(pool, "uploaded", 4)  # (its model not known yet)
+        assert chat(url, "tiny", "uploaded", A).status_code == 200
+        go_on.set()
+        refused(upload.result())
+        assert upload.result().json()["error"]["code"] == "session_model_mismatch", upload.result().text
+    sessions = httpx.get(f"{url}/v1/sessions", headers=A, timeout=60).json()["data"]
+    assert sorted((s["id"], s["model"]) for s in sessions if s["id"] in ("forked", "uploaded")) == [
+        ("forked", "smol"), ("uploaded", "tiny")]
+    assert chat(url, "smol", "forked", A).status_code == 200
     assert not models.errors.records

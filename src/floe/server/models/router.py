@@ -224,14 +224,31 @@ class ModelRouter:
             if served.holds(owner, arg) and (found := next(
                     (s for s in served.stored_sessions(owner) if s["id"] == arg), None)):
                 return found
-        sid = arg
         if name == "fork" and isinstance(arg, dict):
-            sid, new_id = arg.get("id"), arg.get("new_id")
-            if isinstance(new_id, str) and isinstance(owner, str) and MODEL_NAME.fullmatch(new_id):
-                if held := next((m for m in self.models.values() if m.holds(owner, new_id)), None):
-                    raise ServeError(409, f"session {new_id!r} exists (a session of the model "
-                                          f"{held.name!r}); fork into a new id", code="session_exists")
-        return self._on_session_model(sid, owner, lambda core: core.call(name, arg, owner))
+            return self._fork(arg, owner)
+        return self._on_session_model(arg, owner, lambda core: core.call(name, arg, owner))
+
+    def _fork(self, arg: dict, owner):
+        """A fork on the model of its source, its new id claimed for that model while it is made (as a
+        chat's: a request of another model that makes a session of that id meanwhile is refused)."""
+        sid, new_id = arg.get("id"), arg.get("new_id")
+        served = self._session_model(sid, owner)
+        claim = None
+        if isinstance(new_id, str) and isinstance(owner, str) and MODEL_NAME.fullmatch(new_id):
+            held = next((m for m in self.models.values() if m.holds(owner, new_id)), None)
+            try:
+                claim = self._claim(served, owner, new_id) if held is None else None
+            except ServeError as e:  # (another model's request makes it now)
+                held = e
+            if held is not None:
+                model = f" (a session of the model {held.name!r})" if isinstance(held, ServedModel) else ""
+                raise ServeError(409, f"session {new_id!r} exists{model}; fork into a new id",
+                                 code="session_exists")
+        try:
+            return self._on_session_model(sid, owner, lambda core: core.call("fork", arg, owner),
+                                          served=served)
+        finally:
+            self._unclaim(claim)
 
     def _load_or_unload(self, call: str, served: ServedModel) -> dict:
         """POST /v1/models/{id}/load or /unload: the model loaded now (as a request would load it), or
@@ -315,13 +332,20 @@ class ModelRouter:
         """Make or replace `owner`'s session `sid` from a snapshot's bytes: in the model that holds it,
         else in the model the snapshot's header names (its fingerprint, or a model not loaded yet by
         its checkpoint's name), else the first (whose core refuses what it cannot thaw)."""
-        named = None
-        if self._holder(sid, owner) is None:
+        served = self._holder(sid, owner)
+        if served is None:
             metadata, chunks = snapshot_metadata(chunks)
-            named = None if metadata is None else next(
+            served = None if metadata is None else next(
                 (m for m in self.models.values() if m.names_snapshot(metadata)), None)
-        return self._on_session_model(sid, owner, lambda core: core.import_(sid, owner, chunks), makes=True,
-                                      served=named)
+        served = served or self._session_model(sid, owner, makes=True)
+        # Claimed as a chat claims its session: a request of another model that makes a session of this
+        # id meanwhile is refused (each made one: the id was a session of two models)
+        claim = self._claim(served, owner, sid)
+        try:
+            return self._on_session_model(sid, owner, lambda core: core.import_(sid, owner, chunks),
+                                          served=served)
+        finally:
+            self._unclaim(claim)
 
     def close(self) -> None:
         """Stop unloading and close every loaded model (their live sessions frozen)."""
