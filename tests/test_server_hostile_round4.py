@@ -186,3 +186,30 @@ def test_a_fork_or_upload_and_a_chat_of_another_model_never_both_make_one_id(mod
         ("forked", "smol"), ("uploaded", "tiny")]
     assert chat(url, "smol", "forked", A).status_code == 200
     assert not models.errors.records
+
+
+def test_model_routes_refuse_a_key_that_is_not_the_operators_saying_what_was_refused(models):
+    """B's load of a model was refused as if it had asked for the metrics."""
+    for call in ("load", "unload"):
+        r = httpx.post(f"{models.url}/v1/models/tiny/{call}", headers=B, timeout=60)
+        refused(r)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "operator_only"
+        assert call in r.json()["error"]["message"] and "metrics" not in r.json()["error"]["message"]
+
+
+def test_a_session_id_is_not_remembered_once_its_requests_end(models):
+    """The router kept a claim (its model) of every session id ever named, deleted or not: memory that
+    grew with every id a client made up. A claim now lasts while the id's requests run; the binding of a
+    session to its model holds without it."""
+    ids = [f"gone-{i}" for i in range(20)]
+    for sid in ids:
+        assert chat(models.url, "tiny", sid, B).status_code == 200
+    assert not any(key.endswith(ids[0]) for key in models.router._claims)
+    r = chat(models.url, "smol", ids[0], B)  # (still tiny's)
+    refused(r)
+    assert r.json()["error"]["code"] == "session_model_mismatch"
+    for sid in ids:
+        assert httpx.delete(f"{models.url}/v1/sessions/{sid}", headers=B, timeout=60).status_code == 200
+    assert chat(models.url, "smol", ids[0], B).status_code == 200  # (deleted: the id is free again)
+    assert not models.router._claims
+    assert not models.errors.records

@@ -193,10 +193,10 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         # A key sees its own sessions' counts; the operator (or anyone, on an open server), everything
         return await client.call("health", {"full": request.state.operator}, request.state.owner)
 
-    def operator_only(request: Request) -> None:
+    def operator_only(request: Request, what: str = "the server's metrics are") -> None:
         if not request.state.operator:
-            raise ServeError(403, "the server's metrics are its operator's: call with a key of "
-                                  "FLOE_OPERATOR_KEYS or --operator-key-file", code="operator_only")
+            raise ServeError(403, f"{what} its operator's: call with a key of FLOE_OPERATOR_KEYS or "
+                                  "--operator-key-file", code="operator_only")
 
     def _model(name: str) -> dict:
         known = app.state.models or (app.state.model_id, *app.state.aliases)
@@ -231,7 +231,7 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         return await model_call("unload", name, request)
 
     async def model_call(call: str, name: str, request: Request):
-        operator_only(request)  # (a model loaded or unloaded is every owner's)
+        operator_only(request, f"a model's {call} is")  # (a model loaded or unloaded is every owner's)
         if not app.state.models:
             raise ServeError(400, "this server runs one model, loaded at its start (several: floe serve "
                                   "--model NAME=PATH ...)", code="one_model")

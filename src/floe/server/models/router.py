@@ -144,15 +144,21 @@ class ModelRouter:
                     raise mismatch(sid, claim.model, served)
                 claim = None  # (that model no longer holds it: deleted, or never made)
             if claim is None:
-                self._refuse_elsewhere(served, owner, sid)  # (store I/O: once an id, under the lock)
+                # (store I/O only for an id the model has not registered: once an id, under the lock)
+                self._refuse_elsewhere(served, owner, sid)
                 claim = self._claims[key] = Claim(served)
             claim.running += 1
         return key
 
     def _unclaim(self, key: str | None) -> None:
+        """A request of the claim ended; the claim goes with its last (a claim kept for good held every id
+        ever named in memory; the next request's _refuse_elsewhere finds the model that holds it)."""
         if key is not None:
             with self._claims_lock:
-                self._claims[key].running -= 1
+                claim = self._claims[key]
+                claim.running -= 1
+                if not claim.running:
+                    del self._claims[key]
 
     def _refuse_elsewhere(self, served: ServedModel, owner, sid: str) -> None:
         """A 409 if `owner`'s session `sid` belongs to another model than `served`."""
