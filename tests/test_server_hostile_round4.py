@@ -43,21 +43,25 @@ def models(default_checkpoint, tmp_path_factory):
     for name in LOGGERS:
         logging.getLogger(name).addHandler(errors)
     tiny = str(write_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf", [Q.F32], seed=1, dim=64))
-    folder = tmp_path_factory.mktemp("sessions")
-
-    def load(spec: ModelSpec, store) -> ServeCore:
-        checkpoint = default_checkpoint if spec.path is None else load_checkpoint(spec.path)
-        return ServeCore(Engine(checkpoint, max_seq_len=CONTEXT, n_slots=2, weights="native"),
-                         snapshots=store, model_id=spec.name, idle_seconds=3600)
-
-    router = ModelRouter([(ModelSpec(name, path), snapshot_store(folder / name))
-                          for name, path in (("smol", None), ("tiny", tiny))], load)
+    router = router_of(default_checkpoint, tiny, tmp_path_factory.mktemp("sessions"))
     s = ThreadServer(app_of(router, keys=(*KEYS, OPERATOR), operator_keys=(OPERATOR,)))
+    s.tiny = tiny
     s.errors, s.router = errors, router
     yield s
     s.stop()
     for name in LOGGERS:
         logging.getLogger(name).removeHandler(errors)
+
+
+def router_of(default_checkpoint, tiny: str, folder: Path, **options) -> ModelRouter:
+    """A router over "smol" (the default model) and "tiny", each model's sessions in `folder`/its name."""
+    def load(spec: ModelSpec, store) -> ServeCore:
+        checkpoint = default_checkpoint if spec.path is None else load_checkpoint(spec.path)
+        return ServeCore(Engine(checkpoint, max_seq_len=CONTEXT, n_slots=2, weights="native"),
+                         snapshots=store, model_id=spec.name, idle_seconds=3600)
+
+    return ModelRouter([(ModelSpec(name, path), snapshot_store(folder / name))
+                        for name, path in (("smol", None), ("tiny", tiny))], load, **options)
 
 
 def chat(url: str, model: str, sid: str, headers: dict, text: str = "hi",
@@ -212,4 +216,27 @@ def test_a_session_id_is_not_remembered_once_its_requests_end(models):
         assert httpx.delete(f"{models.url}/v1/sessions/{sid}", headers=B, timeout=60).status_code == 200
     assert chat(models.url, "smol", ids[0], B).status_code == 200  # (deleted: the id is free again)
     assert not models.router._claims
+    assert not models.errors.records
+
+
+def test_models_loaded_at_once_keep_to_max_loaded(models, default_checkpoint, tmp_path):
+    """--max-loaded 1, both models asked for at once (the operator's load, or any key's chat): each load
+    found room for itself beside the loaded ones only, not beside the other being loaded, and both were
+    loaded (with large models: past the memory --max-loaded and --memory-budget keep to)."""
+    s = ThreadServer(app_of(router_of(default_checkpoint, models.tiny, tmp_path, max_loaded=1)))
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for _ in range(2):
+                for name in ("smol", "tiny"):
+                    assert httpx.post(f"{s.url}/v1/models/{name}/unload", timeout=60).status_code == 200
+                loads = [pool.submit(httpx.post, f"{s.url}/v1/models/{name}/load", timeout=120)
+                         for name in ("smol", "tiny")]
+                assert [r.result().status_code for r in loads] == [200, 200]
+                listed = httpx.get(f"{s.url}/v1/models", timeout=60).json()["data"]
+                assert sum(m["loaded"] for m in listed) == 1, listed
+            chats = [pool.submit(chat, s.url, name, f"at-once-{name}", {}) for name in ("smol", "tiny")]
+            assert [r.result().status_code for r in chats] == [200, 200]
+        assert sum(m["loaded"] for m in httpx.get(f"{s.url}/v1/models", timeout=60).json()["data"]) == 1
+    finally:
+        s.stop()
     assert not models.errors.records

@@ -49,6 +49,9 @@ class Residency:
         self.wait_seconds, self.memory_budget, self.footprint = wait_seconds, memory_budget, footprint
         # Engines unloaded and not yet collected: (the engine, its model's name, when to stop looking)
         self._released: list[tuple[weakref.ref, str, float]] = []
+        # Models being loaded, counted as loaded by _make_room: two loads at once each found room for one
+        # (--max-loaded 2, two models loading beside a loaded one: all three loaded)
+        self._loading: set[ServedModel] = set()
         self._closed = threading.Event()
         self._unloader = threading.Thread(target=self._unload_loop, name="floe-unload", daemon=True)
         self._unloader.start()
@@ -72,6 +75,8 @@ class Residency:
                 # heap had not handed back yet)
                 served.nbytes = max(self.footprint() - before, weights_bytes(served.spec.path))
             except BaseException as e:
+                with self.lock:
+                    self._loading.discard(served)
                 self.release(served)
                 if isinstance(e, ServeError):
                     raise
@@ -81,6 +86,7 @@ class Residency:
             with self.lock:
                 served.core = core
                 served.fingerprint = core.engine.checkpoint.fingerprint  # (an import finds it by it)
+                self._loading.discard(served)
             self.say(f"model {served.name} loaded in {served.load_seconds:.2f} s ({served.nbytes >> 20} MiB)")
             return core
 
@@ -99,26 +105,35 @@ class Residency:
             return False
         if self.memory_budget is None or not loaded:
             return True
-        wanted = loading.nbytes if loading.nbytes is not None else weights_bytes(loading.spec.path)
-        return sum(m.nbytes or 0 for m in loaded) + wanted <= self.memory_budget
+        return sum(map(self._bytes, loaded)) + self._bytes(loading) <= self.memory_budget
+
+    @staticmethod
+    def _bytes(served: ServedModel) -> int:
+        """A model's bytes: measured at its last load, else its weights' size (one being loaded)."""
+        return served.nbytes if served.nbytes is not None else weights_bytes(served.spec.path)
 
     def _make_room(self, loading: ServedModel) -> None:
-        """Unload the least recently used idle models until `loading` fits (_fits; every loaded model in
-        use: wait for one to be let go, at most wait_seconds, then a 503)."""
+        """Unload the least recently used idle models until `loading` fits beside the loaded models and
+        those being loaded (_fits; every loaded model in use: wait for one to be let go, at most
+        wait_seconds, then a 503); then it counts as being loaded (_loading) until take() has loaded it."""
         deadline = time.monotonic() + self.wait_seconds
         while True:
             with self.lock:
                 while True:
-                    loaded = [m for m in self.models.values() if m.core is not None and m is not loading]
+                    loaded = [m for m in self.models.values()
+                              if (m.core is not None or m in self._loading) and m is not loading]
                     if self._fits(loading, loaded):
+                        self._loading.add(loading)
                         return
-                    victim = min((m for m in loaded if not m.users), key=lambda m: m.last_used, default=None)
+                    victim = min((m for m in loaded if not m.users and m.core is not None),
+                                 key=lambda m: m.last_used, default=None)
                     if victim is not None:
                         break
                     if not self.idle.wait(deadline - time.monotonic()):
-                        raise ServeError(503, f"every loaded model ({len(loaded)}) is running requests; "
-                                              f"{loading.name!r} loads once one is idle (--max-loaded, "
-                                              "--memory-budget)", "server_error", "server_busy")
+                        raise ServeError(503, f"every loaded model ({len(loaded)}, those loading too) is "
+                                              f"running requests; {loading.name!r} loads once one is idle "
+                                              "(--max-loaded, --memory-budget)", "server_error",
+                                         "server_busy")
             self.unload(victim, "to make room for " + loading.name)
 
     def unload(self, served: ServedModel, why: str) -> bool:
