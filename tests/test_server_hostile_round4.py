@@ -240,3 +240,24 @@ def test_models_loaded_at_once_keep_to_max_loaded(models, default_checkpoint, tm
     finally:
         s.stop()
     assert not models.errors.records
+
+
+def test_a_key_sees_its_own_sessions_counts_in_the_models_list(models):
+    """GET /v1/models (and /v1/models/{id}) gave every key each loaded model's session counts over all
+    keys (how many sessions the others have, live and frozen), which /health shows only the operator."""
+    for i in range(2):
+        assert chat(models.url, "tiny", f"counted-{i}", A).status_code == 200
+    assert chat(models.url, "tiny", "counted-b", B).status_code == 200
+    counts = {}
+    for who, headers in (("A", A), ("B", B), ("operator", OP)):
+        listed = httpx.get(f"{models.url}/v1/models", headers=headers, timeout=60).json()["data"]
+        one = httpx.get(f"{models.url}/v1/models/tiny", headers=headers, timeout=60).json()
+        counts[who] = next(m for m in listed if m["id"] == "tiny")["sessions"]
+        assert one["sessions"] == counts[who]
+    mine = {k: len([s for s in httpx.get(f"{models.url}/v1/sessions", headers=h, timeout=60).json()["data"]
+                    if s["model"] == "tiny"]) for k, h in (("A", A), ("B", B))}
+    for who in ("A", "B"):
+        assert counts[who]["live"] + counts[who]["frozen"] == mine[who], (who, counts)
+        assert "spare_actors" not in counts[who]
+    assert counts["operator"]["live"] + counts["operator"]["frozen"] >= mine["A"] + mine["B"]
+    assert not models.errors.records

@@ -207,11 +207,14 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         return {"id": name, "object": "model", "created": int(app.state.started), "owned_by": "floe"}
 
     @app.get("/v1/models")
-    async def models():
-        if app.state.models:  # several: each with whether it is loaded now
-            return {"object": "list", "data": await client.call("models")}
+    async def models(request: Request):
+        if app.state.models:  # several: each with whether it is loaded now (a key: its own sessions)
+            return {"object": "list", "data": await described_models(request)}
         return {"object": "list", "data": [_model(name) for name in (app.state.model_id, *app.state.aliases)
                                            if name != "*"]}
+
+    async def described_models(request: Request) -> list[dict]:
+        return await client.call("models", {"full": request.state.operator}, request.state.owner)
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str, request: Request):
@@ -219,7 +222,7 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         name = request.scope["path"].partition("/v1/models/")[2]
         described = _model(name)
         if app.state.models:
-            return next(m for m in await client.call("models") if m["id"] == name)
+            return next(m for m in await described_models(request) if m["id"] == name)
         return described
 
     @app.post("/v1/models/{name}/load")

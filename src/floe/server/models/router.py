@@ -211,8 +211,10 @@ class ModelRouter:
             return self._vocab
         if name == "tokenizer":  # (no prompt hints: each model's chats are rendered by its core)
             return None
-        if name == "models":
-            return [m.describe() | {"created": int(self.started)} for m in self.models.values()]
+        if name == "models":  # (another key than the operator's: its own sessions' counts, as /health)
+            mine = isinstance(arg, dict) and not arg.get("full", True)
+            return [m.describe(owner if mine else None) | {"created": int(self.started)}
+                    for m in self.models.values()]
         if name in ("load", "unload"):
             return self._load_or_unload(name, self.model(arg))
         if name in ("health", "metrics"):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from floe.server.models.specs import ModelSpec
-from floe.server.protocol import ServeError
+from floe.server.protocol import OWNER, ServeError
 from floe.server.records import NotASession, session_key, split_key
 from floe.server.sessions.registry import SessionRegistry
 from floe.snapshot import SnapshotError
@@ -88,9 +88,12 @@ class ServedModel:
             found.append(session.describe())
         return found
 
-    def describe(self) -> dict:
+    def describe(self, owner: str | None = None) -> dict:
+        """The model for GET /v1/models: its sessions' counts every owner's, or (owner) that owner's."""
         core = self.core
+        if owner is not None and not (isinstance(owner, str) and OWNER.fullmatch(owner)):
+            raise ServeError(400, f"owner {str(owner)[:40]!r} is not an owner id (protocol.OWNER)")
         return {"id": self.name, "object": "model", "owned_by": "floe", "loaded": core is not None,
                 "load_seconds": self.load_seconds if self.loads else None, "bytes": self.nbytes,
-                "sessions": None if core is None else core.store.counts()}
+                "sessions": None if core is None else core.store.counts(owner)}
 
