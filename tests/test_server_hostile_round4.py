@@ -261,3 +261,23 @@ def test_a_key_sees_its_own_sessions_counts_in_the_models_list(models):
         assert "spare_actors" not in counts[who]
     assert counts["operator"]["live"] + counts["operator"]["frozen"] >= mine["A"] + mine["B"]
     assert not models.errors.records
+
+
+def test_a_look_at_a_session_of_an_unloaded_model_loads_nothing(models):
+    """GET /v1/sessions/{id} of a one-shot session (made without an id: its snapshot in RAM only) of an
+    unloaded model was a 500 (StopIteration: only the store's home was read), then loaded the model to
+    answer, in the core's thread that reads every request of that front (a large model: seconds of
+    every stream of the front held, and another model unloaded under --max-loaded)."""
+    r = httpx.post(models.url + CHAT, headers=A, timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "a one-shot question"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    sid = r.json()["session_id"]
+    assert httpx.post(f"{models.url}/v1/models/tiny/unload", headers=OP, timeout=60).status_code == 200
+    r = httpx.get(f"{models.url}/v1/sessions/{sid}", headers=A, timeout=60)
+    assert r.status_code == 200 and r.json()["anonymous"] and r.json()["state"] == "frozen", r.text
+    listed = httpx.get(f"{models.url}/v1/sessions", headers=A, timeout=60).json()["data"]
+    assert sid in [s["id"] for s in listed]
+    refused(httpx.get(f"{models.url}/v1/sessions/{sid}", headers=B, timeout=60))  # (A's)
+    listed = httpx.get(f"{models.url}/v1/models/tiny", headers=OP, timeout=60).json()
+    assert listed["loaded"] is False, listed
+    assert not models.errors.records

@@ -228,10 +228,10 @@ class ModelRouter:
             served = self._session_model(arg, owner)
             if (core := served.core or served.unloading) is not None:
                 return core.call(name, arg, owner)
-            # (read, not loaded for a look; a snapshot it cannot read: the model's core says why)
-            if served.holds(owner, arg) and (found := next(
-                    (s for s in served.stored_sessions(owner) if s["id"] == arg), None)):
-                return found
+            # Read, never loaded for a look (a model's load here held every request of the front's)
+            if found := served.stored_sessions(owner, arg):
+                return found[0]
+            raise failure(UnknownSession(f"no session {arg!r}"), None)  # (gone meanwhile, or unreadable)
         if name == "fork" and isinstance(arg, dict):
             return self._fork(arg, owner)
         return self._on_session_model(arg, owner, lambda core: core.call(name, arg, owner))

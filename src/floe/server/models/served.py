@@ -71,13 +71,16 @@ class ServedModel:
         """Whether `owner`'s session `sid` is this model's (registered while loaded, or in its store)."""
         return self.registered(owner, sid) or self.snapshots.has(session_key(owner, sid))
 
-    def stored_sessions(self, owner: str) -> list[dict]:
-        """`owner`'s sessions in this model's store, described from their snapshots' headers (while the
-        model is not loaded: all of them are frozen)."""
-        found = []
-        for entry in sorted(self.snapshots.home.entries(), key=lambda e: e.key):
+    def stored_sessions(self, owner: str, sid: str | None = None) -> list[dict]:
+        """`owner`'s sessions (or its session `sid`) in this model's store, in RAM (one-shot sessions) or
+        its home, described from their snapshots' headers (while the model is not loaded: all of them
+        are frozen). Only the headers of those asked for are read (a look at one read every one of the
+        owner's, in the core's socket-reading thread)."""
+        found, tiers = [], [self.snapshots.home, *([self.snapshots.pinned] if self.snapshots.pinned else [])]
+        entries = {e.key: e for tier in reversed(tiers) for e in tier.entries()}  # (where both: the home's)
+        for entry in sorted(entries.values(), key=lambda e: e.key):
             named = split_key(entry.key)
-            if named is None or named[0] != owner:
+            if named is None or named[0] != owner or sid not in (None, named[1]):
                 continue
             try:
                 session = self._reader.read(entry.key)
