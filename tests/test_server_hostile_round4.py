@@ -4,8 +4,10 @@ as `floe serve` runs them, attacked through its sessions, snapshots and model ro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import signal
 import tempfile
 import threading
 import time
@@ -14,10 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from gguf import GGMLQuantizationType as Q
 from models import write_gguf
-from test_server import ThreadServer
+from test_server import MODEL_ID, ThreadServer, free_port, start_serve
 from test_server_hostile import Errors, refused
 
 from floe.engine import Engine
@@ -281,3 +284,46 @@ def test_a_look_at_a_session_of_an_unloaded_model_loads_nothing(models):
     listed = httpx.get(f"{models.url}/v1/models/tiny", headers=OP, timeout=60).json()
     assert listed["loaded"] is False, listed
     assert not models.errors.records
+
+
+@pytest.mark.slow  # two `floe serve` starts
+def test_a_front_killed_mid_stream_ends_floe_serve_as_a_failure_and_loses_no_answered_turn(tmp_path):
+    """`floe serve --fronts 2`, one front SIGKILLed while it streams: the other front and the core stop
+    (a non-zero exit, for a supervisor to restart: docs/SERVER.md, "Several fronts") within a bound, and
+    the sessions' answered turns are in the store for the restarted server."""
+    port = free_port()
+    proc = start_serve(tmp_path, port, "--fronts", "2")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for sid in ("kept-0", "kept-1"):
+            r = httpx.post(url + CHAT, timeout=120, json={
+                "model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                "session_id": sid})
+            assert r.status_code == 200, r.text
+
+        def stream() -> None:
+            with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", url + CHAT, timeout=120, json={
+                    "model": MODEL_ID, "messages": [{"role": "user", "content": "Count to 100"}],
+                    "max_tokens": 150, "stream": True, "session_id": "streaming"}) as r:
+                for _ in r.iter_bytes():
+                    pass
+
+        streams = [threading.Thread(target=stream) for _ in range(2)]
+        for t in streams:
+            t.start()
+        time.sleep(1.0)
+        psutil.Process(proc.pid).children()[0].kill()
+        assert proc.wait(60) != 0
+        for t in streams:
+            t.join(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    proc = start_serve(tmp_path, port)
+    try:
+        for sid in ("kept-0", "kept-1"):
+            r = httpx.get(f"{url}/v1/sessions/{sid}", timeout=60)
+            assert r.status_code == 200 and r.json()["messages"] == 2, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
