@@ -286,6 +286,31 @@ def test_a_look_at_a_session_of_an_unloaded_model_loads_nothing(models):
     assert not models.errors.records
 
 
+def test_a_slow_look_at_an_unloaded_models_sessions_holds_no_other_request_of_its_front(models, monkeypatch):
+    """GET /v1/sessions reads an unloaded model's sessions from their snapshots' headers (on S3 a round
+    trip each), and did so in the core's thread that reads every request of that front: a chat's, a
+    cancel's, a /health behind it waited for all of them. Those looks now have threads of their own."""
+    from floe.server.models.served import ServedModel
+
+    assert httpx.post(f"{models.url}/v1/models/tiny/unload", headers=OP, timeout=60).status_code == 200
+    stored, reading, read = ServedModel.stored_sessions, threading.Event(), threading.Event()
+
+    def slow(self, owner, sid=None):
+        reading.set()
+        time.sleep(3.0)  # (a slow store)
+        read.set()
+        return stored(self, owner, sid)
+
+    monkeypatch.setattr(ServedModel, "stored_sessions", slow)
+    with ThreadPoolExecutor(1) as pool:
+        look = pool.submit(httpx.get, f"{models.url}/v1/sessions", headers=A, timeout=60)
+        assert reading.wait(30)
+        r = httpx.get(f"{models.url}/health", headers=A, timeout=60)
+        assert r.status_code == 200 and not read.is_set()  # answered while the look still reads
+        assert look.result().status_code == 200
+    assert not models.errors.records
+
+
 @pytest.mark.slow  # two `floe serve` starts
 def test_a_front_killed_mid_stream_ends_floe_serve_as_a_failure_and_loses_no_answered_turn(tmp_path):
     """`floe serve --fronts 2`, one front SIGKILLed while it streams: the other front and the core stop

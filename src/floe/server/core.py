@@ -264,6 +264,7 @@ class ServeCore:
 
     # Calls whose answer never changes while it serves (the socket encodes each once: CoreServer)
     fixed_calls = ("vocab", "tokenizer")
+    reads_stores = ()  # (inline calls of its answered in the socket's reading thread: see ModelRouter's)
 
     @property
     def pool_threads(self) -> int:

@@ -31,6 +31,7 @@ log = logging.getLogger("floe.serve")
 # answered in the reading thread
 RECV_BYTES = 256 << 10  # what the core's reading thread asks its socket for at a time (_Connection.read)
 INLINE_CALLS = ("hello", "health", "sessions", "session", "metrics", "models")
+LOOKS = 2  # threads for the inline calls a core may answer from a store (its `reads_stores`: a router's)
 FLUSH_S = 0.002  # after a flush of streamed text, the next waits this long: its frame gathers more
 # While an engine loop steps, its thread sends what each step streamed (CoreServer._after_step); the
 # flusher thread sends only once no step has for twice the last gap between steps, and at least this long
@@ -261,6 +262,11 @@ class CoreServer:
         self._imports_lock = threading.Lock()
         self._exporting: Counter = Counter()  # exports under way or waiting, by API key (none: open)
         self.exporting = ThreadPoolExecutor(EXPORTS, "floe-export")  # (never a chat's thread)
+        # Inline calls that may read a store (a router's looks at an unloaded model's sessions: a snapshot
+        # header each, a round trip each on S3) go here, not in the reading thread, which every request
+        # of that front waits behind, nor behind the pool's waiters
+        self.looking = ThreadPoolExecutor(LOOKS, "floe-look")
+        self._reads_stores = frozenset(core.reads_stores)
         self.connections: list[_Connection] = []
         # The answers of the core's calls that never change while it serves (ServeCore.fixed_calls: a
         # front's "vocab" and "tokenizer" at its start, each a whole vocabulary's table), JSON-encoded
@@ -313,6 +319,9 @@ class CoreServer:
         elif op == "more":  # an export's client took a chunk: one more may go
             if (credit := conn.exports.get(rid)) is not None:
                 credit.release()
+        elif op == "call" and message.get("name") in self._reads_stores:
+            self.looking.submit(self._call, conn, rid, message["name"], message.get("arg"),
+                                message.get("owner"))
         elif op == "call" and message.get("name") in INLINE_CALLS:  # never behind the pool's waiters
             self._call(conn, rid, message["name"], message.get("arg"), message.get("owner"))
         elif op == "call":  # freeze, thaw, delete: may wait for a session's lock
@@ -550,6 +559,7 @@ class CoreServer:
             shutil.rmtree(self._folder, ignore_errors=True)
         self.pool.shutdown(wait=True, cancel_futures=True)  # chats not yet started never start
         self.exporting.shutdown(wait=True, cancel_futures=True)
+        self.looking.shutdown(wait=True, cancel_futures=True)
 
 
 class UploadStopped(Exception):

@@ -107,6 +107,9 @@ class ModelRouter:
     # ---- ServeCore's surface (floe.server.core_socket) ----------------------------------------------
 
     fixed_calls = ()  # (each model's "vocab" answer is its own: asked by name)
+    # Looks that may read a store (an unloaded model's sessions, from their headers): answered on the core
+    # socket's own threads, not in the thread that reads every request of a front (core_socket.LOOKS)
+    reads_stores = ("sessions", "session")
 
     @property
     def pool_threads(self) -> int:
@@ -224,7 +227,7 @@ class ModelRouter:
             return [s | {"model": m.name} for m, core in cores.items()
                     for s in (core.call(name, arg, owner) if core else m.stored_sessions(owner))]
         if name == "session" and isinstance(arg, str) and isinstance(owner, str):
-            # Answered in the socket's reading thread (core_socket.INLINE_CALLS): no model's lock, no load
+            # Answered at once (core_socket's looking threads, reads_stores): no model's lock, no load
             served = self._session_model(arg, owner)
             if (core := served.core or served.unloading) is not None:
                 return core.call(name, arg, owner)
