@@ -46,6 +46,7 @@ from floe.snapshot.file import (
     model_fingerprint,
     seal,
     thaw,
+    thawable,
     write,
 )
 from floe.snapshot.layout import (
@@ -61,5 +62,5 @@ __all__ = [
     "SnapshotCorrupt", "SnapshotError", "SnapshotGuestMismatch", "SnapshotModelMismatch",
     "SnapshotRestoreFailed", "SnapshotShapeMismatch", "SnapshotUnreadable", "SnapshotVersionMismatch",
     "checksum", "checksum_v1", "clean_stale", "encode", "freeze", "header", "model_fingerprint", "path_lock",
-    "seal", "thaw", "write",
+    "seal", "thaw", "thawable", "write",
 ]

@@ -246,32 +246,9 @@ class Snapshot:
         """The record the writer stored with `app=` ({} if none)."""
         return json.loads(self.metadata.get("app", "{}"))
 
-    def verify(self, *, fingerprint: str | None = None, guest_sha256: str | None = None,
-               abi_version: int | tuple[int, ...] | None = None, n_layers: int | None = None,
-               n_kv_heads: int | None = None, head_dim: int | None = None,
-               max_seq_len: int | None = None) -> None:
-        """Raise the specific SnapshotError for the first thing that does not match."""
-        m = self.metadata
-        speaks = (abi_version,) if isinstance(abi_version, int) else abi_version
-        if speaks is not None and m["abi_version"] not in {str(v) for v in speaks}:
-            raise SnapshotVersionMismatch(
-                f"snapshot was made by a guest speaking ABI {m['abi_version'][:20]}; "
-                f"this host speaks {' and '.join(str(v) for v in speaks)}")
-        if fingerprint is not None and m["model_fingerprint"] != fingerprint:
-            raise SnapshotModelMismatch(
-                f"snapshot was made with model {m['model_name'][:80]!r} ({m['model_fingerprint'][:12]}…) but "
-                f"this engine runs {fingerprint[:12]}…; load the same model file to thaw it")
-        if guest_sha256 is not None and m["guest_sha256"] != guest_sha256:
-            raise SnapshotGuestMismatch(
-                f"snapshot was made with guest {m['guest_name'][:80]} ({m['guest_sha256'][:12]}…), not "
-                f"{guest_sha256[:12]}…; thaw it with the same guest module")
-        wanted = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
-        for key, value in wanted.items():
-            if value is not None and int(m[key]) != value:
-                raise SnapshotShapeMismatch(f"snapshot has {key}={m[key]}, the engine's cache has {value}")
-        if max_seq_len is not None and self.kv_len > max_seq_len:
-            raise SnapshotShapeMismatch(
-                f"snapshot holds {self.kv_len} tokens; the engine's context holds {max_seq_len}")
+    def verify(self, **wanted) -> None:
+        """Raise the specific SnapshotError for the first thing that does not match (verify_metadata)."""
+        verify_metadata(self.metadata, **wanted)
 
     def kv(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """K and V per layer in `dtype` (int8 snapshots are dequantized)."""
@@ -395,7 +372,35 @@ def header(path: str | Path) -> dict[str, str]:
         os.close(fd)
 
 
-def model_fingerprint(checkpoint, snap: Snapshot) -> str:
+def verify_metadata(m: dict[str, str], *, fingerprint: str | None = None, guest_sha256: str | None = None,
+                    abi_version: int | tuple[int, ...] | None = None, n_layers: int | None = None,
+                    n_kv_heads: int | None = None, head_dim: int | None = None,
+                    max_seq_len: int | None = None) -> None:
+    """Raise the specific SnapshotError for the first thing in a snapshot's metadata `m` that does not
+    match what is given (None: not checked)."""
+    speaks = (abi_version,) if isinstance(abi_version, int) else abi_version
+    if speaks is not None and m["abi_version"] not in {str(v) for v in speaks}:
+        raise SnapshotVersionMismatch(
+            f"snapshot was made by a guest speaking ABI {m['abi_version'][:20]}; "
+            f"this host speaks {' and '.join(str(v) for v in speaks)}")
+    if fingerprint is not None and m["model_fingerprint"] != fingerprint:
+        raise SnapshotModelMismatch(
+            f"snapshot was made with model {m['model_name'][:80]!r} ({m['model_fingerprint'][:12]}…) but "
+            f"this engine runs {fingerprint[:12]}…; load the same model file to thaw it")
+    if guest_sha256 is not None and m["guest_sha256"] != guest_sha256:
+        raise SnapshotGuestMismatch(
+            f"snapshot was made with guest {m['guest_name'][:80]} ({m['guest_sha256'][:12]}…), not "
+            f"{guest_sha256[:12]}…; thaw it with the same guest module")
+    wanted = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim}
+    for key, value in wanted.items():
+        if value is not None and int(m[key]) != value:
+            raise SnapshotShapeMismatch(f"snapshot has {key}={m[key]}, the engine's cache has {value}")
+    if max_seq_len is not None and int(m["kv_len"]) > max_seq_len:
+        raise SnapshotShapeMismatch(
+            f"snapshot holds {m['kv_len']} tokens; the engine's context holds {max_seq_len}")
+
+
+def model_fingerprint(checkpoint, snap: Snapshot | Header) -> str:
     """The checkpoint's model fingerprint as the snapshot would name it: a snapshot of a model of the
     same name written before floe's model fingerprint scheme v2 names it by scheme v1, checked then (a
     SHA-256 pass over the weights, once per checkpoint). Thaw and `floe snapshot verify` both check this."""
@@ -422,16 +427,12 @@ def thaw(engine: Engine, path: str | Path | Snapshot, guest: str | Path | bytes 
     """
     # The bytes are checked below, nothing is used before.
     snap = path if isinstance(path, Snapshot) else Snapshot(path, contents=False)
-    module = _guest_module(snap, guest)
+    module = thawable(engine, snap, guest)
     if into is not None and (into.engine is not engine or into.module.sha256 != module.sha256
                              or into.slot is None or into.closed):
         raise ValueError("thaw(into=...) restores a fresh, open actor of the snapshot's guest on this "
                          "engine, with its KV slot")
     c = engine.config
-    snap.verify(fingerprint=model_fingerprint(engine.checkpoint, snap), guest_sha256=module.sha256,
-                abi_version=SUPPORTED_ABI_VERSIONS,
-                n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                max_seq_len=engine.max_seq_len)
     # KV tensors stored in the engine's dtype are checked as they are loaded (each read once, by
     # several threads); the rest (small), and KV that must be converted, before anything is used.
     # Onto a GPU the KV bytes start on their way (copy threads) while the actor is created.
@@ -454,7 +455,21 @@ def thaw(engine: Engine, path: str | Path | Snapshot, guest: str | Path | bytes 
     return actor
 
 
-def _guest_module(snap: Snapshot, guest: str | Path | bytes | GuestModule | None) -> GuestModule:
+def thawable(engine: Engine, snap: Snapshot | Header,
+             guest: str | Path | bytes | GuestModule | None = None) -> GuestModule:
+    """Raise the SnapshotError a thaw of `snap` (a Snapshot, or a checked Header: its metadata alone) on
+    `engine` with `guest` would raise before it restores anything (ABI version, model, guest module,
+    cache shape, context); else the guest module, compiled. A server checks an upload with it before the
+    upload replaces a session."""
+    module = _guest_module(snap, guest)
+    c = engine.config
+    verify_metadata(snap.metadata, fingerprint=model_fingerprint(engine.checkpoint, snap),
+                    guest_sha256=module.sha256, abi_version=SUPPORTED_ABI_VERSIONS, n_layers=c.n_layers,
+                    n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_seq_len=engine.max_seq_len)
+    return module
+
+
+def _guest_module(snap: Snapshot | Header, guest: str | Path | bytes | GuestModule | None) -> GuestModule:
     """`guest` compiled, or (None) the built-in guest the snapshot names."""
     if guest is None:
         name = snap.metadata["guest_name"]

@@ -6,12 +6,8 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
-from floe.actor.actor import builtin_guest
-from floe.errors import FloeError
 from floe.server.records import NotASession, app_record, session_key
-from floe.server.sessions.actors import ActorMaker
 from floe.server.sessions.errors import (
     SessionError,
     SessionLeased,
@@ -21,16 +17,8 @@ from floe.server.sessions.errors import (
 )
 from floe.server.sessions.lifecycle import SessionLifecycle
 from floe.server.sessions.session import Session, checked_id
-from floe.snapshot import SnapshotError, model_fingerprint
-from floe.snapshot.errors import (
-    LeaseHeld,
-    LeaseLost,
-    SnapshotGuestMismatch,
-    SnapshotModelMismatch,
-    SnapshotNotFound,
-    SnapshotShapeMismatch,
-)
-from floe.wasm.runtime import default_runtime
+from floe.snapshot import SnapshotError, thawable
+from floe.snapshot.errors import LeaseHeld, LeaseLost, SnapshotNotFound
 
 
 class SessionTransfers:
@@ -68,7 +56,10 @@ class SessionTransfers:
         with self.registry.waits.holding(session):
             def accept(header) -> None:
                 app_record(header.metadata)  # NotASession: refused before it replaces anything
-                thawable(header, self.lifecycle.actors)
+                # What a thaw here would refuse (another model's, guest, cache shape, a longer context):
+                # stored, it failed every later request of its session (500 thaw_failed), and a restart
+                # skipped it — an upload over a session of another model lost that session
+                thawable(self.lifecycle.actors.engine, header, self.lifecycle.actors.guest)
 
             try:
                 info = self.snapshots.import_(key, chunks, accept=accept)
@@ -125,31 +116,3 @@ class SessionTransfers:
             fork.last_used = source.last_used = time.monotonic()
             fork.lock.release()
         return {**fork.describe(), "object": "session", "forked_from": sid}
-
-
-def thawable(header, actors: ActorMaker) -> None:
-    """Raise the SnapshotError a thaw on `actors`' engine and guest would raise for an uploaded
-    snapshot's header (its model, guest, cache shape, context): refused before it replaces a session.
-    Stored, such a snapshot failed every later request of its session (500 thaw_failed), and a restart
-    skipped it: an upload over a session of another model (a server of several) lost that session."""
-    m, engine = header.metadata, actors.engine
-    if m["model_fingerprint"] != model_fingerprint(engine.checkpoint, header):
-        raise SnapshotModelMismatch(
-            f"it was made with model {m['model_name'][:80]!r} ({m['model_fingerprint'][:12]}…), this "
-            f"session's model is {engine.checkpoint.name[:80]!r} ({engine.checkpoint.fingerprint[:12]}…)")
-    try:
-        guest = actors.guest or builtin_guest(Path(m["guest_name"]).stem)
-        sha256 = default_runtime().compile(guest).sha256
-    except (FloeError, ValueError, OSError) as e:
-        raise SnapshotGuestMismatch(f"its guest {m['guest_name'][:80]!r} is not one this server runs: "
-                                    f"{e}") from None
-    if m["guest_sha256"] != sha256:
-        raise SnapshotGuestMismatch(f"it was made with guest {m['guest_name'][:80]!r} "
-                                    f"({m['guest_sha256'][:12]}…), not this server's ({sha256[:12]}…)")
-    c = engine.config
-    for key, value in {"n_layers": c.n_layers, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim}.items():
-        if int(m[key]) != value:
-            raise SnapshotShapeMismatch(f"it has {key}={m[key]}, this engine's cache has {value}")
-    if int(m["kv_len"]) > engine.max_seq_len:
-        raise SnapshotShapeMismatch(f"it holds {m['kv_len']} tokens; this server's context (--context) "
-                                    f"holds {engine.max_seq_len}")
