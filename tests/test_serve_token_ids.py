@@ -310,3 +310,54 @@ def test_the_loops_send_takes_what_the_socket_takes_now_and_says_when_the_front_
     conn._write_without_waiting(b"z")
     assert conn.closed  # (lost: its chats stop at their next token)
     ours.close()
+
+
+def test_a_chats_started_frame_goes_with_the_next_flush_before_its_output_and_its_end():
+    """_Connection.started takes no send lock (a burst's chats waited for it behind each other): the
+    frame goes with the next flush — the loop's try_flush or a send — ahead of its chat's ids and
+    text, and a chat's end or error sent at once still follows it; watch() while a flush reads the
+    watched chats loses nothing."""
+    import threading
+
+    from floe.actor.stream import TokenStream
+    from floe.server.core_socket import _Connection
+
+    ours, theirs = socket.socketpair()
+    wire = Wire.__new__(Wire)
+    wire.sock = theirs
+    conn = _Connection(ours)
+    conn.send_lock.acquire()  # (another thread sending: started() must not wait for it)
+    try:
+        conn.started(1, "s-1")
+        assert conn.streaming  # (the flusher looks while one waits to go)
+        assert conn.try_flush()  # (the lock busy: nothing sent, nothing half sent)
+    finally:
+        conn.send_lock.release()
+    stream = TokenStream()
+    conn.watch(1, stream, sent=True)
+    stream.append(7)
+    conn.text(2, "x")
+    conn.started(2, None)
+    assert conn.try_flush()
+    assert wire.read() == ["started", 1, "s-1"] and wire.read() == ["started", 2, None]
+    assert wire.read() == ["text", [[2, "x"]]] and wire.read() == ["ids", [[1, [7]]]]
+    conn.started(3, "s-3")
+    conn.send(["error", 3, {"message": "no"}])  # (a chat that failed before any output)
+    assert wire.read() == ["started", 3, "s-3"] and wire.read()[:2] == ["error", 3]
+    streams = [TokenStream() for _ in range(300)]
+    for s in streams:
+        s.append(1)
+    adding = threading.Thread(target=lambda: [conn.watch(100 + k, s, sent=True)
+                                              for k, s in enumerate(streams)])
+    adding.start()
+    while adding.is_alive():
+        conn.flush()  # (iterates the watched chats while others are added: no "changed size" error)
+    adding.join()
+    conn.flush()
+    seen = set()
+    theirs.settimeout(2)
+    while len(seen) < len(streams):
+        frame = wire.read()
+        seen.update(rid for rid, _ in frame[1] if rid >= 100)
+    ours.close()
+    theirs.close()
