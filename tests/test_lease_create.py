@@ -1,8 +1,9 @@
 """A new session's lease on a local disk is created without a lock (floe.snapshot.atomic.create_exclusive:
-a whole temporary hard-linked to the name, which link(2) refuses if it exists): of creators racing for
-one key, in threads and in processes, exactly one wins; a filesystem without hard links falls back to
-the lease's lock; creates racing releases and replaces never leave two holders at once; the temporary
-of a creator that died is cleaned, a live creator's is not."""
+a whole file without a name (O_TMPFILE) or a whole temporary, hard-linked to the name, which link(2)
+refuses if it exists): of creators racing for one key, in threads and in processes, exactly one wins,
+either way; a filesystem without files without a name falls back to temporaries, one without hard links
+to the lease's lock; creates racing releases and replaces never leave two holders at once; the
+temporary of a creator that died is cleaned, a live creator's is not."""
 
 from __future__ import annotations
 
@@ -14,11 +15,27 @@ import time
 
 import pytest
 
+from floe.snapshot import atomic
 from floe.snapshot.atomic import LINK_TEMP_STALE_S, clean_stale, create_exclusive
 from floe.snapshot.errors import LeaseHeld
 from floe.snapshot.lease import FileLeases
 
 KEYS = 40
+
+
+@pytest.fixture(params=["unnamed", "temporary"])
+def way(request, monkeypatch):
+    """create_exclusive's way: a file without a name where this machine makes them, or a temporary."""
+    if request.param == "temporary":
+        monkeypatch.setattr(atomic, "_held_calls", None)
+    elif atomic._held_calls is None:
+        pytest.skip("no files without a name here (not Linux)")
+    return request.param
+
+
+@pytest.fixture
+def temporaries(monkeypatch):
+    monkeypatch.setattr(atomic, "_held_calls", None)
 
 
 def race(folder, owner: str, keys: list[str], start: float) -> list[str]:
@@ -61,7 +78,7 @@ def exactly_one_each(winners: dict[str, list[str]], folder, keys: list[str]) -> 
     assert left == [], f"temporaries left: {left}"
 
 
-def test_threads_and_processes_racing_for_new_leases_each_key_won_once(tmp_path):
+def test_threads_and_processes_racing_for_new_leases_each_key_won_once(tmp_path, way):
     keys = [f"s{i}" for i in range(KEYS)] + [f"owner{i % 3}/s{i}" for i in range(KEYS)]  # new folders too
     start = time.time() + 1.0
     context = multiprocessing.get_context("fork")
@@ -80,7 +97,8 @@ def test_threads_and_processes_racing_for_new_leases_each_key_won_once(tmp_path)
     exactly_one_each(winners, tmp_path, keys)
 
 
-def test_without_hard_links_a_new_lease_takes_the_lock_and_is_still_won_once(tmp_path, monkeypatch):
+def test_without_hard_links_a_new_lease_takes_the_lock_and_is_still_won_once(tmp_path, monkeypatch,
+                                                                               temporaries):
     def no_links(src, dst, *args, **kwargs):
         raise OSError(errno.EPERM, "Operation not permitted")
 
@@ -129,7 +147,7 @@ def test_creates_racing_releases_never_leave_two_holders(tmp_path):
     assert FileLeases(tmp_path).holder("k") is None
 
 
-def test_a_creators_old_temporary_is_cleaned_by_its_age_and_a_young_one_kept(tmp_path):
+def test_a_creators_old_temporary_is_cleaned_by_its_age_and_a_young_one_kept(tmp_path, way):
     """No lock tells that a creator's temporary is in use, and its pid tells nothing where another host
     or pid namespace shares the folder: clean_stale goes by its age, takes no lock, leaves no sidecar."""
     target = tmp_path / "k.lease"
@@ -146,7 +164,8 @@ def test_a_creators_old_temporary_is_cleaned_by_its_age_and_a_young_one_kept(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == [young.name, "k.lease"]  # no lock sidecar
 
 
-def test_a_creator_whose_temporary_was_cleaned_before_its_link_writes_it_again(tmp_path, monkeypatch):
+def test_a_creator_whose_temporary_was_cleaned_before_its_link_writes_it_again(tmp_path, monkeypatch,
+                                                                               temporaries):
     link, cleaned = os.link, []
 
     def cleaned_first(src, dst, *args, **kwargs):
@@ -163,7 +182,7 @@ def test_a_creator_whose_temporary_was_cleaned_before_its_link_writes_it_again(t
 
 
 @pytest.mark.parametrize("existing", [b"", b"{}"])
-def test_a_create_never_replaces_a_file_there(tmp_path, existing):
+def test_a_create_never_replaces_a_file_there(tmp_path, existing, way):
     target = tmp_path / "k.lease"
     target.write_bytes(existing)  # even an empty one (a crash's): replacing that is the lock's job
     assert not create_exclusive(target, b"new")
@@ -234,3 +253,58 @@ def test_a_folder_it_cannot_write_still_says_who_holds_a_lease(tmp_path, monkeyp
     monkeypatch.setattr(leases, "_create", denied)
     with pytest.raises(LeaseHeld):
         leases.acquire("k", "server-b", 60)
+
+
+def test_a_folder_refusing_files_without_a_name_gets_temporaries_and_is_not_asked_again(tmp_path,
+                                                                                         monkeypatch):
+    """A filesystem without O_TMPFILE (NFS, some FUSE): the create goes the temporary's way, exactly
+    once a key, and that folder is not asked again; where linkat cannot name it (no /proc mounted) too."""
+    if atomic._held_calls is None:
+        pytest.skip("no files without a name here (not Linux)")
+    monkeypatch.setattr(atomic, "_no_unnamed", set())
+    opened, real_open = [], os.open
+
+    def refusing(path, flags, *args, **kwargs):
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            opened.append(path)
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+    keys = [f"s{i}" for i in range(KEYS)]
+    exactly_one_each(race_in_threads(tmp_path, keys, time.time() + 0.2), tmp_path, keys)
+    assert 1 <= len(opened) <= 4 and str(tmp_path) in atomic._no_unnamed  # (each thread's first, at most)
+    monkeypatch.setattr(os, "open", real_open)
+    atomic._no_unnamed.clear()
+    write, _, close = atomic._held_calls
+
+    def no_proc(*args):
+        import ctypes
+        ctypes.set_errno(errno.ENOENT)
+        return -1
+
+    monkeypatch.setattr(atomic, "_held_calls", (write, no_proc, close))
+    target = tmp_path / "other" / "k.lease"
+    assert create_exclusive(target, b"{1}") and not create_exclusive(target, b"{2}")
+    assert target.read_bytes() == b"{1}" and str(target.parent) in atomic._no_unnamed
+    assert sorted(p.name for p in target.parent.iterdir()) == ["k.lease"]
+
+
+def test_a_file_without_a_name_is_whole_and_its_failures_are_the_callers(tmp_path, monkeypatch):
+    """The unnamed way's write failing (a full disk) raises, names nothing and leaves nothing."""
+    if atomic._held_calls is None:
+        pytest.skip("no files without a name here (not Linux)")
+    target = tmp_path / "k.lease"
+    assert create_exclusive(target, b'{"owner": "a"}') and target.read_bytes() == b'{"owner": "a"}'
+    _, link, close = atomic._held_calls
+
+    def full(*args):
+        import ctypes
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+    monkeypatch.setattr(atomic, "_held_calls", (full, link, close))
+    with pytest.raises(OSError) as e:
+        create_exclusive(tmp_path / "j.lease", b"{}")
+    assert e.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.lease"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from floe import randomness
 from floe.actor.stream import TokenStream
 from floe.engine import Engine, SamplingParams
 from floe.errors import FloeError, InvalidSamplingParams
@@ -177,7 +177,7 @@ class ServeCore:
                 raise failure(e, sid) from None
         seed = None if request.get("seed") in (None, -1) else params.seed  # -1: random, as llama.cpp
         try:  # a new session's generator starts from the request's seed, or a random one (as OpenAI)
-            session = self.store.acquire(sid, messages, secrets.randbits(63) if seed is None else seed,
+            session = self.store.acquire(sid, messages, randomness.randbits(63) if seed is None else seed,
                                          owner=owner)
         except SessionError as e:
             raise failure(e, sid) from None

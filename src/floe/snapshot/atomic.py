@@ -16,17 +16,20 @@ writer may have left) and by `clean_stale` over a folder.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
 import re
-import secrets
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+
+from floe import randomness
 
 TEMP_SUFFIX = ".floe-tmp"
 LOCK_SUFFIX = ".floe-lock"
@@ -39,6 +42,8 @@ _LINK_TEMP = re.compile(r"\.(?P<target>.+)\.(?P<pid>\d+)-(?P<tid>\d+)-[0-9a-f]{8
                         + re.escape(TEMP_SUFFIX))
 _NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV, errno.EMLINK)
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_NO_UNNAMED = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOSYS)  # O_TMPFILE refused
+_AT_FDCWD, _AT_SYMLINK_FOLLOW = -100, 0x400
 
 _locks: dict[str, list] = {}  # absolute path -> [threading.Lock, number of users]
 _locks_guard = threading.Lock()
@@ -46,12 +51,13 @@ _locks_guard = threading.Lock()
 # flock is refused (every write there scans, with a name of its own); guarded by _locks_guard
 _scanned: set[str] = set()
 _no_flock: set[str] = set()
+_no_unnamed: set[str] = set()  # folders whose filesystem refused a file without a name (O_TMPFILE)
 SCANNED_MOST = 4096
 
 
 def temp_name(target: Path) -> str:
     """This writer's temporary name for `target`: unique per process, thread and call."""
-    return f".{target.name}.{os.getpid()}-{threading.get_native_id()}-{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    return f".{target.name}.{os.getpid()}-{threading.get_native_id()}-{randomness.token_hex(4)}{TEMP_SUFFIX}"
 
 
 def held_temp_name(target: Path) -> str:
@@ -179,17 +185,20 @@ class NoHardLinks(OSError):
 
 def create_exclusive(target: Path, data: bytes) -> bool:
     """Put `data` at `target` only if no file is there (False if one is), without a lock: written
-    whole into a temporary beside it, then hard-linked to the name, which link(2) refuses if the name
-    exists, so of creators racing for one name exactly one wins and a reader sees no file or the whole
-    one. Not durable (as replace_held). A new session's lease so costs ~5 calls into the filesystem
-    where the compare-and-swap under the lease's lock costs ~12, each a GIL hand-off in a burst.
-    Raises NoHardLinks where the filesystem has none. No lock tells that the temporary is in use:
-    clean_stale removes one only once it is LINK_TEMP_STALE_S old (a creator's lives microseconds),
-    and a creator whose temporary was removed anyway (a clock far off, a stopped process) writes
-    it again."""
+    whole into a file without a name (O_TMPFILE: _create_unnamed) or else a temporary beside it, then
+    hard-linked to the name, which link(2) refuses if the name exists, so of creators racing for one
+    name exactly one wins and a reader sees no file or the whole one. Not durable (as replace_held).
+    A new session's lease so costs 4 calls into the filesystem (a temporary's way: 6), where the
+    compare-and-swap under the lease's lock costs ~12, each a GIL hand-off in a burst. Raises
+    NoHardLinks where the filesystem has none. No lock tells that a temporary is in use: clean_stale
+    removes one only once it is LINK_TEMP_STALE_S old (a creator's lives microseconds), and a creator
+    whose temporary was removed anyway (a clock far off, a stopped process) writes it again."""
+    made = _create_unnamed(target, data)
+    if made is not None:
+        return made
     for _ in range(3):
         tmp = target.with_name(f".{target.name}.{os.getpid()}-{threading.get_native_id()}-"
-                               f"{secrets.token_hex(4)}.link{TEMP_SUFFIX}")
+                               f"{randomness.token_hex(4)}.link{TEMP_SUFFIX}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
             fd = os.open(tmp, flags, 0o644)
@@ -216,6 +225,72 @@ def create_exclusive(target: Path, data: bytes) -> bool:
                 os.unlink(tmp)
     raise OSError(errno.ENOENT, f"creating {target.name}: its temporary was removed three times in a row "
                                 "(by a clean_stale that takes it for a dead writer's)")
+
+
+def _create_unnamed(target: Path, data: bytes) -> bool | None:
+    """create_exclusive where the kernel and the folder's filesystem make files without a name
+    (O_TMPFILE: ext4, xfs, btrfs, tmpfs): `data` written into one, which linkat(2) through /proc then
+    names `target` (refused if the name exists). Four calls, not six, and nothing for clean_stale: a
+    creator killed midway leaves no file. The open lets the GIL go as any call into the filesystem;
+    the write of ~100 bytes, the link and the close keep it (ctypes.PyDLL: microseconds on a
+    filesystem that has just answered), where each hand-off cost a new session ~2.6 ms in a burst of 64
+    (bench/probes/gil_handoff.py). None where there is no such way here (the caller's own then)."""
+    folder = str(target.parent)
+    if _held_calls is None or folder in _no_unnamed:
+        return None
+    flags = os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC
+    try:
+        try:
+            fd = os.open(folder, flags, 0o644)
+        except FileNotFoundError:  # the key's folder (an owner's) is new
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(folder, flags, 0o644)
+    except OSError as e:
+        if e.errno not in _NO_UNNAMED:
+            raise
+        _refuse_unnamed(folder)
+        return None
+    write, link, close = _held_calls
+    try:
+        if (written := write(fd, data, len(data))) != len(data):  # (~100 bytes: all at once, or an error)
+            code = ctypes.get_errno() if written < 0 else errno.EIO
+            raise OSError(code, f"writing {target}: {os.strerror(code)}")
+        if link(_AT_FDCWD, f"/proc/self/fd/{fd}".encode(), _AT_FDCWD, os.fsencode(target),
+                _AT_SYMLINK_FOLLOW) == 0:
+            return True
+        code = ctypes.get_errno()
+        if code == errno.EEXIST:
+            return False
+        if code in (*_NO_LINKS, *_NO_UNNAMED, errno.ENOENT):  # (ENOENT: no /proc here)
+            _refuse_unnamed(folder)
+            return None
+        raise OSError(code, f"linking {target}: {os.strerror(code)}")
+    finally:
+        close(fd)
+
+
+def _refuse_unnamed(folder: str) -> None:
+    with _locks_guard:
+        if len(_no_unnamed) >= SCANNED_MOST:
+            _no_unnamed.clear()
+        _no_unnamed.add(folder)
+
+
+def _libc_held_calls() -> tuple | None:
+    """libc's write, linkat and close called with the GIL held (ctypes.PyDLL), or None where files
+    without a name are not made (not Linux)."""
+    if not (sys.platform.startswith("linux") and hasattr(os, "O_TMPFILE")):
+        return None
+    libc = ctypes.PyDLL(None, use_errno=True)
+    write, link, close = libc.write, libc.linkat, libc.close
+    write.argtypes, write.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_ssize_t
+    link.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    link.restype = ctypes.c_int
+    close.argtypes, close.restype = [ctypes.c_int], ctypes.c_int
+    return write, link, close
+
+
+_held_calls = _libc_held_calls()
 
 
 def write_new(target: Path, data: bytes) -> bool:

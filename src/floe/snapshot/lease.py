@@ -32,6 +32,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
+from floe import randomness
 from floe.snapshot.atomic import NoHardLinks, create_exclusive, path_lock, replace_held, write_new
 from floe.snapshot.errors import LeaseHeld, LeaseLost, StoreUnavailable
 
@@ -87,7 +88,7 @@ class Leases(ABC):
             if record["owner"] != owner and record["expires_at"] > now and not owner_gone(record["owner"]):
                 raise LeaseHeld(key, record["owner"], record["expires_at"])
             continues = held is not None and record["token"] == held.token and record["owner"] == owner
-            token = record["token"] if continues else secrets.token_hex(8)
+            token = record["token"] if continues else randomness.token_hex(8)
             lease = Lease(key, owner, token, now + seconds, "")
             new_etag = self._replace(key, lease, etag)
             if new_etag is not None:
@@ -121,7 +122,7 @@ class Leases(ABC):
 
     @staticmethod
     def _new(key: str, owner: str, expires_at: float) -> Lease:
-        return Lease(key, owner, secrets.token_hex(8), expires_at, "")
+        return Lease(key, owner, randomness.token_hex(8), expires_at, "")
 
     @abstractmethod
     def _read(self, key: str) -> tuple[dict, str] | None:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from floe import randomness
 from floe.server.records import NotASession, app_record, session_key, split_key
 from floe.server.sessions.errors import SessionExists, SessionLeased, ThawFailed, UnknownSession
 from floe.server.sessions.session import Session, checked_id, is_prefix
@@ -96,7 +96,7 @@ class SessionRegistry:
                               if not s.lock.locked() and is_prefix(s.messages, history)]
                 session = max(candidates, key=lambda s: len(s.messages), default=None)
                 if session is None:
-                    session = self.new(uuid.uuid4().hex[:16], seed, owner, anonymous=True)
+                    session = self.new(randomness.token_hex(8), seed, owner, anonymous=True)
                 return session
         key = session_key(owner, checked_id(session_id))
         with self.lock:
