@@ -432,8 +432,14 @@ def client_process(args, base_url: str, model_id: str, indices: list[int], deadl
                    ready, out) -> None:
     """A client process's share of the sessions (--client-processes): its own client, warmed, then
     waits for the others so that all start together."""
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=args.budget_s)
-    warm_client(client, model_id, f"warm-client-{indices[0]}")
+    try:
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=args.budget_s)
+        warm_client(client, model_id, f"warm-client-{indices[0]}")
+    except BaseException as e:  # the others and the parent must not wait for this one at the barrier
+        print(f"client process of sessions {indices[:3]}...: its warm-up failed: {e!r}", file=sys.stderr,
+              flush=True)
+        ready.abort()
+        raise
     ready.wait()
     if args.client == "raw":
         out.put(run_sessions_raw(args, base_url, model_id, indices, deadline, decoding))
@@ -505,7 +511,13 @@ def run_load(args, client: openai.OpenAI, model_id: str, about: dict) -> None:
                     for g in groups]
         for child in children:
             child.start()
-        ready.wait()
+        try:
+            ready.wait(timeout=args.budget_s)
+        except threading.BrokenBarrierError:  # (a child's warm-up failed: it said why on stderr)
+            for child in children:
+                child.join(5)
+            raise SystemExit("a client process did not get ready (exit codes "
+                             f"{[child.exitcode for child in children]}): see its error above") from None
     start = time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
         prober = pool.submit(probe) if args.probe else None
