@@ -311,6 +311,39 @@ def test_a_slow_look_at_an_unloaded_models_sessions_holds_no_other_request_of_it
     assert not models.errors.records
 
 
+def test_a_slow_store_asked_of_a_new_session_id_holds_no_chat_of_another_id(models, monkeypatch):
+    """A chat naming an id its model has not registered asks the other models' stores whether one holds
+    it (on S3 a round trip each), and did so under one lock of the router's: every named chat of every
+    model waited for it. The ask is now the id's own: a chat of another id goes on meanwhile; one of
+    the same id on another model waits for the answer and is refused (409) as before."""
+    from floe.server.models.served import ServedModel
+
+    assert chat(models.url, "smol", "known-1", A).status_code == 200
+    holds, asking, answer = ServedModel.holds, threading.Event(), threading.Event()
+
+    def slow(self, owner, sid):
+        if sid == "new-slow-1":
+            asking.set()
+            answer.wait(60)  # (a slow store)
+        return holds(self, owner, sid)
+
+    monkeypatch.setattr(ServedModel, "holds", slow)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(chat, models.url, "smol", "new-slow-1", A)
+        assert asking.wait(60)
+        same = pool.submit(chat, models.url, "tiny", "new-slow-1", A)
+        body = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "temperature": 0, "session_id": "known-1"}
+        try:
+            r = httpx.post(models.url + CHAT, json=body, headers=A, timeout=30)
+            assert r.status_code == 200 and not answer.is_set()  # (answered while the ask still waits)
+        finally:
+            answer.set()
+        assert first.result().status_code == 200
+        assert same.result().status_code == 409
+    assert not models.router._claims and not models.errors.records
+
+
 @pytest.mark.slow  # two `floe serve` starts
 def test_a_front_killed_mid_stream_ends_floe_serve_as_a_failure_and_loses_no_answered_turn(tmp_path):
     """`floe serve --fronts 2`, one front SIGKILLed while it streams: the other front and the core stop

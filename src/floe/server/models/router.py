@@ -54,10 +54,12 @@ class Routed:
 
 @dataclass
 class Claim:
-    """A named session's model, as requests routed it, and its requests running now."""
+    """A named session's model, as requests routed it, and its requests running now; `checking` while
+    its first request asks the other models' stores whether one holds the id (set when that is told)."""
 
     model: ServedModel
     running: int = 0
+    checking: threading.Event | None = None
 
 
 def mismatch(sid: str, owner: ServedModel, asked: ServedModel) -> ServeError:
@@ -140,17 +142,36 @@ class ModelRouter:
         if not (isinstance(owner, str) and isinstance(sid, str) and MODEL_NAME.fullmatch(sid)):
             return None  # (the core refuses what is not an id or an owner)
         key = session_key(owner, sid)
+        while True:
+            with self._claims_lock:
+                claim = self._claims.get(key)
+                if claim is None or (claim.checking is None and claim.model is not served
+                                     and not claim.running):
+                    # Unclaimed (or another model's, none of its requests running: whether that model
+                    # still holds it is asked with the rest). The other models' stores are asked outside
+                    # the lock (on S3 a round trip each): a request naming another id never waits for
+                    # it; one naming this id waits for this answer.
+                    claim = self._claims[key] = Claim(served, checking=threading.Event())
+                    break
+                if claim.checking is None:
+                    if claim.model is not served:
+                        raise mismatch(sid, claim.model, served)
+                    claim.running += 1
+                    return key
+                told = claim.checking
+            told.wait()
+        try:
+            self._refuse_elsewhere(served, owner, sid)
+        except BaseException:
+            with self._claims_lock:
+                del self._claims[key]
+                claim.checking, told = None, claim.checking
+            told.set()  # (a request waiting for it asks again)
+            raise
         with self._claims_lock:
-            claim = self._claims.get(key)
-            if claim is not None and claim.model is not served:
-                if claim.running or claim.model.holds(owner, sid):
-                    raise mismatch(sid, claim.model, served)
-                claim = None  # (that model no longer holds it: deleted, or never made)
-            if claim is None:
-                # (store I/O only for an id the model has not registered: once an id, under the lock)
-                self._refuse_elsewhere(served, owner, sid)
-                claim = self._claims[key] = Claim(served)
             claim.running += 1
+            claim.checking, told = None, claim.checking
+        told.set()
         return key
 
     def _unclaim(self, key: str | None) -> None:
