@@ -361,3 +361,35 @@ def test_a_chats_started_frame_goes_with_the_next_flush_before_its_output_and_it
         seen.update(rid for rid, _ in frame[1] if rid >= 100)
     ours.close()
     theirs.close()
+
+
+def test_a_chat_watched_while_a_flush_sends_has_its_ids_after_its_started_frame():
+    """watch() takes no lock, so a chat may start and be watched while another thread's flush is sending
+    (its socket writes let the GIL go): that flush must not send the new chat's ids, whose "started"
+    frame it did not take; they go with the next flush, after it."""
+    from floe.actor.stream import TokenStream
+    from floe.server.core_socket import _Connection
+
+    ours, theirs = socket.socketpair()
+    wire = Wire.__new__(Wire)
+    wire.sock = theirs
+    conn = _Connection(ours)
+    conn.text(1, "a")  # (the flush in flight sends this first)
+    late = TokenStream()
+    parts = conn._write_parts
+
+    def arriving_meanwhile(kind, sent, write=None):
+        if kind == "text":  # (while the text goes out: a chat starts, is watched and streams an id)
+            conn.started(2, "s-2")
+            conn.watch(2, late, sent=True)
+            late.append(9)
+        parts(kind, sent, write)
+
+    conn._write_parts = arriving_meanwhile
+    conn.flush()
+    conn._write_parts = parts
+    conn.flush()
+    frames = [wire.read() for _ in range(3)]
+    assert frames == [["text", [[1, "a"]]], ["started", 2, "s-2"], ["ids", [[2, [9]]]]], frames
+    ours.close()
+    theirs.close()

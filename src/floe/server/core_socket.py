@@ -85,9 +85,8 @@ class _Connection:
             self.starts.append(frame)
 
     def watch(self, rid: int, stream: TokenStream, sent: bool) -> None:
-        """Chat `rid` streams token ids into `stream`: its new ones go out at each flush (sent), and it
-        stops when its client leaves or this connection ends. (No lock: the flusher reads a copy of
-        `watched`, and one dict store is whole under the GIL.)"""
+        """Chat `rid` streams token ids into `stream`: its new ones go out at each flush (sent); it stops
+        when its client leaves or this connection ends (no lock: a flush reads a copy of `watched`)."""
         self.watched[rid] = [stream, (0, 0), sent]
         if self.closed or rid in self.cancelled:
             stream.stop()
@@ -159,15 +158,16 @@ class _Connection:
         write = write or self._write
         if self.pending:
             self._write(b"")  # (what was left of a frame first)
-        with self.out_lock:
+        with self.out_lock:  # (the chats watched as of now: one watched later has its "started" after these)
             pieces, self.outbox = self.outbox, []
             starts, self.starts = self.starts, []
+            chats = list(self.watched.items())  # (watch() adds without the send lock)
         if starts:  # (before any chat's text: each chat's own "started" came before its text)
             write(b"".join(starts))
         if pieces:
             self._write_parts("text", pieces, write)
         ids = []
-        for rid, watched in list(self.watched.items()):  # (watch() adds without the lock)
+        for rid, watched in chats:
             stream, mark, sent = watched
             if not sent:
                 continue
