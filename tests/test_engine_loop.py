@@ -95,7 +95,7 @@ def test_a_turn_tells_its_table_when_it_ends_and_when_it_is_done(tiny_engine):
         assert table.changes == 2 and turn.over
 
 
-@pytest.mark.parametrize("arrivals", [1, 4])
+@pytest.mark.parametrize("arrivals", [1, 2, 4])
 def test_arrivals_let_in_together_answer_exactly_as_alone(tiny_engine, monkeypatch, arrivals):
     """Arriving turns' on_message ARRIVALS at once (floe.actor.loop.ARRIVALS, by the machine's cores):
     each concurrent actor's reply is still its reply alone, and no arrival turn is left held."""

@@ -64,9 +64,10 @@ TOKEN_CALL_S = 5.0
 STEP_CALL_S = 0.25
 ARRIVAL_WAIT_S = 0.05  # the most an arriving turn waits for the one before it (EngineLoop.arriving)
 # Arriving turns' on_message at once (EngineLoop.arriving): their GIL-free parts (the guest's code, the
-# tokenizer) overlap where there are cores for them. A burst of 64 on the H200 host (16 cores,
-# bench/probes/arrival_cost.py): on_message p50 61 ms with 4, 87 with 1; TTFT p50 90 vs 105-118 ms.
-ARRIVALS = max(1, min(4, (os.cpu_count() or 1) // 4))
+# tokenizer) overlap where there are cores for them, and the next starts without waiting for a hand-off.
+# A burst of 64 (bench/probes/arrival_cost.py): the H200 host (16 cores) on_message p50 61 ms with 4, 87
+# with 1, TTFT p50 90 vs 105-118 ms; a 2-core VM the last on_message 22-30 ms with 4 vs 47-58 with 1.
+ARRIVALS = min(4, max(2, (os.cpu_count() or 1) // 4))
 IDLE_EXIT_S = 5.0  # the loop's thread ends after this long without turns (the next turn starts one)
 
 
