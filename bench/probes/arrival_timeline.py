@@ -15,7 +15,9 @@ Prints per round, for each stage, p50 and max over the requests (ms), and each s
 to the burst's first arrival: whether the requests are admitted together or one after another.
 `--profile N`: cProfile of each chat thread from its start to its turn's hand-off (open and on_message,
 the part of a burst that takes the core's GIL one chat after another), the top N functions over the
-last round's chats, µs a chat.
+last round's chats, µs a chat. `--steps`: the engine loop's steps while the burst comes in, one a line (its
+start after the first arrival, its wall, its engine launch's, live turns, prompts riding in it): whether the
+loop's intake of the prompts, not the admission, sets the first tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def main() -> None:
                          "vocabulary: the host's share alone")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="the top N functions of the chat threads' admission (cProfile, the last round)")
+    ap.add_argument("--steps", action="store_true",
+                    help="the engine loop's steps while the burst comes in, one a line")
     ap.add_argument("--ride-rows", type=int, default=None,
                     help="prompt rows a CUDA decode step takes along (loop.RIDE_ROWS, graphs' MIXED_ROWS)")
     args = ap.parse_args()
@@ -157,6 +161,27 @@ def main() -> None:
             if name == "tokenizer":
                 started_fronts.release()
 
+    steps: list[tuple[float, float, float, int, int]] = []  # (--steps) start, wall, launch, live, riding
+    step_, launch_ = type(core.loop)._step, type(core.engine).launch_batch
+
+    def w_step(self):
+        riding.clear()
+        start = time.perf_counter()
+        launched = self.phase_s["launch"]
+        try:
+            return step_(self)
+        finally:
+            steps.append((start, time.perf_counter() - start, self.phase_s["launch"] - launched,
+                          len(self._active), sum(riding)))
+
+    riding: list[int] = []
+
+    def w_launch(self, tokens, slots, prompts=(), *a, **k):
+        riding.append(len(prompts))
+        return launch_(self, tokens, slots, prompts, *a, **k)
+
+    if args.steps:
+        type(core.loop)._step, type(core.engine).launch_batch = w_step, w_launch
     CoreServer._call = w_call
     CoreServer._dispatch, CoreServer._chat, ServeCore.open = w_dispatch, w_chat, w_open
     type(core.loop).run = w_run
@@ -192,6 +217,7 @@ def main() -> None:
             times.clear()
             cpu.clear()
             profiles.clear()
+            steps.clear()
             cmd = [sys.executable, str(HERE.parent / "serve_load.py"), "--url", f"http://127.0.0.1:{port}",
                    "--device", args.device, "--sessions", str(args.sessions), "--turns", "1", "--max-tokens",
                    str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens), "--client-processes",
@@ -201,6 +227,8 @@ def main() -> None:
             started = time.perf_counter()
             out = subprocess.run(cmd + ["--anonymous"] * args.anonymous, capture_output=True, text=True)
             print(f"round {r + 1}: " + " ".join(line for line in out.stdout.splitlines() if "TTFT" in line))
+            if out.returncode:
+                print(f"  the load failed (exit {out.returncode}):", *out.stderr.splitlines()[-12:], sep="\n")
             timed = sorted((v for v in times.values() if "first_id" in v and "received" in v),
                            key=lambda v: v["received"])
             rows = json.loads(loaded.read_text())["rows"] if loaded.exists() else []
@@ -212,6 +240,8 @@ def main() -> None:
                        "front to core": [t for what, t in front if what == "to_core"]}
             report(timed[-args.sessions:], {k: sorted(v)[-args.sessions:] for k, v in outside.items()})
             report_cpu(list(cpu.values()))
+            if args.steps and timed:
+                report_steps(steps, timed[0]["received"], max(v["first_id"] for v in timed))
         if profiles:
             report_profile(profiles, args.profile)
     finally:
@@ -235,6 +265,15 @@ def report_profile(profiles: list[cProfile.Profile], top: int) -> None:
     for (file, line, name), (_, calls, own, cum, _) in ranked:
         print(f"  {1e6 * own / n:7.1f} own {1e6 * cum / n:7.1f} cum  {calls / n:6.1f} calls  "
               f"{Path(file).name}:{line}({name})")
+
+
+def report_steps(steps: list[tuple], first: float, last: float) -> None:
+    """The loop's steps from the burst's first arrival to its last first token id, one a line."""
+    window = [s for s in steps if first <= s[0] <= last]
+    print(f"  the engine loop's {len(window)} steps from the first arrival to the last first id "
+          "(start ms, wall ms, its launch ms, live turns, prompts riding):")
+    for start, wall, launch, live, riding in window:
+        print(f"    {1e3 * (start - first):8.1f} {1e3 * wall:7.2f} {1e3 * launch:7.2f} {live:4d} {riding:3d}")
 
 
 def report_cpu(rows: list[dict[str, float]]) -> None:
