@@ -145,16 +145,13 @@ class ModelRouter:
         while True:
             with self._claims_lock:
                 claim = self._claims.get(key)
-                if claim is None or (claim.checking is None and claim.model is not served
-                                     and not claim.running):
-                    # Unclaimed (or another model's, none of its requests running: whether that model
-                    # still holds it is asked with the rest). The other models' stores are asked outside
-                    # the lock (on S3 a round trip each): a request naming another id never waits for
-                    # it; one naming this id waits for this answer.
+                if claim is None:  # (a claim lives while a request of it runs: _unclaim)
+                    # The other models' stores are asked outside the lock (on S3 a round trip each): a
+                    # request naming another id never waits for it; one naming this id waits for this answer.
                     claim = self._claims[key] = Claim(served, checking=threading.Event())
                     break
                 if claim.checking is None:
-                    if claim.model is not served:
+                    if claim.model is not served:  # (one of its requests runs)
                         raise mismatch(sid, claim.model, served)
                     claim.running += 1
                     return key
