@@ -161,18 +161,19 @@ def main() -> None:
             if name == "tokenizer":
                 started_fronts.release()
 
-    steps: list[tuple[float, float, float, int, int]] = []  # (--steps) start, wall, launch, live, riding
+    steps: list[tuple] = []  # (--steps) start, wall, each phase's share (loop.phase_s), live, riding
     step_, launch_ = type(core.loop)._step, type(core.engine).launch_batch
 
     def w_step(self):
         riding.clear()
         start = time.perf_counter()
-        launched = self.phase_s["launch"]
+        before = dict(self.phase_s)
         try:
             return step_(self)
         finally:
-            steps.append((start, time.perf_counter() - start, self.phase_s["launch"] - launched,
-                          len(self._active), sum(riding)))
+            steps.append((start, time.perf_counter() - start,
+                          {k: v - before.get(k, 0.0) for k, v in self.phase_s.items()}, len(self._active),
+                          sum(riding)))
 
     riding: list[int] = []
 
@@ -237,7 +238,9 @@ def main() -> None:
             outside = {"client connects": [x["connecting_at"] for x in rows if "connecting_at" in x],
                        "client sends": [x["sent_at"] for x in rows if "sent_at" in x],
                        "front gets": [t for what, t in front if what == "request"],
-                       "front to core": [t for what, t in front if what == "to_core"]}
+                       "front to core": [t for what, t in front if what == "to_core"],
+                       "client's first token": [x["sent_at"] + x["ttft_s"] for x in rows
+                                                if x.get("ttft_s") is not None and "sent_at" in x]}
             report(timed[-args.sessions:], {k: sorted(v)[-args.sessions:] for k, v in outside.items()})
             report_cpu(list(cpu.values()))
             if args.steps and timed:
@@ -270,10 +273,14 @@ def report_profile(profiles: list[cProfile.Profile], top: int) -> None:
 def report_steps(steps: list[tuple], first: float, last: float) -> None:
     """The loop's steps from the burst's first arrival to its last first token id, one a line."""
     window = [s for s in steps if first <= s[0] <= last]
+    if not window:
+        return
+    names = list(window[0][2])
     print(f"  the engine loop's {len(window)} steps from the first arrival to the last first id "
-          "(start ms, wall ms, its launch ms, live turns, prompts riding):")
-    for start, wall, launch, live, riding in window:
-        print(f"    {1e3 * (start - first):8.1f} {1e3 * wall:7.2f} {1e3 * launch:7.2f} {live:4d} {riding:3d}")
+          f"(start ms, wall ms, its phases' ms: {', '.join(names)}; live turns, prompts riding):")
+    for start, wall, phases, live, riding in window:
+        shares = " ".join(f"{1e3 * phases.get(k, 0.0):7.2f}" for k in names)
+        print(f"    {1e3 * (start - first):8.1f} {1e3 * wall:7.2f} | {shares} | {live:4d} {riding:3d}")
 
 
 def report_cpu(rows: list[dict[str, float]]) -> None:
@@ -313,8 +320,10 @@ def report(rows: list[dict[str, float]], outside: dict[str, list[float]]) -> Non
     if not sends:
         return
     t1 = min(sends)
-    moments = outside | {"core receives": [r["received"] for r in rows],
-                         "core sends first id": [r["first_id"] for r in rows]}
+    last = "client's first token"
+    moments = ({k: v for k, v in outside.items() if k != last}
+               | {"core receives": [r["received"] for r in rows],
+                  "core sends first id": [r["first_id"] for r in rows], last: outside.get(last, [])})
     print(f"  moments after the first client's send (ms): first / p50 / max of {len(rows)} requests")
     for name, ts in moments.items():
         if ts:
