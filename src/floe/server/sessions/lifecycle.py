@@ -193,8 +193,7 @@ class SessionLifecycle:
         """Freeze `owner`'s session `sid` now, into the store's durable home (also a one-shot session:
         a client that asks for a freeze asks for it to be kept): its id, state, snapshot bytes and the
         seconds it took."""
-        session = self.registry.get(sid, owner)
-        with self.registry.waits.holding(session):
+        with self.registry.holding(sid, owner) as session:
             if not session.persist:
                 session.persist = True
                 if not session.live and session.stored:
@@ -208,16 +207,14 @@ class SessionLifecycle:
         return {"id": sid, "state": "frozen", "bytes": info["bytes"], "seconds": info["seconds"]}
 
     def thaw(self, sid: str, owner: str = "") -> dict:
-        session = self.registry.get(sid, owner)
-        with self.registry.waits.holding(session):
+        with self.registry.holding(sid, owner) as session:
             self.ensure_live(session)
         return session.describe()
 
     def let_go(self, sid: str, owner: str = "") -> dict:
         """Freeze `owner`'s session `sid` (if live) and give up this server's lease on it: another
         server may take it at once (a drain, a migration). Its id and snapshot bytes."""
-        session = self.registry.get(sid, owner)
-        with self.registry.waits.holding(session):
+        with self.registry.holding(sid, owner) as session:
             if session.live:
                 session.persist = True
                 self.freeze_locked(session)

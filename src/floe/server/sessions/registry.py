@@ -9,9 +9,11 @@ only its owner's sessions. Store keys: `{id}` for the open owner's, `{owner}/{id
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from floe import randomness
@@ -152,6 +154,23 @@ class SessionRegistry:
         if session is None:
             raise UnknownSession(f"no session {sid!r}")
         return session
+
+    @contextlib.contextmanager
+    def holding(self, sid: str, owner: str = "") -> Iterator[Session]:
+        """`owner`'s session `sid` (get), locked for the block (waiting as LockWaits.take waits). One
+        dropped while this waited for its lock (a delete, a failed thaw) is looked up again: a request
+        that held it then thawed it into a KV slot nothing freed, or froze it back into the store."""
+        while True:
+            session = self.get(sid, owner)
+            self.waits.take(session)
+            with self.lock:
+                if self.sessions.get(session.key) is session:
+                    break
+            session.lock.release()
+        try:
+            yield session
+        finally:
+            session.lock.release()
 
     def claim_new(self, sid: str, owner: str) -> Session:
         """A new session `sid` of `owner`'s, registered and locked (nobody runs in it before its state

@@ -180,8 +180,7 @@ class SessionStore:
         return self.transfers.fork(sid, owner, new_id)
 
     def delete(self, sid: str, owner: str = "") -> None:
-        session = self.registry.get(sid, owner)
-        with self.registry.waits.holding(session):
+        with self.registry.holding(sid, owner) as session:
             if not self.lifecycle.forget_locked(session):
                 raise UnknownSession(f"no session {sid!r}")
 

@@ -30,8 +30,7 @@ class SessionTransfers:
     def export(self, sid: str, owner: str = "") -> Iterator[memoryview]:
         """`owner`'s session `sid` as its snapshot file's bytes, in chunks, every byte checked before
         the first is given; a live session is frozen first (and stays live), so it is its state now."""
-        session = self.registry.get(sid, owner)
-        with self.registry.waits.holding(session):
+        with self.registry.holding(sid, owner) as session:
             if session.live:
                 self.lifecycle.freeze_locked(session, close=False)
             elif not session.stored:
@@ -89,12 +88,8 @@ class SessionTransfers:
         its next message would thaw it). The fork is in the store's durable home when this returns,
         frozen. SessionExists if `owner` has a session `new_id`."""
         new_id = uuid.uuid4().hex[:16] if new_id is None else checked_id(new_id)
-        source = self.registry.get(sid, owner)
         sessions = self.registry.sessions
-        with self.registry.waits.holding(source):
-            with self.registry.lock:
-                if sessions.get(source.key) is not source:  # dropped while this waited for it
-                    raise UnknownSession(f"no session {sid!r}")
+        with self.registry.holding(sid, owner) as source:
             if not (source.live or source.stored or source.messages):
                 raise SessionError(f"session {sid!r} has no state to fork yet")
             fork = self.registry.claim_new(new_id, owner)
