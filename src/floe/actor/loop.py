@@ -450,8 +450,7 @@ class EngineLoop(Speculation):
         for k in np.flatnonzero(speculated != NONE).tolist():
             turns[k].speculated_at = positions[k]
         table[at, Col.NEXT_TOKEN] = NONE
-        for turn in turns:
-            turn.flying += 1
+        table[at, Col.FLYING] += 1
         for turn in riding:
             turn.next_token, turn.prompt = None, False
             turn.flying += 1
@@ -492,9 +491,9 @@ class EngineLoop(Speculation):
                 [t.end is None and t.target is None for t in turns])) and not any(
                 [isinstance(r, BaseException) for r in results]):  # the common case, in the table at once
             for turn, result in zip(turns, results, strict=True):
-                turn.flying -= 1
                 turn.abi.last_logits = result  # (HostABI.keep_logits of a turn that asked for none)
             table = self.table.array
+            table[slots, Col.FLYING] -= 1
             table[slots, Col.ROWS] += 1
             self.table.doubles[slots, Col.ROWS_S] += seconds
             for calls, nbytes, size in moved:

@@ -56,12 +56,12 @@ class Speculation:
             live = self._roster_now().turns
             if len(fed) == len(live):  # every live turn, in another list: the roster's own instead (its
                 fed = live  # slots and guests made once: this launch and the next ones skip a pass a row)
-        if not fed or any(t.flying != 1 for t in fed) or (flight.void and any(t in flight.void for t in fed)):
+        if not fed or (flight.void and any(t in flight.void for t in fed)):
             return None
         slots = (flight.slots if len(fed) == len(flight.turns)
                  else np.array([t.slot for t in fed], np.int64))
         rows = table[slots]
-        if not ((rows[:, Col.TAKES_CHOICE] != 0) & (rows[:, Col.REFUSED] == 0)
+        if not ((rows[:, Col.FLYING] == 1) & (rows[:, Col.TAKES_CHOICE] != 0) & (rows[:, Col.REFUSED] == 0)
                 & (rows[:, Col.SPECULATED] == NONE) & (rows[:, Col.NEXT_TOKEN] == NONE)
                 & (rows[:, Col.GENERATED] + 1 < rows[:, Col.MAX_TOKENS])).all():
             return None

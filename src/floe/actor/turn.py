@@ -131,7 +131,7 @@ class Turn:
     """One message of one actor, as the loop runs it. Its per-token state is in its TurnTable row
     (the properties below); the rest, read once a turn or on its rarer paths, in slots."""
 
-    __slots__ = ("actor", "deadline", "speculated_at", "rng_before", "flying", "prompt", "_end", "error",
+    __slots__ = ("actor", "deadline", "speculated_at", "rng_before", "prompt", "_end", "error",
                  "abandoned", "calls_on_end", "done", "over", "woken", "abi", "context", "guest", "draws",
                  "target", "slot", "_row", "_words", "_dwords", "_base", "_moved_names", "headed", "decoded",
                  "_table")
@@ -155,6 +155,7 @@ class Turn:
     in_place = _word(W.IN_PLACE)
     copied = _word(W.COPIED)
     choices = _word(W.CHOICES)
+    flying = _word(W.FLYING)  # its rows in launched forwards not yet finished (two when fed)
 
     def __init__(self, actor: GuestHost, max_tokens: int, deadline: float,
                  woken: threading.Event | None = None) -> None:
@@ -163,7 +164,6 @@ class Turn:
         self.deadline = deadline  # time.monotonic()
         self.speculated_at = 0  # that row's position in its KV slot
         self.rng_before: torch.Tensor | None = None  # its generator before a speculated row's draw
-        self.flying = 0  # rows of this turn in launched forwards not yet finished (two when fed)
         self.prompt = True  # its prompt may still be queued (HostABI.queued_tokens is asked only then)
         self.end = None  # why it ended (END_*), once it has
         self.error: BaseException | None = None

@@ -65,6 +65,7 @@ class Col:
     DECODED_AT, N_DECODED, STREAM_IDS_AT, STREAM_N_AT, REPLY_LEN_AT = 32, 33, 34, 35, 36
     ROOM, STREAMED, EMIT_CALLS, EMITS, FIRST_TEXT, LAST_TEXT = 37, 38, 39, 40, 41, 42
     DECODED_CAP, STREAM_CAP = 43, 44  # the room of the decoded ids and the stream's ids (full: Python's)
+    FLYING = 45  # the engine loop's own: the turn's rows in launched forwards not yet finished (two when fed)
 
 
 WIDTH = 48  # words a row

@@ -76,7 +76,8 @@ struct Row {
     double last_text;
     int64_t decoded_cap;  // the room of decoded_at and of stream_ids_at (ids): a full one is Python's
     int64_t stream_cap;
-    int64_t spare[3];
+    int64_t flying;      // the engine loop's own (floe.wasm.rows.Col.FLYING)
+    int64_t spare[2];
 };
 static_assert(sizeof(Row) == 384, "Row is 48 int64 words");
 
