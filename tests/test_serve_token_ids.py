@@ -8,6 +8,7 @@ import asyncio
 import codecs
 import socket
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -393,3 +394,27 @@ def test_a_chat_watched_while_a_flush_sends_has_its_ids_after_its_started_frame(
     assert frames == [["text", [[1, "a"]]], ["started", 2, "s-2"], ["ids", [[2, [9]]]]], frames
     ours.close()
     theirs.close()
+
+
+def test_the_cores_chat_threads_are_all_started_before_its_first_request(core_server):
+    """A chat's thread is waiting when its request comes: the core's reading thread, which reads every
+    request of its front, starts none (ThreadPoolExecutor's start at a submit waits for the new thread
+    to run: a first burst's later requests were read that much later)."""
+    server = core_server
+    workers = server.pool._max_workers
+    assert workers >= server.core.engine.cache.n_slots
+    assert sum(t.is_alive() for t in server.pool._threads) == workers
+
+
+def test_a_started_pool_has_its_threads_before_any_submit_and_runs_work_on_them():
+    from floe.server.pools import started_pool
+
+    pool = started_pool(6, "floe-test")
+    try:
+        before = set(pool._threads)
+        assert len(before) == 6 and all(t.is_alive() for t in before)
+        names = set(pool.map(lambda _: threading.current_thread().name, range(24)))
+        assert set(pool._threads) == before  # (none made later)
+        assert names <= {t.name for t in before}
+    finally:
+        pool.shutdown()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from floe.actor.stream import TokenStream
 from floe.actor.watchers import watch_steps
 from floe.server import protocol
+from floe.server.pools import started_pool
 from floe.server.protocol import HEADER, ProtocolError, ServeError, frame_length, pack, send_now, unpack
 
 if TYPE_CHECKING:
@@ -268,7 +269,7 @@ class CoreServer:
         os.chmod(self.path, 0o600)
         self.sock.listen()
         # (a running chat holds a thread, and so does an import while its client sends)
-        self.pool = ThreadPoolExecutor(core.pool_threads + MAX_IMPORTS, "floe-chat")
+        self.pool = started_pool(core.pool_threads + MAX_IMPORTS, "floe-chat")
         self._importing: Counter = Counter()  # imports under way, by owner
         self._imports_lock = threading.Lock()
         self._exporting: Counter = Counter()  # exports under way or waiting, by API key (none: open)
