@@ -7,6 +7,8 @@ and the server healthy afterwards."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import logging
 import threading
 import time
@@ -97,6 +99,29 @@ def test_requests_waiting_for_a_session_a_delete_removes_never_bring_it_back_or_
                     assert r.json()["error"]["code"] == "session_not_found", r.text
             assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=60).status_code == 404
     every_slot_answers(server.url, "after-delete")
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions", "/v1/sessions/typed/fork"])
+def test_a_json_body_sent_as_a_form_text_or_compressed_is_a_400_saying_so(server, path):
+    """`curl -d '{...}'` sends its JSON as application/x-www-form-urlencoded, which FastAPI does not read
+    as JSON: the answer was `body: Input should be a valid dictionary or object to extract fields from`;
+    a gzip body 'There was an error parsing the body'. Now each 400 says what to send; the same body
+    as JSON (a charset too) is answered."""
+    assert chat(server.url, "typed").status_code == 200
+    bodies = {CHAT: {"model": MODEL_ID, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+              "/v1/completions": {"model": MODEL_ID, "max_tokens": 2, "prompt": "hi"},
+              "/v1/sessions/typed/fork": {"id": "typed-fork"}}
+    data = json.dumps(bodies[path]).encode()
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):
+        r = httpx.post(server.url + path, content=data, headers={"content-type": kind}, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        assert "Content-Type: application/json" in r.json()["error"]["message"] and kind in r.text, r.text
+    r = httpx.post(server.url + path, content=gzip.compress(data), timeout=120,
+                   headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 400 and "Content-Encoding 'gzip'" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + path, content=data, timeout=120,
+                   headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
 
 
 def test_the_server_is_healthy_after_the_round(server):

@@ -92,6 +92,19 @@ def _error(status: int, message: str, type_: str, code: str | None = None, param
                         status_code=status, headers=headers)
 
 
+def _not_json(request: Request) -> str | None:
+    """Why a request's body was not read as JSON, if its headers say: a compressed body, or a content
+    type other than JSON's (`curl -d` sends application/x-www-form-urlencoded)."""
+    encoding = request.headers.get("content-encoding", "identity")
+    if encoding.lower() != "identity":
+        return f"Content-Encoding {encoding[:40]!r} is not supported (send the body uncompressed)"
+    kind = request.headers.get("content-type")
+    media = (kind or "application/json").split(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        return f"send it with Content-Type: application/json (this request's is {kind[:60]!r})"
+    return None
+
+
 def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
                  cors_origins: tuple[str, ...] = (), on_shutdown: Callable[[], None] = lambda: None,
                  on_lost: Callable[[], None] = lambda: None, client=None,
@@ -166,9 +179,13 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         refused(request.url.path, 400)
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        sent = _not_json(request)
         if first.get("type") == "json_invalid":
-            return _error(400, f"the request body is not valid JSON: {first.get('msg')}",
+            return _error(400, f"the request body is not valid JSON: {sent or first.get('msg')}",
                           "invalid_request_error", "invalid_json")
+        if not where and sent:  # (FastAPI reads a body as JSON only for a JSON content type)
+            return _error(400, f"the request body must be a JSON object: {sent}", "invalid_request_error",
+                          "invalid_json")
         return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}",
                       "invalid_request_error", "invalid_value", where or None)
 
@@ -178,6 +195,10 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         if isinstance(e.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body"
             return _error(400, "the request body is JSON nested too deep to read (past ~1,000 levels; "
                                "floe takes at most 512)", "invalid_request_error", "invalid_json")
+        if isinstance(e.__cause__, UnicodeDecodeError):  # FastAPI's "There was an error parsing the body"
+            why = _not_json(request) or "not UTF-8 text"
+            return _error(400, f"the request body is not valid JSON: {why}", "invalid_request_error",
+                          "invalid_json")
         return _error(e.status_code, str(e.detail), "invalid_request_error",
                       {404: "not_found", 413: "request_too_large"}.get(e.status_code))
 
