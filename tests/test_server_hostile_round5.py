@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ SLOTS = 4
 CHAT = "/v1/chat/completions"
 LOGGERS = ("floe", "uvicorn", "uvicorn.error", "asyncio")  # an ERROR record in any: a failure
 LONG = "Count from 1 to 500, one number per line."
+STORY = "Write a very long story about a dragon, at least 2000 words."  # (greedy: 1,500 tokens and more)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def server(default_checkpoint, tmp_path_factory):
     errors = Errors()
     for name in LOGGERS:
         logging.getLogger(name).addHandler(errors)
-    engine = Engine(default_checkpoint, max_seq_len=512, n_slots=SLOTS, weights="native")
+    engine = Engine(default_checkpoint, max_seq_len=2048, n_slots=SLOTS, weights="native")
     folder = tmp_path_factory.mktemp("sessions")
     app = create_app(engine, snapshots=folder, model_id=MODEL_ID, idle_seconds=3600, wait_seconds=5.0)
     s = ThreadServer(app, header_timeout_s=2.0, body_timeout_s=3.0, send_timeout_s=3.0)
@@ -122,6 +124,54 @@ def test_a_json_body_sent_as_a_form_text_or_compressed_is_a_400_saying_so(server
     r = httpx.post(server.url + path, content=data, timeout=120,
                    headers={"content-type": "application/json; charset=utf-8"})
     assert r.status_code == 200, r.text
+
+
+def hog(url: str, sid: str, started: threading.Event, stop: threading.Event) -> None:
+    """A long streamed turn that holds its KV slot until `stop` (then its client leaves)."""
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": STORY}], "max_tokens": 1500,
+            "temperature": 0, "session_id": sid, "stream": True}
+    with httpx.stream("POST", url + CHAT, json=body, timeout=120) as r:
+        for _ in r.iter_lines():
+            started.set()
+            if stop.is_set():
+                return
+
+
+@pytest.mark.parametrize("waits_for", ["slot", "session"])
+def test_requests_whose_clients_left_while_waiting_give_their_places_up(server, waits_for):
+    """Every slot runs a turn (or one session does); eight chats (of that session) are sent and their
+    clients leave at once (a client with a short timeout, retrying). They kept their places among the
+    waiters until their wait ended or a slot (the session) freed, and every other client's request was
+    a 503 ('all 4 KV slots are busy ... and 8 more wait', 'session_busy') meanwhile; then each ran a
+    turn for nobody. Now a request whose client left gives its place up: the next client's request
+    waits its turn and is answered."""
+    sid = "busy-one" if waits_for == "session" else None
+    data = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+                      | ({"session_id": sid} if sid else {})).encode()
+    ghost = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+    stop = threading.Event()
+    with ThreadPoolExecutor(SLOTS + 1) as pool:
+        starts = [threading.Event() for _ in range(SLOTS if sid is None else 1)]
+        hogs = [pool.submit(hog, server.url, sid or f"hog-{i}", started, stop)
+                for i, started in enumerate(starts)]
+        try:
+            assert all(started.wait(60) for started in starts)
+            for _ in range(8):
+                with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+                    s.sendall(ghost)
+                    time.sleep(0.05)
+            time.sleep(1.0)  # (the front has seen them leave)
+            waiting = pool.submit(chat, server.url, sid or "patient")
+            time.sleep(0.5)
+            assert not waiting.done(), waiting.result().text  # it waits its turn, not a 503
+        finally:
+            stop.set()
+        for f in hogs:
+            f.result()
+        r = waiting.result()
+    assert r.status_code == 200, r.text
+    assert metric(server.url, "floe_waiting_requests") == 0
 
 
 def test_the_server_is_healthy_after_the_round(server):

@@ -77,7 +77,7 @@ class TextCompletions:
             raise ValueError("a reply streamed as token ids has no stop strings and no on_text (they need "
                              "its text)")
         cut = StopText(c.stops)
-        with self.store.extra_slot(c.owner, beside_session=False):
+        with self.store.extra_slot(c.owner, beside_session=False, gone=should_stop):
             actor = Actor(self.engine, self.module, seed=c.seed, loop=self.store.loop, continues_text=True)
             try:
                 if tokens is not None:

@@ -154,9 +154,10 @@ class ServeCore:
 
     # ---- chats -------------------------------------------------------------------------------------
 
-    def open(self, request: dict) -> Chat | Completion:
+    def open(self, request: dict, gone: Callable[[], bool] = lambda: False) -> Chat | Completion:
         """Check a chat request against the engine and take its session (locked for it); a text
-        completion's (a request with a `prompt`, no `messages`) takes nothing until it runs."""
+        completion's (a request with a `prompt`, no `messages`) takes nothing until it runs. gone(): the
+        client left (a wait for its session or a KV slot ends: ClientLeft)."""
         if "prompt" in request:
             return self._open_completion(request)
         if not self.store.actors.chats:
@@ -178,11 +179,11 @@ class ServeCore:
         seed = None if request.get("seed") in (None, -1) else params.seed  # -1: random, as llama.cpp
         try:  # a new session's generator starts from the request's seed, or a random one (as OpenAI)
             session = self.store.acquire(sid, messages, randomness.randbits(63) if seed is None else seed,
-                                         owner=owner)
+                                         owner=owner, gone=gone)
         except SessionError as e:
             raise failure(e, sid) from None
         try:  # live before the reply starts: a busy server is a 503, not a 200 stream with an error
-            self.store.go_live(session)
+            self.store.go_live(session, gone)
             history = self.store.pending(session, messages)
         except BaseException as e:  # whatever failed, the session's lock is not kept
             self.store.release(session)

@@ -469,7 +469,8 @@ class CoreServer:
             conn.overflowed.discard(rid)
 
     def _run_chat(self, conn: _Connection, rid: int, request: dict) -> None:
-        chat = self.core.open(request)  # its session is locked from here until run() returns
+        should_stop = lambda: conn.closed or rid in conn.cancelled  # noqa: E731
+        chat = self.core.open(request, should_stop)  # its session is locked from here until run() returns
         # A structured chat starts at its first text: a schema the guest refuses is then a 400, not a
         # 200 stream with an error in it.
         started = [False]
@@ -483,7 +484,6 @@ class CoreServer:
 
         if chat.constraint is None:
             start()
-        should_stop = lambda: conn.closed or rid in conn.cancelled  # noqa: E731
         # The reply as token ids (the front makes its text) where the front's table is its model's
         if chat.constraint is None and not chat.stops and self.core.streams_ids(chat):
             tokens = TokenStream()

@@ -124,7 +124,7 @@ class StructuredTurns:
         the guest cannot compile is a 400 naming the keyword; the session is left as it was."""
         store, shown = self.store, self.shown(text, c)
         try:
-            with store.extra_slot(session.owner):
+            with store.extra_slot(session.owner, gone=should_stop):
                 before, held = self._held(session)
                 conversation = [*before, *history]
                 actor = self._actor()

@@ -118,7 +118,7 @@ class ModelRouter:
         """Threads the socket's pool needs: every loaded model's running and waiting chats."""
         return len(self.models) * self._pool_threads
 
-    def open(self, request: dict) -> Routed:
+    def open(self, request: dict, gone: Callable[[], bool] = lambda: False) -> Routed:
         served = self.model(request.get("model"))
         if "keep_alive" in request:
             served.keep_alive = keep_alive_seconds(request["keep_alive"])
@@ -129,7 +129,7 @@ class ModelRouter:
             self._unclaim(claim)
             raise
         try:
-            return Routed(core.open(request), served, claim, request.get("table") == served.name)
+            return Routed(core.open(request, gone), served, claim, request.get("table") == served.name)
         except BaseException:
             self.residency.release(served)
             self._unclaim(claim)

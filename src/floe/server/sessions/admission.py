@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from floe.engine import Engine
-from floe.server.sessions.errors import NoFreeSlot, OneSlotOnly
+from floe.server.sessions.errors import ClientLeft, NoFreeSlot, OneSlotOnly
 from floe.server.sessions.registry import SessionRegistry
 from floe.server.sessions.session import Session
 
@@ -83,13 +83,15 @@ class SlotAdmission:
         with self.lock:
             self._slot_freed.notify_all()
 
-    def reserve(self, wait: bool = True, owner: str = "") -> None:
+    def reserve(self, wait: bool = True, owner: str = "", gone: Callable[[], bool] = lambda: False) -> None:
         """Count a KV slot for a session of `owner`'s about to go live (its actor claims it next),
         freezing the least recently used idle live session if every slot is taken. Counted under the
         store's lock, so concurrent arrivals cannot both take the last slot. While every slot runs a
         request, wait (`wait`) in the queue for at most wait_seconds, fairly between owners (the next
         slot goes to the waiting request whose owner holds the fewest; among one owner's, the oldest);
-        NoFreeSlot (a 503 with Retry-After) when the queue is full or the wait ends."""
+        NoFreeSlot (a 503 with Retry-After) when the queue is full or the wait ends; ClientLeft once
+        `gone()` (its client left: a request a client gave up on held its place in the queue, and a
+        client retrying on a short timeout filled it, every other request a 503)."""
         sessions = self.registry.sessions
         ticket, deadline = None, 0.0
         try:
@@ -116,6 +118,8 @@ class SlotAdmission:
                     if ticket is None:
                         ticket, deadline = self._enqueue(owner)
                     left = deadline - time.monotonic()
+                    if gone():
+                        raise ClientLeft("the client left while its request waited for a KV slot")
                     if left <= 0:
                         raise NoFreeSlot(f"all {self.engine.cache.n_slots} KV slots stayed busy with running "
                                          f"requests for the {self.wait_seconds:g} s this one may wait")
@@ -159,7 +163,8 @@ class SlotAdmission:
         return min(self._waiting, key=lambda t: holding[t.owner])  # (min keeps the first of equals)
 
     @contextmanager
-    def extra_slot(self, owner: str = "", beside_session: bool = True) -> Iterator[None]:
+    def extra_slot(self, owner: str = "", beside_session: bool = True,
+                   gone: Callable[[], bool] = lambda: False) -> Iterator[None]:
         """A KV slot counted, for the block, for an actor of no session's (a structured turn's, whose
         session is `owner`'s): freezes the least recently used idle session if every slot is taken, and
         while all run a request, waits in the queue as a session's request does (NoFreeSlot when its
@@ -176,7 +181,7 @@ class SlotAdmission:
             if wait and beside_session:
                 self._extra_waiting += 1
         try:
-            self.reserve(wait=wait, owner=owner)
+            self.reserve(wait=wait, owner=owner, gone=gone)
         finally:
             if wait and beside_session:
                 with self.lock:

@@ -48,6 +48,13 @@ class NoFreeSlot(SessionError):
     status, code = 503, "server_busy"
 
 
+class ClientLeft(SessionError):
+    """The request's client left while it waited (for a KV slot, or its busy session): its place goes to
+    another request's, and nobody reads the answer."""
+
+    status, code = 499, "client_closed_request"
+
+
 class SessionBusy(SessionError):
     """The session runs another request, and this one may not wait for it (floe.server.sessions.waits)."""
 

@@ -53,13 +53,14 @@ class SessionLifecycle:
             except LeaseHeld as e:
                 raise SessionLeased(session.id, e) from None
 
-    def ensure_live(self, session: Session) -> None:
-        """Give the (locked) session a live actor: thawed, made with its conversation, a spare, or new."""
+    def ensure_live(self, session: Session, gone: Callable[[], bool] = lambda: False) -> None:
+        """Give the (locked) session a live actor: thawed, made with its conversation, a spare, or new
+        (gone(): its request's client left; SlotAdmission.reserve)."""
         if session.live:
             return
         if not session.stored:
             self.lease(session)
-        self.admission.reserve(owner=session.owner)
+        self.admission.reserve(owner=session.owner, gone=gone)
         try:
             if session.stored:
                 self._thaw(session)

@@ -136,9 +136,10 @@ class SessionStore:
         """`owner`'s session `sid`, looked up in the store if this server has not seen it."""
         return self.registry.get(sid, owner)
 
-    def extra_slot(self, owner: str = "", beside_session: bool = True) -> AbstractContextManager[None]:
+    def extra_slot(self, owner: str = "", beside_session: bool = True,
+                   gone: Callable[[], bool] = lambda: False) -> AbstractContextManager[None]:
         """A KV slot counted, for the block, for an actor of no session's (SlotAdmission.extra_slot)."""
-        return self.admission.extra_slot(owner, beside_session)
+        return self.admission.extra_slot(owner, beside_session, gone)
 
     def keep_spares(self, wanted: int) -> None:
         """Keep up to `wanted` actors made ahead while the engine loop is idle (SpareActors.keep)."""
@@ -196,14 +197,15 @@ class SessionStore:
 
     # ---- choosing the session for a request --------------------------------------------------------
 
-    def acquire(self, session_id: str | None, messages: list[dict], seed: int, owner: str = "") -> Session:
+    def acquire(self, session_id: str | None, messages: list[dict], seed: int, owner: str = "",
+                gone: Callable[[], bool] = lambda: False) -> Session:
         """The session of `owner`'s this request continues, locked for it (`pending` then says what it
         must load before the last message, once it is live). Without an id: the owner's session whose
         conversation is the longest prefix of this one, or a new (anonymous) session."""
         history = messages[:-1]
         while True:
             session = self.registry.choose(session_id, history, seed, owner)
-            self.registry.waits.take(session)  # (a busy session: a bounded wait)
+            self.registry.waits.take(session, gone)  # (a busy session: a bounded wait)
             with self.lock:
                 if self.sessions.get(session.key) is session:
                     break
@@ -299,13 +301,13 @@ class SessionStore:
             victim.doomed = False  # (a session not forgotten stays, over the bound until the next)
         return False
 
-    def go_live(self, session: Session) -> None:
+    def go_live(self, session: Session, gone: Callable[[], bool] = lambda: False) -> None:
         """Give the (locked) session a live actor now: thawed, or made, in a KV slot (freezing an idle
         session for it if need be). Raises NoFreeSlot, SessionLeased, ThawFailed, or what failed making
         the actor; a session that never held anything is then forgotten (not left listed as frozen
         without a snapshot)."""
         try:
-            self.lifecycle.ensure_live(session)
+            self.lifecycle.ensure_live(session, gone)
         except BaseException:
             if not session.messages and not session.stored:
                 self.registry.discard(session)

@@ -11,10 +11,10 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from floe.server.sessions.errors import SessionBusy
+from floe.server.sessions.errors import ClientLeft, SessionBusy
 from floe.server.sessions.session import Session
 
 POLL_S = 0.05  # a waiter looks this often whether it gave its place up (a session's lock has no signal)
@@ -39,14 +39,17 @@ class LockWaits:
     def waiting(self) -> int:
         return sum(not w.bumped for w in self._waiters)
 
-    def take(self, session: Session) -> None:
-        """Lock `session` for a request, waiting as above if it is busy."""
+    def take(self, session: Session, gone: Callable[[], bool] = lambda: False) -> None:
+        """Lock `session` for a request, waiting as above if it is busy (ClientLeft once `gone()`: its
+        client left, and its place goes to another's)."""
         if session.lock.acquire(blocking=False):
             return
         waiter = self._enter(session)
         try:
             deadline = time.monotonic() + self.seconds
             while not session.lock.acquire(timeout=min(POLL_S, max(0.0, deadline - time.monotonic()))):
+                if gone():
+                    raise ClientLeft(f"the client left while its request waited for session {session.id!r}")
                 if waiter.bumped:
                     raise SessionBusy(f"session {session.id!r} is busy (running another request), and this "
                                       "request's place among those waiting for busy sessions went to another "
