@@ -128,9 +128,9 @@ def main() -> None:
             with lock:
                 profiles.append(profile)
 
-    def w_open(self, request):
+    def w_open(self, request, *a, **k):
         try:
-            return open_(self, request)
+            return open_(self, request, *a, **k)
         finally:
             mark(getattr(local, "key", None), "opened", True)
 
