@@ -10,10 +10,13 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import re
 import socket
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -172,6 +175,242 @@ def test_requests_whose_clients_left_while_waiting_give_their_places_up(server, 
         r = waiting.result()
     assert r.status_code == 200, r.text
     assert metric(server.url, "floe_waiting_requests") == 0
+
+
+def stored_in(data: bytes) -> list[dict]:
+    """The conversation a snapshot file holds."""
+    from floe.snapshot import header
+
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        f.write(data)
+        f.flush()
+        return json.loads(header(Path(f.name))["app"])["floe_server"]["messages"]
+
+
+def stored(url: str, sid: str) -> list[dict]:
+    """The conversation the server keeps for a session, read from its exported snapshot."""
+    r = httpx.get(f"{url}/v1/sessions/{sid}/snapshot", timeout=60)
+    assert r.status_code == 200, r.text
+    return stored_in(r.content)
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def rf(schema) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+REFUSED = [  # each a change to a valid chat: a 4xx naming the field (param or message), never a 500
+    ({"n": 2}, "n"), ({"n": -1}, "n"), ({"n": None}, "n"), ({"n": True}, "n"),
+    ({"logit_bias": {"99999999999999999999": 100}}, "logit_bias"),
+    ({"logit_bias": {"-1": -100}}, "logit_bias"),
+    ({"logit_bias": {"1.5": 1}}, "logit_bias"), ({"logit_bias": []}, "logit_bias"),
+    ({"stop": ["\ud800"]}, "stop"), ({"stop": [None]}, "stop"), ({"stop": ["a", ["b"]]}, "stop"),
+    ({"stop": {"a": 1}}, "stop"), ({"stop": ["x" * 257]}, "stop"), ({"stop": ["a"] * 5}, "stop"),
+    ({"seed": -2}, "seed"), ({"seed": 2**63}, "seed"), ({"seed": -2**63}, "seed"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_completion_tokens": "3"}, "max_completion_tokens"),
+    ({"max_completion_tokens": 100_000, "max_tokens": 3}, "max_tokens"),
+    ({"tools": [None]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "a" * 65}}]}, "tools"),
+    ({"tools": [F, F]}, "tools"), ({"tools": [F], "tool_choice": 5}, "tool_choice"),
+    ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [F], "tool_choice": ["required"]}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [F], "response_format": {"type": "json_object"}}, "response_format"),
+    (rf(nested_schema(300)), "response_format"), (rf(nested_schema(100)), "response_format"),
+    (rf({"$ref": "#"}), "response_format"), (rf({"$ref": "http://example.com/s.json"}), "response_format"),
+    (rf({"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}),
+     "response_format"),
+    (rf({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}),
+     "conversation"),
+    (rf({"anyOf": [{"anyOf": [{"type": "null"}] * 50}] * 50}), "conversation"),
+    (rf({"type": "string", "pattern": "a{99999999999999999999}"}), "response_format"),
+    (rf({"type": "string", "minLength": 10**30}), "response_format"), (rf({"enum": []}), "response_format"),
+    ({"stream_options": []}, "stream_options"), ({"stream_options": "x"}, "stream_options"),
+    ({"stream_options": {"include_usage": None}}, "stream_options"),
+]
+ANSWERED = [  # valid values at the edges: answered
+    {"n": 1}, {"logit_bias": {}}, {"logit_bias": None}, {"stop": []}, {"stop": ["a", "b", "c", "d"]},
+    {"stop": ["\U0001f600"]}, {"stop": ["\u0301"]}, {"stop": ["\x00"]}, {"stop": ["<|im_end|>"]},
+    {"seed": -1}, {"seed": 2**63 - 1}, {"max_completion_tokens": 3, "max_tokens": 100_000}, {"tools": []},
+    {"tool_choice": "none"},
+    {"stream_options": {"include_usage": True, "other": 1}}, {"stream": True, "stream_options": None},
+]
+
+
+def test_every_openai_field_with_a_hostile_value_is_a_4xx_naming_it_and_edge_values_are_answered(server):
+    for change, field in REFUSED:
+        for stream in (False, True):
+            body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                    "temperature": 0, "stream": stream} | change
+            r = httpx.post(server.url + CHAT, content=json.dumps(body).encode(), timeout=120,
+                           headers={"content-type": "application/json"})  # (a lone surrogate escaped)
+            assert 400 <= r.status_code < 500, (change, stream, r.status_code, r.text[:300])
+            error = r.json()["error"]
+            assert field in f"{error['param']} {error['message']}", (change, r.text[:300])
+    for change in ANSWERED:
+        body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "temperature": 0} | change
+        r = httpx.post(server.url + CHAT, json=body, timeout=120)
+        assert r.status_code == 200 and "error" not in r.text, (change, r.text[:300])
+
+
+@pytest.mark.parametrize("sid", ["a.lease", "x.y.lease", "\u0430dmin", "a\u200bb", "a%2e%2e", "a\\..\\b"],
+                         ids=["lease", "lease2", "cyrillic", "zero-width", "percent", "backslashes"])
+def test_a_session_id_the_store_cannot_name_is_a_400_on_every_route(server, sid):
+    """An id ending in `.lease` (a lease record's name beside a snapshot), a confusable letter, a
+    zero-width space, a percent sign or a backslash: a 400 naming the session id on every route that
+    takes one, and nothing is made."""
+    path = "".join(f"%{b:02X}" for b in sid.encode())
+    for method, route, body in [("GET", "", None), ("POST", "/freeze", None), ("POST", "/thaw", None),
+                                ("DELETE", "", None), ("GET", "/snapshot", None), ("PUT", "/snapshot", b"x"),
+                                ("POST", "/fork", None)]:
+        r = httpx.request(method, f"{server.url}/v1/sessions/{path}{route}", content=body, timeout=60)
+        assert r.status_code == 400 and "session id" in r.json()["error"]["message"], (method, route, r.text)
+    assert chat(server.url, "fork-source").status_code == 200
+    r = httpx.post(f"{server.url}/v1/sessions/fork-source/fork", json={"id": sid}, timeout=60)
+    assert r.status_code == 400 and "session id" in r.json()["error"]["message"], r.text
+    r = chat(server.url, sid)
+    assert r.status_code == 400 and "session id" in r.json()["error"]["message"], r.text
+
+
+def test_uploads_cut_short_padded_or_bent_change_nothing(server):
+    """A session's exported snapshot uploaded cut short (by one byte, to its header, to nothing),
+    padded, doubled, with a flipped last byte or a lying header length, over its own session and as a
+    new one: each a 400 snapshot_invalid; the session is as it was and no new one is made."""
+    assert chat(server.url, "upload-source", max_tokens=3).status_code == 200
+    data = httpx.get(f"{server.url}/v1/sessions/upload-source/snapshot", timeout=60).content
+    before = httpx.get(f"{server.url}/v1/sessions/upload-source", timeout=60).json()
+    header = 8 + int.from_bytes(data[:8], "little")
+    bent = {"empty": b"", "one-byte": data[:1], "header": data[:header], "half": data[:len(data) // 2],
+            "less-one": data[:-1], "padded": data + b"x" * 1000, "doubled": data + data,
+            "flipped": data[:-1] + bytes([data[-1] ^ 1]),
+            "header-length": (2**63).to_bytes(8, "little") + data[8:]}
+    for name, body in bent.items():
+        for sid in ("upload-source", f"upload-{name}"):
+            r = httpx.put(f"{server.url}/v1/sessions/{sid}/snapshot", content=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "snapshot_invalid", (name, r.text)
+            if sid != "upload-source":
+                assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=60).status_code == 404, name
+    after = httpx.get(f"{server.url}/v1/sessions/upload-source", timeout=60).json()
+    assert (after["messages"], after["snapshot_bytes"]) == (before["messages"], len(data))
+    assert stored(server.url, "upload-source") == stored_in(data)
+
+
+def leave_in(port: int, phase: str, request: bytes) -> None:
+    """Send part of a request and hang up (half of them with a reset): `phase` says where."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        if phase.endswith("reset"):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        head, _, body = request.partition(b"\r\n\r\n")
+        if phase.startswith("head"):
+            s.sendall(head[: len(head) // 2])
+        elif phase.startswith("headers"):
+            s.sendall(head + b"\r\n\r\n")
+        elif phase.startswith("half-body"):
+            s.sendall(head + b"\r\n\r\n" + body[: len(body) // 2])
+        else:  # the whole request; leave at once, or at the first event of a stream
+            s.sendall(request)
+            if phase.startswith("first-event"):
+                seen = b""
+                while b"data: {" not in seen and (chunk := s.recv(4096)):
+                    seen += chunk
+        time.sleep(0.05)
+
+
+def test_clients_leaving_in_every_phase_leave_nothing_and_others_stream_meanwhile(server):
+    """Chats, streams, uploads and exports whose clients hang up (closing or resetting) after half the
+    head, after the headers, after half the body, after the whole request, after a stream's first
+    event, while two other clients stream: those streams end whole; no upload made or changed a
+    session; the session uploaded over is as it was; every KV slot takes a new session afterwards."""
+    assert chat(server.url, "kept", max_tokens=3).status_code == 200
+    kept = httpx.get(f"{server.url}/v1/sessions/kept/snapshot", timeout=60).content
+
+    def request(i: int, stream: bool) -> bytes:
+        data = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": LONG}],
+                           "max_tokens": 40, "session_id": f"gone-{i}", "stream": stream}).encode()
+        return (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+
+    def upload(sid: str) -> bytes:
+        return (f"PUT /v1/sessions/{sid}/snapshot HTTP/1.1\r\nHost: x\r\n"
+                f"Content-Length: {len(kept)}\r\n\r\n").encode() + kept
+
+    export = b"GET /v1/sessions/kept/snapshot HTTP/1.1\r\nHost: x\r\n\r\n"
+    phases = [f"{p}{end}" for p in ("head", "headers", "half-body", "whole", "first-event")
+              for end in ("", "-reset")]
+    jobs = [(p, request(i, p.startswith("first-event"))) for i, p in enumerate(phases)]
+    jobs += [(p, upload(f"gone-upload-{i}")) for i, p in enumerate(phases[:6])]
+    jobs += [(p, upload("kept")) for p in ("half-body", "half-body-reset")] + [("whole", export)]
+
+    def bystander(i: int) -> str:
+        body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Name some colours."}],
+                "max_tokens": 30, "temperature": 0, "stream": True, "session_id": f"bystander-{i}"}
+        with httpx.stream("POST", server.url + CHAT, json=body, timeout=120) as r:
+            return [line for line in r.iter_lines() if line][-1]
+
+    with ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(bystander, i) for i in range(2)]
+        list(pool.map(lambda job: leave_in(server.port, *job), jobs))
+        assert [f.result() for f in streams] == ["data: [DONE]"] * 2
+    time.sleep(1.0)  # (the core has seen them all leave)
+    listed = httpx.get(f"{server.url}/v1/sessions", timeout=60).json()["data"]
+    assert not [s["id"] for s in listed if s["id"].startswith("gone-upload")]
+    assert stored(server.url, "kept") == stored_in(kept)
+    assert metric(server.url, "floe_waiting_requests") == 0
+    every_slot_answers(server.url, "after-leaving")
+
+
+def test_forks_into_one_id_and_chats_making_it_make_it_once(server):
+    """Four forks into one new id and two chats that make a session of that id, at once: one fork
+    makes it (the others 409 session_exists, or it is the chats' and every fork is a 409); the chats
+    are answered; the id is one session afterwards."""
+    assert chat(server.url, "twin-source", max_tokens=3).status_code == 200
+    with ThreadPoolExecutor(6) as pool:
+        forks = [pool.submit(httpx.post, f"{server.url}/v1/sessions/twin-source/fork", json={"id": "twin"},
+                             timeout=120) for _ in range(4)]
+        chats = [pool.submit(chat, server.url, "twin", "make me") for _ in range(2)]
+        forked = [f.result() for f in forks]
+        assert [c.result().status_code for c in chats] == [200, 200]
+    statuses = sorted(r.status_code for r in forked)
+    assert statuses in ([200, 409, 409, 409], [409] * 4), [r.text for r in forked]
+    assert all(r.json()["error"]["code"] == "session_exists" for r in forked if r.status_code == 409)
+    listed = httpx.get(f"{server.url}/v1/sessions", timeout=60).json()["data"]
+    assert [s["id"] for s in listed].count("twin") == 1
+
+
+def test_many_small_connections_at_once_are_answered_or_timed_out_and_others_served(server):
+    """600 connections at once: health checks pipelined five deep, session listings, chats of one
+    token, and connections that say nothing: each answered (a chat maybe 503) or, saying nothing,
+    closed with a 408 by the header deadline; a chat meanwhile is answered."""
+    data = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    requests = [b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 4 + b"GET /health HTTP/1.1\r\nHost: x\r\n"
+                b"Connection: close\r\n\r\n",
+                b"GET /v1/sessions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n{data}").encode(), b""]
+
+    def one(i: int) -> list[int]:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+            s.sendall(requests[i % 4])
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        return [int(status) for status in re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)]
+
+    with ThreadPoolExecutor(200) as pool:
+        answers = list(pool.map(one, range(600)))
+    for i, statuses in enumerate(answers):
+        expected = {0: [200] * 5, 1: [200], 3: [408]}.get(i % 4)
+        assert statuses == expected if expected else statuses in ([200], [503]), (i, statuses)
+    assert chat(server.url, "after-crowd").status_code == 200
 
 
 def test_the_server_is_healthy_after_the_round(server):
