@@ -262,6 +262,22 @@ def test_every_openai_field_with_a_hostile_value_is_a_4xx_naming_it_and_edge_val
         assert r.status_code == 200 and "error" not in r.text, (change, r.text[:300])
 
 
+def test_a_completion_refuses_a_chats_fields_rather_than_ignore_them(server):
+    """/v1/completions took a chat's `max_completion_tokens` (and `messages`) and ignored them: 100,000
+    asked, 16 written, 0 taken. Now each is a 400 unsupported_parameter naming it; max_tokens is its
+    length."""
+    for change in ({"max_completion_tokens": 3}, {"max_completion_tokens": 0},
+                   {"max_completion_tokens": 100_000, "max_tokens": 3},
+                   {"messages": [{"role": "user", "content": "hi"}]}):
+        body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 2} | change
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", (change, r.text)
+        assert r.json()["error"]["param"] == next(iter(change)), r.text
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 3, "max_completion_tokens": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
+
+
 @pytest.mark.parametrize("sid", ["a.lease", "x.y.lease", "\u0430dmin", "a\u200bb", "a%2e%2e", "a\\..\\b"],
                          ids=["lease", "lease2", "cyrillic", "zero-width", "percent", "backslashes"])
 def test_a_session_id_the_store_cannot_name_is_a_400_on_every_route(server, sid):

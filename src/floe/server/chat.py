@@ -87,7 +87,9 @@ STRUCTURED = {"tools": (None, []), "tool_choice": (None, "none"), "parallel_tool
               "response_format": (None, {"type": "text"})}
 COMPLETION_UNSUPPORTED = UNSUPPORTED | STRUCTURED | {"logprobs": (None, 0), "echo": (None, False),
                                                      "suffix": (None, ""), "best_of": (None, 1),
-                                                     "chat_template_kwargs": (None, {})}
+                                                     "chat_template_kwargs": (None, {}),
+                                                     # a chat's (a completion's length is max_tokens)
+                                                     "max_completion_tokens": (None,), "messages": (None,)}
 
 BUSY_STREAMS = 8  # more streams than this: a stream's text is handed over in intervals, STREAM_INTERVAL_S
 STREAM_INTERVAL_S = 0.02  # at BUSY_STREAMS streams, growing with their number up to 0.1 s
