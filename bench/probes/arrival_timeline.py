@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import faulthandler
 import json
 import os
 import pstats
@@ -61,7 +62,10 @@ def main() -> None:
                     help="the engine loop's steps while the burst comes in, one a line")
     ap.add_argument("--ride-rows", type=int, default=None,
                     help="prompt rows a CUDA decode step takes along (loop.RIDE_ROWS, graphs' MIXED_ROWS)")
+    ap.add_argument("--stuck-s", type=float, default=150.0,
+                    help="past this many seconds, every thread's stack to stderr (then again each as long)")
     args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.stuck_s, repeat=True)  # (a probe that hangs says where)
     import serve_load
 
     if args.ride_rows:
@@ -214,6 +218,7 @@ def main() -> None:
         # ~25 ms of its GIL a front on the H200 host), which /health's count of connections does not wait for;
         # a front that takes no tokenizer (its model's vocabulary is not the tokenizer's: random weights of
         # a shape) asks none: 20 s in all, not a minute a front
+        print("the fronts are connected", file=sys.stderr, flush=True)
         ready = time.monotonic() + 20
         for _ in range(args.fronts):
             started_fronts.acquire(timeout=max(0.0, ready - time.monotonic()))
@@ -229,7 +234,16 @@ def main() -> None:
             loaded = stamps.parent / f"load_{r}.json"
             cmd[cmd.index(os.devnull)] = str(loaded)
             started = time.perf_counter()
-            out = subprocess.run(cmd + ["--anonymous"] * args.anonymous, capture_output=True, text=True)
+            print(f"round {r + 1}: the load starts", file=sys.stderr, flush=True)
+            try:
+                out = subprocess.run(cmd + ["--anonymous"] * args.anonymous, capture_output=True, text=True,
+                                     timeout=args.stuck_s)
+            except subprocess.TimeoutExpired as e:
+                err = e.stderr or b""
+                err = err.decode(errors="replace") if isinstance(err, bytes) else err
+                print(f"round {r + 1}: the load ran past {args.stuck_s:g} s; its stderr:",
+                      *err.splitlines()[-20:], sep="\n", file=sys.stderr)
+                raise
             print(f"round {r + 1}: " + " ".join(line for line in out.stdout.splitlines() if "TTFT" in line))
             if out.returncode:
                 print(f"  the load failed (exit {out.returncode}):", *out.stderr.splitlines()[-12:], sep="\n")
