@@ -11,7 +11,10 @@ from contextlib import contextmanager
 
 # ---- the calling thread's native stack -------------------------------------------------------------
 
-_pthread = ctypes.CDLL(ctypes.util.find_library("c") or None)
+# Called with the GIL held (ctypes.PyDLL): they read the thread's own descriptor (the main thread's,
+# /proc/self/maps), microseconds, where each GIL hand-off of CDLL's calls cost a new chat thread's first
+# guest call ~0.9 ms in a burst of 64 (bench/probes/arrival_timeline.py --profile)
+_pthread = ctypes.PyDLL(ctypes.util.find_library("c") or None)
 _pthread.pthread_self.restype = ctypes.c_void_p
 _ATTR_BYTES = 256  # > sizeof(pthread_attr_t) on every Linux ABI (56 on x86-64 glibc, 64 on aarch64)
 
