@@ -277,13 +277,15 @@ def main() -> None:
 
 
 def report_profile(profiles: list[cProfile.Profile], top: int) -> None:
-    """The chats' admission profiles together: the top functions by own time, µs a chat."""
+    """The chats' admission profiles together: the top functions by own time (SORT=cum: cumulative),
+    µs a chat."""
     stats = pstats.Stats(profiles[0])
     for profile in profiles[1:]:
         stats.add(profile)
     n = len(profiles)
     print(f"the chat threads' admission (start to hand-off), cProfile over {n} chats, µs a chat:")
-    ranked = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    by = 3 if os.environ.get("SORT") == "cum" else 2  # (SORT=cum: by cumulative time)
+    ranked = sorted(stats.stats.items(), key=lambda kv: -kv[1][by])[:top]
     for (file, line, name), (_, calls, own, cum, _) in ranked:
         print(f"  {1e6 * own / n:7.1f} own {1e6 * cum / n:7.1f} cum  {calls / n:6.1f} calls  "
               f"{Path(file).name}:{line}({name})")
