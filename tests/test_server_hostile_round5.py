@@ -429,6 +429,47 @@ def test_many_small_connections_at_once_are_answered_or_timed_out_and_others_ser
     assert chat(server.url, "after-crowd").status_code == 200
 
 
+def test_an_upload_that_waited_for_a_session_a_delete_removed_is_not_lost_to_its_ids_next_session(
+        server, monkeypatch):
+    """An upload waits for session X while a DELETE holds it; the delete drops X, and a chat makes a
+    new X before the upload goes on. The upload wrote its snapshot under the dropped X (answered 200)
+    while the new X, live, stayed what the chat made and overwrote it at its next freeze: the upload
+    was lost. Now the upload goes to the X there is then, and it is what X holds afterwards (the delete
+    is held open here, between its drop and its end, for the chat to come in)."""
+    lifecycle = server.app.state.core.store.lifecycle
+    forget = lifecycle.forget_locked
+    holding, dropped, go_on = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_forget(session):
+        holding.set()
+        time.sleep(0.5)  # (the upload comes in and waits for the session)
+        try:
+            return forget(session)
+        finally:
+            dropped.set()
+            go_on.wait(30)
+
+    assert chat(server.url, "upload-src", "Say something about the sea.", max_tokens=3).status_code == 200
+    data = httpx.get(f"{server.url}/v1/sessions/upload-src/snapshot", timeout=60).content
+    assert chat(server.url, "contested", max_tokens=3).status_code == 200
+    monkeypatch.setattr(lifecycle, "forget_locked", slow_forget)
+    with ThreadPoolExecutor(2) as pool:
+        deleted = pool.submit(httpx.delete, f"{server.url}/v1/sessions/contested", timeout=60)
+        assert holding.wait(30)
+        uploaded = pool.submit(httpx.put, f"{server.url}/v1/sessions/contested/snapshot", content=data,
+                               timeout=60)
+        assert dropped.wait(30)
+        try:
+            assert chat(server.url, "contested", "made after the delete").status_code == 200
+        finally:
+            go_on.set()
+        assert deleted.result().status_code == 200
+        assert uploaded.result().status_code == 200, uploaded.result().text
+    monkeypatch.undo()
+    assert stored(server.url, "contested") == stored_in(data)
+    assert httpx.get(f"{server.url}/v1/sessions/contested", timeout=60).json()["messages"] == 2
+
+
 def test_the_server_is_healthy_after_the_round(server):
     """Runs last: no 500 was counted or logged, and a normal request answers."""
     assert httpx.get(f"{server.url}/health", timeout=60).json()["status"] == "ok"

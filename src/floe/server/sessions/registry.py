@@ -156,12 +156,14 @@ class SessionRegistry:
         return session
 
     @contextlib.contextmanager
-    def holding(self, sid: str, owner: str = "") -> Iterator[Session]:
-        """`owner`'s session `sid` (get), locked for the block (waiting as LockWaits.take waits). One
-        dropped while this waited for its lock (a delete, a failed thaw) is looked up again: a request
-        that held it then thawed it into a KV slot nothing freed, or froze it back into the store."""
+    def holding(self, sid: str, owner: str = "", make: bool = False) -> Iterator[Session]:
+        """`owner`'s session `sid` (get; `make`: made, registered and empty, if this server has none, as
+        an import's), locked for the block (waiting as LockWaits.take waits). One dropped while this
+        waited for its lock (a delete, a failed thaw) is looked up again: a request that held it then
+        thawed it into a KV slot nothing freed, froze it back into the store, or imported a snapshot
+        that the session of its id made meanwhile overwrote."""
         while True:
-            session = self.get(sid, owner)
+            session = self._made(sid, owner) if make else self.get(sid, owner)
             self.waits.take(session)
             with self.lock:
                 if self.sessions.get(session.key) is session:
@@ -171,6 +173,14 @@ class SessionRegistry:
             yield session
         finally:
             session.lock.release()
+
+    def _made(self, sid: str, owner: str) -> Session:
+        key = session_key(owner, checked_id(sid))
+        with self.lock:
+            session = self.sessions.get(key)
+            if session is None:
+                session = self.sessions[key] = Session(sid, owner=owner, seed=0)
+            return session
 
     def claim_new(self, sid: str, owner: str) -> Session:
         """A new session `sid` of `owner`'s, registered and locked (nobody runs in it before its state

@@ -16,7 +16,7 @@ from floe.server.sessions.errors import (
     UnknownSession,
 )
 from floe.server.sessions.lifecycle import SessionLifecycle
-from floe.server.sessions.session import Session, checked_id
+from floe.server.sessions.session import checked_id
 from floe.snapshot import SnapshotError, thawable
 from floe.snapshot.errors import LeaseHeld, LeaseLost, SnapshotNotFound
 
@@ -47,12 +47,7 @@ class SessionTransfers:
         stream (SnapshotRefused: not an intact snapshot of a floe serve session; the session as it
         was). A session made by another owner, or as anonymous, is written again as this owner's."""
         key = session_key(owner, checked_id(sid))
-        sessions = self.registry.sessions
-        with self.registry.lock:
-            session = sessions.get(key)
-            if session is None:
-                session = sessions[key] = Session(sid, owner=owner, seed=0)
-        with self.registry.waits.holding(session):
+        with self.registry.holding(sid, owner, make=True) as session:
             def accept(header) -> None:
                 app_record(header.metadata)  # NotASession: refused before it replaces anything
                 # What a thaw here would refuse (another model's, guest, cache shape, a longer context):
