@@ -470,6 +470,45 @@ def test_an_upload_that_waited_for_a_session_a_delete_removed_is_not_lost_to_its
     assert httpx.get(f"{server.url}/v1/sessions/contested", timeout=60).json()["messages"] == 2
 
 
+HI = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+
+
+def test_a_request_naming_two_sessions_is_a_400_naming_both_and_one_named_twice_is_answered(server):
+    """Two X-Floe-Session headers of different values: the first was used, silently; a header and a
+    body's session_id that differ: the header. Now each is a 400 naming the header and both ids, and
+    nothing is made; the same id twice (or in the header and the body) is that one session."""
+    twice = [("X-Floe-Session", "twice-a"), ("X-Floe-Session", "twice-b")]
+    for headers, extra in [(twice, {}), (twice[:1], {"session_id": "twice-b"})]:
+        for stream in (False, True):
+            r = httpx.post(server.url + CHAT, json=HI | extra | {"stream": stream}, headers=headers,
+                           timeout=120)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", r.text
+            message = r.json()["error"]["message"]
+            assert "X-Floe-Session" in message and "'twice-a'" in message and "'twice-b'" in message, message
+    for sid in ("twice-a", "twice-b"):
+        assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=60).status_code == 404
+    for headers, extra in [(twice[:1] * 2, {}), (twice[:1], {"session_id": "twice-a"})]:
+        r = httpx.post(server.url + CHAT, json=HI | extra, headers=headers, timeout=120)
+        assert r.status_code == 200 and r.json()["session_id"] == "twice-a", r.text
+        assert r.headers["x-floe-session"] == "twice-a"
+    assert httpx.get(f"{server.url}/v1/sessions/twice-a", timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("sid", ["\u0430dmin", "caf\u00e9", "a\U0001f600"],
+                         ids=["cyrillic", "accent", "emoji"])
+def test_a_non_ascii_session_id_in_the_header_is_refused_as_the_same_id_in_the_body(server, sid):
+    """The header's UTF-8 was read as latin-1: 'caf\u00e9' was refused as 'cafÃ©'. Now its 400 is the
+    body's for the same id, showing it as sent; bytes that are not UTF-8 show as escapes."""
+    in_body = chat(server.url, sid)
+    in_header = httpx.post(server.url + CHAT, json=HI, headers={"X-Floe-Session": sid.encode()}, timeout=120)
+    assert in_body.status_code == in_header.status_code == 400, (in_body.text, in_header.text)
+    assert in_header.json()["error"] == in_body.json()["error"], (in_header.text, in_body.text)
+    assert repr(sid) in in_header.json()["error"]["message"], in_header.text
+    r = httpx.post(server.url + CHAT, json=HI, headers={"X-Floe-Session": sid.encode()[:-1] + b"\xff"},
+                   timeout=120)
+    assert r.status_code == 400 and "\\\\xff" in r.json()["error"]["message"], r.text
+
+
 def test_the_server_is_healthy_after_the_round(server):
     """Runs last: no 500 was counted or logged, and a normal request answers."""
     assert httpx.get(f"{server.url}/health", timeout=60).json()["status"] == "ok"

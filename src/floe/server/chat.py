@@ -153,6 +153,31 @@ def _unicode(text: str, where: str) -> str:
     return text
 
 
+def _session_named(request: Request, in_body: str | None) -> str | None:
+    """The session id a request names by its X-Floe-Session header (as UTF-8: Starlette reads a header
+    as latin-1, which garbled a non-ASCII id in the 400 saying it is not one) or its body's
+    session_id (an empty header: none, as before); a 400 where they name two (the header repeated with
+    different values, or header and body differing), which the first or the header silently won."""
+    sent = list(dict.fromkeys(v for k, v in request.scope["headers"] if k == b"x-floe-session" and v))
+    if len(sent) > 1:
+        raise ServeError(400, f"X-Floe-Session was sent {len(sent)} times with different values "
+                              f"({', '.join(repr(_utf8(v)[:200]) for v in sent[:4])}): send one session id",
+                         code="invalid_value", param="session_id")
+    if not sent:
+        return in_body
+    sid = _utf8(sent[0])
+    if in_body is not None and in_body != sid:
+        raise ServeError(400, f"X-Floe-Session {sid[:200]!r} and the body's session_id {in_body[:200]!r} "
+                              "name different sessions: send one, or the same in both",
+                         code="invalid_value", param="session_id")
+    return sid
+
+
+def _utf8(raw: bytes) -> str:
+    """A header's value as UTF-8 (bytes that are not: as \\x escapes, which no session id has)."""
+    return raw.decode("utf-8", "backslashreplace")
+
+
 def _refuse_unsupported(body: Sampling, unsupported: dict) -> None:
     for name, value in (body.model_extra or {}).items():
         if name in unsupported and value not in unsupported[name]:
@@ -289,7 +314,7 @@ class ChatService:
         core_request = asked | {
             "max_tokens": max_tokens, "temperature": body.temperature,
             "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stream": body.stream,
-            "session_id": request.headers.get("x-floe-session") or body.session_id,
+            "session_id": _session_named(request, body.session_id),
             "owner": request.state.owner, "stop": list(checked_stops(body.stop)), "model": body.model}
         if body.keep_alive is not None:
             core_request["keep_alive"] = body.keep_alive
