@@ -6,6 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from graph_steps import (
+    arrivals_beside_fed_rows_answer_as_unfed,
+    fed_rows_equal_host_fed,
+    greedy_steps,
+    prompts_ride_as_prefilled_alone,
+    sampled_turns_answer_as_plain_steps,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -306,25 +313,6 @@ def batching(engines):
     return Engine(engines["eager"].checkpoint, device="cuda", max_seq_len=512, n_slots=4, fused_kernels=True)
 
 
-def greedy_steps(engine, slots, prompts, n, batched):
-    """n greedy decode steps of each slot after its prompt: the tokens and each step's logits."""
-    firsts = [int(engine.prefill(p, s).argmax()) for p, s in zip(prompts, slots, strict=True)]
-    tokens, logits = [[t] for t in firsts], [[] for _ in slots]
-    for _ in range(n):
-        if batched:
-            out = engine.decode_batch([t[-1] for t in tokens], slots)
-        else:
-            out = [engine.decode_step(t[-1], s) for t, s in zip(tokens, slots, strict=True)]
-        for i, row in enumerate(out):
-            logits[i].append(row.float().cpu().clone())
-            tokens[i].append(int(row.argmax()))
-            # the batched step (for one row too) chose each row's greedy token on the device, the same
-            assert engine.greedy_token(slots[i]) == tokens[i][-1]
-    for s in slots:
-        engine.kv_truncate(0, s)
-    return tokens, logits
-
-
 def test_batched_decode_matches_each_slot_decoded_alone(batching):
     engine = batching
     assert engine.batched_decode
@@ -346,48 +334,7 @@ def test_batched_decode_matches_each_slot_decoded_alone(batching):
 
 
 def test_fed_rows_launched_before_their_token_is_known_equal_steps_fed_from_the_host(batching):
-    """Device-fed rows (launch_batch's None tokens): each step is launched before the one computing its
-    tokens is finished (two in flight), reading each slot's argmax on the device — or its draw, for
-    a row whose step drew. Tokens, logits, the cache's ids and fed_token equal steps fed from the host."""
-    from floe.engine import SamplingParams
-
-    engine = batching
-    slots = [engine.claim_slot() for _ in range(3)]
-    prompts = [list(range(100, 105)), list(range(7, 47)), list(range(300, 420))]
-    drawn = SamplingParams(0.9, top_k=20)  # never drawn again on the host (a top_k within the candidates)
-    try:
-        host_tokens, host_logits = greedy_steps(engine, slots, prompts, 8, batched=True)
-        firsts = [int(engine.prefill(p, s).argmax()) for p, s in zip(prompts, slots, strict=True)]
-        tokens, logits = [[t] for t in firsts], [[] for _ in slots]
-        launched = engine.launch_batch(firsts, slots)
-        for _ in range(8):
-            ahead = engine.launch_batch([None] * len(slots), slots)  # before `launched` is finished
-            for i, row in enumerate(engine.finish_batch(launched)):
-                logits[i].append(row.float().cpu().clone())
-                tokens[i].append(engine.greedy_token(slots[i]))
-                assert engine.fed_token(slots[i]) == tokens[i][-1]
-            launched = ahead
-        engine.finish_batch(launched)
-        assert tokens == host_tokens
-        for a, b in zip(host_logits, logits, strict=True):
-            torch.testing.assert_close(torch.stack(b), torch.stack(a))
-        for s, p, t in zip(slots, prompts, tokens, strict=True):
-            assert engine.cache.tokens[s] == p + t  # each fed row's id filled in once it was known
-        # a row fed from a step that drew for its slot takes the draw, as the device made it
-        for s in slots:
-            engine.kv_truncate(len(engine.cache.tokens[s]) - 1, s)
-        params = [(s, drawn, u) for s, u in zip(slots, (0.1, 0.5, 0.9), strict=True)]
-        first = engine.launch_batch([t[-1] for t in tokens], slots, draws=params)
-        second = engine.launch_batch([None] * len(slots), slots)
-        engine.finish_batch(first)
-        draws = [engine.drawn_token(s) for s in slots]
-        engine.finish_batch(second)
-        assert [engine.fed_token(s) for s in slots] == draws
-        assert [engine.cache.tokens[s][-1] for s in slots] == draws
-    finally:
-        for s in slots:
-            engine.kv_truncate(0, s)
-            engine.release_slot(s)
+    fed_rows_equal_host_fed(batching, [list(range(100, 105)), list(range(7, 47)), list(range(300, 420))])
 
 
 def test_warm_up_captures_every_graph_and_leaves_slots_empty(batching):
@@ -541,29 +488,7 @@ def test_a_long_prompt_after_a_prefix_runs_the_fused_layers_like_the_eager_forwa
 
 
 def test_prompts_riding_along_decode_rows_equal_their_own_prefill(batching):
-    """A decode step that takes two prompts along (one replay, rows of three slots) gives each prompt
-    the logits and greedy choice its own prefill gives, and the decode row its own step's."""
-    slots = [batching.claim_slot() for _ in range(3)]
-    try:
-        a, b, c = slots
-        first = int(batching.prefill(list(range(100, 130)), a).argmax())
-        p, q = list(range(7, 47)), list(range(300, 317))
-        step = batching.launch_batch([first], [a], [(p, b), (q, c)])
-        together = [r.float().cpu().clone() for r in batching.finish_batch(step) + step.prompt_results]
-        greedy = [batching.greedy_token(s) for s in slots]
-        assert batching.kv_len(a) == 31 and batching.kv_len(b) == len(p) and batching.kv_len(c) == len(q)
-        for s in slots:
-            batching.kv_truncate(0, s)
-        first = int(batching.prefill(list(range(100, 130)), a).argmax())
-        alone = [batching.decode_step(first, a).float().cpu().clone(),
-                 batching.prefill(p, b).float().cpu().clone(), batching.prefill(q, c).float().cpu().clone()]
-        for got, want in zip(together, alone, strict=True):
-            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
-        assert greedy == [int(x.argmax()) for x in alone]
-    finally:
-        for s in slots:
-            batching.kv_truncate(0, s)
-            batching.release_slot(s)
+    prompts_ride_as_prefilled_alone(batching, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("pick, driver", [(True, False), (False, True), (True, True)])
@@ -642,58 +567,7 @@ def test_a_burst_of_prompts_fills_the_padded_mixed_graph_beside_the_decode_rows(
 
 
 def test_prompts_arriving_while_others_decode_leave_the_decode_rows_beside_them_fed(batching):
-    """Actors arriving one after another while the first decodes: the decode rows beside a prompt
-    riding in the forward in flight are still fed (EngineLoop.fed_past_prompts), the prompts' own
-    first tokens join a later launch, and every answer and cache equals the loop's without feeding
-    (also for a guest that refuses the host's first choice)."""
-    import threading
-
-    from test_engine_loop import REFUSES_FIRST
-
-    from floe.actor import Actor, EngineLoop
-    from floe.engine import SamplingParams
-
-    questions = ["Hello there.", "What is two plus two?", "x", "Tell me a story."]
-
-    def run(loop):
-        actors = [Actor(batching, REFUSES_FIRST if q == "x" else None, loop=loop) for q in questions]
-        arrive = [threading.Event() for _ in questions]
-        pieces = [0]
-
-        def first_streams(_piece):  # (in the loop's thread) the next actor arrives every 3 tokens
-            pieces[0] += 1
-            for i in range(1, len(questions)):
-                if pieces[0] >= 3 * i:
-                    arrive[i].set()
-
-        out = [None] * len(questions)
-
-        def work(i):
-            if i:
-                assert arrive[i].wait(60)
-            reply = actors[i].send(questions[i], max_tokens=32, params=SamplingParams(0.0),
-                                   on_text=first_streams if i == 0 else None)
-            out[i] = (reply.stats.token_ids, list(batching.cache.tokens[actors[i].slot]))
-
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(questions))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        for a in actors:
-            a.close()
-        return out
-
-    plain = run(EngineLoop(batching, feed=False))
-    assert all(plain)
-    fed_past = []
-    for _ in range(3):  # (whether an arrival meets a fed step is timing: a few runs make it certain)
-        fed = EngineLoop(batching, feed=True)
-        assert run(fed) == plain
-        fed_past.append(fed.stats()["fed_past_prompts"])
-        if fed_past[-1]:
-            break
-    assert max(fed_past) > 0, fed_past
+    arrivals_beside_fed_rows_answer_as_unfed(batching)
 
 
 def test_draws_on_the_device_follow_the_distribution_without_a_sync_for_candidates():
@@ -718,36 +592,10 @@ def test_draws_on_the_device_follow_the_distribution_without_a_sync_for_candidat
 
 def test_sampled_turns_speculate_with_the_steps_own_draw_and_answer_as_plain_steps(batching):
     """On CUDA the engine loop overlaps: a chat guest that takes the host's draw (made by the step on
-    the device) is speculated with it, or fed it; tokens and caches equal the loop without overlap's
-    (one actor at a time: a row's logits may differ in the last bits with the batch's size, and a draw
-    with them)."""
-    from floe.actor import Actor, EngineLoop
-    from floe.engine import SamplingParams
-
-    questions = ["Hello there.", "What is two plus two?", "Name a river.", "Tell me a story."]
-    params = SamplingParams(0.8, top_p=0.9)
-
-    def run(loop):
-        out = []
-        for i, question in enumerate(questions):
-            with Actor(batching, loop=loop, seed=i) as actor:
-                reply = actor.send(question, max_tokens=16, params=params)
-                out.append((reply.stats.token_ids, list(batching.cache.tokens[actor.slot])))
-        return out
-
-    plain = run(EngineLoop(batching, overlap=False))
-    overlapped = EngineLoop(batching, feed=False)
-    assert overlapped.overlap
-    assert run(overlapped) == plain
+    the device) is speculated with it, or fed it (graph_steps.sampled_turns_answer_as_plain_steps)."""
+    overlapped, _ = sampled_turns_answer_as_plain_steps(batching)
     # The chat guest took every draw it was speculated with: a row is undone only at a turn's end (EOS).
-    assert overlapped.undone <= len(questions)
-    # Fed (asked for): the next step launched before the draw is finished reads the draw on the
-    # device; where the host draws a row again (a nucleus past the candidates: frequent with this
-    # flat random model) the guest refuses the fed row and it is undone. Answers and caches are the same.
-    fed = EngineLoop(batching, feed=True)
-    assert fed.feed
-    assert run(fed) == plain
-    assert fed.fed > 0
+    assert overlapped.undone <= 4
 
 
 def test_draws_for_guests_with_logits_in_their_memory_and_without_share_a_step(batching):

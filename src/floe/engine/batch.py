@@ -116,7 +116,7 @@ class BatchedSteps:
             raise ValueError("fed tokens (None) need the batched step (Engine.feeds)")
         sources = self._feed_sources(tokens, slots) if None in tokens else {}
         cpu_fed = {}
-        if self.device.type == "cpu" and sources:  # the CPU's choices are known: the rows take them
+        if not self._batch_graphs and sources:  # the CPU's choices are known: the rows take them
             tokens = [sources[s][2] if t is None else t for t, s in zip(tokens, slots, strict=True)]
             cpu_fed = {s: (self.cache.lengths[s], token, None, drew)
                        for s, (_, drew, token) in sources.items()}
@@ -246,7 +246,7 @@ class BatchedSteps:
                 continue
             source = latest.get(slot)
             drew = slot in self._drawn if source is None else slot in drawing[source]
-            if self.device.type == "cpu":
+            if not self._batch_graphs:  # (the CPU)
                 sources[slot] = (None, drew, self._cpu_choice(slot, source, drew))
             else:
                 sources[slot] = (self._batch.row(slot), drew, None)
@@ -362,7 +362,8 @@ class BatchedSteps:
         them), rather than one by one. Each prompt's products are still its own (project's splits),
         so it gets the bits of its own prefill; only prompts of DENSE_FROM_ROWS tokens or more (a
         shorter one alone runs the quantized kernel, not the dense product)."""
-        return self.backend == "cpu"  # (not WebGPU, whose host tensors are on the CPU too)
+        return self.backend == "cpu" and not self._batch_graphs  # (not WebGPU, whose host tensors are on
+        # the CPU too; nor the CPU's reference of CUDA's graphs, whose prompts run as CUDA's do)
 
     @torch.inference_mode()
     def _prefill_together(self, prompts: list[tuple[list[int], int]]) -> list[Tensor | FloeError]:
@@ -422,7 +423,7 @@ class BatchedSteps:
         if step.rows or step.chunks:
             row_slots = [step.slots[i] for i in step.rows]
             logits = step.logits
-            if self.device.type == "cpu":  # one argmax for every row: greedy sampling needs no pass
+            if not self._batch_graphs:  # the CPU: one argmax for every row (greedy sampling needs no pass)
                 self._greedy.update(zip(row_slots, host_argmax(logits).tolist(), strict=True))
             else:
                 chunk_slots = [step.prompts[k][1] for k, _ in step.chunks]

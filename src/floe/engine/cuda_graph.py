@@ -222,16 +222,15 @@ class BatchGraphDecoder:
         # A sixth row, with PICK_LOGITS: a mixed step's rows that keep their logits (fill_rows' pick).
         self.pick = n_slots + 1 if self.PICK_LOGITS else 0
         width = 6 if self.pick else 5
-        self.host_in = torch.zeros(2, width, top, dtype=torch.long, pin_memory=True)
+        self.host_in = self._host(2, width, top)
         self.host_rows = self.host_in.numpy()  # the same pinned memory, written without a tensor op
         self.dev_in = torch.zeros(width, top, dtype=torch.long, device=dev)
-        # The launch's CUDA calls through the driver, the GIL held (None with FLOE_GIL_LAUNCH=0)
-        self._driver = driver_launch(dev)
+        self._driver = self._launcher()
         self._in_copied, self._in_turn = self._events(2), 0
         # Prompt graphs' rows (prompt_sizes: up to the cache's length) in buffers of their own, so a
         # decode step copies no more than its rows' block.
         longest = self.prompt_sizes[-1] if self.prompt_sizes else 0
-        self.prompt_host_in = torch.zeros(2, 5, longest, dtype=torch.long, pin_memory=True)
+        self.prompt_host_in = self._host(2, 5, longest)
         self.prompt_host_rows = self.prompt_host_in.numpy()
         self.prompt_dev_in = torch.zeros(5, longest, dtype=torch.long, device=dev)
         # Two rows a slot (slot s: s and n_slots + 1 + s; see row()), and the spare row n_slots.
@@ -243,7 +242,7 @@ class BatchGraphDecoder:
         # Each row's greedy choice, computed in the graph and copied to pinned host memory, so an actor
         # that samples greedily needs no kernel launch or sync of its own.
         self.slot_argmax = torch.zeros(n_rows, dtype=torch.long, device=dev)
-        self.host_argmax = torch.zeros(n_rows, dtype=torch.long, pin_memory=True)
+        self.host_argmax = self._host(n_rows)
         self.host_argmax_np = self.host_argmax.numpy()  # (read a row at a time: numpy's indexing is cheap)
         # Each row's choice as a later step is fed it: its argmax, or its draw (within the vocabulary).
         self.slot_fed = torch.zeros(n_rows, dtype=torch.long, device=dev)
@@ -263,22 +262,22 @@ class BatchGraphDecoder:
                            for layer in model.layers]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.done = torch.cuda.Event()  # the latest replay's (each replay records a new one)
+        self.done = self._event()  # the latest replay's (each replay records a new one)
         # Draws (floe.engine.sampling.draw_rows) for decode rows, a graph per padded row count, replayed
         # after the step's: per row its logits row, temperature, top_p, top_k, uniform (two pinned
         # buffers taken in turn, as host_in); out, per logits row, its token and whether to draw it
         # again (pinned host memory, read once the draw's event has completed: a row's stay valid
         # while its slot's next step runs, as its logits do).
-        self.draw_in = torch.zeros(2, 5, self.sizes[-1], dtype=torch.float64, pin_memory=True)
+        self.draw_in = self._host(2, 5, self.sizes[-1], dtype=torch.float64)
         self.dev_draw_in = torch.zeros(5, self.sizes[-1], dtype=torch.float64, device=dev)
         self._draw_copied, self._draw_turn = self._events(2), 0
         self.slot_drawn = torch.zeros(n_rows, dtype=torch.long, device=dev)
         self.slot_wider = torch.zeros(n_rows, dtype=torch.bool, device=dev)
-        self.host_drawn = torch.zeros(n_rows, dtype=torch.long, pin_memory=True)
+        self.host_drawn = self._host(n_rows)
         self.host_drawn_np = self.host_drawn.numpy()
-        self.host_wider = torch.zeros(n_rows, dtype=torch.bool, pin_memory=True)
+        self.host_wider = self._host(n_rows, dtype=torch.bool)
         self.draw_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.draw_done = torch.cuda.Event()  # the latest draw's (each draw records a new one)
+        self.draw_done = self._event()  # the latest draw's (each draw records a new one)
 
     @torch.inference_mode()
     def _forward(self, size: int, bucket: int, prefill: bool) -> None:
@@ -400,6 +399,20 @@ class BatchGraphDecoder:
         done = torch.cuda.Event()
         record(done, self.device)
         return done
+
+    # The device's own parts, made by these (floe.engine.reference_graph's CPU reference makes its own)
+    @staticmethod
+    def _host(*shape: int, dtype: torch.dtype = torch.long) -> Tensor:
+        """A zeroed host buffer the device copies from or into without staging (pinned memory)."""
+        return torch.zeros(*shape, dtype=dtype, pin_memory=True)
+
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def _launcher(self):
+        """The launch's CUDA calls through the driver, the GIL held (None with FLOE_GIL_LAUNCH=0)."""
+        return driver_launch(self.device)
 
     def _events(self, n: int) -> list[torch.cuda.Event]:
         """n events for the copies' records (made now where the driver records them: created)."""

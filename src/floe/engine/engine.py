@@ -108,6 +108,7 @@ class Engine(BatchedSteps):
         weights: str = "dense",
         native_kernel: str = "auto",
         prefill_copy: bool = False,
+        reference_graphs: bool = False,
     ) -> None:
         # A file's checkpoint is lazy: holding it pins the file's mapping, no dequantized tensor.
         self.checkpoint = checkpoint
@@ -128,6 +129,11 @@ class Engine(BatchedSteps):
         # On CUDA, decode steps replay captured graphs unless asked not to (eager is the reference).
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.compile_decode = compile_decode
+        # The CPU running the batched graph step's host side as CUDA does, each step eagerly by the model's
+        # own forward (floe.engine.reference_graph): for tests of that side where there is no GPU
+        if reference_graphs and (webgpu or self.device.type != "cpu"):
+            raise FloeError("reference_graphs is the CPU's stand-in for CUDA's batched graphs: device 'cpu'")
+        self.reference_graphs = reference_graphs
         # Fused decode: on CUDA Triton's kernels (by default wherever graphs run and Triton is
         # installed); on the CPU the lean TorchScript step (by default, every architecture's layer;
         # off: the module forward).
@@ -336,15 +342,20 @@ class Engine(BatchedSteps):
 
     @property
     def _batch_graphs(self) -> bool:
-        """Whether the batched graph of the fused Triton step (BatchGraphDecoder) runs here."""
-        return (self.device.type == "cuda" and self.cuda_graphs and self.fused_kernels
-                and not self.compile_decode)
+        """Whether the batched graph of the fused Triton step (BatchGraphDecoder) runs here (or, on the
+        CPU, its reference: reference_graphs)."""
+        return self.reference_graphs or (self.device.type == "cuda" and self.cuda_graphs
+                                         and self.fused_kernels and not self.compile_decode)
 
     def _batch_decoder(self):
         """The step over several slots' rows: CUDA graphs of the fused Triton step, or the CPU's lean
         step (which also runs decode_step's single row)."""
         if self._batch is None:
-            if self.backend == "webgpu":
+            if self.reference_graphs:
+                from floe.engine.reference_graph import ReferenceGraphDecoder
+
+                self._batch = ReferenceGraphDecoder(self.model, self.cache)
+            elif self.backend == "webgpu":
                 from floe.engine.webgpu.decoder import WebGPUDecoder
 
                 self._batch = WebGPUDecoder(self.model, self.cache, fused=self.fused_kernels,
@@ -403,7 +414,7 @@ class Engine(BatchedSteps):
             progress(done, len(warmed))
         if graphs not in ("all", "first"):
             raise ValueError(f"graphs must be 'all' or 'first', not {graphs!r}")
-        if self._graph_prefill(1):
+        if self._graph_prefill(1) and not self.reference_graphs:  # (the reference captures nothing)
             buckets = self._batch_decoder().buckets
             self._warm_up_graphs(slots, buckets if graphs == "all" else buckets[:1])
 
@@ -417,7 +428,7 @@ class Engine(BatchedSteps):
         that no arriving session finds its slot taken); default: any free slot may. A graph whose slots
         are busy is tried again every `retry_s` (a step that needs it first captures it itself), for
         at most `give_up_s`. Stops once `stop` is set. Returns the graphs captured."""
-        if not self._graph_prefill(1):
+        if not self._graph_prefill(1) or self.reference_graphs:
             return 0
         stop = threading.Event() if stop is None else stop
         spare = spare or (lambda n: contextlib.nullcontext(True))
