@@ -13,6 +13,10 @@ where a real step's host time goes (its launch, its results) on the device it ru
 --overlap: the loop's speculation and feeding (floe.actor.speculation) forced on, as on CUDA, where the
 CPU's step is not asynchronous: the Python a CUDA step pays for them, measured on a CPU.
 
+--reference: the tiny model's engine runs CUDA's batched graph step's host side on the CPU
+(Engine(reference_graphs=True): overlap, feeding, the engine's CUDA bookkeeping, each step's forward
+the module's): the Python a CUDA step pays a row, measured without a GPU.
+
 First, asking the guests alone (GuestCalls.ask: host choices, on_token, what it returned),
 µs a row, with the step's calls in one native loop (floe.wasm.rows) and row by row, taking turns.
 """
@@ -49,13 +53,18 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shape", default=None, help="a real shape's seeded random weights (e.g. llama-3.2-1b)")
     ap.add_argument("--overlap", action="store_true", help="speculation and feeding forced on (as on CUDA)")
+    ap.add_argument("--reference", action="store_true",
+                    help="CUDA's batched graph step's host side on the CPU (Engine(reference_graphs=True))")
     args = ap.parse_args()
     options = {"overlap": True, "feed": True} if args.overlap else {}
     tok = tokenizer(args.tokenizer)
-    engine = shaped_engine(tok, args) if args.shape else tiny_engine(tok, args.sessions, args.device)
+    engine = (shaped_engine(tok, args) if args.shape
+              else tiny_engine(tok, args.sessions, args.device, reference_graphs=args.reference))
     texts = [message(tok, i, 64) for i in range(args.sessions)]
     actors_run(engine, texts[:2], 4, batch=True, ids=args.ids, **options)
     asking_ab(engine, texts, args)
+    profile = cProfile.Profile()
+    device = device_work(profile) if args.reference else [0.0, False]
     s = actors_run(engine, texts, args.tokens, batch=True, ids=args.ids, **options)["engine_loop"]
     steps = s["steps"]
     print(f"{args.sessions} actors: {steps} steps, {1e3 * s['step_s'] / steps:.2f} ms a step, "
@@ -64,15 +73,19 @@ def main() -> None:
     host = s["step_s"] - s["wait_s"] - s["launch_s"] - s["phase_s"]["prefill"]
     print(f"the loop's host time outside the engine's calls (step - launch - wait - prefill): "
           f"{1e6 * host / s['rows']:.1f} µs a row-token")
-    profile = cProfile.Profile()
+    if args.reference:
+        print(f"the host side of CUDA's step (the loop's and the engine's; the reference's forwards and "
+              f"draws left out): {1e6 * (s['step_s'] - device[0]) / s['rows']:.1f} µs a row-token")
     step = engine_loop.EngineLoop._step
 
     def profiled(self) -> None:
+        device[1] = True
         profile.enable()
         try:
             step(self)
         finally:
             profile.disable()
+            device[1] = False
 
     engine_loop.EngineLoop._step = profiled
     try:
@@ -90,6 +103,32 @@ def main() -> None:
             stats.stats.items(), key=lambda kv: -kv[1][SORT])[:TOP]:
         print(f"  {1e6 * tottime / rows:7.1f} own {1e6 * cumtime / rows:7.1f} cum  {calls:7d}  "
               f"{Path(file).name}:{line}({name})")
+
+
+def device_work(profile: cProfile.Profile) -> list:
+    """With --reference: the reference's forwards and draws (what a GPU computes) timed into [0] and left
+    out of `profile` while [1] (the profiled steps) is set, so the profile is the host side's alone."""
+    from floe.engine.reference_graph import ReferenceGraphDecoder
+
+    device = [0.0, False]
+
+    def apart(method):
+        def run(self, *args):
+            profiling = device[1]
+            if profiling:
+                profile.disable()
+            t = time.perf_counter()
+            try:
+                return method(self, *args)
+            finally:
+                device[0] += time.perf_counter() - t
+                if profiling:
+                    profile.enable()
+        return run
+
+    ReferenceGraphDecoder._forward = apart(ReferenceGraphDecoder._forward)
+    ReferenceGraphDecoder._draw = apart(ReferenceGraphDecoder._draw)
+    return device
 
 
 def shaped_engine(tok, args) -> Engine:

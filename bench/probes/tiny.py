@@ -24,15 +24,16 @@ def tokenizer(folder: str | None) -> Tokenizer:
     return load_checkpoint().tokenizer
 
 
-def tiny_engine(tok: Tokenizer, n_slots: int, device: str = "cpu") -> Engine:
+def tiny_engine(tok: Tokenizer, n_slots: int, device: str = "cpu", reference_graphs: bool = False) -> Engine:
     """A one-layer 64-wide engine over `tok`'s vocabulary (float32 on the CPU, bfloat16 elsewhere),
-    warmed up, with torch on one thread."""
+    warmed up, with torch on one thread; reference_graphs: the CPU running CUDA's batched graph step's
+    host side (floe.engine.reference_graph)."""
     torch.set_num_threads(1)
     config = ModelConfig(arch="llama", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128,
                          vocab_size=tok.vocab_size, context_length=1024, name="tiny")
     cpu = torch.device(device).type == "cpu"
     weights = random_checkpoint(config, tok, dtype=torch.float32 if cpu else torch.bfloat16, device=device)
     engine = Engine(weights, device=device, dtype="float32" if cpu else "bfloat16", max_seq_len=512,
-                    n_slots=n_slots)
+                    n_slots=n_slots, reference_graphs=reference_graphs)
     engine.warm_up()
     return engine
