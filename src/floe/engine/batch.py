@@ -241,15 +241,18 @@ class BatchedSteps:
             latest.update(dict.fromkeys(st.slots, st))
             latest.update((p[1], st) for p in st.prompts)
             drawing[st] = set() if st.draw is None else set(st.draw[0])
+        cpu, drawn = not self._batch_graphs, self._drawn
+        if not cpu:  # a slot's latest logits row (BatchGraphDecoder.row, inline: a call a row cost more)
+            half, stride = self._batch.half, self.cache.n_slots + 1
         for token, slot in zip(tokens, slots, strict=True):
             if token is not None:
                 continue
             source = latest.get(slot)
-            drew = slot in self._drawn if source is None else slot in drawing[source]
-            if not self._batch_graphs:  # (the CPU)
+            drew = slot in drawn if source is None else slot in drawing[source]
+            if cpu:
                 sources[slot] = (None, drew, self._cpu_choice(slot, source, drew))
             else:
-                sources[slot] = (self._batch.row(slot), drew, None)
+                sources[slot] = (slot + half[slot] * stride, drew, None)
         return sources
 
     def _cpu_choice(self, slot: int, source: LaunchedStep | None, drew: bool) -> int:
@@ -281,26 +284,34 @@ class BatchedSteps:
         if not sources:
             return None
         waiting = {s for step in self._unfinished for s in (*step.slots, *(p[1] for p in step.prompts))}
+        fed, known = self._fed, []
         for slot, position in zip(slots, positions, strict=True):
             if slot in sources:
-                self._fed[slot] = (position, None, *sources[slot][:2])
+                fed[slot] = (position, None, *sources[slot][:2])
                 if slot not in waiting:
-                    self._resolve_fed(slot)
+                    known.append(slot)
+        if known:
+            self._resolve_fed(known)
         return [sources[slot][0] if token is None else -1 for token, slot in zip(tokens, slots, strict=True)]
 
-    def _resolve_fed(self, slot: int) -> None:
-        """`slot`'s fed row, its source step finished: its token, as the device read it (the draw's
-        own, not one finish_batch drew again), into the cache's ids and fed_token."""
-        position, token, row, drew = self._fed[slot]
-        if token is not None:
+    def _resolve_fed(self, slots) -> None:
+        """The fed rows of these slots (those with one whose token is not known yet), their source step
+        finished: each token, as the device read it (the draw's own, not one finish_batch drew again),
+        into the cache's ids and fed_token."""
+        if not self._batch_graphs:  # (the CPU's fed rows take tokens known at their launch)
             return
-        batch = self._batch
-        token = (min(max(int(batch.host_drawn_np[row]), 0), self.config.vocab_size - 1) if drew
-                 else int(batch.host_argmax_np[row]))
-        self._fed[slot] = (position, token, row, drew)
-        ids = self.cache.tokens[slot]
-        if position < len(ids) and ids[position] == -1:
-            ids[position] = token
+        fed, batch, ids_of = self._fed, self._batch, self.cache.tokens
+        drawn, argmax, last = batch.host_drawn_np, batch.host_argmax_np, self.config.vocab_size - 1
+        for slot in slots:
+            entry = fed.get(slot)
+            if entry is None or entry[1] is not None:
+                continue
+            position, _, row, drew = entry
+            token = min(max(int(drawn[row]), 0), last) if drew else int(argmax[row])
+            fed[slot] = (position, token, row, drew)
+            ids = ids_of[slot]
+            if position < len(ids) and ids[position] == -1:
+                ids[position] = token
 
     def fed_token(self, slot: int) -> int | None:
         """The token `slot`'s latest device-fed row took (launch_batch), once the step it was read
@@ -432,7 +443,8 @@ class BatchedSteps:
                 argmax = self._batch.host_argmax_np[step.logit_rows].tolist()
                 lengths = self.cache.lengths
                 void = {s for s, p in zip(row_slots, step.positions, strict=True) if lengths[s] <= p}
-                self._greedy.update((s, a) for s, a in zip(row_slots, argmax, strict=False) if s not in void)
+                kept = zip(row_slots, argmax, strict=False)
+                self._greedy.update(kept if not void else ((s, a) for s, a in kept if s not in void))
                 self._greedy.update(zip(chunk_slots, argmax[len(row_slots):], strict=True))
                 views = self._batch.slot_logit_rows
                 logits = [views[r] for r in step.logit_rows[:len(row_slots)]]
@@ -451,9 +463,8 @@ class BatchedSteps:
                 draw = draw._replace(tokens=self._batch.host_drawn[step.draw_rows], wider=wider, logits=again)
             tokens = finish_draw(draw)
             self._drawn.update((s, t) for s, t in zip(slots, tokens, strict=True) if s not in void)
-        for slot in (*step.slots, *(p[1] for p in step.prompts)):
-            if slot in self._fed:  # a row launched since reads this step's choice: it is known now
-                self._resolve_fed(slot)
+        if self._fed:  # a row launched since reads this step's choice: it is known now
+            self._resolve_fed((*step.slots, *(p[1] for p in step.prompts)))
         return step.results
 
     def _forget(self, slot: int) -> None:

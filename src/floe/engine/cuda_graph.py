@@ -238,7 +238,7 @@ class BatchGraphDecoder:
         self.slot_logits = torch.zeros(n_rows, model.config.vocab_size, dtype=torch.float32, device=dev)
         self.slot_logit_rows = list(self.slot_logits.unbind(0))  # its rows' views, made once (a view a row
         # a step cost ~1-2 us of the engine loop's host time each)
-        self._half = [0] * n_slots  # per slot, which of its two rows holds its latest logits
+        self.half = [0] * n_slots  # per slot, which of its two rows holds its latest logits (row())
         # Each row's greedy choice, computed in the graph and copied to pinned host memory, so an actor
         # that samples greedily needs no kernel launch or sync of its own.
         self.slot_argmax = torch.zeros(n_rows, dtype=torch.long, device=dev)
@@ -426,15 +426,19 @@ class BatchGraphDecoder:
 
     def row(self, slot: int) -> int:
         """The row of slot_logits / host_argmax holding `slot`'s latest logits (n_slots: the spare)."""
-        return slot if slot == self.n_slots else slot + self._half[slot] * (self.n_slots + 1)
+        return slot if slot == self.n_slots else slot + self.half[slot] * (self.n_slots + 1)
 
     def _next_rows(self, dests: list[int]) -> list[int]:
         """The rows a step writes for these slots' logits: each slot's other row (which becomes its
-        latest); the spare row stays."""
+        latest); the spare row stays. (row() inline: a call a row cost more than the rest.)"""
+        spare, half, rows = self.n_slots, self.half, []
         for slot in dests:
-            if slot != self.n_slots:
-                self._half[slot] ^= 1
-        return [self.row(slot) for slot in dests]
+            if slot == spare:
+                rows.append(spare)
+            else:
+                h = half[slot] = half[slot] ^ 1
+                rows.append(slot + h * (spare + 1))
+        return rows
 
     def step(self, tokens: list[int], positions: list[int], slots: list[int],
              feeds: list[int] | None = None) -> list[int]:
