@@ -31,7 +31,7 @@ class LaunchedStep:
     prompt_results: list = field(default_factory=list)  # per prompt: its last logits, or its error
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (prompt, first position) in the replay
     draw: tuple[list[int], Draw] | None = None  # (slots, their draw) asked of this step (launch_batch)
-    # CUDA graphs: the rows of the graph's logits buffers (BatchGraphDecoder.row) its decode rows and
+    # CUDA graphs: the rows of the graph's logits buffers (BatchGraphDecoder.rows) its decode rows and
     # then its riding prompts wrote, and those its draws read
     logit_rows: list[int] = field(default_factory=list)
     draw_rows: list[int] = field(default_factory=list)
@@ -222,7 +222,7 @@ class BatchedSteps:
         params = [wanted[slot][0] for slot in slots]
         uniforms = torch.tensor([wanted[slot][1] for slot in slots], dtype=torch.float64)
         if step.rows and step.logits is None:  # CUDA graphs: the draw's own graph, after the step's
-            latest = [self._batch.row(slot) for slot in slots]
+            latest = self._batch.rows(slots)
             temps, top_p = [p.temperature for p in params], [p.top_p for p in params]
             step.draw_done = self._batch.draw(latest, temps, top_p, top_ks(params, self.config.vocab_size),
                                               uniforms.tolist())
@@ -232,7 +232,7 @@ class BatchedSteps:
 
     def _feed_sources(self, tokens: list[int | None], slots: list[int]) -> dict[int, tuple]:
         """Per fed slot: the logits row of its latest step its token is read from on CUDA
-        (BatchGraphDecoder.row; None on the CPU), whether that step drew for it (else the token is
+        (BatchGraphDecoder.rows; None on the CPU), whether that step drew for it (else the token is
         the argmax), and on the CPU the token itself (taken from that step's results)."""
         sources = {}
         latest: dict[int, LaunchedStep] = {}  # each slot's newest unfinished step (one pass, not a search
@@ -242,9 +242,8 @@ class BatchedSteps:
             latest.update((p[1], st) for p in st.prompts)
             drawing[st] = set() if st.draw is None else set(st.draw[0])
         cpu, drawn = not self._batch_graphs, self._drawn
-        if not cpu:  # a slot's latest logits row (BatchGraphDecoder.row, inline: a call a row cost more)
-            half, stride = self._batch.half, self.cache.n_slots + 1
-        for token, slot in zip(tokens, slots, strict=True):
+        rows = None if cpu else self._batch.rows(slots)  # (each slot's latest logits row, in one call)
+        for k, (token, slot) in enumerate(zip(tokens, slots, strict=True)):
             if token is not None:
                 continue
             source = latest.get(slot)
@@ -252,7 +251,7 @@ class BatchedSteps:
             if cpu:
                 sources[slot] = (None, drew, self._cpu_choice(slot, source, drew))
             else:
-                sources[slot] = (slot + half[slot] * stride, drew, None)
+                sources[slot] = (rows[k], drew, None)
         return sources
 
     def _cpu_choice(self, slot: int, source: LaunchedStep | None, drew: bool) -> int:

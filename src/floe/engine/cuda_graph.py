@@ -182,7 +182,7 @@ class BatchGraphDecoder:
     Graphs are captured per (padded row count, KV bucket, prefill or decode). Padding rows carry slot
     -1: the kernels write no cache for them, and their logits land in a spare row of `slot_logits`.
 
-    Each slot has two logits rows, written in turn (`row(slot)`: the latest): a step's logits stay
+    Each slot has two logits rows, written in turn (`rows([slot])`: the latest): a step's logits stay
     valid while the slot's next step runs, so a caller reads them then without copying them first.
 
     A row can be *device-fed*: its token is the choice made from one of the slot's earlier logits rows
@@ -233,12 +233,12 @@ class BatchGraphDecoder:
         self.prompt_host_in = self._host(2, 5, longest)
         self.prompt_host_rows = self.prompt_host_in.numpy()
         self.prompt_dev_in = torch.zeros(5, longest, dtype=torch.long, device=dev)
-        # Two rows a slot (slot s: s and n_slots + 1 + s; see row()), and the spare row n_slots.
+        # Two rows a slot (slot s: s and n_slots + 1 + s; see rows()), and the spare row n_slots.
         n_rows = 2 * (n_slots + 1)
         self.slot_logits = torch.zeros(n_rows, model.config.vocab_size, dtype=torch.float32, device=dev)
         self.slot_logit_rows = list(self.slot_logits.unbind(0))  # its rows' views, made once (a view a row
         # a step cost ~1-2 us of the engine loop's host time each)
-        self.half = [0] * n_slots  # per slot, which of its two rows holds its latest logits (row())
+        self.half = [0] * n_slots  # per slot, which of its two rows holds its latest logits (rows())
         # Each row's greedy choice, computed in the graph and copied to pinned host memory, so an actor
         # that samples greedily needs no kernel launch or sync of its own.
         self.slot_argmax = torch.zeros(n_rows, dtype=torch.long, device=dev)
@@ -351,7 +351,7 @@ class BatchGraphDecoder:
 
     def draw(self, rows: list[int], temps: list[float], top_p: list[float], ks: list[int],
              uniforms: list[float]) -> torch.cuda.Event:
-        """Draw a token from each of slot_logits' `rows` (row(slot)s, after the step that wrote them,
+        """Draw a token from each of slot_logits' `rows` (rows() of slots, after the step that wrote them,
         in the same stream: the host does not wait) with its row's parameters (ks: the vocabulary for
         no top_k); host_drawn / host_wider [row] once the event returned has completed."""
         n = len(rows)
@@ -424,26 +424,25 @@ class BatchGraphDecoder:
         step's, with PICK_LOGITS (more rows than keep logits: a slot's at most, and the spare)."""
         return 0 < self.pick < size
 
-    def row(self, slot: int) -> int:
-        """The row of slot_logits / host_argmax holding `slot`'s latest logits (n_slots: the spare)."""
-        return slot if slot == self.n_slots else slot + self.half[slot] * (self.n_slots + 1)
+    def rows(self, slots) -> list[int]:
+        """The row of slot_logits / host_argmax holding each slot's latest logits (n_slots: the spare), for
+        all of them in one call (a call a row cost a step's rows more than the rest of their bookkeeping)."""
+        spare, half = self.n_slots, self.half
+        return [slot if slot == spare else slot + half[slot] * (spare + 1) for slot in slots]
 
     def _next_rows(self, dests: list[int]) -> list[int]:
         """The rows a step writes for these slots' logits: each slot's other row (which becomes its
-        latest); the spare row stays. (row() inline: a call a row cost more than the rest.)"""
-        spare, half, rows = self.n_slots, self.half, []
+        latest); the spare row stays."""
+        half, spare = self.half, self.n_slots
         for slot in dests:
-            if slot == spare:
-                rows.append(spare)
-            else:
-                h = half[slot] = half[slot] ^ 1
-                rows.append(slot + h * (spare + 1))
-        return rows
+            if slot != spare:
+                half[slot] ^= 1
+        return self.rows(dests)
 
     def step(self, tokens: list[int], positions: list[int], slots: list[int],
              feeds: list[int] | None = None) -> list[int]:
         """Write tokens[b] at positions[b] of slots[b] (distinct) and compute each slot's next logits
-        and their argmax; the rows of slot_logits / host_argmax they go to (each slot's row(): valid
+        and their argmax; the rows of slot_logits / host_argmax they go to (each slot's rows(): valid
         until the step after that slot's next one; host_argmax once `done` has completed).
         feeds[b] >= 0: row b's token is instead the choice of logits row feeds[b] (see the class doc)."""
         size = next(s for s in self.sizes if s >= len(slots))

@@ -63,7 +63,7 @@ class ReferenceGraphDecoder(BatchGraphDecoder):
         """Float32 logits [size, vocab] of each row (padding rows, slot -1, last: zeros), the rows'
         tokens written into their slots' caches. A run of one slot's consecutive positions is one
         segment (a prompt's chunk attends to its own earlier rows); each row's logits as the model's
-        forward gives a last row's (Transformer._logits of that row alone)."""
+        forward gives a last row's (Transformer.forward_rows)."""
         size = tokens.shape[0]
         out = torch.zeros(size, self.slot_logits.shape[1], dtype=torch.float32)
         n = int((slots >= 0).sum())
@@ -76,7 +76,5 @@ class ReferenceGraphDecoder(BatchGraphDecoder):
             segments.append((j - i, p[i], s[i]))
             i = j
         if segments:
-            x = self.model._layers(tokens[:n], segments, self.cache)
-            for r in range(n):
-                out[r] = self.model._logits(x[r])
+            out[:n] = self.model.forward_rows(tokens[:n], segments, self.cache)
         return out

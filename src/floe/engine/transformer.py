@@ -300,6 +300,12 @@ class Transformer(nn.Module):
         # Each last row through the head alone, as forward() does (the head's kernel for one row).
         return torch.stack([self._logits(x[end - 1]) for end in accumulate(n for n, _, _ in segments)])
 
+    def forward_rows(self, tokens: Tensor, segments: list[Segment], cache: KVCache) -> Tensor:
+        """forward_segments' pass, float32 logits [T, vocab] of every row, each row's as forward() gives
+        a last row's (the head on that row alone)."""
+        x = self._layers(tokens, segments, cache)
+        return torch.stack([self._logits(row) for row in x])
+
     def _layers(self, tokens: Tensor, segments: list[Segment], cache: KVCache) -> Tensor:
         """The layers over the segments' rows (the residual stream out, before the final norm)."""
         rope = [(self.cos[start:start + n], self.sin[start:start + n]) for n, start, _ in segments]
