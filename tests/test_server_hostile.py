@@ -12,7 +12,9 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -39,6 +41,23 @@ class Errors(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
+
+
+# The later rounds' loggers: an ERROR record in any is a failure
+LOGGERS = ("floe", "uvicorn", "uvicorn.error", "asyncio")
+
+
+@contextmanager
+def logged_errors(loggers: tuple[str, ...] = LOGGERS) -> Iterator[Errors]:
+    """The ERROR records of `loggers` while the block runs (an Errors handler on each)."""
+    errors = Errors()
+    for name in loggers:
+        logging.getLogger(name).addHandler(errors)
+    try:
+        yield errors
+    finally:
+        for name in loggers:
+            logging.getLogger(name).removeHandler(errors)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import socket
 import tempfile
 import threading
@@ -20,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from test_server import MODEL_ID, ThreadServer
-from test_server_hostile import Errors, metric, refused
+from test_server_hostile import logged_errors, metric, refused
 
 from floe.engine import Engine
 from floe.server.app import create_app
@@ -31,25 +30,21 @@ WAIT_S = 2.0  # a request's wait for a slot here, twice that for a busy session 
 BODY_TIMEOUT_S = 3.0
 SEND_TIMEOUT_S = 3.0  # (floe serve's: 60 s)
 CHAT = "/v1/chat/completions"
-LOGGERS = ("floe", "uvicorn", "uvicorn.error", "asyncio")  # an ERROR record in any: a failure
 LONG = "Count from 1 to 1000, one number per line."
 STORY = "Write a very long story about a dragon, at least 2000 words."  # (greedy: 1,500 tokens and more)
 
 
 @pytest.fixture(scope="module")
 def server(default_checkpoint, tmp_path_factory):
-    errors = Errors()
-    for name in LOGGERS:
-        logging.getLogger(name).addHandler(errors)
-    engine = Engine(default_checkpoint, max_seq_len=1024, n_slots=SLOTS, weights="native")
-    folder = tmp_path_factory.mktemp("sessions")
-    app = create_app(engine, snapshots=folder, model_id=MODEL_ID, idle_seconds=3600, wait_seconds=WAIT_S)
-    s = ThreadServer(app, header_timeout_s=2.0, body_timeout_s=BODY_TIMEOUT_S, send_timeout_s=SEND_TIMEOUT_S)
-    s.errors, s.app = errors, app
-    yield s
-    s.stop()
-    for name in LOGGERS:
-        logging.getLogger(name).removeHandler(errors)
+    with logged_errors() as errors:
+        engine = Engine(default_checkpoint, max_seq_len=1024, n_slots=SLOTS, weights="native")
+        folder = tmp_path_factory.mktemp("sessions")
+        app = create_app(engine, snapshots=folder, model_id=MODEL_ID, idle_seconds=3600, wait_seconds=WAIT_S)
+        s = ThreadServer(app, header_timeout_s=2.0, body_timeout_s=BODY_TIMEOUT_S,
+                         send_timeout_s=SEND_TIMEOUT_S)
+        s.errors, s.app = errors, app
+        yield s
+        s.stop()
 
 
 def chat(url: str, sid: str, text: str = "hi", max_tokens: int = 2, **fields) -> httpx.Response:

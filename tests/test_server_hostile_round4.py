@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import signal
 import tempfile
 import threading
@@ -21,7 +20,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from models import write_gguf
 from test_server import MODEL_ID, ThreadServer, free_port, start_serve
-from test_server_hostile import Errors, refused
+from test_server_hostile import logged_errors, refused
 
 from floe.engine import Engine
 from floe.model import load_checkpoint
@@ -32,7 +31,6 @@ from floe.server.sessions import snapshot_store
 
 CONTEXT = 256
 CHAT = "/v1/chat/completions"
-LOGGERS = ("floe", "uvicorn", "uvicorn.error", "asyncio")  # an ERROR record in any: a failure
 KEYS = ("key-a" * 4, "key-b" * 4)
 OPERATOR = "operator" * 3
 A, B, OP = ({"Authorization": f"Bearer {k}"} for k in (*KEYS, OPERATOR))
@@ -42,18 +40,14 @@ A, B, OP = ({"Authorization": f"Bearer {k}"} for k in (*KEYS, OPERATOR))
 def models(default_checkpoint, tmp_path_factory):
     """A router over the default model ("smol") and a tiny random one ("tiny"), each its own engine and
     store; API keys A and B, the operator's OP."""
-    errors = Errors()
-    for name in LOGGERS:
-        logging.getLogger(name).addHandler(errors)
-    tiny = str(write_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf", [Q.F32], seed=1, dim=64))
-    router = router_of(default_checkpoint, tiny, tmp_path_factory.mktemp("sessions"))
-    s = ThreadServer(app_of(router, keys=(*KEYS, OPERATOR), operator_keys=(OPERATOR,)))
-    s.tiny = tiny
-    s.errors, s.router = errors, router
-    yield s
-    s.stop()
-    for name in LOGGERS:
-        logging.getLogger(name).removeHandler(errors)
+    with logged_errors() as errors:
+        tiny = str(write_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf", [Q.F32], seed=1, dim=64))
+        router = router_of(default_checkpoint, tiny, tmp_path_factory.mktemp("sessions"))
+        s = ThreadServer(app_of(router, keys=(*KEYS, OPERATOR), operator_keys=(OPERATOR,)))
+        s.tiny = tiny
+        s.errors, s.router = errors, router
+        yield s
+        s.stop()
 
 
 def router_of(default_checkpoint, tiny: str, folder: Path, **options) -> ModelRouter:

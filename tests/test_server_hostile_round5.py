@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import logging
 import re
 import socket
 import tempfile
@@ -21,32 +20,27 @@ from pathlib import Path
 import httpx
 import pytest
 from test_server import MODEL_ID, ThreadServer
-from test_server_hostile import Errors, metric
+from test_server_hostile import logged_errors, metric
 
 from floe.engine import Engine
 from floe.server.app import create_app
 
 SLOTS = 4
 CHAT = "/v1/chat/completions"
-LOGGERS = ("floe", "uvicorn", "uvicorn.error", "asyncio")  # an ERROR record in any: a failure
 LONG = "Count from 1 to 500, one number per line."
 STORY = "Write a very long story about a dragon, at least 2000 words."  # (greedy: 1,500 tokens and more)
 
 
 @pytest.fixture(scope="module")
 def server(default_checkpoint, tmp_path_factory):
-    errors = Errors()
-    for name in LOGGERS:
-        logging.getLogger(name).addHandler(errors)
-    engine = Engine(default_checkpoint, max_seq_len=2048, n_slots=SLOTS, weights="native")
-    folder = tmp_path_factory.mktemp("sessions")
-    app = create_app(engine, snapshots=folder, model_id=MODEL_ID, idle_seconds=3600, wait_seconds=5.0)
-    s = ThreadServer(app, header_timeout_s=2.0, body_timeout_s=3.0, send_timeout_s=3.0)
-    s.errors, s.app, s.folder = errors, app, folder
-    yield s
-    s.stop()
-    for name in LOGGERS:
-        logging.getLogger(name).removeHandler(errors)
+    with logged_errors() as errors:
+        engine = Engine(default_checkpoint, max_seq_len=2048, n_slots=SLOTS, weights="native")
+        folder = tmp_path_factory.mktemp("sessions")
+        app = create_app(engine, snapshots=folder, model_id=MODEL_ID, idle_seconds=3600, wait_seconds=5.0)
+        s = ThreadServer(app, header_timeout_s=2.0, body_timeout_s=3.0, send_timeout_s=3.0)
+        s.errors, s.app, s.folder = errors, app, folder
+        yield s
+        s.stop()
 
 
 def chat(url: str, sid: str | None, text: str = "hi", max_tokens: int = 2, **fields) -> httpx.Response:
