@@ -258,6 +258,7 @@ def main() -> None:
                        "client sends": [x["sent_at"] for x in rows if "sent_at" in x],
                        "front gets": [t for what, t in front if what == "request"],
                        "front to core": [t for what, t in front if what == "to_core"],
+                       "front sends first token": [t for what, t in front if what == "first_token"],
                        "client's first token": [x["sent_at"] + x["ttft_s"] for x in rows
                                                 if x.get("ttft_s") is not None and "sent_at" in x]}
             report(timed[-args.sessions:], {k: sorted(v)[-args.sessions:] for k, v in outside.items()})
@@ -341,15 +342,16 @@ def report(rows: list[dict[str, float]], outside: dict[str, list[float]]) -> Non
     if not sends:
         return
     t1 = min(sends)
-    last = "client's first token"
-    moments = ({k: v for k, v in outside.items() if k != last}
+    later = ("front sends first token", "client's first token")  # (after the core's moments)
+    moments = ({k: v for k, v in outside.items() if k not in later}
                | {"core receives": [r["received"] for r in rows],
-                  "core sends first id": [r["first_id"] for r in rows], last: outside.get(last, [])})
+                  "core sends first id": [r["first_id"] for r in rows]}
+               | {k: outside.get(k, []) for k in later})
     print(f"  moments after the first client's send (ms): first / p50 / max of {len(rows)} requests")
     for name, ts in moments.items():
         if ts:
             ms = sorted(1e3 * (t - t1) for t in ts)
-            print(f"  {name:>20} {ms[0]:7.1f} / {statistics.median(ms):7.1f} / {ms[-1]:7.1f}  ({len(ms)})")
+            print(f"  {name:>23} {ms[0]:7.1f} / {statistics.median(ms):7.1f} / {ms[-1]:7.1f}  ({len(ms)})")
 
 
 if __name__ == "__main__":

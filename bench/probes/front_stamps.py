@@ -1,8 +1,10 @@
 """`floe serve`'s HTTP front (floe.server.app) with two moments of each chat request written down: when
-its HTTP request reached the app (the ASGI call, after uvicorn parsed its head) and when the front sent
-it to the engine core (CoreClient.chat). One line a moment, appended to FILE at once (`time.perf_counter`,
-one clock for every process of this machine): "<pid> request <t>" / "<pid> to_core <t>". What
-bench/probes/arrival_timeline.py starts as each front instead of `python -m floe.server.app`.
+its HTTP request reached the app (the ASGI call, after uvicorn parsed its head), when the front sent
+it to the engine core (CoreClient.chat) and when the front handed uvicorn its first token's SSE event
+(the first body with a "content" delta that is not the role's). One line a moment, appended to FILE at
+once (`time.perf_counter`, one clock for every process of this machine): "<pid> request <t>" / "<pid>
+to_core <t>" / "<pid> first_token <t>". What bench/probes/arrival_timeline.py starts as each front instead of
+`python -m floe.server.app`.
 
     python bench/probes/front_stamps.py FILE -- --socket PATH --fd N [floe.server.app's arguments]
 """
@@ -32,9 +34,20 @@ def main() -> None:
         inner = create_front(*a, **k)
 
         async def stamped(scope, receive, send):
-            if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":
-                out.write(f"{pid} request {time.perf_counter()}\n")
-            await inner(scope, receive, send)
+            if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+                return await inner(scope, receive, send)
+            out.write(f"{pid} request {time.perf_counter()}\n")
+            first = True
+
+            async def stamped_send(message):
+                nonlocal first
+                body = message.get("body", b"") if first else b""
+                if any(b'"content":' in e and b'"role"' not in e for e in body.split(b"\n\n")):
+                    first = False
+                    out.write(f"{pid} first_token {time.perf_counter()}\n")
+                await send(message)
+
+            await inner(scope, receive, stamped_send)
 
         return stamped
 
