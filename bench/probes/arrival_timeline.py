@@ -106,7 +106,8 @@ def main() -> None:
                 if thread_cpu:  # (a stage in the chat's own thread)
                     cpu.setdefault(key, {}).setdefault(stage, time.thread_time())
 
-    dispatch, chat, pack_ = CoreServer._dispatch, CoreServer._chat, core_socket.pack
+    dispatch, chat = CoreServer._dispatch, CoreServer._chat
+    write_parts = core_socket._Connection._write_parts
     open_, run_ = ServeCore.open, type(core.loop).run
 
     def w_dispatch(self, conn, message):
@@ -148,14 +149,12 @@ def main() -> None:
         finally:
             mark(getattr(local, "key", None), "returned", True)
 
-    def w_pack(value):
-        if isinstance(value, list) and value and value[0] == "ids":
-            conns = [c for c in list(server.connections)]
-            for rid, _ in value[1]:
-                for c in conns:  # (which connection's frame this is: the rid's own)
-                    if (id(c), rid) in times:
-                        mark((id(c), rid), "first_id")
-        return pack_(value)
+    def w_write_parts(self, kind, parts, *a, **k):
+        if kind == "ids":  # (a request id is its front connection's: each front numbers its own)
+            for rid, _ in parts:
+                if (id(self), rid) in times:
+                    mark((id(self), rid), "first_id")
+        return write_parts(self, kind, parts, *a, **k)
 
     started_fronts = threading.Semaphore(0)  # a front's start-up calls answered (its last: "tokenizer")
     call_ = CoreServer._call
@@ -192,7 +191,7 @@ def main() -> None:
     CoreServer._call = w_call
     CoreServer._dispatch, CoreServer._chat, ServeCore.open = w_dispatch, w_chat, w_open
     type(core.loop).run = w_run
-    core_socket.pack = w_pack
+    core_socket._Connection._write_parts = w_write_parts
     server = CoreServer(core)
     port = serve_load.free_port()
     listeners = listen("127.0.0.1", port, args.fronts)  # (as floe serve: a socket a front)
