@@ -90,6 +90,7 @@ class SessionStore:
         self.upkeep = StoreUpkeep(self.lifecycle, sweep_seconds)
         self.transfers = SessionTransfers(self.lifecycle)
         self.rollbacks = 0  # conversations branched from an earlier turn (pending)
+        self._freeing: set[Session] = set()  # idle sessions _make_room holds for a slot (the store's lock)
 
     # ---- the parts' surface ------------------------------------------------------------------------
 
@@ -245,18 +246,22 @@ class SessionStore:
     def _bound_anonymous(self, new: Session) -> None:
         """Forget the least recently used idle anonymous session of `new`'s owner if `new` took them past
         max_anonymous (running ones are kept: at most a KV slot's worth more). Each new session forgets
-        at most one: a burst of arrivals shares the forgetting. Each claims its victim by taking its lock
-        under the store's lock, so that two never count or take the same one (64 at once each tried the
-        whole list); one that another arrival is freezing for its slot meanwhile is forgotten there
-        instead (_make_room), so each arrival still takes one away."""
+        at most one: a burst of arrivals shares the forgetting. Each claims its victim under the store's
+        lock, so that two never count or take the same one (64 at once each tried the whole list): by
+        taking its lock, or, for one that _make_room holds to free its slot for another arrival, by
+        dooming it there (it is forgotten as that ends). Skipping that one instead left the owner past
+        the bound, or took a newer session than the least recently used idle one."""
         with self.lock:
             mine = self._anonymous(new.owner, but=new)
             if len(mine) + 1 <= self.max_anonymous:
                 return
-            victim = next((s for s in _forget_order(mine) if s.lock.acquire(blocking=False)), None)
+            claimed = (s for s in _forget_order(mine) if s in self._freeing or s.lock.acquire(blocking=False))
+            victim = next(claimed, None)
             if victim is None:
                 return
             victim.doomed = True  # (not counted by another arrival while this one forgets it)
+            if victim in self._freeing:
+                return
         try:
             self._forget_over_bound(victim)
         finally:
@@ -266,20 +271,36 @@ class SessionStore:
         """Free the KV slot of `victim` if no request holds it and it is live (the admission's choice for
         an arrival that found every slot taken): True if its slot is free now. An anonymous session past
         its owner's max_anonymous that the owner's next arrival would forget (its least recently used
-        idle one: _bound_anonymous) is forgotten rather than frozen: no snapshot written for it, and an
-        arrival that could not claim it (held here) is not left over."""
-        if not victim.lock.acquire(blocking=False):
-            return False
-        try:
-            if not victim.live:
+        idle one: _bound_anonymous) is forgotten rather than frozen: no snapshot written for it. Else it
+        is frozen, and an arrival that dooms it meanwhile has it forgotten here once frozen. Its lock is
+        taken and given back under the store's lock, so an arrival finds it either free or held here."""
+        with self.lock:
+            if not victim.lock.acquire(blocking=False):
                 return False
-            with self.lock:
-                mine = self._anonymous(victim.owner)
-                first = next((s for s in _forget_order(mine) if s is victim or not s.lock.locked()), None)
-                victim.doomed = (victim.anonymous and first is victim and len(mine) > self.max_anonymous)
+            if not victim.live:
+                victim.lock.release()
+                return False
+            mine = self._anonymous(victim.owner)
+            first = next((s for s in _forget_order(mine) if s is victim or not s.lock.locked()), None)
+            victim.doomed = (victim.anonymous and first is victim and len(mine) > self.max_anonymous)
+            self._freeing.add(victim)
+        try:
             if victim.doomed and self._forget_over_bound(victim):
                 return True
             return self.lifecycle.freeze_live_locked(victim)
+        finally:
+            self._give_back(victim)
+
+    def _give_back(self, victim: Session) -> None:
+        """The end of _make_room's hold on `victim`: forgotten if an arrival doomed it meanwhile, then
+        unlocked."""
+        with self.lock:
+            self._freeing.discard(victim)
+            if not victim.doomed:
+                victim.lock.release()
+                return
+        try:
+            self._forget_over_bound(victim)
         finally:
             victim.lock.release()
 

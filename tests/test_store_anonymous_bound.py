@@ -1,0 +1,113 @@
+"""The bound on an owner's anonymous sessions (docs/SERVER.md, "Anonymous sessions") while another
+arrival frees a KV slot: the race of a burst forced with events, not timed."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from floe.actor import EngineLoop
+from floe.engine import Engine, SamplingParams
+from floe.server.sessions import SessionStore
+
+WAIT_S = 60  # the longest a step of the forced interleaving may take before the test fails
+
+
+@pytest.fixture
+def store(default_checkpoint, tmp_path):
+    """Two KV slots, at most two anonymous sessions per owner, and forget_locked's victims recorded in
+    `store.forgotten`."""
+    engine = Engine(default_checkpoint, max_seq_len=128, n_slots=2)
+    store = SessionStore(engine, tmp_path, loop=EngineLoop(engine), max_anonymous=2)
+    store.forgotten = []
+    forget = store.lifecycle.forget_locked
+
+    def recorded(session):
+        store.forgotten.append(session.id)
+        return forget(session)
+
+    store.lifecycle.forget_locked = recorded
+    yield store
+    store.close(freeze=False)
+    assert len(engine.slots.free) == 2
+
+
+def answered(store: SessionStore, text: str):
+    """A new anonymous session that answered `text` and is idle again (live, in a KV slot)."""
+    messages = [{"role": "user", "content": text}]
+    session = store.acquire(None, messages, 0)
+    try:
+        store.go_live(session)
+        store.run(session, [], text, max_tokens=1, params=SamplingParams())
+    finally:
+        store.release(session)
+    return session
+
+
+def held_in_freeze(store: SessionStore) -> tuple[threading.Event, threading.Event]:
+    """Freezes for a slot (SessionStore._make_room's) stop once started: `started` set, they go on at
+    `go`."""
+    started, go = threading.Event(), threading.Event()
+    freeze = store.lifecycle.freeze_live_locked
+
+    def held(session):
+        started.set()
+        assert go.wait(WAIT_S), "the test never let the freeze go on"
+        return freeze(session)
+
+    store.lifecycle.freeze_live_locked = held
+    return started, go
+
+
+def test_an_arrival_past_the_bound_forgets_the_idle_session_another_arrival_is_freezing(store):
+    """Every slot is taken and the owner is at its bound: a named session's arrival frees the least
+    recently used idle slot (freezing the oldest anonymous session), and while it freezes, an anonymous
+    arrival takes the owner past the bound. That arrival forgets the session being frozen (the oldest
+    idle one, forgotten once frozen), not the one a request runs in, and not nothing: the owner ends at
+    its bound, without a snapshot of the forgotten one."""
+    oldest, busy = answered(store, "Name a colour."), answered(store, "Name a fruit.")
+    assert store.acquire(None, [*busy.messages, {"role": "user", "content": "Another?"}], 0) is busy
+    started, go = held_in_freeze(store)
+    named = store.acquire("named", [{"role": "user", "content": "Name a city."}], 0)
+    freeing = threading.Thread(target=store.go_live, args=(named,))
+    freeing.start()
+    try:
+        assert started.wait(WAIT_S), "the named session's arrival never froze an idle session for its slot"
+        assert oldest.lock.locked() and oldest.live
+        arrival = store.acquire(None, [{"role": "user", "content": "Name a river."}], 0)
+    finally:
+        go.set()
+        freeing.join(WAIT_S)
+    assert not freeing.is_alive()
+    try:
+        assert store.forgotten == [oldest.id]
+        assert set(store.sessions) == {busy.key, arrival.key, named.key}
+        assert not store.snapshots.has(oldest.key)
+        assert named.live and busy.live
+    finally:
+        for session in (arrival, named, busy):
+            store.release(session)
+
+
+def test_an_arrival_past_the_bound_forgets_the_oldest_idle_session_not_a_newer_one(store):
+    """As above with both anonymous sessions idle: the arrival forgets the oldest (the one being frozen
+    for another arrival's slot), and the newer one stays."""
+    oldest, newer = answered(store, "Name a colour."), answered(store, "Name a fruit.")
+    started, go = held_in_freeze(store)
+    named = store.acquire("named", [{"role": "user", "content": "Name a city."}], 0)
+    freeing = threading.Thread(target=store.go_live, args=(named,))
+    freeing.start()
+    try:
+        assert started.wait(WAIT_S), "the named session's arrival never froze an idle session for its slot"
+        arrival = store.acquire(None, [{"role": "user", "content": "Name a river."}], 0)
+    finally:
+        go.set()
+        freeing.join(WAIT_S)
+    assert not freeing.is_alive()
+    try:
+        assert store.forgotten == [oldest.id]
+        assert set(store.sessions) == {newer.key, arrival.key, named.key}
+    finally:
+        for session in (arrival, named):
+            store.release(session)
