@@ -64,10 +64,14 @@ def main() -> None:
                     help="the engine loop's steps while the burst comes in, one a line")
     ap.add_argument("--ride-rows", type=int, default=None,
                     help="prompt rows a CUDA decode step takes along (loop.RIDE_ROWS, graphs' MIXED_ROWS)")
+    ap.add_argument("--switch-ms", type=float, default=None,
+                    help="the core's GIL switch interval (sys.setswitchinterval; Python's default 5 ms)")
     ap.add_argument("--stuck-s", type=float, default=150.0,
                     help="past this many seconds, every thread's stack to stderr (then again each as long)")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(args.stuck_s, repeat=True)  # (a probe that hangs says where)
+    if args.switch_ms is not None:
+        sys.setswitchinterval(args.switch_ms / 1e3)
     import serve_load
 
     if args.ride_rows:
@@ -228,6 +232,7 @@ def main() -> None:
             cpu.clear()
             profiles.clear()
             steps.clear()
+            fronts_cpu = [process_cpu_s(front.pid) for front in fronts]
             cmd = [sys.executable, str(HERE.parent / "serve_load.py"), "--url", f"http://127.0.0.1:{port}",
                    "--device", args.device, "--sessions", str(args.sessions), "--turns", "1", "--max-tokens",
                    str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens), "--client-processes",
@@ -262,8 +267,13 @@ def main() -> None:
                                                 if x.get("ttft_s") is not None and "sent_at" in x]}
             report(timed[-args.sessions:], {k: sorted(v)[-args.sessions:] for k, v in outside.items()})
             report_cpu(list(cpu.values()))
+            used = [process_cpu_s(f.pid) - before for f, before in zip(fronts, fronts_cpu, strict=True)]
+            print(f"  the fronts' CPU over the round: {1e3 * sum(used):.1f} ms in all, "
+                  f"{1e3 * sum(used) / args.sessions:.2f} ms a request (its intake and its {args.max_tokens} "
+                  f"tokens' stream; per front: {', '.join(f'{1e3 * u:.0f}' for u in used)} ms)")
             if args.steps and timed:
-                report_steps(steps, timed[0]["received"], max(v["first_id"] for v in timed))
+                burst = timed[-args.sessions:]  # (not the load's warm-up requests before it)
+                report_steps(steps, burst[0]["received"], max(v["first_id"] for v in burst))
         if profiles:
             report_profile(profiles, args.profile)
     finally:
@@ -274,6 +284,12 @@ def main() -> None:
         environment.__exit__(None, None, None)
         server.close()
         core.close()
+
+
+def process_cpu_s(pid: int) -> float:
+    """A process's CPU seconds so far, user and system, all its threads (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def report_profile(profiles: list[cProfile.Profile], top: int) -> None:
@@ -302,6 +318,8 @@ def report_steps(steps: list[tuple], first: float, last: float) -> None:
     for start, wall, phases, live, riding in window:
         shares = " ".join(f"{1e3 * phases.get(k, 0.0):7.2f}" for k in names)
         print(f"    {1e3 * (start - first):8.1f} {1e3 * wall:7.2f} | {shares} | {live:4d} {riding:3d}")
+    sums = " ".join(f"{1e3 * sum(s[2].get(k, 0.0) for s in window):7.1f}" for k in names)
+    print(f"    {'in all':>8} {1e3 * sum(s[1] for s in window):7.1f} | {sums} | (ms)")
 
 
 def report_cpu(rows: list[dict[str, float]]) -> None:

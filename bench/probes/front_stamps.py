@@ -7,6 +7,9 @@ to_core <t>" / "<pid> first_token <t>". What bench/probes/arrival_timeline.py st
 `python -m floe.server.app`.
 
     python bench/probes/front_stamps.py FILE -- --socket PATH --fd N [floe.server.app's arguments]
+
+FLOE_FRONT_PROFILE=PATH: the front's event loop thread under cProfile (the process's CPU time) for its whole
+life, written to PATH.<pid> as it is stopped (SIGTERM).
 """
 
 from __future__ import annotations
@@ -52,6 +55,20 @@ def main() -> None:
         return stamped
 
     CoreClient.chat, app.create_front = w_chat, w_create_front
+    profile_to = os.environ.get("FLOE_FRONT_PROFILE")
+    if profile_to is not None:  # its event loop thread (the intake, the SSE events) under cProfile
+        import cProfile
+        import signal
+
+        profile = cProfile.Profile(time.process_time)
+
+        def stop(signum, frame):  # (uvicorn re-raises the SIGTERM it caught, after its own shutdown)
+            profile.disable()
+            profile.dump_stats(f"{profile_to}.{pid}")
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, stop)
+        profile.enable()
     app.main(rest)
 
 
