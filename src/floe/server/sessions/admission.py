@@ -10,6 +10,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from floe.actor import Actor
 from floe.engine import Engine
 from floe.server.sessions.errors import ClientLeft, NoFreeSlot, OneSlotOnly
 from floe.server.sessions.registry import SessionRegistry
@@ -50,14 +51,14 @@ class SlotAdmission:
         """Requests waiting for a KV slot now."""
         return len(self._waiting)
 
-    def count(self) -> None:
-        """Count one more slot (one whose actor is being replaced: no spare takes it meanwhile)."""
+    def uncount(self, session: Session, actor: Actor | None) -> None:
+        """The slot `reserve` counted for `session` is `actor`'s now, given to the session here (None: the
+        slot is free again). Under the lock with the count, so that an arrival counting slots never
+        sees the session both live and reserved (every slot taken, an idle session frozen for
+        nothing)."""
         with self.lock:
-            self._reserved += 1
-
-    def uncount(self) -> None:
-        """The slot counted by `reserve` or `count` is its actor's now (or free again)."""
-        with self.lock:
+            if actor is not None:
+                session.actor = actor
             self._reserved -= 1
 
     @contextmanager

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from floe.actor import Actor
 from floe.errors import FloeError
 from floe.server.records import NotASession, app_record
 from floe.server.sessions.actors import ActorMaker
@@ -61,19 +62,23 @@ class SessionLifecycle:
         if not session.stored:
             self.lease(session)
         self.admission.reserve(owner=session.owner, gone=gone)
+        actor = None
         try:
             if session.stored:
-                self._thaw(session)
+                actor = self._thaw(session)
             elif session.messages:  # a one-shot session whose snapshot left RAM: its conversation again
-                session.actor = self.actors.with_history(session.messages, session.seed)
-            elif not self.spares.take(session):
-                session.actor = self.actors.new(session.seed)  # (one at a time: ActorMaker)
+                actor = self.actors.with_history(session.messages, session.seed)
+            elif (actor := self.spares.fresh()) is not None:
+                actor.generator.manual_seed(session.seed)  # as Actor(seed=...) would start it
+            else:
+                actor = self.actors.new(session.seed)  # (one at a time: ActorMaker)
         finally:
-            self.admission.uncount()
+            self.admission.uncount(session, actor)  # (the session counted once: live, not also reserved)
 
-    def _thaw(self, session: Session) -> None:
+    def _thaw(self, session: Session) -> Actor:
         """The (locked) session's actor thawed from the store, its conversation read from the same
-        snapshot: restored into a spare actor where there is one (made ahead, off the request's path)."""
+        snapshot: restored into a spare actor where there is one (made ahead, off the request's path).
+        The caller gives the session its actor (SlotAdmission.uncount)."""
         t = time.perf_counter()
         actors = self.actors
         try:
@@ -94,9 +99,7 @@ class SessionLifecycle:
                 self.registry.discard(session)
                 raise UnknownSession(f"session {session.id!r} is no longer in the store (deleted, or "
                                      "past its lifetime)") from None
-            # a one-shot that left RAM:
-            session.actor = self.actors.with_history(session.messages, session.seed)
-            return
+            return self.actors.with_history(session.messages, session.seed)  # (a one-shot that left RAM)
         except FloeError as e:  # the client is told what failed, not where the snapshot lies
             log.warning("session %r could not be thawed: %s", session.id, e)
             raise ThawFailed(f"session {session.id!r} could not be thawed (its snapshot is left in "
@@ -106,17 +109,19 @@ class SessionLifecycle:
         except NotASession as e:
             actor.close()
             raise ThawFailed(f"session {session.id!r} could not be thawed: {e}") from None
-        session.actor, session.messages, session.seed = actor, record["messages"], record["seed"]
+        session.messages, session.seed = record["messages"], record["seed"]
         self.on_thaw(time.perf_counter() - t)
+        return actor
 
     def restart_guest(self, session: Session, forget_empty: bool = True) -> None:
         """Give the (locked) session a new actor that holds exactly its conversation (none if it has
         none and no snapshot and `forget_empty`: it is forgotten): a guest cannot be told to forget
         part of its own (see docs/SERVER.md, "stop"). The new actor takes over the old one's KV slot,
         so its next message prefills only what differs from what the slot held (Actor.adopt_slot):
-        the turns before a rolled-back one are not computed again."""
+        the turns before a rolled-back one are not computed again. The session stays live throughout
+        (its slot counted once, as its: no spare takes it, and an arrival counting slots meanwhile
+        does not count it twice, as live and as reserved, and freeze an idle session for nothing)."""
         old, actor = session.actor, None
-        self.admission.count()  # its slot stays counted while its actor is replaced: no spare takes it
         try:
             if forget_empty and not session.messages and not session.stored:
                 old.close()
@@ -125,7 +130,6 @@ class SessionLifecycle:
                 return
             actor = self.actors.with_history(session.messages, session.seed, slot_of=old)
             old.close()
-            session.actor = None
             actor.generator.set_state(old.generator.get_state())
             session.actor, actor = actor, None
         except Exception:  # noqa: BLE001 - the reply was delivered; the session falls back as on a failure
@@ -134,7 +138,6 @@ class SessionLifecycle:
         finally:
             if actor is not None:
                 actor.close()
-            self.admission.uncount()
 
     def drop_live(self, session: Session) -> None:
         """Forget the live actor after a failure; fall back to the snapshot if there is one."""
