@@ -23,6 +23,7 @@ loop's intake of the prompts, not the admission, sets the first tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import faulthandler
 import json
@@ -64,6 +65,9 @@ def main() -> None:
                     help="the engine loop's steps while the burst comes in, one a line")
     ap.add_argument("--ride-rows", type=int, default=None,
                     help="prompt rows a CUDA decode step takes along (loop.RIDE_ROWS, graphs' MIXED_ROWS)")
+    ap.add_argument("--serial-open", action="store_true",
+                    help="ServeCore.open one chat at a time (a lock around it): what the burst's opens cost "
+                         "when they do not interleave")
     ap.add_argument("--switch-ms", type=float, default=None,
                     help="the core's GIL switch interval (sys.setswitchinterval; Python's default 5 ms)")
     ap.add_argument("--stuck-s", type=float, default=150.0,
@@ -139,9 +143,12 @@ def main() -> None:
             with lock:
                 profiles.append(profile)
 
+    serial = threading.Lock() if args.serial_open else contextlib.nullcontext()
+
     def w_open(self, request, *a, **k):
         try:
-            return open_(self, request, *a, **k)
+            with serial:
+                return open_(self, request, *a, **k)
         finally:
             mark(getattr(local, "key", None), "opened", True)
 
