@@ -45,19 +45,26 @@ def answered(store: SessionStore, text: str):
     return session
 
 
+def paused(owner: object, name: str) -> tuple[threading.Event, threading.Event]:
+    """`owner.name` stops at its first call once started: `started` set, it goes on at `go` (later calls
+    go through)."""
+    started, go = threading.Event(), threading.Event()
+    call = getattr(owner, name)
+
+    def held(*args, **kwargs):
+        if not started.is_set():
+            started.set()
+            assert go.wait(WAIT_S), "the test never let the call go on"
+        return call(*args, **kwargs)
+
+    setattr(owner, name, held)
+    return started, go
+
+
 def held_in_freeze(store: SessionStore) -> tuple[threading.Event, threading.Event]:
     """Freezes for a slot (SessionStore._make_room's) stop once started: `started` set, they go on at
     `go`."""
-    started, go = threading.Event(), threading.Event()
-    freeze = store.lifecycle.freeze_live_locked
-
-    def held(session):
-        started.set()
-        assert go.wait(WAIT_S), "the test never let the freeze go on"
-        return freeze(session)
-
-    store.lifecycle.freeze_live_locked = held
-    return started, go
+    return paused(store.lifecycle, "freeze_live_locked")
 
 
 def test_an_arrival_past_the_bound_forgets_the_idle_session_another_arrival_is_freezing(store):
@@ -111,3 +118,28 @@ def test_an_arrival_past_the_bound_forgets_the_oldest_idle_session_not_a_newer_o
     finally:
         for session in (arrival, named):
             store.release(session)
+
+
+def test_an_arrival_past_the_bound_forgets_the_idle_session_the_sweep_is_freezing(store):
+    """Both anonymous sessions are idle longer than idle_seconds: the idle sweep freezes the oldest, and
+    while it freezes, an anonymous arrival takes the owner past the bound. That arrival forgets the
+    oldest (forgotten once frozen), not the newer one the sweep has not reached yet."""
+    oldest, newer = answered(store, "Name a colour."), answered(store, "Name a fruit.")
+    store.lifecycle.idle_seconds = 0.0
+    started, go = paused(store.lifecycle, "freeze_locked")
+    sweep = threading.Thread(target=store.evict_idle)
+    sweep.start()
+    try:
+        assert started.wait(WAIT_S), "the sweep never froze an idle session"
+        assert oldest.lock.locked() and not newer.lock.locked()
+        arrival = store.acquire(None, [{"role": "user", "content": "Name a river."}], 0)
+    finally:
+        go.set()
+        sweep.join(WAIT_S)
+    assert not sweep.is_alive()
+    try:
+        assert store.forgotten == [oldest.id]
+        assert set(store.sessions) == {newer.key, arrival.key}
+        assert not store.snapshots.has(oldest.key)
+    finally:
+        store.release(arrival)

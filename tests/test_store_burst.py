@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from test_store_anonymous_bound import WAIT_S, answered
+from test_store_anonymous_bound import WAIT_S, answered, paused
 
 from floe.actor import EngineLoop
 from floe.engine import Engine
@@ -30,22 +30,6 @@ def store(default_checkpoint, tmp_path):
     yield store
     store.close(freeze=False)
     assert len(engine.slots.free) == 3
-
-
-def paused(owner: object, name: str) -> tuple[threading.Event, threading.Event]:
-    """`owner.name` stops at its first call once started: `started` set, it goes on at `go` (later calls
-    go through)."""
-    started, go = threading.Event(), threading.Event()
-    call = getattr(owner, name)
-
-    def held(*args, **kwargs):
-        if not started.is_set():
-            started.set()
-            assert go.wait(WAIT_S), "the test never let the call go on"
-        return call(*args, **kwargs)
-
-    setattr(owner, name, held)
-    return started, go
 
 
 def arrive(store: SessionStore, text: str):

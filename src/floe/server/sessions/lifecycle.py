@@ -42,6 +42,7 @@ class SessionLifecycle:
         self.on_thaw: Callable[[float], None] = lambda s: None
         self.on_freeze: Callable[[float], None] = lambda s: None
         self.lost: list[str] = []  # sessions another server took over while this one held them
+        self.freeing: set[Session] = set()  # idle sessions held to be frozen (hold_idle); guarded by lock
 
     # ---- going live --------------------------------------------------------------------------------
 
@@ -245,16 +246,45 @@ class SessionLifecycle:
             idle = [s for s in self.registry.sessions.live() if now - s.last_used > self.idle_seconds]
         frozen = []
         for session in idle:
-            if session.lock.acquire(blocking=False):
-                try:
-                    if session.live and time.monotonic() - session.last_used > self.idle_seconds:
-                        self.freeze_locked(session)
-                        frozen.append(session.id)
-                except SessionLeased:
-                    pass
-                finally:
-                    session.lock.release()
+            with self.lock:
+                if not self.hold_idle(session):
+                    continue
+            try:
+                if not session.doomed and time.monotonic() - session.last_used > self.idle_seconds:
+                    self.freeze_locked(session)
+                    frozen.append(session.id)
+            except SessionLeased:
+                pass
+            finally:
+                self.give_back(session)
         return frozen
+
+    def hold_idle(self, session: Session) -> bool:
+        """Take the idle, live session's lock to freeze it (caller holds the store's lock; False if a
+        request holds it or it is frozen), listed in `freeing` until give_back. Meanwhile an arrival past
+        its owner's bound of anonymous sessions that would forget it (its least recently used idle one)
+        dooms it rather than skipping it (SessionStore._bound_anonymous): skipping it left the owner
+        past the bound, or forgot a newer session."""
+        if not session.lock.acquire(blocking=False):
+            return False
+        if not session.live:
+            session.lock.release()
+            return False
+        self.freeing.add(session)
+        return True
+
+    def give_back(self, session: Session) -> None:
+        """The end of a hold_idle: the session forgotten if an arrival doomed it meanwhile (once frozen),
+        then unlocked. Under the store's lock, so an arrival finds it either held here or free."""
+        with self.lock:
+            self.freeing.discard(session)
+            if not session.doomed:
+                session.lock.release()
+                return
+        try:
+            self.forget_doomed(session)
+        finally:
+            session.lock.release()
 
     # ---- forgetting --------------------------------------------------------------------------------
 
@@ -279,6 +309,19 @@ class SessionLifecycle:
         with self.lock:
             del sessions[session.key]
         return True
+
+    def forget_doomed(self, session: Session) -> bool:
+        """Forget the (locked, doomed) anonymous session past its owner's bound: True if it is gone."""
+        try:
+            if self.forget_locked(session):
+                log.info("forgot anonymous session %s (past its owner's bound of anonymous sessions)",
+                         session.id)
+                return True
+        except SessionError as e:  # held elsewhere: not this server's to forget
+            log.info("could not forget anonymous session %s: %s", session.id, e)
+        finally:
+            session.doomed = False  # (a session not forgotten stays, over the bound until the next)
+        return False
 
     def forget_frozen(self, key: str) -> None:
         """Drop the session under `key` if it is frozen and idle (its snapshot was deleted)."""

@@ -90,7 +90,6 @@ class SessionStore:
         self.upkeep = StoreUpkeep(self.lifecycle, sweep_seconds)
         self.transfers = SessionTransfers(self.lifecycle)
         self.rollbacks = 0  # conversations branched from an earlier turn (pending)
-        self._freeing: set[Session] = set()  # idle sessions _make_room holds for a slot (the store's lock)
 
     # ---- the parts' surface ------------------------------------------------------------------------
 
@@ -248,22 +247,24 @@ class SessionStore:
         max_anonymous (running ones are kept: at most a KV slot's worth more). Each new session forgets
         at most one: a burst of arrivals shares the forgetting. Each claims its victim under the store's
         lock, so that two never count or take the same one (64 at once each tried the whole list): by
-        taking its lock, or, for one that _make_room holds to free its slot for another arrival, by
-        dooming it there (it is forgotten as that ends). Skipping that one instead left the owner past
-        the bound, or took a newer session than the least recently used idle one."""
+        taking its lock, or, for one held to be frozen (for another arrival's KV slot, or by the idle
+        sweep: SessionLifecycle.hold_idle), by dooming it there (it is forgotten as that ends). Skipping
+        that one instead left the owner past the bound, or took a newer session than the least
+        recently used idle one."""
+        freeing = self.lifecycle.freeing
         with self.lock:
             mine = self._anonymous(new.owner, but=new)
             if len(mine) + 1 <= self.max_anonymous:
                 return
-            claimed = (s for s in _forget_order(mine) if s in self._freeing or s.lock.acquire(blocking=False))
+            claimed = (s for s in _forget_order(mine) if s in freeing or s.lock.acquire(blocking=False))
             victim = next(claimed, None)
             if victim is None:
                 return
             victim.doomed = True  # (not counted by another arrival while this one forgets it)
-            if victim in self._freeing:
+            if victim in freeing:
                 return
         try:
-            self._forget_over_bound(victim)
+            self.lifecycle.forget_doomed(victim)
         finally:
             victim.lock.release()
 
@@ -272,55 +273,26 @@ class SessionStore:
         an arrival that found every slot taken): True if its slot is free now. An anonymous session past
         its owner's max_anonymous that the owner's next arrival would forget (its least recently used
         idle one: _bound_anonymous) is forgotten rather than frozen: no snapshot written for it. Else it
-        is frozen, and an arrival that dooms it meanwhile has it forgotten here once frozen. Its lock is
-        taken and given back under the store's lock, so an arrival finds it either free or held here."""
+        is frozen, and an arrival that dooms it meanwhile has it forgotten once frozen
+        (SessionLifecycle.hold_idle)."""
+        lifecycle = self.lifecycle
         with self.lock:
-            if not victim.lock.acquire(blocking=False):
-                return False
-            if not victim.live:
-                victim.lock.release()
+            if not lifecycle.hold_idle(victim):
                 return False
             mine = self._anonymous(victim.owner)
             first = next((s for s in _forget_order(mine) if s is victim or not s.lock.locked()), None)
             victim.doomed = (victim.anonymous and first is victim and len(mine) > self.max_anonymous)
-            self._freeing.add(victim)
         try:
-            if victim.doomed and self._forget_over_bound(victim):
+            if victim.doomed and lifecycle.forget_doomed(victim):
                 return True
-            return self.lifecycle.freeze_live_locked(victim)
+            return lifecycle.freeze_live_locked(victim)
         finally:
-            self._give_back(victim)
-
-    def _give_back(self, victim: Session) -> None:
-        """The end of _make_room's hold on `victim`: forgotten if an arrival doomed it meanwhile, then
-        unlocked."""
-        with self.lock:
-            self._freeing.discard(victim)
-            if not victim.doomed:
-                victim.lock.release()
-                return
-        try:
-            self._forget_over_bound(victim)
-        finally:
-            victim.lock.release()
+            lifecycle.give_back(victim)
 
     def _anonymous(self, owner: str, but: Session | None = None) -> list[Session]:
         """`owner`'s anonymous sessions, less `but` and those another thread is forgetting (caller holds
         the store's lock)."""
         return [s for s in self.sessions.anonymous(owner) if s is not but and not s.doomed]
-
-    def _forget_over_bound(self, victim: Session) -> bool:
-        """Forget the (locked, doomed) anonymous session past its owner's bound: True if it is gone."""
-        try:
-            if self.lifecycle.forget_locked(victim):
-                log.info("forgot anonymous session %s (over %d of its owner's)", victim.id,
-                         self.max_anonymous)
-                return True
-        except SessionError as e:  # held elsewhere: not this server's to forget
-            log.info("could not forget anonymous session %s: %s", victim.id, e)
-        finally:
-            victim.doomed = False  # (a session not forgotten stays, over the bound until the next)
-        return False
 
     def go_live(self, session: Session, gone: Callable[[], bool] = lambda: False) -> None:
         """Give the (locked) session a live actor now: thawed, or made, in a KV slot (freezing an idle
