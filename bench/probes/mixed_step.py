@@ -5,7 +5,7 @@ prompts each prefilled alone and the decode step with none riding. Whether a 64-
 wait for the device's intake of the prompts (the mixed steps' time) or for the host's admission.
 
     python bench/probes/mixed_step.py --device cuda --shape llama-3.2-1b --tokenizer DIR [--decoding 64]
-        [--prompt-tokens 70] [--riding 1 3 6] [--repeats 20]
+        [--prompt-tokens 70] [--riding 1 3 6] [--repeats 20] [--trace N]
 
 Prints per case the median wall of a step (ms) over --repeats, its rows (decode + prompt), and prompt rows
 taken in a second. Seeded random weights at the shape (floe.model.synthetic).
@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=70)
     ap.add_argument("--riding", type=int, nargs="+", default=[1, 3, 6], help="prompts riding a step")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--trace", type=int, default=0, metavar="N",
+                    help="then one step with the most prompts riding under torch.profiler: its N costliest "
+                         "device kernels (the graph's own, as CUPTI reports them)")
     args = ap.parse_args()
     from floe.cli import _tokenizer
     from floe.model.synthetic import random_checkpoint
@@ -104,6 +107,13 @@ def main() -> None:
         rows = args.decoding + k * args.prompt_tokens
         rate = f"{1e3 * k * args.prompt_tokens / ms:14.0f}" if k else f"{'':>14}"
         print(f"{f'decode step, {k} prompts riding':>34} {ms:8.2f} {rows:6d} {rate}")
+    if args.trace and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(most)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.trace,
+                                        max_name_column_width=60))
     for k in args.riding:
         prefills(k)
         ms = statistics.median(prefills(k) for _ in range(max(3, args.repeats // 4)))
