@@ -11,12 +11,14 @@ from test_store_anonymous_bound import WAIT_S, answered, paused
 from floe.actor import EngineLoop
 from floe.engine import Engine
 from floe.server.sessions import SessionStore
+from floe.server.sessions.session import Session
+from floe.server.sessions.table import SessionTable
 
 
 @pytest.fixture
 def store(default_checkpoint, tmp_path):
-    """Three KV slots, the sessions whose slot an arrival freed (SlotAdmission.make_room's) recorded in
-    `store.made_room`."""
+    """Three KV slots, at most eight anonymous sessions per owner; the sessions whose slot an arrival freed
+    (SlotAdmission.make_room's) recorded in `store.made_room`, forget_locked's in `store.forgotten`."""
     engine = Engine(default_checkpoint, max_seq_len=128, n_slots=3)
     store = SessionStore(engine, tmp_path, loop=EngineLoop(engine), max_anonymous=8)
     store.made_room = []
@@ -27,6 +29,14 @@ def store(default_checkpoint, tmp_path):
         return make_room(session)
 
     store.admission.make_room = recorded
+    store.forgotten = []
+    forget = store.lifecycle.forget_locked
+
+    def forgotten(session):
+        store.forgotten.append(session.id)
+        return forget(session)
+
+    store.lifecycle.forget_locked = forgotten
     yield store
     store.close(freeze=False)
     assert len(engine.slots.free) == 3
@@ -86,3 +96,46 @@ def test_a_session_restarting_its_guest_is_counted_once_while_another_arrival_co
     finally:
         for session in (arrival, busy):
             store.release(session)
+
+
+def test_an_arrival_past_the_bound_looks_at_no_idle_session_but_the_one_it_forgets(store, monkeypatch):
+    """Eight anonymous sessions of one owner (its bound), some frozen for the others' slots: the ninth's
+    arrival forgets the least recently used, and of the eight it reads the conversation of that one only
+    (the owner's sessions kept in least recently used order, not each scanned for the oldest: a burst
+    of 64 arrivals past the bound cost each of them a scan of 64 under the store's lock)."""
+    sessions = [answered(store, f"Name a number above {n}.") for n in range(8)]
+    store.release(store.acquire(None, [*sessions[0].messages, {"role": "user", "content": "Another?"}], 0))
+    read = []
+    messages = Session.messages
+
+    def reading(session):
+        read.append(session)
+        return messages.fget(session)
+
+    monkeypatch.setattr(Session, "messages", property(reading, messages.fset))
+    arrival = store.acquire(None, [{"role": "user", "content": "Name a river."}], 0)
+    monkeypatch.undo()
+    try:
+        assert store.forgotten == [sessions[1].id]
+        assert {s.id for s in read if s is not arrival} == {sessions[1].id}
+    finally:
+        store.release(arrival)
+
+
+def test_an_owners_anonymous_sessions_are_kept_least_recently_used_first_however_they_came():
+    """Sessions registered out of order (loaded from the store, each with its saved last use) are listed
+    least recently used first; one used again goes last; one doomed (being forgotten) is not counted."""
+    table = SessionTable()
+    sessions = [Session(f"s{n}", [{"role": "user", "content": "Hi."}], owner="o", anonymous=True)
+                for n in range(4)]
+    for session, used in zip(sessions, (3.0, 1.0, 4.0, 2.0), strict=True):
+        session.last_used = used
+        table[session.key] = session
+    assert table.anonymous("o") == [sessions[1], sessions[3], sessions[0], sessions[2]]
+    sessions[1].last_used = 5.0
+    sessions[0].doomed = True
+    assert table.anonymous("o") == [sessions[3], sessions[2], sessions[1]]
+    assert table.anonymous_count("o") == 3
+    assert table.least_recent("o", lambda s: s is not sessions[3]) is sessions[2]
+    sessions[0].doomed = False  # (its forget failed: counted again, in its place)
+    assert table.anonymous("o") == [sessions[3], sessions[0], sessions[2], sessions[1]]

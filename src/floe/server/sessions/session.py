@@ -19,6 +19,12 @@ class Indexes(Protocol):
     def noted(self, session: Session) -> None:
         """Index `session` as it is now (drop it, if no longer held)."""
 
+    def used(self, session: Session) -> None:
+        """`session`'s last_used changed."""
+
+    def doomed(self, session: Session) -> None:
+        """`session`'s doomed changed."""
+
 
 @dataclass
 class Answer:
@@ -33,8 +39,8 @@ class Answer:
 class Session:
     """A conversation of `floe serve`: its messages, its actor while live, the lock a request holds
     while it runs in it. Its table (the registry's SessionTable) is told when its actor or messages
-    change (its actor, messages, anonymity; its owner and id never do), for the indexes an arrival's
-    choices read."""
+    change (its actor, messages, anonymity, last use, doom; its owner and id never do), for the indexes
+    an arrival's choices read."""
 
     def __init__(self, id: str, messages: list[dict] | None = None, actor: Actor | None = None, *,
                  seed: int = 0, owner: str = "", anonymous: bool = False, persist: bool = True,
@@ -46,10 +52,10 @@ class Session:
         self.filed_under: tuple | None = None  # (its table's: the opening it is indexed under)
         self._messages: list[dict] = [] if messages is None else messages  # what the actor holds
         self._actor = actor
-        self.last_used = time.monotonic()
+        self._last_used = time.monotonic()
         self.lock = threading.Lock()
         self.seed = seed
-        self.doomed = False  # claimed to be forgotten (SessionStore._bound_anonymous)
+        self._doomed = False
         self.persist = persist  # its snapshots go to the store's durable home (a one-shot's: RAM only)
         self.stored = stored  # the store holds a snapshot of it (as far as this server knows)
         # A snapshot of it may be in the store: found there, or this server put (or tried to put) one
@@ -83,6 +89,30 @@ class Session:
         self._anonymous = anonymous
         if self._table is not None:
             self._table.noted(self)
+
+    @property
+    def last_used(self) -> float:
+        """When a request last used it (time.monotonic(), s): anonymous ones are forgotten least
+        recently used first."""
+        return self._last_used
+
+    @last_used.setter
+    def last_used(self, when: float) -> None:
+        self._last_used = when
+        if self._table is not None:
+            self._table.used(self)
+
+    @property
+    def doomed(self) -> bool:
+        """Claimed to be forgotten (SessionStore._bound_anonymous): no longer counted toward its owner's
+        bound of anonymous sessions."""
+        return self._doomed
+
+    @doomed.setter
+    def doomed(self, doomed: bool) -> None:
+        self._doomed = doomed
+        if self._table is not None:
+            self._table.doomed(self)
 
     @property
     def messages(self) -> list[dict]:

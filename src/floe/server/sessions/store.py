@@ -17,7 +17,6 @@ one explicitly.
 from __future__ import annotations
 
 import logging
-import operator
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -253,11 +252,10 @@ class SessionStore:
         recently used idle one."""
         freeing = self.lifecycle.freeing
         with self.lock:
-            mine = self._anonymous(new.owner, but=new)
-            if len(mine) + 1 <= self.max_anonymous:
+            if self.sessions.anonymous_count(new.owner) <= self.max_anonymous:  # (`new` among them)
                 return
-            claimed = (s for s in _forget_order(mine) if s in freeing or s.lock.acquire(blocking=False))
-            victim = next(claimed, None)
+            victim = self.sessions.least_recent(
+                new.owner, lambda s: s is not new and (s in freeing or s.lock.acquire(blocking=False)))
             if victim is None:
                 return
             victim.doomed = True  # (not counted by another arrival while this one forgets it)
@@ -279,20 +277,16 @@ class SessionStore:
         with self.lock:
             if not lifecycle.hold_idle(victim):
                 return False
-            mine = self._anonymous(victim.owner)
-            first = next((s for s in _forget_order(mine) if s is victim or not s.lock.locked()), None)
-            victim.doomed = (victim.anonymous and first is victim and len(mine) > self.max_anonymous)
+            owner, sessions = victim.owner, self.sessions
+            victim.doomed = (victim.anonymous and sessions.anonymous_count(owner) > self.max_anonymous
+                             and sessions.least_recent(owner, lambda s: s is victim or not s.lock.locked())
+                             is victim)
         try:
             if victim.doomed and lifecycle.forget_doomed(victim):
                 return True
             return lifecycle.freeze_live_locked(victim)
         finally:
             lifecycle.give_back(victim)
-
-    def _anonymous(self, owner: str, but: Session | None = None) -> list[Session]:
-        """`owner`'s anonymous sessions, less `but` and those another thread is forgetting (caller holds
-        the store's lock)."""
-        return [s for s in self.sessions.anonymous(owner) if s is not but and not s.doomed]
 
     def go_live(self, session: Session, gone: Callable[[], bool] = lambda: False) -> None:
         """Give the (locked) session a live actor now: thawed, or made, in a KV slot (freezing an idle
@@ -429,17 +423,3 @@ def snapshot_store(snapshots: Path | str, *, idle_seconds: float = 300.0, pinned
     return open_store(url, pinned_bytes=pinned_bytes, cache=cache, home_bytes=budget_bytes, home_ttl_s=ttl_s,
                       pinned_ttl_s=idle_seconds if pinned_ttl_s is None else pinned_ttl_s, lease_s=lease_s)
 
-
-def _forget_order(sessions: list[Session]) -> Iterator[Session]:
-    """An owner's anonymous sessions in the order arrivals past max_anonymous forget them: least recently
-    used first, only those that hold a conversation (not one just made). Lazily: the first is nearly
-    always the one taken, found without sorting the others (each arrival of a burst asks)."""
-    held = [s for s in sessions if s.messages]
-    if not held:
-        return
-    first = min(held, key=_LAST_USED)
-    yield first
-    yield from (s for s in sorted(held, key=_LAST_USED) if s is not first)
-
-
-_LAST_USED = operator.attrgetter("last_used")
