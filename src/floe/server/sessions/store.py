@@ -422,4 +422,3 @@ def snapshot_store(snapshots: Path | str, *, idle_seconds: float = 300.0, pinned
         url = str(Path(url).expanduser())
     return open_store(url, pinned_bytes=pinned_bytes, cache=cache, home_bytes=budget_bytes, home_ttl_s=ttl_s,
                       pinned_ttl_s=idle_seconds if pinned_ttl_s is None else pinned_ttl_s, lease_s=lease_s)
-
