@@ -51,13 +51,13 @@ class SlotAdmission:
         """Requests waiting for a KV slot now."""
         return len(self._waiting)
 
-    def uncount(self, session: Session, actor: Actor | None) -> None:
-        """The slot `reserve` counted for `session` is `actor`'s now, given to the session here (None: the
-        slot is free again). Under the lock with the count, so that an arrival counting slots never
+    def uncount(self, session: Session | None = None, actor: Actor | None = None) -> None:
+        """The slot `reserve` counted for `session` is `actor`'s now, given to the session here (no actor:
+        the slot is free again). Under the lock with the count, so that an arrival counting slots never
         sees the session both live and reserved (every slot taken, an idle session frozen for
         nothing)."""
         with self.lock:
-            if actor is not None:
+            if session is not None and actor is not None:
                 session.actor = actor
             self._reserved -= 1
 

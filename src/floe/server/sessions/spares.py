@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from floe.actor import Actor
 from floe.errors import FloeError
 from floe.server.sessions.actors import ActorMaker
-from floe.server.sessions.session import Session
 
 log = logging.getLogger("floe.serve")
 
@@ -73,16 +72,6 @@ class SpareActors:
         if self._maker is None and wanted > 0:
             self._maker = threading.Thread(target=self._make, name="floe-spares", daemon=True)
             self._maker.start()
-
-    def take(self, session: Session) -> bool:
-        """Give the session a spare actor, if there is one, in the KV slot its caller counted
-        (SlotAdmission.reserve)."""
-        actor = self.fresh()
-        if actor is None:
-            return False
-        actor.generator.manual_seed(session.seed)  # as Actor(seed=...) would start it
-        session.actor = actor
-        return True
 
     def fresh(self) -> Actor | None:
         """A spare actor in the KV slot its caller counted (SlotAdmission.reserve), if there is one: a
