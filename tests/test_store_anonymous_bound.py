@@ -20,17 +20,22 @@ def store(default_checkpoint, tmp_path):
     `store.forgotten`."""
     engine = Engine(default_checkpoint, max_seq_len=128, n_slots=2)
     store = SessionStore(engine, tmp_path, loop=EngineLoop(engine), max_anonymous=2)
-    store.forgotten = []
-    forget = store.lifecycle.forget_locked
-
-    def recorded(session):
-        store.forgotten.append(session.id)
-        return forget(session)
-
-    store.lifecycle.forget_locked = recorded
+    store.forgotten = recording(store.lifecycle, "forget_locked")
     yield store
     store.close(freeze=False)
     assert len(engine.slots.free) == 2
+
+
+def recording(owner: object, name: str) -> list[str]:
+    """The ids of the sessions `owner.name(session)` is called with, in order, as it goes on."""
+    calls, call = [], getattr(owner, name)
+
+    def recorded(session):
+        calls.append(session.id)
+        return call(session)
+
+    setattr(owner, name, recorded)
+    return calls
 
 
 def answered(store: SessionStore, text: str):
@@ -61,21 +66,11 @@ def paused(owner: object, name: str) -> tuple[threading.Event, threading.Event]:
     return started, go
 
 
-def held_in_freeze(store: SessionStore) -> tuple[threading.Event, threading.Event]:
-    """Freezes for a slot (SessionStore._make_room's) stop once started: `started` set, they go on at
-    `go`."""
-    return paused(store.lifecycle, "freeze_live_locked")
-
-
-def test_an_arrival_past_the_bound_forgets_the_idle_session_another_arrival_is_freezing(store):
-    """Every slot is taken and the owner is at its bound: a named session's arrival frees the least
-    recently used idle slot (freezing the oldest anonymous session), and while it freezes, an anonymous
-    arrival takes the owner past the bound. That arrival forgets the session being frozen (the oldest
-    idle one, forgotten once frozen), not the one a request runs in, and not nothing: the owner ends at
-    its bound, without a snapshot of the forgotten one."""
-    oldest, busy = answered(store, "Name a colour."), answered(store, "Name a fruit.")
-    assert store.acquire(None, [*busy.messages, {"role": "user", "content": "Another?"}], 0) is busy
-    started, go = held_in_freeze(store)
+def arriving_while_frozen(store: SessionStore, oldest):
+    """Every slot taken: a named session's arrival frees a slot by freezing the oldest idle session
+    (SessionStore._make_room's freeze, held once started), and meanwhile an anonymous session arrives;
+    then the freeze goes on. (arrival, named), both locked: the caller releases them."""
+    started, go = paused(store.lifecycle, "freeze_live_locked")
     named = store.acquire("named", [{"role": "user", "content": "Name a city."}], 0)
     freeing = threading.Thread(target=store.go_live, args=(named,))
     freeing.start()
@@ -87,6 +82,18 @@ def test_an_arrival_past_the_bound_forgets_the_idle_session_another_arrival_is_f
         go.set()
         freeing.join(WAIT_S)
     assert not freeing.is_alive()
+    return arrival, named
+
+
+def test_an_arrival_past_the_bound_forgets_the_idle_session_another_arrival_is_freezing(store):
+    """Every slot is taken and the owner is at its bound: a named session's arrival frees the least
+    recently used idle slot (freezing the oldest anonymous session), and while it freezes, an anonymous
+    arrival takes the owner past the bound. That arrival forgets the session being frozen (the oldest
+    idle one, forgotten once frozen), not the one a request runs in, and not nothing: the owner ends at
+    its bound, without a snapshot of the forgotten one."""
+    oldest, busy = answered(store, "Name a colour."), answered(store, "Name a fruit.")
+    assert store.acquire(None, [*busy.messages, {"role": "user", "content": "Another?"}], 0) is busy
+    arrival, named = arriving_while_frozen(store, oldest)
     try:
         assert store.forgotten == [oldest.id]
         assert set(store.sessions) == {busy.key, arrival.key, named.key}
@@ -101,17 +108,7 @@ def test_an_arrival_past_the_bound_forgets_the_oldest_idle_session_not_a_newer_o
     """As above with both anonymous sessions idle: the arrival forgets the oldest (the one being frozen
     for another arrival's slot), and the newer one stays."""
     oldest, newer = answered(store, "Name a colour."), answered(store, "Name a fruit.")
-    started, go = held_in_freeze(store)
-    named = store.acquire("named", [{"role": "user", "content": "Name a city."}], 0)
-    freeing = threading.Thread(target=store.go_live, args=(named,))
-    freeing.start()
-    try:
-        assert started.wait(WAIT_S), "the named session's arrival never froze an idle session for its slot"
-        arrival = store.acquire(None, [{"role": "user", "content": "Name a river."}], 0)
-    finally:
-        go.set()
-        freeing.join(WAIT_S)
-    assert not freeing.is_alive()
+    arrival, named = arriving_while_frozen(store, oldest)
     try:
         assert store.forgotten == [oldest.id]
         assert set(store.sessions) == {newer.key, arrival.key, named.key}

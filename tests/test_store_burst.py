@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from test_store_anonymous_bound import WAIT_S, answered, paused
+from test_store_anonymous_bound import WAIT_S, answered, paused, recording
 
 from floe.actor import EngineLoop
 from floe.engine import Engine
@@ -21,22 +21,8 @@ def store(default_checkpoint, tmp_path):
     (SlotAdmission.make_room's) recorded in `store.made_room`, forget_locked's in `store.forgotten`."""
     engine = Engine(default_checkpoint, max_seq_len=128, n_slots=3)
     store = SessionStore(engine, tmp_path, loop=EngineLoop(engine), max_anonymous=8)
-    store.made_room = []
-    make_room = store.admission.make_room
-
-    def recorded(session):
-        store.made_room.append(session.id)
-        return make_room(session)
-
-    store.admission.make_room = recorded
-    store.forgotten = []
-    forget = store.lifecycle.forget_locked
-
-    def forgotten(session):
-        store.forgotten.append(session.id)
-        return forget(session)
-
-    store.lifecycle.forget_locked = forgotten
+    store.made_room = recording(store.admission, "make_room")
+    store.forgotten = recording(store.lifecycle, "forget_locked")
     yield store
     store.close(freeze=False)
     assert len(engine.slots.free) == 3
