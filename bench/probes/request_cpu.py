@@ -7,7 +7,7 @@ nothing). The chat thread's CPU (time.thread_time) for open and for run, per req
 GIL, one request after another (bench/probes/arrival_timeline.py shows the burst itself).
 
     python bench/probes/request_cpu.py [--tokenizer DIR] [--requests 100] [--batches 5] [--tokens 4]
-        [--max-anonymous 64] [--profile N]
+        [--max-anonymous 64] [--at-once S] [--profile N]
 
 --profile N: then one more batch under cProfile (thread CPU), its N costliest functions by their own time
 and by cumulative time. A/B: run it from each tree (PYTHONPATH=OTHER/src), taking turns.
@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4, help="max_tokens of each reply")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-anonymous", type=int, default=64, help="as floe serve's default")
+    ap.add_argument("--at-once", type=int, default=1, metavar="S",
+                    help="S chat threads at once (a burst), each request's CPU in its own thread: what the "
+                         "burst's contention adds to a request's own cost")
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--json", default=None, help="write the figures here too")
     args = ap.parse_args()
@@ -62,9 +65,35 @@ def main() -> None:
 
     rows: list[dict] = []
 
+    def burst(requests: list[dict]) -> tuple[float, float]:
+        """The requests in len(requests) threads at once: the sums of their opens' and runs' CPU (s)."""
+        start, times = threading.Barrier(len(requests)), []
+
+        def one(r: dict) -> None:
+            start.wait()
+            t0 = time.thread_time()
+            chat = core.open(r)
+            t1 = time.thread_time()
+            core.run(chat, lambda piece: None)
+            times.append((t1 - t0, time.thread_time() - t1))
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in requests]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(o for o, _ in times), sum(r for _, r in times)
+
     def batch(profile: cProfile.Profile | None = None) -> None:
         requests = [request() for _ in range(args.requests)]  # (their hints: the fronts' work, not timed)
         opened = ran = 0.0
+        if args.at_once > 1 and profile is None:
+            for i in range(0, len(requests), args.at_once):
+                o, r = burst(requests[i:i + args.at_once])
+                opened, ran = opened + o, ran + r
+                time.sleep(0.2)  # (spare actors made again, as between a server's bursts)
+            rows.append({"open_ms": 1e3 * opened / len(requests), "run_ms": 1e3 * ran / len(requests)})
+            return
         for r in requests:
             if profile is not None:
                 profile.enable()
