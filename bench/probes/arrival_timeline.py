@@ -68,6 +68,10 @@ def main() -> None:
     ap.add_argument("--serial-open", action="store_true",
                     help="ServeCore.open one chat at a time (a lock around it): what the burst's opens cost "
                          "when they do not interleave")
+    ap.add_argument("--gate", type=int, default=0, metavar="N",
+                    help="at most N chats in their admission at once (from their thread's start to their "
+                         "turn's hand-off), the rest waiting in turn: fewer threads wanting the GIL beside "
+                         "the engine loop's")
     ap.add_argument("--switch-ms", type=float, default=None,
                     help="the core's GIL switch interval (sys.setswitchinterval; Python's default 5 ms)")
     ap.add_argument("--stuck-s", type=float, default=150.0,
@@ -126,15 +130,29 @@ def main() -> None:
     def w_chat(self, conn, rid, request):
         local.key = key = (id(conn), rid)
         mark(key, "thread", True)
+        if gate is not None:
+            gate.acquire()
+            local.gated = True
         if args.profile:
             local.profile = cProfile.Profile(time.thread_time) if args.cpu_profile else cProfile.Profile()
-            local.profile.enable()
+            try:
+                local.profile.enable()
+            except ValueError:  # (Python 3.12: one profiler at a time across threads) this chat unprofiled
+                local.profile = None
         try:
             return chat(self, conn, rid, request)
         finally:
+            ungate()
             stop_profile()
             mark(key, "done", True)
             local.key = None
+
+    gate = threading.Semaphore(args.gate) if args.gate else None
+
+    def ungate() -> None:
+        if getattr(local, "gated", False):
+            local.gated = False
+            gate.release()
 
     def stop_profile() -> None:
         profile, local.profile = getattr(local, "profile", None), None
@@ -154,6 +172,7 @@ def main() -> None:
 
     def w_run(self, actor, *a, **k):
         stop_profile()
+        ungate()
         mark(getattr(local, "key", None), "handed", True)
         try:
             return run_(self, actor, *a, **k)

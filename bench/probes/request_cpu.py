@@ -7,7 +7,7 @@ nothing). The chat thread's CPU (time.thread_time) for open and for run, per req
 GIL, one request after another (bench/probes/arrival_timeline.py shows the burst itself).
 
     python bench/probes/request_cpu.py [--tokenizer DIR] [--requests 100] [--batches 5] [--tokens 4]
-        [--max-anonymous 64] [--at-once S] [--profile N]
+        [--max-anonymous 64] [--at-once S] [--named] [--profile N]
 
 --profile N: then one more batch under cProfile (thread CPU), its N costliest functions by their own time
 and by cumulative time. A/B: run it from each tree (PYTHONPATH=OTHER/src), taking turns.
@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--at-once", type=int, default=1, metavar="S",
                     help="S chat threads at once (a burst), each request's CPU in its own thread: what the "
                          "burst's contention adds to a request's own cost")
+    ap.add_argument("--named", action="store_true",
+                    help="each request a new named session (its session_id: a lease, an entry), not one-shot")
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--json", default=None, help="write the figures here too")
     args = ap.parse_args()
@@ -61,6 +63,7 @@ def main() -> None:
         text = message(tok, made[0], args.prompt_tokens)
         return {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": args.tokens,
                 "stream": True, "owner": "",
+                **({"session_id": f"s{made[0]}"} if args.named else {}),
                 "hint": hints.wire(engine.tokenizer.hint([{"role": "user", "content": text}]))}
 
     rows: list[dict] = []
@@ -87,6 +90,10 @@ def main() -> None:
     def batch(profile: cProfile.Profile | None = None) -> None:
         requests = [request() for _ in range(args.requests)]  # (their hints: the fronts' work, not timed)
         opened = ran = 0.0
+        if args.named:  # (the last batch's sessions deleted: each open a new session's, none frozen for it)
+            for sid in [r["session_id"] for r in batch.last]:
+                core.store.delete(sid)
+            batch.last = requests
         if args.at_once > 1 and profile is None:
             for i in range(0, len(requests), args.at_once):
                 o, r = burst(requests[i:i + args.at_once])
@@ -106,6 +113,8 @@ def main() -> None:
                 profile.disable()
             opened, ran = opened + t1 - t0, ran + t2 - t1
         rows.append({"open_ms": 1e3 * opened / len(requests), "run_ms": 1e3 * ran / len(requests)})
+
+    batch.last = []
 
     def work() -> None:
         batch()  # warm-up: spare actors made, the anonymous sessions past the bound forgotten from here on
