@@ -38,7 +38,7 @@ polite_openmp()  # as `floe serve` sets it, before torch is imported: every way 
 import torch  # noqa: E402
 from cpu_batch import actors_run, message  # noqa: E402
 from serve_load import ride_rows  # noqa: E402
-from smoke import results, shrink  # noqa: E402
+from smoke import host, results, shrink  # noqa: E402
 
 from floe.engine import Engine, SamplingParams  # noqa: E402
 
@@ -156,6 +156,7 @@ def main() -> None:
 
         checkpoint = load_checkpoint()
     native = device.type == "cpu"
+    machine = host()  # (before the load: its calibration on a quiet host)
     rows = {}
     if {"engine", "actors"} & set(args.ways):
         engine = Engine(checkpoint, device=device, dtype="float32" if native else "bfloat16",
@@ -191,12 +192,14 @@ def main() -> None:
         stream = r.get("stream_decode_tok_s") or 0
         print(f"{s:>8} {way:>7} {r.get('tok_s', 0):>9.1f} {share:>9} {share_pf:>8} {stream:>8.1f} "
               f"{r.get('ttft_ms', 0):>9.1f} {probe:>10} {r.get('errors', '')!s:>6}")
+    print(f"host: {machine['cpu']}, {machine['cores']} cores, Python {machine['python']} "
+          f"({machine['python_us']:.0f} µs a fixed workload: bench/smoke.py's host())")
     name = args.name or (args.shape or "default")
     out = results(HERE / "results" / f"sessions_{device.type}_{name}.json")
     out.parent.mkdir(exist_ok=True)
     about = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
              "shape": args.shape, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
-             "temperature": args.temperature, "top_p": args.top_p}
+             "temperature": args.temperature, "top_p": args.top_p, "host": machine}
     out.write_text(json.dumps(about | {"rows": [{"sessions": s, "way": w} | r for (s, w), r in rows.items()]},
                               indent=2))
     print(f"wrote {out}")

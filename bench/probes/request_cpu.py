@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_batch import message  # noqa: E402
+from smoke import host  # noqa: E402
 from tiny import tiny_engine, tokenizer  # noqa: E402
 
 from floe.server import hints  # noqa: E402
@@ -139,12 +140,16 @@ def main() -> None:
     ran = statistics.median(r["run_ms"] for r in rows)
     wholes = [r["open_ms"] + r["run_ms"] for r in rows]
     whole = statistics.median(wholes)
+    machine = host()
+    print(f"host: {machine['cpu']}, Python {machine['python']} ({machine['python_us']:.0f} µs a fixed "
+          "workload)")
     print(f"a request's CPU in its chat thread, median of {len(rows)} batches of {args.requests}: open "
           f"{opened:.3f} ms, run {ran:.3f} ms, whole {whole:.3f} ms (batches: "
           f"{', '.join(f'{w:.3f}' for w in wholes)})")
     if args.json:
         Path(args.json).write_text(json.dumps({"open_ms": opened, "run_ms": ran, "whole_ms": whole,
-                                               "batches": rows, "args": vars(args)}, indent=1))
+                                               "batches": rows, "args": vars(args),
+                                               "host": machine}, indent=1))
 
 
 if __name__ == "__main__":
