@@ -91,7 +91,7 @@ def main() -> None:
     from floe.server import core_socket
     from floe.server.core import ServeCore
     from floe.server.core_socket import CoreServer
-    from floe.server.fronts import front_environment, listen
+    from floe.server.fronts import front_environment, listen, settle_heap
 
     ns = argparse.Namespace(switch_interval_ms=None, threads=args.threads, device=args.device, weights=None,
                             shape=args.shape, tokenizer=args.tokenizer, sessions=args.sessions * args.rounds,
@@ -104,6 +104,8 @@ def main() -> None:
     else:
         engine, model_id, folder, _ = serve_load.make_engine(ns)
     core = ServeCore(engine, snapshots=folder, model_id=model_id, idle_seconds=3600)
+    print(f"the core's cyclic collector: its start-up heap frozen, thresholds {settle_heap()} (as floe "
+          "serve's; FLOE_GC_THRESHOLD sets them)")
     core.keep_spares()
     times: dict[tuple[int, int], dict[str, float]] = {}  # (connection, rid) -> stage -> perf_counter
     cpu: dict[tuple[int, int], dict[str, float]] = {}  # ... -> stage -> its chat thread's CPU s (thread_time)

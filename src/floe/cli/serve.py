@@ -21,7 +21,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         import_torch_holding_ctrl_c()  # (the core's modules import it)
         from floe.server.auth import OPERATOR_KEYS_ENV, BadApiKey, api_keys
-        from floe.server.fronts import listen, serve
+        from floe.server.fronts import gc_thresholds, listen, serve
     except ImportError as e:
         raise FloeError(f"floe serve needs fastapi and uvicorn ({e.name} is missing): "
                         "pip install floe") from e
@@ -50,6 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "user of this machine; use FLOE_API_KEYS or --api-key-file", file=sys.stderr, flush=True)
     if args.ray is not None:
         return _serve_ray(args, keys, operators)
+    gc_thresholds()  # a bad FLOE_GC_THRESHOLD: an error now, not after the model loads
     # The HTTP front (its own process) streams every token: leave it a core, or the model's parallel
     # GEMVs wait on their slowest thread (2 cores: 40 -> 73 tok/s per stream, docs/PERF.md).
     fronts = args.fronts

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from floe.errors import FloeError
 from floe.server import protocol
 from floe.server.core_socket import CoreServer
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("floe.serve")
 FRONT_STOP_S = 5.0  # at a stop, a front still running this long past its grace (s) is killed
+GC_THRESHOLDS = (10_000, 10, 10)  # the core's cyclic collector once it serves (settle_heap)
 
 
 def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int = 8000,
@@ -44,18 +46,14 @@ def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int =
     /metrics (in the fronts' environment); prompt_hints: the fronts render and tokenize plain chats'
     conversations for the core (floe.server.hints).
     Raises FloeError if host:port cannot be listened on."""
-    import gc
     import signal
 
+    gc_thresholds()  # (a bad FLOE_GC_THRESHOLD is refused before anything starts)
     if listeners is None:
         listeners = listen(host, port, fronts)  # before anything starts: a port in use is an error at once
     if len(listeners) not in (1, fronts):
         raise ValueError(f"{len(listeners)} listening sockets for {fronts} fronts")
-    # What exists now (the model's modules, the tokenizer, imported code: ~10^5 to 10^6 objects) lives
-    # as long as the server: out of the cyclic collector's reach, whose full passes over all of it
-    # stalled every session at once for ~0.1 s (docs/PERF_HISTORY.md, "A token without a host call").
-    gc.collect()
-    gc.freeze()
+    settle_heap()
     core.keep_spares()  # after the freeze: spare actors are made and dropped while the server runs
     server = CoreServer(core)
     server.encode_fixed()
@@ -90,6 +88,37 @@ def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int =
         server.close()
         core.close()
     return code
+
+
+def settle_heap() -> tuple[int, int, int]:
+    """The engine core's heap made ready to serve; the cyclic collector's thresholds it set. What exists
+    now (the model's modules, the tokenizer, imported code: ~10^5 to 10^6 objects) lives as long as the
+    server: out of the cyclic collector's reach (gc.freeze), whose full passes over all of it stalled every
+    session at once for ~0.1 s (docs/PERF_HISTORY.md, "A token without a host call"). Then the youngest
+    generation is collected every GC_THRESHOLDS[0] new containers instead of Python's 700: a burst's
+    requests each made the core collect ~once (0.2-0.3 ms of its GIL a request on a 2-core VM, twice
+    that on a slower host), the containers a request makes mostly freed by their counts anyway
+    (docs/PERF_HISTORY.md, "The core's cyclic collector"). FLOE_GC_THRESHOLD="g0,g1,g2" sets them."""
+    import gc
+
+    thresholds = gc_thresholds()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*thresholds)
+    return thresholds
+
+
+def gc_thresholds() -> tuple[int, int, int]:
+    """The core's cyclic collector thresholds: FLOE_GC_THRESHOLD's three integers (gen0,gen1,gen2; a
+    gen0 of 0 turns the collector off), else GC_THRESHOLDS. Raises FloeError for anything else."""
+    raw = os.environ.get("FLOE_GC_THRESHOLD", "").strip()
+    if not raw:
+        return GC_THRESHOLDS
+    parts = raw.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise FloeError(f"FLOE_GC_THRESHOLD must be three integers >= 0 (gen0,gen1,gen2, as "
+                        f"gc.set_threshold takes them), got {raw!r}")
+    return tuple(int(p) for p in parts)  # type: ignore[return-value]
 
 
 def listen(host: str, port: int, count: int = 1) -> list[socket.socket]:
