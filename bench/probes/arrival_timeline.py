@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import cProfile
 import faulthandler
+import gc
 import json
 import os
 import pstats
@@ -107,6 +108,8 @@ def main() -> None:
     print(f"the core's cyclic collector: its start-up heap frozen, thresholds {settle_heap()} (as floe "
           "serve's; FLOE_GC_THRESHOLD sets them)")
     core.keep_spares()
+    passes: list[tuple[int, float]] = []  # the core's cyclic collector's passes in a round: (generation, s)
+    gc.callbacks.append(collector_watch(passes))
     times: dict[tuple[int, int], dict[str, float]] = {}  # (connection, rid) -> stage -> perf_counter
     cpu: dict[tuple[int, int], dict[str, float]] = {}  # ... -> stage -> its chat thread's CPU s (thread_time)
     local = threading.local()
@@ -260,6 +263,7 @@ def main() -> None:
             cpu.clear()
             profiles.clear()
             steps.clear()
+            passes.clear()
             fronts_cpu = [process_cpu_s(front.pid) for front in fronts]
             cmd = [sys.executable, str(HERE.parent / "serve_load.py"), "--url", f"http://127.0.0.1:{port}",
                    "--device", args.device, "--sessions", str(args.sessions), "--turns", "1", "--max-tokens",
@@ -295,6 +299,7 @@ def main() -> None:
                                                 if x.get("ttft_s") is not None and "sent_at" in x]}
             report(timed[-args.sessions:], {k: sorted(v)[-args.sessions:] for k, v in outside.items()})
             report_cpu(list(cpu.values()))
+            report_gc(passes, args.sessions)
             used = [process_cpu_s(f.pid) - before for f, before in zip(fronts, fronts_cpu, strict=True)]
             print(f"  the fronts' CPU over the round: {1e3 * sum(used):.1f} ms in all, "
                   f"{1e3 * sum(used) / args.sessions:.2f} ms a request (its intake and its {args.max_tokens} "
@@ -318,6 +323,29 @@ def process_cpu_s(pid: int) -> float:
     """A process's CPU seconds so far, user and system, all its threads (/proc/PID/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def collector_watch(passes: list[tuple[int, float]]):
+    """A gc.callbacks entry recording each pass of the cyclic collector: (its generation, its seconds)."""
+    began = [0.0]
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            passes.append((info["generation"], time.perf_counter() - began[0]))
+
+    return watch
+
+
+def report_gc(passes: list[tuple[int, float]], requests: int) -> None:
+    """The collector's passes in the core's process over a round, by generation: how many, their time."""
+    by = [[s for g, s in passes if g == gen] for gen in range(3)]
+    total = sum(s for _, s in passes)
+    print(f"  the core's cyclic collector over the round: {1e3 * total:.1f} ms in all, "
+          f"{1e3 * total / requests:.3f} ms a request; " + "; ".join(
+              f"gen{gen} {len(b)} passes, {1e3 * sum(b):.1f} ms (longest {1e3 * max(b, default=0):.1f})"
+              for gen, b in enumerate(by)))
 
 
 def report_profile(profiles: list[cProfile.Profile], top: int) -> None:

@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 
+from floe.server.fronts import settle_heap
 from floe.server.protocol import ServeError
 
 log = logging.getLogger("floe.cluster")
@@ -33,6 +34,7 @@ class Replica:
         self._lock = threading.Lock()
         try:
             self.core = engine_core(snapshots, **options)
+            settle_heap()  # (this worker is the core's process, as floe serve's: its collector so too)
         except Exception as e:  # (a ServeError does not unpickle on the other side: its message does)
             raise RuntimeError(f"{type(e).__name__}: {e}") from None
 
