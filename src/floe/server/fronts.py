@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("floe.serve")
 FRONT_STOP_S = 5.0  # at a stop, a front still running this long past its grace (s) is killed
-GC_THRESHOLDS = (10_000, 10, 10)  # the core's cyclic collector once it serves (settle_heap)
+GC_THRESHOLDS = (5_000, 10, 10)  # the core's cyclic collector once it serves (settle_heap)
 
 
 def serve(core: ServeCore | ModelRouter, *, host: str = "127.0.0.1", port: int = 8000,
@@ -96,9 +96,10 @@ def settle_heap() -> tuple[int, int, int]:
     server: out of the cyclic collector's reach (gc.freeze), whose full passes over all of it stalled every
     session at once for ~0.1 s (docs/PERF_HISTORY.md, "A token without a host call"). Then the youngest
     generation is collected every GC_THRESHOLDS[0] new containers instead of Python's 700: a burst's
-    requests each made the core collect ~once (0.2-0.3 ms of its GIL a request on a 2-core VM, twice
-    that on a slower host), the containers a request makes mostly freed by their counts anyway
-    (docs/PERF_HISTORY.md, "The core's cyclic collector"). FLOE_GC_THRESHOLD="g0,g1,g2" sets them."""
+    requests made the core collect every other request and pass over everything unfrozen every ~250
+    (0.23 ms of its GIL a request on a 2-core VM, 37-44 ms full passes; 0.10 ms and 13 ms at most so),
+    the containers a request makes mostly freed by their counts anyway (docs/PERF_HISTORY.md, "The
+    core's cyclic collector"). FLOE_GC_THRESHOLD="g0,g1,g2" sets them."""
     import gc
 
     thresholds = gc_thresholds()
