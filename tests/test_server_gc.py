@@ -13,7 +13,7 @@ import pytest
 from test_server import CONTEXT
 
 from floe.errors import FloeError
-from floe.server.fronts import GC_THRESHOLDS, gc_thresholds, settle_heap
+from floe.server.heap import GC_THRESHOLDS, gc_thresholds, settle_heap
 
 
 @pytest.fixture

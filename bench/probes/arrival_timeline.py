@@ -92,7 +92,8 @@ def main() -> None:
     from floe.server import core_socket
     from floe.server.core import ServeCore
     from floe.server.core_socket import CoreServer
-    from floe.server.fronts import front_environment, listen, settle_heap
+    from floe.server.fronts import front_environment, listen
+    from floe.server.heap import settle_heap
 
     ns = argparse.Namespace(switch_interval_ms=None, threads=args.threads, device=args.device, weights=None,
                             shape=args.shape, tokenizer=args.tokenizer, sessions=args.sessions * args.rounds,
@@ -300,6 +301,9 @@ def main() -> None:
             report(timed[-args.sessions:], {k: sorted(v)[-args.sessions:] for k, v in outside.items()})
             report_cpu(list(cpu.values()))
             report_gc(passes, args.sessions)
+            fronts_gc = [(int(what[2]), float(what.split(":")[1])) for what, _ in front
+                         if what.startswith("gc")]
+            report_gc(fronts_gc, args.sessions, "the fronts' cyclic collectors")
             used = [process_cpu_s(f.pid) - before for f, before in zip(fronts, fronts_cpu, strict=True)]
             print(f"  the fronts' CPU over the round: {1e3 * sum(used):.1f} ms in all, "
                   f"{1e3 * sum(used) / args.sessions:.2f} ms a request (its intake and its {args.max_tokens} "
@@ -338,11 +342,12 @@ def collector_watch(passes: list[tuple[int, float]]):
     return watch
 
 
-def report_gc(passes: list[tuple[int, float]], requests: int) -> None:
-    """The collector's passes in the core's process over a round, by generation: how many, their time."""
+def report_gc(passes: list[tuple[int, float]], requests: int,
+              whose: str = "the core's cyclic collector") -> None:
+    """A cyclic collector's passes over a round (the core's; the fronts'), by generation."""
     by = [[s for g, s in passes if g == gen] for gen in range(3)]
     total = sum(s for _, s in passes)
-    print(f"  the core's cyclic collector over the round: {1e3 * total:.1f} ms in all, "
+    print(f"  {whose} over the round: {1e3 * total:.1f} ms in all, "
           f"{1e3 * total / requests:.3f} ms a request; " + "; ".join(
               f"gen{gen} {len(b)} passes, {1e3 * sum(b):.1f} ms (longest {1e3 * max(b, default=0):.1f})"
               for gen, b in enumerate(by)))

@@ -3,7 +3,8 @@ its HTTP request reached the app (the ASGI call, after uvicorn parsed its head),
 it to the engine core (CoreClient.chat) and when the front handed uvicorn its first token's SSE event
 (the first body with a "content" delta that is not the role's). One line a moment, appended to FILE at
 once (`time.perf_counter`, one clock for every process of this machine): "<pid> request <t>" / "<pid>
-to_core <t>" / "<pid> first_token <t>". What bench/probes/arrival_timeline.py starts as each front instead of
+to_core <t>" / "<pid> first_token <t>"; and each pass of the front's cyclic collector as it ends: "<pid>
+gc<generation>:<seconds> <t>". What bench/probes/arrival_timeline.py starts as each front instead of
 `python -m floe.server.app`.
 
     python bench/probes/front_stamps.py FILE -- --socket PATH --fd N [floe.server.app's arguments]
@@ -14,6 +15,7 @@ life, written to PATH.<pid> as it is stopped (SIGTERM).
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -55,6 +57,16 @@ def main() -> None:
         return stamped
 
     CoreClient.chat, app.create_front = w_chat, w_create_front
+    began = [0.0]
+
+    def collected(phase: str, info: dict) -> None:  # each pass of the front's cyclic collector
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            now = time.perf_counter()
+            out.write(f"{pid} gc{info['generation']}:{now - began[0]:.6f} {now}\n")
+
+    gc.callbacks.append(collected)
     profile_to = os.environ.get("FLOE_FRONT_PROFILE")
     if profile_to is not None:  # its event loop thread (the intake, the SSE events) under cProfile
         import cProfile

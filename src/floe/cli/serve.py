@@ -21,7 +21,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         import_torch_holding_ctrl_c()  # (the core's modules import it)
         from floe.server.auth import OPERATOR_KEYS_ENV, BadApiKey, api_keys
-        from floe.server.fronts import gc_thresholds, listen, serve
+        from floe.server.fronts import listen, serve
+        from floe.server.heap import gc_thresholds
     except ImportError as e:
         raise FloeError(f"floe serve needs fastapi and uvicorn ({e.name} is missing): "
                         "pip install floe") from e

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 
-from floe.server.fronts import settle_heap
+from floe.server.heap import settle_heap
 from floe.server.protocol import ServeError
 
 log = logging.getLogger("floe.cluster")

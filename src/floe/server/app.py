@@ -390,6 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from floe.server.deadlines import uvicorn_config
+    from floe.server.heap import settle_heap
 
     ap = argparse.ArgumentParser(prog="python -m floe.server.app", description=main.__doc__)
     ap.add_argument("--socket", required=True, help="the engine core's Unix socket")
@@ -414,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
                        max_request_bytes=args.max_request_bytes, prompt_hints=args.prompt_hints,
                        operator_keys=api_keys(variable=OPERATOR_KEYS_ENV))
     server = uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level))
+    settle_heap()  # (FastAPI's and pydantic's start-up objects out of the collector's passes, as the core's)
     server.run(sockets=None if args.fd is None else [socket.socket(fileno=args.fd)])
     if lost_core.is_set():  # the core went away: a failure (a stop ends the front first), never status 0
         log.error("the engine core's connection ended; the HTTP front exits with status %d", EXIT_CORE_LOST)
