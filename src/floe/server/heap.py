@@ -5,6 +5,7 @@ no more than it did."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 from floe.errors import FloeError
@@ -17,14 +18,12 @@ def settle_heap() -> tuple[int, int, int]:
     (in the engine core: the model's modules, the tokenizer, imported code, ~10^5 to 10^6 objects; in a
     front: FastAPI's and pydantic's) lives as long as the server: out of the cyclic collector's reach
     (gc.freeze), whose full passes over all of it stalled every session at once for ~0.1 s
-    (docs/PERF_HISTORY.md, "A token without a host call"). Then the youngest
-    generation is collected every GC_THRESHOLDS[0] new containers instead of Python's 700: a burst's
-    requests made the core collect every other request and pass over everything unfrozen every ~250
-    (0.23 ms of its GIL a request on a 2-core VM, 37-44 ms full passes; 0.10 ms and 13 ms at most so),
-    the containers a request makes mostly freed by their counts anyway (docs/PERF_HISTORY.md, "The
-    core's cyclic collector"). FLOE_GC_THRESHOLD="g0,g1,g2" sets them."""
-    import gc
-
+    (docs/PERF_HISTORY.md, "A token without a host call"). Then the youngest generation is collected
+    every GC_THRESHOLDS[0] new containers instead of Python's 700: a burst's requests made the core
+    collect every other request and pass over everything unfrozen every ~250 (0.23 ms of its GIL a
+    request on a 2-core VM, 37-44 ms full passes; 0.10 ms and 13 ms at most so), the containers a request
+    makes mostly freed by their counts anyway (docs/PERF_HISTORY.md, "The core's cyclic collector").
+    FLOE_GC_THRESHOLD="g0,g1,g2" sets them."""
     thresholds = gc_thresholds()
     gc.collect()
     gc.freeze()
@@ -33,8 +32,8 @@ def settle_heap() -> tuple[int, int, int]:
 
 
 def gc_thresholds() -> tuple[int, int, int]:
-    """A serving process's cyclic collector thresholds: FLOE_GC_THRESHOLD's three integers (gen0,gen1,gen2; a
-    gen0 of 0 turns the collector off), else GC_THRESHOLDS. Raises FloeError for anything else."""
+    """A serving process's cyclic collector thresholds: FLOE_GC_THRESHOLD's three integers (gen0,gen1,
+    gen2; a gen0 of 0 turns the collector off), else GC_THRESHOLDS. Raises FloeError for anything else."""
     raw = os.environ.get("FLOE_GC_THRESHOLD", "").strip()
     if not raw:
         return GC_THRESHOLDS
