@@ -32,6 +32,7 @@ from cpu_batch import message  # noqa: E402
 from smoke import host  # noqa: E402
 from tiny import tiny_engine, tokenizer  # noqa: E402
 
+from floe.actor import native_imports  # noqa: E402
 from floe.server import hints  # noqa: E402
 from floe.server.core import ServeCore  # noqa: E402
 
@@ -50,6 +51,9 @@ def main() -> None:
     ap.add_argument("--named", action="store_true",
                     help="each request a new named session (its session_id: a lease, an entry), not one-shot")
     ap.add_argument("--profile", type=int, default=0, metavar="N")
+    ap.add_argument("--native-imports", choices=["on", "off", "alternate"], default="on",
+                    help="host imports answered natively (floe.actor.native_imports) or all in Python; "
+                         "alternate: batches taking turns, each way's median (an A/B in one process)")
     ap.add_argument("--json", default=None, help="write the figures here too")
     args = ap.parse_args()
     tok = tokenizer(args.tokenizer)
@@ -95,6 +99,9 @@ def main() -> None:
             for sid in [r["session_id"] for r in batch.last]:
                 core.store.delete(sid)
             batch.last = requests
+        ways.append(way := (args.native_imports == "on" or args.native_imports == "alternate"
+                            and len(ways) % 2 == 0))
+        native_imports.enabled = way
         if args.at_once > 1 and profile is None:
             for i in range(0, len(requests), args.at_once):
                 o, r = burst(requests[i:i + args.at_once])
@@ -116,6 +123,7 @@ def main() -> None:
         rows.append({"open_ms": 1e3 * opened / len(requests), "run_ms": 1e3 * ran / len(requests)})
 
     batch.last = []
+    ways: list[bool] = []  # each batch's: native imports on
 
     def work() -> None:
         batch()  # warm-up: spare actors made, the anonymous sessions past the bound forgotten from here on
@@ -136,6 +144,14 @@ def main() -> None:
     thread.start()
     thread.join()
     core.close()
+    if args.native_imports == "alternate":  # (the warm-up's and the profile's batches not in rows)
+        taken = ways[1:1 + len(rows)]
+        for on in (True, False):
+            mine = [r for r, w in zip(rows, taken, strict=True) if w == on]
+            print(f"native imports {'on ' if on else 'off'}: a request's CPU, median of {len(mine)} batches: "
+                  f"open {statistics.median(r['open_ms'] for r in mine):.3f} ms, run "
+                  f"{statistics.median(r['run_ms'] for r in mine):.3f} ms, whole "
+                  f"{statistics.median(r['open_ms'] + r['run_ms'] for r in mine):.3f} ms")
     opened = statistics.median(r["open_ms"] for r in rows)
     ran = statistics.median(r["run_ms"] for r in rows)
     wholes = [r["open_ms"] + r["run_ms"] for r in rows]

@@ -82,6 +82,9 @@ class Region:
         self.max_size = capacity  # the largest size its owner declares (a wasm memory's maximum)
         self.denied_size = 0  # the largest refused growth, for error reports
         self.size = 0
+        # The accessible size in a C word too, for native readers of the region (floe.actor.native_imports).
+        self._size_word = (ctypes.c_int64 * 1)(0)
+        self.size_at = ctypes.addressof(self._size_word)
         self._lock = threading.Lock()
         self._devices: list[_DeviceMapping] = []
         self.closed = False
@@ -108,7 +111,7 @@ class Region:
                     raise RegionError(f"mprotect failed: {os.strerror(ctypes.get_errno())}")
                 for mapping in self._devices:
                     mapping.extend(self.base + old_open, new_open - old_open)
-            self.size = new_size
+            self.size = self._size_word[0] = new_size
 
     def check(self, offset: int, length: int) -> None:
         """Raise OutOfBounds unless [offset, offset + length) lies in the accessible bytes."""
@@ -211,6 +214,7 @@ class Region:
                 mapping.release()
             self._devices.clear()
             self.closed = True  # first: read and write refuse from here on
+            self._size_word[0] = 0  # (native readers see no accessible byte)
             self._bytes.release()
             _libc.munmap(self.base, self.capacity)
 

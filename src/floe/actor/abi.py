@@ -53,6 +53,7 @@ from floe.wasm.raw import describe, trap_new
 
 if TYPE_CHECKING:
     from floe.actor.host import MessageContext
+    from floe.actor.native_imports import NativeImports
     from floe.actor.stream import TokenStream
     from floe.engine import Engine
     from floe.model.tokenizer import Rendered
@@ -108,6 +109,7 @@ class HostABI(GuestIO):
         # (floe.actor.turn: Turn.sampled, reset before each on_token), while a turn runs; else None.
         self.sampled_at: tuple[memoryview, int] | None = None
         self.rendered: tuple[bytes, Rendered] | None = None  # the last chat_render, for tokenize()
+        self.native: NativeImports | None = None  # the imports answered natively (floe.actor.native_imports)
 
     def begin_turn(self) -> None:
         """v2: a new message's turn: nothing queued, no logits target, no turn options."""
@@ -162,9 +164,14 @@ class HostABI(GuestIO):
                 if self.budget is None:
                     raise GuestHostCallError(f"host function {name} called outside a message (from a "
                                              "start function?): floe answers guests only within a call")
+                native = self.native
+                if native is not None and native.staged:  # (what native answers did: seen here first)
+                    native.fold()
                 self.budget.check_time(name)
                 args = [raw[2 * i] & MASK32 for i in range(n_params)]
                 result = fn(*args)
+                if native is not None and native.staged:  # (the budget's room as this call left it)
+                    native.room()
                 if n_results:
                     raw[0] = result & MASK32
                 return 0

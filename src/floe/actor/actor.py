@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from floe.actor import native_imports
 from floe.actor.abi import IMPORT_MODULE, SUPPORTED_ABI_VERSIONS, HostABI
-from floe.actor.host import GuestHost, MessageStats, Request
+from floe.actor.host import NATIVE_CALLS, GuestHost, MessageStats, Request
 from floe.actor.loop import EngineLoop, engine_loop, in_engine_loop
 from floe.actor.scheduler import DecodeScheduler
 from floe.actor.stream import TokenStream
@@ -156,9 +157,13 @@ class Actor(GuestHost):
             functions = self.abi.functions()
             if kv_slot is False:
                 functions = [f if f.name in WITHOUT_SLOT else self._refusing(f) for f in functions]
+            else:  # (some answered natively, their Python methods the fallback: floe.actor.native_imports)
+                functions = native_imports.attach(self.abi, functions, module.runtime.host_functions.pointers)
             self.guest = GuestInstance(self.module, IMPORT_MODULE, functions, memory_cap,
                                        deadline_s=deadline_s)
             self.context.region = self.guest.region
+            if self.abi.native is not None:
+                self.abi.native.bind(self.guest.watchdog, self.guest.region)
             self.guest.function("floe_abi_version", 0)
             version = self._call("floe_abi_version")
             if version not in SUPPORTED_ABI_VERSIONS:
@@ -200,6 +205,9 @@ class Actor(GuestHost):
         if own_budget:
             self.abi.begin(self.guest.watchdog, self.guest.memory_cap)
         seconds = self.deadline_s if deadline is None else max(0.0, deadline - time.monotonic())
+        native = self.abi.native if name in NATIVE_CALLS else None
+        if native is not None:
+            native.stage()
         try:
             return self.guest.call(name, *args, deadline_s=seconds, pending=self.take_pending,
                                    hold_gil=HOLD_TO_A_TICK)
@@ -207,6 +215,8 @@ class Actor(GuestHost):
             self.name_last_log(e)
             raise
         finally:
+            if native is not None:
+                native.unstage()
             if own_budget:
                 self.abi.budget = None
 

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from floe.actor.scheduler import DecodeScheduler
 
 LOG_LINES_KEPT = 64  # a guest's log lines kept (the last ones)
+# The guest calls whose host calls may be answered natively (floe.actor.native_imports: staged around
+# them): a message's arrival and its history, a turn's end. Not on_token: its calls ask none of them.
+NATIVE_CALLS = frozenset({"on_message", "on_history", "on_end"})
 STOP_GRACE_S = 2.0  # a guest asked to stop that goes on is stopped this much later (stop_requested)
 
 
@@ -210,8 +213,14 @@ class GuestHost:
         thread, which every turn waits for, waits for no other thread)."""
         if self.abi.budget is None:
             raise RuntimeError(f"{name}: the engine loop calls a guest only within its message")
+        native = self.abi.native if name in NATIVE_CALLS else None
+        if native is not None:
+            native.stage()
         try:
             return self.guest.call(name, *args, deadline_s=seconds, pending=self.take_pending, hold_gil=True)
         except GuestError as e:
             self.name_last_log(e)
             raise
+        finally:
+            if native is not None:
+                native.unstage()

@@ -45,9 +45,15 @@ _define_unchecked = ctypes.CFUNCTYPE(
     ctypes.c_size_t, ctypes.c_void_p, _UNCHECKED, ctypes.c_void_p, ctypes.c_void_p,
 )(("wasmtime_linker_define_func_unchecked", _dll))
 _FINALIZER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_define_native = ctypes.CFUNCTYPE(  # (a native host function: its callback and finalizer as pointers)
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p,
+    ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+)(("wasmtime_linker_define_func_unchecked", _dll))
 
 # Raw values are 16-byte unions; viewed as u64 pairs, slot i's low word is at index 2 * i.
 RawArgs = "ctypes._Pointer[ctypes.c_uint64]"
+# A native host function's maker: its Python twin's key -> (callback, env, finalizer) addresses.
+NativeHost = "Callable[[int], tuple[int, int, int]]"
 HostCallback = Callable[[RawArgs], int]
 
 
@@ -235,21 +241,37 @@ class HostFunctions:
         self._finalize = _FINALIZER(self._forget)
         self._finalize_ptr = ctypes.cast(self._finalize, ctypes.c_void_p)
 
-    def define(self, linker, module: str, name: str, functype, fn: HostCallback) -> None:
-        """fn(raw) reads arguments from raw[2*i], writes results to raw[2*i], returns 0 or a trap."""
+    def define(self, linker, module: str, name: str, functype, fn: HostCallback,
+               native: NativeHost | None = None) -> None:
+        """fn(raw) reads arguments from raw[2*i], writes results to raw[2*i], returns 0 or a trap.
+        native(key): (a C callback, its env, its finalizer) answering the import instead, which calls
+        this trampoline with `key` (fn's) for what it does not answer and whose finalizer forgets `key`
+        (floe.actor.native_imports)."""
         with self._lock:
             key = self._next
             self._next += 1
             self._table[key] = fn
         m, n = module.encode(), name.encode()
-        err = _define_unchecked(
-            ctypes.cast(linker.ptr(), ctypes.c_void_p), m, len(m), n, len(n),
-            ctypes.cast(functype.ptr(), ctypes.c_void_p), self._trampoline, key, self._finalize_ptr,
-        )
+        args = (ctypes.cast(linker.ptr(), ctypes.c_void_p), m, len(m), n, len(n),
+                ctypes.cast(functype.ptr(), ctypes.c_void_p))
+        try:
+            if native is None:
+                err = _define_unchecked(*args, self._trampoline, key, self._finalize_ptr)
+            else:
+                err = _define_native(*args, *native(key))
+        except BaseException:
+            self._forget(key)
+            raise
         if err:
             from wasmtime import WasmtimeError
 
+            self._forget(key)
             raise WasmtimeError._from_ptr(ctypes.cast(err, ctypes.POINTER(ffi.wasmtime_error_t)))
+
+    @property
+    def pointers(self) -> tuple[int, int]:
+        """The trampoline's and the finalizer's addresses (a native host function's way back here)."""
+        return ctypes.cast(self._trampoline, ctypes.c_void_p).value, self._finalize_ptr.value
 
     def _call(self, env, caller, raw, n) -> int:
         try:

@@ -27,6 +27,7 @@ from floe.wasm.raw import (
     HostCallback,
     HostFunctions,
     MemoryCreator,
+    NativeHost,
     PreparedCall,
     RawCallError,
     describe,
@@ -201,6 +202,7 @@ class HostFunction:
     n_params: int
     n_results: int
     fn: HostCallback
+    native: NativeHost | None = None  # a C callback answering it, fn its fallback (HostFunctions.define)
 
 
 class WasmRuntime:
@@ -373,8 +375,8 @@ class GuestInstance:
                 raise GuestLoadError(f"{module.name} imports {mod}.{name}, which floe does not provide")
         linker = Linker(runtime.engine)
         for f in functions:
-            runtime.host_functions.define(linker, import_module, f.name, runtime.func_type(f.n_params,
-                                                                                         f.n_results), f.fn)
+            runtime.host_functions.define(linker, import_module, f.name,
+                                          runtime.func_type(f.n_params, f.n_results), f.fn, f.native)
         self.watchdog.arm(deadline_s)
         # (the start function runs in instantiate)
         with (runtime.memory_creator.creating(memory_cap) as created, signals.held(), guest_stack,

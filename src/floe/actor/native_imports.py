@@ -1,0 +1,242 @@
+"""Host imports answered in C (floe/wasm/csrc/host_imports.cpp): request, system, eos_ids, choice_at,
+stream_tokens and detokenize — what a chat's arrival (on_message) and its end (on_end) ask of the host
+besides its conversation's render, tokens and prompt. Each answers the plain case exactly as HostABI's
+Python method does and hands every other case to that method (its Python twin), so a bad pointer, an
+exceeded budget or a past deadline gets the same error as before from the same code.
+
+An actor's NativeImports is staged around each of its guest calls that may ask them (stage / unstage:
+an arrival's on_message, a turn's on_end; never on the main thread, where a signal must be able to
+interrupt a host call): the message's budget room, its request record, whether ABI v2 options may be
+set. What the native answers did — the budget's bytes, the ledger's copies, choice_at's and
+stream_tokens' settings — is taken into the Python objects (fold) before any Python import runs and
+when the call returns, so the budget, the ledger and the turn's options read as they would have.
+
+The one difference: a cancellation (Watchdog.cancel) stops the guest at its next epoch tick or Python
+host call, not at a native answer (a native answer takes well under a microsecond).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from floe.actor.abi import REQUEST, HostABI
+from floe.model.tokenizer import Tokenizer
+from floe.wasm import HostFunction
+from floe.wasm.raw import signals
+
+log = logging.getLogger("floe.actor")
+SOURCE = Path(__file__).parent.parent / "wasm" / "csrc" / "host_imports.cpp"
+# The ledger's boundaries the native answers cross (csrc/host_imports.cpp's Boundary, in order): the
+# names HostABI's Python methods record.
+BOUNDARIES = ("host→guest request", "host→guest system prompt", "host→guest eos ids", "guest→host token ids",
+              "host→guest text")
+NATIVE = ("request", "system", "eos_ids", "choice_at", "stream_tokens", "detokenize")
+# Whether calls are staged for native answers (FLOE_NATIVE_IMPORTS=0: every import in Python, as before;
+# bench/probes/request_cpu.py --native-imports alternate compares the two in one process).
+enabled = os.environ.get("FLOE_NATIVE_IMPORTS", "1") != "0"
+
+
+class W:
+    """The words of csrc/host_imports.cpp's State, in its order."""
+
+    ON, BASE, SIZE_AT, WHEN_AT, ROOM, CHARGED, PREPARING_V2 = 0, 1, 2, 3, 4, 5, 6
+    REQUEST, REQUEST_LEN, SYSTEM, SYSTEM_LEN, EOS, EOS_N = 7, 8, 9, 10, 11, 12
+    TOKEN_END, TOKEN_BYTES, VOCAB = 13, 14, 15
+    CHOICE_SET, CHOICE_PTR, STREAMS_SET, STREAMS = 16, 17, 18, 19
+    PYTHON, FORGET = 20, 21
+    LEDGER = 22  # calls and bytes of each of BOUNDARIES
+    WORDS = LEDGER + 2 * len(BOUNDARIES) + 1  # (and the imports' count, the C side's own)
+
+
+_lock = threading.Lock()
+_library: ctypes.PyDLL | None = None
+_tried = False
+
+
+def library() -> ctypes.PyDLL | None:
+    """The native imports' library, built on first use (a second or two), or None where it cannot be
+    built (no compiler: every import is answered in Python, as before)."""
+    global _library, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                from floe.engine.cbuild import BuildError, build_plain
+
+                lib = ctypes.PyDLL(str(build_plain("floe_host_imports", [SOURCE], [],
+                                                   what="the host ABI's native imports")))
+                lib.floe_import_state.restype = ctypes.c_void_p
+                lib.floe_import_state.argtypes = []
+                lib.floe_import_env.restype = ctypes.c_void_p
+                lib.floe_import_env.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+                lib.floe_import_state_words.restype = ctypes.c_int64
+                lib.floe_import_release.argtypes = [ctypes.c_void_p]
+                if lib.floe_import_state_words() != W.WORDS:
+                    raise BuildError(f"csrc/host_imports.cpp's State has {lib.floe_import_state_words()} "
+                                     f"words, floe.actor.native_imports.W {W.WORDS}")
+                _library = lib
+            except (BuildError, OSError) as e:
+                log.warning("host imports are answered in Python (the native ones are not available: %s)", e)
+    return _library
+
+
+class _TokenTable:
+    """Each id's bytes (Tokenizer.ids_bytes of it alone) in one buffer, for the native detokenize:
+    ends[i] is where id i's bytes end (its start: ends[i - 1], 0 for id 0)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab: int) -> None:
+        pieces = [tokenizer.ids_bytes([i]) for i in range(vocab)]
+        self.ends = np.cumsum(np.fromiter(map(len, pieces), np.int64, count=vocab))
+        self.data = np.frombuffer(b"".join(pieces) or b"\0", np.uint8)
+        self.vocab = vocab
+
+
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {vocab: _TokenTable}
+
+
+def _token_table(tokenizer: Tokenizer, vocab: int) -> _TokenTable:
+    with _lock:
+        kept = _tables.setdefault(tokenizer, {})
+        table = kept.get(vocab)
+    if table is None:  # (two threads may both make it: the same table)
+        table = _TokenTable(tokenizer, vocab)
+        with _lock:
+            table = kept.setdefault(vocab, table)
+    return table
+
+
+class NativeImports:
+    """An actor's State (csrc/host_imports.cpp) and its staging; `staged` while a guest call may have
+    imports answered natively."""
+
+    def __init__(self, lib: ctypes.PyDLL, abi: HostABI, python: tuple[int, int]) -> None:
+        self.lib, self.abi = lib, abi
+        self.state = lib.floe_import_state()
+        if not self.state:
+            raise MemoryError("no memory for an actor's native imports")
+        # (held until this object goes: Wasmtime's finalizers may come before or after that)
+        weakref.finalize(self, lib.floe_import_release, ctypes.c_void_p(self.state))
+        self.words = memoryview((ctypes.c_int64 * W.WORDS).from_address(self.state)).cast("B").cast("q")
+        w = self.words
+        w[W.PYTHON], w[W.FORGET] = python
+        tokenizer = abi.tokenizer
+        self._eos = np.array(list(tokenizer.eos_ids), np.int32)
+        w[W.EOS], w[W.EOS_N] = self._eos.ctypes.data, len(self._eos)
+        self._table: _TokenTable | None = None  # (made at the first staging: never on the main thread)
+        self._request = ctypes.create_string_buffer(REQUEST.size)
+        self._system: tuple[str, bytes] = ("", b"")
+        w[W.SYSTEM], w[W.SYSTEM_LEN] = ctypes.cast(self._system[1], ctypes.c_void_p).value or 0, 0
+        self._region_bound = False
+        self.staged = False
+
+    def host(self, name: str):
+        """The NativeHost of import `name` (floe.wasm.raw.HostFunctions.define): its env made for the
+        Python twin's key, counted by the State (freed with the last of its imports)."""
+        fn = ctypes.cast(getattr(self.lib, f"floe_import_{name}"), ctypes.c_void_p).value
+        finalize = ctypes.cast(self.lib.floe_import_finalize, ctypes.c_void_p).value
+
+        def make(key: int) -> tuple[int, int, int]:
+            env = self.lib.floe_import_env(self.state, key)
+            if not env:
+                raise MemoryError("no memory for a native import")
+            return fn, env, finalize
+        return make
+
+    def bind(self, watchdog, region) -> None:
+        """The guest's memory and watchdog, once it is made."""
+        w = self.words
+        w[W.BASE], w[W.SIZE_AT], w[W.WHEN_AT] = region.base, region.size_at, watchdog.when_at
+        self._region_bound = True
+
+    def stage(self) -> None:
+        """Before a guest call that may ask the native imports (an arrival's on_message, a turn's
+        on_end): what they need of the message now. Not staged (everything in Python) on the main
+        thread, outside a message's budget, or while the engine loop streams natively into it."""
+        abi = self.abi
+        budget = abi.budget
+        if (not enabled or budget is None or budget._row is not None or not self._region_bound
+                or threading.get_ident() == signals.main):
+            return
+        w = self.words
+        if self._table is None:  # (detokenize's: each id's bytes, made once per tokenizer)
+            self._table = _token_table(abi.tokenizer, abi.vocab)
+            w[W.TOKEN_END], w[W.TOKEN_BYTES] = self._table.ends.ctypes.data, self._table.data.ctypes.data
+            w[W.VOCAB] = abi.vocab
+        context = abi.context
+        r = context.request
+        try:
+            p = r.params
+            REQUEST.pack_into(self._request, 0, r.max_tokens, p.temperature, p.top_k, p.top_p, p.seed)
+            w[W.REQUEST], w[W.REQUEST_LEN] = ctypes.addressof(self._request), REQUEST.size
+        except Exception:  # noqa: BLE001 - (a request the record cannot hold: Python's request() says why)
+            w[W.REQUEST] = 0
+        system = context.system_prompt
+        if system is not self._system[0]:
+            data = system.encode()
+            self._system = (system, data)
+            w[W.SYSTEM], w[W.SYSTEM_LEN] = ctypes.cast(data, ctypes.c_void_p).value or 0, len(data)
+        w[W.ROOM] = budget.limit - budget.spent
+        w[W.PREPARING_V2] = int(abi.version >= 2 and abi.preparing)
+        w[W.ON] = 1
+        self.staged = True
+
+    def unstage(self) -> None:
+        """After the call: what the native answers did, taken (fold); nothing answered natively from here."""
+        if self.staged:
+            self.words[W.ON] = 0
+            self.staged = False
+            self.fold()
+
+    def fold(self) -> None:
+        """What the native answers did since the last fold, into the message's budget, ledger and turn
+        options; the budget's room staged again."""
+        w, abi = self.words, self.abi
+        budget = abi.budget
+        charged = w[W.CHARGED]
+        if charged:
+            w[W.CHARGED] = 0
+            if budget is not None:
+                budget.spent += charged
+            ledger = abi.context.ledger
+            for i, name in enumerate(BOUNDARIES):
+                calls = w[W.LEDGER + 2 * i]
+                if calls:
+                    ledger.copied(name, calls, calls, w[W.LEDGER + 2 * i + 1])
+                    w[W.LEDGER + 2 * i] = w[W.LEDGER + 2 * i + 1] = 0
+        if w[W.CHOICE_SET]:
+            w[W.CHOICE_SET] = 0
+            ptr = w[W.CHOICE_PTR]
+            if ptr:
+                abi.choice = abi.context.region.numpy(ptr, 1, np.int32)
+                abi.choice_address = abi.choice.ctypes.data
+            else:
+                abi.choice, abi.choice_address = None, 0
+        if w[W.STREAMS_SET]:
+            w[W.STREAMS_SET] = 0
+            abi.streams = bool(w[W.STREAMS])
+        if self.staged and budget is not None:
+            w[W.ROOM] = budget.limit - budget.spent
+
+    def room(self) -> None:
+        """The budget's room staged again (after a Python import spent some)."""
+        budget = self.abi.budget
+        self.words[W.ROOM] = budget.limit - budget.spent
+
+
+def attach(abi: HostABI, functions: list[HostFunction], python: tuple[int, int]) -> list[HostFunction]:
+    """`functions` with NATIVE's answered natively (each HostABI's own method, its Python twin), and
+    abi.native set; unchanged where the library cannot be built."""
+    lib = library()
+    if lib is None:
+        return functions
+    native = NativeImports(lib, abi, python)
+    abi.native = native
+    return [HostFunction(f.name, f.n_params, f.n_results, f.fn, native.host(f.name)) if f.name in NATIVE
+            else f for f in functions]

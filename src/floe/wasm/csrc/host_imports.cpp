@@ -1,0 +1,237 @@
+// floe_host_imports: some of the host ABI's imports answered natively (floe.actor.native_imports): the
+// ones a chat's arrival and its end call whose answer needs no Python object — request, system,
+// eos_ids, choice_at, stream_tokens and detokenize. Each is a Wasmtime unchecked host function whose
+// env is an Import (its actor's State and the key of its Python twin in floe.wasm.raw.HostFunctions).
+// Only the plain case is answered here, exactly as floe.actor.abi.HostABI answers it: every pointer
+// aligned and inside the guest's memory, the message's budget not exceeded, its deadline not past, the
+// actor's State staged for this guest call. Anything else (a bad argument, an error to raise, a state
+// not staged) is handed to the Python twin, which answers it as it always did: errors, their messages
+// and the budget's accounting come from one place. What the native answers charge (the budget's bytes,
+// the ledger's copies, choice_at's and stream_tokens' settings) is kept in the State until Python
+// takes it (NativeImports.fold), before any Python import runs and after the guest call.
+// No Python API and no Wasmtime header: the Python twin's trampoline comes in as a pointer.
+#include <time.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+extern "C" {
+
+typedef void* (*trampoline_t)(void* env, void* caller, uint64_t* raw, size_t n);  // -> wasm_trap_t*
+typedef void (*finalizer_t)(void* env);
+
+constexpr int64_t CALL_OVERHEAD = 64;  // bytes a host call costs the budget beyond its data (floe.actor.budget)
+constexpr int64_t MAX_IDS_PER_CALL = 1 << 16;  // detokenize (floe.actor.abi)
+constexpr uint64_t MASK32 = 0xFFFFFFFFu;
+
+// The ledger's boundaries the native answers cross (floe.actor.native_imports.BOUNDARIES, in order).
+enum Boundary { REQUEST, SYSTEM_PROMPT, EOS_IDS, TOKEN_IDS_IN, TEXT_OUT, N_BOUNDARIES };
+
+// An actor's state: int64 words (floe.actor.native_imports.W names them, in this order).
+struct State {
+    int64_t on;              // staged for the guest call under way (0: every import goes to Python)
+    uint8_t* base;           // the guest memory's first byte
+    const int64_t* size_at;  // its accessible size (floe.memory.Region's size word)
+    const double* when_at;   // the call's deadline (time.monotonic(): floe.wasm.watchdog)
+    int64_t room;            // budget bytes the message has left (its limit less what it spent)
+    int64_t charged;         // out: bytes charged here since Python last took them
+    int64_t preparing_v2;    // ABI v2 inside on_message: choice_at and stream_tokens may be asked
+    const uint8_t* request;  // the message's request record (floe.actor.abi.REQUEST), or null
+    int64_t request_len;
+    const uint8_t* system;   // the system prompt's bytes
+    int64_t system_len;
+    const int32_t* eos;      // the tokenizer's EOS ids
+    int64_t eos_n;
+    const int64_t* token_end;  // token i's bytes: token_bytes[token_end[i - 1] .. token_end[i]) (i >= 0)
+    const uint8_t* token_bytes;
+    int64_t vocab;           // ids answered (0: detokenize goes to Python)
+    int64_t choice_set;      // out: choice_at answered here (choice_ptr: its pointer, 0 for none)
+    int64_t choice_ptr;
+    int64_t streams_set;     // out: stream_tokens answered here (streams: its flag)
+    int64_t streams;
+    trampoline_t python;     // the Python twins' trampoline (HostFunctions' _call)
+    finalizer_t forget;      // and their finalizer (HostFunctions' _forget)
+    int64_t ledger[2 * N_BOUNDARIES];  // out: calls and bytes per boundary since Python last took them
+    std::atomic<int64_t> refs;  // the imports that still point here (the last one's finalizer frees it)
+};
+
+// One import's env.
+struct Import {
+    State* state;
+    int64_t key;  // its Python twin's (HostFunctions' table)
+};
+
+static inline double monotonic() {  // (CLOCK_MONOTONIC: Python's time.monotonic() on Linux)
+    timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+}
+
+static inline int64_t as_i32(uint64_t word) { return (int64_t)(int32_t)(uint32_t)(word & MASK32); }
+
+static inline bool ready(const State* s) { return s->on && monotonic() <= *s->when_at; }
+
+// Whether [offset, offset + length) lies in the guest's accessible bytes (floe.memory.Region.check).
+static inline bool inside(const State* s, int64_t offset, int64_t length) {
+    return offset >= 0 && length >= 0 && offset + length <= *s->size_at;
+}
+
+static inline void record(State* s, Boundary b, int64_t nbytes) {
+    s->ledger[2 * b] += 1;
+    s->ledger[2 * b + 1] += nbytes;
+}
+
+static inline void* python(Import* im, void* caller, uint64_t* raw, size_t n) {
+    return im->state->python((void*)im->key, caller, raw, n);
+}
+
+static inline void* answer(uint64_t* raw, int64_t result) {
+    raw[0] = (uint64_t)result & MASK32;
+    return nullptr;
+}
+
+// _write(ptr, cap, data, what): min(cap, len) bytes written, cap bytes checked, charged and recorded.
+static bool write_bytes(State* s, int64_t ptr, int64_t cap, const uint8_t* data, int64_t len, Boundary b,
+                        int64_t already) {
+    int64_t n = cap < len ? cap : len;
+    if (CALL_OVERHEAD + n + already > s->room || !inside(s, ptr, cap)) return false;
+    if (n) std::memcpy(s->base + ptr, data, (size_t)n);
+    s->room -= CALL_OVERHEAD + n;
+    s->charged += CALL_OVERHEAD + n;
+    record(s, b, n);
+    return true;
+}
+
+__attribute__((visibility("default"))) void* floe_import_request(void* env, void* caller, uint64_t* raw,
+                                                                 size_t n) {
+    Import* im = (Import*)env;
+    State* s = im->state;
+    int64_t ptr = (int64_t)(raw[0] & MASK32);
+    if (!ready(s) || !s->request || ptr % 8 || !write_bytes(s, ptr, s->request_len, s->request, s->request_len,
+                                                            REQUEST, 0))
+        return python(im, caller, raw, n);
+    return answer(raw, 0);
+}
+
+__attribute__((visibility("default"))) void* floe_import_system(void* env, void* caller, uint64_t* raw,
+                                                                size_t n) {
+    Import* im = (Import*)env;
+    State* s = im->state;
+    int64_t ptr = (int64_t)(raw[0] & MASK32), cap = as_i32(raw[2]);
+    if (!ready(s) || cap < 0 || !write_bytes(s, ptr, cap, s->system, s->system_len, SYSTEM_PROMPT, 0))
+        return python(im, caller, raw, n);
+    return answer(raw, s->system_len);
+}
+
+__attribute__((visibility("default"))) void* floe_import_eos_ids(void* env, void* caller, uint64_t* raw,
+                                                                 size_t n) {
+    Import* im = (Import*)env;
+    State* s = im->state;
+    int64_t ptr = (int64_t)(raw[0] & MASK32), cap = as_i32(raw[2]);
+    if (!ready(s) || cap < 0 || ptr % 4) return python(im, caller, raw, n);
+    int64_t k = cap < s->eos_n ? cap : s->eos_n;
+    if (CALL_OVERHEAD + 4 * k > s->room || !inside(s, ptr, 4 * cap)) return python(im, caller, raw, n);
+    if (k) std::memcpy(s->base + ptr, s->eos, (size_t)(4 * k));
+    s->room -= CALL_OVERHEAD + 4 * k;
+    s->charged += CALL_OVERHEAD + 4 * k;
+    record(s, EOS_IDS, 4 * k);
+    return answer(raw, s->eos_n);
+}
+
+__attribute__((visibility("default"))) void* floe_import_choice_at(void* env, void* caller, uint64_t* raw,
+                                                                   size_t n) {
+    Import* im = (Import*)env;
+    State* s = im->state;
+    int64_t ptr = (int64_t)(raw[0] & MASK32);
+    if (!ready(s) || !s->preparing_v2 || (ptr && (ptr % 4 || !inside(s, ptr, 4))))
+        return python(im, caller, raw, n);
+    s->choice_set = 1;
+    s->choice_ptr = ptr;
+    return answer(raw, 0);
+}
+
+__attribute__((visibility("default"))) void* floe_import_stream_tokens(void* env, void* caller, uint64_t* raw,
+                                                                       size_t n) {
+    Import* im = (Import*)env;
+    State* s = im->state;
+    int64_t on = as_i32(raw[0]);
+    if (!ready(s) || !s->preparing_v2 || (on != 0 && on != 1)) return python(im, caller, raw, n);
+    s->streams_set = 1;
+    s->streams = on;
+    return answer(raw, 0);
+}
+
+__attribute__((visibility("default"))) void* floe_import_detokenize(void* env, void* caller, uint64_t* raw,
+                                                                    size_t n) {
+    Import* im = (Import*)env;
+    State* s = im->state;
+    int64_t ids_ptr = (int64_t)(raw[0] & MASK32), count = as_i32(raw[2]);
+    int64_t out_ptr = (int64_t)(raw[4] & MASK32), out_cap = as_i32(raw[6]);
+    if (!ready(s) || !s->vocab || count < 0 || out_cap < 0 || count > MAX_IDS_PER_CALL || ids_ptr % 4 ||
+        !inside(s, ids_ptr, 4 * count) || CALL_OVERHEAD + 4 * count > s->room)
+        return python(im, caller, raw, n);
+    const int32_t* ids = (const int32_t*)(s->base + ids_ptr);
+    int64_t len = 0;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t id = ids[i];
+        if (id < 0 || id >= s->vocab) return python(im, caller, raw, n);  // (ERR_BAD_TOKEN, by Python)
+        len += s->token_end[id] - (id ? s->token_end[id - 1] : 0);
+    }
+    int64_t k = out_cap < len ? out_cap : len;
+    if (CALL_OVERHEAD + 4 * count + CALL_OVERHEAD + k > s->room || !inside(s, out_ptr, out_cap))
+        return python(im, caller, raw, n);
+    uint8_t* out = s->base + out_ptr;
+    int64_t at = 0;
+    for (int64_t i = 0; i < count && at < k; i++) {
+        int64_t id = ids[i], start = id ? s->token_end[id - 1] : 0, m = s->token_end[id] - start;
+        if (m > k - at) m = k - at;
+        std::memcpy(out + at, s->token_bytes + start, (size_t)m);
+        at += m;
+    }
+    int64_t spent = CALL_OVERHEAD + 4 * count + CALL_OVERHEAD + k;
+    s->room -= spent;
+    s->charged += spent;
+    record(s, TOKEN_IDS_IN, 4 * count);
+    record(s, TEXT_OUT, k);
+    return answer(raw, len);
+}
+
+// Lets go of a State (floe_import_state's caller, or an import's finalizer): freed by the last.
+__attribute__((visibility("default"))) void floe_import_release(State* s) {
+    if (s->refs.fetch_sub(1) == 1) std::free(s);
+}
+
+// An import's finalizer (Wasmtime drops it with its store): its Python twin forgotten, and the State
+// freed with the last of its imports.
+__attribute__((visibility("default"))) void floe_import_finalize(void* env) {
+    Import* im = (Import*)env;
+    State* s = im->state;
+    s->forget((void*)im->key);
+    std::free(im);
+    floe_import_release(s);
+}
+
+// A State for an actor's imports (zeroed: not staged), held by its caller (floe_import_release) and
+// by each import made for it: freed when the last of them lets go.
+__attribute__((visibility("default"))) State* floe_import_state() {
+    State* s = (State*)std::calloc(1, sizeof(State));
+    if (s) s->refs.store(1);
+    return s;
+}
+
+__attribute__((visibility("default"))) Import* floe_import_env(State* s, int64_t key) {
+    Import* im = (Import*)std::malloc(sizeof(Import));
+    if (im) {
+        im->state = s;
+        im->key = key;
+        s->refs.fetch_add(1);
+    }
+    return im;
+}
+
+__attribute__((visibility("default"))) int64_t floe_import_state_words() { return sizeof(State) / 8; }
+
+}  // extern "C"

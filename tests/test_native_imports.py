@@ -1,0 +1,184 @@
+"""Host imports answered natively (floe.actor.native_imports): the same answers, errors, budget and ledger
+as their Python methods, which answer everything but the plain case; staged only off the main thread."""
+
+import threading
+
+import numpy as np
+import pytest
+import wasmtime
+from guests_wat import import_decls
+from models import tiny_engine
+
+from floe.actor import Actor, native_imports
+from floe.actor.abi import HostABI
+from floe.wasm import GuestBudgetExceeded, GuestDeadlineExceeded, GuestPointerError
+
+pytestmark = pytest.mark.skipif(native_imports.library() is None, reason="no C++ compiler")
+
+OUT = 8192  # where the guests below keep what they saw (an i32 a call)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine(n_slots=4)
+
+
+@pytest.fixture
+def both_ways():
+    """Run fn() with the native imports staged and with every import in Python: both results."""
+    def run(fn):
+        out = {}
+        for on in (True, False):
+            native_imports.enabled = on
+            try:
+                out[on] = in_thread(fn)
+            finally:
+                native_imports.enabled = True
+        return out[True], out[False]
+    return run
+
+
+def in_thread(fn):
+    """fn() off the main thread (where calls are staged), its result or what it raised."""
+    box = {}
+
+    def work():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - compared by the test
+            box["value"] = e
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    return box["value"]
+
+
+def v1(body: str, pages: int = 2) -> bytes:
+    """An ABI v1 guest calling any import in on_message (`body`: returns its i32 status)."""
+    return wasmtime.wat2wasm(f"""(module
+      {import_decls(skip=())}
+      (memory (export "memory") {pages})
+      (func (export "floe_abi_version") (result i32) (i32.const 1))
+      (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+      (func (export "on_message") (param $ptr i32) (param $len i32) (result i32) {body}))""")
+
+
+def outcome(engine, guest: bytes, words: int = 8):
+    """The message's error (its type and text) or the words the guest kept at OUT."""
+    def fn():
+        with Actor(engine, guest) as actor:
+            try:
+                actor.send("hi", max_tokens=2)
+            except Exception as e:  # noqa: BLE001
+                return type(e).__name__, str(e)
+            return actor.context.region.numpy(OUT, words, np.int32).tolist()
+    return fn
+
+
+def test_a_chat_turn_is_the_same_and_costs_the_same_with_its_imports_answered_natively(engine, both_ways,
+                                                                                      monkeypatch):
+    asked = []
+    for name in native_imports.NATIVE:  # the Python twins, counted
+        method = getattr(HostABI, name)
+        monkeypatch.setattr(HostABI, name,
+                            lambda self, *a, _m=method, _n=name: asked.append(_n) or _m(self, *a))
+
+    def turn():
+        asked.clear()
+        with Actor(engine, seed=3, system_prompt="Be brief.") as actor:
+            first = actor.send("Hello there", max_tokens=6)
+            second = actor.send("And then?", max_tokens=6)
+            ledger = {b.name: (b.calls, b.copies, b.bytes_copied, b.bytes_shared)
+                      for b in actor.ledger.boundaries.values()}
+            return first.text, second.text, second.stats.generated_tokens, ledger, list(asked)
+
+    native, python = both_ways(turn)
+    assert native[:4] == python[:4]
+    assert native[4] == [] and {"request", "eos_ids", "choice_at", "detokenize"} <= set(python[4])
+
+
+def test_each_native_import_answers_its_bad_arguments_as_python_does(engine, both_ways):
+    def store(call: str) -> str:
+        return f"(i32.store (i32.const {OUT}) {call})"
+    cases = [
+        store("(call $request (i32.const 4096))"),
+        store("(call $request (i32.const 4100))"),  # misaligned
+        store("(call $request (i32.const 131068))"),  # past the memory's end
+        store("(call $system (i32.const 4096) (i32.const -1))"),
+        store("(call $system (i32.const 131070) (i32.const 64))"),
+        store("(call $eos_ids (i32.const 4096) (i32.const 0))"),
+        store("(call $eos_ids (i32.const 4098) (i32.const 4))"),
+        store("(call $eos_ids (i32.const 4096) (i32.const -5))"),
+        store("(call $choice_at (i32.const 4096))"),  # ABI v1: not an option it has
+        # detokenize: ids 1, 2, 3 at 4096; out at 5000
+        "(i32.store (i32.const 4096) (i32.const 1)) (i32.store (i32.const 4100) (i32.const 200))"
+        "(i32.store (i32.const 4104) (i32.const 3))"
+        + store("(call $detokenize (i32.const 4096) (i32.const 3) (i32.const 5000) (i32.const 64))")
+        + f"(i32.store (i32.const {OUT + 4}) (i32.load (i32.const 5000)))"
+        + f"(i32.store (i32.const {OUT + 8}) "
+        "(call $detokenize (i32.const 4096) (i32.const 3) (i32.const 5000) (i32.const 1)))",
+        "(i32.store (i32.const 4096) (i32.const 99999))"
+        + store("(call $detokenize (i32.const 4096) (i32.const 1) (i32.const 5000) (i32.const 64))"),
+        "(i32.store (i32.const 4096) (i32.const -1))"
+        + store("(call $detokenize (i32.const 4096) (i32.const 1) (i32.const 5000) (i32.const 64))"),
+        store("(call $detokenize (i32.const 4098) (i32.const 1) (i32.const 5000) (i32.const 64))"),
+        store("(call $detokenize (i32.const 131000) (i32.const 100) (i32.const 5000) (i32.const 64))"),
+        store("(call $detokenize (i32.const 4096) (i32.const 1) (i32.const 131070) (i32.const 64))"),
+        store("(call $detokenize (i32.const 4096) (i32.const 70000) (i32.const 5000) (i32.const 64))"),
+    ]
+    for body in cases:
+        native, python = both_ways(outcome(engine, v1(body + " (i32.const 0)")))
+        assert native == python, body
+    bad = both_ways(outcome(engine, v1(store("(call $request (i32.const 4100))") + " (i32.const 0)")))[0]
+    assert bad[0] == GuestPointerError.__name__ and "8-byte aligned" in bad[1]
+
+
+def test_the_budget_runs_out_at_the_same_call_natively(engine, both_ways):
+    # small calls, again and again, so that each call's overhead counts: a detokenize of one id (token 1,
+    # its bytes into 8 bytes of room), then an eos_ids; the guest counts its rounds at OUT until the
+    # budget (4x the memory cap) ends the message
+    guest = v1(f"""
+      (i32.store (i32.const 4096) (i32.const 1))
+      (loop $again
+        (i32.store (i32.const {OUT}) (i32.add (i32.load (i32.const {OUT})) (i32.const 1)))
+        (drop (call $detokenize (i32.const 4096) (i32.const 1) (i32.const 5000) (i32.const 8)))
+        (drop (call $eos_ids (i32.const 6000) (i32.const 4)))
+        (br $again))
+      (i32.const 0)""")
+
+    def fn():
+        with Actor(engine, guest, memory_cap=1 << 20) as actor:
+            try:
+                actor.send("hi", max_tokens=2)
+            except GuestBudgetExceeded as e:
+                return str(e), int(actor.context.region.numpy(OUT, 1, np.int32)[0])
+    native, python = both_ways(fn)
+    assert native == python and native[1] > 1000
+
+
+def test_a_guest_asking_native_imports_without_end_meets_its_deadline(engine):
+    guest = v1("(loop $again (drop (call $request (i32.const 4096))) (br $again)) (i32.const 0)")
+
+    def fn():
+        with Actor(engine, guest, deadline_s=0.3) as actor:
+            actor.send("hi", max_tokens=2)
+    assert isinstance(in_thread(fn), GuestDeadlineExceeded)
+
+
+def test_the_native_detokenize_table_is_the_tokenizers_bytes(engine):
+    tok = engine.tokenizer
+    table = native_imports._token_table(tok, engine.config.vocab_size)
+    rng = np.random.default_rng(0)
+    for ids in [list(range(300)), rng.integers(0, engine.config.vocab_size, 500).tolist(),
+                sorted(tok.special_ids)]:
+        got = b"".join(bytes(table.data[(table.ends[i - 1] if i else 0):table.ends[i]]) for i in ids)
+        assert got == tok.ids_bytes(ids)
+
+
+def test_on_the_main_thread_every_import_is_answered_in_python(engine, monkeypatch):
+    asked = []
+    method = HostABI.eos_ids
+    monkeypatch.setattr(HostABI, "eos_ids", lambda self, *a: asked.append(1) or method(self, *a))
+    with Actor(engine) as actor:
+        actor.send("Hi", max_tokens=2)
+    assert asked == [1]
