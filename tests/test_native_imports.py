@@ -83,18 +83,28 @@ def test_a_chat_turn_is_the_same_and_costs_the_same_with_its_imports_answered_na
         monkeypatch.setattr(HostABI, name,
                             lambda self, *a, _m=method, _n=name: asked.append(_n) or _m(self, *a))
 
+    tok = engine.tokenizer
+
     def turn():
         asked.clear()
         with Actor(engine, seed=3, system_prompt="Be brief.") as actor:
-            first = actor.send("Hello there", max_tokens=6)
+            # the first message with the prompt hint floe serve's front sends (its render and ids made
+            # ahead: chat_render and tokenize answered from it), the second without one
+            hint = tok.hint([{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "Hello"}])
+            with tok.hinted(hint):
+                first = actor.send("Hello", max_tokens=6)
+            ledgers = [{b.name: (b.calls, b.copies, b.bytes_copied, b.bytes_shared)
+                        for b in actor.ledger.boundaries.values()}]
+            first_asked = sorted(set(asked))
             second = actor.send("And then?", max_tokens=6)
-            ledger = {b.name: (b.calls, b.copies, b.bytes_copied, b.bytes_shared)
-                      for b in actor.ledger.boundaries.values()}
-            return first.text, second.text, second.stats.generated_tokens, ledger, list(asked)
+            ledgers.append({b.name: (b.calls, b.copies, b.bytes_copied, b.bytes_shared)
+                            for b in actor.ledger.boundaries.values()})
+            return first.text, second.text, second.stats.generated_tokens, ledgers, hint.used, first_asked
 
     native, python = both_ways(turn)
-    assert native[:4] == python[:4]
-    assert native[4] == [] and {"request", "eos_ids", "choice_at", "detokenize"} <= set(python[4])
+    assert native[:5] == python[:5] and native[4] == 2  # (the hint answered a render and an encode)
+    assert native[5] == [] and python[5] == sorted(native_imports.NATIVE)
 
 
 def test_each_native_import_answers_its_bad_arguments_as_python_does(engine, both_ways):
@@ -182,3 +192,96 @@ def test_on_the_main_thread_every_import_is_answered_in_python(engine, monkeypat
     with Actor(engine) as actor:
         actor.send("Hi", max_tokens=2)
     assert asked == [1]
+
+
+def v2(body: str) -> bytes:
+    """An ABI v2 guest: on_message runs `body` (its i32 status); each on_token takes the host's sample."""
+    return wasmtime.wat2wasm(f"""(module
+      {import_decls(skip=())}
+      (memory (export "memory") 2)
+      (func (export "floe_abi_version") (result i32) (i32.const 2))
+      (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+      (func (export "on_message") (param $ptr i32) (param $len i32) (result i32) {body})
+      (func (export "on_token") (result i32) (call $sample (i32.const 0)))
+      (func (export "on_end") (param i32) (result i32) (i32.const 0)))""")
+
+
+def turn_outcome(engine, guest: bytes):
+    """The v2 message's error, or the words the guest kept at OUT and the turn's tokens."""
+    def fn():
+        with Actor(engine, guest) as actor:
+            try:
+                reply = actor.send("hi", max_tokens=3)
+            except Exception as e:  # noqa: BLE001
+                return type(e).__name__, str(e)
+            return actor.context.region.numpy(OUT, 4, np.int32).tolist(), reply.stats.token_ids
+    return fn
+
+
+def test_a_turns_prompt_queued_natively_runs_as_one_queued_in_python(engine, both_ways):
+    ids = "(i32.store (i32.const 4096) (i32.const 17)) (i32.store (i32.const 4100) (i32.const 300))"
+
+    def at(k: int, call: str) -> str:
+        return f"(i32.store (i32.const {OUT + 4 * k}) {call})"
+    prefill = "(call $prefill (i32.const 4096) (i32.const 2) (i32.const 0))"
+    cases = [
+        ids + at(0, "(call $kv_truncate (i32.const 0))") + at(1, prefill) + "(i32.const 0)",
+        ids + at(0, prefill) + at(1, "(call $kv_truncate (i32.const 0))") + "(i32.const 0)",  # queued: -3
+        ids + at(0, "(call $kv_truncate (i32.const 5))") + at(1, "(call $kv_truncate (i32.const -1))")
+        + at(2, prefill) + "(i32.const 0)",
+        ids + at(0, prefill) + at(1, "(call $prefill (i32.const 4100) (i32.const 1) (i32.const 0))")
+        + "(i32.const 0)",  # a second prefill: queued after the first
+        "(i32.store (i32.const 4096) (i32.const 99999))" + at(0, prefill) + at(1, "(call $prefill "
+        "(i32.const 4096) (i32.const 0) (i32.const 0))") + at(2, "(call $prefill (i32.const 4096) "
+        "(i32.const -1) (i32.const 0))") + ids + at(3, prefill) + "(i32.const 0)",
+        ids + at(0, "(call $prefill (i32.const 4098) (i32.const 2) (i32.const 0))") + "(i32.const 0)",
+        ids + at(0, "(call $prefill (i32.const 4096) (i32.const 2) (i32.const 131000))") + "(i32.const 0)",
+        ids + at(0, "(call $prefill (i32.const 4096) (i32.const 2) (i32.const 65536))") + "(i32.const 0)",
+        ids + at(0, "(call $prefill (i32.const 4096) (i32.const 600) (i32.const 0))") + "(i32.const 0)",
+        ids + at(0, "(call $choice_at (i32.const 66))") + "(i32.const 0)",
+        ids + at(0, "(call $stream_tokens (i32.const 2))") + at(1, prefill) + "(i32.const 0)",
+    ]
+    for body in cases:
+        native, python = both_ways(turn_outcome(engine, v2(body)))
+        assert native == python, body
+    queued_twice = both_ways(turn_outcome(engine, v2(cases[3])))[0]
+    assert queued_twice[0][:2] == [0, 0] and len(queued_twice[1]) == 3
+
+
+def test_a_hint_of_another_conversation_is_not_used_natively_either(engine, both_ways):
+    tok = engine.tokenizer
+
+    def fn():
+        hint = tok.hint([{"role": "user", "content": "Hi"}])
+        with Actor(engine) as actor, tok.hinted(hint):
+            reply = actor.send("Hello", max_tokens=4)
+            return reply.stats.token_ids, hint.used
+    native, python = both_ways(fn)
+    assert native == python and native[1] == 0
+
+
+def test_a_kv_truncate_answered_natively_truncates_the_slot(engine, both_ways):
+    # message 1 queues 3 ids; message 2 keeps only the first of the KV cache's tokens and queues one:
+    # its reply is the model's continuation of [17, 500], not of everything the first turn left
+    guest = v2("""
+      (i32.store (i32.const 4096) (i32.const 17)) (i32.store (i32.const 4100) (i32.const 300))
+      (i32.store (i32.const 4104) (i32.const 400)) (i32.store (i32.const 4108) (i32.const 500))
+      (if (result i32) (i32.load (i32.const 8000))
+        (then (drop (call $kv_truncate (i32.const 1)))
+              (call $prefill (i32.const 4108) (i32.const 1) (i32.const 0)))
+        (else (i32.store (i32.const 8000) (i32.const 1))
+              (call $prefill (i32.const 4096) (i32.const 3) (i32.const 0))))""")
+
+    def fn():
+        with Actor(engine, guest) as actor:
+            first = actor.send("a", max_tokens=6).stats.token_ids
+            return first, actor.send("b", max_tokens=6).stats.token_ids, engine.kv_len(actor.slot)
+
+    alone = v2("(i32.store (i32.const 4096) (i32.const 17)) (i32.store (i32.const 4100) (i32.const 500))"
+               "(call $prefill (i32.const 4096) (i32.const 2) (i32.const 0))")
+
+    def fresh():
+        with Actor(engine, alone) as actor:
+            return actor.send("c", max_tokens=6).stats.token_ids
+    native, python = both_ways(fn)
+    assert native == python and native[1] == in_thread(fresh)

@@ -1,15 +1,17 @@
-"""Host imports answered in C (floe/wasm/csrc/host_imports.cpp): request, system, eos_ids, choice_at,
-stream_tokens and detokenize — what a chat's arrival (on_message) and its end (on_end) ask of the host
-besides its conversation's render, tokens and prompt. Each answers the plain case exactly as HostABI's
-Python method does and hands every other case to that method (its Python twin), so a bad pointer, an
-exceeded budget or a past deadline gets the same error as before from the same code.
+"""Host imports answered in C (floe/wasm/csrc/host_imports.cpp): what a chat's arrival (on_message) and
+its end (on_end) ask of the host — request, system, eos_ids, choice_at, stream_tokens, kv_truncate,
+prefill, detokenize, and chat_render and tokenize of a conversation whose render and ids floe serve's
+front made ahead (its prompt hint: floe.model.tokenizer.Hint). Each answers the plain case exactly as
+HostABI's Python method does and hands every other case to that method (its Python twin), so a bad
+pointer, an exceeded budget or a past deadline gets the same error as before from the same code.
 
 An actor's NativeImports is staged around each of its guest calls that may ask them (stage / unstage:
-an arrival's on_message, a turn's on_end; never on the main thread, where a signal must be able to
-interrupt a host call): the message's budget room, its request record, whether ABI v2 options may be
-set. What the native answers did — the budget's bytes, the ledger's copies, choice_at's and
-stream_tokens' settings — is taken into the Python objects (fold) before any Python import runs and
-when the call returns, so the budget, the ledger and the turn's options read as they would have.
+an arrival's on_message, its history, a turn's on_end; never on the main thread, where a signal must be
+able to interrupt a host call): the message's budget room, its request record, its hint, its KV slot's
+length, whether ABI v2 options may be set. What the native answers did — the budget's bytes, the
+ledger's copies, choice_at's and stream_tokens' settings, the hint's use, a truncation of the slot and
+the ids queued — is taken into the Python objects (fold) before any Python import runs and when the call
+returns, so everything reads as it would have.
 
 The one difference: a cancellation (Watchdog.cancel) stops the guest at its next epoch tick or Python
 host call, not at a native answer (a native answer takes well under a microsecond).
@@ -21,13 +23,15 @@ import ctypes
 import logging
 import os
 import threading
+import time
 import weakref
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from floe.actor.abi import REQUEST, HostABI
-from floe.model.tokenizer import Tokenizer
+from floe.model.tokenizer import Hint, Tokenizer
 from floe.wasm import HostFunction
 from floe.wasm.raw import signals
 
@@ -36,8 +40,12 @@ SOURCE = Path(__file__).parent.parent / "wasm" / "csrc" / "host_imports.cpp"
 # The ledger's boundaries the native answers cross (csrc/host_imports.cpp's Boundary, in order): the
 # names HostABI's Python methods record.
 BOUNDARIES = ("host→guest request", "host→guest system prompt", "host→guest eos ids", "guest→host token ids",
-              "host→guest text")
-NATIVE = ("request", "system", "eos_ids", "choice_at", "stream_tokens", "detokenize")
+              "host→guest text", "guest→host message table", "guest→host message role", "guest→host message",
+              "host→guest prompt text", "guest→host text", "host→guest token ids", "guest→engine prompt ids")
+SHARED = frozenset({"guest→engine prompt ids"})  # (crossed without a copy: Ledger.shared)
+NATIVE = ("request", "system", "eos_ids", "choice_at", "stream_tokens", "detokenize", "chat_render",
+          "tokenize", "kv_truncate", "prefill")
+PREFILL_CAP = 4096  # ids a native prefill queues at most (a longer prompt is queued in Python)
 # Whether calls are staged for native answers (FLOE_NATIVE_IMPORTS=0: every import in Python, as before;
 # bench/probes/request_cpu.py --native-imports alternate compares the two in one process).
 enabled = os.environ.get("FLOE_NATIVE_IMPORTS", "1") != "0"
@@ -51,7 +59,11 @@ class W:
     TOKEN_END, TOKEN_BYTES, VOCAB = 13, 14, 15
     CHOICE_SET, CHOICE_PTR, STREAMS_SET, STREAMS = 16, 17, 18, 19
     PYTHON, FORGET = 20, 21
-    LEDGER = 22  # calls and bytes of each of BOUNDARIES
+    TEXT_CAP, MAX_SEQ = 22, 23
+    HINT_N, HINT_ENDS, HINT_TEXT, RENDERED, RENDERED_LEN, HINT_IDS, HINT_IDS_N = 24, 25, 26, 27, 28, 29, 30
+    RENDERED_SET, HINT_USED = 31, 32
+    KV_LEN, KV_HOLDS, QUEUED, PREFILL_AT, PREFILL_CAP, PREFILL_N, PREFILL_LOGITS, TRUNCATE_N = range(33, 41)
+    LEDGER = 41  # calls and bytes of each of BOUNDARIES
     WORDS = LEDGER + 2 * len(BOUNDARIES) + 1  # (and the imports' count, the C side's own)
 
 
@@ -129,10 +141,14 @@ class NativeImports:
         tokenizer = abi.tokenizer
         self._eos = np.array(list(tokenizer.eos_ids), np.int32)
         w[W.EOS], w[W.EOS_N] = self._eos.ctypes.data, len(self._eos)
+        w[W.MAX_SEQ] = abi.engine.max_seq_len
+        w[W.HINT_N] = w[W.TRUNCATE_N] = -1
         self._table: _TokenTable | None = None  # (made at the first staging: never on the main thread)
+        self._prefill: np.ndarray | None = None  # (likewise: room for the ids a native prefill queues)
         self._request = ctypes.create_string_buffer(REQUEST.size)
         self._system: tuple[str, bytes] = ("", b"")
-        w[W.SYSTEM], w[W.SYSTEM_LEN] = ctypes.cast(self._system[1], ctypes.c_void_p).value or 0, 0
+        self._hint: tuple[Hint | None, tuple | None, list] = (None, None, [])  # its render (abi.rendered's
+        # pair) and the arrays staged for it
         self._region_bound = False
         self.staged = False
 
@@ -169,6 +185,8 @@ class NativeImports:
             self._table = _token_table(abi.tokenizer, abi.vocab)
             w[W.TOKEN_END], w[W.TOKEN_BYTES] = self._table.ends.ctypes.data, self._table.data.ctypes.data
             w[W.VOCAB] = abi.vocab
+            self._prefill = np.zeros(min(PREFILL_CAP, abi.engine.max_seq_len), np.int32)
+            w[W.PREFILL_AT], w[W.PREFILL_CAP] = self._prefill.ctypes.data, len(self._prefill)
         context = abi.context
         r = context.request
         try:
@@ -182,10 +200,44 @@ class NativeImports:
             data = system.encode()
             self._system = (system, data)
             w[W.SYSTEM], w[W.SYSTEM_LEN] = ctypes.cast(data, ctypes.c_void_p).value or 0, len(data)
+        self._stage_hint(abi.tokenizer.plain_hint())
+        slot = context.slot
+        w[W.KV_LEN] = -1 if slot is None else abi.engine.kv_len(slot)
+        w[W.KV_HOLDS] = 0 if slot is None else int(abi.engine.kv_holds(slot))
+        w[W.TEXT_CAP] = abi.text_cap
         w[W.ROOM] = budget.limit - budget.spent
         w[W.PREPARING_V2] = int(abi.version >= 2 and abi.preparing)
+        w[W.QUEUED] = abi.queued.shape[0]
         w[W.ON] = 1
         self.staged = True
+
+    def _stage_hint(self, hint: Hint | None) -> None:
+        """This thread's prompt hint for chat_render and tokenize: its messages' bytes, its render's and
+        its ids (staged once a hint); none where a message is not plain text (render_chat_spans compares
+        whole dicts)."""
+        w = self.words
+        if hint is not self._hint[0]:
+            kept: list = []
+            pair = None
+            if hint is not None and all(type(m) is dict and m.keys() == {"role", "content"}
+                                        and type(m["role"]) is str and type(m["content"]) is str
+                                        for m in hint.messages):
+                parts = [x.encode() for m in hint.messages for x in (m["role"], m["content"])]
+                ends = np.cumsum(np.fromiter(map(len, parts), np.int64, count=len(parts)))
+                text = b"".join(parts) or b"\0"
+                encoded = hint.rendered.text.encode()
+                ids = np.array(hint.ids, np.int32)
+                pair = (encoded, hint.rendered)
+                kept = [ends, text, encoded, ids]
+                w[W.HINT_ENDS], w[W.HINT_TEXT] = ends.ctypes.data, ctypes.cast(text, ctypes.c_void_p).value
+                w[W.RENDERED] = ctypes.cast(encoded, ctypes.c_void_p).value or 0
+                w[W.RENDERED_LEN] = len(encoded)
+                w[W.HINT_IDS], w[W.HINT_IDS_N] = ids.ctypes.data, len(ids)
+                w[W.HINT_N] = len(hint.messages)
+            else:
+                w[W.HINT_N] = -1
+            self._hint = (hint, pair, kept)
+        w[W.RENDERED_SET] = int(self._hint[1] is not None and self.abi.rendered is self._hint[1])
 
     def unstage(self) -> None:
         """After the call: what the native answers did, taken (fold); nothing answered natively from here."""
@@ -195,8 +247,8 @@ class NativeImports:
             self.fold()
 
     def fold(self) -> None:
-        """What the native answers did since the last fold, into the message's budget, ledger and turn
-        options; the budget's room staged again."""
+        """What the native answers did since the last fold, into the message's budget, ledger, KV slot,
+        queue and turn options; the budget's room staged again."""
         w, abi = self.words, self.abi
         budget = abi.budget
         charged = w[W.CHARGED]
@@ -208,7 +260,11 @@ class NativeImports:
             for i, name in enumerate(BOUNDARIES):
                 calls = w[W.LEDGER + 2 * i]
                 if calls:
-                    ledger.copied(name, calls, calls, w[W.LEDGER + 2 * i + 1])
+                    nbytes = w[W.LEDGER + 2 * i + 1]
+                    if name in SHARED:
+                        ledger.shared(name, calls, nbytes)
+                    else:
+                        ledger.copied(name, calls, calls, nbytes)
                     w[W.LEDGER + 2 * i] = w[W.LEDGER + 2 * i + 1] = 0
         if w[W.CHOICE_SET]:
             w[W.CHOICE_SET] = 0
@@ -221,13 +277,35 @@ class NativeImports:
         if w[W.STREAMS_SET]:
             w[W.STREAMS_SET] = 0
             abi.streams = bool(w[W.STREAMS])
+        if w[W.HINT_USED]:
+            hint, pair, _ = self._hint
+            hint.used += w[W.HINT_USED]
+            w[W.HINT_USED] = 0
+            if w[W.RENDERED_SET]:
+                abi.rendered = pair
+        if w[W.TRUNCATE_N] >= 0:  # (before the ids queued after it)
+            abi.engine.kv_truncate(w[W.TRUNCATE_N], abi.context.slot)
+            w[W.TRUNCATE_N] = -1
+        n = w[W.PREFILL_N]
+        if n:
+            w[W.PREFILL_N] = 0
+            t = time.perf_counter()
+            abi.queued = torch.from_numpy(self._prefill[:n].astype(np.int64))
+            abi.context.ledger.copy("prompt ids int32→int64", 8 * n, seconds=time.perf_counter() - t)
+            abi.logits_ptr = w[W.PREFILL_LOGITS]
         if self.staged and budget is not None:
-            w[W.ROOM] = budget.limit - budget.spent
+            self.room()
 
     def room(self) -> None:
-        """The budget's room staged again (after a Python import spent some)."""
-        budget = self.abi.budget
-        self.words[W.ROOM] = budget.limit - budget.spent
+        """What a Python import may have changed, staged again: the budget's room, the ids queued, the
+        slot's length, whether the last render is the hint's."""
+        abi, w = self.abi, self.words
+        budget = abi.budget
+        w[W.ROOM] = budget.limit - budget.spent
+        w[W.QUEUED] = abi.queued.shape[0]
+        slot = abi.context.slot
+        w[W.KV_LEN] = -1 if slot is None else abi.engine.kv_len(slot)
+        w[W.RENDERED_SET] = int(self._hint[1] is not None and abi.rendered is self._hint[1])
 
 
 def attach(abi: HostABI, functions: list[HostFunction], python: tuple[int, int]) -> list[HostFunction]:

@@ -302,6 +302,15 @@ class Tokenizer:
         finally:
             _HINT.reset(token)
 
+    def plain_hint(self) -> Hint | None:
+        """This thread's hint (hinted) where render_chat_spans of its messages with the generation prompt
+        and no variables of the call's own would answer it now: no tools offered, this thread's template
+        variables the hint's (floe.actor.native_imports answers a guest's chat_render with it)."""
+        hint = _HINT.get()
+        if hint is None or _OFFERED_TOOLS.get() is not None or _given(None) != hint.kwargs:
+            return None
+        return hint
+
     def hint(self, messages: list[dict], chat_template_kwargs: Mapping | None = None) -> Hint:
         """The Hint of `messages` (rendered with the generation prompt, no tools, the template's variables
         `chat_template_kwargs`): what the chat guest's render and tokenize of this conversation give

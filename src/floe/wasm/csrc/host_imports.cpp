@@ -1,6 +1,7 @@
-// floe_host_imports: some of the host ABI's imports answered natively (floe.actor.native_imports): the
-// ones a chat's arrival and its end call whose answer needs no Python object — request, system,
-// eos_ids, choice_at, stream_tokens and detokenize. Each is a Wasmtime unchecked host function whose
+// floe_host_imports: the host ABI's imports a chat's arrival and its end call, answered natively
+// (floe.actor.native_imports): request, system, eos_ids, choice_at, stream_tokens, detokenize,
+// kv_truncate and prefill (taken by Python after the call), and chat_render and tokenize of the
+// conversation of the thread's prompt hint. Each is a Wasmtime unchecked host function whose
 // env is an Import (its actor's State and the key of its Python twin in floe.wasm.raw.HostFunctions).
 // Only the plain case is answered here, exactly as floe.actor.abi.HostABI answers it: every pointer
 // aligned and inside the guest's memory, the message's budget not exceeded, its deadline not past, the
@@ -28,7 +29,10 @@ constexpr int64_t MAX_IDS_PER_CALL = 1 << 16;  // detokenize (floe.actor.abi)
 constexpr uint64_t MASK32 = 0xFFFFFFFFu;
 
 // The ledger's boundaries the native answers cross (floe.actor.native_imports.BOUNDARIES, in order).
-enum Boundary { REQUEST, SYSTEM_PROMPT, EOS_IDS, TOKEN_IDS_IN, TEXT_OUT, N_BOUNDARIES };
+enum Boundary {
+    REQUEST, SYSTEM_PROMPT, EOS_IDS, TOKEN_IDS_IN, TEXT_OUT, MESSAGE_TABLE, MESSAGE_ROLE, MESSAGE, PROMPT_TEXT,
+    TEXT_IN, TOKEN_IDS_OUT, PROMPT_IDS_SHARED, N_BOUNDARIES
+};
 
 // An actor's state: int64 words (floe.actor.native_imports.W names them, in this order).
 struct State {
@@ -54,6 +58,25 @@ struct State {
     int64_t streams;
     trampoline_t python;     // the Python twins' trampoline (HostFunctions' _call)
     finalizer_t forget;      // and their finalizer (HostFunctions' _forget)
+    int64_t text_cap;        // the most text one tokenize or chat_render takes (HostABI.text_cap)
+    int64_t max_seq;         // the engine's context
+    int64_t hint_n;          // the messages of this thread's prompt hint (floe.model.tokenizer.Hint; -1: none)
+    const int64_t* hint_ends;  // message i's role ends at hint_ends[2i] in hint_text, its content at [2i + 1]
+    const uint8_t* hint_text;
+    const uint8_t* rendered;   // the hint's render (UTF-8) and its ids
+    int64_t rendered_len;
+    const int32_t* hint_ids;
+    int64_t hint_ids_n;
+    int64_t rendered_set;    // in and out: the last chat_render of this call answered the hint's render
+    int64_t hint_used;       // out: renders and encodes the hint answered here
+    int64_t kv_len;          // the slot's tokens (-1: no slot: kv_truncate and prefill go to Python)
+    int64_t kv_holds;        // the slot holds ids for reuse (prefill goes to Python)
+    int64_t queued;          // prompt ids queued in Python
+    int32_t* prefill_at;     // room for prefill_cap ids queued here
+    int64_t prefill_cap;
+    int64_t prefill_n;       // out: ids queued here (0: none), and where their logits go
+    int64_t prefill_logits;
+    int64_t truncate_n;      // out: the KV length kv_truncate asked here (-1: none)
     int64_t ledger[2 * N_BOUNDARIES];  // out: calls and bytes per boundary since Python last took them
     std::atomic<int64_t> refs;  // the imports that still point here (the last one's finalizer frees it)
 };
@@ -202,6 +225,108 @@ __attribute__((visibility("default"))) void* floe_import_detokenize(void* env, v
 // Lets go of a State (floe_import_state's caller, or an import's finalizer): freed by the last.
 __attribute__((visibility("default"))) void floe_import_release(State* s) {
     if (s->refs.fetch_sub(1) == 1) std::free(s);
+}
+
+// chat_render(msgs, n, add_generation_prompt, out, cap) of exactly the hint's messages, with the
+// generation prompt: the hint's render (Tokenizer.render_chat_spans with a hint).
+__attribute__((visibility("default"))) void* floe_import_chat_render(void* env, void* caller, uint64_t* raw,
+                                                                     size_t n) {
+    Import* im = (Import*)env;
+    State* s = im->state;
+    int64_t msgs = (int64_t)(raw[0] & MASK32), count = as_i32(raw[2]), generation = (int64_t)(raw[4] & MASK32);
+    int64_t out_ptr = (int64_t)(raw[6] & MASK32), out_cap = as_i32(raw[8]);
+    if (!ready(s) || s->hint_n < 0 || count != s->hint_n || out_cap < 0 || count > s->max_seq || msgs % 4 ||
+        !generation || !inside(s, msgs, 16 * count))
+        return python(im, caller, raw, n);
+    int64_t charge = CALL_OVERHEAD + 16 * count, text = 0, roles = 0, contents = 0, at = 0;
+    for (int64_t i = 0; i < count; i++) {
+        uint32_t r[4];  // role_ptr, role_len, content_ptr, content_len (floe.actor.abi.MESSAGE)
+        std::memcpy(r, s->base + msgs + 16 * i, sizeof r);
+        int64_t role_end = s->hint_ends[2 * i], content_end = s->hint_ends[2 * i + 1];
+        if (r[1] != role_end - at || r[3] != content_end - role_end || !inside(s, r[0], r[1]) ||
+            !inside(s, r[2], r[3]) || std::memcmp(s->base + r[0], s->hint_text + at, r[1]) ||
+            std::memcmp(s->base + r[2], s->hint_text + role_end, r[3]))
+            return python(im, caller, raw, n);
+        at = content_end;
+        roles += r[1];
+        contents += r[3];
+        charge += 2 * CALL_OVERHEAD + r[1] + r[3];
+    }
+    text = roles + contents;
+    int64_t k = out_cap < s->rendered_len ? out_cap : s->rendered_len;
+    charge += CALL_OVERHEAD + k;
+    if (text > s->text_cap || charge > s->room || !inside(s, out_ptr, out_cap)) return python(im, caller, raw, n);
+    if (k) std::memcpy(s->base + out_ptr, s->rendered, (size_t)k);
+    s->room -= charge;
+    s->charged += charge;
+    record(s, MESSAGE_TABLE, 16 * count);
+    s->ledger[2 * MESSAGE_ROLE] += count;
+    s->ledger[2 * MESSAGE_ROLE + 1] += roles;
+    s->ledger[2 * MESSAGE] += count;
+    s->ledger[2 * MESSAGE + 1] += contents;
+    record(s, PROMPT_TEXT, k);
+    s->rendered_set = 1;
+    s->hint_used += 1;
+    return answer(raw, s->rendered_len);
+}
+
+// tokenize(text, len, out, cap) of the render the last chat_render answered here: the hint's ids.
+__attribute__((visibility("default"))) void* floe_import_tokenize(void* env, void* caller, uint64_t* raw,
+                                                                  size_t n) {
+    Import* im = (Import*)env;
+    State* s = im->state;
+    int64_t text = (int64_t)(raw[0] & MASK32), len = as_i32(raw[2]);
+    int64_t out_ptr = (int64_t)(raw[4] & MASK32), out_cap = as_i32(raw[6]);
+    if (!ready(s) || !s->rendered_set || len < 0 || out_cap < 0 || len > s->text_cap || len != s->rendered_len ||
+        !inside(s, text, len) || out_ptr % 4 || !inside(s, out_ptr, 4 * out_cap) ||
+        std::memcmp(s->base + text, s->rendered, (size_t)len))
+        return python(im, caller, raw, n);
+    int64_t k = out_cap < s->hint_ids_n ? out_cap : s->hint_ids_n;
+    int64_t charge = CALL_OVERHEAD + len + CALL_OVERHEAD + 4 * k;
+    if (charge > s->room) return python(im, caller, raw, n);
+    if (k) std::memcpy(s->base + out_ptr, s->hint_ids, (size_t)(4 * k));
+    s->room -= charge;
+    s->charged += charge;
+    record(s, TEXT_IN, len);
+    record(s, TOKEN_IDS_OUT, 4 * k);
+    s->hint_used += 1;
+    return answer(raw, s->hint_ids_n);
+}
+
+// kv_truncate(n) in on_message before anything is queued: taken by Python at the fold (nothing reads the
+// slot before it: a Python import folds first).
+__attribute__((visibility("default"))) void* floe_import_kv_truncate(void* env, void* caller, uint64_t* raw,
+                                                                     size_t n) {
+    Import* im = (Import*)env;
+    State* s = im->state;
+    int64_t to = as_i32(raw[0]);
+    if (!ready(s) || !s->preparing_v2 || s->kv_len < 0 || s->queued || s->prefill_n || to < 0 || to > s->kv_len)
+        return python(im, caller, raw, n);
+    s->truncate_n = s->kv_len = to;
+    return answer(raw, 0);
+}
+
+// prefill(ids, n, logits) in on_message (ABI v2): the ids queued here, taken by Python at the fold.
+__attribute__((visibility("default"))) void* floe_import_prefill(void* env, void* caller, uint64_t* raw,
+                                                                 size_t n) {
+    Import* im = (Import*)env;
+    State* s = im->state;
+    int64_t ids_ptr = (int64_t)(raw[0] & MASK32), count = as_i32(raw[2]), logits = (int64_t)(raw[4] & MASK32);
+    if (!ready(s) || !s->preparing_v2 || s->kv_len < 0 || s->kv_holds || s->queued || s->prefill_n ||
+        count <= 0 || count > s->prefill_cap || count > s->max_seq || CALL_OVERHEAD + 4 * count > s->room ||
+        ids_ptr % 4 || !inside(s, ids_ptr, 4 * count) || s->kv_len + count > s->max_seq ||
+        (logits && (logits % 4 || !inside(s, logits, 4 * s->vocab))) || !s->vocab)
+        return python(im, caller, raw, n);
+    const int32_t* ids = (const int32_t*)(s->base + ids_ptr);
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= s->vocab) return python(im, caller, raw, n);  // (ERR_BAD_TOKEN, by Python)
+    std::memcpy(s->prefill_at, ids, (size_t)(4 * count));
+    s->prefill_n = count;
+    s->prefill_logits = logits;
+    s->room -= CALL_OVERHEAD + 4 * count;
+    s->charged += CALL_OVERHEAD + 4 * count;
+    record(s, PROMPT_IDS_SHARED, 4 * count);
+    return answer(raw, 0);
 }
 
 // An import's finalizer (Wasmtime drops it with its store): its Python twin forgotten, and the State
