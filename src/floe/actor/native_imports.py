@@ -44,7 +44,7 @@ SOURCE = Path(__file__).parent.parent / "wasm" / "csrc" / "host_imports.cpp"
 BOUNDARIES = ("host→guest request", "host→guest system prompt", "host→guest eos ids", "guest→host token ids",
               "host→guest text", "guest→host message table", "guest→host message role", "guest→host message",
               "host→guest prompt text", "guest→host text", "host→guest token ids", "guest→engine prompt ids")
-SHARED = frozenset({"guest→engine prompt ids"})  # (crossed without a copy: Ledger.shared)
+_SHARED_AT = BOUNDARIES.index("guest→engine prompt ids")  # (crossed without a copy: Ledger.shared)
 NATIVE = ("request", "system", "eos_ids", "choice_at", "stream_tokens", "detokenize", "chat_render",
           "tokenize", "kv_truncate", "prefill")
 PREFILL_CAP = 4096  # ids a native prefill queues at most (a longer prompt is queued in Python)
@@ -65,7 +65,8 @@ class W:
     HINT_N, HINT_ENDS, HINT_TEXT, RENDERED, RENDERED_LEN, HINT_IDS, HINT_IDS_N = 24, 25, 26, 27, 28, 29, 30
     RENDERED_SET, HINT_USED = 31, 32
     KV_LEN, KV_HOLDS, QUEUED, PREFILL_AT, PREFILL_CAP, PREFILL_N, PREFILL_LOGITS, TRUNCATE_N = range(33, 41)
-    LEDGER = 41  # calls and bytes of each of BOUNDARIES
+    TOUCHED = 41  # bit i: BOUNDARIES[i] counts something
+    LEDGER = 42  # calls and bytes of each of BOUNDARIES
     WORDS = LEDGER + 2 * len(BOUNDARIES) + 1  # (and the imports' count, the C side's own)
 
 
@@ -148,10 +149,13 @@ class NativeImports:
         self._table: _TokenTable | None = None  # (made at the first staging: never on the main thread)
         self._prefill: np.ndarray | None = None  # (likewise: room for the ids a native prefill queues)
         self._request = ctypes.create_string_buffer(REQUEST.size)
+        self._request_at = ctypes.addressof(self._request)
+        w[W.REQUEST_LEN] = REQUEST.size
         self._system: tuple[str, bytes] = ("", b"")
         self._hint: tuple[Hint | None, tuple | None, list] = (None, None, [])  # its render (abi.rendered's
         # pair) and the arrays staged for it
         self._region_bound = False
+        self._staged_for: object = None  # the message (its budget) staged last: its later calls restage less
         self.staged = False
 
     def host(self, name: str):
@@ -168,10 +172,22 @@ class NativeImports:
         return make
 
     def bind(self, watchdog, region) -> None:
-        """The guest's memory and watchdog, once it is made."""
+        """The guest's memory and watchdog, once it is made; off the main thread (a spare actor, made
+        ahead: each one-shot chat's is new) what its first staging would make too."""
         w = self.words
         w[W.BASE], w[W.SIZE_AT], w[W.WHEN_AT] = region.base, region.size_at, watchdog.when_at
         self._region_bound = True
+        if threading.get_ident() != signals.main:
+            self._made()
+
+    def _made(self) -> None:
+        """detokenize's table (each id's bytes, made once per tokenizer) and prefill's room."""
+        w, abi = self.words, self.abi
+        self._table = _token_table(abi.tokenizer, abi.vocab)
+        w[W.TOKEN_END], w[W.TOKEN_BYTES] = self._table.ends.ctypes.data, self._table.data.ctypes.data
+        w[W.VOCAB] = abi.vocab
+        self._prefill = np.zeros(min(PREFILL_CAP, abi.engine.max_seq_len), np.int32)
+        w[W.PREFILL_AT], w[W.PREFILL_CAP] = self._prefill.ctypes.data, len(self._prefill)
 
     def stage(self) -> None:
         """Before a guest call that may ask the native imports (an arrival's on_message, a turn's
@@ -183,18 +199,26 @@ class NativeImports:
                 or threading.get_ident() == signals.main):
             return
         w = self.words
-        if self._table is None:  # (detokenize's: each id's bytes, made once per tokenizer)
-            self._table = _token_table(abi.tokenizer, abi.vocab)
-            w[W.TOKEN_END], w[W.TOKEN_BYTES] = self._table.ends.ctypes.data, self._table.data.ctypes.data
-            w[W.VOCAB] = abi.vocab
-            self._prefill = np.zeros(min(PREFILL_CAP, abi.engine.max_seq_len), np.int32)
-            w[W.PREFILL_AT], w[W.PREFILL_CAP] = self._prefill.ctypes.data, len(self._prefill)
+        if self._table is None:
+            self._made()
+        if budget is self._staged_for and abi.tokenizer.plain_hint() is self._hint[0]:  # (a later call of
+            # the same message, on_end after on_message: only what its calls changed)
+            w[W.ROOM] = budget.limit - budget.spent
+            w[W.PREPARING_V2] = int(abi.version >= 2 and abi.preparing)
+            w[W.QUEUED] = abi.queued.shape[0]
+            w[W.RENDERED_SET] = int(self._hint[1] is not None and abi.rendered is self._hint[1])
+            slot = abi.context.slot
+            w[W.KV_LEN] = -1 if slot is None else abi.engine.kv_len(slot)
+            w[W.ON] = 1
+            self.staged = True
+            return
+        self._staged_for = budget
         context = abi.context
         r = context.request
         try:
             p = r.params
             REQUEST.pack_into(self._request, 0, r.max_tokens, p.temperature, p.top_k, p.top_p, p.seed)
-            w[W.REQUEST], w[W.REQUEST_LEN] = ctypes.addressof(self._request), REQUEST.size
+            w[W.REQUEST] = self._request_at
         except Exception:  # noqa: BLE001 - (a request the record cannot hold: Python's request() says why)
             w[W.REQUEST] = 0
         system = context.system_prompt
@@ -259,15 +283,17 @@ class NativeImports:
             if budget is not None:
                 budget.spent += charged
             ledger = abi.context.ledger
-            for i, name in enumerate(BOUNDARIES):
-                calls = w[W.LEDGER + 2 * i]
-                if calls:
-                    nbytes = w[W.LEDGER + 2 * i + 1]
-                    if name in SHARED:
-                        ledger.shared(name, calls, nbytes)
-                    else:
-                        ledger.copied(name, calls, calls, nbytes)
-                    w[W.LEDGER + 2 * i] = w[W.LEDGER + 2 * i + 1] = 0
+            touched, w[W.TOUCHED] = w[W.TOUCHED], 0
+            while touched:
+                i = (touched & -touched).bit_length() - 1
+                touched &= touched - 1
+                at = W.LEDGER + 2 * i
+                calls, nbytes = w[at], w[at + 1]
+                w[at] = w[at + 1] = 0
+                if i == _SHARED_AT:
+                    ledger.shared(BOUNDARIES[i], calls, nbytes)
+                else:
+                    ledger.copied(BOUNDARIES[i], calls, calls, nbytes)
         if w[W.CHOICE_SET]:
             w[W.CHOICE_SET] = 0
             ptr = w[W.CHOICE_PTR]

@@ -77,6 +77,7 @@ struct State {
     int64_t prefill_n;       // out: ids queued here (0: none), and where their logits go
     int64_t prefill_logits;
     int64_t truncate_n;      // out: the KV length kv_truncate asked here (-1: none)
+    int64_t touched;         // out: bit b set where ledger[b] counts something
     int64_t ledger[2 * N_BOUNDARIES];  // out: calls and bytes per boundary since Python last took them
     std::atomic<int64_t> refs;  // the imports that still point here (the last one's finalizer frees it)
 };
@@ -102,9 +103,10 @@ static inline bool inside(const State* s, int64_t offset, int64_t length) {
     return offset >= 0 && length >= 0 && offset + length <= *s->size_at;
 }
 
-static inline void record(State* s, Boundary b, int64_t nbytes) {
-    s->ledger[2 * b] += 1;
+static inline void record(State* s, Boundary b, int64_t nbytes, int64_t calls = 1) {
+    s->ledger[2 * b] += calls;
     s->ledger[2 * b + 1] += nbytes;
+    s->touched |= int64_t(1) << b;
 }
 
 static inline void* python(Import* im, void* caller, uint64_t* raw, size_t n) {
@@ -260,10 +262,10 @@ __attribute__((visibility("default"))) void* floe_import_chat_render(void* env, 
     s->room -= charge;
     s->charged += charge;
     record(s, MESSAGE_TABLE, 16 * count);
-    s->ledger[2 * MESSAGE_ROLE] += count;
-    s->ledger[2 * MESSAGE_ROLE + 1] += roles;
-    s->ledger[2 * MESSAGE] += count;
-    s->ledger[2 * MESSAGE + 1] += contents;
+    if (count) {
+        record(s, MESSAGE_ROLE, roles, count);
+        record(s, MESSAGE, contents, count);
+    }
     record(s, PROMPT_TEXT, k);
     s->rendered_set = 1;
     s->hint_used += 1;
