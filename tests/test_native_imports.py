@@ -285,3 +285,35 @@ def test_a_kv_truncate_answered_natively_truncates_the_slot(engine, both_ways):
             return actor.send("c", max_tokens=6).stats.token_ids
     native, python = both_ways(fn)
     assert native == python and native[1] == in_thread(fresh)
+
+
+def test_a_served_chat_with_its_fronts_hint_asks_no_python_import(engine, both_ways, monkeypatch, tmp_path):
+    from floe.model.tokenizer import Hint
+    from floe.server import hints
+    from floe.server.core import ServeCore
+
+    asked = []
+    for name in native_imports.NATIVE:
+        method = getattr(HostABI, name)
+        monkeypatch.setattr(HostABI, name,
+                            lambda self, *a, _m=method, _n=name: asked.append(_n) or _m(self, *a))
+    core = ServeCore(engine, snapshots=tmp_path, model_id="tiny")
+    tok = engine.tokenizer
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    truth, other = tok.hint(messages), tok.hint([{"role": "user", "content": "Name a colour, any colour."}])
+    forged = hints.wire(Hint(messages, truth.rendered, other.ids))  # this text, another prompt's ids
+    try:
+        def chat(hint):
+            def fn():
+                asked.clear()
+                out = core.run(core.open({"messages": messages, "max_tokens": 3, "temperature": 0.0,
+                                          "owner": "", "hint": hint}))
+                return out["text"], out["usage"]["prompt_tokens"], sorted(set(asked))
+            return fn
+        native, python = both_ways(chat(hints.wire(truth)))
+        assert native[:2] == python[:2] and native[1] == len(truth.ids)
+        assert native[2] == [] and python[2] == sorted(native_imports.NATIVE)
+        native, python = both_ways(chat(forged))  # (the guest takes the hint's ids, either way)
+        assert native[:2] == python[:2] and native[1] == len(other.ids)
+    finally:
+        core.close()
