@@ -38,7 +38,7 @@ from floe.actor.budget import (  # noqa: F401 - the limits are the ABI's too (te
     TEXT_CAP_PER_CAP,
     HostBudget,
 )
-from floe.actor.guest_io import MASK32, GuestIO, as_i32
+from floe.actor.guest_io import MASK32, GuestIO, NativeAnswers, as_i32
 from floe.actor.host import LOG_LINES_KEPT  # noqa: F401 - (the ABI's limit: tests read it here)
 from floe.engine.sampling import SamplingParams, sample_token
 from floe.errors import ContextOverflow, InvalidSamplingParams
@@ -53,7 +53,6 @@ from floe.wasm.raw import describe, trap_new
 
 if TYPE_CHECKING:
     from floe.actor.host import MessageContext
-    from floe.actor.native_imports import NativeImports
     from floe.actor.stream import TokenStream
     from floe.engine import Engine
     from floe.model.tokenizer import Rendered
@@ -109,7 +108,7 @@ class HostABI(GuestIO):
         # (floe.actor.turn: Turn.sampled, reset before each on_token), while a turn runs; else None.
         self.sampled_at: tuple[memoryview, int] | None = None
         self.rendered: tuple[bytes, Rendered] | None = None  # the last chat_render, for tokenize()
-        self.native: NativeImports | None = None  # the imports answered natively (floe.actor.native_imports)
+        self.native: NativeAnswers | None = None  # the imports answered natively (floe.actor.native_imports)
 
     def begin_turn(self) -> None:
         """v2: a new message's turn: nothing queued, no logits target, no turn options."""

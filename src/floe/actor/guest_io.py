@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import struct
 import time
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -78,3 +79,15 @@ class GuestIO:
             out[:n] = ids[:n]
         self.context.ledger.copy(f"host→guest {what}", 4 * n, seconds=time.perf_counter() - t)
         return len(ids)
+
+
+class NativeAnswers(Protocol):
+    """What HostABI asks of the imports answered natively (floe.actor.native_imports.NativeImports, which
+    imports the host ABI: named here, not imported): around each Python import of a staged call, their
+    effects folded in first and the budget's room staged again after."""
+
+    staged: bool
+
+    def fold(self) -> None: ...
+
+    def room(self) -> None: ...
