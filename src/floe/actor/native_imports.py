@@ -110,7 +110,6 @@ class _TokenTable:
         pieces = [tokenizer.ids_bytes([i]) for i in range(vocab)]
         self.ends = np.cumsum(np.fromiter(map(len, pieces), np.int64, count=vocab))
         self.data = np.frombuffer(b"".join(pieces) or b"\0", np.uint8)
-        self.vocab = vocab
 
 
 _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {vocab: _TokenTable}
