@@ -84,11 +84,60 @@ def test_v128_globals_and_signatures_are_refused_without_aborting_the_host():
     assert "alive 2" in out
 
 
+def test_what_a_modules_first_instance_learnt_never_admits_a_later_instance_it_would_refuse():
+    """A module's instances share what the first ones checked (export shapes, call types, globals:
+    floe.wasm.runtime.GuestModule): a refusal is never learnt, so a second instance of a module whose
+    on_message takes i64s (the right count, the wrong kind: only the checked call finds it) is refused
+    as the first was, never called unchecked with i32s; and a good module's second instance calls
+    unchecked from its first call, with the same results. In a fresh interpreter: a wrong-typed
+    unchecked call is undefined behaviour."""
+    out = run_isolated("""
+        import threading
+        import wasmtime
+        from models import tiny_engine
+        from floe.actor import Actor
+        from floe.wasm import GuestInstance, GuestLoadError, default_runtime, start_guest_thread
+        engine = tiny_engine(n_slots=2)
+        wide = wasmtime.wat2wasm('(module (memory (export "memory") 1)'
+            '(func (export "floe_abi_version") (result i32) (i32.const 1))'
+            '(func (export "alloc") (param i32) (result i32) (i32.const 1024))'
+            '(func (export "on_message") (param i64 i64) (result i32) (i32.const 0)))')
+        for n in (1, 2, 3):
+            try:
+                with Actor(engine, wide) as actor:
+                    actor.send("Hi", max_tokens=2)
+                print(n, "ACCEPTED")
+            except GuestLoadError as e:
+                print(n, "refused:", "cannot be called as the ABI says" in str(e))
+        module = default_runtime().compile(wasmtime.wat2wasm('(module (memory (export "memory") 1)'
+            '(global $n (mut i32) (i32.const 0))'
+            '(func (export "f") (param i32) (result i32)'
+            '  (global.set $n (i32.add (global.get $n) (i32.const 1)))'
+            '  (i32.add (local.get 0) (global.get $n))))'))
+        out = []
+        def calls():
+            for _ in range(2):
+                instance = GuestInstance(module, "floe", [], 1 << 20)
+                unchecked = instance.prepared("f", 1).raw
+                out.append((unchecked, [instance.call("f", x, deadline_s=5, pending=lambda: None)
+                                        for x in (1, 2, 2**32 - 1)]))
+                instance.close()
+        thread = threading.Thread(target=calls)
+        start_guest_thread(thread)
+        thread.join(30)
+        print("calls", out)
+    """)
+    assert "ACCEPTED" not in out
+    assert all(f"{n} refused: True" in out for n in (1, 2, 3)), out
+    assert "calls [(False, [2, 4, 2]), (True, [2, 4, 2])]" in out, out
+
+
 @pytest.mark.parametrize("kind, init", [("funcref", "(ref.null func)"), ("externref", "(ref.null extern)")])
 def test_reference_typed_globals_are_refused_at_load_by_name(tiny_engine, kind, init):
     wasm = guest("(i32.const 0)", extra=f'(global (export "g") (mut {kind}) {init})')
-    with pytest.raises(GuestLoadError, match=f"mutable {kind} global 'g'"):
-        Actor(tiny_engine, wasm)
+    for _ in range(2):  # (and again: a module's instances share only what passed its checks)
+        with pytest.raises(GuestLoadError, match=f"mutable {kind} global 'g'"):
+            Actor(tiny_engine, wasm)
 
 
 def test_numeric_globals_keep_their_exact_bits_through_capture_and_restore(tiny_engine):

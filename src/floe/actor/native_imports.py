@@ -20,6 +20,7 @@ host call, not at a native answer (a native answer takes well under a microsecon
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -160,8 +161,7 @@ class NativeImports:
     def host(self, name: str):
         """The NativeHost of import `name` (floe.wasm.raw.HostFunctions.define): its env made for the
         Python twin's key, counted by the State (freed with the last of its imports)."""
-        fn = ctypes.cast(getattr(self.lib, f"floe_import_{name}"), ctypes.c_void_p).value
-        finalize = ctypes.cast(self.lib.floe_import_finalize, ctypes.c_void_p).value
+        fn, finalize = _addresses(self.lib)[name], _addresses(self.lib)["finalize"]
 
         def make(key: int) -> tuple[int, int, int]:
             env = self.lib.floe_import_env(self.state, key)
@@ -333,6 +333,13 @@ class NativeImports:
         slot = abi.context.slot
         w[W.KV_LEN] = -1 if slot is None else abi.engine.kv_len(slot)
         w[W.RENDERED_SET] = int(self._hint[1] is not None and abi.rendered is self._hint[1])
+
+
+@functools.cache
+def _addresses(lib: ctypes.PyDLL) -> dict[str, int]:
+    """The library's import answers (and their finalizer) by name: their addresses, read once."""
+    return {name: ctypes.cast(getattr(lib, f"floe_import_{name}"), ctypes.c_void_p).value
+            for name in (*NATIVE, "finalize")}
 
 
 def attach(abi: HostABI, functions: list[HostFunction], python: tuple[int, int]) -> list[HostFunction]:

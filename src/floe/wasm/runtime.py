@@ -24,6 +24,7 @@ from floe.wasm import compiled, shape
 from floe.wasm.process import thread_stack_bytes
 from floe.wasm.raw import (
     NUMERIC,
+    Exports,
     HostCallback,
     HostFunctions,
     MemoryCreator,
@@ -33,6 +34,7 @@ from floe.wasm.raw import (
     describe,
     global_bits,
     global_kind,
+    memory_address,
     set_global_bits,
     signals,
 )
@@ -325,6 +327,9 @@ class GuestModule:
         if too_big is not None:
             raise GuestLoadError(f"{self.name} {too_big}")
         self.module = compiled.load(runtime.engine, self.sha256) or self._compile(runtime.engine, wasm)
+        # Learnt by its first instances, true of all: exports' shapes checked (GuestInstance.function),
+        # calls' types known (PreparedCall), its mutable globals all numeric (a snapshot's).
+        self.checked, self.typed, self.globals_checked = set(), set(), False
 
     def _compile(self, engine: wasmtime.Engine, wasm: bytes) -> Module:
         """Compile with Cranelift, and keep the result on disk for later processes (floe.wasm.compiled)."""
@@ -374,9 +379,8 @@ class GuestInstance:
             if mod != import_module or name not in provided:
                 raise GuestLoadError(f"{module.name} imports {mod}.{name}, which floe does not provide")
         linker = Linker(runtime.engine)
-        for f in functions:
-            runtime.host_functions.define(linker, import_module, f.name,
-                                          runtime.func_type(f.n_params, f.n_results), f.fn, f.native)
+        runtime.host_functions.define_all(linker, import_module, [
+            (f.name, runtime.func_type(f.n_params, f.n_results), f.fn, f.native) for f in functions])
         self.watchdog.arm(deadline_s)
         # (the start function runs in instantiate)
         with (runtime.memory_creator.creating(memory_cap) as created, signals.held(), guest_stack,
@@ -387,11 +391,11 @@ class GuestInstance:
                 if self.watchdog.interrupt is not None:
                     raise self.watchdog.interrupt from None
                 raise self._instantiate_error(e, created, deadline_s) from None
-            self.exports = self.instance.exports(self.store)
+            self.exports = Exports(self.store, self.instance)
             memory = self.exports.get("memory")
             # Wasmtime may make other memories through the creator too (a GC heap for reference types):
             # the guest's is the one at the exported memory's address.
-            base = _address(memory, self.store) if isinstance(memory, wasmtime.Memory) else None
+            base = memory_address(memory, self.store) if isinstance(memory, wasmtime.Memory) else None
         regions = [r for r in created if r.base == base]
         if len(regions) != 1:
             raise GuestLoadError(f"{module.name} must define and export exactly one memory, named 'memory'")
@@ -399,12 +403,13 @@ class GuestInstance:
         self.regions = list(created)  # its memory, and the GC heap of exception objects if it has one
         self.memory: wasmtime.Memory = memory
         self._calls: dict[tuple[str, int], PreparedCall] = {}  # (export, arguments) -> call
-        for name, g in self.mutable_globals():
+        for name, g in () if module.globals_checked else self.mutable_globals():
             kind = global_kind(self.store, g)
             if kind not in NUMERIC.values():
                 raise GuestLoadError(
                     f"{module.name} exports a mutable {kind} global {name!r}: a snapshot can hold only "
                     "i32, i64, f32 and f64 globals (keep other state unexported or in memory)")
+        module.globals_checked = True
 
     def _instantiate_error(self, e: BaseException, created: list[Region], deadline_s: float) -> GuestError:
         name = self.module.name
@@ -425,12 +430,13 @@ class GuestInstance:
         f = self.exports.get(name)
         if not isinstance(f, wasmtime.Func):
             raise GuestLoadError(f"{self.module.name} does not export function {name!r}")
-        if n_params is not None:
+        if n_params is not None and (name, n_params) not in self.module.checked:
             ty = f.type(self.store)
             if len(ty.params) != n_params or len(ty.results) != 1:
                 raise GuestLoadError(
                     f"{self.module.name} exports {name} with {len(ty.params)} parameters and "
                     f"{len(ty.results)} results; the ABI wants ({', '.join(['i32'] * n_params)}) -> i32")
+            self.module.checked.add((name, n_params))
         return f
 
     def call(self, name: str, *args: int, deadline_s: float, pending: Callable[[], BaseException | None],
@@ -462,7 +468,8 @@ class GuestInstance:
         """The prepared call of export `name` with n_args i32 arguments (made at its first use)."""
         call = self._calls.get((name, n_args))
         if call is None:
-            call = self._calls[name, n_args] = PreparedCall(self.store, self.function(name), n_args)
+            call = self._calls[name, n_args] = PreparedCall(self.store, self.function(name), n_args,
+                                                            self.module.typed, (name, n_args))
         return call
 
     def _before_call(self) -> None:
@@ -563,7 +570,7 @@ class GuestInstance:
     def memory_base(self) -> int:
         """The guest memory's base address as Wasmtime reports it."""
         with signals.held():  # Wasmtime asks the memory creator
-            return _address(self.memory, self.store)
+            return memory_address(self.memory, self.store)
 
     def close(self) -> None:
         self.region.close()
@@ -572,12 +579,6 @@ class GuestInstance:
             self.exports = None  # type: ignore[assignment]
             self.instance = None  # type: ignore[assignment]
             self.store = None  # type: ignore[assignment]
-
-
-def _address(memory: wasmtime.Memory, store: Store) -> int:
-    import ctypes
-
-    return ctypes.cast(memory.data_ptr(store), ctypes.c_void_p).value or 0
 
 
 def _mib(n: int) -> str:
