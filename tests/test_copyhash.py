@@ -47,6 +47,19 @@ def test_pieces_are_copied_exactly_and_hashed_as_one_tensor(flavour):
     assert job.digests() == [xxhash.xxh3_128_hexdigest(a) for a in data]
 
 
+@pytest.mark.parametrize("total_mb", [5, 9])
+def test_copies_are_exact_with_plain_and_with_streaming_stores(flavour, total_mb):
+    """A job of at most 8 MB copies with plain stores (its destination left in the caches), a larger one
+    with non-temporal stores: both land every byte, at any alignment of source and destination."""
+    rng = np.random.default_rng(total_mb)
+    n = total_mb * 2**20 // 3
+    data = [rng.integers(0, 256, n + k, dtype=np.uint8)[k:] for k in (0, 1, 7)]  # (unaligned starts)
+    out = [np.zeros(len(a) + 5, np.uint8)[3:3 + len(a)] for a in data]
+    assert copyhash.Job([[(a, o)] for a, o in zip(data, out, strict=True)]).digests() == [
+        xxhash.xxh3_128_hexdigest(a) for a in data]
+    assert all(np.array_equal(o, a) for o, a in zip(out, data, strict=True))
+
+
 def test_pieces_that_do_not_fit_are_refused():
     a = np.zeros(10, np.uint8)
     with pytest.raises(ValueError, match="contiguous uint8"):
