@@ -259,7 +259,8 @@ class HostFunctions:
             self._next += len(functions)
             for i, f in enumerate(functions):
                 self._table[first + i] = f[2]
-        head = (ctypes.cast(linker.ptr(), ctypes.c_void_p), m := module.encode(), len(m))
+        m = module.encode()
+        head = (ctypes.cast(linker.ptr(), ctypes.c_void_p), m, len(m))
         types: dict[int, ctypes.c_void_p] = {}
         for i, (name, functype, _, native) in enumerate(functions):
             key, n = first + i, name.encode()
