@@ -21,11 +21,13 @@ import collections
 import ctypes
 import ctypes.util
 import functools
+import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
+from wasmtime import Trap
 from wasmtime import _ffi as ffi
 from wasmtime._extern import wrap_extern
 
@@ -74,6 +76,19 @@ def describe(e: BaseException) -> str:
         return f"{type(e).__name__}: {e}"
     except BaseException:  # noqa: BLE001 - whatever its __str__ does, the callback must answer
         return type(e).__name__
+
+
+def trap_reason(e: BaseException) -> str:
+    """The line of a Wasmtime trap that says what happened ("wasm trap: ..."), else its first."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    for line in lines:
+        if "wasm trap:" in line or "host function failed" in line:
+            return re.sub(r"^\d+:\s*", "", line)
+    if isinstance(e, Trap) and e.trap_code is not None:
+        return e.trap_code.name.lower().replace("_", " ")
+    if not lines:  # Wasmtime says nothing of a WebAssembly exception that nothing caught
+        return "a trap with no message (a WebAssembly exception that nothing caught does this)"
+    return lines[-1]
 
 
 # ---- signals while floe is inside Wasmtime on the main thread ------------------------------------

@@ -6,7 +6,6 @@ import functools
 import hashlib
 import math
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ from floe.wasm.raw import (
     memory_address,
     set_global_bits,
     signals,
+    trap_reason,
 )
 from floe.wasm.watchdog import EpochTimer, Watchdog
 
@@ -328,8 +328,9 @@ class GuestModule:
             raise GuestLoadError(f"{self.name} {too_big}")
         self.module = compiled.load(runtime.engine, self.sha256) or self._compile(runtime.engine, wasm)
         # Learnt by its first instances, true of all: exports' shapes checked (GuestInstance.function),
-        # calls' types known (PreparedCall), its mutable globals all numeric (a snapshot's).
-        self.checked, self.typed, self.globals_checked = set(), set(), False
+        # calls' types known (PreparedCall), its exported mutable globals' names (all numeric: a snapshot's).
+        self.checked, self.typed = set(), set()
+        self.mutable_globals: tuple[str, ...] | None = None
 
     def _compile(self, engine: wasmtime.Engine, wasm: bytes) -> Module:
         """Compile with Cranelift, and keep the result on disk for later processes (floe.wasm.compiled)."""
@@ -403,13 +404,15 @@ class GuestInstance:
         self.regions = list(created)  # its memory, and the GC heap of exception objects if it has one
         self.memory: wasmtime.Memory = memory
         self._calls: dict[tuple[str, int], PreparedCall] = {}  # (export, arguments) -> call
-        for name, g in () if module.globals_checked else self.mutable_globals():
-            kind = global_kind(self.store, g)
-            if kind not in NUMERIC.values():
-                raise GuestLoadError(
-                    f"{module.name} exports a mutable {kind} global {name!r}: a snapshot can hold only "
-                    "i32, i64, f32 and f64 globals (keep other state unexported or in memory)")
-        module.globals_checked = True
+        if module.mutable_globals is None:
+            found = self.mutable_globals()
+            for name, g in found:
+                kind = global_kind(self.store, g)
+                if kind not in NUMERIC.values():
+                    raise GuestLoadError(
+                        f"{module.name} exports a mutable {kind} global {name!r}: a snapshot can hold only "
+                        "i32, i64, f32 and f64 globals (keep other state unexported or in memory)")
+            module.mutable_globals = tuple(name for name, _ in found)
 
     def _instantiate_error(self, e: BaseException, created: list[Region], deadline_s: float) -> GuestError:
         name = self.module.name
@@ -419,7 +422,7 @@ class GuestInstance:
             denied = max(r.denied_size for r in created)
             return GuestMemoryLimit(f"{name}'s start function asked for {_mib(denied)} of memory, "
                                     f"over its cap of {_mib(self.memory_cap)}")
-        return GuestLoadError(f"cannot instantiate {name}: {_trap_reason(e)}")
+        return GuestLoadError(f"cannot instantiate {name}: {trap_reason(e)}")
 
     def has_function(self, name: str) -> bool:
         return isinstance(self.exports.get(name), wasmtime.Func)
@@ -504,11 +507,11 @@ class GuestInstance:
             what = "memory" if denied is self.region else "GC heap (exception objects)"
             return GuestMemoryLimit(
                 f"guest {guest} failed after asking for {_mib(denied.denied_size)} of {what}, over its cap "
-                f"of {_mib(self.memory_cap)} ({_trap_reason(e)})")
+                f"of {_mib(self.memory_cap)} ({trap_reason(e)})")
         if not e.trap:
             return GuestLoadError(f"guest {guest} cannot be called as the ABI says ({name}: "
-                                  f"{_trap_reason(e)})")
-        return GuestTrap(f"guest {guest} trapped: {_trap_reason(e)}")
+                                  f"{trap_reason(e)})")
+        return GuestTrap(f"guest {guest} trapped: {trap_reason(e)}")
 
     def cancel(self, reason: str) -> None:
         """From any thread: stop the running call at its next epoch tick (GuestCancelled)."""
@@ -521,8 +524,10 @@ class GuestInstance:
     # ---- state capture and restore (between calls only) ---------------------------------------------
 
     def mutable_globals(self) -> list[tuple[str, wasmtime.Global]]:
-        """Exported mutable globals, by name. (Unexported ones, like clang's __stack_pointer, are
-        back at their initial values between calls in a well-formed guest.)"""
+        """Exported mutable globals, by name (listed once a module: GuestModule). (Unexported ones, like
+        clang's __stack_pointer, are back at their initial values between calls in a well-formed guest.)"""
+        if self.module.mutable_globals is not None:
+            return [(name, self.exports.get(name)) for name in self.module.mutable_globals]
         return [(name, ext) for name, ext in self.exports.items()  # listed once: each listing walks them
                 if isinstance(ext, wasmtime.Global) and ext.type(self.store).mutable]
 
@@ -583,16 +588,3 @@ class GuestInstance:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.3g} MiB"
-
-
-def _trap_reason(e: BaseException) -> str:
-    """The line of a Wasmtime trap that says what happened ("wasm trap: ..."), else its first."""
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    for line in lines:
-        if "wasm trap:" in line or "host function failed" in line:
-            return re.sub(r"^\d+:\s*", "", line)
-    if isinstance(e, Trap) and e.trap_code is not None:
-        return e.trap_code.name.lower().replace("_", " ")
-    if not lines:  # Wasmtime says nothing of a WebAssembly exception that nothing caught
-        return "a trap with no message (a WebAssembly exception that nothing caught does this)"
-    return lines[-1]
