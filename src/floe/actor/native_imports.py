@@ -159,7 +159,7 @@ class NativeImports:
         self.staged = False
 
     def host(self, name: str):
-        """The NativeHost of import `name` (floe.wasm.raw.HostFunctions.define): its env made for the
+        """The NativeHost of import `name` (floe.wasm.raw.HostFunctions.define_all): its env made for the
         Python twin's key, counted by the State (freed with the last of its imports)."""
         fn, finalize = _addresses(self.lib)[name], _addresses(self.lib)["finalize"]
 
@@ -200,17 +200,18 @@ class NativeImports:
         w = self.words
         if self._table is None:
             self._made()
-        if budget is self._staged_for and abi.tokenizer.plain_hint() is self._hint[0]:  # (a later call of
-            # the same message, on_end after on_message: only what its calls changed)
-            w[W.ROOM] = budget.limit - budget.spent
-            w[W.PREPARING_V2] = int(abi.version >= 2 and abi.preparing)
-            w[W.QUEUED] = abi.queued.shape[0]
-            w[W.RENDERED_SET] = int(self._hint[1] is not None and abi.rendered is self._hint[1])
-            slot = abi.context.slot
-            w[W.KV_LEN] = -1 if slot is None else abi.engine.kv_len(slot)
-            w[W.ON] = 1
-            self.staged = True
-            return
+        if budget is not self._staged_for or abi.tokenizer.plain_hint() is not self._hint[0]:
+            self._stage_message(budget)  # (a later call of the same message, on_end after on_message,
+            # restages only what its calls may have changed: below)
+        self.room()
+        w[W.PREPARING_V2] = int(abi.version >= 2 and abi.preparing)
+        w[W.ON] = 1
+        self.staged = True
+
+    def _stage_message(self, budget) -> None:
+        """What a message's calls do not change: its request, system prompt, prompt hint, text cap and
+        whether its KV slot holds ids for reuse."""
+        w, abi = self.words, self.abi
         self._staged_for = budget
         context = abi.context
         r = context.request
@@ -227,14 +228,8 @@ class NativeImports:
             w[W.SYSTEM], w[W.SYSTEM_LEN] = ctypes.cast(data, ctypes.c_void_p).value or 0, len(data)
         self._stage_hint(abi.tokenizer.plain_hint())
         slot = context.slot
-        w[W.KV_LEN] = -1 if slot is None else abi.engine.kv_len(slot)
         w[W.KV_HOLDS] = 0 if slot is None else int(abi.engine.kv_holds(slot))
         w[W.TEXT_CAP] = abi.text_cap
-        w[W.ROOM] = budget.limit - budget.spent
-        w[W.PREPARING_V2] = int(abi.version >= 2 and abi.preparing)
-        w[W.QUEUED] = abi.queued.shape[0]
-        w[W.ON] = 1
-        self.staged = True
 
     def _stage_hint(self, hint: Hint | None) -> None:
         """This thread's prompt hint for chat_render and tokenize: its messages' bytes, its render's and

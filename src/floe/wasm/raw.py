@@ -257,18 +257,14 @@ class HostFunctions:
         self._finalize = _FINALIZER(self._forget)
         self._finalize_ptr = ctypes.cast(self._finalize, ctypes.c_void_p)
 
-    def define(self, linker, module: str, name: str, functype, fn: HostCallback,
-               native: NativeHost | None = None) -> None:
-        """fn(raw) reads arguments from raw[2*i], writes results to raw[2*i], returns 0 or a trap.
+    def define_all(self, linker, module: str,
+                   functions: Sequence[tuple[str, object, HostCallback, NativeHost | None]]) -> None:
+        """Each (name, functype, fn, native) as an import of `module` in `linker`, the linker's and the
+        module's parts made once and the keys taken at once (an actor's 19 one by one: ~80 µs of its
+        making). fn(raw) reads arguments from raw[2*i], writes results to raw[2*i], returns 0 or a trap.
         native(key): (a C callback, its env, its finalizer) answering the import instead, which calls
         this trampoline with `key` (fn's) for what it does not answer and whose finalizer forgets `key`
         (floe.actor.native_imports)."""
-        self.define_all(linker, module, [(name, functype, fn, native)])
-
-    def define_all(self, linker, module: str,
-                   functions: Sequence[tuple[str, object, HostCallback, NativeHost | None]]) -> None:
-        """define() of each (name, functype, fn, native), the linker's and the module's parts made once
-        and the keys taken at once (an actor's 19 one by one: ~80 µs of its making)."""
         with self._lock:
             first = self._next
             self._next += len(functions)

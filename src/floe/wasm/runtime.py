@@ -204,7 +204,7 @@ class HostFunction:
     n_params: int
     n_results: int
     fn: HostCallback
-    native: NativeHost | None = None  # a C callback answering it, fn its fallback (HostFunctions.define)
+    native: NativeHost | None = None  # a C callback answering it, fn its fallback (HostFunctions.define_all)
 
 
 class WasmRuntime:
