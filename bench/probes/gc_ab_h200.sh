@@ -4,14 +4,7 @@
 # (bench/probes/arrival_timeline.py, its per-round report of the core's and the fronts' collectors) AR
 # rounds, then serve at 64 sessions (bench/sessions.py) SR rounds; stops past BUDGET_S seconds.
 #   run(command="bash bench/probes/gc_ab_h200.sh", carry=[".whl", ".tok"])
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/gc_ab_h200.log") 2>&1
-cd "$(dirname "$0")/../.."
-start=$(date +%s)
-left() { echo $((${BUDGET_S:-540} - ($(date +%s) - start))); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PYTHONPATH=/tmp/site:$PWD/src
+LOG=gc_ab_h200.log . "$(dirname "$0")/lend.sh"
 default=$(python3 -c "from floe.server.heap import GC_THRESHOLDS as t; print(','.join(map(str, t)))")
 for r in $(seq 1 "${AR:-2}"); do
     for g in 700,10,10 "$default"; do

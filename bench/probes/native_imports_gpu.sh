@@ -4,14 +4,7 @@
 # --native-imports alternate, in one process), a 64-burst through 4 fronts (arrival_timeline.py) AR
 # rounds, then serve at 64 sessions (bench/sessions.py) SR rounds; stops past BUDGET_S seconds.
 #   run(command="bash bench/probes/native_imports_gpu.sh", carry=[".whl", ".tok"])
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/native_imports_gpu.log") 2>&1
-cd "$(dirname "$0")/../.."
-start=$(date +%s)
-left() { echo $((${BUDGET_S:-540} - ($(date +%s) - start))); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PYTHONPATH=/tmp/site:$PWD/src
+LOG=native_imports_gpu.log . "$(dirname "$0")/lend.sh"
 echo "=== a request's CPU ($(left) s left)"
 timeout 120 python3 bench/probes/request_cpu.py --tokenizer .tok --requests 32 --batches 40 \
     --native-imports alternate --json "$OUT/request_cpu.json" | tail -4

@@ -7,14 +7,7 @@
 #   run(command="VARIANTS='--ride-rows 256;--ride-rows 1024;--fronts 4' bash bench/probes/serve_variants_h200.sh",
 #       carry=[".whl", ".tok"])
 set -x
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/serve_variants_h200.log") 2>&1
-cd "$(dirname "$0")/../.."
-start=$(date +%s)
-left() { echo $((${BUDGET_S:-540} - ($(date +%s) - start))); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/${NEW_SRC:-src}
+SRC=${NEW_SRC:-src} LOG=serve_variants_h200.log . "$(dirname "$0")/lend.sh"
 IFS=';' read -r -a variants <<< "${VARIANTS:---ride-rows 256;--ride-rows 1024}"
 for r in $(seq 1 "${ROUNDS:-1}"); do
     for k in "${!variants[@]}"; do

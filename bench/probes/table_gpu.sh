@@ -4,14 +4,8 @@
 # (bench/probes/loop_host_cost.py), then (PART=8b) the 8B shape at 16 and 64; stops past BUDGET_S seconds.
 #   run(command="bash bench/probes/table_gpu.sh", carry=[".whl", ".tok"])          # 1B and the loop
 #   run(command="PART=8b bash bench/probes/table_gpu.sh", carry=[".whl", ".tok"])  # 8B
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/table_gpu.log") 2>&1
-cd "$(dirname "$0")/../.."
-start=$(date +%s)
-left() { echo $((${BUDGET_S:-560} - ($(date +%s) - start))); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PYTHONPATH=/tmp/site:$PWD/src
+BUDGET_S=${BUDGET_S:-560}
+LOG=table_gpu.log . "$(dirname "$0")/lend.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 lscpu | grep -E "Model name|^CPU\(s\)"
 git log --oneline -1 2>/dev/null
