@@ -8,6 +8,8 @@ the tokens' rate and the frames the front read.
         [--stop]    (a stop string that never matches: the reply streams as text, cut in the core)
         [--profile] (the loop's steps under cProfile in the last round: the top functions by own time)
         [--named]   (each chat a named session: session_id)
+        [--connections N] (N reading fronts at once, each its own connection, the sessions shared out:
+                    as `floe serve --fronts N`, the core's per-step sends one a connection)
 
 Run it against older code with PYTHONPATH=OLD/src (the front's process inherits it).
 """
@@ -72,6 +74,7 @@ def main() -> None:
     ap.add_argument("--stop", action="store_true")
     ap.add_argument("--named", action="store_true", help="each chat a named session (session_id)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--connections", type=int, default=1, help="reading fronts at once (own connections)")
     ap.add_argument("--front", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tag", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -93,17 +96,29 @@ def main() -> None:
             before = dict(core.loop.stats())
             profile = profiled(core.loop) if args.profile and r == args.rounds else None
             cpu0, t0 = time.process_time(), time.perf_counter()
-            out = subprocess.run([sys.executable, __file__, "--front", server.path, "--sessions",
-                                  str(args.sessions), "--tokens", str(args.tokens), "--tag", str(r)]
-                                 + ["--stop"] * args.stop + ["--named"] * args.named,
-                                 capture_output=True, text=True, env=os.environ, check=True)
+            shares = [args.sessions // args.connections + (j < args.sessions % args.connections)
+                      for j in range(args.connections)]
+            fronts = [subprocess.Popen([sys.executable, __file__, "--front", server.path, "--sessions",
+                                        str(n), "--tokens", str(args.tokens), "--tag", str(1000 * r + j)]
+                                       + ["--stop"] * args.stop + ["--named"] * args.named,
+                                       stdout=subprocess.PIPE, text=True, env=os.environ)
+                      for j, n in enumerate(shares)]
+            outs = [f.communicate()[0] for f in fronts]
+            if any(f.returncode for f in fronts):
+                raise SystemExit(f"a reading front failed: {[f.returncode for f in fronts]}")
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
             after = core.loop.stats()
             rows = after["rows"] - before["rows"]
             host = ((after["step_s"] - before["step_s"]) - (after["wait_s"] - before["wait_s"])
                     - (after["launch_s"] - before["launch_s"])
                     - (after["phase_s"]["prefill"] - before["phase_s"]["prefill"]))
-            got = json.loads(out.stdout.strip().splitlines()[-1])
+            each = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+            kinds: dict[str, int] = {}
+            for g in each:
+                for k, v in g["kinds"].items():
+                    kinds[k] = kinds.get(k, 0) + v
+            got = {"frames": sum(g["frames"] for g in each), "kinds": kinds,
+                   "first_s": sorted(g["first_s"] for g in each)[len(each) // 2]}
             if r == 0:
                 continue
             print(f"round {r}: {rows} row-tokens in {wall:.2f} s ({rows / wall:,.0f} tok/s); loop host "
