@@ -1,0 +1,160 @@
+"""The front's short way for a valid chat request (floe.server.fastpath): the answers it gives are the ones
+FastAPI's route gives, and everything else is FastAPI's, as before. A front against a core client that
+answers at once (no model): each request goes to a front with the short way and to one without it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from floe.server.app import create_front
+from floe.server.fastpath import ChatFastPath
+
+CHAT = "/v1/chat/completions"
+OK = {"model": "m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+
+
+class InstantCore:
+    """A core client whose chats end at once (started, one piece, done); context 8 tokens."""
+
+    streams, gone = 0, False
+
+    def __init__(self) -> None:
+        self.asked: list[dict] = []
+
+    async def connect(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def call(self, name: str, arg=None, owner=None):
+        if name == "hello":
+            return {"model_id": "m", "started": 1.0, "aliases": [], "max_text_bytes": 4096, "context": 8}
+        return None  # ("tokenizer": none, so no prompt hints)
+
+    async def table(self, model: str) -> None:
+        pass
+
+    def chat(self, request: dict):
+        self.asked.append(request)
+        queue, ended = asyncio.Queue(), asyncio.Event()
+        queue.put_nowait(("started", "s1"))
+        if request.get("stream"):
+            queue.put_nowait(("text", "Hi"))
+        queue.put_nowait(("done", {"text": "Hi", "finish_reason": "stop",
+                                   "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}))
+        ended.set()
+        return len(self.asked), queue, ended
+
+    def cancel(self, rid: int) -> None:
+        pass
+
+
+def short_way(app) -> ChatFastPath | None:
+    """The app's ChatFastPath instance in its built middleware stack, if it has one."""
+    layer = app.middleware_stack
+    while layer is not None:
+        if isinstance(layer, ChatFastPath):
+            return layer
+        layer = getattr(layer, "app", None)
+    return None
+
+
+@pytest.fixture(scope="module")
+def fronts():
+    """(client of the front with the short way, its core; client of the front without it, its core)."""
+    made = []
+    for short in (True, False):
+        core = InstantCore()
+        app = create_front(client=core, max_request_bytes=2048)
+        if not short:
+            app.user_middleware[:] = [m for m in app.user_middleware if m.cls is not ChatFastPath]
+        client = TestClient(app)
+        client.__enter__()
+        made.append((client, core))
+    yield made
+    for client, _ in made:
+        client.__exit__(None, None, None)
+
+
+def same(r) -> tuple:
+    """A response's status, the headers a client reads, and its body without a chat's own id and time."""
+    headers = {k: v for k, v in r.headers.items() if k in ("content-type", "x-floe-session", "retry-after",
+                                                           "x-should-retry")}
+    text = r.text
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [e for e in text.split("\n\n") if e]
+        text = [json.loads(e[6:]) if e != "data: [DONE]" else e for e in events]
+    elif r.headers.get("content-type") == "application/json":
+        text = r.json()
+    for value in text if isinstance(text, list) else [text]:
+        if isinstance(value, dict):
+            value.pop("id", None), value.pop("created", None)
+    return r.status_code, headers, text
+
+
+ASKED = [  # (what is sent, whether the short way answers it)
+    (dict(json=OK), True),
+    (dict(json=OK | {"stream": True}), True),
+    (dict(json=OK | {"stream": True, "stream_options": {"include_usage": True}}), True),
+    (dict(json=OK | {"model": "nope"}), True),  # valid, the chat service's 404
+    (dict(json=OK | {"logprobs": True}), True),  # valid, the chat service's 400
+    (dict(json=OK | {"max_tokens": "4"}), False),  # not valid: strict
+    (dict(json=OK | {"messages": []}), False),
+    (dict(json={k: v for k, v in OK.items() if k != "model"}), False),
+    (dict(json=[OK]), False),
+    (dict(json=OK | {"messages": [{"role": "user", "content": "x"}] * 9}), False),  # past the context's count
+    (dict(content=b"", headers={"content-type": "application/json"}), False),
+    (dict(content=b'{"model": "m", "messa', headers={"content-type": "application/json"}), False),
+    (dict(content=json.dumps(OK).encode()), False),  # no content type: FastAPI reads no JSON
+    (dict(content=json.dumps(OK).encode(), headers={"content-type": "text/plain"}), False),
+    (dict(content=json.dumps(OK).encode(), headers={"content-type": "application/json",
+                                                    "content-encoding": "gzip"}), False),
+    (dict(content=json.dumps(OK).encode(), headers={"content-type": "application/vnd.x+json; charset=utf-8"}),
+     True),
+    (dict(content=b"\xff\xfe{}", headers={"content-type": "application/json"}), False),
+    (dict(content=(json.dumps(OK)[:-1] + ', "pad": "' + "x" * 3000 + '"}').encode(),
+          headers={"content-type": "application/json"}), False),  # past the body limit, by its length
+]
+
+
+@pytest.mark.parametrize("asked, short", ASKED, ids=[str(i) for i in range(len(ASKED))])
+def test_each_request_gets_the_answer_the_route_gives(fronts, asked, short):
+    (fast, fast_core), (plain, plain_core) = fronts
+    way = short_way(fast.app) if fast.app.middleware_stack else None
+    before = 0 if way is None else way.answered
+    got, expected = fast.post(CHAT, **asked), plain.post(CHAT, **asked)
+    assert same(got) == same(expected)
+    way = short_way(fast.app)
+    assert way is not None and short_way(plain.app) is None
+    assert way.answered - before == short, (got.status_code, got.text)
+    if got.status_code == 200:  # the core was asked the same
+        assert fast_core.asked[-1] == plain_core.asked[-1]
+
+
+def test_a_body_past_the_limit_in_chunks_is_refused_as_before(fronts):
+    (fast, _), (plain, _) = fronts
+    body = (json.dumps(OK)[:-1] + ', "pad": "' + "x" * 3000 + '"}').encode()
+
+    def chunks():
+        for i in range(0, len(body), 500):
+            yield body[i:i + 500]
+
+    before = short_way(fast.app).answered if fast.app.middleware_stack else 0
+    got = fast.post(CHAT, content=chunks(), headers={"content-type": "application/json"})
+    expected = plain.post(CHAT, content=chunks(), headers={"content-type": "application/json"})
+    assert got.status_code == 413 and same(got) == same(expected)
+    assert short_way(fast.app).answered == before
+
+
+def test_other_routes_are_the_apps(fronts):
+    (fast, _), (plain, _) = fronts
+    for path in ("/health", "/v1/models", "/v1/chat/completions/x"):
+        assert same(fast.get(path)) == same(plain.get(path))
+    completion = {"model": "m", "prompt": "Hi", "max_tokens": 2}
+    assert same(fast.post("/v1/completions", json=completion)) == same(plain.post("/v1/completions",
+                                                                                   json=completion))
