@@ -1,6 +1,7 @@
-"""The front's short way for a valid chat request (floe.server.fastpath): the answers it gives are the ones
-FastAPI's route gives, and everything else is FastAPI's, as before. A front against a core client that
-answers at once (no model): each request goes to a front with the short way and to one without it."""
+"""The front's short way for a valid request of the chat API (floe.server.fastpath): the answers it gives
+are the ones FastAPI's routes give, and everything else is FastAPI's, as before. A front against a core
+client that answers at once (no model): each request goes to a front with the short way and to one without
+it."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import pytest
 from starlette.testclient import TestClient
 
 from floe.server.app import create_front
-from floe.server.fastpath import ChatFastPath
+from floe.server.fastpath import FastPath
 
-CHAT = "/v1/chat/completions"
+CHAT, COMPLETE = "/v1/chat/completions", "/v1/completions"
 OK = {"model": "m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+TEXT = {"model": "m", "prompt": "Once upon a time", "max_tokens": 4}
 
 
 class InstantCore:
@@ -42,7 +44,7 @@ class InstantCore:
     def chat(self, request: dict):
         self.asked.append(request)
         queue, ended = asyncio.Queue(), asyncio.Event()
-        queue.put_nowait(("started", "s1"))
+        queue.put_nowait(("started", None if "prompt" in request else "s1"))
         if request.get("stream"):
             queue.put_nowait(("text", "Hi"))
         queue.put_nowait(("done", {"text": "Hi", "finish_reason": "stop",
@@ -54,11 +56,11 @@ class InstantCore:
         pass
 
 
-def short_way(app) -> ChatFastPath | None:
-    """The app's ChatFastPath instance in its built middleware stack, if it has one."""
+def short_way(app) -> FastPath | None:
+    """The app's FastPath instance in its built middleware stack, if it has one."""
     layer = app.middleware_stack
     while layer is not None:
-        if isinstance(layer, ChatFastPath):
+        if isinstance(layer, FastPath):
             return layer
         layer = getattr(layer, "app", None)
     return None
@@ -72,7 +74,7 @@ def fronts():
         core = InstantCore()
         app = create_front(client=core, max_request_bytes=2048)
         if not short:
-            app.user_middleware[:] = [m for m in app.user_middleware if m.cls is not ChatFastPath]
+            app.user_middleware[:] = [m for m in app.user_middleware if m.cls is not FastPath]
         client = TestClient(app)
         client.__enter__()
         made.append((client, core))
@@ -97,37 +99,44 @@ def same(r) -> tuple:
     return r.status_code, headers, text
 
 
-ASKED = [  # (what is sent, whether the short way answers it)
-    (dict(json=OK), True),
-    (dict(json=OK | {"stream": True}), True),
-    (dict(json=OK | {"stream": True, "stream_options": {"include_usage": True}}), True),
-    (dict(json=OK | {"model": "nope"}), True),  # valid, the chat service's 404
-    (dict(json=OK | {"logprobs": True}), True),  # valid, the chat service's 400
-    (dict(json=OK | {"max_tokens": "4"}), False),  # not valid: strict
-    (dict(json=OK | {"messages": []}), False),
-    (dict(json={k: v for k, v in OK.items() if k != "model"}), False),
-    (dict(json=[OK]), False),
-    (dict(json=OK | {"messages": [{"role": "user", "content": "x"}] * 9}), False),  # past the context's count
-    (dict(content=b"", headers={"content-type": "application/json"}), False),
-    (dict(content=b'{"model": "m", "messa', headers={"content-type": "application/json"}), False),
-    (dict(content=json.dumps(OK).encode()), False),  # no content type: FastAPI reads no JSON
-    (dict(content=json.dumps(OK).encode(), headers={"content-type": "text/plain"}), False),
-    (dict(content=json.dumps(OK).encode(), headers={"content-type": "application/json",
-                                                    "content-encoding": "gzip"}), False),
-    (dict(content=json.dumps(OK).encode(), headers={"content-type": "application/vnd.x+json; charset=utf-8"}),
-     True),
-    (dict(content=b"\xff\xfe{}", headers={"content-type": "application/json"}), False),
-    (dict(content=(json.dumps(OK)[:-1] + ', "pad": "' + "x" * 3000 + '"}').encode(),
+ASKED = [  # (where, what is sent, whether the short way answers it)
+    (CHAT, dict(json=OK), True),
+    (CHAT, dict(json=OK | {"stream": True}), True),
+    (CHAT, dict(json=OK | {"stream": True, "stream_options": {"include_usage": True}}), True),
+    (CHAT, dict(json=OK | {"model": "nope"}), True),  # valid, the chat service's 404
+    (CHAT, dict(json=OK | {"logprobs": True}), True),  # valid, the chat service's 400
+    (CHAT, dict(json=OK | {"max_tokens": "4"}), False),  # not valid: strict
+    (CHAT, dict(json=OK | {"messages": []}), False),
+    (CHAT, dict(json={k: v for k, v in OK.items() if k != "model"}), False),
+    (CHAT, dict(json=[OK]), False),
+    (CHAT, dict(json=OK | {"messages": [{"role": "user", "content": "x"}] * 9}), False),  # past the context
+    (CHAT, dict(content=b"", headers={"content-type": "application/json"}), False),
+    (CHAT, dict(content=b'{"model": "m", "messa', headers={"content-type": "application/json"}), False),
+    (CHAT, dict(content=json.dumps(OK).encode()), False),  # no content type: FastAPI reads no JSON
+    (CHAT, dict(content=json.dumps(OK).encode(), headers={"content-type": "text/plain"}), False),
+    (CHAT, dict(content=json.dumps(OK).encode(), headers={"content-type": "application/json",
+                                                          "content-encoding": "gzip"}), False),
+    (CHAT, dict(content=json.dumps(OK).encode(),
+                headers={"content-type": "application/vnd.x+json; charset=utf-8"}), True),
+    (CHAT, dict(content=b"\xff\xfe{}", headers={"content-type": "application/json"}), False),
+    (CHAT, dict(content=(json.dumps(OK)[:-1] + ', "pad": "' + "x" * 3000 + '"}').encode(),
           headers={"content-type": "application/json"}), False),  # past the body limit, by its length
+    (COMPLETE, dict(json=TEXT), True),
+    (COMPLETE, dict(json=TEXT | {"stream": True}), True),
+    (COMPLETE, dict(json=TEXT | {"prompt": ["a", "b"]}), True),  # valid, the chat service's 400
+    (COMPLETE, dict(json=TEXT | {"session_id": "x"}), True),  # valid, the chat service's 400
+    (COMPLETE, dict(json=TEXT | {"max_tokens": "4"}), False),
+    (COMPLETE, dict(json={k: v for k, v in TEXT.items() if k != "prompt"}), False),
+    (COMPLETE, dict(content=json.dumps(TEXT).encode()), False),
 ]
 
 
-@pytest.mark.parametrize("asked, short", ASKED, ids=[str(i) for i in range(len(ASKED))])
-def test_each_request_gets_the_answer_the_route_gives(fronts, asked, short):
+@pytest.mark.parametrize("path, asked, short", ASKED, ids=[str(i) for i in range(len(ASKED))])
+def test_each_request_gets_the_answer_the_route_gives(fronts, path, asked, short):
     (fast, fast_core), (plain, plain_core) = fronts
     way = short_way(fast.app) if fast.app.middleware_stack else None
     before = 0 if way is None else way.answered
-    got, expected = fast.post(CHAT, **asked), plain.post(CHAT, **asked)
+    got, expected = fast.post(path, **asked), plain.post(path, **asked)
     assert same(got) == same(expected)
     way = short_way(fast.app)
     assert way is not None and short_way(plain.app) is None
@@ -153,8 +162,6 @@ def test_a_body_past_the_limit_in_chunks_is_refused_as_before(fronts):
 
 def test_other_routes_are_the_apps(fronts):
     (fast, _), (plain, _) = fronts
-    for path in ("/health", "/v1/models", "/v1/chat/completions/x"):
+    for path in ("/health", "/v1/models", "/v1/chat/completions/x", CHAT):
         assert same(fast.get(path)) == same(plain.get(path))
-    completion = {"model": "m", "prompt": "Hi", "max_tokens": 2}
-    assert same(fast.post("/v1/completions", json=completion)) == same(plain.post("/v1/completions",
-                                                                                   json=completion))
+    assert same(fast.post("/v1/models", json=OK)) == same(plain.post("/v1/models", json=OK))

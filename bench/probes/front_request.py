@@ -42,8 +42,9 @@ class HintedCore(InstantCore):
 
 
 def fast_path_of(app):
-    """The app's ChatFastPath middleware entry, if the front has one."""
-    return next((m for m in app.user_middleware if getattr(m.cls, "__name__", "") == "ChatFastPath"), None)
+    """The app's short way's middleware entry (FastPath; 9f73427's ChatFastPath), if the front has one."""
+    return next((m for m in app.user_middleware
+                 if getattr(m.cls, "__name__", "") in ("FastPath", "ChatFastPath")), None)
 
 
 async def request(app, body: bytes) -> int:

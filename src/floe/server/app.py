@@ -45,7 +45,7 @@ from starlette.requests import ClientDisconnect
 from floe.server.auth import OPERATOR_KEYS_ENV, ApiKeys, api_keys
 from floe.server.chat import ChatRequest, ChatService, ClientGone, CompletionRequest
 from floe.server.client import CoreClient
-from floe.server.fastpath import ChatFastPath
+from floe.server.fastpath import FastPath, Route
 from floe.server.limits import MAX_REQUEST_BYTES, BodyLimit, check_text
 from floe.server.protocol import METRICS_ENV, ServeError
 
@@ -345,12 +345,15 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
     async def completions(body: CompletionRequest, request: Request):
         return await counted(service.complete(body, request))
 
-    # A valid chat request's short way past FastAPI's routing and handler (floe.server.fastpath), the
-    # innermost middleware: inside the API keys and the body limit, as the route is
-    app.user_middleware.append(Middleware(
-        ChatFastPath, answer=lambda body, request: counted(service.chat(body, request)),
-        check=lambda messages: check_text(messages, None, app.state.context),
-        error=lambda e: _error(e.status, e.message, e.type, e.code, e.param, e.retry_after)))
+    # A valid chat API request's short way past FastAPI's routing and handler (floe.server.fastpath), the
+    # innermost middleware: inside the API keys and the body limit, as the routes are
+    routes = {"/v1/chat/completions": Route(ChatRequest,
+                                            lambda body, request: counted(service.chat(body, request)),
+                                            lambda messages: check_text(messages, None, app.state.context)),
+              "/v1/completions": Route(CompletionRequest,
+                                       lambda body, request: counted(service.complete(body, request)))}
+    app.user_middleware.append(Middleware(FastPath, routes=routes, error=lambda e: _error(
+        e.status, e.message, e.type, e.code, e.param, e.retry_after)))
     return app
 
 

@@ -1,41 +1,48 @@
-"""The HTTP front's short way for a valid chat request (ChatFastPath): POST /v1/chat/completions with a JSON
-body that is a valid ChatRequest goes straight to the chat service, without FastAPI's route matching,
-request handler, dependency solving and exception wrappers (in a burst of 64 arrivals through one front,
-about a third of the front's CPU a request: docs/PERF_HISTORY.md, "The front's short way"). Whatever is not
-such a request (another route, a body that is not JSON, not a valid request, too many messages, a body past
-the limit, a client gone before its body's end) goes on to the app with its body as it came, and is
+"""The HTTP front's short way for a valid request of the chat API (FastPath): a POST to /v1/chat/completions
+or /v1/completions with a JSON body that is a valid request of its route goes straight to the chat service,
+without FastAPI's route matching, request handler, dependency solving and exception wrappers (about a third
+of the front's CPU a request: docs/PERF_HISTORY.md, "The front's short way for a valid chat"). Whatever is
+not such a request (another route, a body that is not JSON, not a valid request, too many messages, a body
+past the limit, a client gone before its body's end) goes on to the app with its body as it came, and is
 answered there exactly as before: only answers the app would have given the same way take the short way."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from floe.server.chat import ChatRequest
 from floe.server.protocol import ServeError
 
-PATH = "/v1/chat/completions"
+
+class Route(NamedTuple):
+    """A POST route the short way takes: its body's model (the route's parameter), the route's own call
+    answer(body, request), and check(messages), its dependency on a conversation's size (raises
+    ServeError; None: it has none)."""
+
+    model: type[BaseModel]
+    answer: Callable[[BaseModel, Request], Awaitable[Response]]
+    check: Callable[[list], None] | None = None
 
 
-class ChatFastPath:
+class FastPath:
     """ASGI middleware, the innermost of the front's (inside its API keys and body limit: a request here is
-    authorised and within the limit as it is read). answer(body, request): the route's own call (the chat
-    service's answer, counted); check(messages): the route's dependency on the conversation's size (raises
-    ServeError); error(e): the response to a ServeError (the app's handler's). `answered`: requests it
-    answered (the rest went on to the app)."""
+    authorised and within the limit as it is read), for the POST `routes` by path. error(e): the response
+    to a ServeError (the app's handler's). `answered`: requests it answered (the rest went on to the app)."""
 
-    def __init__(self, app: ASGIApp, answer: Callable[[ChatRequest, Request], Awaitable[Response]],
-                 check: Callable[[list], None], error: Callable[[ServeError], Response]) -> None:
-        self.app, self.answer, self.check, self.error = app, answer, check, error
+    def __init__(self, app: ASGIApp, routes: dict[str, Route],
+                 error: Callable[[ServeError], Response]) -> None:
+        self.app, self.routes, self.error = app, routes, error
         self.answered = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != PATH or scope["method"] != "POST" or not _json(scope):
+        route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None or scope["method"] != "POST" or not _json(scope):
             await self.app(scope, receive, send)
             return
         messages: list[Message] = []
@@ -48,14 +55,14 @@ class ChatFastPath:
         except Exception as e:  # (the body limit's): raised again where the app reads that far
             await self.app(scope, _replay(messages, e, receive), send)
             return
-        body = _valid(messages, self.check)
+        body = _valid(messages, route)
         if body is None:
             await self.app(scope, _replay(messages, None, receive), send)
             return
         self.answered += 1
         request = Request(scope, receive, send)
         try:
-            response = await self.answer(body, request)
+            response = await route.answer(body, request)
         except ServeError as e:
             response = self.error(e)
         await response(scope, receive, send)
@@ -76,8 +83,8 @@ def _json(scope: Scope) -> bool:
     return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
 
 
-def _valid(messages: list[Message], check: Callable[[list], None]) -> ChatRequest | None:
-    """The request of a whole body that the app would take as it is, or None."""
+def _valid(messages: list[Message], route: Route) -> BaseModel | None:
+    """The request of a whole body that the app would take as it is on `route`, or None."""
     if messages[-1]["type"] != "http.request" or messages[-1].get("more_body", False):
         return None  # (the client left before its body's end)
     raw = b"".join(m.get("body", b"") for m in messages)
@@ -87,9 +94,9 @@ def _valid(messages: list[Message], check: Callable[[list], None]) -> ChatReques
         parsed = json.loads(raw)
         if not isinstance(parsed, dict):
             return None
-        if isinstance(parsed.get("messages"), list):
-            check(parsed["messages"])
-        return ChatRequest.model_validate(parsed)
+        if route.check is not None and isinstance(parsed.get("messages"), list):
+            route.check(parsed["messages"])
+        return route.model.model_validate(parsed)
     except (ValueError, ValidationError, ServeError, RecursionError, TypeError):
         return None
 
