@@ -109,7 +109,8 @@ ASKED = [  # (where, what is sent, whether the short way answers it)
     (CHAT, dict(json=OK | {"messages": []}), False),
     (CHAT, dict(json={k: v for k, v in OK.items() if k != "model"}), False),
     (CHAT, dict(json=[OK]), False),
-    (CHAT, dict(json=OK | {"messages": [{"role": "user", "content": "x"}] * 9}), False),  # past the context
+    (CHAT, dict(json=OK | {"messages": [{"role": "user", "content": "x"}] * 9}), True),  # past the context
+    (CHAT, dict(json={"messages": [{"role": "user", "content": 1}] * 9, "max_tokens": "x"}), True),  # first
     (CHAT, dict(content=b"", headers={"content-type": "application/json"}), False),
     (CHAT, dict(content=b'{"model": "m", "messa', headers={"content-type": "application/json"}), False),
     (CHAT, dict(content=json.dumps(OK).encode()), False),  # no content type: FastAPI reads no JSON

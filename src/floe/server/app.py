@@ -325,17 +325,21 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         requests.labels(str(response.status_code)).inc()
         return response
 
+    def few_enough(messages: list) -> None:
+        """More messages than the context has tokens: refused (and counted) before pydantic makes a model
+        of each. 200,000 empty messages (6.6 MB) held the front's event loop ~1 s to be refused: json.loads
+        0.1 s, pydantic the rest."""
+        try:
+            check_text(messages, None, app.state.context)  # (their count only)
+        except ServeError as e:
+            refused("/v1/chat/completions", e.status)
+            raise
+
     async def few_enough_messages(request: Request) -> None:
-        """More messages than the context has tokens: refused before pydantic makes a model of each
-        (FastAPI validates the body after the route's dependencies). 200,000 empty messages (6.6 MB) held
-        the front's event loop ~1 s to be refused: json.loads 0.1 s, pydantic the rest."""
+        """few_enough, as the chat route's dependency (FastAPI validates the body after it)."""
         parsed = getattr(request, "_json", None)  # FastAPI's parse of the body (Starlette keeps it there)
         if isinstance(parsed, dict) and isinstance(parsed.get("messages"), list):
-            try:
-                check_text(parsed["messages"], None, app.state.context)  # (their count only)
-            except ServeError as e:
-                refused(request.url.path, e.status)
-                raise
+            few_enough(parsed["messages"])
 
     @app.post("/v1/chat/completions", dependencies=[Depends(few_enough_messages)])
     async def chat(body: ChatRequest, request: Request):
@@ -349,7 +353,7 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
     # innermost middleware: inside the API keys and the body limit, as the routes are
     routes = {"/v1/chat/completions": Route(ChatRequest,
                                             lambda body, request: counted(service.chat(body, request)),
-                                            lambda messages: check_text(messages, None, app.state.context)),
+                                            few_enough),
               "/v1/completions": Route(CompletionRequest,
                                        lambda body, request: counted(service.complete(body, request)))}
     app.user_middleware.append(Middleware(FastPath, routes=routes, error=lambda e: _error(

@@ -2,9 +2,10 @@
 or /v1/completions with a JSON body that is a valid request of its route goes straight to the chat service,
 without FastAPI's route matching, request handler, dependency solving and exception wrappers (about a third
 of the front's CPU a request: docs/PERF_HISTORY.md, "The front's short way for a valid chat"). Whatever is
-not such a request (another route, a body that is not JSON, not a valid request, too many messages, a body
-past the limit, a client gone before its body's end) goes on to the app with its body as it came, and is
-answered there exactly as before: only answers the app would have given the same way take the short way."""
+not such a request (another route, a body that is not JSON, not a valid request, a body past the limit, a
+client gone before its body's end) goes on to the app with its body as it came, and is answered there
+exactly as before; a route's check of the conversation's size refuses as the route's dependency does. Only
+answers the app would have given the same way take the short way."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from floe.server.protocol import ServeError
 class Route(NamedTuple):
     """A POST route the short way takes: its body's model (the route's parameter), the route's own call
     answer(body, request), and check(messages), its dependency on a conversation's size (raises
-    ServeError; None: it has none)."""
+    ServeError, the answer then, as the route's own refusal; None: it has none)."""
 
     model: type[BaseModel]
     answer: Callable[[BaseModel, Request], Awaitable[Response]]
@@ -55,7 +56,12 @@ class FastPath:
         except Exception as e:  # (the body limit's): raised again where the app reads that far
             await self.app(scope, _replay(messages, e, receive), send)
             return
-        body = _valid(messages, route)
+        try:
+            body = _valid(messages, route)
+        except ServeError as e:  # (its dependency's refusal, before the body's model: as the route's)
+            self.answered += 1
+            await self.error(e)(scope, receive, send)
+            return
         if body is None:
             await self.app(scope, _replay(messages, None, receive), send)
             return
@@ -84,7 +90,8 @@ def _json(scope: Scope) -> bool:
 
 
 def _valid(messages: list[Message], route: Route) -> BaseModel | None:
-    """The request of a whole body that the app would take as it is on `route`, or None."""
+    """The request of a whole body that the app would take as it is on `route`, or None; the ServeError of
+    the route's check where it refuses the body's messages."""
     if messages[-1]["type"] != "http.request" or messages[-1].get("more_body", False):
         return None  # (the client left before its body's end)
     raw = b"".join(m.get("body", b"") for m in messages)
@@ -92,12 +99,15 @@ def _valid(messages: list[Message], route: Route) -> BaseModel | None:
         return None
     try:
         parsed = json.loads(raw)
-        if not isinstance(parsed, dict):
-            return None
-        if route.check is not None and isinstance(parsed.get("messages"), list):
-            route.check(parsed["messages"])
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    if route.check is not None and isinstance(parsed.get("messages"), list):
+        route.check(parsed["messages"])  # (a refusal: the route's dependency's, before the model's)
+    try:
         return route.model.model_validate(parsed)
-    except (ValueError, ValidationError, ServeError, RecursionError, TypeError):
+    except (ValueError, ValidationError, RecursionError, TypeError):
         return None
 
 
