@@ -36,6 +36,8 @@ class InstantCore:
     async def call(self, name: str, arg=None, owner=None):
         if name == "hello":
             return {"model_id": "m", "started": 1.0, "aliases": [], "max_text_bytes": 4096, "context": 8}
+        if name == "metrics":
+            return ""  # (the core's own: none here)
         return None  # ("tokenizer": none, so no prompt hints)
 
     async def table(self, model: str) -> None:
@@ -212,3 +214,21 @@ def test_mutated_requests_get_the_answers_the_routes_give(fronts):
         assert same(got) == same(expected), (path, raw[:200], kind)
     answered = short_way(fast.app).answered - before
     assert 30 < answered < 270, answered  # both ways were compared, many times each (52 of 300 here)
+
+
+def test_the_requests_are_counted_as_the_routes_count_them(fronts):
+    """floe_requests by status (the chat API's requests, and those refused before their route ran) the same
+    in both fronts after the same requests were sent to each (these, and any test's above)."""
+    (fast, _), (plain, _) = fronts
+    for client in (fast, plain):
+        client.post(CHAT, json=OK)
+        client.post(CHAT, json=OK | {"messages": [{"role": "user", "content": "x"}] * 9})  # refused: 400
+        client.post(CHAT, json=OK | {"model": "nope"})  # 404
+        client.post(COMPLETE, json=TEXT)
+
+    def counts(client) -> list[str]:
+        return sorted(line for line in client.get("/metrics").text.splitlines()
+                      if line.startswith("floe_requests_total"))
+
+    assert counts(fast) == counts(plain)
+    assert any('status="400"' in line for line in counts(fast)), counts(fast)
