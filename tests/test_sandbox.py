@@ -184,6 +184,31 @@ def test_closing_an_actor_from_its_own_on_text_stops_the_message_and_frees_it_sa
     assert out.count("cancelled after 1") == 4 and "next 3" in out, out
 
 
+def test_pieces_made_while_on_text_ran_are_not_handed_after_it_closed_the_actor():
+    """The engine loop makes a chat guest's text while the caller's thread hands it to on_text: an on_text
+    that takes a while lets several pieces queue up. Once it closes the actor, none of them is handed (a
+    busy machine made 3 of them reach on_text after the close)."""
+    out = run_isolated("""
+        import time
+        from models import tiny_engine
+        from floe.actor import Actor
+        from floe.wasm import GuestCancelled
+        engine = tiny_engine(n_slots=1)
+        actor = Actor(engine)
+        pieces = []
+        def close(text):
+            pieces.append(text)
+            time.sleep(0.3)  # (the loop makes more of the reply meanwhile)
+            actor.close()
+        try:
+            actor.send("Hi", max_tokens=60, on_text=close)
+            print("stopped after", len(pieces))
+        except GuestCancelled as e:
+            print("cancelled after", len(pieces), e)
+    """)
+    assert "cancelled after 1 " in out, out
+
+
 def test_closing_an_actor_from_another_thread_waits_for_its_message_to_stop():
     out = run_isolated("""
         import threading

@@ -302,7 +302,7 @@ class Actor(GuestHost):
                     on_text(text)
 
             def hand() -> None:
-                while pieces:
+                while pieces and not self.stop_requested:  # (an on_text that closed the actor: no more)
                     piece = pieces.popleft()
                     try:
                         on_text(piece)
