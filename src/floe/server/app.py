@@ -332,7 +332,7 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
         try:
             check_text(messages, None, app.state.context)  # (their count only)
         except ServeError as e:
-            refused("/v1/chat/completions", e.status)
+            refused(CHAT_PATHS[0], e.status)
             raise
 
     async def few_enough_messages(request: Request) -> None:
@@ -351,11 +351,11 @@ def create_front(socket_path: str | None = None, *, keys: tuple[str, ...] = (),
 
     # A valid chat API request's short way past FastAPI's routing and handler (floe.server.fastpath), the
     # innermost middleware: inside the API keys and the body limit, as the routes are
-    routes = {"/v1/chat/completions": Route(ChatRequest,
-                                            lambda body, request: counted(service.chat(body, request)),
-                                            few_enough),
-              "/v1/completions": Route(CompletionRequest,
-                                       lambda body, request: counted(service.complete(body, request)))}
+    chat_path, completions_path = CHAT_PATHS
+    routes = {chat_path: Route(ChatRequest, lambda body, request: counted(service.chat(body, request)),
+                               few_enough),
+              completions_path: Route(CompletionRequest,
+                                      lambda body, request: counted(service.complete(body, request)))}
     app.user_middleware.append(Middleware(FastPath, routes=routes, error=lambda e: _error(
         e.status, e.message, e.type, e.code, e.param, e.retry_after)))
     return app
