@@ -60,13 +60,16 @@ def engine_run(engine: Engine, prompts: list[list[int]], steps: int, batched: bo
 
 
 def actors_run(engine: Engine, messages: list[str], max_tokens: int, batch: bool,
-               params: SamplingParams = GREEDY, ids: bool = False, **loop_options) -> dict:
+               params: SamplingParams = GREEDY, ids: bool = False, on_text: bool = False,
+               **loop_options) -> dict:
     """Every message sent by its own actor (chat guest) at once through one engine loop; ids: each
-    reply streamed as token ids (a TokenStream, as `floe serve` streams), else as text. loop_options:
-    EngineLoop's (overlap, feed)."""
+    reply streamed as token ids (a TokenStream, as `floe serve` streams); on_text: as text, each piece
+    handed to its caller's on_text; else its text only at the end. loop_options: EngineLoop's (overlap,
+    feed)."""
     loop = EngineLoop(engine, batch=batch, **loop_options)
     actors = [Actor(engine, loop=loop, seed=i) for i in range(len(messages))]
-    streams = (lambda: {"tokens": TokenStream()}) if ids else dict
+    streams = ((lambda: {"tokens": TokenStream()}) if ids else (lambda: {"on_text": [].append}) if on_text
+               else dict)
     replies, wall = together([lambda a=a, m=m: a.send(m, max_tokens=max_tokens, params=params,
                                                       **streams()).stats
                               for a, m in zip(actors, messages, strict=True)])

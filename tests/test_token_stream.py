@@ -1,5 +1,7 @@
 """A reply streamed as token ids (Actor.send's `tokens`, floe.actor.stream): the engine loop makes no
-text per token, and what the stream holds is exactly the reply a send() with on_text gives."""
+text per token, and what the stream holds is exactly the reply a send() with on_text gives — on_text
+called in the loop's thread as the text is made (loop_safe), or handed to the caller's thread (which
+makes the text from a TokenStream of the send's own), or no on_text (the text made once at the end)."""
 
 import codecs
 import threading
@@ -27,17 +29,39 @@ def streamed_text(stream: TokenStream, tokenizer, cuts: int = 3) -> str:
     return "".join(out) + utf8.decode(b"", final=True)
 
 
+def three_ways(engine, guest, message: str, max_tokens: int, **options) -> tuple[str, list[str]]:
+    """The reply's text and on_text's pieces, the same whether on_text is called in the engine loop's
+    thread (loop_safe: the text made there, token by token), handed to the caller's thread (its text
+    made there from what each step streamed), or not given (the text made once at the end)."""
+    out = []
+    for way in ({"loop_safe": True}, {}, None):
+        pieces = []
+        with Actor(engine, guest, seed=1) as actor:
+            r = actor.send(message, max_tokens=max_tokens, **options,
+                           **({"on_text": pieces.append, **way} if way is not None else {}))
+        out.append((r.text, r.stats.token_ids, r.stats.finish_reason, pieces))
+    assert out[0] == out[1] and out[2][:3] == out[0][:3]
+    assert "".join(out[0][3]) == out[0][0]
+    return out[0][0], out[0][3]
+
+
 def test_concurrent_streams_of_ids_hold_exactly_the_replies_text_and_tokens(tiny_engine):
     """Several actors at once through one loop, each streaming ids: each reply (text, tokens, finish)
     equals that actor's reply with on_text, and its stream's items are its tokens, in order."""
     loop = EngineLoop(tiny_engine)
     expected = []
     for i, prompt in enumerate(PROMPTS):
-        pieces = []
-        with Actor(tiny_engine, loop=loop, seed=i) as actor:
-            r = actor.send(prompt, max_tokens=24, params=GREEDY, on_text=pieces.append)
-        expected.append((r.text, r.stats.token_ids, r.stats.finish_reason))
-        assert "".join(pieces) == r.text
+        ways = []
+        for way in ({"loop_safe": True}, {}, None):  # on_text in the loop's thread, handed over, none
+            pieces = []
+            with Actor(tiny_engine, loop=loop, seed=i) as actor:
+                r = actor.send(prompt, max_tokens=24, params=GREEDY,
+                               **({"on_text": pieces.append, **way} if way is not None else {}))
+            ways.append((r.text, r.stats.token_ids, r.stats.finish_reason, pieces))
+            if way is not None:
+                assert "".join(pieces) == r.text and len(pieces) > 3  # (a piece a token, not one at the end)
+        assert ways[0] == ways[1] and ways[2][:3] == ways[0][:3]
+        expected.append(ways[0][:3])
     out = [None] * len(PROMPTS)
     start = threading.Barrier(len(PROMPTS))
 
@@ -62,9 +86,7 @@ def test_emitted_bytes_and_streamed_tokens_keep_their_order(tiny_engine):
     order, and its text is the text a send() with on_text gives."""
     guest = v2_chooser(choice=True, stream=True, on_token_first=(
         "(i32.store8 (i32.const 300) (i32.const 124))(drop (call $emit (i32.const 300) (i32.const 1)))"))
-    with Actor(tiny_engine, guest, seed=1) as actor:
-        pieces = []
-        text = actor.send("x", max_tokens=6, params=GREEDY, on_text=pieces.append).text
+    text, pieces = three_ways(tiny_engine, guest, "x", 6, params=GREEDY)
     assert text.startswith("|") and text.count("|") >= 6
     stream = TokenStream()
     with Actor(tiny_engine, guest, seed=1) as actor:
@@ -87,9 +109,7 @@ def test_a_character_split_across_tokens_and_special_tokens_decode_as_text_does(
                    for k, t in enumerate(sequence))
     guest = v2_chooser(choice=False, stream=True, counter=True, on_token_first=(
         "(global.set $n (i32.add (global.get $n) (i32.const 1)))" + body + "(return (i32.const -1))"))
-    with Actor(tiny_engine, guest) as actor:
-        pieces = []
-        text = actor.send("x", max_tokens=8, on_text=pieces.append).text
+    text, pieces = three_ways(tiny_engine, guest, "x", 8)
     stream = TokenStream()
     with Actor(tiny_engine, guest) as actor:
         r = actor.send("x", max_tokens=8, tokens=stream)

@@ -2,13 +2,14 @@
 little), S chat-guest actors through one EngineLoop, the loop's phases per step, and where the
 loop thread's time goes (cProfile of its steps, the top functions by own time).
 
-    python bench/probes/loop_host_cost.py [--sessions 64] [--tokens 64] [--tokenizer DIR] [--rounds 3] [--ids]
-        [--device cuda --shape llama-3.2-1b]
+    python bench/probes/loop_host_cost.py [--sessions 64] [--tokens 64] [--tokenizer DIR] [--rounds 3]
+        [--ids | --on-text] [--device cuda --shape llama-3.2-1b]
 
 --shape: seeded random weights of that shape (dense, bfloat16 off the CPU) instead of the tiny model:
 where a real step's host time goes (its launch, its results) on the device it runs on.
 
---ids: each reply streamed as token ids (a TokenStream, as `floe serve` streams), not as text.
+--ids: each reply streamed as token ids (a TokenStream, as `floe serve` streams), not as text. --on-text:
+its text handed piece by piece to its caller's on_text (in the caller's thread). Neither: its text at the end.
 
 --overlap: the loop's speculation and feeding (floe.actor.speculation) forced on, as on CUDA, where the
 CPU's step is not asynchronous: the Python a CUDA step pays for them, measured on a CPU.
@@ -50,6 +51,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the native / row-by-row comparison")
     ap.add_argument("--ids", action="store_true", help="replies streamed as token ids, not text")
+    ap.add_argument("--on-text", action="store_true", help="each reply's text handed to its caller's on_text")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shape", default=None, help="a real shape's seeded random weights (e.g. llama-3.2-1b)")
     ap.add_argument("--overlap", action="store_true", help="speculation and feeding forced on (as on CUDA)")
@@ -61,11 +63,12 @@ def main() -> None:
     engine = (shaped_engine(tok, args) if args.shape
               else tiny_engine(tok, args.sessions, args.device, reference_graphs=args.reference))
     texts = [message(tok, i, 64) for i in range(args.sessions)]
-    actors_run(engine, texts[:2], 4, batch=True, ids=args.ids, **options)
+    actors_run(engine, texts[:2], 4, batch=True, ids=args.ids, on_text=args.on_text, **options)
     asking_ab(engine, texts, args)
     profile = cProfile.Profile()
     device = device_work(profile) if args.reference else [0.0, False]
-    s = actors_run(engine, texts, args.tokens, batch=True, ids=args.ids, **options)["engine_loop"]
+    streams = {"ids": args.ids, "on_text": args.on_text}
+    s = actors_run(engine, texts, args.tokens, batch=True, **streams, **options)["engine_loop"]
     steps = s["steps"]
     print(f"{args.sessions} actors: {steps} steps, {1e3 * s['step_s'] / steps:.2f} ms a step, "
           f"{1e6 * s['step_s'] / s['rows']:.1f} µs a row-token; phases (ms a step): "
@@ -89,7 +92,7 @@ def main() -> None:
 
     engine_loop.EngineLoop._step = profiled
     try:
-        run = actors_run(engine, texts, args.tokens, batch=True, ids=args.ids, **options)
+        run = actors_run(engine, texts, args.tokens, batch=True, **streams, **options)
         rows = run["engine_loop"]["rows"]
     finally:
         engine_loop.EngineLoop._step = step
@@ -167,7 +170,7 @@ def asking_ab(engine: Engine, texts: list[str], args) -> None:
             for way in spent:
                 guest_rows.usable = usable if way == "native" else (lambda guests: False)
                 timed.seconds, timed.rows = 0.0, 0
-                actors_run(engine, texts, args.tokens, batch=True, ids=args.ids,
+                actors_run(engine, texts, args.tokens, batch=True, ids=args.ids, on_text=args.on_text,
                            **({"overlap": True, "feed": True} if args.overlap else {}))
                 spent[way].append(1e6 * timed.seconds / max(timed.rows, 1))
     finally:

@@ -571,16 +571,18 @@ class HostABI(GuestIO):
             if data:
                 context.stats.on_emit()
             return
-        if self.utf8.buffer:  # (the incremental decoder holds part of a character)
-            text = self.utf8.decode(data)
-        else:
-            try:  # (a whole token's text: as the incremental decoder would give it, without its Python)
-                text = data.decode()
-            except UnicodeDecodeError:  # (part of a character, or bytes that are none)
-                text = self.utf8.decode(data)
-        if text:
+        if text := self.text_of(data):
             context.stats.on_emit()
             context.on_text(text)
+
+    def text_of(self, data: bytes) -> str:
+        """The text a token's (or an emit's) bytes add to the reply, through the reply's UTF-8 decoder."""
+        if self.utf8.buffer:  # (the incremental decoder holds part of a character)
+            return self.utf8.decode(data)
+        try:  # (a whole token's text: as the incremental decoder would give it, without its Python)
+            return data.decode()
+        except UnicodeDecodeError:  # (part of a character, or bytes that are none)
+            return self.utf8.decode(data)
 
     def log(self, ptr: int, length: int) -> int:
         if (length := self._length(length)) is None:

@@ -281,10 +281,15 @@ class Actor(GuestHost):
         if tokens is not None and on_text is not None:
             raise FloeError("send(): a reply streamed as tokens has no on_text (its reader makes the text)")
         self._need_slot("send()")
+        # ABI v2: the engine loop's native calls take the reply's tokens into a TokenStream of its own
+        # (no Python a token in its thread), its text made here: once at the end, or, handed to on_text,
+        # from what each step streamed (the loop wakes this thread).
+        handing = on_text is not None and not loop_safe and self.abi_version >= 2
+        own = None
+        if tokens is None and self.abi_version >= 2 and (on_text is None or handing):
+            tokens = own = TokenStream()
         with self._guest_turn("send()"):
             parts: list[str] = []
-            # ABI v2: the engine loop's thread makes the text; this thread hands it to on_text.
-            handing = on_text is not None and not loop_safe and self.abi_version >= 2
             pieces: deque[str] = deque()
             woken = threading.Event()
             starting = [not self.continues_text and self.engine.tokenizer.strips_leading_space]
@@ -295,13 +300,23 @@ class Actor(GuestHost):
                     if text[0] == " " and not (text := text[1:]):
                         return
                 parts.append(text)
-                if handing:
+                if handing:  # (in this thread: take())
                     pieces.append(text)
-                    woken.set()
                 elif on_text is not None:
                     on_text(text)
 
+            taken = [(0, 0)]  # what take() has read of `own`
+
+            def take() -> None:
+                """The text of what the turn streamed since, collected (handing)."""
+                items, taken[0] = own.read(taken[0])
+                reply_bytes, text_of = self.engine.tokenizer.reply_bytes, self.abi.text_of
+                for item in items:
+                    if text := text_of(item if type(item) is bytes else reply_bytes(item)):
+                        collect(text)
+
             def hand() -> None:
+                take()
                 while pieces and not self.stop_requested:  # (an on_text that closed the actor: no more)
                     piece = pieces.popleft()
                     try:
@@ -333,7 +348,9 @@ class Actor(GuestHost):
                 self.stats.wall_s = time.perf_counter() - self.stats.started
                 if self.scheduler is not None:
                     self.scheduler.leave(self.slot)
-            if tokens is not None:  # the reply's text, once (its reader made it as it came, elsewhere)
+            if handing:
+                take()  # (what the turn's last steps streamed)
+            elif tokens is not None:  # the reply's text, once (as it came: made elsewhere)
                 made = tokens.reply_bytes(self.engine.tokenizer)
                 collect(self.abi.utf8.decode(made))  # (on_text is None: it keeps the text, its start cut)
             tail = self.abi.utf8.decode(b"", final=True)

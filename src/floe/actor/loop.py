@@ -360,6 +360,8 @@ class EngineLoop(Speculation):
                 turn.set_done()
             else:
                 self._end(turn)
+        for turn in self._roster_now().handing:  # (their callers make their text: woken where it grew)
+            turn.wake()
         stepped()  # (what this step streamed, taken in this thread: floe.actor.watchers)
         phase = self.phase_s
         phase["prefill"] += t1 - t0

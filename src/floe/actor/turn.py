@@ -52,9 +52,10 @@ class Roster:
     their tuple, slots (int64, read-only), guests, draws (tuples: never changed in place); and facts that hold
     for every one of them once they hold (asked until they do, then kept): each has its call words
     (Turn.headed), none has a prompt queued (Turn.prompt: once taken, never queued again in a turn),
-    each keeps no logits of its own (Turn.target None: set once, at its first decode row)."""
+    each keeps no logits of its own (Turn.target None: set once, at its first decode row); those whose
+    caller takes its reply's text in its own thread (Turn.wake)."""
 
-    __slots__ = ("turns", "key", "slot_list", "slots", "guests", "draws", "drawing", "_headed",
+    __slots__ = ("turns", "key", "slot_list", "slots", "guests", "draws", "drawing", "handing", "_headed",
                  "_prompted", "_targetless")
 
     def __init__(self, turns: tuple[Turn, ...], key: int) -> None:
@@ -65,6 +66,7 @@ class Roster:
         self.guests = tuple(t.guest for t in turns)
         self.draws = tuple(t.draws for t in turns)
         self.drawing = tuple(t for t in turns if t.draws)
+        self.handing = tuple(t for t in turns if t.woken is not None)
         self._headed = self._prompted = self._targetless = False
 
     def headed(self) -> bool:
@@ -134,7 +136,7 @@ class Turn:
     __slots__ = ("actor", "deadline", "speculated_at", "rng_before", "prompt", "_end", "error",
                  "abandoned", "calls_on_end", "done", "over", "woken", "abi", "context", "guest", "draws",
                  "target", "slot", "_row", "_words", "_dwords", "_base", "_moved_names", "headed", "decoded",
-                 "_table")
+                 "_table", "_handed")
 
     generated = _word(W.GENERATED)  # tokens it generated
     max_tokens = _word(W.MAX_TOKENS)
@@ -172,6 +174,7 @@ class Turn:
         self.done = threading.Event()
         self.over = False  # done is set (read each step: an attribute, not a call)
         self.woken = woken  # its caller's, set at its end too (run's `deliver`)
+        self._handed = 0  # its reply stream's items when its caller was last woken (wake())
         self.abi: HostABI = actor.abi
         self.context: MessageContext = actor.context  # (its message, slot, RNG: what its host calls see)
         self.guest: GuestInstance = actor.guest
@@ -302,6 +305,14 @@ class Turn:
             for col in (W.ROWS, W.ROWS_S, W.IN_CALLS, W.IN_BYTES, W.OUT_CALLS, W.OUT_BYTES, W.IN_PLACE,
                         W.COPIED, W.CHOICES):
                 w[b + col] = 0  # (0.0 as a double: the same bits)
+
+    def wake(self) -> None:
+        """At a step's end, for a turn whose caller takes its reply's text in its own thread (run's
+        `deliver`, a reply streamed into a TokenStream): its caller woken if the stream grew."""
+        stream = self.abi.tokens_to
+        if stream is not None and (items := int(stream.count[0]) + len(stream.emitted)) != self._handed:
+            self._handed = items
+            self.woken.set()
 
     def finish(self, end: int, error: BaseException | None) -> None:
         """End now and wake its caller, unless a launched forward still has its row: then it ends
