@@ -29,18 +29,31 @@ def streamed_text(stream: TokenStream, tokenizer, cuts: int = 3) -> str:
     return "".join(out) + utf8.decode(b"", final=True)
 
 
-def three_ways(engine, guest, message: str, max_tokens: int, **options) -> tuple[str, list[str]]:
+def three_ways(engine, guest, message: str, max_tokens: int, monkeypatch, **options) -> tuple[str, list[str]]:
     """The reply's text and on_text's pieces, the same whether on_text is called in the engine loop's
     thread (loop_safe: the text made there, token by token), handed to the caller's thread (its text
-    made there from what each step streamed), or not given (the text made once at the end)."""
+    made there from what each step streamed into the send's own TokenStream), or not given (the text
+    made once at the end); and the same where the tokenizer's reply bytes are not all worked out
+    (Tokenizer.reply_bytes_filled: no TokenStream of the send's own, the text made in the loop's thread)."""
+    engine.tokenizer.fill_reply_bytes()
     out = []
-    for way in ({"loop_safe": True}, {}, None):
-        pieces = []
-        with Actor(engine, guest, seed=1) as actor:
-            r = actor.send(message, max_tokens=max_tokens, **options,
-                           **({"on_text": pieces.append, **way} if way is not None else {}))
-        out.append((r.text, r.stats.token_ids, r.stats.finish_reason, pieces))
-    assert out[0] == out[1] and out[2][:3] == out[0][:3]
+    for filled in (True, False):
+        if not filled:
+            monkeypatch.setattr(type(engine.tokenizer), "reply_bytes_filled", property(lambda self: False))
+        for way in ({"loop_safe": True}, {}, None):
+            pieces, own = [], []
+            with Actor(engine, guest, seed=1) as actor:
+                def collect(piece: str, actor=actor, own=own, pieces=pieces) -> None:
+                    own.append(actor.abi.tokens_to is not None)
+                    pieces.append(piece)
+
+                r = actor.send(message, max_tokens=max_tokens, **options,
+                               **({"on_text": collect, **way} if way is not None else {}))
+            if way is not None:  # (handed over, every reply's bytes known: the send's own stream)
+                assert set(own) == {filled and way == {}}
+            out.append((r.text, r.stats.token_ids, r.stats.finish_reason, None if way is None else pieces))
+    for other in out:
+        assert other[:3] == out[0][:3] and other[3] in (None, out[0][3])
     assert "".join(out[0][3]) == out[0][0]
     return out[0][0], out[0][3]
 
@@ -49,6 +62,7 @@ def test_concurrent_streams_of_ids_hold_exactly_the_replies_text_and_tokens(tiny
     """Several actors at once through one loop, each streaming ids: each reply (text, tokens, finish)
     equals that actor's reply with on_text, and its stream's items are its tokens, in order."""
     loop = EngineLoop(tiny_engine)
+    tiny_engine.tokenizer.fill_reply_bytes()  # (as a server's warm-up: an on_text's send streams ids too)
     expected = []
     for i, prompt in enumerate(PROMPTS):
         ways = []
@@ -81,12 +95,12 @@ def test_concurrent_streams_of_ids_hold_exactly_the_replies_text_and_tokens(tiny
         assert r.stats.ttft_s > 0  # (its first text's time is kept as a text reply's)
 
 
-def test_emitted_bytes_and_streamed_tokens_keep_their_order(tiny_engine):
+def test_emitted_bytes_and_streamed_tokens_keep_their_order(tiny_engine, monkeypatch):
     """A guest that emits "|" before each token it streams: the stream holds b"|" and each token, in
     order, and its text is the text a send() with on_text gives."""
     guest = v2_chooser(choice=True, stream=True, on_token_first=(
         "(i32.store8 (i32.const 300) (i32.const 124))(drop (call $emit (i32.const 300) (i32.const 1)))"))
-    text, pieces = three_ways(tiny_engine, guest, "x", 6, params=GREEDY)
+    text, pieces = three_ways(tiny_engine, guest, "x", 6, monkeypatch, params=GREEDY)
     assert text.startswith("|") and text.count("|") >= 6
     stream = TokenStream()
     with Actor(tiny_engine, guest, seed=1) as actor:
@@ -97,7 +111,7 @@ def test_emitted_bytes_and_streamed_tokens_keep_their_order(tiny_engine):
     assert streamed_text(stream, tiny_engine.tokenizer) == text
 
 
-def test_a_character_split_across_tokens_and_special_tokens_decode_as_text_does(tiny_engine):
+def test_a_character_split_across_tokens_and_special_tokens_decode_as_text_does(tiny_engine, monkeypatch):
     """Tokens of single bytes that make "é" only together, then a special token (no reply text):
     the stream's reader and the reply make the same text as on_text does."""
     tok = tiny_engine.tokenizer
@@ -109,7 +123,7 @@ def test_a_character_split_across_tokens_and_special_tokens_decode_as_text_does(
                    for k, t in enumerate(sequence))
     guest = v2_chooser(choice=False, stream=True, counter=True, on_token_first=(
         "(global.set $n (i32.add (global.get $n) (i32.const 1)))" + body + "(return (i32.const -1))"))
-    text, pieces = three_ways(tiny_engine, guest, "x", 8)
+    text, pieces = three_ways(tiny_engine, guest, "x", 8, monkeypatch)
     stream = TokenStream()
     with Actor(tiny_engine, guest) as actor:
         r = actor.send("x", max_tokens=8, tokens=stream)
@@ -241,3 +255,56 @@ def test_a_stop_asked_before_its_turn_arrives_ends_it_while_other_turns_run(tiny
         finally:
             done.set()
             thread.join()
+
+
+def test_a_handed_over_reply_comes_piece_by_piece_while_its_turn_runs(tiny_engine):
+    """on_text handed over from the send's own TokenStream: the loop wakes the caller at the steps that
+    streamed, not only at the turn's end — its first piece comes while most of the reply is still to be
+    decoded, a piece a token."""
+    tok = tiny_engine.tokenizer
+    tok.fill_reply_bytes()
+    word = next(i for i in range(256, tok.vocab_size) if tok.reply_bytes(i).isalpha())  # (text of its own)
+    streamed_at_first = []
+    never_stops = v2_chooser(choice=True, stream=True, on_token_first=f"(return (i32.const {word}))")
+    with Actor(tiny_engine, never_stops, loop=EngineLoop(tiny_engine)) as actor:
+        def first(piece: str) -> None:
+            if not streamed_at_first:
+                streamed_at_first.append(int(actor.abi.tokens_to.count[0]))
+
+        r = actor.send("x", max_tokens=200, on_text=first)
+    assert r.stats.generated_tokens == 200 and streamed_at_first[0] < 100
+
+
+def test_reply_bytes_are_worked_out_for_a_loop_with_several_turns_not_for_one(tiny_engine, monkeypatch):
+    """A send whose tokenizer has not worked out every token's reply bytes makes its text in the loop's
+    thread; where the loop runs other turns meanwhile it has them worked out in a thread of their own
+    (floe.actor.reply_text.fill_later), once, for the sends after it; a send alone (`floe run`) does not."""
+    import floe.actor.actor as actor_module
+    from floe.actor.reply_text import fill_later
+
+    asked = []
+    monkeypatch.setattr(type(tiny_engine.tokenizer), "reply_bytes_filled", property(lambda self: False))
+    monkeypatch.setattr(actor_module, "fill_later", asked.append)
+    loop = EngineLoop(tiny_engine)
+    with Actor(tiny_engine, loop=loop) as alone:
+        alone.send(PROMPTS[0], max_tokens=4)
+    assert asked == []
+    never_stops = v2_chooser(choice=True, stream=True, on_token_first="(return (i32.const 5))")
+    stream = TokenStream()
+    with Actor(tiny_engine, never_stops, loop=loop) as long, Actor(tiny_engine, loop=loop) as second:
+        most = tiny_engine.max_seq_len - 8
+        t = threading.Thread(target=lambda: long.send("x", max_tokens=most, tokens=stream))
+        t.start()
+        while len(stream.items) < 2:  # (the long turn runs: stopped below)
+            time.sleep(0.001)
+        second.send(PROMPTS[1], max_tokens=4)
+        stream.stop()
+        t.join()
+    assert asked == [tiny_engine.tokenizer]
+    monkeypatch.undo()
+    tokenizer = tiny_engine.tokenizer
+    fill_later(tokenizer)  # (a thread of its own; nothing more where it is filled or being filled)
+    deadline = time.monotonic() + 10
+    while not tokenizer.reply_bytes_filled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tokenizer.reply_bytes_filled

@@ -6,7 +6,6 @@ import functools
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from floe.actor import native_imports
 from floe.actor.abi import IMPORT_MODULE, SUPPORTED_ABI_VERSIONS, HostABI
 from floe.actor.host import NATIVE_CALLS, GuestHost, MessageStats, Request
 from floe.actor.loop import EngineLoop, engine_loop, in_engine_loop
+from floe.actor.reply_text import ReplyText, fill_later
 from floe.actor.scheduler import DecodeScheduler
 from floe.actor.stream import TokenStream
 from floe.actor.turn import END_REASONS
@@ -30,7 +30,6 @@ from floe.memory import OutOfBounds
 from floe.profile import Ledger
 from floe.wasm import (
     GuestError,
-    GuestHostCallError,
     GuestInstance,
     GuestLoadError,
     GuestModule,
@@ -41,7 +40,7 @@ from floe.wasm import (
     default_runtime,
     start_guest_thread,
 )
-from floe.wasm.raw import HOLD_TO_A_TICK, describe
+from floe.wasm.raw import HOLD_TO_A_TICK
 
 DEFAULT_MEMORY_CAP = 256 << 20
 DEFAULT_DEADLINE_S = 600.0
@@ -281,54 +280,23 @@ class Actor(GuestHost):
         if tokens is not None and on_text is not None:
             raise FloeError("send(): a reply streamed as tokens has no on_text (its reader makes the text)")
         self._need_slot("send()")
-        # ABI v2: the engine loop's native calls take the reply's tokens into a TokenStream of its own
-        # (no Python a token in its thread), its text made here: once at the end, or, handed to on_text,
-        # from what each step streamed (the loop wakes this thread).
+        # ABI v2, every token's reply bytes known (Tokenizer.fill_reply_bytes; floe.actor.reply_text): the
+        # loop's native calls take the reply's tokens into a TokenStream of its own, its text made here: once
+        # at the end, or, handed to on_text, from what each step streamed (the loop wakes this thread).
         handing = on_text is not None and not loop_safe and self.abi_version >= 2
         own = None
         if tokens is None and self.abi_version >= 2 and (on_text is None or handing):
-            tokens = own = TokenStream()
+            if self.engine.tokenizer.reply_bytes_filled:
+                tokens = own = TokenStream()
+            elif self.loop.busy:  # (several actors' turns: their reply bytes worked out, for later sends)
+                fill_later(self.engine.tokenizer)
         with self._guest_turn("send()"):
-            parts: list[str] = []
-            pieces: deque[str] = deque()
-            woken = threading.Event()
-            starting = [not self.continues_text and self.engine.tokenizer.strips_leading_space]
-
-            def collect(text: str) -> None:
-                if starting[0] and text:
-                    starting[0] = False
-                    if text[0] == " " and not (text := text[1:]):
-                        return
-                parts.append(text)
-                if handing:  # (in this thread: take())
-                    pieces.append(text)
-                elif on_text is not None:
-                    on_text(text)
-
-            taken = [(0, 0)]  # what take() has read of `own`
-
-            def take() -> None:
-                """The text of what the turn streamed since, collected (handing)."""
-                items, taken[0] = own.read(taken[0])
-                reply_bytes, text_of = self.engine.tokenizer.reply_bytes, self.abi.text_of
-                for item in items:
-                    if text := text_of(item if type(item) is bytes else reply_bytes(item)):
-                        collect(text)
-
-            def hand() -> None:
-                take()
-                while pieces and not self.stop_requested:  # (an on_text that closed the actor: no more)
-                    piece = pieces.popleft()
-                    try:
-                        on_text(piece)
-                    except Exception as e:  # (the message fails: its turn ends, the actor goes on)
-                        raise GuestHostCallError(f"the caller's on_text failed: {describe(e)}") from e
-
+            reply = ReplyText(self, on_text, handing, own)
             self.request = Request(max_tokens, params or SamplingParams())
             self.stats = MessageStats(started=time.perf_counter())
             self.ledger = Ledger()
             self.logs.clear()
-            self.on_text = collect
+            self.on_text = reply.collect
             self.stop_requested = False
             if tokens is not None:
                 tokens.attach(self)
@@ -342,26 +310,27 @@ class Actor(GuestHost):
                 if self.abi_version == 1:
                     status = self._call("on_message", ptr, len(data))
                 else:
-                    status = self._turn(ptr, len(data), max_tokens, (woken, hand) if handing else None)
+                    status = self._turn(ptr, len(data), max_tokens,
+                                        (reply.woken, reply.hand) if handing else None)
             finally:
                 self.abi.tokens_to = None
                 self.stats.wall_s = time.perf_counter() - self.stats.started
                 if self.scheduler is not None:
                     self.scheduler.leave(self.slot)
             if handing:
-                take()  # (what the turn's last steps streamed)
+                reply.take()  # (what the turn's last steps streamed)
             elif tokens is not None:  # the reply's text, once (as it came: made elsewhere)
                 made = tokens.reply_bytes(self.engine.tokenizer)
-                collect(self.abi.utf8.decode(made))  # (on_text is None: it keeps the text, its start cut)
+                reply.collect(self.abi.utf8.decode(made))  # (no on_text: it keeps the text, its start cut)
             tail = self.abi.utf8.decode(b"", final=True)
             if tail:
-                collect(tail)
+                reply.collect(tail)
             if handing:
-                hand()  # (what came after the turn: the tail, or the text of a turn that never ran)
+                reply.hand()  # (what came after the turn: the tail, or the text of a turn that never ran)
             if status != 0:
                 raise GuestReportedError(f"guest reported error {status} for this message"
                                          + (f": {self.logs[-1]}" if self.logs else ""), status)
-            return Reply("".join(parts), self.stats, self.ledger, list(self.logs))
+            return Reply(reply.text, self.stats, self.ledger, list(self.logs))
 
     def precheck(self, message: str, *, max_tokens: int = 256, params: SamplingParams | None = None) -> int:
         """The guest's on_message, up to its first call of the model, on an actor made without a KV

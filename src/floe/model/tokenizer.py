@@ -210,6 +210,11 @@ class Tokenizer:
         streamed token pays for its first time."""
         self.reply_lengths(self.vocab_size)
 
+    @property
+    def reply_bytes_filled(self) -> bool:
+        """Whether every token's reply bytes (and their lengths) are worked out already (fill_reply_bytes)."""
+        return self._reply_lengths is not None
+
     @cached_property
     def most_text_bytes_per_token(self) -> int:
         """At least the most bytes of input text one token can stand for: the longest token's bytes,
