@@ -165,6 +165,9 @@ def main() -> None:
         texts = [message(engine.tokenizer, i, args.prompt_tokens) for i in range(max(sessions))]
         prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
         actors_run(engine, texts[:1], 2, batch=True)  # compiles the guest module, starts the loop
+        # every token's reply bytes worked out, as `floe serve`'s warm-up does and as an application's
+        # engine loop running several turns has done for its later sends (floe.actor.reply_text.fill_later)
+        engine.tokenizer.fill_reply_bytes()
         gc.collect()  # as `floe serve` does at start: the start-up heap out of the cyclic GC's passes
         gc.freeze()
         for s in sessions:
