@@ -327,7 +327,8 @@ def test_a_request_whose_head_comes_in_the_read_that_ends_the_last_body_is_not_a
         answer = b""
         while chunk := s.recv(65536):
             answer += chunk
-    assert answer.count(b"HTTP/1.1 200") == 2 and b"431" not in answer, answer[:300]
+    # (a 431's status line, not the digits: a session id may hold "431")
+    assert answer.count(b"HTTP/1.1 200") == 2 and b"HTTP/1.1 431" not in answer, answer[:300]
 
 
 def test_a_pipelined_request_past_its_bound_closes_the_connection_under_the_answer_before_it(server):
@@ -342,7 +343,7 @@ def test_a_pipelined_request_past_its_bound_closes_the_connection_under_the_answ
     chunked = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
     chunked += b"2\r\n{}\r\n0\r\n"  # (its trailers follow)
     sent, answer = flood(server.port, chat + chunked, b"X-Trailer: " + b"t" * 1000 + b"\r\n")
-    assert sent < 8 << 20 and b"431" not in answer, answer[-300:]
+    assert sent < 8 << 20 and b"HTTP/1.1 431" not in answer, answer[-300:]
     time.sleep(3.0)  # (the chat ends meanwhile, its answer going nowhere)
     assert [r.getMessage() for r in server.errors.records[errors:]] == []
     assert post(server.url, BASE).status_code == 200
