@@ -13,12 +13,14 @@ tag=${TAG:-$(date +%Y-%m-%d)}
 if [ "${PART:-1b}" = 1b ]; then
     echo "=== 1B: sessions 1 16 64 128 ($(left) s left)"
     timeout $(( $(left) - 80 )) python3 bench/sessions.py --device cuda --shape llama-3.2-1b --tokenizer .tok \
-        --sessions 1 16 64 128 --ways engine actors serve --name "1b_$tag" | tail -12
+        --sessions 1 16 64 128 --ways engine actors serve --name "1b_$tag" | tail -16
     cp "bench/results/sessions_cuda_1b_$tag.json" "$OUT"/ 2>/dev/null
     for streams in "" --ids; do  # (the replies' text made at their ends; streamed as ids, as floe serve's)
         echo "=== the loop's host time a row-token, 1B ${streams:-text at the end} ($(left) s left)"
+        log="$OUT/loop_host_cost${streams:-_text}.txt"
         [ "$(left)" -gt 40 ] && timeout $(( $(left) - 10 )) python3 bench/probes/loop_host_cost.py \
-            --device cuda --shape llama-3.2-1b --tokens 128 --tokenizer .tok $streams 2>&1 | tail -12
+            --device cuda --shape llama-3.2-1b --tokens 128 --tokenizer .tok $streams > "$log" 2>&1
+        grep -E "asking|actors:|host time|calls a row" "$log"
     done
 else
     echo "=== 8B: sessions 16 64 ($(left) s left)"
