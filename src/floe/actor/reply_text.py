@@ -9,6 +9,7 @@ at each piece."""
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from floe.actor.host import GuestHost
     from floe.model.tokenizer import Tokenizer
 
-_filling: set[int] = set()  # the tokenizers fill_later() has started on (by id)
+_filling: weakref.WeakSet[Tokenizer] = weakref.WeakSet()  # the tokenizers fill_later() has started on
 _filling_lock = threading.Lock()
 
 
@@ -31,9 +32,9 @@ def fill_later(tokenizer: Tokenizer) -> None:
     their own. A single actor (`floe run`) does not pay for it: its first token would wait ~0.1 s, its
     process hold ~5 MB more."""
     with _filling_lock:
-        if tokenizer.reply_bytes_filled or id(tokenizer) in _filling:
+        if tokenizer.reply_bytes_filled or tokenizer in _filling:
             return
-        _filling.add(id(tokenizer))
+        _filling.add(tokenizer)
     threading.Thread(target=tokenizer.fill_reply_bytes, name="floe-reply-bytes", daemon=True).start()
 
 
